@@ -1,0 +1,148 @@
+//! Wire formats of rfaas: the one definition of every byte that crosses a
+//! process boundary, with tests of the exact bytes.
+//!
+//! Encoding and decoding never allocate, never lock and never log: they run
+//! on the invocation hot path. They write into caller-provided buffers and
+//! read from borrowed ones, and report a too-short buffer as an error.
+//!
+//! # Layout
+//!
+//! - [`header`]: [`InvocationHeader`], the 32 bytes in front of every request
+//!   payload.
+//! - [`imm`]: [`RequestImm`] and [`ResponseImm`], the 32-bit immediates of
+//!   requests and responses, and invocation id arithmetic.
+//! - [`status`]: [`InvocationStatus`], the stable codes of how an invocation
+//!   ended.
+//! - [`error`]: [`ProtoError`], what can be wrong with bytes or values.
+//! - [`tcp_frame`]: the frames of the fabric's `tcp` provider (software RDMA
+//!   over TCP), with their own [`tcp_frame::FrameError`].
+//!
+//! Every integer on the wire is little-endian. The formats are those of
+//! protocol [`VERSION`] 1.
+//!
+//! # Invocation
+//!
+//! A request is one write-with-immediate from the client into the worker's
+//! input buffer: an [`InvocationHeader`] at offset 0, then, when the payload
+//! is inline, `input_len` payload bytes at offset 32. The immediate is a
+//! [`RequestImm`]. The worker checks the header against the completion's
+//! byte length with [`InvocationHeader::validate_inline`].
+//!
+//! ```text
+//! input buffer   0                32                    32 + input_len
+//!                +----------------+--------------------------+
+//!                | header (32 B)  | payload (inline only)    |
+//!                +----------------+--------------------------+
+//! ```
+//!
+//! A bulk request writes the header alone; the worker then reads `input_len`
+//! bytes from `input_addr` with `input_rkey`.
+//!
+//! The response is one write-with-immediate from the worker into the
+//! client's output buffer (`output_addr`, `output_rkey`, at most
+//! `output_capacity` bytes); the immediate is a [`ResponseImm`] carrying the
+//! request's invocation id. With [`InvocationStatus::Ok`] the completion's
+//! byte length is the output length; with any other status the output bytes
+//! are not meaningful.
+//!
+//! ## Invocation header
+//!
+//! 32 bytes, [`InvocationHeader::LEN`]. Rows are 8 bytes; the left column is
+//! the offset of the row.
+//!
+//! ```text
+//!         0       1       2       3       4       5       6       7
+//!       +-------+-------+-------+-------+-------+-------+-------+-------+
+//!     0 |                      output_addr (u64)                        |
+//!       +-------+-------+-------+-------+-------+-------+-------+-------+
+//!     8 |       output_rkey (u32)       |     output_capacity (u32)     |
+//!       +-------+-------+-------+-------+-------+-------+-------+-------+
+//!    16 |                       input_addr (u64)                        |
+//!       +-------+-------+-------+-------+-------+-------+-------+-------+
+//!    24 |        input_rkey (u32)       |        input_len (u32)        |
+//!       +-------+-------+-------+-------+-------+-------+-------+-------+
+//! ```
+//!
+//! - `output_addr`, `output_rkey`: the client's output buffer.
+//! - `output_capacity`: bytes the worker may write there; 0 is allowed.
+//! - `input_addr`, `input_rkey`: where a bulk payload is read from. Both 0
+//!   means the payload is inline; `input_rkey` 0 with a nonzero `input_addr`
+//!   is malformed ([`ProtoError::InlineWithAddress`]).
+//! - `input_len`: payload length in bytes, inline or bulk. For an inline
+//!   payload it must equal the completion's byte length minus 32
+//!   ([`ProtoError::InlineLengthMismatch`]).
+//!
+//! ## Immediate values
+//!
+//! Both immediates put the invocation id (0 to [`MAX_INVOCATION_ID`],
+//! 2^20 - 1; see [`next_invocation_id`]) in the 20 high bits.
+//!
+//! [`RequestImm`]: the low 12 bits are the index into the allocation's
+//! function table (0 to [`MAX_FUNCTIONS`] - 1 = 4095). Every `u32` decodes.
+//!
+//! ```text
+//!  31                                    12 11                     0
+//! +----------------------------------------+------------------------+
+//! |          invocation id (20 bits)       | function index (12 b)  |
+//! +----------------------------------------+------------------------+
+//! ```
+//!
+//! [`ResponseImm`]: the low 12 bits are an [`InvocationStatus`] code (0 to
+//! [`InvocationStatus::MAX_CODE`]); any other code is rejected
+//! ([`ProtoError::UnknownStatus`]).
+//!
+//! ```text
+//!  31                                    12 11                     0
+//! +----------------------------------------+------------------------+
+//! |          invocation id (20 bits)       |  status code (12 bits) |
+//! +----------------------------------------+------------------------+
+//! ```
+//!
+//! For example, invocation 1 of function 2 is the request immediate
+//! `0x0000_1002`, and its successful response is `0x0000_1000`.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod header;
+pub mod imm;
+pub mod status;
+pub mod tcp_frame;
+
+pub use error::ProtoError;
+pub use header::InvocationHeader;
+pub use imm::{next_invocation_id, RequestImm, ResponseImm, MAX_FUNCTIONS, MAX_INVOCATION_ID};
+pub use status::InvocationStatus;
+
+/// The protocol version: the formats of this crate as they are now.
+///
+/// The allocation handshake (not yet defined) will check that client and
+/// executor agree on it. Any change to a layout or a status code in this
+/// crate bumps it.
+pub const VERSION: u16 = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_is_1() {
+        assert_eq!(VERSION, 1);
+    }
+
+    /// The worked example at the end of the crate docs.
+    #[test]
+    fn crate_doc_example() {
+        let request = RequestImm {
+            invocation_id: 1,
+            function_index: 2,
+        };
+        assert_eq!(request.encode(), Ok(0x0000_1002));
+        let response = ResponseImm {
+            invocation_id: 1,
+            status: InvocationStatus::Ok,
+        };
+        assert_eq!(response.encode(), Ok(0x0000_1000));
+    }
+}
