@@ -1,0 +1,296 @@
+//! Rows measured through `rfaas-fabric`, for every selected provider.
+//!
+//! - `pingpong`: a write-with-immediate round trip, both sides busy-polling
+//!   their completion queues, one message of each `--sizes` size each way.
+//! - `bandwidth`: a stream of one-sided writes of each `--bw-sizes` size,
+//!   up to `WINDOW` outstanding, ended by a write-with-immediate the peer
+//!   answers, so the time covers every byte placed in the peer's memory.
+//!
+//! The peer (`--serve fabric_echo <provider> <addr> <region-len> <spin|wait>`)
+//! echoes every write-with-immediate with one of the same length and
+//! immediate. For `pingpong` it busy-polls; for `bandwidth` it sleeps in
+//! `wait`, as the target of one-sided writes needs no CPU (a spinning peer
+//! on the sibling hyperthread would also slow the initiator's copies).
+
+use rfaas_fabric::{
+    Access, Completion, CompletionQueue, EndpointOptions, Fabric, Opcode, RemoteAddr,
+};
+
+use crate::child::{peer_arg, PeerSpec, Ready};
+use crate::error::{Error, Result};
+use crate::report::{Report, Row};
+use crate::rows::{Ctx, Kind, Provider, RowSpec, Runner, Suite};
+use crate::stats::time_round_trips;
+
+const PINGPONG: &str = "pingpong";
+const BANDWIDTH: &str = "bandwidth";
+const ECHO: &str = "fabric_echo";
+
+/// Immediate of the first message, which carries the initiator's reply descriptor.
+const SETUP: u32 = u32::MAX;
+/// Writes in flight in the bandwidth rows.
+const WINDOW: usize = 32;
+/// Receives kept posted on each side.
+const RECVS: u64 = 64;
+
+pub const SUITE: Suite = Suite {
+    rows: &[
+        RowSpec {
+            name: PINGPONG,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: pingpong,
+            },
+        },
+        RowSpec {
+            name: BANDWIDTH,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: bandwidth,
+            },
+        },
+    ],
+    peers: &[PeerSpec {
+        name: ECHO,
+        serve: serve_echo,
+    }],
+};
+
+trait FabricContext<T> {
+    fn ctx(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> FabricContext<T> for rfaas_fabric::Result<T> {
+    fn ctx(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::new(format!("{}: {e}", what())))
+    }
+}
+
+/// Where a provider's peer listens.
+fn listen_addr(provider: &Provider) -> String {
+    match provider.kind {
+        Kind::Tcp => "127.0.0.1:0".into(),
+        Kind::Shm => String::new(),
+        Kind::Verbs => format!(
+            "{}:0",
+            std::env::var("RDMA_VM_IP").unwrap_or_else(|_| "192.0.2.1".into())
+        ),
+    }
+}
+
+/// A connection to an echo peer, with the initiator's side set up.
+struct Session {
+    _fabric: Fabric,
+    cq: CompletionQueue,
+    ep: rfaas_fabric::Endpoint,
+    src: rfaas_fabric::MemoryRegion,
+    _reply: rfaas_fabric::MemoryRegion,
+    remote: RemoteAddr,
+    done: [Completion; 16],
+}
+
+impl Session {
+    fn open(
+        ctx: &Ctx,
+        provider: &Provider,
+        region_len: usize,
+        mode: &str,
+    ) -> Result<(crate::child::Peer, Session)> {
+        let peer = ctx.spawn_peer(
+            ECHO,
+            &[
+                provider.spec.clone(),
+                listen_addr(provider),
+                region_len.to_string(),
+                mode.to_owned(),
+            ],
+            &[],
+        )?;
+        let announced: Vec<&str> = peer.addr().split_whitespace().collect();
+        let [addr, raddr, rkey] = announced[..] else {
+            return Err(Error::new(format!(
+                "the {ECHO} peer announced {:?}, not `<addr> <region-addr> <rkey>`",
+                peer.addr()
+            )));
+        };
+        let remote = RemoteAddr {
+            addr: raddr
+                .parse()
+                .map_err(|_| Error::new("bad region address from the peer"))?,
+            rkey: rkey
+                .parse()
+                .map_err(|_| Error::new("bad rkey from the peer"))?,
+        };
+        let fabric = Fabric::open(&provider.spec).ctx(|| format!("opening {}", provider.spec))?;
+        let domain = fabric.domain().ctx(|| "creating a domain".into())?;
+        let mut cq = fabric
+            .completion_queue(1024)
+            .ctx(|| "creating a completion queue".into())?;
+        let ep = domain
+            .connect(addr, &mut cq, &EndpointOptions::default())
+            .ctx(|| format!("connecting to the {ECHO} peer at {addr}"))?;
+        let mut src = domain
+            .register(region_len, Access::LOCAL)
+            .ctx(|| "registering".into())?;
+        let reply = domain
+            .register(region_len, Access::REMOTE_WRITE)
+            .ctx(|| "registering".into())?;
+        let d = reply.descriptor();
+        src.as_mut_slice()[..8].copy_from_slice(&d.addr.to_le_bytes());
+        src.as_mut_slice()[8..12].copy_from_slice(&d.rkey.to_le_bytes());
+        for i in 0..RECVS {
+            ep.post_recv(i).ctx(|| "posting a receive".into())?;
+        }
+        let mut session = Session {
+            _fabric: fabric,
+            cq,
+            ep,
+            src,
+            _reply: reply,
+            remote,
+            done: [Completion::EMPTY; 16],
+        };
+        session.round_trip(12, SETUP)?;
+        Ok((peer, session))
+    }
+
+    /// One write-with-immediate and the peer's answer. Hot loop of `pingpong`.
+    #[inline]
+    fn round_trip(&mut self, size: usize, imm: u32) -> Result<()> {
+        self.ep
+            .write_with_imm(0, &self.src, 0, size, self.remote, imm)
+            .ctx(|| "posting a write-with-immediate".into())?;
+        let (mut sent, mut answered) = (false, false);
+        while !(sent && answered) {
+            let n = self.cq.poll(&mut self.done);
+            for c in &self.done[..n] {
+                if !c.status.is_ok() {
+                    return Err(Error::new(format!("{:?} failed: {}", c.opcode, c.status)));
+                }
+                if c.opcode == Opcode::RecvWithImm {
+                    self.ep
+                        .post_recv(c.wr_id)
+                        .ctx(|| "posting a receive".into())?;
+                    answered = true;
+                } else {
+                    sent = true;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn pingpong(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let max = ctx.sizes.iter().copied().max().unwrap_or(1).max(4096);
+    let (peer, mut session) = Session::open(ctx, provider, max, "spin")?;
+    for &size in &ctx.sizes {
+        let summary = time_round_trips(ctx.warmup, ctx.iters, || session.round_trip(size, 1))?;
+        out.push(&Row::latency(PINGPONG, &provider.spec, size, summary))?;
+    }
+    drop(session);
+    drop(peer);
+    Ok(())
+}
+
+fn bandwidth(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let max = ctx.bw_sizes.iter().copied().max().unwrap_or(1).max(4096);
+    let (peer, mut s) = Session::open(ctx, provider, max, "wait")?;
+    for &size in &ctx.bw_sizes {
+        let messages = ctx.bw_messages(size);
+        let start = std::time::Instant::now();
+        let (mut posted, mut completed) = (0u64, 0u64);
+        while completed < messages {
+            while posted < messages && posted - completed < WINDOW as u64 {
+                match s.ep.write(posted, &s.src, 0, size, s.remote) {
+                    Ok(()) => posted += 1,
+                    Err(e) if e.is_retryable() => break,
+                    Err(e) => return Err(Error::new(format!("posting a write: {e}"))),
+                }
+            }
+            let n = s.cq.poll(&mut s.done);
+            for c in &s.done[..n] {
+                if !c.status.is_ok() {
+                    return Err(Error::new(format!("{:?} failed: {}", c.opcode, c.status)));
+                }
+                completed += 1;
+            }
+        }
+        s.round_trip(0, 2)?;
+        let elapsed = start.elapsed();
+        out.push(&Row::bandwidth(
+            BANDWIDTH,
+            &provider.spec,
+            size,
+            messages * size as u64,
+            elapsed,
+        ))?;
+    }
+    drop(s);
+    drop(peer);
+    Ok(())
+}
+
+/// `--serve fabric_echo <provider> <listen-addr> <region-len> <spin|wait>`.
+fn serve_echo(args: &[String], ready: Ready) -> Result<()> {
+    let spec: String = peer_arg(args, 0, "provider")?;
+    let listen: String = args.get(1).cloned().unwrap_or_default();
+    let len: usize = peer_arg(args, 2, "region length")?;
+    let spin = match args.get(3).map(String::as_str) {
+        Some("spin") => true,
+        Some("wait") => false,
+        other => {
+            return Err(Error::new(format!(
+                "the echo mode must be spin or wait, not {other:?}"
+            )))
+        }
+    };
+    let fabric = Fabric::open(&spec).ctx(|| format!("opening {spec}"))?;
+    let domain = fabric.domain().ctx(|| "creating a domain".into())?;
+    let mut region = domain
+        .register(len, Access::REMOTE_WRITE)
+        .ctx(|| "registering the echo region".into())?;
+    let listener = fabric
+        .listen(&listen)
+        .ctx(|| format!("listening on {listen:?}"))?;
+    let d = region.descriptor();
+    ready.announce(&format!("{} {} {}", listener.local_addr(), d.addr, d.rkey))?;
+    let mut cq = fabric
+        .completion_queue(1024)
+        .ctx(|| "creating a completion queue".into())?;
+    let ep = listener
+        .accept(&domain, &mut cq, &EndpointOptions::default(), None)
+        .ctx(|| "accepting the bench".into())?;
+    for i in 0..RECVS {
+        ep.post_recv(i).ctx(|| "posting a receive".into())?;
+    }
+    let mut reply = RemoteAddr::default();
+    let mut done = [Completion::EMPTY; 16];
+    loop {
+        let n = if spin {
+            cq.poll(&mut done)
+        } else {
+            cq.wait(&mut done, std::time::Duration::from_secs(1))
+                .ctx(|| "waiting for completions".into())?
+        };
+        for c in &done[..n] {
+            match (c.opcode, c.status.is_ok()) {
+                (Opcode::RecvWithImm, true) => {
+                    ep.post_recv(c.wr_id).ctx(|| "posting a receive".into())?;
+                    if c.imm == SETUP {
+                        let b = region.as_mut_slice();
+                        reply = RemoteAddr {
+                            addr: u64::from_le_bytes(b[..8].try_into().unwrap_or_default()),
+                            rkey: u32::from_le_bytes(b[8..12].try_into().unwrap_or_default()),
+                        };
+                    }
+                    ep.write_with_imm(0, &region, 0, c.byte_len as usize, reply, c.imm)
+                        .ctx(|| "answering".into())?;
+                }
+                (_, true) => {}
+                // The bench went away: done.
+                (_, false) => return Ok(()),
+            }
+        }
+    }
+}

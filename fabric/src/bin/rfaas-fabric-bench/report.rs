@@ -1,0 +1,228 @@
+//! Rows -> a human table, and with `--json` one JSON object per line.
+//!
+//! With `--json` stdout carries only the JSON lines (so `| jq` works) and the
+//! table goes to stderr. Rows are printed as they finish.
+
+use std::io::{self, Write};
+
+use crate::error::{Context, Result};
+use crate::stats::Summary;
+
+/// One measured row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub name: String,
+    /// `tcp`, `shm`, `verbs:rxe0`, or `mem` for in-process baselines.
+    pub provider: String,
+    /// Message size in bytes.
+    pub size: u64,
+    pub measure: Measure,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Measure {
+    Latency(Summary),
+    /// `bytes` moved in total; `bytes_per_s` = `bytes` / elapsed.
+    Bandwidth {
+        bytes_per_s: u64,
+        bytes: u64,
+    },
+}
+
+impl Row {
+    pub fn latency(name: &str, provider: &str, size: usize, summary: Summary) -> Self {
+        Self {
+            name: name.to_owned(),
+            provider: provider.to_owned(),
+            size: size as u64,
+            measure: Measure::Latency(summary),
+        }
+    }
+
+    pub fn bandwidth(
+        name: &str,
+        provider: &str,
+        size: usize,
+        bytes: u64,
+        elapsed: std::time::Duration,
+    ) -> Self {
+        let bytes_per_s = (bytes as f64 / elapsed.as_secs_f64().max(1e-9)).round() as u64;
+        Self {
+            name: name.to_owned(),
+            provider: provider.to_owned(),
+            size: size as u64,
+            measure: Measure::Bandwidth { bytes_per_s, bytes },
+        }
+    }
+
+    /// The row as one JSON object, keys in a fixed order.
+    pub fn to_json(&self) -> String {
+        let mut s = format!(
+            "{{\"name\":{},\"provider\":{},\"size\":{}",
+            serde_json::Value::from(self.name.as_str()),
+            serde_json::Value::from(self.provider.as_str()),
+            self.size
+        );
+        match self.measure {
+            Measure::Latency(l) => s.push_str(&format!(
+                ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"iters\":{}}}",
+                l.median_ns, l.p99_ns, l.min_ns, l.mean_ns, l.iters
+            )),
+            Measure::Bandwidth { bytes_per_s, bytes } => s.push_str(&format!(
+                ",\"bytes_per_s\":{bytes_per_s},\"bytes\":{bytes}}}"
+            )),
+        }
+        s
+    }
+
+    fn to_table_line(&self) -> String {
+        let (median, p99, bandwidth) = match self.measure {
+            Measure::Latency(l) => (micros(l.median_ns), micros(l.p99_ns), "-".to_owned()),
+            Measure::Bandwidth { bytes_per_s, .. } => {
+                ("-".to_owned(), "-".to_owned(), rate(bytes_per_s))
+            }
+        };
+        format!(
+            "{:<28} {:<12} {:>9} {:>12} {:>12} {:>12}",
+            self.name,
+            self.provider,
+            size(self.size),
+            median,
+            p99,
+            bandwidth
+        )
+    }
+}
+
+fn header() -> String {
+    format!(
+        "{:<28} {:<12} {:>9} {:>12} {:>12} {:>12}",
+        "row", "provider", "size", "median µs", "p99 µs", "bandwidth"
+    )
+}
+
+/// Where rows go.
+#[derive(Debug)]
+pub struct Report {
+    json: bool,
+    header_written: bool,
+}
+
+impl Report {
+    pub fn new(json: bool) -> Self {
+        Self {
+            json,
+            header_written: false,
+        }
+    }
+
+    /// Prints `row` now, so a long run shows progress.
+    pub fn push(&mut self, row: &Row) -> Result<()> {
+        self.write(row)
+            .context(|| format!("could not print the result of row {}", row.name))
+    }
+
+    fn write(&mut self, row: &Row) -> io::Result<()> {
+        let mut table: Box<dyn Write> = if self.json {
+            Box::new(io::stderr().lock())
+        } else {
+            Box::new(io::stdout().lock())
+        };
+        if !self.header_written {
+            writeln!(table, "{}", header())?;
+            self.header_written = true;
+        }
+        writeln!(table, "{}", row.to_table_line())?;
+        table.flush()?;
+        if self.json {
+            let mut out = io::stdout().lock();
+            writeln!(out, "{}", row.to_json())?;
+            out.flush()?;
+        }
+        Ok(())
+    }
+}
+
+fn micros(ns: u64) -> String {
+    format!("{:.2}", ns as f64 / 1000.0)
+}
+
+fn rate(bytes_per_s: u64) -> String {
+    let b = bytes_per_s as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB/s", b / 1e9)
+    } else {
+        format!("{:.1} MB/s", b / 1e6)
+    }
+}
+
+fn size(bytes: u64) -> String {
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * 1024;
+    match bytes {
+        b if b >= MIB && b % MIB == 0 => format!("{} MiB", b / MIB),
+        b if b >= KIB && b % KIB == 0 => format!("{} KiB", b / KIB),
+        b => format!("{b} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_row_json_has_exactly_the_latency_keys() {
+        let summary = Summary {
+            median_ns: 1500,
+            p99_ns: 4000,
+            min_ns: 1200,
+            mean_ns: 1600,
+            iters: 10,
+        };
+        let row = Row::latency("raw_tcp_pingpong", "tcp", 64, summary);
+        assert_eq!(
+            row.to_json(),
+            r#"{"name":"raw_tcp_pingpong","provider":"tcp","size":64,"median_ns":1500,"p99_ns":4000,"min_ns":1200,"mean_ns":1600,"iters":10}"#
+        );
+        let parsed: serde_json::Value = serde_json::from_str(&row.to_json()).unwrap();
+        assert_eq!(parsed.as_object().unwrap().len(), 8);
+    }
+
+    #[test]
+    fn bandwidth_row_json_has_exactly_the_bandwidth_keys() {
+        let row = Row::bandwidth(
+            "memcpy_bandwidth",
+            "mem",
+            1 << 20,
+            1 << 30,
+            std::time::Duration::from_millis(500),
+        );
+        assert_eq!(
+            row.to_json(),
+            r#"{"name":"memcpy_bandwidth","provider":"mem","size":1048576,"bytes_per_s":2147483648,"bytes":1073741824}"#
+        );
+    }
+
+    #[test]
+    fn names_are_json_escaped() {
+        let row = Row::bandwidth(
+            "a\"b",
+            "verbs:rxe0",
+            1,
+            1,
+            std::time::Duration::from_secs(1),
+        );
+        let parsed: serde_json::Value = serde_json::from_str(&row.to_json()).unwrap();
+        assert_eq!(parsed["name"], "a\"b");
+    }
+
+    #[test]
+    fn table_units() {
+        assert_eq!(micros(1234), "1.23");
+        assert_eq!(rate(2_500_000_000), "2.50 GB/s");
+        assert_eq!(rate(750_000_000), "750.0 MB/s");
+        assert_eq!(size(4096), "4 KiB");
+        assert_eq!(size(5 << 20), "5 MiB");
+        assert_eq!(size(64), "64 B");
+    }
+}

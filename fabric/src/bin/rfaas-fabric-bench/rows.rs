@@ -1,0 +1,219 @@
+//! What a row is, what it is given, and which rows run.
+//!
+//! A module that measures something exports one [`Suite`]: its rows and the
+//! peer entry points those rows start with [`Ctx::spawn_peer`]. `main.rs`
+//! lists the suites; nothing else needs to know a row exists.
+
+use std::fmt;
+use std::os::fd::BorrowedFd;
+
+use crate::child::{Peer, PeerSpec};
+use crate::error::{Error, Result};
+use crate::report::Report;
+
+/// Rows and peers of one measuring module.
+#[derive(Debug, Clone, Copy)]
+pub struct Suite {
+    pub rows: &'static [RowSpec],
+    pub peers: &'static [PeerSpec],
+}
+
+/// One named row (a name may produce one result per size and per provider).
+#[derive(Debug, Clone, Copy)]
+pub struct RowSpec {
+    /// As given to `--rows` and printed in the `name` column.
+    pub name: &'static str,
+    pub runner: Runner,
+}
+
+#[derive(Clone, Copy)]
+pub enum Runner {
+    /// Runs once whatever `--provider` says; its rows name their own provider
+    /// (`mem` for in-process baselines).
+    Once(fn(&Ctx, &mut Report) -> Result<()>),
+    /// Runs once for each selected provider of `kind`, or of every kind when
+    /// `kind` is `None`.
+    PerProvider {
+        kind: Option<Kind>,
+        run: fn(&Ctx, &Provider, &mut Report) -> Result<()>,
+    },
+}
+
+impl fmt::Debug for Runner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Runner::Once(_) => f.write_str("Once"),
+            Runner::PerProvider { kind, .. } => write!(f, "PerProvider({kind:?})"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Tcp,
+    Shm,
+    Verbs,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Tcp => "tcp",
+            Kind::Shm => "shm",
+            Kind::Verbs => "verbs",
+        }
+    }
+}
+
+/// One `--provider` value: `tcp`, `shm` or `verbs:DEVICE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Provider {
+    /// As the user wrote it; rows print this in the `provider` column.
+    pub spec: String,
+    pub kind: Kind,
+    /// The part after `:`, e.g. `rxe0`.
+    pub device: Option<String>,
+}
+
+impl Provider {
+    pub fn parse(spec: &str) -> Result<Provider> {
+        let spec = spec.trim();
+        let (kind, device) = match spec.split_once(':') {
+            Some((kind, device)) => (kind, Some(device)),
+            None => (spec, None),
+        };
+        let kind = match (kind, device) {
+            ("tcp", None) => Kind::Tcp,
+            ("shm", None) => Kind::Shm,
+            ("verbs", Some(d)) if !d.is_empty() => Kind::Verbs,
+            ("verbs", _) => {
+                return Err(Error::new(format!(
+                    "provider `{spec}` names no device; write verbs:<device>, e.g. verbs:rxe0"
+                )))
+            }
+            _ => {
+                return Err(Error::new(format!(
+                    "unknown provider `{spec}`; expected tcp, shm or verbs:<device>"
+                )))
+            }
+        };
+        Ok(Provider {
+            spec: spec.to_owned(),
+            kind,
+            device: device.map(str::to_owned),
+        })
+    }
+}
+
+/// Everything a row is given: the parsed command line and the CPU layout.
+#[derive(Debug, Clone)]
+pub struct Ctx {
+    pub providers: Vec<Provider>,
+    /// Latency message sizes in bytes.
+    pub sizes: Vec<usize>,
+    /// Bandwidth message sizes in bytes.
+    pub bw_sizes: Vec<usize>,
+    /// Timed latency iterations.
+    pub iters: usize,
+    /// Untimed iterations before them.
+    pub warmup: usize,
+    /// Bytes moved per bandwidth measurement (at least 8 messages).
+    pub bw_bytes: u64,
+    /// The CPU the bench itself is pinned to, if pinning.
+    pub cpu: Option<usize>,
+    /// The CPU peers are pinned to, if pinning.
+    pub peer_cpu: Option<usize>,
+}
+
+impl Ctx {
+    /// How many `size`-byte messages make up one bandwidth measurement.
+    pub fn bw_messages(&self, size: usize) -> u64 {
+        self.bw_bytes.div_ceil(size.max(1) as u64).max(8)
+    }
+
+    /// Starts `--serve <what> <args>...` on the peer CPU; see [`Peer::spawn`].
+    pub fn spawn_peer(
+        &self,
+        what: &str,
+        args: &[String],
+        inherit: &[BorrowedFd<'_>],
+    ) -> Result<Peer> {
+        Peer::spawn(what, args, self.peer_cpu, inherit)
+    }
+}
+
+/// Runs every row in `suites` that `filter` selects, in order.
+pub fn run(suites: &[Suite], filter: Option<&[String]>, ctx: &Ctx, out: &mut Report) -> Result<()> {
+    let selected = |name: &str| filter.map_or(true, |f| f.iter().any(|r| r == name));
+    for row in suites.iter().flat_map(|s| s.rows) {
+        if !selected(row.name) {
+            continue;
+        }
+        match row.runner {
+            Runner::Once(run) => run(ctx, out)?,
+            Runner::PerProvider { kind, run } => {
+                let mut ran = false;
+                for provider in &ctx.providers {
+                    if kind.map_or(true, |k| k == provider.kind) {
+                        run(ctx, provider, out)?;
+                        ran = true;
+                    }
+                }
+                if !ran && filter.is_some() {
+                    let kind = kind.map_or("any", Kind::as_str);
+                    eprintln!(
+                        "note: row {} did not run: no --provider of kind {kind} is selected",
+                        row.name
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fails on any `--rows` name no suite defines.
+pub fn check_filter(suites: &[Suite], filter: &[String]) -> Result<()> {
+    let known: Vec<&str> = suites.iter().flat_map(|s| s.rows).map(|r| r.name).collect();
+    match filter.iter().find(|f| !known.contains(&f.as_str())) {
+        Some(unknown) => Err(Error::new(format!(
+            "unknown row `{unknown}` in --rows; the rows are {}",
+            known.join(", ")
+        ))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn providers_parse() {
+        assert_eq!(Provider::parse("tcp").unwrap().kind, Kind::Tcp);
+        assert_eq!(Provider::parse(" shm ").unwrap().spec, "shm");
+        let v = Provider::parse("verbs:rxe0").unwrap();
+        assert_eq!((v.kind, v.device.as_deref()), (Kind::Verbs, Some("rxe0")));
+        assert!(Provider::parse("verbs").is_err());
+        assert!(Provider::parse("verbs:").is_err());
+        assert!(Provider::parse("udp").is_err());
+        assert!(Provider::parse("tcp:eth0").is_err());
+    }
+
+    #[test]
+    fn at_least_eight_bandwidth_messages() {
+        let ctx = Ctx {
+            providers: vec![],
+            sizes: vec![],
+            bw_sizes: vec![],
+            iters: 0,
+            warmup: 0,
+            bw_bytes: 1 << 20,
+            cpu: None,
+            peer_cpu: None,
+        };
+        assert_eq!(ctx.bw_messages(1 << 20), 8);
+        assert_eq!(ctx.bw_messages(1024), 1024);
+        assert_eq!(ctx.bw_messages(1000), 1049);
+    }
+}

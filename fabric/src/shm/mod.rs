@@ -1,0 +1,291 @@
+//! The `shm` provider: one-sided operations between processes of one node,
+//! through shared memory mapped from memfds.
+//!
+//! # Design
+//!
+//! - **Connections.** A listener is a unix stream socket (a path, or `@name`
+//!   for an abstract socket). Each side of a new connection creates its
+//!   *inbound immediate ring* (a memfd) and a *wake-up socket pair*, and
+//!   passes the ring, one end of the pair and its domain's read-only
+//!   *validity table* in a hello (magic, version, depths) with SCM_RIGHTS.
+//!   The socket stays open as the control channel ([`wire`]).
+//! - **Grants.** Operations are one-sided: the initiator copies straight
+//!   into or out of its mapping of the target's memory. Before the first
+//!   access to an rkey it asks the target for it; the target looks the rkey
+//!   up in the registry of the endpoint's own domain (an rkey of another
+//!   domain never matches) and answers with base, length, rights, a serial
+//!   and the region's memfd. A region without remote write or atomic rights
+//!   goes out as a read-only file description, so the kernel refuses a
+//!   writable mapping. The initiator caches the mapping per endpoint; a
+//!   cached access takes no lock, no syscall and no allocation.
+//! - **Checks.** The initiator's library checks bounds and rights on every
+//!   access against the grant, and the rkey's current serial in the target
+//!   domain's validity table (one atomic load). A refused access completes
+//!   with [`Status::RemoteAccess`](crate::Status::RemoteAccess) before any
+//!   byte moves; an unaligned atomic with `RemoteOperation`. Atomics are
+//!   `AtomicU64` operations on the shared page, so adds from any number of
+//!   processes sum exactly. Zero-length writes and reads check no rkey, like a NIC.
+//! - **Revocation.** Dropping a region clears its serial in the validity
+//!   table before the registry slot is freed; later accesses fail with
+//!   `RemoteAccess` and drop the cached mapping (mappings of revoked
+//!   regions are also swept whenever a new grant is fetched). Race window:
+//!   an access that read the serial just before the clear completes after
+//!   it. It can only reach the pages of the region being dropped (every
+//!   region has its own memfd, and serials never repeat), which no new
+//!   region reuses.
+//! - **Immediates.** A write-with-immediate copies the bytes, then appends
+//!   `{imm, byte_len}` to the target's inbound ring ([`ring`]: single
+//!   producer, single consumer, head and tail doorbells on their own cache
+//!   lines). The target's `poll` pairs notifications with posted receives in
+//!   order. Without a posted receive a notification waits in the ring (like
+//!   RNR retry); the ring holds `recv_depth` entries (rounded up to a power
+//!   of two, at least 16), and when it is full the write returns
+//!   [`crate::Error::QueueFull`] before copying anything: a sender that
+//!   never has more immediates in flight than receives posted never sees it.
+//! - **Completions.** Local completions are pushed at post time into the
+//!   CQ's lock-free queue; room is reserved first, so a full queue (or more
+//!   than `send_depth` unpolled completions of one endpoint) makes the post
+//!   return `QueueFull` and do nothing. `poll` drains that queue and every
+//!   attached ring: atomics only.
+//! - **Wake-up.** `wait` announces "sleeping" in its own flag and in every
+//!   attached ring, fences, polls once more, then sleeps in `epoll_wait` on
+//!   a private eventfd and the wake-up sockets. A producer publishes, fences,
+//!   and only if it sees the announcement clears it and sends one byte with
+//!   `MSG_DONTWAIT`: no missed wake-up, and no syscall on the hot path while
+//!   the target polls. Each peer holds only its own wake-up socket, so it
+//!   cannot steal or block another peer's wake-ups.
+//! - **Progress and peer loss.** One progress thread per process ([`progress`],
+//!   started lazily) serves grant requests with epoll over all control
+//!   sockets, so a target that never polls stays accessible. When a socket
+//!   hangs up (the peer died or dropped its endpoint) the connection is
+//!   marked lost: notifications published before the loss still pair with
+//!   receives; the other posted receives, later receives and every later
+//!   operation complete with `PeerLost`, and the CQ is woken. Dropping an
+//!   endpoint flushes its own posted receives (`Flushed`). Memory we mapped
+//!   stays mapped until our endpoint drops, so a peer dying mid-operation
+//!   cannot crash us; all shared memory is sealed against shrinking (no
+//!   SIGBUS). A grant request the peer's progress thread leaves unanswered
+//!   for 5 s (a stopped process) also counts as loss.
+//!
+//! # Trust model
+//!
+//! Same-node peers see only the regions granted to them, on connections to
+//! endpoints of the region's domain. rkeys are not secrets: who may connect
+//! is the access control (a socket path's permissions; an abstract name is
+//! reachable by every process in the network namespace), and the rfaas
+//! layers above authenticate connections with lease tokens.
+//!
+//! The kernel enforces "no write" for regions without remote write or atomic
+//! rights; finer distinctions (read vs. atomic, bounds inside a writable
+//! region) are enforced by this library in the initiator, so a hostile
+//! process granted a writable region can write all of it, and nothing else.
+//! Revocation binds honest peers only: a hostile one may keep the memfd of a
+//! dropped region, whose pages no new region reuses. Everything a peer
+//! writes (ring counters, wake-up bytes, hellos, grant replies, descriptors)
+//! is validated before use: memfds must be sealed and long enough, the
+//! wake-up descriptor must be a socket, counters must be possible.
+//!
+//! # Files
+//!
+//! - [`wire`]: hello and grant messages (their bytes are pinned by tests).
+//! - [`ring`]: the immediate ring and its doorbells.
+//! - [`cq`]: the completion queue, `poll` and the wake-up protocol of `wait`.
+//! - [`endpoint`]: connection set-up, the grant cache, the operations.
+//! - [`link`]: per-connection state shared with the CQ and the progress thread.
+//! - [`progress`]: the progress thread.
+//! - [`listener`]: listening sockets and `accept`.
+//! - [`sys`]: system-call wrappers.
+
+mod cq;
+mod endpoint;
+mod link;
+mod listener;
+mod progress;
+mod ring;
+mod sys;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub(crate) use cq::ShmCq;
+pub(crate) use endpoint::ShmEndpoint;
+pub(crate) use listener::ShmListener;
+
+use crate::error::{Error, Result};
+use crate::memory::{Access, Buffer, MemoryRegion, Registration};
+use crate::registry::{Registry, SLOTS};
+use crate::EndpointOptions;
+
+/// The shm provider.
+#[derive(Debug)]
+pub(crate) struct ShmFabric;
+
+impl ShmFabric {
+    pub(crate) fn open() -> Result<Self> {
+        Ok(ShmFabric)
+    }
+
+    pub(crate) fn domain(&self) -> Result<ShmDomain> {
+        Ok(ShmDomain {
+            state: DomainState::new()?,
+        })
+    }
+
+    pub(crate) fn completion_queue(&self, depth: usize) -> Result<ShmCq> {
+        ShmCq::new(depth)
+    }
+
+    pub(crate) fn listen(&self, addr: &str) -> Result<ShmListener> {
+        ShmListener::bind(addr)
+    }
+}
+
+/// Bytes of a validity table: one serial per registry slot.
+pub(super) const VALIDITY_BYTES: usize = SLOTS * 8;
+
+/// Source of registration serials; 0 means "no region".
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+/// The validity word of `rkey` in a table at `base`.
+///
+/// # Safety
+///
+/// `base` must point to a live, 8-byte aligned table of [`VALIDITY_BYTES`]
+/// bytes that outlives the returned reference.
+#[inline]
+pub(super) unsafe fn validity_word<'a>(base: *const u8, rkey: u32) -> &'a AtomicU64 {
+    let index = rkey as usize & (SLOTS - 1);
+    // SAFETY: index < SLOTS, so the word lies inside the table (caller's
+    // contract); it is only ever accessed atomically, by every process.
+    unsafe { &*base.cast::<AtomicU64>().add(index) }
+}
+
+/// A protection domain's state, shared with its endpoints' links and its
+/// regions' revocation hooks.
+#[derive(Debug)]
+pub(super) struct DomainState {
+    pub registry: Arc<Registry>,
+    /// Serial of the live registration in each registry slot (0: none).
+    validity: sys::Segment,
+    /// The table as a read-only file description, for peers.
+    pub validity_ro: OwnedFd,
+}
+
+impl DomainState {
+    fn new() -> Result<Arc<DomainState>> {
+        let validity = sys::Segment::new(c"rfaas-shm-validity", VALIDITY_BYTES)?;
+        let validity_ro = sys::reopen_read_only(validity.fd()).map_err(|e| {
+            Error::io(
+                "reopening the shm validity table read-only (is /proc mounted?)",
+                e,
+            )
+        })?;
+        Ok(Arc::new(DomainState {
+            registry: Registry::new(),
+            validity,
+            validity_ro,
+        }))
+    }
+
+    fn word(&self, rkey: u32) -> &AtomicU64 {
+        // SAFETY: the segment is VALIDITY_BYTES long, page-aligned and lives
+        // as long as self.
+        unsafe { validity_word(self.validity.as_ptr(), rkey) }
+    }
+
+    /// The serial of the live registration in `rkey`'s slot (0: none).
+    pub(super) fn serial(&self, rkey: u32) -> u64 {
+        self.word(rkey).load(Ordering::Acquire)
+    }
+}
+
+/// A protection domain of the shm provider.
+#[derive(Debug)]
+pub(crate) struct ShmDomain {
+    state: Arc<DomainState>,
+}
+
+impl ShmDomain {
+    pub(crate) fn id(&self) -> u64 {
+        self.state.registry.id()
+    }
+
+    pub(crate) fn register(&self, len: usize, access: Access) -> Result<MemoryRegion> {
+        let buf = Arc::new(Buffer::new(len)?);
+        let (rkey, guard) = self.state.registry.insert(buf.clone(), access)?;
+        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+        self.state.word(rkey).store(serial, Ordering::Release);
+        let state = self.state.clone();
+        let guard = guard.on_release(Box::new(move || {
+            // Revoke first: peers check this word before every access.
+            let _ =
+                state
+                    .word(rkey)
+                    .compare_exchange(serial, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }));
+        Ok(MemoryRegion {
+            buf,
+            rkey,
+            lkey: rkey,
+            access,
+            domain_id: self.state.registry.id(),
+            _registration: Registration::Soft(guard),
+        })
+    }
+
+    pub(crate) fn connect(
+        &self,
+        addr: &str,
+        cq: &mut ShmCq,
+        opts: &EndpointOptions,
+    ) -> Result<ShmEndpoint> {
+        endpoint::check_options(opts)?;
+        let target = sys::UnixAddr::parse(addr)?;
+        let deadline = Instant::now()
+            .checked_add(opts.connect_timeout)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+        let sock = sys::stream_socket()?;
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            match sys::connect(std::os::fd::AsRawFd::as_raw_fd(&sock), &target) {
+                Ok(()) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // A unix listener with a full backlog: retry until the deadline.
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(Error::Timeout("shm connect"));
+                    }
+                    std::thread::sleep(backoff.min(deadline - now));
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    let what = match e.kind() {
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+                            "nothing listens at this address (is the peer up, is the path right?)"
+                        }
+                        std::io::ErrorKind::PermissionDenied => {
+                            "the socket's permissions do not let this user connect"
+                        }
+                        _ => "cannot reach the listener",
+                    };
+                    return Err(sys::connect_error(addr, what, &e));
+                }
+            }
+        }
+        endpoint::establish(
+            sock,
+            endpoint::Role::Connect { addr },
+            &self.state,
+            cq,
+            opts,
+            deadline,
+        )
+    }
+}

@@ -1,0 +1,903 @@
+//! Unit tests of the shm provider, through the public API. The
+//! cross-provider conformance suite lives in `fabric/tests/`.
+
+use std::io::Write as _;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rstest::rstest;
+
+use crate::{
+    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric,
+    Listener, MemoryRegion, Opcode, RemoteAddr, Status,
+};
+
+const LONG: Duration = Duration::from_secs(10);
+
+fn fabric() -> Fabric {
+    Fabric::open("shm").expect("the shm provider opens")
+}
+
+/// Two connected endpoints in one process: `a` dialled `b`'s listener.
+struct Pair {
+    a_dom: Domain,
+    b_dom: Domain,
+    a_cq: CompletionQueue,
+    b_cq: CompletionQueue,
+    a: Endpoint,
+    b: Endpoint,
+    _fabric: Fabric,
+}
+
+fn connect_pair(opts: &EndpointOptions, cq_depth: usize) -> Pair {
+    let fabric = fabric();
+    let listener = fabric.listen("").unwrap();
+    let (a_dom, b_dom) = (fabric.domain().unwrap(), fabric.domain().unwrap());
+    let mut a_cq = fabric.completion_queue(cq_depth).unwrap();
+    let mut b_cq = fabric.completion_queue(cq_depth).unwrap();
+    let (a, b) = std::thread::scope(|s| {
+        let accepted = s.spawn(|| listener.accept(&b_dom, &mut b_cq, opts, Some(LONG)));
+        let a = a_dom
+            .connect(&listener.local_addr(), &mut a_cq, opts)
+            .unwrap();
+        (a, accepted.join().unwrap().unwrap())
+    });
+    Pair {
+        a_dom,
+        b_dom,
+        a_cq,
+        b_cq,
+        a,
+        b,
+        _fabric: fabric,
+    }
+}
+
+fn pair() -> Pair {
+    connect_pair(&EndpointOptions::default(), 256)
+}
+
+/// The next completion, sleeping (not spinning) up to 10 s for it.
+fn next(cq: &mut CompletionQueue) -> Completion {
+    let mut out = [Completion::EMPTY; 1];
+    let n = cq.wait(&mut out, LONG).unwrap();
+    assert_eq!(n, 1, "no completion within {LONG:?}");
+    out[0]
+}
+
+fn nothing_pending(cq: &mut CompletionQueue) {
+    let mut out = [Completion::EMPTY; 4];
+    assert_eq!(cq.poll(&mut out), 0, "unexpected completions: {:?}", &out);
+}
+
+fn at(region: &MemoryRegion, offset: u64) -> RemoteAddr {
+    region.descriptor().at(offset)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
+        .collect()
+}
+
+#[rstest]
+#[case(1, 0, 0)]
+#[case(7, 3, 5)]
+#[case(64, 1, 63)]
+#[case(4095, 1, 2)]
+#[case(4096, 0, 0)]
+#[case(4097, 13, 4093)]
+#[case(65539, 4093, 7)]
+fn write_then_read_is_byte_exact(
+    #[case] len: usize,
+    #[case] local_off: usize,
+    #[case] remote_off: usize,
+) {
+    let mut p = pair();
+    let size = 80 * 1024;
+    let mut src = p.a_dom.register(size, Access::LOCAL).unwrap();
+    let sink = p.a_dom.register(size, Access::LOCAL).unwrap();
+    let target = p
+        .b_dom
+        .register(size, Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    let data = pattern(len, 7);
+    src.as_mut_slice()[local_off..local_off + len].copy_from_slice(&data);
+
+    p.a.write(1, &src, local_off, len, at(&target, remote_off as u64))
+        .unwrap();
+    assert_eq!(
+        next(&mut p.a_cq),
+        Completion::ok(1, Opcode::Write, len as u32)
+    );
+    let t = target.as_slice();
+    assert_eq!(&t[remote_off..remote_off + len], &data[..]);
+    assert!(
+        t[..remote_off].iter().all(|&b| b == 0),
+        "bytes before the write changed"
+    );
+    assert!(
+        t[remote_off + len..].iter().all(|&b| b == 0),
+        "bytes after the write changed"
+    );
+
+    let back = 11;
+    p.a.read(2, &sink, back, len, at(&target, remote_off as u64))
+        .unwrap();
+    assert_eq!(
+        next(&mut p.a_cq),
+        Completion::ok(2, Opcode::Read, len as u32)
+    );
+    assert_eq!(&sink.as_slice()[back..back + len], &data[..]);
+    nothing_pending(&mut p.b_cq);
+}
+
+#[test]
+fn immediates_arrive_in_order_with_their_lengths() {
+    let mut p = pair();
+    let src = p.a_dom.register(4096, Access::LOCAL).unwrap();
+    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    for i in 0..64u64 {
+        p.b.post_recv(1000 + i).unwrap();
+    }
+    for i in 0..64u32 {
+        p.a.write_with_imm(u64::from(i), &src, 0, i as usize + 1, at(&target, 0), i * 3)
+            .unwrap();
+    }
+    let mut out = [Completion::EMPTY; 100];
+    let mut got = Vec::new();
+    while got.len() < 64 {
+        let n = p.b_cq.wait(&mut out, LONG).unwrap();
+        assert!(n > 0, "receives missing");
+        got.extend_from_slice(&out[..n]);
+    }
+    for (i, c) in got.iter().enumerate() {
+        let i = i as u32;
+        assert_eq!(
+            *c,
+            Completion {
+                wr_id: 1000 + u64::from(i),
+                opcode: Opcode::RecvWithImm,
+                status: Status::Success,
+                imm: i * 3,
+                byte_len: i + 1,
+            }
+        );
+    }
+    for i in 0..64u32 {
+        assert_eq!(
+            next(&mut p.a_cq),
+            Completion::ok(u64::from(i), Opcode::WriteWithImm, i + 1)
+        );
+    }
+}
+
+#[test]
+fn immediates_wait_for_receives_and_a_full_ring_refuses_before_copying() {
+    let opts = EndpointOptions {
+        recv_depth: 16,
+        ..EndpointOptions::default()
+    };
+    let mut p = connect_pair(&opts, 256);
+    let mut src = p.a_dom.register(4096, Access::LOCAL).unwrap();
+    src.as_mut_slice().fill(0xAB);
+    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    for i in 0..16u32 {
+        p.a.write_with_imm(u64::from(i), &src, 0, 8, at(&target, 0), i)
+            .unwrap();
+    }
+    // Nothing is posted at b: the notifications wait, the 17th does not fit.
+    let err =
+        p.a.write_with_imm(99, &src, 0, 100, at(&target, 1000), 99)
+            .unwrap_err();
+    assert!(matches!(err, Error::QueueFull { depth: 16, .. }), "{err}");
+    assert!(
+        target.as_slice()[1000..1100].iter().all(|&b| b == 0),
+        "a refused write copied bytes"
+    );
+    nothing_pending(&mut p.b_cq);
+
+    for i in 0..16u64 {
+        p.b.post_recv(i).unwrap();
+    }
+    for i in 0..16u32 {
+        let c = next(&mut p.b_cq);
+        assert_eq!(
+            (c.wr_id, c.imm, c.status),
+            (u64::from(i), i, Status::Success)
+        );
+    }
+    p.a.write_with_imm(99, &src, 0, 100, at(&target, 1000), 99)
+        .unwrap();
+    p.b.post_recv(16).unwrap();
+    let c = next(&mut p.b_cq);
+    assert_eq!((c.wr_id, c.imm, c.byte_len), (16, 99, 100));
+}
+
+#[test]
+fn fetch_add_from_four_threads_sums_exactly() {
+    const THREADS: usize = 4;
+    const ADDS: u64 = 1000;
+    let fabric = fabric();
+    let listener = fabric.listen("").unwrap();
+    let addr = listener.local_addr();
+    let dom = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(16).unwrap();
+    let counter = dom.register(64, Access::REMOTE_ATOMIC).unwrap();
+    let remote = at(&counter, 8);
+    let olds = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (fabric, addr) = (&fabric, addr.clone());
+                s.spawn(move || {
+                    let dom = fabric.domain().unwrap();
+                    let mut cq = fabric.completion_queue(16).unwrap();
+                    let ep = dom
+                        .connect(&addr, &mut cq, &EndpointOptions::default())
+                        .unwrap();
+                    let result = dom.register(8, Access::LOCAL).unwrap();
+                    let mut olds = Vec::with_capacity(ADDS as usize);
+                    for i in 0..ADDS {
+                        ep.fetch_add(i, &result, 0, remote, 1).unwrap();
+                        assert_eq!(next(&mut cq), Completion::ok(i, Opcode::FetchAdd, 8));
+                        olds.push(result.read_u64(0));
+                    }
+                    olds
+                })
+            })
+            .collect();
+        // Accept all, keep them open until the workers are done.
+        let _accepted: Vec<_> = (0..THREADS)
+            .map(|_| {
+                listener
+                    .accept(&dom, &mut cq, &EndpointOptions::default(), Some(LONG))
+                    .unwrap()
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(counter.read_u64(8), THREADS as u64 * ADDS);
+    let mut olds = olds;
+    olds.sort_unstable();
+    assert_eq!(
+        olds,
+        (0..THREADS as u64 * ADDS).collect::<Vec<_>>(),
+        "every add saw a distinct old value"
+    );
+}
+
+#[test]
+fn compare_swap_swaps_only_on_equality() {
+    let mut p = pair();
+    let result = p.a_dom.register(16, Access::LOCAL).unwrap();
+    let mut word = p.b_dom.register(64, Access::REMOTE_ATOMIC).unwrap();
+    word.write_u64(16, 5);
+    p.a.compare_swap(1, &result, 8, at(&word, 16), 5, 9)
+        .unwrap();
+    assert_eq!(next(&mut p.a_cq), Completion::ok(1, Opcode::CompareSwap, 8));
+    assert_eq!((result.read_u64(8), word.read_u64(16)), (5, 9));
+    p.a.compare_swap(2, &result, 0, at(&word, 16), 5, 11)
+        .unwrap();
+    assert_eq!(next(&mut p.a_cq), Completion::ok(2, Opcode::CompareSwap, 8));
+    assert_eq!(
+        (result.read_u64(0), word.read_u64(16)),
+        (9, 9),
+        "a failed compare must not swap"
+    );
+    p.a.fetch_add(3, &result, 0, at(&word, 16), u64::MAX)
+        .unwrap();
+    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    assert_eq!(
+        (result.read_u64(0), word.read_u64(16)),
+        (9, 8),
+        "adds wrap around"
+    );
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Bad {
+    UnknownRkey,
+    OtherDomainRkey,
+    BeforeStart,
+    PastEnd,
+    WriteWithoutRight,
+    ReadWithoutRight,
+    AtomicWithoutRight,
+    LocalOnlyRegion,
+}
+
+#[rstest]
+#[case(Bad::UnknownRkey)]
+#[case(Bad::OtherDomainRkey)]
+#[case(Bad::BeforeStart)]
+#[case(Bad::PastEnd)]
+#[case(Bad::WriteWithoutRight)]
+#[case(Bad::ReadWithoutRight)]
+#[case(Bad::AtomicWithoutRight)]
+#[case(Bad::LocalOnlyRegion)]
+fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
+    let mut p = pair();
+    let mut local = p.a_dom.register(8192, Access::LOCAL).unwrap();
+    local.as_mut_slice().fill(0x5A);
+    // The byte pattern the target starts with and must keep.
+    let init = pattern(4096, 3);
+    let fill = |mut r: MemoryRegion| {
+        r.as_mut_slice().copy_from_slice(&init);
+        r
+    };
+    let rw = fill(
+        p.b_dom
+            .register(4096, Access::REMOTE_WRITE | Access::REMOTE_READ)
+            .unwrap(),
+    );
+    let read_only = fill(p.b_dom.register(4096, Access::REMOTE_READ).unwrap());
+    let write_only = fill(p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap());
+    let local_only = fill(p.b_dom.register(4096, Access::LOCAL).unwrap());
+    let other_dom = fabric().domain().unwrap();
+    let foreign = fill(other_dom.register(4096, Access::ALL).unwrap());
+
+    let (wr_id, opcode) = (
+        7,
+        match bad {
+            Bad::ReadWithoutRight => Opcode::Read,
+            Bad::AtomicWithoutRight => Opcode::FetchAdd,
+            _ => Opcode::Write,
+        },
+    );
+    let (region, remote) = match bad {
+        Bad::UnknownRkey => (
+            &rw,
+            RemoteAddr {
+                addr: rw.descriptor().addr,
+                rkey: u32::MAX,
+            },
+        ),
+        Bad::OtherDomainRkey => (&foreign, at(&foreign, 0)),
+        Bad::BeforeStart => (
+            &rw,
+            RemoteAddr {
+                addr: rw.descriptor().addr - 8,
+                rkey: rw.rkey(),
+            },
+        ),
+        Bad::PastEnd => (&rw, at(&rw, 4000)),
+        Bad::WriteWithoutRight => (&read_only, at(&read_only, 0)),
+        Bad::ReadWithoutRight => (&write_only, at(&write_only, 0)),
+        Bad::AtomicWithoutRight => (&rw, at(&rw, 0)),
+        Bad::LocalOnlyRegion => (&local_only, at(&local_only, 0)),
+    };
+    match opcode {
+        Opcode::Read => p.a.read(wr_id, &local, 0, 200, remote).unwrap(),
+        Opcode::FetchAdd => p.a.fetch_add(wr_id, &local, 0, remote, 1).unwrap(),
+        _ => p.a.write(wr_id, &local, 0, 200, remote).unwrap(),
+    }
+    assert_eq!(
+        next(&mut p.a_cq),
+        Completion::error(wr_id, opcode, Status::RemoteAccess),
+        "{bad:?}"
+    );
+    assert_eq!(
+        region.as_slice(),
+        &init[..],
+        "{bad:?}: the target's memory changed"
+    );
+    if opcode == Opcode::Read {
+        assert!(
+            local.as_slice().iter().all(|&b| b == 0x5A),
+            "a refused read wrote locally"
+        );
+    }
+    // The endpoint still works afterwards.
+    p.a.write(8, &local, 0, 16, at(&rw, 0)).unwrap();
+    assert_eq!(next(&mut p.a_cq), Completion::ok(8, Opcode::Write, 16));
+}
+
+#[test]
+fn unaligned_atomic_is_a_remote_operation_error() {
+    let mut p = pair();
+    let result = p.a_dom.register(8, Access::LOCAL).unwrap();
+    let word = p.b_dom.register(64, Access::REMOTE_ATOMIC).unwrap();
+    p.a.fetch_add(1, &result, 0, at(&word, 4), 1).unwrap();
+    assert_eq!(
+        next(&mut p.a_cq),
+        Completion::error(1, Opcode::FetchAdd, Status::RemoteOperation)
+    );
+    p.a.compare_swap(2, &result, 0, at(&word, 9), 0, 1).unwrap();
+    assert_eq!(
+        next(&mut p.a_cq),
+        Completion::error(2, Opcode::CompareSwap, Status::RemoteOperation)
+    );
+    assert!(word.as_slice().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn a_deregistered_region_is_refused_even_when_cached() {
+    let mut p = pair();
+    let local = p.a_dom.register(64, Access::LOCAL).unwrap();
+    let target = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
+    let remote = at(&target, 0);
+    p.a.read(1, &local, 0, 64, remote).unwrap();
+    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    drop(target);
+    p.a.read(2, &local, 0, 64, remote).unwrap();
+    assert_eq!(
+        next(&mut p.a_cq),
+        Completion::error(2, Opcode::Read, Status::RemoteAccess)
+    );
+    // A new region (likely in the same registry slot) is granted afresh.
+    let again = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
+    p.a.read(3, &local, 0, 64, at(&again, 0)).unwrap();
+    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    p.a.read(4, &local, 0, 64, remote).unwrap();
+    assert_eq!(next(&mut p.a_cq).status, Status::RemoteAccess);
+}
+
+/// The shm endpoint behind a fabric endpoint.
+fn shm(ep: &Endpoint) -> &super::ShmEndpoint {
+    match &ep.imp {
+        crate::Imp::Shm(e) => e,
+        _ => unreachable!("not an shm endpoint"),
+    }
+}
+
+#[test]
+fn revoked_grants_do_not_accumulate() {
+    let mut p = pair();
+    let local = p.a_dom.register(64, Access::LOCAL).unwrap();
+    let keep = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
+    p.a.read(0, &local, 0, 8, at(&keep, 0)).unwrap();
+    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    // A client that registers a fresh buffer per invocation.
+    for i in 1..=200 {
+        let fresh = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
+        p.a.read(i, &local, 0, 8, at(&fresh, 0)).unwrap();
+        assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    }
+    assert_eq!(
+        shm(&p.a).cached_grants(),
+        2,
+        "the live region and the last fresh one"
+    );
+    p.a.read(999, &local, 0, 8, at(&keep, 0)).unwrap();
+    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+}
+
+#[test]
+fn full_queues_refuse_posts_without_doing_them() {
+    let opts = EndpointOptions {
+        send_depth: 3,
+        ..EndpointOptions::default()
+    };
+    let mut p = connect_pair(&opts, 256);
+    let mut src = p.a_dom.register(64, Access::LOCAL).unwrap();
+    src.as_mut_slice().fill(1);
+    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    for i in 0..3 {
+        p.a.write(i, &src, 0, 8, at(&target, i * 8)).unwrap();
+    }
+    let err = p.a.write(3, &src, 0, 8, at(&target, 24)).unwrap_err();
+    assert!(matches!(err, Error::QueueFull { depth: 3, .. }), "{err}");
+    assert!(target.as_slice()[24..32].iter().all(|&b| b == 0));
+    let mut out = [Completion::EMPTY; 8];
+    assert_eq!(p.a_cq.poll(&mut out), 3);
+    p.a.write(3, &src, 0, 8, at(&target, 24)).unwrap();
+    assert_eq!(next(&mut p.a_cq).wr_id, 3);
+
+    // A completion queue of 2 shared by a default endpoint.
+    let mut p = connect_pair(&EndpointOptions::default(), 2);
+    let src = p.a_dom.register(64, Access::LOCAL).unwrap();
+    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    p.a.write(0, &src, 0, 8, at(&target, 0)).unwrap();
+    p.a.write(1, &src, 0, 8, at(&target, 8)).unwrap();
+    let err = p.a.write(2, &src, 0, 8, at(&target, 16)).unwrap_err();
+    assert!(matches!(err, Error::QueueFull { depth: 2, .. }), "{err}");
+    assert_eq!(p.a_cq.poll(&mut out), 2);
+}
+
+#[test]
+fn wait_wakes_on_a_remote_immediate_and_on_a_local_completion() {
+    let p = pair();
+    let Pair {
+        a,
+        b,
+        a_dom,
+        b_dom,
+        mut a_cq,
+        mut b_cq,
+        ..
+    } = p;
+    let src = a_dom.register(64, Access::LOCAL).unwrap();
+    let target = b_dom.register(64, Access::REMOTE_WRITE).unwrap();
+    let remote = at(&target, 0);
+    b.post_recv(5).unwrap();
+    let writer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        a.write_with_imm(1, &src, 0, 4, remote, 42).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        a.write(2, &src, 0, 4, remote).unwrap();
+        (a, src)
+    });
+    let start = Instant::now();
+    let c = next(&mut b_cq);
+    assert_eq!((c.wr_id, c.imm, c.opcode), (5, 42, Opcode::RecvWithImm));
+    assert!(start.elapsed() >= Duration::from_millis(90));
+    // a's two completions, pushed from the writer thread while we sleep.
+    assert_eq!(next(&mut a_cq).wr_id, 1);
+    assert_eq!(next(&mut a_cq).wr_id, 2);
+    let _keep = writer.join().unwrap();
+}
+
+#[test]
+fn wait_times_out_with_zero() {
+    let mut p = pair();
+    let mut out = [Completion::EMPTY; 4];
+    let start = Instant::now();
+    assert_eq!(p.b_cq.wait(&mut out, Duration::from_millis(50)).unwrap(), 0);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(50) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert_eq!(p.a_cq.wait(&mut out, Duration::ZERO).unwrap(), 0);
+}
+
+#[test]
+fn dropping_an_endpoint_is_peer_loss_for_the_other_side() {
+    let p = pair();
+    let Pair {
+        a,
+        b,
+        a_dom,
+        b_dom,
+        mut a_cq,
+        mut b_cq,
+        ..
+    } = p;
+    let local = b_dom.register(64, Access::LOCAL).unwrap();
+    let a_target = a_dom.register(64, Access::ALL).unwrap();
+    for i in 0..3 {
+        b.post_recv(i).unwrap();
+    }
+    a.post_recv(100).unwrap();
+    let start = Instant::now();
+    drop(a);
+    for i in 0..3 {
+        assert_eq!(
+            next(&mut b_cq),
+            Completion::error(i, Opcode::RecvWithImm, Status::PeerLost)
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "loss took {:?}",
+        start.elapsed()
+    );
+    // Later operations and receives fail the same way, as completions.
+    b.write(10, &local, 0, 8, at(&a_target, 0)).unwrap();
+    assert_eq!(
+        next(&mut b_cq),
+        Completion::error(10, Opcode::Write, Status::PeerLost)
+    );
+    b.fetch_add(11, &local, 0, at(&a_target, 0), 1).unwrap();
+    assert_eq!(
+        next(&mut b_cq),
+        Completion::error(11, Opcode::FetchAdd, Status::PeerLost)
+    );
+    b.post_recv(12).unwrap();
+    assert_eq!(
+        next(&mut b_cq),
+        Completion::error(12, Opcode::RecvWithImm, Status::PeerLost)
+    );
+    // The dropped side's own receive is flushed.
+    assert_eq!(
+        next(&mut a_cq),
+        Completion::error(100, Opcode::RecvWithImm, Status::Flushed)
+    );
+    nothing_pending(&mut a_cq);
+}
+
+#[test]
+fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
+    let fabric = fabric();
+    let dir = std::env::temp_dir();
+    let path = dir.join(format!("rfaas-shm-test-{}.sock", std::process::id()));
+    let path = path.to_str().unwrap().to_owned();
+    let listener = fabric.listen(&path).unwrap();
+    assert_eq!(listener.local_addr(), path);
+    let dom = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(16).unwrap();
+    let opts = EndpointOptions::default();
+
+    // A client speaking garbage.
+    let mut junk = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    junk.write_all(&[0x47; 64]).unwrap();
+    let err = listener
+        .accept(&dom, &mut cq, &opts, Some(LONG))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Connect { reason, .. } if reason.contains("magic")),
+        "{err}"
+    );
+    // A client that hangs up mid-hello.
+    let mut half = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    half.write_all(b"RFAASSHM").unwrap();
+    drop(half);
+    let err = listener
+        .accept(&dom, &mut cq, &opts, Some(LONG))
+        .unwrap_err();
+    assert!(matches!(err, Error::Connect { .. }), "{err}");
+
+    // The listener still serves a real client.
+    std::thread::scope(|s| {
+        let client = s.spawn(|| {
+            let dom = fabric.domain().unwrap();
+            let mut cq = fabric.completion_queue(4).unwrap();
+            dom.connect(&path, &mut cq, &opts).map(|_| ())
+        });
+        listener.accept(&dom, &mut cq, &opts, Some(LONG)).unwrap();
+        client.join().unwrap().unwrap();
+    });
+    drop(listener);
+    assert!(
+        !std::path::Path::new(&path).exists(),
+        "the socket file was not removed"
+    );
+
+    // A server speaking garbage, then one that never answers.
+    let server = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let replier = std::thread::spawn(move || {
+        let (mut conn, _) = server.accept().unwrap();
+        conn.write_all(&[0x13; 64]).unwrap();
+        let (silent, _) = server.accept().unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        drop((conn, silent));
+    });
+    let err = dom.connect(&path, &mut cq, &opts).unwrap_err();
+    assert!(
+        matches!(&err, Error::Connect { reason, .. } if reason.contains("magic")),
+        "{err}"
+    );
+    let quick = EndpointOptions {
+        connect_timeout: Duration::from_millis(100),
+        ..EndpointOptions::default()
+    };
+    let err = dom.connect(&path, &mut cq, &quick).unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err}");
+    replier.join().unwrap();
+    std::fs::remove_file(&path).unwrap();
+
+    // Nobody listening, and an accept that times out.
+    let err = dom.connect(&path, &mut cq, &opts).unwrap_err();
+    assert!(
+        matches!(err, Error::Connect { .. }) && err.is_retryable(),
+        "{err}"
+    );
+    let idle = fabric.listen("@").unwrap();
+    assert!(idle.local_addr().starts_with("@rfaas-shm-"));
+    let err = idle
+        .accept(&dom, &mut cq, &opts, Some(Duration::from_millis(50)))
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err}");
+}
+
+const CHILD_ENV: &str = "RFAAS_SHM_TEST_CHILD";
+
+/// Not a test: the peer process of `a_killed_peer_process_is_peer_lost`
+/// (run by re-executing this test binary). Adds to the parent's counter,
+/// writes 64 bytes with immediate 77, then waits to be killed.
+#[test]
+#[ignore = "helper process, started by a_killed_peer_process_is_peer_lost"]
+fn child_peer() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let fields: Vec<&str> = spec.split(' ').collect();
+    let [addr, rkey, base, adds] = fields[..] else {
+        panic!("bad {CHILD_ENV}: {spec}")
+    };
+    let remote = |offset: u64| RemoteAddr {
+        addr: base.parse::<u64>().unwrap() + offset,
+        rkey: rkey.parse().unwrap(),
+    };
+    let fabric = fabric();
+    let dom = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(16).unwrap();
+    let ep = dom
+        .connect(addr, &mut cq, &EndpointOptions::default())
+        .unwrap();
+    let mut local = dom.register(4096, Access::LOCAL).unwrap();
+    for i in 0..adds.parse::<u64>().unwrap() {
+        ep.fetch_add(i, &local, 0, remote(0), 1).unwrap();
+        assert_eq!(next(&mut cq).status, Status::Success);
+    }
+    local.as_mut_slice()[64..128].fill(0xC5);
+    ep.write_with_imm(1, &local, 64, 64, remote(64), 77)
+        .unwrap();
+    assert_eq!(next(&mut cq).status, Status::Success);
+    std::thread::sleep(Duration::from_secs(30));
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_killed_peer_process_is_peer_lost() {
+    const ADDS: u64 = 2000;
+    let fabric = fabric();
+    let listener = fabric.listen("").unwrap();
+    let dom = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(64).unwrap();
+    let target = dom.register(4096, Access::ALL).unwrap();
+    let spec = format!(
+        "{} {} {} {ADDS}",
+        listener.local_addr(),
+        target.rkey(),
+        target.descriptor().addr
+    );
+    let spawn = || {
+        let exe = std::env::current_exe().unwrap();
+        let child = Command::new(exe)
+            .args([
+                "shm::tests::child_peer",
+                "--exact",
+                "--ignored",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, &spec)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        KillOnDrop(child)
+    };
+    let (mut first, _second) = (spawn(), spawn());
+    let opts = EndpointOptions::default();
+    let eps: Vec<Endpoint> = (0..2)
+        .map(|_| {
+            listener
+                .accept(&dom, &mut cq, &opts, Some(Duration::from_secs(30)))
+                .unwrap()
+        })
+        .collect();
+    // Both children add while this process adds through a loopback connection.
+    let local_adds = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        let adder = s.spawn(|| {
+            let dom = fabric.domain().unwrap();
+            let mut cq = fabric.completion_queue(16).unwrap();
+            let ep = dom.connect(&listener.local_addr(), &mut cq, &opts).unwrap();
+            let result = dom.register(8, Access::LOCAL).unwrap();
+            for i in 0..ADDS {
+                ep.fetch_add(i, &result, 0, at(&target, 0), 1).unwrap();
+                assert_eq!(next(&mut cq).status, Status::Success);
+                local_adds.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let _loopback = listener.accept(&dom, &mut cq, &opts, Some(LONG)).unwrap();
+        for (i, ep) in eps.iter().enumerate() {
+            ep.post_recv(i as u64).unwrap();
+        }
+        // Sleeps in wait: the children's kicks cross processes.
+        let mut from = Vec::new();
+        while from.len() < 2 {
+            let c = next(&mut cq);
+            assert_eq!(
+                (c.opcode, c.status, c.imm, c.byte_len),
+                (Opcode::RecvWithImm, Status::Success, 77, 64)
+            );
+            from.push(c.wr_id);
+        }
+        adder.join().unwrap();
+    });
+    assert_eq!(local_adds.load(Ordering::Relaxed), ADDS);
+    assert_eq!(
+        target.read_u64(0),
+        3 * ADDS,
+        "atomics from three processes' endpoints must sum exactly"
+    );
+    assert!(target.as_slice()[64..128].iter().all(|&b| b == 0xC5));
+
+    // Kill the first child: its endpoint's receive fails within a second.
+    let pid = format!("pid {} ", first.0.id());
+    let (dead, alive) = match eps[0].peer_addr().starts_with(&pid) {
+        true => (&eps[0], &eps[1]),
+        false => (&eps[1], &eps[0]),
+    };
+    assert!(
+        dead.peer_addr().starts_with(&pid),
+        "{} vs {pid}",
+        dead.peer_addr()
+    );
+    dead.post_recv(100).unwrap();
+    alive.post_recv(200).unwrap();
+    let start = Instant::now();
+    first.0.kill().unwrap();
+    let c = next(&mut cq);
+    assert_eq!(
+        c,
+        Completion::error(100, Opcode::RecvWithImm, Status::PeerLost)
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "loss took {:?}",
+        start.elapsed()
+    );
+    let local = dom.register(64, Access::LOCAL).unwrap();
+    dead.write(
+        101,
+        &local,
+        0,
+        8,
+        RemoteAddr {
+            addr: 4096,
+            rkey: 1,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        next(&mut cq),
+        Completion::error(101, Opcode::Write, Status::PeerLost)
+    );
+    // The other child's connection is unaffected.
+    nothing_pending(&mut cq);
+}
+
+#[test]
+fn options_and_addresses_are_validated() {
+    let fabric = fabric();
+    let dom = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(4).unwrap();
+    let zero = EndpointOptions {
+        recv_depth: 0,
+        ..EndpointOptions::default()
+    };
+    assert!(matches!(
+        dom.connect("@x", &mut cq, &zero),
+        Err(Error::InvalidArgument(_))
+    ));
+    let opts = EndpointOptions::default();
+    assert!(matches!(
+        dom.connect("", &mut cq, &opts),
+        Err(Error::InvalidArgument(_))
+    ));
+    let long = format!("@{}", "x".repeat(200));
+    assert!(matches!(
+        dom.connect(&long, &mut cq, &opts),
+        Err(Error::InvalidArgument(_))
+    ));
+    let listener: Listener = fabric.listen("@rfaas-shm-test-fixed-name").unwrap();
+    assert_eq!(listener.local_addr(), "@rfaas-shm-test-fixed-name");
+    assert!(
+        fabric.listen("@rfaas-shm-test-fixed-name").is_err(),
+        "an abstract name is taken"
+    );
+}
+
+#[test]
+fn the_kernel_enforces_read_only_grants_and_sealed_sizes() {
+    use std::os::fd::AsRawFd;
+    let buf = crate::Buffer::new(4096).unwrap();
+    let ro = super::sys::reopen_read_only(buf.fd()).unwrap();
+    assert!(
+        super::sys::Mapping::new(ro.as_raw_fd(), 4096, true).is_err(),
+        "a read-only grant mapped writable"
+    );
+    assert!(super::sys::Mapping::new(ro.as_raw_fd(), 4096, false).is_ok());
+    assert!(super::sys::check_peer_memfd(ro.as_raw_fd(), 4096).is_ok());
+    assert!(
+        super::sys::check_peer_memfd(ro.as_raw_fd(), 8192).is_err(),
+        "too short"
+    );
+    // SAFETY: no pointers; the call must fail because the memfd is sealed.
+    let shrunk = unsafe { libc::ftruncate(buf.fd(), 0) };
+    assert_ne!(shrunk, 0, "a peer holding the descriptor could shrink it");
+}

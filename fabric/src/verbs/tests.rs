@@ -1,0 +1,815 @@
+//! Tests that need an RDMA device: they run under Soft-RoCE in a VM.
+//!
+//! Each is `#[ignore]`d with the reason, so a plain `cargo test` lists them
+//! as ignored rather than passing them silently. The VM stage runs them with
+//! `cargo test -p rfaas-fabric --features verbs -- --ignored` inside the
+//! guest, where `RDMA_DEVICE` names the device (`rxe0`) and `RDMA_VM_IP` the
+//! address on its netdev (rdma_cm cannot use 127.0.0.1).
+
+use std::time::{Duration, Instant};
+
+use crate::verbs::hello::{self, Hello};
+use crate::verbs::{endpoint, VerbsCq, VerbsEndpoint};
+use crate::{
+    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric, Imp,
+    Listener, MemoryRegion, Opcode, Status,
+};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn device() -> String {
+    std::env::var("RDMA_DEVICE").unwrap_or_else(|_| {
+        panic!(
+            "RDMA_DEVICE is not set: this test needs an RDMA device; run scripts/test-verbs.sh \
+             (Soft-RoCE in a VM), which sets RDMA_DEVICE and RDMA_VM_IP"
+        )
+    })
+}
+
+/// The IPv4 address of the device's netdev (without a prefix length).
+fn ip() -> String {
+    let raw = std::env::var("RDMA_VM_IP").unwrap_or_else(|_| "192.0.2.1".into());
+    raw.split('/').next().unwrap_or("192.0.2.1").to_owned()
+}
+
+fn fabric() -> Fabric {
+    Fabric::open(&format!("verbs:{}", device())).expect("open the verbs fabric")
+}
+
+fn verbs_ep(ep: &Endpoint) -> &VerbsEndpoint {
+    match &ep.imp {
+        Imp::Verbs(v) => v,
+        _ => panic!("not a verbs endpoint"),
+    }
+}
+
+fn verbs_cq(cq: &CompletionQueue) -> &VerbsCq {
+    match &cq.imp {
+        Imp::Verbs(v) => v,
+        _ => panic!("not a verbs completion queue"),
+    }
+}
+
+/// Waits for exactly one completion.
+fn one(cq: &mut CompletionQueue) -> Completion {
+    let mut out = [Completion::EMPTY; 1];
+    let n = cq.wait(&mut out, WAIT).expect("wait");
+    assert_eq!(n, 1, "no completion within {WAIT:?}");
+    out[0]
+}
+
+/// Waits until `count` completions arrived (or the time is up).
+fn collect(cq: &mut CompletionQueue, count: usize, within: Duration) -> Vec<Completion> {
+    let deadline = Instant::now() + within;
+    let mut got = Vec::new();
+    let mut out = [Completion::EMPTY; 16];
+    while got.len() < count {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let n = cq.wait(&mut out, left).expect("wait");
+        got.extend_from_slice(&out[..n]);
+    }
+    got
+}
+
+/// A connected pair on one device: a server side and a client side, each
+/// with its own domain and CQ.
+struct Pair {
+    server_domain: Domain,
+    server_cq: CompletionQueue,
+    server: Endpoint,
+    client_domain: Domain,
+    client_cq: CompletionQueue,
+    client: Endpoint,
+    // Keeps the device open; dropped last.
+    _fabric: Fabric,
+}
+
+fn accept_and_connect(
+    fabric: &Fabric,
+    listener: &Listener,
+    server_domain: &Domain,
+    server_cq: &mut CompletionQueue,
+    client_domain: &Domain,
+    client_cq: &mut CompletionQueue,
+    opts: &EndpointOptions,
+) -> (Endpoint, Endpoint) {
+    let _ = fabric;
+    let addr = listener.local_addr();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| listener.accept(server_domain, server_cq, opts, Some(WAIT)));
+        let client = client_domain
+            .connect(&addr, client_cq, opts)
+            .expect("connect");
+        (server.join().unwrap().expect("accept"), client)
+    })
+}
+
+fn pair_with(opts: &EndpointOptions) -> Pair {
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).expect("listen");
+    let server_domain = fabric.domain().unwrap();
+    let client_domain = fabric.domain().unwrap();
+    let mut server_cq = fabric.completion_queue(64).unwrap();
+    let mut client_cq = fabric.completion_queue(64).unwrap();
+    let (server, client) = accept_and_connect(
+        &fabric,
+        &listener,
+        &server_domain,
+        &mut server_cq,
+        &client_domain,
+        &mut client_cq,
+        opts,
+    );
+    Pair {
+        server_domain,
+        server_cq,
+        server,
+        client_domain,
+        client_cq,
+        client,
+        _fabric: fabric,
+    }
+}
+
+fn pair() -> Pair {
+    pair_with(&EndpointOptions::default())
+}
+
+fn fill(region: &mut MemoryRegion, bytes: &[u8]) {
+    region.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_missing_device_is_unavailable_and_lists_the_present_ones() {
+    let present = device();
+    let err = Fabric::open("verbs:no-such-dev0").unwrap_err();
+    let Error::ProviderUnavailable { provider, reason } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(provider, "verbs:no-such-dev0");
+    assert!(
+        reason.contains("no-such-dev0") && reason.contains(&present),
+        "{reason}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn listener_reports_the_port_it_got() {
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).unwrap();
+    let addr: std::net::SocketAddr = listener.local_addr().parse().unwrap();
+    assert_eq!(addr.ip().to_string(), ip());
+    assert_ne!(addr.port(), 0);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn write_with_immediate_read_and_atomics_round_trip() {
+    let mut p = pair();
+    let mut target = p.server_domain.register(4096, Access::ALL).unwrap();
+    target.write_u64(64, 40);
+    let mut local = p.client_domain.register(4096, Access::LOCAL).unwrap();
+    fill(&mut local, b"hello, rdma");
+    let remote = target.descriptor();
+
+    p.server.post_recv(500).unwrap();
+    p.client
+        .write_with_imm(1, &local, 0, 11, remote.at(0), 0xfeed_beef)
+        .unwrap();
+    let sent = one(&mut p.client_cq);
+    assert_eq!(
+        (sent.wr_id, sent.opcode, sent.status, sent.byte_len),
+        (1, Opcode::WriteWithImm, Status::Success, 11)
+    );
+    let got = one(&mut p.server_cq);
+    assert_eq!(
+        (got.wr_id, got.opcode, got.status, got.imm, got.byte_len),
+        (500, Opcode::RecvWithImm, Status::Success, 0xfeed_beef, 11)
+    );
+    assert_eq!(&target.as_slice()[..11], b"hello, rdma");
+
+    // A plain write, large enough not to be sent inline.
+    let big = 64 * 1024;
+    let mut src = p.client_domain.register(big, Access::LOCAL).unwrap();
+    for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut dst = p
+        .server_domain
+        .register(big, Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    p.client
+        .write(2, &src, 0, big, dst.descriptor().at(0))
+        .unwrap();
+    let c = one(&mut p.client_cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status, c.byte_len),
+        (2, Opcode::Write, Status::Success, big as u32)
+    );
+    assert_eq!(dst.as_slice(), src.as_slice());
+
+    // Read it back into another local buffer.
+    fill(&mut dst, b"read me");
+    let sink = p.client_domain.register(big, Access::LOCAL).unwrap();
+    p.client
+        .read(3, &sink, 0, 7, dst.descriptor().at(0))
+        .unwrap();
+    let c = one(&mut p.client_cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status, c.byte_len),
+        (3, Opcode::Read, Status::Success, 7)
+    );
+    assert_eq!(&sink.as_slice()[..7], b"read me");
+
+    // Fetch-and-add, then compare-and-swap, on the word at offset 64.
+    p.client.fetch_add(4, &local, 0, remote.at(64), 2).unwrap();
+    let c = one(&mut p.client_cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status),
+        (4, Opcode::FetchAdd, Status::Success)
+    );
+    assert_eq!(local.read_u64(0), 40, "old value");
+    assert_eq!(target.read_u64(64), 42);
+    p.client
+        .compare_swap(5, &local, 8, remote.at(64), 42, 7)
+        .unwrap();
+    let c = one(&mut p.client_cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status),
+        (5, Opcode::CompareSwap, Status::Success)
+    );
+    assert_eq!(local.read_u64(8), 42);
+    assert_eq!(target.read_u64(64), 7);
+    p.client
+        .compare_swap(6, &local, 16, remote.at(64), 42, 9)
+        .unwrap();
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+    assert_eq!(local.read_u64(16), 7, "compare failed: old value returned");
+    assert_eq!(target.read_u64(64), 7, "and nothing swapped");
+
+    assert_eq!(verbs_cq(&p.client_cq).shared().slots.in_use(), 0);
+    assert_eq!(verbs_cq(&p.server_cq).shared().slots.in_use(), 0);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_write_with_immediate_waits_for_a_late_receive() {
+    let mut p = pair();
+    let target = p
+        .server_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    p.client
+        .write_with_imm(1, &local, 0, 8, target.descriptor().at(0), 7)
+        .unwrap();
+    // No receive posted yet: the responder answers RNR and the requester
+    // retries forever (rnr_retry 7) until one is.
+    std::thread::sleep(Duration::from_millis(300));
+    p.server.post_recv(9).unwrap();
+    let got = one(&mut p.server_cq);
+    assert_eq!((got.wr_id, got.status, got.imm), (9, Status::Success, 7));
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_bad_rkey_is_refused_with_the_target_untouched() {
+    let mut p = pair();
+    let target = p.server_domain.register(4096, Access::ALL).unwrap();
+    let mut local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    fill(&mut local, &[0xab; 64]);
+    let mut remote = target.descriptor().at(0);
+    remote.rkey ^= 0x00ff_ff00;
+    p.server.post_recv(77).unwrap();
+    p.client.write(1, &local, 0, 64, remote).unwrap();
+    let c = one(&mut p.client_cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status),
+        (1, Opcode::Write, Status::RemoteAccess)
+    );
+    assert!(target.as_slice().iter().all(|&b| b == 0));
+    // An RC queue pair stops at its first error, on both sides.
+    assert_eq!(verbs_ep(&p.client).qp_attributes().unwrap().state, "ERR");
+    let err = p
+        .client
+        .write(2, &local, 0, 8, target.descriptor().at(0))
+        .unwrap_err();
+    assert!(matches!(err, Error::Disconnected { .. }), "{err:?}");
+    if device().starts_with("rxe") {
+        // Soft-RoCE stops the target's QP too: its receive flushes, and the
+        // next post says why instead of flushing silently.
+        let c = one(&mut p.server_cq);
+        assert_eq!((c.wr_id, c.status), (77, Status::Flushed));
+        let err = p.server.post_recv(78).unwrap_err().to_string();
+        assert!(err.contains("error completion"), "{err}");
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn out_of_bounds_and_missing_rights_are_remote_access_errors() {
+    // Each case needs a fresh connection: the first error stops the QP.
+    let cases: [(&str, Access, u64, usize); 3] = [
+        ("past the end", Access::ALL, 4096 - 8, 64),
+        ("read-only region", Access::REMOTE_READ, 0, 8),
+        ("no remote rights", Access::LOCAL, 0, 8),
+    ];
+    for (what, access, offset, len) in cases {
+        let mut p = pair();
+        let target = p.server_domain.register(4096, access).unwrap();
+        let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+        p.client
+            .write(1, &local, 0, len, target.descriptor().at(offset))
+            .unwrap();
+        let c = one(&mut p.client_cq);
+        assert_eq!(c.status, Status::RemoteAccess, "{what}");
+        assert!(
+            target.as_slice().iter().all(|&b| b == 0),
+            "{what}: target untouched"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn an_rkey_of_another_domain_is_refused() {
+    let mut p = pair();
+    // Same process, same device, another protection domain (another lease).
+    let other = p._fabric.domain().unwrap();
+    let foreign = other.register(4096, Access::ALL).unwrap();
+    let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    p.client
+        .write(1, &local, 0, 8, foreign.descriptor().at(0))
+        .unwrap();
+    assert_eq!(one(&mut p.client_cq).status, Status::RemoteAccess);
+    assert!(foreign.as_slice().iter().all(|&b| b == 0));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn an_unaligned_atomic_is_an_error_completion() {
+    let mut p = pair();
+    let target = p.server_domain.register(4096, Access::ALL).unwrap();
+    let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    p.client
+        .fetch_add(1, &local, 0, target.descriptor().at(4), 1)
+        .unwrap();
+    p.client
+        .compare_swap(2, &local, 8, target.descriptor().at(12), 0, 1)
+        .unwrap();
+    let got = collect(&mut p.client_cq, 2, WAIT);
+    assert_eq!(
+        got.iter()
+            .map(|c| (c.wr_id, c.opcode, c.status))
+            .collect::<Vec<_>>(),
+        [
+            (1, Opcode::FetchAdd, Status::RemoteOperation),
+            (2, Opcode::CompareSwap, Status::RemoteOperation)
+        ]
+    );
+    assert!(target.as_slice().iter().all(|&b| b == 0));
+    // Caught before the NIC: the endpoint is still usable.
+    p.client
+        .fetch_add(3, &local, 0, target.descriptor().at(8), 5)
+        .unwrap();
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+    assert_eq!(target.read_u64(8), 5);
+    // And a sleeping waiter wakes for such a completion.
+    let client = verbs_ep(&p.client);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            client
+                .fetch_add(4, &local, 0, target.descriptor().at(1), 1)
+                .unwrap();
+        });
+        let c = one(&mut p.client_cq);
+        assert_eq!((c.wr_id, c.status), (4, Status::RemoteOperation));
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn wait_times_out_then_wakes_for_a_completion() {
+    let mut p = pair();
+    let mut out = [Completion::EMPTY; 4];
+    let start = Instant::now();
+    assert_eq!(
+        p.server_cq
+            .wait(&mut out, Duration::from_millis(100))
+            .unwrap(),
+        0
+    );
+    let slept = start.elapsed();
+    assert!(
+        slept >= Duration::from_millis(90),
+        "returned after {slept:?}"
+    );
+
+    let target = p
+        .server_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    p.server.post_recv(1).unwrap();
+    let remote = target.descriptor().at(0);
+    // The provider endpoint is Sync (the public one may not be, per provider).
+    let client = verbs_ep(&p.client);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            client.write(2, &local, 0, 8, remote, Some(3)).unwrap();
+        });
+        let n = p.server_cq.wait(&mut out, WAIT).unwrap();
+        assert_eq!(n, 1);
+        assert_eq!((out[0].wr_id, out[0].imm), (1, 3));
+    });
+    assert!(start.elapsed() >= Duration::from_millis(150));
+    // A second wait sleeps again (the CQ is re-armed after the event).
+    assert_eq!(
+        p.server_cq
+            .wait(&mut out, Duration::from_millis(50))
+            .unwrap(),
+        0
+    );
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn peer_loss_flushes_posted_receives_and_refuses_new_posts() {
+    let Pair {
+        server,
+        mut server_cq,
+        client,
+        client_cq,
+        client_domain,
+        server_domain,
+        _fabric,
+    } = pair();
+    for i in 0..4 {
+        server.post_recv(100 + i).unwrap();
+    }
+    let start = Instant::now();
+    drop(client);
+    let flushed = collect(&mut server_cq, 4, Duration::from_secs(5));
+    assert_eq!(
+        flushed.len(),
+        4,
+        "posted receives complete after the peer left: {flushed:?}"
+    );
+    for c in &flushed {
+        assert_eq!(c.opcode, Opcode::RecvWithImm);
+        assert_eq!(c.status, Status::PeerLost, "{c:?}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        start.elapsed()
+    );
+    let err = server.post_recv(200).unwrap_err();
+    assert!(matches!(err, Error::Disconnected { .. }), "{err:?}");
+    let region = server_domain.register(64, Access::LOCAL).unwrap();
+    let err = server
+        .write(201, &region, 0, 8, Default::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("DISCONNECTED"), "{err}");
+    drop((client_cq, client_domain));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn dropping_an_endpoint_with_work_outstanding_frees_its_slots() {
+    let mut p = pair();
+    let target = p
+        .server_domain
+        .register(1 << 20, Access::REMOTE_WRITE)
+        .unwrap();
+    let local = p.client_domain.register(1 << 20, Access::LOCAL).unwrap();
+    for i in 0..8 {
+        p.client
+            .write(i, &local, 0, 1 << 20, target.descriptor().at(0))
+            .unwrap();
+    }
+    for i in 0..8 {
+        p.client.post_recv(100 + i).unwrap();
+    }
+    drop(p.client);
+    assert_eq!(verbs_cq(&p.client_cq).shared().slots.in_use(), 0);
+    // Whatever the provider left in the CQ is stale and skipped.
+    let mut out = [Completion::EMPTY; 32];
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(p.client_cq.poll(&mut out), 0, "{:?}", &out[..2]);
+    drop(p.server);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_full_completion_queue_refuses_more_work() {
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).unwrap();
+    let sd = fabric.domain().unwrap();
+    let cd = fabric.domain().unwrap();
+    let mut scq = fabric.completion_queue(64).unwrap();
+    let mut ccq = fabric.completion_queue(4).unwrap();
+    let opts = EndpointOptions::default();
+    let (_server, client) =
+        accept_and_connect(&fabric, &listener, &sd, &mut scq, &cd, &mut ccq, &opts);
+    for i in 0..4 {
+        client.post_recv(i).unwrap();
+    }
+    let err = client.post_recv(4).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::QueueFull {
+                what: "completion queue",
+                depth: 4
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn queue_pairs_carry_the_service_level_pkey_index_and_timeouts() {
+    let opts = EndpointOptions {
+        service_level: 3,
+        pkey_index: 0,
+        ..EndpointOptions::default()
+    };
+    let p = pair_with(&opts);
+    for (side, ep) in [("client", &p.client), ("server", &p.server)] {
+        let info = verbs_ep(ep).qp_attributes().unwrap();
+        eprintln!("{side}: {info:?}");
+        assert_eq!(info.state, "RTS", "{side}");
+        assert_eq!(info.pkey_index, 0, "{side}");
+        assert_eq!(
+            (info.timeout, info.retry_cnt, info.rnr_retry),
+            (14, 6, 7),
+            "{side}"
+        );
+        assert_eq!(info.min_rnr_timer, 12, "{side}");
+        assert!(
+            info.max_rd_atomic > 0 && info.max_dest_rd_atomic > 0,
+            "{side}: reads and atomics enabled"
+        );
+        assert!(
+            info.sgid_matches_local_ip,
+            "{side}: source GID {} is not the local IP's",
+            info.sgid
+        );
+        assert_eq!(info.expected_sgid_index, Some(info.sgid_index), "{side}");
+        assert_eq!(info.sgid_kind, crate::verbs::gid::GidKind::RoceV2, "{side}");
+        // Soft-RoCE does not keep the SL in its address vector (it reports
+        // 0); a NIC that does must report what was set.
+        if !device().starts_with("rxe") {
+            assert_eq!(verbs_ep(ep).qos().unwrap(), (3, 0), "{side}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn connecting_where_nobody_listens_says_so() {
+    let fabric = fabric();
+    let domain = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(8).unwrap();
+    // Bind and drop a listener to find a port nobody listens on.
+    let port = {
+        let l = fabric.listen(&format!("{}:0", ip())).unwrap();
+        l.local_addr().rsplit(':').next().unwrap().to_owned()
+    };
+    let addr = format!("{}:{port}", ip());
+    let err = domain
+        .connect(&addr, &mut cq, &EndpointOptions::default())
+        .unwrap_err();
+    let Error::Connect {
+        addr: named,
+        reason,
+    } = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!(named, &addr);
+    assert!(reason.contains("nobody is listening"), "{reason}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_peer_without_the_hello_is_refused_on_both_sides() {
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).unwrap();
+    let addr = listener.local_addr();
+    let sd = fabric.domain().unwrap();
+    let cd = fabric.domain().unwrap();
+    let mut scq = fabric.completion_queue(8).unwrap();
+    let mut ccq = fabric.completion_queue(8).unwrap();
+    let opts = EndpointOptions::default();
+    let mut wrong = Hello::new(1, 1).encode();
+    wrong[4] = 99; // another version
+    let (server, client) = std::thread::scope(|s| {
+        let server = s.spawn(|| listener.accept(&sd, &mut scq, &opts, Some(WAIT)));
+        let Imp::Verbs(vd) = &cd.imp else {
+            unreachable!()
+        };
+        let Imp::Verbs(vcq) = &mut ccq.imp else {
+            unreachable!()
+        };
+        let client = endpoint::connect_with_hello(vd.inner(), &addr, vcq, &opts, &wrong);
+        (server.join().unwrap(), client)
+    });
+    let server_err = server.unwrap_err().to_string();
+    assert!(server_err.contains("version 99"), "{server_err}");
+    let client_err = client.unwrap_err().to_string();
+    assert!(client_err.contains("another version"), "{client_err}");
+    assert_eq!(hello::LEN, 16);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn endpoints_share_a_completion_queue() {
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).unwrap();
+    let sd = fabric.domain().unwrap();
+    let cd = fabric.domain().unwrap();
+    let mut scq = fabric.completion_queue(64).unwrap();
+    let mut ccq = fabric.completion_queue(64).unwrap();
+    let opts = EndpointOptions::default();
+    let (s1, c1) = accept_and_connect(&fabric, &listener, &sd, &mut scq, &cd, &mut ccq, &opts);
+    let (s2, c2) = accept_and_connect(&fabric, &listener, &sd, &mut scq, &cd, &mut ccq, &opts);
+    let target = sd.register(4096, Access::REMOTE_WRITE).unwrap();
+    let local = cd.register(64, Access::LOCAL).unwrap();
+    s1.post_recv(1).unwrap();
+    s2.post_recv(2).unwrap();
+    c1.write_with_imm(10, &local, 0, 8, target.descriptor().at(0), 111)
+        .unwrap();
+    c2.write_with_imm(20, &local, 0, 8, target.descriptor().at(8), 222)
+        .unwrap();
+    let mut got = collect(&mut scq, 2, WAIT);
+    got.sort_by_key(|c| c.wr_id);
+    assert_eq!(
+        got.iter().map(|c| (c.wr_id, c.imm)).collect::<Vec<_>>(),
+        [(1, 111), (2, 222)]
+    );
+    let mut sent = collect(&mut ccq, 2, WAIT);
+    sent.sort_by_key(|c| c.wr_id);
+    assert_eq!(sent.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [10, 20]);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn registered_memory_survives_a_fork() {
+    let mut p = pair();
+    let target = p.server_domain.register(4096, Access::ALL).unwrap();
+    let mut local = p.client_domain.register(4096, Access::LOCAL).unwrap();
+    // Executors spawn workers: fork+exec with registered memory around.
+    let status = std::process::Command::new("true")
+        .status()
+        .expect("spawn `true`");
+    assert!(status.success());
+    fill(&mut local, b"after fork");
+    p.client
+        .write(1, &local, 0, 10, target.descriptor().at(0))
+        .unwrap();
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+    assert_eq!(&target.as_slice()[..10], b"after fork");
+    p.client
+        .read(2, &local, 100, 10, target.descriptor().at(0))
+        .unwrap();
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+    assert_eq!(&local.as_slice()[100..110], b"after fork");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_silent_peer_is_detected_by_transport_retries() {
+    let mut p = pair();
+    let target = p.server_domain.register(4096, Access::ALL).unwrap();
+    let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    verbs_ep(&p.server).go_silent();
+    let start = Instant::now();
+    p.client
+        .write(1, &local, 0, 8, target.descriptor().at(0))
+        .unwrap();
+    p.client.post_recv(2).unwrap();
+    let got = collect(&mut p.client_cq, 2, Duration::from_secs(10));
+    let took = start.elapsed();
+    eprintln!("silent peer noticed after {took:?}: {got:?}");
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert!(got.iter().all(|c| c.status == Status::PeerLost), "{got:?}");
+    // ACK timeout 14 (67 ms) x 7 tries, with slack for emulation.
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    let err = p.client.post_recv(3).unwrap_err();
+    assert!(err.to_string().contains("stopped answering"), "{err}");
+}
+
+const CHILD_ADDR: &str = "RFAAS_VERBS_TEST_CHILD_ADDR";
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_killed_peer_process_flushes_posted_receives() {
+    const NAME: &str = "verbs::tests::a_killed_peer_process_flushes_posted_receives";
+    if let Ok(addr) = std::env::var(CHILD_ADDR) {
+        // Child: connect, say so, and die without closing anything.
+        let fabric = fabric();
+        let domain = fabric.domain().unwrap();
+        let mut cq = fabric.completion_queue(8).unwrap();
+        let _ep = domain
+            .connect(&addr, &mut cq, &EndpointOptions::default())
+            .unwrap();
+        println!("CHILD-CONNECTED");
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::abort();
+    }
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).unwrap();
+    let domain = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(16).unwrap();
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            NAME,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ADDR, listener.local_addr())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let server = listener
+        .accept(&domain, &mut cq, &EndpointOptions::default(), Some(WAIT))
+        .unwrap();
+    for i in 0..3 {
+        server.post_recv(i).unwrap();
+    }
+    let start = Instant::now();
+    let status = child.wait_with_output().unwrap().status;
+    assert!(!status.success(), "the child aborts");
+    let got = collect(&mut cq, 3, Duration::from_secs(5));
+    eprintln!(
+        "peer death noticed {:?} after the child exited: {got:?}",
+        start.elapsed()
+    );
+    assert_eq!(got.len(), 3, "{got:?}");
+    assert!(
+        got.iter()
+            .all(|c| c.status == Status::PeerLost && c.opcode == Opcode::RecvWithImm),
+        "{got:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_pkey_index_outside_the_table_is_a_clear_error() {
+    let fabric = fabric();
+    let listener = fabric.listen(&format!("{}:0", ip())).unwrap();
+    let sd = fabric.domain().unwrap();
+    let cd = fabric.domain().unwrap();
+    let mut scq = fabric.completion_queue(8).unwrap();
+    let mut ccq = fabric.completion_queue(8).unwrap();
+    let bad = EndpointOptions {
+        pkey_index: 1000,
+        connect_timeout: Duration::from_secs(3),
+        ..EndpointOptions::default()
+    };
+    let addr = listener.local_addr();
+    let (server, client) = std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            listener.accept(
+                &sd,
+                &mut scq,
+                &EndpointOptions::default(),
+                Some(Duration::from_secs(5)),
+            )
+        });
+        let client = cd.connect(&addr, &mut ccq, &bad);
+        (server.join().unwrap(), client)
+    });
+    let err = client.unwrap_err().to_string();
+    assert!(
+        err.contains("P_Key index 1000") && err.contains(&device()),
+        "{err}"
+    );
+    assert!(server.is_err(), "nobody connected");
+    // Soft-RoCE has only the default P_Key, at index 0: index 1 is refused too.
+    if device().starts_with("rxe") {
+        let next = EndpointOptions {
+            pkey_index: 1,
+            ..bad
+        };
+        let err = cd.connect(&addr, &mut ccq, &next).unwrap_err().to_string();
+        assert!(err.contains("P_Key index 1 "), "{err}");
+    }
+}

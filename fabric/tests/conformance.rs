@@ -1,0 +1,971 @@
+//! The fabric conformance suite: one body per behaviour, run for every
+//! provider. `tcp` and `shm` run everywhere; `verbs` runs only where an RDMA
+//! device exists (see the `verbs` module at the end: those cases are ignored
+//! on machines without one and run by `scripts/test-verbs.sh` under
+//! Soft-RoCE).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use rfaas_fabric::{
+    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric,
+    MemoryRegion, Opcode, RemoteAddr, Status,
+};
+use rstest::rstest;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The verbs provider on `$RDMA_DEVICE` (default `rxe0`, as in the test VM).
+fn verbs() -> &'static str {
+    let device = std::env::var("RDMA_DEVICE").unwrap_or_else(|_| "rxe0".into());
+    Box::leak(format!("verbs:{device}").into_boxed_str())
+}
+
+/// Where a provider listens.
+fn listen_addr(provider: &str) -> String {
+    match provider {
+        "shm" => String::new(),
+        p if p.starts_with("verbs:") => {
+            format!(
+                "{}:0",
+                std::env::var("RDMA_VM_IP").unwrap_or_else(|_| "192.0.2.1".into())
+            )
+        }
+        _ => "127.0.0.1:0".into(),
+    }
+}
+
+/// Two connected endpoints of one provider, in one process: an initiator and
+/// a target, each with its own domain and completion queue.
+struct Pair {
+    fabric: Fabric,
+    target_domain: Domain,
+    target_cq: CompletionQueue,
+    target: Endpoint,
+    domain: Domain,
+    cq: CompletionQueue,
+    ep: Endpoint,
+}
+
+fn pair(provider: &str) -> Pair {
+    let fabric = Fabric::open(provider).expect("open the provider");
+    let listener = fabric.listen(&listen_addr(provider)).expect("listen");
+    let addr = listener.local_addr();
+    let target_domain = fabric.domain().expect("target domain");
+    let mut target_cq = fabric.completion_queue(1024).expect("target cq");
+    let domain = fabric.domain().expect("domain");
+    let mut cq = fabric.completion_queue(1024).expect("cq");
+    let opts = EndpointOptions::default();
+    std::thread::scope(|s| {
+        let connector = s.spawn(|| domain.connect(&addr, &mut cq, &opts).expect("connect"));
+        let target = listener
+            .accept(&target_domain, &mut target_cq, &opts, Some(TIMEOUT))
+            .expect("accept");
+        let ep = connector.join().expect("connector thread");
+        (target, ep)
+    })
+    .pipe(|(target, ep)| Pair {
+        fabric,
+        target_domain,
+        target_cq,
+        target,
+        domain,
+        cq,
+        ep,
+    })
+}
+
+trait Pipe: Sized {
+    fn pipe<T>(self, f: impl FnOnce(Self) -> T) -> T {
+        f(self)
+    }
+}
+impl<T> Pipe for T {}
+
+/// Polls until `n` completions arrived (or fails the test after TIMEOUT).
+fn completions(cq: &mut CompletionQueue, n: usize) -> Vec<Completion> {
+    let mut out = Vec::with_capacity(n);
+    let mut buf = [Completion::EMPTY; 32];
+    let deadline = Instant::now() + TIMEOUT;
+    while out.len() < n {
+        let got = cq.poll(&mut buf[..(n - out.len()).min(32)]);
+        out.extend_from_slice(&buf[..got]);
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {n} completions within {TIMEOUT:?}: {out:?}",
+            out.len()
+        );
+        if got == 0 {
+            std::thread::yield_now();
+        }
+    }
+    out
+}
+
+fn one(cq: &mut CompletionQueue) -> Completion {
+    completions(cq, 1)[0]
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+/// Byte-exact writes and reads, 0 B to 5 MB, at unaligned offsets.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn write_and_read_are_byte_exact(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let max = 5 << 20;
+    let target = p.target_domain.register(max + 64, Access::ALL).unwrap();
+    let mut src = p.domain.register(max + 64, Access::LOCAL).unwrap();
+    let dst = p.domain.register(max + 64, Access::LOCAL).unwrap();
+    let remote = target.descriptor();
+    for (i, &len) in [0usize, 1, 7, 63, 64, 4095, 4096, 65537, 1 << 20, max]
+        .iter()
+        .enumerate()
+    {
+        let src_off = [0, 3, 13, 1][i % 4];
+        let dst_off = [5, 0, 1, 11][i % 4];
+        let data = pattern(len, i as u8);
+        src.as_mut_slice()[src_off..src_off + len].copy_from_slice(&data);
+        p.ep.write(i as u64, &src, src_off, len, remote.at(dst_off as u64))
+            .unwrap();
+        let c = one(&mut p.cq);
+        assert_eq!(
+            (c.wr_id, c.opcode, c.status, c.byte_len),
+            (i as u64, Opcode::Write, Status::Success, len as u32)
+        );
+        assert!(
+            target.as_slice()[dst_off..dst_off + len] == data[..],
+            "write of {len} B at offset {dst_off} differs"
+        );
+        p.ep.read(
+            100 + i as u64,
+            &dst,
+            src_off,
+            len,
+            remote.at(dst_off as u64),
+        )
+        .unwrap();
+        let c = one(&mut p.cq);
+        assert_eq!(
+            (c.wr_id, c.opcode, c.status, c.byte_len),
+            (100 + i as u64, Opcode::Read, Status::Success, len as u32)
+        );
+        assert!(
+            dst.as_slice()[src_off..src_off + len] == data[..],
+            "read of {len} B differs"
+        );
+    }
+}
+
+/// Immediates arrive in order, each consuming one posted receive, with the
+/// write's length.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn immediates_arrive_in_order(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let src = p.domain.register(4096, Access::LOCAL).unwrap();
+    const N: u32 = 200;
+    for i in 0..N {
+        p.target
+            .post_recv(1000 + u64::from(i) % 100)
+            .unwrap_or_else(|_| {
+                // Receive queue full: drain first.
+                unreachable!("recv depth is 256")
+            });
+        if i == 99 {
+            break;
+        }
+    }
+    let mut received = Vec::new();
+    let mut posted = 100;
+    for i in 0..N {
+        p.ep.write_with_imm(
+            u64::from(i),
+            &src,
+            0,
+            (i % 64) as usize,
+            target.descriptor().at(64),
+            i,
+        )
+        .unwrap();
+        if i % 16 == 15 {
+            completions(&mut p.cq, 16);
+        }
+        let mut buf = [Completion::EMPTY; 8];
+        let n = p.target_cq.poll(&mut buf);
+        for c in &buf[..n] {
+            received.push(*c);
+            if posted < N {
+                p.target.post_recv(1000 + u64::from(posted) % 100).unwrap();
+                posted += 1;
+            }
+        }
+    }
+    while received.len() < N as usize {
+        let c = one(&mut p.target_cq);
+        received.push(c);
+        if posted < N {
+            p.target.post_recv(1000 + u64::from(posted) % 100).unwrap();
+            posted += 1;
+        }
+    }
+    for (i, c) in received.iter().enumerate() {
+        assert_eq!(c.opcode, Opcode::RecvWithImm);
+        assert_eq!(c.status, Status::Success);
+        assert_eq!(c.imm, i as u32, "immediates out of order: {received:?}");
+        assert_eq!(c.byte_len, (i % 64) as u32);
+        assert_eq!(
+            c.wr_id,
+            1000 + (i as u64) % 100,
+            "receives consumed out of order"
+        );
+    }
+}
+
+/// Fetch-and-add from several threads, each with its own endpoint and
+/// domain, sums exactly.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn fetch_add_from_threads_sums_exactly(#[case] provider: &str) {
+    let fabric = Fabric::open(provider).unwrap();
+    let listener = fabric.listen(&listen_addr(provider)).unwrap();
+    let addr = listener.local_addr();
+    let target_domain = fabric.domain().unwrap();
+    let counter = target_domain.register(64, Access::REMOTE_ATOMIC).unwrap();
+    let remote = counter.descriptor().at(8);
+    const THREADS: u64 = 4;
+    const ADDS: u64 = 500;
+    let mut target_cqs = Vec::new();
+    let mut targets = Vec::new();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let fabric = &fabric;
+                let addr = addr.clone();
+                s.spawn(move || {
+                    let domain = fabric.domain().unwrap();
+                    let mut cq = fabric.completion_queue(1024).unwrap();
+                    let ep = domain
+                        .connect(&addr, &mut cq, &EndpointOptions::default())
+                        .unwrap();
+                    let local = domain.register(8, Access::LOCAL).unwrap();
+                    let mut olds = Vec::new();
+                    for i in 0..ADDS {
+                        ep.fetch_add(i, &local, 0, remote, t + 1).unwrap();
+                        let c = one(&mut cq);
+                        assert_eq!(
+                            (c.opcode, c.status, c.byte_len),
+                            (Opcode::FetchAdd, Status::Success, 8)
+                        );
+                        olds.push(local.read_u64(0));
+                    }
+                    olds
+                })
+            })
+            .collect();
+        for _ in 0..THREADS {
+            let mut cq = fabric.completion_queue(1024).unwrap();
+            targets.push(
+                listener
+                    .accept(
+                        &target_domain,
+                        &mut cq,
+                        &EndpointOptions::default(),
+                        Some(TIMEOUT),
+                    )
+                    .unwrap(),
+            );
+            target_cqs.push(cq);
+        }
+        let mut all: Vec<u64> = workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(
+            all.len() as u64,
+            THREADS * ADDS,
+            "two adds saw the same old value"
+        );
+    });
+    let expected: u64 = (1..=THREADS).map(|t| t * ADDS).sum();
+    assert_eq!(counter.read_u64(8), expected);
+    assert_eq!(counter.read_u64(0), 0, "the neighbouring word changed");
+}
+
+/// A child process running `rfaas-fabric-probe`.
+struct Probe {
+    child: Child,
+    ready: Vec<String>,
+}
+
+impl Probe {
+    fn serve(provider: &str, listen: &str) -> Probe {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_rfaas-fabric-probe"))
+            .args(["--provider", provider, "serve", "--listen", listen])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start rfaas-fabric-probe");
+        let (tx, rx) = mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(TIMEOUT)
+            .expect("the probe did not get ready");
+        let ready: Vec<String> = line.split_whitespace().map(String::from).collect();
+        assert_eq!(
+            ready.first().map(String::as_str),
+            Some("ready"),
+            "probe said {line:?}"
+        );
+        Probe { child, ready }
+    }
+
+    fn addr(&self) -> &str {
+        &self.ready[1]
+    }
+
+    fn remote(&self) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.ready[2].parse().unwrap(),
+            rkey: self.ready[3].parse().unwrap(),
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Fetch-and-add from several processes sums exactly, on a target whose
+/// application thread never polls (it only waits for its children).
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn fetch_add_from_processes_on_a_passive_target(#[case] provider: &str) {
+    let fabric = Fabric::open(provider).unwrap();
+    let listener = fabric.listen(&listen_addr(provider)).unwrap();
+    let domain = fabric.domain().unwrap();
+    let counter = domain.register(4096, Access::REMOTE_ATOMIC).unwrap();
+    let d = counter.descriptor();
+    const PROCS: usize = 3;
+    const ADDS: u64 = 300;
+    let children: Vec<Child> = (0..PROCS)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_rfaas-fabric-probe"))
+                .args([
+                    "--provider",
+                    provider,
+                    "faa",
+                    "--connect",
+                    &listener.local_addr(),
+                ])
+                .args([
+                    "--addr",
+                    &d.addr.to_string(),
+                    "--rkey",
+                    &d.rkey.to_string(),
+                    "--count",
+                    &ADDS.to_string(),
+                ])
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("start rfaas-fabric-probe")
+        })
+        .collect();
+    let mut cqs = Vec::new();
+    let mut eps = Vec::new();
+    for _ in 0..PROCS {
+        let mut cq = fabric.completion_queue(1024).unwrap();
+        eps.push(
+            listener
+                .accept(&domain, &mut cq, &EndpointOptions::default(), Some(TIMEOUT))
+                .unwrap(),
+        );
+        cqs.push(cq);
+    }
+    // The target's application thread now only sleeps in waitpid.
+    for mut child in children {
+        let status = child.wait().unwrap();
+        assert!(status.success(), "a fetch-and-add process failed: {status}");
+    }
+    assert_eq!(counter.read_u64(0), PROCS as u64 * ADDS);
+}
+
+/// Compare-and-swap swaps only on a match and always returns the old value.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn compare_and_swap_semantics(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let mut word = p.target_domain.register(64, Access::REMOTE_ATOMIC).unwrap();
+    word.write_u64(16, 7);
+    let local = p.domain.register(64, Access::LOCAL).unwrap();
+    let remote = word.descriptor().at(16);
+    p.ep.compare_swap(1, &local, 8, remote, 5, 9).unwrap();
+    assert_eq!(one(&mut p.cq).status, Status::Success);
+    assert_eq!(
+        (local.read_u64(8), word.read_u64(16)),
+        (7, 7),
+        "swapped without a match"
+    );
+    p.ep.compare_swap(2, &local, 8, remote, 7, u64::MAX)
+        .unwrap();
+    let c = one(&mut p.cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status),
+        (2, Opcode::CompareSwap, Status::Success)
+    );
+    assert_eq!((local.read_u64(8), word.read_u64(16)), (7, u64::MAX));
+    p.ep.fetch_add(3, &local, 0, remote, 2).unwrap();
+    assert_eq!(one(&mut p.cq).status, Status::Success);
+    assert_eq!(
+        (local.read_u64(0), word.read_u64(16)),
+        (u64::MAX, 1),
+        "fetch-and-add must wrap"
+    );
+}
+
+/// One-sided operations complete while the target's application thread
+/// sleeps, and while it computes without polling.
+#[rstest]
+#[case::tcp_sleeping("tcp", false)]
+#[case::tcp_computing("tcp", true)]
+#[case::shm_sleeping("shm", false)]
+#[case::shm_computing("shm", true)]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs_sleeping(verbs(), false)]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs_computing(verbs(), true)]
+fn one_sided_operations_need_no_target_thread(#[case] provider: &str, #[case] computing: bool) {
+    let Pair {
+        fabric: _fabric,
+        target_domain,
+        target_cq,
+        target,
+        domain,
+        mut cq,
+        ep,
+    } = pair(provider);
+    let region = target_domain.register(1 << 20, Access::ALL).unwrap();
+    let remote = region.descriptor();
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    // The target side: hold everything alive and never poll.
+    let target_thread = std::thread::spawn(move || {
+        let _keep = (target_cq, target, target_domain);
+        if computing {
+            let mut x = 1u64;
+            while stop_rx.try_recv().is_err() {
+                for _ in 0..10_000 {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            }
+        } else {
+            let _ = stop_rx.recv();
+        }
+        region
+    });
+    let mut src = domain.register(1 << 20, Access::LOCAL).unwrap();
+    let data = pattern(1 << 20, 9);
+    src.as_mut_slice().copy_from_slice(&data);
+    ep.write(1, &src, 0, 1 << 20, remote.at(0)).unwrap();
+    assert_eq!(one(&mut cq).status, Status::Success);
+    let dst = domain.register(1 << 20, Access::LOCAL).unwrap();
+    ep.read(2, &dst, 0, 1 << 20, remote.at(0)).unwrap();
+    assert_eq!(one(&mut cq).status, Status::Success);
+    assert!(dst.as_slice() == &data[..]);
+    ep.fetch_add(3, &dst, 0, remote.at(64), 5).unwrap();
+    assert_eq!(one(&mut cq).status, Status::Success);
+    stop_tx.send(()).unwrap();
+    let region = target_thread.join().unwrap();
+    assert_eq!(
+        region.read_u64(64),
+        u64::from_ne_bytes(data[64..72].try_into().unwrap()).wrapping_add(5)
+    );
+}
+
+/// Every refused access is a RemoteAccess (or RemoteOperation) completion
+/// at the initiator, and the target's memory stays untouched.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let full = p.target_domain.register(4096, Access::ALL).unwrap();
+    let read_only = p.target_domain.register(4096, Access::REMOTE_READ).unwrap();
+    let write_only = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let local_only = p.target_domain.register(4096, Access::LOCAL).unwrap();
+    // A region of the initiator's own (another) domain: its rkey means nothing at the target.
+    let foreign = p.domain.register(4096, Access::ALL).unwrap();
+    let other_target_domain = p.fabric.domain().unwrap();
+    let other = other_target_domain.register(4096, Access::ALL).unwrap();
+    let mut src = p.domain.register(8192, Access::LOCAL).unwrap();
+    src.as_mut_slice().fill(0xEE);
+    let d = full.descriptor();
+    let cases: Vec<(&str, RemoteAddr, usize)> = vec![
+        (
+            "unknown rkey",
+            RemoteAddr {
+                addr: d.addr,
+                rkey: d.rkey ^ 0x5A5A_0000,
+            },
+            8,
+        ),
+        (
+            "rkey of the initiator's domain",
+            foreign.descriptor().at(0),
+            8,
+        ),
+        ("rkey of another target domain", other.descriptor().at(0), 8),
+        ("past the end", d.at(4090), 8),
+        (
+            "before the start",
+            RemoteAddr {
+                addr: d.addr - 8,
+                rkey: d.rkey,
+            },
+            8,
+        ),
+        ("longer than the region", d.at(0), 8192),
+        (
+            "wrapping address",
+            RemoteAddr {
+                addr: u64::MAX - 3,
+                rkey: d.rkey,
+            },
+            8,
+        ),
+        (
+            "write without REMOTE_WRITE",
+            read_only.descriptor().at(0),
+            8,
+        ),
+        (
+            "write to a local-only region",
+            local_only.descriptor().at(0),
+            8,
+        ),
+    ];
+    for (i, (what, remote, len)) in cases.iter().enumerate() {
+        p.ep.write(i as u64, &src, 0, *len, *remote).unwrap();
+        let c = one(&mut p.cq);
+        assert_eq!(
+            (c.wr_id, c.status),
+            (i as u64, Status::RemoteAccess),
+            "{what}: {c:?}"
+        );
+        assert_eq!(c.opcode, Opcode::Write, "{what}");
+    }
+    let dst = p.domain.register(4096, Access::LOCAL).unwrap();
+    p.ep.read(50, &dst, 0, 8, write_only.descriptor().at(0))
+        .unwrap();
+    assert_eq!(
+        one(&mut p.cq).status,
+        Status::RemoteAccess,
+        "read without REMOTE_READ"
+    );
+    p.ep.fetch_add(51, &dst, 0, write_only.descriptor().at(0), 1)
+        .unwrap();
+    assert_eq!(
+        one(&mut p.cq).status,
+        Status::RemoteAccess,
+        "atomic without REMOTE_ATOMIC"
+    );
+    p.target.post_recv(99).unwrap();
+    p.ep.write_with_imm(52, &src, 0, 8, read_only.descriptor().at(0), 7)
+        .unwrap();
+    assert_eq!(
+        one(&mut p.cq).status,
+        Status::RemoteAccess,
+        "write-with-immediate without REMOTE_WRITE"
+    );
+    p.ep.fetch_add(53, &dst, 0, d.at(4), 1).unwrap();
+    assert!(
+        matches!(
+            one(&mut p.cq).status,
+            Status::RemoteOperation | Status::RemoteAccess
+        ),
+        "a misaligned atomic must fail"
+    );
+    for (name, region) in [
+        ("full", &full),
+        ("read_only", &read_only),
+        ("write_only", &write_only),
+        ("local_only", &local_only),
+        ("other", &other),
+    ] {
+        assert!(
+            region.as_slice().iter().all(|&b| b == 0),
+            "{name} region was touched"
+        );
+    }
+    // A refused write-with-immediate consumed no receive.
+    let mut buf = [Completion::EMPTY; 4];
+    assert_eq!(
+        p.target_cq.poll(&mut buf),
+        0,
+        "the target saw a completion: {:?}",
+        &buf[..1]
+    );
+    // And the connection still works (tcp and shm keep it; verbs would not),
+    // with the receive still posted.
+    p.ep.write_with_imm(60, &src, 0, 8, d.at(0), 8).unwrap();
+    assert_eq!(one(&mut p.cq).status, Status::Success);
+    let c = one(&mut p.target_cq);
+    assert_eq!((c.wr_id, c.imm, c.status), (99, 8, Status::Success));
+    assert_eq!(full.as_slice()[..8], [0xEE; 8]);
+}
+
+/// Zero-length operations name no memory: like a NIC, no rkey is checked,
+/// and a zero-length write-with-immediate still delivers its immediate.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn zero_length_operations_check_no_rkey(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let region = p.target_domain.register(4096, Access::ALL).unwrap();
+    let src = p.domain.register(64, Access::LOCAL).unwrap();
+    let bogus = RemoteAddr {
+        addr: 8,
+        rkey: 0xDEAD_BEEF,
+    };
+    p.ep.write(1, &src, 0, 0, bogus).unwrap();
+    p.ep.read(2, &src, 0, 0, bogus).unwrap();
+    p.target.post_recv(3).unwrap();
+    p.ep.write_with_imm(4, &src, 0, 0, region.descriptor().at(0), 99)
+        .unwrap();
+    for c in completions(&mut p.cq, 3) {
+        assert_eq!((c.status, c.byte_len), (Status::Success, 0), "{c:?}");
+    }
+    let c = one(&mut p.target_cq);
+    assert_eq!((c.wr_id, c.imm, c.byte_len), (3, 99, 0));
+}
+
+/// Local mistakes are errors at once, not completions.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn local_mistakes_are_errors(#[case] provider: &str) {
+    let p = pair(provider);
+    let target = p.target_domain.register(4096, Access::ALL).unwrap();
+    let src = p.domain.register(4096, Access::LOCAL).unwrap();
+    let other = p
+        .fabric
+        .domain()
+        .unwrap()
+        .register(4096, Access::LOCAL)
+        .unwrap();
+    let remote = target.descriptor().at(0);
+    assert!(matches!(
+        p.ep.write(1, &src, 4000, 200, remote),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        p.ep.read(1, &src, usize::MAX, 2, remote),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        p.ep.write(1, &other, 0, 8, remote),
+        Err(Error::DomainMismatch(_))
+    ));
+    assert!(matches!(
+        p.ep.fetch_add(1, &src, 4, remote, 1),
+        Err(Error::InvalidArgument(_))
+    ));
+    let _ = (&p.target, &p.target_cq, &p.cq);
+}
+
+/// `wait` sleeps until a completion comes, and times out when none does.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn wait_wakes_on_a_completion_and_times_out(#[case] provider: &str) {
+    let Pair {
+        fabric: _fabric,
+        target_domain,
+        mut target_cq,
+        target,
+        domain,
+        mut cq,
+        ep,
+    } = pair(provider);
+    let region = target_domain.register(4096, Access::REMOTE_WRITE).unwrap();
+    let mut out = [Completion::EMPTY; 4];
+    let start = Instant::now();
+    assert_eq!(
+        target_cq.wait(&mut out, Duration::from_millis(50)).unwrap(),
+        0
+    );
+    assert!(
+        start.elapsed() >= Duration::from_millis(45),
+        "wait returned early: {:?}",
+        start.elapsed()
+    );
+
+    target.post_recv(77).unwrap();
+    let remote = region.descriptor().at(0);
+    let writer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        let src = domain.register(64, Access::LOCAL).unwrap();
+        ep.write_with_imm(1, &src, 0, 64, remote, 0xABCD).unwrap();
+        assert_eq!(one(&mut cq).status, Status::Success);
+        (ep, cq)
+    });
+    let start = Instant::now();
+    let n = target_cq.wait(&mut out, TIMEOUT).unwrap();
+    assert_eq!(n, 1, "wait returned without a completion");
+    assert_eq!(
+        (out[0].wr_id, out[0].opcode, out[0].imm, out[0].byte_len),
+        (77, Opcode::RecvWithImm, 0xABCD, 64)
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let _keep = writer.join().unwrap();
+}
+
+/// A write completes at the initiator even when the target's owner polled
+/// it in, then stopped polling: acknowledgements need no application.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn writes_complete_after_the_target_stops_polling(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let region = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let src = p.domain.register(64, Access::LOCAL).unwrap();
+    p.target.post_recv(1).unwrap();
+    p.ep.write_with_imm(2, &src, 0, 64, region.descriptor().at(0), 3)
+        .unwrap();
+    // The target polls hot until the request is in, then turns away.
+    let c = one(&mut p.target_cq);
+    assert_eq!((c.wr_id, c.imm), (1, 3));
+    let start = Instant::now();
+    let c = one(&mut p.cq);
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status),
+        (2, Opcode::WriteWithImm, Status::Success)
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "the completion took {:?}",
+        start.elapsed()
+    );
+}
+
+/// A peer that closes: posted receives, outstanding and later operations
+/// complete with an error.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn closed_peer_fails_operations(#[case] provider: &str) {
+    let mut p = pair(provider);
+    let region = p.target_domain.register(4096, Access::ALL).unwrap();
+    let src = p.domain.register(4096, Access::LOCAL).unwrap();
+    p.ep.post_recv(5).unwrap();
+    drop(p.target);
+    let start = Instant::now();
+    let c = one(&mut p.cq);
+    assert_eq!(
+        (c.wr_id, c.status),
+        (5, Status::PeerLost),
+        "posted receive: {c:?}"
+    );
+    p.ep.write(6, &src, 0, 8, region.descriptor().at(0))
+        .unwrap();
+    let c = one(&mut p.cq);
+    assert_eq!(
+        (c.wr_id, c.status),
+        (6, Status::PeerLost),
+        "later write: {c:?}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "peer loss took {:?}",
+        start.elapsed()
+    );
+}
+
+/// A peer process killed with SIGKILL: outstanding and later operations
+/// complete with an error within a bounded time.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn killed_peer_process_fails_operations(#[case] provider: &str) {
+    let mut probe = Probe::serve(provider, &listen_addr(provider));
+    let fabric = Fabric::open(provider).unwrap();
+    let domain = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(1024).unwrap();
+    let ep = domain
+        .connect(probe.addr(), &mut cq, &EndpointOptions::default())
+        .unwrap();
+    let local = domain.register(4096, Access::LOCAL).unwrap();
+    ep.fetch_add(1, &local, 0, probe.remote(), 1).unwrap();
+    assert_eq!(
+        one(&mut cq).status,
+        Status::Success,
+        "the probe works before it is killed"
+    );
+    ep.post_recv(2).unwrap();
+    probe.kill();
+    let start = Instant::now();
+    let c = one(&mut cq);
+    assert_eq!(
+        (c.wr_id, c.status),
+        (2, Status::PeerLost),
+        "posted receive: {c:?}"
+    );
+    for i in 0..3 {
+        ep.read(10 + i, &local, 0, 64, probe.remote()).unwrap();
+        let c = one(&mut cq);
+        assert_eq!((c.wr_id, c.opcode), (10 + i, Opcode::Read));
+        assert!(!c.status.is_ok(), "an operation on a dead peer succeeded");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "peer loss took {:?}",
+        start.elapsed()
+    );
+}
+
+/// Malformed bytes close only their own connection, with a logged reason.
+#[test]
+fn tcp_malformed_bytes_close_only_that_connection() {
+    use std::io::{Read, Write};
+    let fabric = Fabric::open("tcp").unwrap();
+    let listener = fabric.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr();
+    let domain = fabric.domain().unwrap();
+    let region = domain.register(4096, Access::ALL).unwrap();
+    let mut target_cq = fabric.completion_queue(4096).unwrap();
+    let opts = EndpointOptions::default();
+
+    // A good connection first.
+    let good_domain = fabric.domain().unwrap();
+    let mut good_cq = fabric.completion_queue(1024).unwrap();
+    let (good, _good_target) = std::thread::scope(|s| {
+        let c = s.spawn(|| good_domain.connect(&addr, &mut good_cq, &opts).unwrap());
+        let t = listener
+            .accept(&domain, &mut target_cq, &opts, Some(TIMEOUT))
+            .unwrap();
+        (c.join().unwrap(), t)
+    });
+
+    // A rogue peer: a valid hello, then garbage.
+    let mut rogue = std::net::TcpStream::connect(&addr).unwrap();
+    let hello = rfaas_proto::tcp_frame::FrameHeader::hello(16, 16).encode();
+    rogue.write_all(&hello).unwrap();
+    let _rogue_target = listener
+        .accept(&domain, &mut target_cq, &opts, Some(TIMEOUT))
+        .unwrap();
+    let mut theirs = [0u8; 40];
+    rogue.read_exact(&mut theirs).unwrap();
+    rogue.write_all(&[0xFF; 64]).unwrap();
+    rogue.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut rest = Vec::new();
+    // The target drops the connection (the progress thread serves it).
+    let n = rogue.read_to_end(&mut rest);
+    assert!(
+        matches!(n, Ok(0)) || n.is_err(),
+        "the rogue connection stayed open: {n:?}"
+    );
+    assert!(region.as_slice().iter().all(|&b| b == 0));
+
+    // The good connection carries on.
+    let local = good_domain.register(8, Access::LOCAL).unwrap();
+    good.fetch_add(1, &local, 0, region.descriptor().at(0), 3)
+        .unwrap();
+    assert_eq!(one(&mut good_cq).status, Status::Success);
+    assert_eq!(region.read_u64(0), 3);
+}
+
+/// A queue too shallow for its endpoints is refused, not overrun later.
+#[test]
+fn tcp_completion_queue_must_fit_its_endpoints() {
+    let fabric = Fabric::open("tcp").unwrap();
+    let listener = fabric.listen("127.0.0.1:0").unwrap();
+    let domain = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(16).unwrap();
+    let err = domain
+        .connect(&listener.local_addr(), &mut cq, &EndpointOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(ref m) if m.contains("completion queue")),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_providers_are_named_in_the_error() {
+    for bad in ["", "udp", "verbs:", "TCP"] {
+        let err = Fabric::open(bad).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown fabric provider"),
+            "{bad}: {err}"
+        );
+    }
+}
+
+#[cfg(not(feature = "verbs"))]
+#[test]
+fn verbs_without_the_feature_says_how_to_get_it() {
+    let err = Fabric::open("verbs:rxe0").unwrap_err();
+    assert!(err.to_string().contains("--features verbs"), "{err}");
+}
+
+/// Keeps helpers used by every provider's cases referenced.
+#[allow(dead_code)]
+fn _uses(_: &MemoryRegion) {}
