@@ -1,0 +1,35 @@
+# Shared helpers for rfaas scripts. Source it; do not run it.
+
+# Installs Debian packages that are missing, updating the package lists once.
+ensure_packages() {
+    local missing=()
+    local pkg
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    echo "rfaas: installing ${missing[*]}" >&2
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -q \
+        --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# What building rfaas needs (verbs: libibverbs, librdmacm; bindgen: libclang).
+BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
+
+ensure_rust() {
+    if ! command -v cargo >/dev/null 2>&1; then
+        [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
+    fi
+    command -v cargo >/dev/null 2>&1 || {
+        echo "rfaas: cargo is missing; install Rust (https://rustup.rs) and run this again" >&2
+        exit 1
+    }
+}
+
+# The repository root.
+repo_root() {
+    cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd
+}
