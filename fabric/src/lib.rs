@@ -22,6 +22,7 @@
 //!   arrive as error completions.
 //! - [`memory`]: [`Buffer`], [`MemoryRegion`], [`Access`], [`RemoteDescriptor`].
 //! - `registry`: the lock-free region table of the software providers.
+//! - `os`: the epoll, eventfd and poll calls the software providers share.
 //! - `tcp`: the tcp provider (frames in `tcp::frame`, the passive-target
 //!   progress thread in `tcp::progress`).
 //! - `shm`: the shared-memory provider.
@@ -47,6 +48,7 @@
 pub mod completion;
 pub mod error;
 pub mod memory;
+mod os;
 mod registry;
 mod shm;
 mod tcp;

@@ -11,7 +11,8 @@ use crossbeam_queue::ArrayQueue;
 use super::link::Link;
 use super::sys;
 use crate::completion::{Completion, Opcode, Status};
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::os;
 
 /// Epoll token of the queue's own eventfd; attached endpoint `i` uses `i + 1`.
 const OWN_EVENT: u64 = 0;
@@ -72,13 +73,13 @@ impl CqShared {
         if self.sleeping.load(Ordering::Relaxed) != 0
             && self.sleeping.swap(0, Ordering::AcqRel) != 0
         {
-            sys::signal_eventfd(self.event.as_raw_fd());
+            os::eventfd_signal(self.event.as_raw_fd());
         }
     }
 
     /// Wakes the owner unconditionally (peer loss, endpoint closed).
     pub(super) fn wake(&self) {
-        sys::signal_eventfd(self.event.as_raw_fd());
+        os::eventfd_signal(self.event.as_raw_fd());
     }
 }
 
@@ -169,9 +170,9 @@ pub(crate) struct ShmCq {
 
 impl ShmCq {
     pub(super) fn new(depth: usize) -> Result<ShmCq> {
-        let event = sys::eventfd()?;
-        let epoll = sys::epoll()?;
-        sys::epoll_add(
+        let event = os::eventfd()?;
+        let epoll = os::epoll_create()?;
+        os::epoll_add(
             epoll.as_raw_fd(),
             event.as_raw_fd(),
             libc::EPOLLIN as u32,
@@ -206,7 +207,7 @@ impl ShmCq {
                 self.links.len() - 1
             }
         };
-        sys::epoll_add(
+        os::epoll_add(
             self.epoll.as_raw_fd(),
             wake.as_raw_fd(),
             libc::EPOLLIN as u32,
@@ -231,7 +232,7 @@ impl ShmCq {
             if finished {
                 if let Some(a) = entry.take() {
                     if a.watching {
-                        sys::epoll_del(self.epoll.as_raw_fd(), a.wake.as_raw_fd());
+                        os::epoll_del(self.epoll.as_raw_fd(), a.wake.as_raw_fd());
                     }
                 }
             }
@@ -318,12 +319,12 @@ impl ShmCq {
                         self.set_sleeping(false);
                         return Ok(0);
                     }
-                    sys::ceil_ms(deadline - now)
+                    os::ceil_ms(deadline - now)
                 }
             };
-            let ready = sys::epoll_wait(self.epoll.as_raw_fd(), &mut events, ms);
+            let ready = os::epoll_wait(self.epoll.as_raw_fd(), &mut events, ms);
             self.set_sleeping(false);
-            let ready = ready.map_err(|e| Error::io("epoll_wait", e))?;
+            let ready = ready?;
             for event in &events[..ready] {
                 let token = event.u64;
                 self.on_event(token);
@@ -344,7 +345,7 @@ impl ShmCq {
 
     fn on_event(&mut self, token: u64) {
         if token == OWN_EVENT {
-            sys::drain_eventfd(self.shared.event.as_raw_fd());
+            os::eventfd_drain(self.shared.event.as_raw_fd());
             return;
         }
         let epoll = self.epoll.as_raw_fd();
@@ -352,7 +353,7 @@ impl ShmCq {
             if a.watching && !sys::drain_socket(a.wake.as_raw_fd()) {
                 // The peer's end is closed: stop watching, or epoll would
                 // report the hang-up forever. The control socket reports the loss.
-                sys::epoll_del(epoll, a.wake.as_raw_fd());
+                os::epoll_del(epoll, a.wake.as_raw_fd());
                 a.watching = false;
             }
         }

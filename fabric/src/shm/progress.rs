@@ -21,6 +21,7 @@ use super::sys;
 use super::wire::{Control, GrantInfo, MSG_LEN};
 use crate::error::{Error, Result};
 use crate::memory::Access;
+use crate::os;
 
 /// The per-process progress thread's state.
 #[derive(Debug)]
@@ -47,7 +48,7 @@ pub(super) fn progress() -> Result<Arc<Progress>> {
     }
     let p = Arc::new(Progress {
         pid,
-        epoll: sys::epoll()?,
+        epoll: os::epoll_create()?,
         links: Mutex::new(HashMap::new()),
         next_token: AtomicU64::new(1),
     });
@@ -66,7 +67,7 @@ impl Progress {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         lock(&self.links).insert(token, link.clone());
         let events = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-        if let Err(e) = sys::epoll_add(self.epoll.as_raw_fd(), link.sock.as_raw_fd(), events, token)
+        if let Err(e) = os::epoll_add(self.epoll.as_raw_fd(), link.sock.as_raw_fd(), events, token)
         {
             lock(&self.links).remove(&token);
             return Err(e);
@@ -77,14 +78,14 @@ impl Progress {
     /// Stops watching the link of `token` (idempotent).
     pub(super) fn unregister(&self, token: u64) {
         if let Some(link) = lock(&self.links).remove(&token) {
-            sys::epoll_del(self.epoll.as_raw_fd(), link.sock.as_raw_fd());
+            os::epoll_del(self.epoll.as_raw_fd(), link.sock.as_raw_fd());
         }
     }
 
     fn run(self: Arc<Self>) {
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 32];
         loop {
-            let ready = match sys::epoll_wait(self.epoll.as_raw_fd(), &mut events, -1) {
+            let ready = match os::epoll_wait(self.epoll.as_raw_fd(), &mut events, -1) {
                 Ok(n) => n,
                 Err(e) => {
                     tracing::error!(error = %e, "shm progress thread: epoll_wait failed; retrying");

@@ -8,7 +8,7 @@ use std::io;
 use std::mem::{size_of, zeroed};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::memory::map_shared;
@@ -160,32 +160,6 @@ pub(super) fn reopen_read_only(fd: RawFd) -> io::Result<OwnedFd> {
     }
     // SAFETY: raw is a fresh descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
-/// A non-blocking eventfd.
-pub(super) fn eventfd() -> Result<OwnedFd> {
-    // SAFETY: no pointers; the flags are valid.
-    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if raw < 0 {
-        return Err(Error::last_os("eventfd"));
-    }
-    // SAFETY: raw is a fresh descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
-/// Adds one to an eventfd of our own (never shared, so it stays non-blocking).
-pub(super) fn signal_eventfd(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64. A full counter (EAGAIN) means
-    // a wake-up is already pending, which is all we want.
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-}
-
-/// Resets an eventfd of our own.
-pub(super) fn drain_eventfd(fd: RawFd) {
-    let mut value: u64 = 0;
-    // SAFETY: reads at most 8 bytes into a live u64; non-blocking.
-    unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) };
 }
 
 /// A connected pair of non-blocking unix stream sockets.
@@ -353,11 +327,6 @@ pub(super) fn shutdown(fd: RawFd) {
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
 }
 
-/// Milliseconds for poll/epoll, rounded up so we never wake early.
-pub(super) fn ceil_ms(d: Duration) -> i32 {
-    d.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32
-}
-
 /// Waits until `fd` reports one of `events` (or an error/hang-up); `false`
 /// when `deadline` passed first.
 pub(super) fn wait_fd(fd: RawFd, events: i16, deadline: Option<Instant>) -> io::Result<bool> {
@@ -369,7 +338,7 @@ pub(super) fn wait_fd(fd: RawFd, events: i16, deadline: Option<Instant>) -> io::
                 if now >= d {
                     return Ok(false);
                 }
-                ceil_ms(d - now)
+                crate::os::ceil_ms(d - now)
             }
         };
         let mut p = libc::pollfd {
@@ -536,50 +505,6 @@ pub(super) fn recv_exact(
         }
     }
     Ok(())
-}
-
-/// A new epoll instance.
-pub(super) fn epoll() -> Result<OwnedFd> {
-    // SAFETY: no pointers; the flag is valid.
-    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if raw < 0 {
-        return Err(Error::last_os("epoll_create1"));
-    }
-    // SAFETY: raw is a fresh descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
-pub(super) fn epoll_add(epoll: RawFd, fd: RawFd, events: u32, token: u64) -> Result<()> {
-    let mut ev = libc::epoll_event { events, u64: token };
-    // SAFETY: ev is a valid epoll_event.
-    if unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
-        return Err(Error::last_os("epoll_ctl"));
-    }
-    Ok(())
-}
-
-pub(super) fn epoll_del(epoll: RawFd, fd: RawFd) {
-    let mut ev = libc::epoll_event { events: 0, u64: 0 };
-    // SAFETY: ev is a valid epoll_event (ignored by DEL on modern kernels).
-    unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_DEL, fd, &mut ev) };
-}
-
-/// Waits for events; `ms` < 0 waits forever. Returns how many are in `events`.
-pub(super) fn epoll_wait(
-    epoll: RawFd,
-    events: &mut [libc::epoll_event],
-    ms: i32,
-) -> io::Result<usize> {
-    // SAFETY: events is a live, writable array of its length.
-    let n = unsafe { libc::epoll_wait(epoll, events.as_mut_ptr(), events.len() as i32, ms) };
-    if n < 0 {
-        let err = io::Error::last_os_error();
-        if err.kind() == io::ErrorKind::Interrupted {
-            return Ok(0);
-        }
-        return Err(err);
-    }
-    Ok(n as usize)
 }
 
 /// Unlinks a filesystem socket path (best effort).

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use super::endpoint::EpShared;
-use super::sys;
 use crate::completion::Completion;
 use crate::error::{Error, Result};
+use crate::os;
 use crate::EndpointOptions;
 
 /// The part of a completion queue that endpoints and the progress thread see.
@@ -51,13 +51,13 @@ impl CqShared {
     pub(super) fn notify(&self) {
         fence(Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) {
-            sys::eventfd_signal(self.eventfd.as_raw_fd());
+            os::eventfd_signal(self.eventfd.as_raw_fd());
         }
     }
 
     /// Takes a closed endpoint's socket out of the waiter's set.
     pub(super) fn forget(&self, fd: RawFd) {
-        let _ = sys::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, 0, 0);
+        let _ = os::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, 0, 0);
     }
 }
 
@@ -82,9 +82,9 @@ impl std::fmt::Debug for TcpCq {
 
 impl TcpCq {
     pub(super) fn new(depth: usize) -> Result<TcpCq> {
-        let eventfd = sys::eventfd()?;
-        let epfd = sys::epoll_create()?;
-        sys::epoll_ctl(
+        let eventfd = os::eventfd()?;
+        let epfd = os::epoll_create()?;
+        os::epoll_ctl(
             epfd.as_raw_fd(),
             libc::EPOLL_CTL_ADD,
             eventfd.as_raw_fd(),
@@ -127,7 +127,7 @@ impl TcpCq {
     pub(super) fn attach(&mut self, ep: Arc<EpShared>, opts: &EndpointOptions) {
         let need = opts.send_depth + opts.recv_depth;
         self.reserved += need;
-        let _ = sys::epoll_ctl(
+        let _ = os::epoll_ctl(
             self.shared.epfd.as_raw_fd(),
             libc::EPOLL_CTL_ADD,
             ep.fd(),
@@ -206,15 +206,15 @@ impl TcpCq {
                 self.shared.waiting.store(false, Ordering::SeqCst);
                 return Ok(0);
             }
-            let ready = sys::epoll_wait(
+            let ready = os::epoll_wait(
                 self.shared.epfd.as_raw_fd(),
                 &mut events,
-                sys::timeout_ms(Some(left)),
+                os::timeout_ms(Some(left)),
             );
             self.shared.waiting.store(false, Ordering::SeqCst);
             let ready = ready?;
             if events[..ready].iter().any(|e| e.u64 == EVENTFD_TOKEN) {
-                sys::eventfd_drain(self.shared.eventfd.as_raw_fd());
+                os::eventfd_drain(self.shared.eventfd.as_raw_fd());
             }
         }
     }
@@ -229,7 +229,7 @@ impl TcpCq {
                 if pending {
                     events |= libc::EPOLLOUT as u32;
                 }
-                sys::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, ep.fd(), events, ep.id)?;
+                os::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, ep.fd(), events, ep.id)?;
                 *watching = pending;
             }
         }

@@ -33,6 +33,9 @@ use crate::EndpointOptions;
 const STAGING: usize = 64 * 1024;
 /// Payloads at least this long are read straight into the target memory.
 const DIRECT_READ: usize = 16 * 1024;
+/// Requests after which an acknowledgement goes out on its own, so a
+/// stream whose sender keeps only a few in flight is not held up.
+const ACK_EVERY: usize = 8;
 /// Empty polls after which a pending acknowledgement is sent on its own.
 const IDLE_POLLS_BEFORE_ACK: u32 = 64;
 /// Frames up to this size (header included) are copied into one buffer
@@ -194,7 +197,7 @@ impl TcpEndpoint {
             cq: cq.shared().clone(),
             recvs: ArrayQueue::new(opts.recv_depth),
             send_depth: opts.send_depth,
-            ack_threshold: (peer_send_depth / 2).max(1) as u32,
+            ack_threshold: (peer_send_depth / 2).clamp(1, ACK_EVERY) as u32,
             dead: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             tx_pending: AtomicBool::new(false),

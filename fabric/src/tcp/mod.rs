@@ -44,6 +44,7 @@ pub(crate) use endpoint::TcpEndpoint;
 
 use crate::error::{Error, Result};
 use crate::memory::{Access, MemoryRegion};
+use crate::os;
 use crate::registry::{register_soft, Registry};
 use crate::EndpointOptions;
 
@@ -129,7 +130,7 @@ impl TcpListener {
         opts: &EndpointOptions,
         timeout: Option<Duration>,
     ) -> Result<TcpEndpoint> {
-        if !sys::wait_readable(self.listener.as_raw_fd(), timeout)? {
+        if !os::wait_readable(self.listener.as_raw_fd(), timeout)? {
             return Err(Error::Timeout("accepting a tcp connection"));
         }
         let (stream, peer) = self.listener.accept().map_err(|e| Error::io("accept", e))?;

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::endpoint::EpShared;
-use super::sys;
+use crate::os;
 
 /// Shortest interval between re-checks of disarmed endpoints.
 const MIN_TICK: Duration = Duration::from_millis(1);
@@ -55,9 +55,9 @@ fn thread() -> Option<&'static Arc<Thread>> {
 }
 
 fn start() -> crate::Result<Arc<Thread>> {
-    let epfd = sys::epoll_create()?;
-    let wake = sys::eventfd()?;
-    sys::epoll_ctl(
+    let epfd = os::epoll_create()?;
+    let wake = os::eventfd()?;
+    os::epoll_ctl(
         epfd.as_raw_fd(),
         libc::EPOLL_CTL_ADD,
         wake.as_raw_fd(),
@@ -80,7 +80,7 @@ fn start() -> crate::Result<Arc<Thread>> {
 fn send(cmd: Cmd) {
     if let Some(t) = thread() {
         t.inbox.lock().unwrap_or_else(|p| p.into_inner()).push(cmd);
-        sys::eventfd_signal(t.wake.as_raw_fd());
+        os::eventfd_signal(t.wake.as_raw_fd());
     }
 }
 
@@ -121,11 +121,11 @@ impl Thread {
             // every MAX_TICK, for acknowledgements their owner left behind.
             let disarmed = entries.values().any(|e| !e.armed);
             let ms = match (disarmed, entries.is_empty()) {
-                (true, _) => sys::timeout_ms(Some(tick)),
-                (false, false) => sys::timeout_ms(Some(MAX_TICK)),
+                (true, _) => os::timeout_ms(Some(tick)),
+                (false, false) => os::timeout_ms(Some(MAX_TICK)),
                 (false, true) => -1,
             };
-            let ready = match sys::epoll_wait(self.epfd.as_raw_fd(), &mut events, ms) {
+            let ready = match os::epoll_wait(self.epfd.as_raw_fd(), &mut events, ms) {
                 Ok(n) => n,
                 Err(e) => {
                     tracing::error!(error = %e, "tcp progress thread: epoll_wait failed");
@@ -135,7 +135,7 @@ impl Thread {
             };
             for event in &events[..ready] {
                 if event.u64 == WAKE_TOKEN {
-                    sys::eventfd_drain(self.wake.as_raw_fd());
+                    os::eventfd_drain(self.wake.as_raw_fd());
                     self.take_inbox(&mut entries);
                     continue;
                 }
@@ -230,7 +230,7 @@ impl Thread {
         if entry.ep.tx_pending.load(Ordering::Acquire) {
             events |= libc::EPOLLOUT as u32;
         }
-        match sys::epoll_ctl(self.epfd.as_raw_fd(), op, entry.ep.fd(), events, id) {
+        match os::epoll_ctl(self.epfd.as_raw_fd(), op, entry.ep.fd(), events, id) {
             Ok(()) => entry.armed = true,
             Err(e) => {
                 tracing::warn!(error = %e, "tcp progress thread cannot watch an endpoint");
@@ -240,7 +240,7 @@ impl Thread {
 
     fn remove(&self, entries: &mut HashMap<u64, Entry>, id: u64) {
         if let Some(entry) = entries.remove(&id) {
-            let _ = sys::epoll_ctl(
+            let _ = os::epoll_ctl(
                 self.epfd.as_raw_fd(),
                 libc::EPOLL_CTL_DEL,
                 entry.ep.fd(),

@@ -1,8 +1,7 @@
-//! Socket and epoll calls that std does not offer.
+//! Socket options std does not offer.
 
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::time::Duration;
+use std::os::fd::AsRawFd;
 
 use crate::error::{Error, Result};
 
@@ -31,101 +30,4 @@ pub(super) fn tune_socket(stream: &TcpStream) -> Result<()> {
     set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1)?;
     set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)?;
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, 10_000)
-}
-
-/// Waits until `fd` is readable; `false` on timeout.
-pub(super) fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> Result<bool> {
-    let ms = timeout_ms(timeout);
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: pfd is a valid pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc >= 0 {
-            return Ok(rc > 0);
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::io("poll", err));
-        }
-    }
-}
-
-/// A timeout as epoll/poll milliseconds, rounded up; -1 for none.
-pub(super) fn timeout_ms(timeout: Option<Duration>) -> i32 {
-    match timeout {
-        None => -1,
-        Some(t) => {
-            let ms = t.as_micros().div_ceil(1000);
-            i32::try_from(ms).unwrap_or(i32::MAX)
-        }
-    }
-}
-
-pub(super) fn epoll_create() -> Result<OwnedFd> {
-    // SAFETY: plain syscall.
-    let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::last_os("epoll_create1"));
-    }
-    // SAFETY: fd is fresh and ours.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-pub(super) fn eventfd() -> Result<OwnedFd> {
-    // SAFETY: plain syscall.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if fd < 0 {
-        return Err(Error::last_os("eventfd"));
-    }
-    // SAFETY: fd is fresh and ours.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// Adds 1 to an eventfd (wakes whoever sleeps on it).
-pub(super) fn eventfd_signal(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a live u64. A full counter (EAGAIN)
-    // already means "signalled", so the result is irrelevant.
-    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-}
-
-/// Resets an eventfd.
-pub(super) fn eventfd_drain(fd: RawFd) {
-    let mut value: u64 = 0;
-    // SAFETY: reads 8 bytes into a live u64; EAGAIN means already drained.
-    unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) };
-}
-
-/// `epoll_ctl`; `ENOENT` on delete and `EEXIST` on add are not errors.
-pub(super) fn epoll_ctl(epfd: RawFd, op: i32, fd: RawFd, events: u32, data: u64) -> Result<()> {
-    let mut event = libc::epoll_event { events, u64: data };
-    // SAFETY: event is valid for the call.
-    let rc = unsafe { libc::epoll_ctl(epfd, op, fd, &mut event) };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::ENOENT) if op == libc::EPOLL_CTL_DEL => {}
-            Some(libc::EEXIST) if op == libc::EPOLL_CTL_ADD => {}
-            _ => return Err(Error::io("epoll_ctl", err)),
-        }
-    }
-    Ok(())
-}
-
-/// `epoll_wait` into `events`; returns how many are ready (0 on timeout or EINTR).
-pub(super) fn epoll_wait(epfd: RawFd, events: &mut [libc::epoll_event], ms: i32) -> Result<usize> {
-    // SAFETY: events is a valid, writable array of the given length.
-    let rc = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, ms) };
-    if rc < 0 {
-        let err = std::io::Error::last_os_error();
-        if err.kind() == std::io::ErrorKind::Interrupted {
-            return Ok(0);
-        }
-        return Err(Error::io("epoll_wait", err));
-    }
-    Ok(rc as usize)
 }

@@ -5,12 +5,14 @@
 //! - `bandwidth`: a stream of one-sided writes of each `--bw-sizes` size,
 //!   up to `WINDOW` outstanding, ended by a write-with-immediate the peer
 //!   answers, so the time covers every byte placed in the peer's memory.
+//!   The peer busy-polls, as a hot rfaas worker does.
+//! - `bandwidth_passive`: the same with the peer asleep in `wait`: on shm
+//!   (and verbs) the writes need no target CPU; on tcp the target's library
+//!   wakes to place the data.
 //!
 //! The peer (`--serve fabric_echo <provider> <addr> <region-len> <spin|wait>`)
 //! echoes every write-with-immediate with one of the same length and
-//! immediate. For `pingpong` it busy-polls; for `bandwidth` it sleeps in
-//! `wait`, as the target of one-sided writes needs no CPU (a spinning peer
-//! on the sibling hyperthread would also slow the initiator's copies).
+//! immediate, busy-polling (`spin`) or sleeping in `wait`.
 
 use rfaas_fabric::{
     Access, Completion, CompletionQueue, EndpointOptions, Fabric, Opcode, RemoteAddr,
@@ -24,6 +26,7 @@ use crate::stats::time_round_trips;
 
 const PINGPONG: &str = "pingpong";
 const BANDWIDTH: &str = "bandwidth";
+const BANDWIDTH_PASSIVE: &str = "bandwidth_passive";
 const ECHO: &str = "fabric_echo";
 
 /// Immediate of the first message, which carries the initiator's reply descriptor.
@@ -47,6 +50,13 @@ pub const SUITE: Suite = Suite {
             runner: Runner::PerProvider {
                 kind: None,
                 run: bandwidth,
+            },
+        },
+        RowSpec {
+            name: BANDWIDTH_PASSIVE,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: bandwidth_passive,
             },
         },
     ],
@@ -194,32 +204,34 @@ fn pingpong(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
 }
 
 fn bandwidth(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    bandwidth_with(ctx, provider, BANDWIDTH, "spin", out)
+}
+
+fn bandwidth_passive(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    bandwidth_with(ctx, provider, BANDWIDTH_PASSIVE, "wait", out)
+}
+
+fn bandwidth_with(
+    ctx: &Ctx,
+    provider: &Provider,
+    name: &str,
+    mode: &str,
+    out: &mut Report,
+) -> Result<()> {
     let max = ctx.bw_sizes.iter().copied().max().unwrap_or(1).max(4096);
-    let (peer, mut s) = Session::open(ctx, provider, max, "wait")?;
+    let (peer, mut s) = Session::open(ctx, provider, max, mode)?;
     for &size in &ctx.bw_sizes {
+        // Untimed first: faults the pages in on both sides and fetches
+        // region grants, as the baselines' warm-up copy does.
+        stream(&mut s, size, WINDOW as u64)?;
+        s.round_trip(0, 2)?;
         let messages = ctx.bw_messages(size);
         let start = std::time::Instant::now();
-        let (mut posted, mut completed) = (0u64, 0u64);
-        while completed < messages {
-            while posted < messages && posted - completed < WINDOW as u64 {
-                match s.ep.write(posted, &s.src, 0, size, s.remote) {
-                    Ok(()) => posted += 1,
-                    Err(e) if e.is_retryable() => break,
-                    Err(e) => return Err(Error::new(format!("posting a write: {e}"))),
-                }
-            }
-            let n = s.cq.poll(&mut s.done);
-            for c in &s.done[..n] {
-                if !c.status.is_ok() {
-                    return Err(Error::new(format!("{:?} failed: {}", c.opcode, c.status)));
-                }
-                completed += 1;
-            }
-        }
+        stream(&mut s, size, messages)?;
         s.round_trip(0, 2)?;
         let elapsed = start.elapsed();
         out.push(&Row::bandwidth(
-            BANDWIDTH,
+            name,
             &provider.spec,
             size,
             messages * size as u64,
@@ -228,6 +240,28 @@ fn bandwidth(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
     }
     drop(s);
     drop(peer);
+    Ok(())
+}
+
+/// Writes `messages` messages of `size` bytes, `WINDOW` in flight.
+fn stream(s: &mut Session, size: usize, messages: u64) -> Result<()> {
+    let (mut posted, mut completed) = (0u64, 0u64);
+    while completed < messages {
+        while posted < messages && posted - completed < WINDOW as u64 {
+            match s.ep.write(posted, &s.src, 0, size, s.remote) {
+                Ok(()) => posted += 1,
+                Err(e) if e.is_retryable() => break,
+                Err(e) => return Err(Error::new(format!("posting a write: {e}"))),
+            }
+        }
+        let n = s.cq.poll(&mut s.done);
+        for c in &s.done[..n] {
+            if !c.status.is_ok() {
+                return Err(Error::new(format!("{:?} failed: {}", c.opcode, c.status)));
+            }
+            completed += 1;
+        }
+    }
     Ok(())
 }
 

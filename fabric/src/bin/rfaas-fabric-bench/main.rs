@@ -68,6 +68,11 @@ struct Args {
     #[arg(long, default_value_t = 256 << 20)]
     bw_bytes: u64,
 
+    /// Measure every row this many times and report each row's best round
+    /// (see report.rs for why).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
+
     /// Only these rows (comma-separated names); all when absent.
     #[arg(long, value_delimiter = ',')]
     rows: Option<Vec<String>>,
@@ -129,8 +134,15 @@ fn run(args: &Args) -> Result<()> {
             format!("could not pin the bench to CPU {cpu} (--cpu-pin off skips pinning)")
         })?;
     }
-    let mut report = Report::new(args.json);
-    rows::run(SUITES, args.rows.as_deref(), &ctx, &mut report)
+    let rounds = args.rounds as usize;
+    let mut report = Report::new(args.json, rounds);
+    for round in 1..=rounds {
+        if rounds > 1 {
+            eprintln!("round {round} of {rounds}");
+        }
+        rows::run(SUITES, args.rows.as_deref(), &ctx, &mut report)?;
+    }
+    report.finish()
 }
 
 fn context(args: &Args) -> Result<Ctx> {

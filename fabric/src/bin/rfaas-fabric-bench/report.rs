@@ -1,7 +1,11 @@
 //! Rows -> a human table, and with `--json` one JSON object per line.
 //!
 //! With `--json` stdout carries only the JSON lines (so `| jq` works) and the
-//! table goes to stderr. Rows are printed as they finish.
+//! table goes to stderr. With one round, rows are printed as they finish.
+//! With `--rounds N` every row is measured N times and its best round is
+//! printed at the end (lowest median latency, highest bandwidth): on a
+//! shared machine a slow round says more about the neighbours than about
+//! the code, and the best rounds of two rows compare like with like.
 
 use std::io::{self, Write};
 
@@ -106,20 +110,59 @@ fn header() -> String {
 pub struct Report {
     json: bool,
     header_written: bool,
+    rounds: usize,
+    /// With several rounds: the best of each row so far, in first-seen order.
+    best: Vec<Row>,
+}
+
+impl Row {
+    /// Whether `self` is a better measurement than `other` of the same row.
+    fn beats(&self, other: &Row) -> bool {
+        match (&self.measure, &other.measure) {
+            (Measure::Latency(a), Measure::Latency(b)) => a.median_ns < b.median_ns,
+            (
+                Measure::Bandwidth { bytes_per_s: a, .. },
+                Measure::Bandwidth { bytes_per_s: b, .. },
+            ) => a > b,
+            _ => false,
+        }
+    }
 }
 
 impl Report {
-    pub fn new(json: bool) -> Self {
+    pub fn new(json: bool, rounds: usize) -> Self {
         Self {
             json,
             header_written: false,
+            rounds,
+            best: Vec::new(),
         }
     }
 
-    /// Prints `row` now, so a long run shows progress.
+    /// Prints `row` now (one round), or keeps it if it is its row's best.
     pub fn push(&mut self, row: &Row) -> Result<()> {
+        if self.rounds > 1 {
+            let same = |r: &&mut Row| {
+                r.name == row.name && r.provider == row.provider && r.size == row.size
+            };
+            match self.best.iter_mut().find(same) {
+                Some(best) if row.beats(best) => *best = row.clone(),
+                Some(_) => {}
+                None => self.best.push(row.clone()),
+            }
+            return Ok(());
+        }
         self.write(row)
             .context(|| format!("could not print the result of row {}", row.name))
+    }
+
+    /// Prints the best round of every row (several rounds only).
+    pub fn finish(&mut self) -> Result<()> {
+        for row in std::mem::take(&mut self.best) {
+            self.write(&row)
+                .context(|| format!("could not print the result of row {}", row.name))?;
+        }
+        Ok(())
     }
 
     fn write(&mut self, row: &Row) -> io::Result<()> {
@@ -169,6 +212,28 @@ fn size(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn several_rounds_keep_each_rows_best() {
+        let lat = |median| {
+            let mut samples = vec![median; 3];
+            Row::latency("pingpong", "tcp", 64, Summary::of(&mut samples).unwrap())
+        };
+        let bw = |bytes: u64| {
+            Row::bandwidth(
+                "bandwidth",
+                "tcp",
+                64,
+                bytes,
+                std::time::Duration::from_secs(1),
+            )
+        };
+        let mut report = Report::new(true, 3);
+        for row in [lat(900), bw(10), lat(700), bw(30), lat(800), bw(20)] {
+            report.push(&row).unwrap();
+        }
+        assert_eq!(report.best, vec![lat(700), bw(30)]);
+    }
 
     #[test]
     fn latency_row_json_has_exactly_the_latency_keys() {

@@ -78,29 +78,18 @@ pub struct Provider {
 impl Provider {
     pub fn parse(spec: &str) -> Result<Provider> {
         let spec = spec.trim();
-        let (kind, device) = match spec.split_once(':') {
-            Some((kind, device)) => (kind, Some(device)),
-            None => (spec, None),
-        };
-        let kind = match (kind, device) {
-            ("tcp", None) => Kind::Tcp,
-            ("shm", None) => Kind::Shm,
-            ("verbs", Some(d)) if !d.is_empty() => Kind::Verbs,
-            ("verbs", _) => {
-                return Err(Error::new(format!(
-                    "provider `{spec}` names no device; write verbs:<device>, e.g. verbs:rxe0"
-                )))
-            }
-            _ => {
-                return Err(Error::new(format!(
-                    "unknown provider `{spec}`; expected tcp, shm or verbs:<device>"
-                )))
-            }
+        let parsed: rfaas_fabric::ProviderKind = spec
+            .parse()
+            .map_err(|e: rfaas_fabric::Error| Error::new(e.to_string()))?;
+        let (kind, device) = match parsed {
+            rfaas_fabric::ProviderKind::Tcp => (Kind::Tcp, None),
+            rfaas_fabric::ProviderKind::Shm => (Kind::Shm, None),
+            rfaas_fabric::ProviderKind::Verbs(device) => (Kind::Verbs, Some(device)),
         };
         Ok(Provider {
             spec: spec.to_owned(),
             kind,
-            device: device.map(str::to_owned),
+            device,
         })
     }
 }
