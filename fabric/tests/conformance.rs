@@ -881,10 +881,46 @@ fn killed_peer_process_fails_operations(#[case] provider: &str) {
     );
 }
 
+/// What the fabric logs through `tracing`, captured for assertions.
+#[derive(Clone, Default)]
+struct CapturedLog(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl CapturedLog {
+    /// Installs the process-wide subscriber once and returns its buffer.
+    fn install() -> CapturedLog {
+        static LOG: std::sync::OnceLock<CapturedLog> = std::sync::OnceLock::new();
+        LOG.get_or_init(|| {
+            let log = CapturedLog::default();
+            let writer = log.clone();
+            tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_writer(move || writer.clone())
+                .init();
+            log
+        })
+        .clone()
+    }
+
+    fn contents(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for CapturedLog {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Malformed bytes close only their own connection, with a logged reason.
 #[test]
 fn tcp_malformed_bytes_close_only_that_connection() {
     use std::io::{Read, Write};
+    let log = CapturedLog::install();
     let fabric = Fabric::open("tcp").unwrap();
     let listener = fabric.listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr();
@@ -921,6 +957,11 @@ fn tcp_malformed_bytes_close_only_that_connection() {
     assert!(
         matches!(n, Ok(0)) || n.is_err(),
         "the rogue connection stayed open: {n:?}"
+    );
+    let logged = log.contents();
+    assert!(
+        logged.contains("protocol violation: malformed frame: unknown frame kind 255"),
+        "the reason was not logged: {logged:?}"
     );
     assert!(region.as_slice().iter().all(|&b| b == 0));
 

@@ -70,6 +70,10 @@ enum Cmd {
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn main() {
+    // The fabric reports connection failures through `tracing`.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
     let args = Args::parse();
     if let Err(e) = run(args) {
         eprintln!("rfaas-fabric-probe: {e}");
