@@ -14,6 +14,8 @@
 //! - [`status`]: [`InvocationStatus`], the stable codes of how an invocation
 //!   ended.
 //! - [`error`]: [`ProtoError`], what can be wrong with bytes or values.
+//! - [`shm_control`]: the control messages of the fabric's `shm` provider
+//!   (hello and region grants over a unix socket).
 //! - [`tcp_frame`]: the frames of the fabric's `tcp` provider (software RDMA
 //!   over TCP), with their own [`tcp_frame::FrameError`].
 //!
@@ -107,6 +109,7 @@
 pub mod error;
 pub mod header;
 pub mod imm;
+pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;
 

@@ -20,7 +20,7 @@ use rfaas_fabric::{Access, Completion, EndpointOptions, Fabric, Opcode, RemoteAd
     about = "Checks the rfaas fabric between two processes or nodes"
 )]
 struct Args {
-    /// Fabric provider: tcp, shm or verbs:<device>.
+    /// Fabric provider: `tcp`, `shm` or `verbs:<device>`.
     #[arg(long, default_value = "tcp")]
     provider: String,
     #[command(subcommand)]

@@ -15,12 +15,14 @@ use super::link::Link;
 use super::progress::{progress, Progress};
 use super::ring::{self, Inbound, Outbound};
 use super::sys::{self, Mapping};
-use super::wire::{Control, Hello, HelloError, HelloKind, RejectReason, MSG_LEN, VERSION};
 use super::{validity_word, DomainState, VALIDITY_BYTES};
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
 use crate::memory::{page_size, Access, MemoryRegion, RemoteAddr};
 use crate::EndpointOptions;
+use rfaas_proto::shm_control::{
+    Control, Hello, HelloError, HelloKind, RejectReason, MSG_LEN, VERSION,
+};
 
 /// How long an endpoint waits for the peer's progress thread to answer a
 /// grant request before it declares the peer lost.

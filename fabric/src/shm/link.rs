@@ -12,9 +12,9 @@ use crossbeam_queue::ArrayQueue;
 use super::cq::CqShared;
 use super::ring::Inbound;
 use super::sys;
-use super::wire::{GrantInfo, MSG_LEN};
 use super::DomainState;
 use crate::completion::Status;
+use rfaas_proto::shm_control::{GrantInfo, MSG_LEN};
 
 /// Locks `m`, ignoring poisoning (every critical section leaves consistent state).
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -8,7 +8,8 @@
 //!   *inbound immediate ring* (a memfd) and a *wake-up socket pair*, and
 //!   passes the ring, one end of the pair and its domain's read-only
 //!   *validity table* in a hello (magic, version, depths) with SCM_RIGHTS.
-//!   The socket stays open as the control channel ([`wire`]).
+//!   The socket stays open as the control channel
+//!   ([`rfaas_proto::shm_control`]).
 //! - **Grants.** Operations are one-sided: the initiator copies straight
 //!   into or out of its mapping of the target's memory. Before the first
 //!   access to an rkey it asks the target for it; the target looks the rkey
@@ -87,7 +88,7 @@
 //!
 //! # Files
 //!
-//! - [`wire`]: hello and grant messages (their bytes are pinned by tests).
+//! - the hello and grant messages are `rfaas_proto::shm_control`.
 //! - [`ring`]: the immediate ring and its doorbells.
 //! - [`cq`]: the completion queue, `poll` and the wake-up protocol of `wait`.
 //! - [`endpoint`]: connection set-up, the grant cache, the operations.
@@ -103,7 +104,6 @@ mod listener;
 mod progress;
 mod ring;
 mod sys;
-mod wire;
 
 #[cfg(test)]
 mod tests;

@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use super::link::{lock, Link, Reply, Rx};
 use super::sys;
-use super::wire::{Control, GrantInfo, MSG_LEN};
 use crate::error::{Error, Result};
 use crate::memory::Access;
 use crate::os;
+use rfaas_proto::shm_control::{Control, GrantInfo, MSG_LEN};
 
 /// The per-process progress thread's state.
 #[derive(Debug)]

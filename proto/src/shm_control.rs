@@ -1,8 +1,8 @@
 //! The shm control protocol: the hello of connection set-up and the grant
 //! messages, all 64 bytes, little-endian, over the unix stream socket.
 //!
-//! It never leaves the node and both ends run this library, so it lives
-//! here rather than in `rfaas-proto`; its bytes are pinned by the tests below.
+//! It never leaves the node and only the fabric's `shm` provider speaks it;
+//! its bytes are pinned by the tests below.
 //!
 //! | message | bytes | descriptors (SCM_RIGHTS) |
 //! |---|---|---|
@@ -12,15 +12,15 @@
 //! | grant reply | kind u32 = 2, status u32 (0 granted, 1 refused), request id u64, rkey u32, access u32, base u64, len u64, mapped len u64, serial u64, zeros | the region's memfd when granted |
 
 /// Every message is this long.
-pub(super) const MSG_LEN: usize = 64;
+pub const MSG_LEN: usize = 64;
 /// First bytes of a hello.
-pub(super) const MAGIC: [u8; 8] = *b"RFAASSHM";
+pub const MAGIC: [u8; 8] = *b"RFAASSHM";
 /// Protocol version; a peer with another one is refused at connect.
-pub(super) const VERSION: u16 = 1;
+pub const VERSION: u16 = 1;
 
 /// What a hello says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum HelloKind {
+pub enum HelloKind {
     /// The connecting side's opening.
     Connect = 1,
     /// The accepting side's answer.
@@ -31,7 +31,7 @@ pub(super) enum HelloKind {
 
 /// Why a hello was rejected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum RejectReason {
+pub enum RejectReason {
     /// Another protocol version.
     Version = 1,
     /// Descriptors missing or not what the protocol says.
@@ -41,7 +41,8 @@ pub(super) enum RejectReason {
 }
 
 impl RejectReason {
-    pub(super) fn describe(code: u32) -> &'static str {
+    /// A sentence for a reject reason code (unknown codes included).
+    pub fn describe(code: u32) -> &'static str {
         match code {
             1 => "the listener speaks another shm protocol version",
             2 => "the listener could not use the shared memory we passed",
@@ -53,11 +54,16 @@ impl RejectReason {
 
 /// The first message of each side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Hello {
+pub struct Hello {
+    /// Which side, or a refusal.
     pub kind: HelloKind,
+    /// [`VERSION`] of the sender.
     pub version: u16,
+    /// The sender's process id (for logs: which peer is this).
     pub pid: u32,
+    /// Operations the sender keeps outstanding at most.
     pub send_depth: u32,
+    /// Receives the sender keeps posted at most.
     pub recv_depth: u32,
     /// Capacity (a power of two) of the sender's inbound immediate ring.
     pub ring_cap: u32,
@@ -67,7 +73,7 @@ pub(super) struct Hello {
 
 /// A hello that is not one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum HelloError {
+pub enum HelloError {
     /// Not our magic: the peer is not an rfaas shm endpoint.
     Magic,
     /// Our magic, another version.
@@ -90,7 +96,8 @@ impl std::fmt::Display for HelloError {
 }
 
 impl Hello {
-    pub(super) fn encode(&self) -> [u8; MSG_LEN] {
+    /// The 64 bytes of this hello.
+    pub fn encode(&self) -> [u8; MSG_LEN] {
         let mut b = [0u8; MSG_LEN];
         b[0..8].copy_from_slice(&MAGIC);
         b[8..10].copy_from_slice(&self.version.to_le_bytes());
@@ -103,7 +110,8 @@ impl Hello {
         b
     }
 
-    pub(super) fn decode(b: &[u8; MSG_LEN]) -> Result<Hello, HelloError> {
+    /// Decodes a hello, refusing another magic, version or kind.
+    pub fn decode(b: &[u8; MSG_LEN]) -> Result<Hello, HelloError> {
         if b[0..8] != MAGIC {
             return Err(HelloError::Magic);
         }
@@ -131,8 +139,8 @@ impl Hello {
 
 /// What a target grants for one region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct GrantInfo {
-    /// [`crate::Access`] bits.
+pub struct GrantInfo {
+    /// `rfaas_fabric::Access` bits.
     pub access: u32,
     /// Address of the region's first byte in the target's address space.
     pub base: u64,
@@ -146,13 +154,21 @@ pub(super) struct GrantInfo {
 
 /// A message after set-up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Control {
+pub enum Control {
     /// "Grant me the region named `rkey`."
-    GrantRequest { req_id: u64, rkey: u32 },
+    GrantRequest {
+        /// Matches the reply to the request.
+        req_id: u64,
+        /// The region asked for.
+        rkey: u32,
+    },
     /// The answer; `None` refuses (unknown rkey, other domain, no remote right).
     GrantReply {
+        /// The request answered.
         req_id: u64,
+        /// The region asked for.
         rkey: u32,
+        /// What is granted, if anything.
         grant: Option<GrantInfo>,
     },
 }
@@ -161,7 +177,8 @@ const GRANT_REQUEST: u32 = 1;
 const GRANT_REPLY: u32 = 2;
 
 impl Control {
-    pub(super) fn encode(&self) -> [u8; MSG_LEN] {
+    /// The 64 bytes of this message.
+    pub fn encode(&self) -> [u8; MSG_LEN] {
         let mut b = [0u8; MSG_LEN];
         match *self {
             Control::GrantRequest { req_id, rkey } => {
@@ -191,7 +208,7 @@ impl Control {
     }
 
     /// `None` for a message this version does not know.
-    pub(super) fn decode(b: &[u8]) -> Option<Control> {
+    pub fn decode(b: &[u8]) -> Option<Control> {
         let b: &[u8; MSG_LEN] = b.try_into().ok()?;
         let req_id = u64_at(b, 8);
         let rkey = u32_at(b, 16);
