@@ -340,14 +340,13 @@ impl Endpoint {
         local.check_range(offset, len)
     }
 
-    fn check_atomic(&self, local: &MemoryRegion, offset: usize, remote: RemoteAddr) -> Result<()> {
+    fn check_atomic(&self, local: &MemoryRegion, offset: usize) -> Result<()> {
         self.check_local(local, offset, 8)?;
         if offset % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "the local result word of an atomic must be 8-byte aligned, offset {offset} is not"
             )));
         }
-        let _ = remote;
         Ok(())
     }
 
@@ -402,7 +401,7 @@ impl Endpoint {
         remote: RemoteAddr,
         add: u64,
     ) -> Result<()> {
-        self.check_atomic(local, offset, remote)?;
+        self.check_atomic(local, offset)?;
         dispatch!(&self.imp, e => e.fetch_add(wr_id, local, offset, remote, add))
     }
 
@@ -417,7 +416,7 @@ impl Endpoint {
         compare: u64,
         swap: u64,
     ) -> Result<()> {
-        self.check_atomic(local, offset, remote)?;
+        self.check_atomic(local, offset)?;
         dispatch!(&self.imp, e => e.compare_swap(wr_id, local, offset, remote, compare, swap))
     }
 

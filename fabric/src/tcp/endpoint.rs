@@ -1030,11 +1030,13 @@ impl EpShared {
         let mut any = false;
         while self.cq.free() > 0 {
             let Some(wr_id) = self.recvs.pop() else { break };
-            self.cq.push(Completion::error(
-                wr_id,
-                Opcode::RecvWithImm,
-                Status::PeerLost,
-            ));
+            let lost = Completion::error(wr_id, Opcode::RecvWithImm, Status::PeerLost);
+            if !self.cq.push(lost) {
+                // Another producer took the last slot: keep the receive for
+                // the next flush rather than lose it.
+                let _ = self.recvs.push(wr_id);
+                break;
+            }
             any = true;
         }
         if any {
