@@ -1,4 +1,5 @@
 # Shared helpers for rfaas scripts. Source it; do not run it.
+# shellcheck shell=bash
 
 # Installs Debian packages that are missing, updating the package lists once.
 ensure_packages() {
@@ -17,6 +18,7 @@ ensure_packages() {
 }
 
 # What building rfaas needs (verbs: libibverbs, librdmacm; bindgen: libclang).
+# shellcheck disable=SC2034 # used by the scripts that source this file
 BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
 
 ensure_rust() {
@@ -27,6 +29,14 @@ ensure_rust() {
         echo "rfaas: cargo is missing; install Rust (https://rustup.rs) and run this again" >&2
         exit 1
     }
+}
+
+# Prints a banner nobody reading a CI log can miss, on stderr.
+loud() {
+    local bar='!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!'
+    printf '\n%s\n' "$bar" >&2
+    printf '!!! %s\n' "$@" >&2
+    printf '%s\n\n' "$bar" >&2
 }
 
 # The repository root.

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Runs every rfaas test: unit, conformance (tcp and shm), benchmarks' own
-# tests, doc tests, and a short fuzz run of the tcp frame decoder.
-# Installs what it needs first (Debian packages, cargo tools).
+# tests, doc tests, the verbs provider on Soft-RoCE in a VM and between two
+# VMs (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), and a short
+# fuzz run of the tcp frame decoder.
+# Installs what it needs first (Debian packages, cargo tools, the VM image).
 #
-#   scripts/test.sh            everything
-#   FUZZ_SECONDS=0 scripts/test.sh   skip the fuzz run
+#   scripts/test.sh                      everything
+#   FUZZ_SECONDS=0 scripts/test.sh       skip the fuzz run
+#   RFAAS_SKIP_RDMA_VM=1 scripts/test.sh skip the verbs stage, saying so loudly
+#                                        (for machines that cannot run qemu;
+#                                        the verbs provider is then untested)
+#
+# The verbs stage needs root the first time (it builds the VM image with
+# mmdebstrap into /var/cache/rfaas-rdma-vm, or $RFAAS_RDMA_VM_DIR). If qemu,
+# the image build or the VM fails, the stage fails: it never passes silently.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$(repo_root)"
@@ -26,6 +35,23 @@ else
     cargo test --workspace --features rfaas-fabric/verbs --no-fail-fast
 fi
 cargo test --workspace --features rfaas-fabric/verbs --doc
+
+if [ "${RFAAS_SKIP_RDMA_VM:-0}" = 1 ]; then
+    loud "SKIPPED: the verbs provider's tests under Soft-RoCE (RFAAS_SKIP_RDMA_VM=1)." \
+        "The verbs provider is NOT tested by this run."
+else
+    verbs_start=$SECONDS
+    for script in test-verbs.sh test-verbs-two-node.sh; do
+        echo "== verbs under Soft-RoCE (scripts/$script)"
+        if ! bash "scripts/$script"; then
+            loud "FAILED: the verbs stage (scripts/$script) after $((SECONDS - verbs_start)) s." \
+                "Its output above says whether a test, the VM or the image build failed." \
+                "Only on a machine that cannot run qemu: RFAAS_SKIP_RDMA_VM=1 skips the stage."
+            exit 1
+        fi
+    done
+    echo "verbs stage: $((SECONDS - verbs_start)) s"
+fi
 
 if [ "${FUZZ_SECONDS:-60}" != 0 ]; then
     echo "== fuzz"

@@ -268,7 +268,7 @@ impl VerbsEndpoint {
         let conn = &*self.conn;
         let fate = conn.shared.fate();
         if fate != Fate::Alive {
-            return Err(conn.shared.disconnected(fate));
+            return self.post_after_loss(fate, wr_id, op.opcode());
         }
         let qp = &conn.qp;
         debug_assert!(
@@ -363,7 +363,7 @@ impl VerbsEndpoint {
             }
             let fate = conn.shared.fate();
             if fate != Fate::Alive {
-                return Err(conn.shared.disconnected(fate));
+                return self.post_after_loss(fate, wr_id, op.opcode());
             }
             return Err(verb_error("ibv_post_send", &conn.shared.device, err));
         }
@@ -430,7 +430,7 @@ impl VerbsEndpoint {
         let conn = &*self.conn;
         let fate = conn.shared.fate();
         if fate != Fate::Alive {
-            return Err(conn.shared.disconnected(fate));
+            return self.post_after_loss(fate, wr_id, Opcode::RecvWithImm);
         }
         let qp = &conn.qp;
         let slots = &qp.cq.slots;
@@ -468,8 +468,45 @@ impl VerbsEndpoint {
                     depth: conn.recv_depth,
                 });
             }
+            let fate = conn.shared.fate();
+            if fate != Fate::Alive {
+                return self.post_after_loss(fate, wr_id, Opcode::RecvWithImm);
+            }
             return Err(verb_error("ibv_post_recv", &conn.shared.device, err));
         }
+        Ok(())
+    }
+
+    /// A post on a connection that is no longer alive. After the peer was
+    /// lost, the request completes with [`Status::PeerLost`] through the CQ,
+    /// as on every provider, so code that waits for completions learns of
+    /// the loss the same way everywhere. After this side's QP stopped at an
+    /// error completion of its own (a refused access), the post fails at
+    /// once with [`Error::Disconnected`] saying so.
+    #[cold]
+    fn post_after_loss(&self, fate: Fate, wr_id: u64, opcode: Opcode) -> Result<()> {
+        let conn = &*self.conn;
+        if !fate.is_peer_lost() {
+            return Err(conn.shared.disconnected(fate));
+        }
+        let qp = &conn.qp;
+        let slots = &qp.cq.slots;
+        let raw_id = slots
+            .acquire(
+                qp.owner,
+                SlotData {
+                    wr_id,
+                    opcode,
+                    len: 0,
+                    buf: None,
+                    conn: Some(conn.shared.clone()),
+                },
+            )
+            .ok_or(Error::QueueFull {
+                what: "completion queue",
+                depth: slots.capacity(),
+            })?;
+        qp.cq.complete_in_software(raw_id, Status::PeerLost);
         Ok(())
     }
 

@@ -47,9 +47,10 @@
 //!   event channel (epoll). On RDMA_CM_EVENT_DISCONNECTED or DEVICE_REMOVAL
 //!   it records the connection's fate and moves the QP to ERR, so every
 //!   outstanding request and posted receive completes at once with
-//!   [`crate::Status::PeerLost`]; later posts fail with
-//!   [`crate::Error::Disconnected`]. A peer that vanishes without a word is
-//!   caught by the transport retries (RETRY_EXC_ERR → PeerLost).
+//!   [`crate::Status::PeerLost`]; later posts complete with PeerLost too,
+//!   through the CQ without reaching the NIC, as on every provider. A peer
+//!   that vanishes without a word is caught by the transport retries
+//!   (RETRY_EXC_ERR → PeerLost).
 //! - **RC semantics.** As on any RC queue pair, the first error completion
 //!   from the NIC (a bad rkey, an rkey of another domain, an out-of-bounds
 //!   access, a missing right) moves the QP to the error state: the access is
@@ -80,9 +81,11 @@
 //! and silent peers), fork safety — is exercised only under Soft-RoCE
 //! (`rdma_rxe`) inside a VM: those tests (`tests.rs`) are `#[ignore]`d with
 //! the reason, so a plain `cargo test` shows them as skipped. The VM stage
-//! builds the test binary on the host and runs it in the guest with
-//! `--include-ignored verbs::`, where `RDMA_DEVICE` and `RDMA_VM_IP` are set
-//! (one VM boot for the whole binary). Not covered there: device removal,
+//! (`scripts/test-verbs.sh`) builds the test binary on the host and runs it
+//! in the guest with `verbs::tests:: --include-ignored`, where `RDMA_DEVICE`
+//! and `RDMA_VM_IP` are set (one VM boot for it and the conformance suite's
+//! verbs cases); `scripts/test-verbs-two-node.sh` checks connections between
+//! two guest kernels. Not covered there: device removal,
 //! InfiniBand link layers, real NICs (which may purge a destroyed QP's
 //! completions and do keep the SL), and IPv6 rdma_cm addresses.
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Runs the verbs provider's tests on a real RDMA device: Soft-RoCE (rxe0) in
+# a VM (scripts/rdma-vm.sh), because the build machines have no RDMA NIC.
+#
+#   scripts/test-verbs.sh
+#
+# Builds the test binaries on the host, then boots the VM once and runs in it
+#  - the library's device tests (`verbs::tests::`, ignored elsewhere), and
+#  - the conformance suite's verbs cases (fabric/tests/conformance.rs, the
+#    same bodies as tcp and shm), both with --include-ignored.
+# Prints each runner's "test result:" line and fails if a test fails, if a
+# binary ran no test, or if the VM could not run them (the VM script then
+# says why, loudly). The image is built on first use (about a minute; see
+# scripts/rdma-vm.sh for where it is cached).
+#
+# RDMA_VM_TIMEOUT (seconds, default 900 here) bounds the boot plus the tests.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+# In the guest: run both binaries, every test even after a failure.
+if [ "${1:-}" = --in-guest ]; then
+    lib=$2 conformance=$3 status=0
+    echo "== verbs: library device tests on $RDMA_DEVICE ($RDMA_VM_IP)"
+    "$lib" verbs::tests:: --include-ignored --test-threads=1 || status=1
+    echo "== verbs: conformance suite on verbs:$RDMA_DEVICE"
+    "$conformance" verbs --include-ignored --test-threads=1 || status=1
+    exit "$status"
+fi
+
+cd "$(repo_root)"
+ensure_packages "${BUILD_PACKAGES[@]}" jq
+ensure_rust
+
+start=$SECONDS
+bash scripts/rdma-vm.sh build
+
+echo "== verbs: building the test binaries"
+# The executables of the library's and the conformance suite's test targets.
+binaries=$(cargo test -p rfaas-fabric --features verbs --no-run \
+    --message-format=json-render-diagnostics |
+    jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test)
+           | "\(.target.kind[0]) \(.target.name) \(.executable)"')
+lib=$(awk '$1 == "lib" && $2 == "rfaas_fabric" { print $3 }' <<<"$binaries")
+conformance=$(awk '$1 == "test" && $2 == "conformance" { print $3 }' <<<"$binaries")
+if [ -z "$lib" ] || [ -z "$conformance" ]; then
+    echo "test-verbs: cargo built no library or conformance test binary:" >&2
+    echo "$binaries" >&2
+    exit 1
+fi
+
+echo "== verbs: one VM boot for both (build took $((SECONDS - start)) s)"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+vm_status=0
+# The binaries live in cargo's target directory, which may be outside the repository.
+target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
+RDMA_VM_TIMEOUT=${RDMA_VM_TIMEOUT:-900} RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
+    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" |
+    tee "$log" || vm_status=$?
+# With pipefail, the pipeline's status is the VM's (tee does not fail).
+
+echo "== verbs: summary ($((SECONDS - start)) s in all)"
+mapfile -t results < <(grep -E '^test result: ' "$log" || true)
+[ ${#results[@]} -eq 0 ] || printf '%s\n' "${results[@]}"
+failed=0
+if [ "$vm_status" -ne 0 ]; then
+    echo "test-verbs: FAILED: the run in the VM exited with $vm_status" >&2
+    failed=1
+fi
+if [ ${#results[@]} -ne 2 ]; then
+    echo "test-verbs: FAILED: expected 2 test summaries (library, conformance), got ${#results[@]}" >&2
+    failed=1
+fi
+for line in "${results[@]}"; do
+    passed=$(sed -n 's/^test result: ok\. \([0-9]*\) passed.*/\1/p' <<<"$line")
+    if [ -z "$passed" ] || [ "$passed" -eq 0 ]; then
+        echo "test-verbs: FAILED: no verbs test passed in: $line" >&2
+        failed=1
+    fi
+done
+[ "$failed" -eq 0 ] || exit 1
+echo "test-verbs: ok"
