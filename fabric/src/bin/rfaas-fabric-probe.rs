@@ -7,6 +7,12 @@
 //! - `faa` connects to a `serve` and adds 1 to the word at the region's start
 //!   `--count` times, checking every completion.
 //! - `pingpong` runs a write-with-immediate ping-pong against `serve --echo`.
+//! - `check` verifies a connection to `serve --echo` operation by operation
+//!   (write-with-immediate both ways, read, fetch-and-add, compare-and-swap,
+//!   each checked byte for byte), and with `--await-peer-loss` then waits
+//!   until the peer is lost, probing it with a fetch-and-add every 100 ms.
+//!   Against a plain `serve`, `--no-echo` skips the write-with-immediate.
+//!   Used across two VMs by `scripts/test-verbs-two-node.sh`.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -65,6 +71,25 @@ enum Cmd {
         #[arg(long, default_value_t = 10000)]
         iters: u64,
     },
+    /// Verify each operation against `serve --echo` (or `serve` with `--no-echo`).
+    Check {
+        #[arg(long)]
+        connect: String,
+        #[arg(long)]
+        addr: u64,
+        #[arg(long)]
+        rkey: u32,
+        /// Length of the served region (the one `serve` announced).
+        #[arg(long, default_value_t = 4096)]
+        len: usize,
+        /// The peer is a plain `serve`: no write-with-immediate echo.
+        #[arg(long)]
+        no_echo: bool,
+        /// After the checks, wait up to this many seconds for the peer to be
+        /// lost (killed, or its machine gone), and fail if it is not.
+        #[arg(long, value_name = "SECONDS")]
+        await_peer_loss: Option<u64>,
+    },
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -98,6 +123,21 @@ fn run(args: Args) -> Res<()> {
             size,
             iters,
         } => pingpong(&fabric, &connect, RemoteAddr { addr, rkey }, size, iters),
+        Cmd::Check {
+            connect,
+            addr,
+            rkey,
+            len,
+            no_echo,
+            await_peer_loss,
+        } => check(
+            &fabric,
+            &connect,
+            RemoteAddr { addr, rkey },
+            len,
+            !no_echo,
+            await_peer_loss.map(Duration::from_secs),
+        ),
     }
 }
 
@@ -258,4 +298,188 @@ fn pingpong(
         p99 as f64 / 1e3
     );
     Ok(())
+}
+
+/// Waits for the next completion and checks that it is `want` of `wr_id`
+/// and succeeded.
+fn expect(
+    cq: &mut rfaas_fabric::CompletionQueue,
+    what: &str,
+    wr_id: u64,
+    want: Opcode,
+) -> Res<Completion> {
+    let c = wait_one(cq, what)?;
+    if (c.wr_id, c.opcode) != (wr_id, want) {
+        return Err(format!("{what}: expected {want:?} of request {wr_id}, got {c:?}").into());
+    }
+    Ok(c)
+}
+
+fn check(
+    fabric: &Fabric,
+    connect: &str,
+    remote: RemoteAddr,
+    len: usize,
+    echo: bool,
+    await_peer_loss: Option<Duration>,
+) -> Res<()> {
+    // The served region: [0, half) carries data, its last word the counter.
+    if len < 64 || len % 8 != 0 {
+        return Err(format!(
+            "--len {len}: the served region must be a multiple of 8, at least 64 B"
+        )
+        .into());
+    }
+    let half = len / 2;
+    let counter = remote.addr + (len - 8) as u64;
+    let at = |offset: usize| RemoteAddr {
+        addr: remote.addr + offset as u64,
+        rkey: remote.rkey,
+    };
+    let domain = fabric.domain()?;
+    let mut cq = fabric.completion_queue(1024)?;
+    let start = Instant::now();
+    let ep = domain.connect(connect, &mut cq, &EndpointOptions::default())?;
+    println!(
+        "connect: ok, {} in {:.1} ms",
+        ep.peer_addr(),
+        start.elapsed().as_secs_f64() * 1e3
+    );
+
+    let mut sent = domain.register(half, Access::LOCAL)?;
+    let echoed = domain.register(half, Access::REMOTE_WRITE)?;
+    let readback = domain.register(half, Access::LOCAL)?;
+    // What `serve --echo` expects first: where to write its answer.
+    let d = echoed.descriptor();
+    sent.as_mut_slice()[..8].copy_from_slice(&d.addr.to_le_bytes());
+    sent.as_mut_slice()[8..12].copy_from_slice(&d.rkey.to_le_bytes());
+    for (i, b) in sent.as_mut_slice()[12..].iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(29).wrapping_add(7);
+    }
+
+    if echo {
+        ep.post_recv(1)?;
+        let imm = 0x5EED_0001;
+        ep.write_with_imm(2, &sent, 0, half, at(0), imm)?;
+        let mut got_recv = None;
+        let mut got_send = false;
+        while got_recv.is_none() || !got_send {
+            let c = wait_one(&mut cq, "write-with-immediate")?;
+            match c.opcode {
+                Opcode::RecvWithImm => got_recv = Some(c),
+                Opcode::WriteWithImm => got_send = true,
+                other => return Err(format!("unexpected {other:?} completion: {c:?}").into()),
+            }
+        }
+        let answer = got_recv.expect("loop ends with it");
+        if (answer.imm, answer.byte_len as usize) != (imm, half) {
+            return Err(format!(
+                "the echo came back with immediate {:#x} and {} B, not {imm:#x} and {half} B",
+                answer.imm, answer.byte_len
+            )
+            .into());
+        }
+        if echoed.as_slice() != sent.as_slice() {
+            return Err("the echoed bytes differ from the bytes written".into());
+        }
+        println!("write-with-immediate: ok, {half} B and immediate {imm:#x} there and back");
+    } else {
+        ep.write(2, &sent, 0, half, at(0))?;
+        expect(&mut cq, "write", 2, Opcode::Write)?;
+        println!("write: ok, {half} B");
+    }
+
+    ep.read(3, &readback, 0, half, at(0))?;
+    let c = expect(&mut cq, "read", 3, Opcode::Read)?;
+    if c.byte_len as usize != half || readback.as_slice() != sent.as_slice() {
+        return Err("the bytes read back differ from the bytes written".into());
+    }
+    println!("read: ok, {half} B read back byte-exact");
+
+    let word = domain.register(8, Access::LOCAL)?;
+    let counter_at = RemoteAddr {
+        addr: counter,
+        rkey: remote.rkey,
+    };
+    ep.fetch_add(4, &word, 0, counter_at, 0)?;
+    expect(&mut cq, "fetch-and-add", 4, Opcode::FetchAdd)?;
+    let first = word.read_u64(0);
+    for i in 0..100u64 {
+        ep.fetch_add(10 + i, &word, 0, counter_at, 3)?;
+        expect(&mut cq, "fetch-and-add", 10 + i, Opcode::FetchAdd)?;
+        let old = word.read_u64(0);
+        if old != first.wrapping_add(3 * i) {
+            return Err(format!(
+                "fetch-and-add {i} returned {old}, expected {}",
+                first.wrapping_add(3 * i)
+            )
+            .into());
+        }
+    }
+    let now = first.wrapping_add(300);
+    ep.compare_swap(200, &word, 0, counter_at, now, now ^ 0xFF)?;
+    expect(&mut cq, "compare-and-swap", 200, Opcode::CompareSwap)?;
+    if word.read_u64(0) != now {
+        return Err(format!(
+            "compare-and-swap returned {}, expected {now}",
+            word.read_u64(0)
+        )
+        .into());
+    }
+    ep.fetch_add(201, &word, 0, counter_at, 0)?;
+    expect(&mut cq, "fetch-and-add", 201, Opcode::FetchAdd)?;
+    if word.read_u64(0) != now ^ 0xFF {
+        return Err("compare-and-swap did not swap".into());
+    }
+    println!("fetch-and-add: ok, 100 adds from {first} in order; compare-and-swap: ok");
+
+    let Some(within) = await_peer_loss else {
+        return Ok(());
+    };
+    await_loss(&ep, &mut cq, &word, counter_at, within)
+}
+
+/// Waits until the peer is lost, keeping one fetch-and-add outstanding so a
+/// peer that vanishes without a word is noticed by the transport too.
+fn await_loss(
+    ep: &rfaas_fabric::Endpoint,
+    cq: &mut rfaas_fabric::CompletionQueue,
+    word: &rfaas_fabric::MemoryRegion,
+    counter: RemoteAddr,
+    within: Duration,
+) -> Res<()> {
+    ep.post_recv(300)?;
+    println!("awaiting peer loss");
+    std::io::stdout().flush()?;
+    let start = Instant::now();
+    let mut next_probe = 1000u64;
+    let mut outstanding = false;
+    let mut done = [Completion::EMPTY; 4];
+    while start.elapsed() < within {
+        if !outstanding {
+            ep.fetch_add(next_probe, word, 0, counter, 0)?;
+            next_probe += 1;
+            outstanding = true;
+        }
+        let n = cq.wait(&mut done, Duration::from_millis(100))?;
+        for c in &done[..n] {
+            match c.status {
+                rfaas_fabric::Status::PeerLost => {
+                    println!(
+                        "peer loss: ok, {:?} of request {} completed with PeerLost {:.0} ms after waiting began",
+                        c.opcode,
+                        c.wr_id,
+                        start.elapsed().as_secs_f64() * 1e3
+                    );
+                    return Ok(());
+                }
+                rfaas_fabric::Status::Success if c.opcode == Opcode::FetchAdd => {
+                    outstanding = false;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                _ => return Err(format!("while awaiting peer loss: {c:?}").into()),
+            }
+        }
+    }
+    Err(format!("the peer was not reported lost within {within:?}").into())
 }
