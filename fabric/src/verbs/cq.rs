@@ -99,6 +99,10 @@ pub(crate) struct VerbsCq {
     armed: bool,
     /// CQ events read but not yet acknowledged.
     unacked: u32,
+    /// Tests run this between `wait`'s first poll and arming the CQ, to
+    /// land a completion exactly in that window.
+    #[cfg(test)]
+    pub(crate) before_arm: Option<Box<dyn FnMut() + Send>>,
 }
 
 // SAFETY: the raw parts live in CqShared (Send + Sync); `wcs` is scratch
@@ -198,6 +202,8 @@ impl VerbsCq {
             wcs,
             armed: false,
             unacked: 0,
+            #[cfg(test)]
+            before_arm: None,
         })
     }
 
@@ -267,6 +273,10 @@ impl VerbsCq {
                 return Ok(n);
             }
             if !self.armed {
+                #[cfg(test)]
+                if let Some(hook) = self.before_arm.as_mut() {
+                    hook();
+                }
                 // SAFETY: the CQ lives while shared does.
                 let rc = unsafe { ibv_req_notify_cq(self.shared.cq, 0) };
                 if rc != 0 {

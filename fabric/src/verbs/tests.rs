@@ -824,3 +824,52 @@ fn a_pkey_index_outside_the_table_is_a_clear_error() {
         assert!(err.contains("P_Key index 1 "), "{err}");
     }
 }
+
+fn verbs_cq_mut(cq: &mut CompletionQueue) -> &mut VerbsCq {
+    match &mut cq.imp {
+        Imp::Verbs(v) => v,
+        _ => panic!("not a verbs completion queue"),
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-verbs.sh (Soft-RoCE in a VM)"]
+fn a_completion_between_poll_and_arm_still_wakes_the_waiter() {
+    let mut p = pair();
+    let target = p
+        .server_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let local = p.client_domain.register(64, Access::LOCAL).unwrap();
+    p.server.post_recv(7).unwrap();
+    let remote = target.descriptor().at(0);
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (posted_tx, posted_rx) = std::sync::mpsc::channel::<()>();
+    // Between wait's first (empty) poll and arming the CQ, the client
+    // writes and the completion lands: no event will ever announce it.
+    verbs_cq_mut(&mut p.server_cq).before_arm = Some(Box::new(move || {
+        let _ = go_tx.send(());
+        let _ = posted_rx.recv();
+        std::thread::sleep(Duration::from_millis(300));
+    }));
+    let client = verbs_ep(&p.client);
+    let mut out = [Completion::EMPTY; 4];
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            go_rx.recv().unwrap();
+            client.write(1, &local, 0, 8, remote, Some(9)).unwrap();
+            posted_tx.send(()).unwrap();
+        });
+        let start = Instant::now();
+        let n = p.server_cq.wait(&mut out, Duration::from_secs(10)).unwrap();
+        assert_eq!(n, 1, "the waiter missed the completion");
+        assert_eq!((out[0].wr_id, out[0].imm), (7, 9));
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the waiter slept past the completion: {:?}",
+            start.elapsed()
+        );
+    });
+    verbs_cq_mut(&mut p.server_cq).before_arm = None;
+    assert_eq!(one(&mut p.client_cq).status, Status::Success);
+}
