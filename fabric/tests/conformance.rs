@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric,
-    Listener, MemoryRegion, Opcode, RemoteAddr, Status,
+    Listener, Opcode, RemoteAddr, Status,
 };
 use rstest::rstest;
 
@@ -211,16 +211,8 @@ fn immediates_arrive_in_order(#[case] provider: &str) {
         .unwrap();
     let src = p.domain.register(4096, Access::LOCAL).unwrap();
     const N: u32 = 200;
-    for i in 0..N {
-        p.target
-            .post_recv(1000 + u64::from(i) % 100)
-            .unwrap_or_else(|_| {
-                // Receive queue full: drain first.
-                unreachable!("recv depth is 256")
-            });
-        if i == 99 {
-            break;
-        }
+    for i in 0..100u64 {
+        p.target.post_recv(1000 + i).unwrap();
     }
     let mut received = Vec::new();
     let mut posted = 100;
@@ -1067,7 +1059,3 @@ fn verbs_without_the_feature_says_how_to_get_it() {
     let err = Fabric::open("verbs:rxe0").unwrap_err();
     assert!(err.to_string().contains("--features verbs"), "{err}");
 }
-
-/// Keeps helpers used by every provider's cases referenced.
-#[allow(dead_code)]
-fn _uses(_: &MemoryRegion) {}
