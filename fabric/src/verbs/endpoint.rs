@@ -354,18 +354,14 @@ impl VerbsEndpoint {
         let rc = unsafe { rdma_sys::ibv_post_send(qp.raw, &mut send, &mut bad) };
         if rc != 0 {
             let _ = slots.release(raw_id);
-            let err = errno_of(rc);
-            if err.raw_os_error() == Some(libc::ENOMEM) {
-                return Err(Error::QueueFull {
-                    what: "send queue",
-                    depth: conn.send_depth,
-                });
-            }
-            let fate = conn.shared.fate();
-            if fate != Fate::Alive {
-                return self.post_after_loss(fate, wr_id, op.opcode());
-            }
-            return Err(verb_error("ibv_post_send", &conn.shared.device, err));
+            return self.post_failed(
+                rc,
+                "ibv_post_send",
+                "send queue",
+                conn.send_depth,
+                wr_id,
+                op.opcode(),
+            );
         }
         Ok(())
     }
@@ -461,18 +457,14 @@ impl VerbsEndpoint {
         let rc = unsafe { rdma_sys::ibv_post_recv(qp.raw, &mut recv, &mut bad) };
         if rc != 0 {
             let _ = slots.release(raw_id);
-            let err = errno_of(rc);
-            if err.raw_os_error() == Some(libc::ENOMEM) {
-                return Err(Error::QueueFull {
-                    what: "receive queue",
-                    depth: conn.recv_depth,
-                });
-            }
-            let fate = conn.shared.fate();
-            if fate != Fate::Alive {
-                return self.post_after_loss(fate, wr_id, Opcode::RecvWithImm);
-            }
-            return Err(verb_error("ibv_post_recv", &conn.shared.device, err));
+            return self.post_failed(
+                rc,
+                "ibv_post_recv",
+                "receive queue",
+                conn.recv_depth,
+                wr_id,
+                Opcode::RecvWithImm,
+            );
         }
         Ok(())
     }
@@ -484,6 +476,30 @@ impl VerbsEndpoint {
     /// error completion of its own (a refused access), the post fails at
     /// once with [`Error::Disconnected`] saying so.
     #[cold]
+    /// What a refused `ibv_post_send` / `ibv_post_recv` means (its slot is
+    /// already released): a full queue, a connection that is gone (then the
+    /// work completes as it would after the loss), or a verb error.
+    fn post_failed(
+        &self,
+        rc: i32,
+        verb: &'static str,
+        queue: &'static str,
+        depth: usize,
+        wr_id: u64,
+        opcode: Opcode,
+    ) -> Result<()> {
+        let conn = &*self.conn;
+        let err = errno_of(rc);
+        if err.raw_os_error() == Some(libc::ENOMEM) {
+            return Err(Error::QueueFull { what: queue, depth });
+        }
+        let fate = conn.shared.fate();
+        if fate != Fate::Alive {
+            return self.post_after_loss(fate, wr_id, opcode);
+        }
+        Err(verb_error(verb, &conn.shared.device, err))
+    }
+
     fn post_after_loss(&self, fate: Fate, wr_id: u64, opcode: Opcode) -> Result<()> {
         let conn = &*self.conn;
         if !fate.is_peer_lost() {
