@@ -14,6 +14,10 @@
 //! - [`status`]: [`InvocationStatus`], the stable codes of how an invocation
 //!   ended.
 //! - [`error`]: [`ProtoError`], what can be wrong with bytes or values.
+//! - [`control`]: the control channel (allocation between client and
+//!   executor, the daemon and its workers, node tools and the daemon):
+//!   JSON messages behind a 16-byte frame header.
+//! - [`lease`]: lease tokens, claims signed with HMAC-SHA256.
 //! - [`shm_control`]: the control messages of the fabric's `shm` provider
 //!   (hello and region grants over a unix socket).
 //! - [`tcp_frame`]: the frames of the fabric's `tcp` provider (software RDMA
@@ -106,9 +110,11 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod control;
 pub mod error;
 pub mod header;
 pub mod imm;
+pub mod lease;
 pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;
@@ -120,8 +126,8 @@ pub use status::InvocationStatus;
 
 /// The protocol version: the formats of this crate as they are now.
 ///
-/// The allocation handshake (not yet defined) will check that client and
-/// executor agree on it. Any change to a layout or a status code in this
+/// Every control frame carries it ([`control`]), so client, executor and
+/// worker refuse to talk across releases that disagree. Any change to a layout or a status code in this
 /// crate bumps it.
 pub const VERSION: u16 = 1;
 

@@ -1,0 +1,2 @@
+//! `rfaas-bench`: invocation benchmarks.
+fn main() {}

@@ -1,0 +1,1 @@
+//! `librfaas`: the C API of the rfaas client library.

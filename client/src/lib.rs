@@ -1,0 +1,2 @@
+//! `rfaas-client`: allocate on executors, register buffers, invoke
+//! functions. See `docs/invocation.md`.

@@ -1,0 +1,1 @@
+//! Example rfaas functions written in Rust, exported with C linkage.

@@ -1,0 +1,1 @@
+//! Test support shared by the rfaas crates' integration tests and benches.
