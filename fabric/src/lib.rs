@@ -248,7 +248,17 @@ pub struct Domain {
 impl Domain {
     /// Allocates and registers `len` page-aligned, zeroed bytes with `access`.
     pub fn register(&self, len: usize, access: Access) -> Result<MemoryRegion> {
-        dispatch!(&self.imp, d => d.register(len, access))
+        let buf = Buffer::new(len)?;
+        dispatch!(&self.imp, d => d.register_buffer(buf, access))
+    }
+
+    /// Like [`Domain::register`], but the region is `len` rounded up to
+    /// whole pages, and the page after it is mapped with no access: a write
+    /// running past the region's end faults at once (SIGSEGV) instead of
+    /// corrupting whatever lies beyond. The worker's output buffers use it.
+    pub fn register_guarded(&self, len: usize, access: Access) -> Result<MemoryRegion> {
+        let buf = Buffer::guarded(len)?;
+        dispatch!(&self.imp, d => d.register_buffer(buf, access))
     }
 
     /// Connects to a listener at `addr`; completions go to `cq`.

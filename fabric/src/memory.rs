@@ -117,6 +117,8 @@ pub struct Buffer {
     ptr: NonNull<u8>,
     len: usize,
     map_len: usize,
+    /// Bytes reserved after the mapping with no access (0 or one page).
+    guard_len: usize,
     fd: OwnedFd,
 }
 
@@ -130,6 +132,18 @@ unsafe impl Sync for Buffer {}
 impl Buffer {
     /// Allocates `len` bytes (at least one page), zeroed and page-aligned.
     pub fn new(len: usize) -> Result<Buffer> {
+        Buffer::create(len, false)
+    }
+
+    /// Allocates `len` rounded up to whole pages (at least one), followed by
+    /// one page mapped `PROT_NONE`, so a write past the end faults. The
+    /// usable length is the rounded length.
+    pub fn guarded(len: usize) -> Result<Buffer> {
+        let page = page_size();
+        Buffer::create(len.max(1).div_ceil(page) * page, true)
+    }
+
+    fn create(len: usize, guard: bool) -> Result<Buffer> {
         if len > u32::MAX as usize {
             return Err(Error::InvalidArgument(format!(
                 "a region holds at most {} bytes, {len} were asked for",
@@ -161,11 +175,17 @@ impl Buffer {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(Error::last_os("fcntl(F_ADD_SEALS)"));
         }
-        let ptr = map_shared(fd.as_raw_fd(), map_len, true)?;
+        let guard_len = if guard { page } else { 0 };
+        let ptr = if guard {
+            map_with_guard(fd.as_raw_fd(), map_len, guard_len)?
+        } else {
+            map_shared(fd.as_raw_fd(), map_len, true)?
+        };
         Ok(Buffer {
             ptr,
             len,
             map_len,
+            guard_len,
             fd,
         })
     }
@@ -200,7 +220,7 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: ptr/map_len describe our own mapping, which nothing
         // references any more (the Buffer is shared through Arc only).
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len) };
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len + self.guard_len) };
     }
 }
 
@@ -211,6 +231,44 @@ impl fmt::Debug for Buffer {
             .field("len", &self.len)
             .finish()
     }
+}
+
+/// Reserves `len + guard` bytes with no access, then maps `len` bytes of
+/// `fd` read-write over the start: the `guard` bytes after stay inaccessible.
+fn map_with_guard(fd: RawFd, len: usize, guard: usize) -> Result<NonNull<u8>> {
+    // SAFETY: a fresh anonymous reservation at a kernel-chosen address.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len + guard,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(Error::last_os("mmap (guard reservation)"));
+    }
+    // SAFETY: MAP_FIXED replaces the first `len` bytes of our own fresh
+    // reservation, which nothing else references.
+    let ptr = unsafe {
+        libc::mmap(
+            base,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        let err = Error::last_os("mmap (over the guard reservation)");
+        // SAFETY: releasing the reservation made above.
+        unsafe { libc::munmap(base, len + guard) };
+        return Err(err);
+    }
+    NonNull::new(ptr.cast()).ok_or_else(|| Error::InvalidArgument("mmap returned null".into()))
 }
 
 /// Maps `len` bytes of `fd` shared, read-write or read-only.
@@ -340,5 +398,49 @@ impl fmt::Debug for MemoryRegion {
             .field("access", &self.access)
             .field("domain", &self.domain_id)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `f` in a forked child and returns the signal that ended it, if any.
+    fn child_signal(f: impl FnOnce()) -> Option<i32> {
+        // SAFETY: the child only runs `f` (plain memory accesses) and _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            f();
+            // SAFETY: leaving the child without running the parent's atexit.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status))
+    }
+
+    #[test]
+    fn guarded_buffer_faults_just_past_its_end() {
+        let page = page_size();
+        let buf = Buffer::guarded(100).unwrap();
+        assert_eq!(buf.len(), page, "rounded up to a page");
+        let p = buf.as_ptr();
+        // The last usable byte is fine.
+        let last = || {
+            // SAFETY: inside the mapping.
+            unsafe { p.add(page - 1).write_volatile(1) }
+        };
+        assert_eq!(child_signal(last), None);
+        // The first byte after it hits the guard page.
+        let past = || {
+            // SAFETY: the write faults in the child by design; nothing else runs there.
+            unsafe { p.add(page).write_volatile(1) }
+        };
+        assert_eq!(child_signal(past), Some(libc::SIGSEGV));
+        // A plain buffer has no such guarantee, but a guarded one unmaps
+        // cleanly with its guard.
+        drop(buf);
     }
 }

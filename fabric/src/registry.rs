@@ -219,13 +219,13 @@ impl Drop for SlotGuard {
     }
 }
 
-/// Allocates a buffer and registers it in `registry` (tcp and shm domains).
+/// Registers `buf` in `registry` (tcp and shm domains).
 pub(crate) fn register_soft(
     registry: &Arc<Registry>,
-    len: usize,
+    buf: Buffer,
     access: Access,
 ) -> Result<crate::MemoryRegion> {
-    let buf = Arc::new(Buffer::new(len)?);
+    let buf = Arc::new(buf);
     let (rkey, guard) = registry.insert(buf.clone(), access)?;
     Ok(crate::MemoryRegion {
         buf,

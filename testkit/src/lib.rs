@@ -1,1 +1,27 @@
 //! Test support shared by the rfaas crates' integration tests and benches.
+//!
+//! # Layout
+//!
+//! - [`functions`]: builds the example function libraries
+//!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
+//!   cdylib.
+
+pub mod functions;
+
+use std::path::PathBuf;
+
+/// The repository's root directory.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit lives in the repository root")
+        .to_path_buf()
+}
+
+/// The workspace's cargo target directory (`CARGO_TARGET_DIR` or `target/`).
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => repo_root().join("target"),
+    }
+}

@@ -216,8 +216,8 @@ impl ShmDomain {
         self.state.registry.id()
     }
 
-    pub(crate) fn register(&self, len: usize, access: Access) -> Result<MemoryRegion> {
-        let buf = Arc::new(Buffer::new(len)?);
+    pub(crate) fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
+        let buf = Arc::new(buf);
         let (rkey, guard) = self.state.registry.insert(buf.clone(), access)?;
         let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
         self.state.word(rkey).store(serial, Ordering::Release);

@@ -90,8 +90,12 @@ impl TcpDomain {
         self.registry.id()
     }
 
-    pub(crate) fn register(&self, len: usize, access: Access) -> Result<MemoryRegion> {
-        register_soft(&self.registry, len, access)
+    pub(crate) fn register_buffer(
+        &self,
+        buf: crate::Buffer,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        register_soft(&self.registry, buf, access)
     }
 
     pub(crate) fn connect(

@@ -145,9 +145,10 @@ impl VerbsDomain {
         &self.inner
     }
 
-    /// Allocates `len` bytes and registers them with `access`.
-    pub(crate) fn register(&self, len: usize, access: Access) -> Result<MemoryRegion> {
-        let buf = Arc::new(Buffer::new(len)?);
+    /// Registers `buf` with `access`.
+    pub(crate) fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
+        let len = buf.len();
+        let buf = Arc::new(buf);
         // ibv_reg_mr refuses zero lengths; an empty region registers one byte
         // of its (always present) page, and its descriptor still says 0.
         let reg_len = len.max(1);

@@ -1,0 +1,63 @@
+/* Functions that misbehave on purpose, for the tests of what rfaas does
+ * when user code fails. Not for production libraries. */
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* Dereferences a null pointer: the worker dies with SIGSEGV. */
+uint32_t fault_segfault(void *in, uint32_t in_len, void *out)
+{
+    (void)in;
+    (void)in_len;
+    (void)out;
+    volatile int *p = 0;
+    *p = 1;
+    return 0;
+}
+
+/* Calls abort(): the worker dies with SIGABRT. */
+uint32_t fault_abort(void *in, uint32_t in_len, void *out)
+{
+    (void)in;
+    (void)in_len;
+    (void)out;
+    raise(SIGABRT);
+    return 0;
+}
+
+/* Writes as many bytes as the input's first u32 says, whatever the output
+ * capacity: past it, the guard page ends the worker. */
+uint32_t fault_overrun(void *in, uint32_t in_len, void *out)
+{
+    uint32_t n = 0;
+    if (in_len >= 4)
+        memcpy(&n, in, 4);
+    memset(out, 0xab, n);
+    return n;
+}
+
+/* Claims an output length of the input's first u32 without writing it:
+ * the worker answers "output too large" when that exceeds the capacity. */
+uint32_t fault_claim(void *in, uint32_t in_len, void *out)
+{
+    (void)out;
+    uint32_t n = 0;
+    if (in_len >= 4)
+        memcpy(&n, in, 4);
+    return n;
+}
+
+/* Sleeps for the input's first u32 in milliseconds, then echoes the input:
+ * the deadline tests. */
+uint32_t sleep_ms(void *in, uint32_t in_len, void *out)
+{
+    uint32_t ms = 0;
+    if (in_len >= 4)
+        memcpy(&ms, in, 4);
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+    memcpy(out, in, in_len);
+    return in_len;
+}
