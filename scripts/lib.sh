@@ -21,6 +21,11 @@ ensure_packages() {
 # shellcheck disable=SC2034 # used by the scripts that source this file
 BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
 
+# What the tests need besides the build: bubblewrap (the executor's sandbox
+# tests) and OpenMPI (the MPI example).
+# shellcheck disable=SC2034
+TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev)
+
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
         [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"

@@ -1,2 +1,15 @@
 //! `rfaas-executor`: the node agent (`rfaas-executord`) and the worker
 //! process (`rfaas-worker`). See `docs/invocation.md`.
+//!
+//! # Layout
+//!
+//! - [`daemon`]: the node daemon: configuration, lease checks, capacity,
+//!   the worker pool, supervision, the control and local sockets.
+//! - [`ipc`]: control frames and file descriptors between the daemon and
+//!   its workers (socket pair, SCM_RIGHTS), sealed memfds.
+//! - [`worker`]: the worker process: assignment, privilege drop, library
+//!   loading, the lane loops and the deadline watchdog.
+
+pub mod daemon;
+pub mod ipc;
+pub mod worker;

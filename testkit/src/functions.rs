@@ -1,9 +1,13 @@
 //! The example function libraries, built for tests.
 //!
-//! [`c_library`] compiles every `examples/functions/c/*.c` into one shared
-//! object, `libfunctions.so`, under the target directory, once per source
-//! change; concurrent test processes each build into a private file and
-//! rename it into place, so none sees a half-written library.
+//! - [`c_library`] compiles every `examples/functions/c/*.c` into one
+//!   shared object, `libfunctions.so`, under the target directory, once per
+//!   source change; concurrent test processes each build into a private
+//!   file and rename it into place, so none sees a half-written library.
+//! - [`rust_library`] finds the `rfaas-example-functions` cdylib that cargo
+//!   builds with the workspace (and builds it when it is missing).
+//! - [`rfaas_compat_library`] compiles `examples/functions/rfaas-compat/
+//!   functions.cpp`, rFaaS's own example functions, with `c++`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,7 +32,9 @@ pub fn c_library() -> PathBuf {
         std::fs::create_dir_all(&out_dir).expect("create the function library directory");
         let lib = out_dir.join("libfunctions.so");
         if !is_fresh(&lib, &sources) {
-            compile(&sources, &lib, &["-lm"]);
+            // No fused multiply-adds (aarch64 has them by default), so
+            // matmul's results are bit-identical to the Rust library's.
+            compile(&sources, &lib, &["-lm", "-ffp-contract=off"]);
         }
         lib
     })
@@ -40,21 +46,100 @@ pub fn c_library_bytes() -> Vec<u8> {
     std::fs::read(c_library()).expect("read libfunctions.so")
 }
 
+/// The Rust example functions (`examples/functions/rust`, crate
+/// `rfaas-example-functions`): `target_dir()/debug/
+/// librfaas_example_functions.so`. Cargo builds it with the workspace; when
+/// it is missing or older than the crate's sources this runs `cargo build
+/// -p rfaas-example-functions` once. Panics with cargo's output when the
+/// library cannot be built.
+pub fn rust_library() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let lib = target_dir().join("debug/librfaas_example_functions.so");
+        let crate_dir = repo_root().join("examples/functions/rust");
+        let src = crate_dir.join("src");
+        let mut sources: Vec<PathBuf> = std::fs::read_dir(&src)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", src.display()))
+            .map(|e| e.expect("directory entry").path())
+            .collect();
+        sources.push(crate_dir.join("Cargo.toml"));
+        if is_fresh(&lib, &sources) {
+            return lib;
+        }
+        // `CARGO` is set when cargo runs the tests: the same toolchain.
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let output = Command::new(cargo)
+            .args(["build", "-p", "rfaas-example-functions"])
+            .current_dir(repo_root())
+            .output()
+            .expect("run cargo to build rfaas-example-functions");
+        assert!(
+            output.status.success() && lib.is_file(),
+            "`cargo build -p rfaas-example-functions` did not produce {}; run it by hand to \
+             see why:\n{}",
+            lib.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        lib
+    })
+    .clone()
+}
+
+/// The Rust example functions' bytes, as a client ships them.
+pub fn rust_library_bytes() -> Vec<u8> {
+    std::fs::read(rust_library()).expect("read librfaas_example_functions.so")
+}
+
+/// rFaaS's own example functions (`empty`, `mmm`, `mmm3`), compiled from
+/// `examples/functions/rfaas-compat/functions.cpp` into
+/// `librfaas_compat.so` with `c++ -shared -fPIC -O2`, when the source is
+/// newer than the library. Panics with the compiler's output on failure.
+pub fn rfaas_compat_library() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let source = repo_root().join("examples/functions/rfaas-compat/functions.cpp");
+        let out_dir = target_dir().join("rfaas-functions");
+        std::fs::create_dir_all(&out_dir).expect("create the function library directory");
+        let lib = out_dir.join("librfaas_compat.so");
+        if !is_fresh(&lib, std::slice::from_ref(&source)) {
+            compile_cxx(&[source], &lib, &[]);
+        }
+        lib
+    })
+    .clone()
+}
+
+/// rFaaS's example functions' bytes, as a client ships them.
+pub fn rfaas_compat_library_bytes() -> Vec<u8> {
+    std::fs::read(rfaas_compat_library()).expect("read librfaas_compat.so")
+}
+
 /// Compiles C `sources` into the shared object `out` with `cc -shared
 /// -fPIC -O2`, then `extra` flags (libraries). Panics with the compiler's
 /// output on failure.
 pub fn compile(sources: &[PathBuf], out: &Path, extra: &[&str]) {
+    compile_with("cc", sources, out, extra);
+}
+
+/// Compiles C++ `sources` into the shared object `out` with `c++ -shared
+/// -fPIC -O2`, then `extra` flags. Panics with the compiler's output on
+/// failure.
+pub fn compile_cxx(sources: &[PathBuf], out: &Path, extra: &[&str]) {
+    compile_with("c++", sources, out, extra);
+}
+
+fn compile_with(compiler: &str, sources: &[PathBuf], out: &Path, extra: &[&str]) {
     let tmp = out.with_extension(format!("so.{}.tmp", std::process::id()));
-    let output = Command::new("cc")
+    let output = Command::new(compiler)
         .args(["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-o"])
         .arg(&tmp)
         .args(sources)
         .args(extra)
         .output()
-        .expect("run cc (install gcc)");
+        .unwrap_or_else(|e| panic!("cannot run {compiler} (install gcc and g++): {e}"));
     assert!(
         output.status.success(),
-        "cc failed for {sources:?}:\n{}",
+        "{compiler} failed for {sources:?}:\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
     std::fs::rename(&tmp, out).expect("move the library into place");
@@ -84,7 +169,15 @@ mod tests {
         assert_eq!(&bytes[..4], b"\x7fELF");
         let nm = Command::new("nm").arg("-D").arg(&lib).output().unwrap();
         let symbols = String::from_utf8_lossy(&nm.stdout);
-        for f in ["noop", "echo", "fault_segfault", "sleep_ms"] {
+        for f in [
+            "noop",
+            "echo",
+            "matmul",
+            "jacobi",
+            "black_scholes",
+            "fault_segfault",
+            "sleep_ms",
+        ] {
             assert!(
                 symbols.lines().any(|l| l.ends_with(&format!(" T {f}"))),
                 "{f} not exported:\n{symbols}"

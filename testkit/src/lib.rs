@@ -2,10 +2,13 @@
 //!
 //! # Layout
 //!
+//! - [`executord`]: a real `rfaas-executord` in a private directory, with
+//!   token minting and the local socket, stopped by pid on drop.
 //! - [`functions`]: builds the example function libraries
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
 
+pub mod executord;
 pub mod functions;
 
 use std::path::PathBuf;

@@ -1,0 +1,454 @@
+//! The daemon's configuration: one TOML file (every key is documented in
+//! `rfaas-executord.example.toml`), defaults for what it leaves out, and
+//! [`Config::resolve`], which turns it into checked [`Settings`].
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The configuration file as written: every key optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This node's name as lease tokens name it (default: the host name).
+    pub node_name: Option<String>,
+    /// TCP address of the control listener (default `0.0.0.0:7100`).
+    pub control_listen: Option<String>,
+    /// Host workers listen on for the `tcp` provider (default `127.0.0.1`).
+    pub fabric_host: Option<String>,
+    /// Fabric providers served (default `["tcp", "shm"]`).
+    pub providers: Option<Vec<String>>,
+    /// CPUs granted to allocations, as a cpulist (default: every online CPU).
+    pub cpus: Option<String>,
+    /// Whether lanes are pinned to the granted CPUs (default true).
+    pub pin: Option<bool>,
+    /// Memory granted to allocations, MiB (default: the machine's memory).
+    pub memory_mib: Option<u32>,
+    /// The cluster secret that signs lease tokens.
+    pub secret_file: Option<PathBuf>,
+    /// The node tools' unix socket.
+    pub local_socket: Option<PathBuf>,
+    /// Where per-allocation directories (shm sockets) are made.
+    pub runtime_dir: Option<PathBuf>,
+    /// Pre-spawned idle workers (default 2).
+    pub pool_size: Option<u32>,
+    /// The `rfaas-worker` binary (default: next to the daemon's own).
+    pub worker_path: Option<PathBuf>,
+    /// `none` or `bubblewrap`.
+    pub sandbox: Option<Sandbox>,
+    /// The `bwrap` binary for `sandbox = "bubblewrap"` (default `bwrap`).
+    pub bwrap_path: Option<PathBuf>,
+    /// Largest function library accepted, MiB.
+    pub max_library_mib: Option<u32>,
+    /// Most lanes (cores) one allocation may ask for.
+    pub max_lanes: Option<u16>,
+    /// Largest lane input buffer, bytes.
+    pub max_input_capacity: Option<u32>,
+    /// Largest lane output buffer, bytes.
+    pub max_output_capacity: Option<u32>,
+    /// Function deadline when a request asks for none, milliseconds.
+    pub default_deadline_ms: Option<u64>,
+    /// Longest function deadline a request may ask for, milliseconds.
+    pub max_deadline_ms: Option<u64>,
+    /// How long a worker may take to load a library and listen, ms.
+    pub worker_ready_timeout_ms: Option<u64>,
+    /// `error`, `warn`, `info`, `debug` or `trace`.
+    pub log_level: Option<String>,
+}
+
+/// How workers are isolated beyond their uid, pinning and memory limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Sandbox {
+    /// Workers see the node's file system (as their user).
+    None,
+    /// Each worker runs under `bwrap` in its own pid/ipc/uts namespaces,
+    /// with a read-only root, a private /tmp and only its allocation's
+    /// runtime directory writable. No worker pool.
+    Bubblewrap,
+}
+
+/// What is wrong with the configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read the configuration file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this daemon.
+    #[error("the configuration file {path} is invalid: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// toml's account, with the line.
+        message: String,
+    },
+    /// A key has a value the daemon cannot use.
+    #[error("configuration key `{key}` = {value:?} is invalid: {why}")]
+    Invalid {
+        /// The key.
+        key: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong and what is expected.
+        why: String,
+    },
+}
+
+/// The checked configuration the daemon runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// This node's name.
+    pub node_name: String,
+    /// Control listener address.
+    pub control_listen: SocketAddr,
+    /// Host for tcp worker listeners.
+    pub fabric_host: String,
+    /// Providers served.
+    pub providers: Vec<String>,
+    /// CPUs (or logical slots when `pin` is false), ascending.
+    pub cpus: Vec<u32>,
+    /// Whether lanes are pinned.
+    pub pin: bool,
+    /// Memory granted to allocations, MiB.
+    pub memory_mib: u32,
+    /// The cluster secret's file.
+    pub secret_file: PathBuf,
+    /// The node tools' unix socket.
+    pub local_socket: PathBuf,
+    /// Per-allocation directories go here.
+    pub runtime_dir: PathBuf,
+    /// Idle workers kept.
+    pub pool_size: u32,
+    /// The worker binary.
+    pub worker_path: PathBuf,
+    /// Isolation.
+    pub sandbox: Sandbox,
+    /// The bwrap binary.
+    pub bwrap_path: PathBuf,
+    /// Largest library, bytes.
+    pub max_library_bytes: u32,
+    /// Most lanes per allocation.
+    pub max_lanes: u16,
+    /// Largest input buffer.
+    pub max_input_capacity: u32,
+    /// Largest output buffer.
+    pub max_output_capacity: u32,
+    /// Default deadline, ms.
+    pub default_deadline_ms: u64,
+    /// Longest deadline, ms.
+    pub max_deadline_ms: u64,
+    /// Worker load-and-listen timeout, ms.
+    pub worker_ready_timeout_ms: u64,
+    /// Log level.
+    pub log_level: tracing::Level,
+}
+
+/// The default place of the node tools' socket.
+pub const DEFAULT_LOCAL_SOCKET: &str = "/run/rfaas/executord.sock";
+
+impl Config {
+    /// Reads and parses `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        })
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Fills in defaults and checks every value.
+    pub fn resolve(&self) -> Result<Settings, ConfigError> {
+        let invalid =
+            |key: &'static str, value: &dyn std::fmt::Debug, why: &str| ConfigError::Invalid {
+                key,
+                value: format!("{value:?}"),
+                why: why.to_owned(),
+            };
+        let node_name = match &self.node_name {
+            Some(n) if n.trim().is_empty() => {
+                return Err(invalid("node_name", n, "it must not be empty"))
+            }
+            Some(n) => n.clone(),
+            None => hostname().map_err(|e| {
+                invalid(
+                    "node_name",
+                    &"",
+                    &format!("the host name cannot be read ({e}); set node_name"),
+                )
+            })?,
+        };
+        let listen = self.control_listen.as_deref().unwrap_or("0.0.0.0:7100");
+        let control_listen: SocketAddr = listen.parse().map_err(|e| {
+            invalid(
+                "control_listen",
+                &listen,
+                &format!("expected an IP address and port such as \"0.0.0.0:7100\" ({e})"),
+            )
+        })?;
+        let providers = self
+            .providers
+            .clone()
+            .unwrap_or_else(|| vec!["tcp".into(), "shm".into()]);
+        if providers.is_empty() {
+            return Err(invalid(
+                "providers",
+                &providers,
+                "name at least one provider",
+            ));
+        }
+        for p in &providers {
+            if !(p == "tcp" || p == "shm" || p.starts_with("verbs:")) {
+                return Err(invalid(
+                    "providers",
+                    &providers,
+                    &format!("unknown provider {p:?}; use \"tcp\", \"shm\" or \"verbs:<device>\""),
+                ));
+            }
+        }
+        let cpus = match &self.cpus {
+            Some(list) => parse_cpulist(list).map_err(|why| invalid("cpus", list, &why))?,
+            None => online_cpus(),
+        };
+        if cpus.is_empty() {
+            return Err(invalid("cpus", &self.cpus, "grant at least one CPU"));
+        }
+        let memory_mib = match self.memory_mib {
+            Some(0) => return Err(invalid("memory_mib", &0, "grant at least 1 MiB")),
+            Some(m) => m,
+            None => machine_memory_mib(),
+        };
+        let max_library_mib = self.max_library_mib.unwrap_or(64);
+        if max_library_mib == 0 || max_library_mib > 4095 {
+            return Err(invalid(
+                "max_library_mib",
+                &max_library_mib,
+                "use 1 to 4095",
+            ));
+        }
+        let max_lanes = self.max_lanes.unwrap_or(64);
+        if max_lanes == 0 {
+            return Err(invalid("max_lanes", &0, "allow at least one lane"));
+        }
+        let max_input_capacity = self.max_input_capacity.unwrap_or(16 << 20);
+        if (max_input_capacity as usize) < rfaas_proto::InvocationHeader::LEN {
+            return Err(invalid(
+                "max_input_capacity",
+                &max_input_capacity,
+                "it must hold at least the 32-byte invocation header",
+            ));
+        }
+        let default_deadline_ms = self.default_deadline_ms.unwrap_or(60_000);
+        let max_deadline_ms = self.max_deadline_ms.unwrap_or(3_600_000);
+        if default_deadline_ms == 0 || default_deadline_ms > max_deadline_ms {
+            return Err(invalid(
+                "default_deadline_ms",
+                &default_deadline_ms,
+                &format!("use 1 to max_deadline_ms ({max_deadline_ms})"),
+            ));
+        }
+        let worker_path = match &self.worker_path {
+            Some(p) => p.clone(),
+            None => default_worker_path().map_err(|e| {
+                invalid(
+                    "worker_path",
+                    &"",
+                    &format!("the daemon's own path cannot be read ({e}); set worker_path"),
+                )
+            })?,
+        };
+        let level = self.log_level.as_deref().unwrap_or("info");
+        let log_level: tracing::Level = level
+            .parse()
+            .map_err(|_| invalid("log_level", &level, "use error, warn, info, debug or trace"))?;
+        Ok(Settings {
+            node_name,
+            control_listen,
+            fabric_host: self
+                .fabric_host
+                .clone()
+                .unwrap_or_else(|| "127.0.0.1".into()),
+            providers,
+            cpus,
+            pin: self.pin.unwrap_or(true),
+            memory_mib,
+            secret_file: self
+                .secret_file
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("/etc/rfaas/secret")),
+            local_socket: self
+                .local_socket
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_LOCAL_SOCKET)),
+            runtime_dir: self
+                .runtime_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("/run/rfaas/workers")),
+            pool_size: self.pool_size.unwrap_or(2),
+            worker_path,
+            sandbox: self.sandbox.unwrap_or(Sandbox::None),
+            bwrap_path: self
+                .bwrap_path
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("bwrap")),
+            max_library_bytes: max_library_mib << 20,
+            max_lanes,
+            max_input_capacity,
+            max_output_capacity: self.max_output_capacity.unwrap_or(16 << 20),
+            default_deadline_ms,
+            max_deadline_ms,
+            worker_ready_timeout_ms: self.worker_ready_timeout_ms.unwrap_or(10_000),
+            log_level,
+        })
+    }
+}
+
+/// Parses a Linux cpulist (`"0-3,8,10-11"`) into ascending, distinct CPUs.
+pub fn parse_cpulist(list: &str) -> Result<Vec<u32>, String> {
+    let mut cpus = std::collections::BTreeSet::new();
+    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let num = |s: &str| {
+            s.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{s:?} is not a CPU number; write a list like \"0-3,8\""))
+        };
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (num(a)?, num(b)?);
+                if a > b {
+                    return Err(format!("the range {part:?} runs backwards"));
+                }
+                if b - a >= 65_536 {
+                    return Err(format!("the range {part:?} is too long"));
+                }
+                cpus.extend(a..=b);
+            }
+            None => {
+                cpus.insert(num(part)?);
+            }
+        }
+    }
+    Ok(cpus.into_iter().collect())
+}
+
+/// Formats CPUs as a cpulist (`[0,1,2,5]` → `"0-2,5"`).
+pub fn format_cpulist(cpus: &[u32]) -> String {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let start = cpus[i];
+        let mut end = start;
+        while i + 1 < cpus.len() && cpus[i + 1] == end + 1 {
+            i += 1;
+            end = cpus[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    out.join(",")
+}
+
+fn online_cpus() -> Vec<u32> {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| parse_cpulist(s.trim()).ok())
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| {
+            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (0..n as u32).collect()
+        })
+}
+
+fn machine_memory_mib() -> u32 {
+    let kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .unwrap_or(1 << 20);
+    u32::try_from(kib / 1024).unwrap_or(u32::MAX)
+}
+
+/// The host name (`gethostname`).
+pub fn hostname() -> std::io::Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its whole length.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
+}
+
+fn default_worker_path() -> std::io::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    Ok(exe.with_file_name("rfaas-worker"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpulists() {
+        assert_eq!(
+            parse_cpulist("0-3,8, 10-11").unwrap(),
+            [0, 1, 2, 3, 8, 10, 11]
+        );
+        assert_eq!(parse_cpulist("2,1,2").unwrap(), [1, 2]);
+        assert!(parse_cpulist("3-1").unwrap_err().contains("backwards"));
+        assert!(parse_cpulist("a").unwrap_err().contains("not a CPU number"));
+        assert_eq!(format_cpulist(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(format_cpulist(&[]), "");
+    }
+
+    #[test]
+    fn defaults_and_checks() {
+        let c = Config::parse("node_name = \"n1\"\ncpus = \"0-1\"\nmemory_mib = 512\n").unwrap();
+        let s = c.resolve().unwrap();
+        assert_eq!(s.node_name, "n1");
+        assert_eq!(s.cpus, [0, 1]);
+        assert!(s.pin);
+        assert_eq!(s.providers, ["tcp", "shm"]);
+        assert_eq!(s.pool_size, 2);
+        assert_eq!(s.local_socket, Path::new(DEFAULT_LOCAL_SOCKET));
+        assert_eq!(s.worker_path.file_name().unwrap(), "rfaas-worker");
+
+        let err = Config::parse("colour = 1").unwrap_err();
+        assert!(err.contains("colour"), "{err}");
+        let err = Config::parse("providers = [\"udp\"]")
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("unknown provider \"udp\""),
+            "{err}"
+        );
+        let err = Config::parse("control_listen = \"nowhere\"")
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("control_listen"), "{err}");
+    }
+}

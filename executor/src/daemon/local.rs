@@ -1,0 +1,153 @@
+//! The node tools' unix socket: status, drain, resume.
+
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rfaas_proto::control::{
+    AllocationStatus, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
+};
+
+use super::process;
+use super::state::{Shared, Stop};
+
+/// Serves one node tool's connection: one reply per request, until it
+/// closes.
+pub(crate) fn serve(shared: Arc<Shared>, stream: UnixStream) {
+    let limits = FrameLimits {
+        max_json: 64 << 10,
+        max_blob: 0,
+    };
+    let mut reader = &stream;
+    loop {
+        let frame = match Frame::read_from(&mut reader, limits) {
+            Ok(f) => f,
+            Err(rfaas_proto::control::ControlError::Io(_)) => return,
+            Err(e) => {
+                reply_error(
+                    &stream,
+                    ErrorCode::MalformedRequest,
+                    format!("{e}; closing the connection"),
+                );
+                return;
+            }
+        };
+        let req = match frame.parse::<LocalRequest>(Kind::LocalRequest) {
+            Ok(r) => r,
+            Err(e) => {
+                reply_error(&stream, ErrorCode::MalformedRequest, e.to_string());
+                continue;
+            }
+        };
+        tracing::info!(request = ?req, "local request");
+        let reply = handle(&shared, req);
+        let mut w = &stream;
+        if Frame::new(Kind::LocalReply, &reply, Vec::new())
+            .write_to(&mut w)
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn reply_error(stream: &UnixStream, code: ErrorCode, message: String) {
+    let mut w = stream;
+    let _ = Frame::new(
+        Kind::Error,
+        &ErrorReply {
+            request_id: 0,
+            code,
+            message,
+        },
+        Vec::new(),
+    )
+    .write_to(&mut w);
+}
+
+/// Carries out one request.
+pub(crate) fn handle(shared: &Shared, req: LocalRequest) -> LocalReply {
+    match req {
+        LocalRequest::Status => status(shared),
+        LocalRequest::Drain { grace_ms } => drain(shared, Duration::from_millis(grace_ms)),
+        LocalRequest::Resume => {
+            let was = std::mem::replace(&mut shared.lock().draining, false);
+            shared.refill();
+            tracing::info!("taking allocations again");
+            LocalReply::Done {
+                message: if was {
+                    "resumed: taking allocations again".into()
+                } else {
+                    "was not draining: taking allocations".into()
+                },
+            }
+        }
+        _ => LocalReply::Done {
+            message: "this executor does not know that command".into(),
+        },
+    }
+}
+
+fn status(shared: &Shared) -> LocalReply {
+    let st = shared.lock();
+    LocalReply::Status {
+        node: shared.settings.node_name.clone(),
+        draining: st.draining,
+        cpus: st.capacity.cpus().to_vec(),
+        free_cpus: st.capacity.free_cpus(),
+        memory_mib: st.capacity.memory_mib(),
+        free_memory_mib: st.capacity.free_memory_mib(),
+        pool_idle: st.pool.len() as u32,
+        allocations: st
+            .allocations
+            .values()
+            .map(|a| AllocationStatus {
+                allocation_id: a.id,
+                lease_id: a.lease_id,
+                user: a.user.clone(),
+                pid: a.pid.unwrap_or(0),
+                cpus: a.cpus.clone(),
+                memory_mib: a.memory_mib,
+            })
+            .collect(),
+    }
+}
+
+/// Refuses new allocations at once, tells every worker to refuse new
+/// invocations (SIGUSR1), waits up to `grace` for allocations to end, then
+/// stops the rest.
+fn drain(shared: &Shared, grace: Duration) -> LocalReply {
+    let mut st = shared.lock();
+    st.draining = true;
+    shared.empty_pool(&mut st);
+    let mut told = 0;
+    for a in st.allocations.values() {
+        if let Some(pid) = a.pid {
+            // Under bubblewrap the pid is bwrap's; the worker is below it.
+            for p in std::iter::once(pid).chain(process::descendants(pid)) {
+                process::signal(p, libc::SIGUSR1);
+            }
+            told += 1;
+        }
+    }
+    tracing::info!(
+        workers = told,
+        grace_ms = grace.as_millis() as u64,
+        "draining"
+    );
+    let (st, _) = shared.wait_until(st, grace, |st| st.allocations.is_empty());
+    let ids: Vec<u64> = st.allocations.keys().copied().collect();
+    drop(st);
+    let left = shared.end_allocations(&ids, Stop::Stopped, Duration::from_secs(10));
+    let message = if left > 0 {
+        format!("drained, but {left} workers did not end after SIGKILL")
+    } else {
+        format!(
+            "drained: {} allocations stopped after the {} ms grace period",
+            ids.len(),
+            grace.as_millis()
+        )
+    };
+    tracing::info!(%message, "drain done");
+    LocalReply::Done { message }
+}

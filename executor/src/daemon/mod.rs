@@ -1,0 +1,296 @@
+//! The node daemon, `rfaas-executord`: checks lease tokens, owns the node's
+//! configured CPUs and memory, starts and supervises `rfaas-worker`
+//! processes, and tells clients when one ends. See `docs/executor.md`
+//! (operation) and `docs/invocation.md` (protocol).
+//!
+//! Threads, all plain std threads: one per control connection and per
+//! local connection, two accept loops, the spawner (every worker is forked
+//! from it), one watcher per worker, the lease ticker, and the main thread
+//! waiting for SIGTERM/SIGINT.
+//!
+//! # Layout
+//!
+//! - [`config`]: the TOML file, defaults, checked [`Settings`].
+//! - [`secret`]: reading (and making) the cluster secret.
+//! - `capacity`: free CPUs and memory, per-lease holdings.
+//! - `users`: the lease's user in the node's user database.
+//! - `memlimit`: cgroup v2 `memory.max` or `RLIMIT_AS`.
+//! - `process`: spawning (plain or bubblewrap), signalling, waiting.
+//! - `state`: the shared state behind one lock; ending allocations.
+//! - `supervise`: the spawner and pool, worker watchers, lease expiry.
+//! - `control`: the clients' TCP protocol and the allocation steps.
+//! - `local`: the node tools' unix socket (status, drain, resume).
+
+pub mod config;
+pub mod secret;
+
+mod capacity;
+mod control;
+mod local;
+mod memlimit;
+mod process;
+mod state;
+mod supervise;
+mod users;
+
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+pub use config::{Config, ConfigError, Sandbox, Settings};
+pub use secret::SecretError;
+
+use memlimit::MemoryLimiter;
+use state::Shared;
+use supervise::SpawnJob;
+
+/// Why the daemon cannot start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The secret file is unusable.
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    /// A directory or socket could not be made.
+    #[error("cannot {what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// With which path or address.
+        path: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The worker binary is not there.
+    #[error("the worker binary {0} does not exist; install rfaas-worker next to rfaas-executord or set worker_path")]
+    NoWorker(PathBuf),
+}
+
+/// A bound daemon, not yet serving.
+#[derive(Debug)]
+pub struct Daemon {
+    shared: Arc<Shared>,
+    jobs: mpsc::Receiver<SpawnJob>,
+    control: TcpListener,
+    local: UnixListener,
+    control_addr: SocketAddr,
+}
+
+impl Daemon {
+    /// Reads the secret, probes the memory-limit mechanism, makes the
+    /// runtime directory and binds both listeners.
+    pub fn bind(settings: Settings) -> Result<Daemon, StartError> {
+        let io_err = |what, path: &Path| {
+            let path = path.display().to_string();
+            move |source| StartError::Io { what, path, source }
+        };
+        let secret = secret::read_secret(&settings.secret_file)?;
+        if !settings.worker_path.exists() {
+            return Err(StartError::NoWorker(settings.worker_path.clone()));
+        }
+        if !settings.runtime_dir.exists() {
+            std::fs::create_dir_all(&settings.runtime_dir).map_err(io_err(
+                "create the runtime directory",
+                &settings.runtime_dir,
+            ))?;
+            // Users reach their own allocation directories through it.
+            std::fs::set_permissions(
+                &settings.runtime_dir,
+                std::fs::Permissions::from_mode(0o711),
+            )
+            .map_err(io_err("set the mode of", &settings.runtime_dir))?;
+        }
+        remove_stale_allocation_dirs(&settings.runtime_dir);
+
+        let control =
+            TcpListener::bind(settings.control_listen).map_err(|source| StartError::Io {
+                what: "listen on",
+                path: settings.control_listen.to_string(),
+                source,
+            })?;
+        let control_addr = control.local_addr().map_err(|source| StartError::Io {
+            what: "read the address of",
+            path: settings.control_listen.to_string(),
+            source,
+        })?;
+        let local = bind_local(&settings.local_socket)?;
+
+        let limiter = MemoryLimiter::detect();
+        if settings.sandbox == Sandbox::Bubblewrap && settings.pool_size > 0 {
+            tracing::info!(
+                "sandbox = bubblewrap: every worker starts per allocation, the pool is not used"
+            );
+        }
+        let (tx, jobs) = mpsc::channel();
+        let shared = Arc::new(Shared::new(settings, secret, limiter, tx));
+        Ok(Daemon {
+            shared,
+            jobs,
+            control,
+            local,
+            control_addr,
+        })
+    }
+
+    /// The bound control address (the real port when the configured one
+    /// was 0).
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control_addr
+    }
+
+    /// The node tools' socket.
+    pub fn local_socket(&self) -> &Path {
+        &self.shared.settings.local_socket
+    }
+
+    /// Serves until SIGTERM or SIGINT, then stops every worker and
+    /// returns. Call it from the main thread before any other thread is
+    /// started: it blocks those signals for every thread it creates.
+    pub fn run(self) -> io::Result<()> {
+        let set = block_termination_signals()?;
+        let Daemon {
+            shared,
+            jobs,
+            control,
+            local,
+            ..
+        } = self;
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.to_owned()).spawn(f)
+        };
+        let s = Arc::clone(&shared);
+        spawn("spawner", Box::new(move || supervise::spawner(s, jobs)))?;
+        let s = Arc::clone(&shared);
+        spawn("leases", Box::new(move || supervise::lease_ticker(s)))?;
+        let s = Arc::clone(&shared);
+        spawn(
+            "control-accept",
+            Box::new(move || {
+                accept_loop(control.incoming(), "control", |stream| {
+                    let s2 = Arc::clone(&s);
+                    std::thread::Builder::new()
+                        .name("control".into())
+                        .spawn(move || control::serve(s2, stream))
+                        .map(drop)
+                })
+            }),
+        )?;
+        let s = Arc::clone(&shared);
+        spawn(
+            "local-accept",
+            Box::new(move || {
+                accept_loop(local.incoming(), "local", |stream| {
+                    let s2 = Arc::clone(&s);
+                    std::thread::Builder::new()
+                        .name("local".into())
+                        .spawn(move || local::serve(s2, stream))
+                        .map(drop)
+                })
+            }),
+        )?;
+        shared.refill();
+
+        let sig = wait_signal(&set)?;
+        tracing::info!(signal = %process::signal_name(sig), "stopping every worker and exiting");
+        shared.shutdown();
+        let _ = std::fs::remove_file(&shared.settings.local_socket);
+        Ok(())
+    }
+}
+
+/// Allocation ids restart at 1 with every daemon; directories a previous
+/// run left behind (it was killed) would collide with them.
+fn remove_stale_allocation_dirs(runtime_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(runtime_dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with("alloc-") {
+            tracing::info!(dir = %e.path().display(), "removing a previous run's allocation directory");
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove a stale allocation directory");
+            }
+        }
+    }
+}
+
+fn accept_loop<S>(
+    incoming: impl Iterator<Item = io::Result<S>>,
+    what: &'static str,
+    mut serve: impl FnMut(S) -> io::Result<()>,
+) {
+    let mut backoff = Duration::from_millis(10);
+    for conn in incoming {
+        match conn.and_then(&mut serve) {
+            Ok(()) => backoff = Duration::from_millis(10),
+            Err(e) => {
+                // Out of descriptors or threads: wait instead of spinning.
+                tracing::warn!(listener = what, error = %e, "cannot accept a connection");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Binds the node tools' socket, replacing a stale one, mode 0600.
+fn bind_local(path: &Path) -> Result<UnixListener, StartError> {
+    let err = |what, source| StartError::Io {
+        what,
+        path: path.display().to_string(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| err("create the directory of", e))?;
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(err(
+            "bind",
+            io::Error::new(
+                io::ErrorKind::AddrInUse,
+                "another rfaas-executord answers on this socket",
+            ),
+        ));
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err("remove the stale socket", e)),
+    }
+    let listener = UnixListener::bind(path).map_err(|e| err("bind", e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| err("set the mode of", e))?;
+    Ok(listener)
+}
+
+fn block_termination_signals() -> io::Result<libc::sigset_t> {
+    // SAFETY: sigset_t is plain data, initialised by sigemptyset before use;
+    // pthread_sigmask only changes this thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        Ok(set)
+    }
+}
+
+fn wait_signal(set: &libc::sigset_t) -> io::Result<i32> {
+    let mut sig = 0;
+    // SAFETY: set was initialised by block_termination_signals; sig is a
+    // valid out-pointer.
+    let rc = unsafe { libc::sigwait(set, &mut sig) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(sig)
+}

@@ -1,0 +1,282 @@
+//! Worker processes: spawning (directly or under bubblewrap), signalling by
+//! pid, and waiting for their end.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// A started worker: its pid and the daemon's end of its socket pair.
+#[derive(Debug)]
+pub struct Spawned {
+    /// Process id (of `bwrap` under the bubblewrap sandbox).
+    pub pid: u32,
+    /// The daemon's end of the control socket pair.
+    pub sock: UnixStream,
+}
+
+/// How to run a worker under bubblewrap.
+#[derive(Debug, Clone)]
+pub struct Bwrap {
+    /// The `bwrap` binary.
+    pub bwrap: PathBuf,
+    /// The allocation's runtime directory, the one writable path.
+    pub runtime_dir: PathBuf,
+}
+
+/// Starts `worker --control-fd N` with one end of a new socket pair as fd
+/// N, in its own process group (a terminal's Ctrl-C reaches the daemon,
+/// which stops workers itself), with SIGKILL as its parent-death signal.
+/// With `bwrap`, the worker runs inside a bubblewrap sandbox. With
+/// `cgroup_procs`, the child joins that cgroup before it execs.
+///
+/// Call it from a thread that lives as long as the daemon: the
+/// parent-death signal fires when the spawning *thread* ends.
+pub fn spawn_worker(
+    worker: &Path,
+    bwrap: Option<&Bwrap>,
+    cgroup_procs: Option<&Path>,
+) -> io::Result<Spawned> {
+    let (ours, theirs) = UnixStream::pair()?;
+    let fd = theirs.as_raw_fd();
+    let mut cmd = match bwrap {
+        None => Command::new(worker),
+        Some(b) => {
+            let mut c = Command::new(&b.bwrap);
+            c.args([
+                "--die-with-parent",
+                "--unshare-pid",
+                "--unshare-ipc",
+                "--unshare-uts",
+                "--ro-bind",
+                "/",
+                "/",
+                "--dev",
+                "/dev",
+                "--proc",
+                "/proc",
+                "--tmpfs",
+                "/tmp",
+            ]);
+            // bwrap makes missing mount points mode 0700 and root-owned;
+            // the worker, as the lease's user, must traverse them.
+            let mut ancestors: Vec<&Path> = b
+                .runtime_dir
+                .ancestors()
+                .skip(1)
+                .filter(|a| a.parent().is_some())
+                .collect();
+            ancestors.reverse();
+            for a in ancestors {
+                c.args(["--perms", "0711", "--dir"]).arg(a);
+            }
+            c.arg("--bind").arg(&b.runtime_dir).arg(&b.runtime_dir);
+            c.arg("--new-session").arg("--").arg(worker);
+            c
+        }
+    };
+    cmd.arg("--control-fd").arg(fd.to_string());
+    cmd.stdin(Stdio::null()).stdout(Stdio::null());
+    cmd.process_group(0);
+    let procs = cgroup_procs
+        .map(|p| CString::new(p.as_os_str().as_bytes()))
+        .transpose()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: the closure runs in the forked child before exec and only
+    // makes async-signal-safe system calls (fcntl, sigprocmask, prctl,
+    // open, write, close) on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The daemon blocks its termination signals to take them in
+            // one thread; the worker must not inherit that.
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            if let Some(procs) = &procs {
+                let f = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if f < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // "0" means the writing process itself.
+                let ok = libc::write(f, b"0".as_ptr().cast(), 1) == 1;
+                libc::close(f);
+                if !ok {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
+        let what = match bwrap {
+            Some(b) => format!(
+                "{} (bubblewrap) for {}",
+                b.bwrap.display(),
+                worker.display()
+            ),
+            None => worker.display().to_string(),
+        };
+        io::Error::new(e.kind(), format!("cannot start the worker {what}: {e}"))
+    })?;
+    drop(theirs);
+    // The daemon reaps the process itself (see `wait_exit`); dropping the
+    // handle neither waits nor kills.
+    let pid = child.id();
+    drop(child);
+    Ok(Spawned { pid, sock: ours })
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// It exited with this code.
+    Exited(i32),
+    /// A signal ended it.
+    Signaled(i32),
+}
+
+/// Blocks until child `pid` has ended, without reaping it: the pid stays
+/// taken (a zombie) until [`reap`], so nobody signals a recycled pid.
+pub fn wait_exit(pid: u32) -> io::Result<Ended> {
+    loop {
+        // SAFETY: siginfo_t is plain data; waitid fills it in.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: info is a valid siginfo_t for waitid to write.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 {
+            // SAFETY: waitid succeeded for an exited child, so si_status
+            // is the field it set.
+            let status = unsafe { info.si_status() };
+            return Ok(match info.si_code {
+                libc::CLD_EXITED => Ended::Exited(status),
+                _ => Ended::Signaled(status),
+            });
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Reaps child `pid`, which [`wait_exit`] saw end.
+pub fn reap(pid: u32) {
+    let mut status = 0;
+    // SAFETY: waitpid on our own child with a valid status pointer.
+    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) };
+}
+
+/// Sends `signal` to `pid`. Callers only signal pids they have not reaped.
+pub fn signal(pid: u32, signal: i32) {
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(pid as libc::pid_t, signal) };
+}
+
+/// `pid`'s descendants (children, their children, ...), from procfs.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for c in children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                if !out.contains(&c) && out.len() < 4096 {
+                    out.push(c);
+                    todo.push(c);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A signal's name (`SIGSEGV`), or its number.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spawn_wait_and_reap() {
+        // `true` ignores its arguments, so it stands in for the worker.
+        let s = spawn_worker(Path::new("/bin/true"), None, None).unwrap();
+        assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
+        // Still a zombie: the pid is ours until reaped.
+        assert!(Path::new(&format!("/proc/{}", s.pid)).exists());
+        reap(s.pid);
+        assert_eq!(signal_name(11), "SIGSEGV");
+        assert_eq!(signal_name(99), "signal 99");
+    }
+
+    #[test]
+    fn killed_children_report_the_signal() {
+        let s = spawn_worker(Path::new("/bin/sleep"), None, None);
+        // sleep refuses "--control-fd" and exits 1 at once.
+        let s = s.unwrap();
+        let ended = wait_exit(s.pid).unwrap();
+        reap(s.pid);
+        assert_eq!(ended, Ended::Exited(1));
+
+        let mut child = Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        signal(pid, libc::SIGKILL);
+        assert_eq!(wait_exit(pid).unwrap(), Ended::Signaled(libc::SIGKILL));
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn missing_worker_binary_is_named() {
+        let err = spawn_worker(Path::new("/nonexistent/rfaas-worker"), None, None).unwrap_err();
+        assert!(
+            err.to_string().contains("/nonexistent/rfaas-worker"),
+            "{err}"
+        );
+    }
+}

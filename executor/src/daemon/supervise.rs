@@ -1,0 +1,289 @@
+//! Worker supervision: the spawner thread (every worker is forked from it,
+//! so the workers' parent-death signal is tied to a thread that lives as
+//! long as the daemon), one watcher thread per worker blocking in
+//! `waitid`, and the lease-expiry ticker.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rfaas_proto::control::{ExitCause, Frame, Kind, WorkerExited};
+
+use super::config::Sandbox;
+use super::process::{self, Bwrap, Ended, Spawned};
+use super::state::{PoolWorker, Shared, Stop};
+
+/// Work for the spawner thread.
+#[derive(Debug)]
+pub(crate) enum SpawnJob {
+    /// Start a worker for an allocation and hand it back.
+    Direct {
+        bwrap: Option<Bwrap>,
+        cgroup_procs: Option<PathBuf>,
+        reply: mpsc::Sender<io::Result<Spawned>>,
+    },
+    /// Top the idle pool up to `pool_size`.
+    Refill,
+}
+
+/// The spawner thread's loop: direct requests first, then one pool worker
+/// at a time while the pool is short.
+pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
+    let worker = shared.settings.worker_path.clone();
+    let mut backoff_until = None::<std::time::Instant>;
+    loop {
+        // Drain every pending job before (re)filling the pool.
+        loop {
+            match jobs.try_recv() {
+                Ok(SpawnJob::Direct {
+                    bwrap,
+                    cgroup_procs,
+                    reply,
+                }) => {
+                    let r = process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref());
+                    let _ = reply.send(r);
+                }
+                Ok(SpawnJob::Refill) => {}
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
+        }
+        let short = {
+            let st = shared.lock();
+            let want = if st.draining || st.stopping || shared.settings.sandbox != Sandbox::None {
+                0
+            } else {
+                shared.settings.pool_size as usize
+            };
+            st.pool.len() < want
+        };
+        let backing_off = backoff_until.is_some_and(|t| std::time::Instant::now() < t);
+        if short && !backing_off {
+            match process::spawn_worker(&worker, None, None) {
+                Ok(s) => {
+                    let pid = s.pid;
+                    {
+                        let mut st = shared.lock();
+                        if st.draining || st.stopping {
+                            process::signal(pid, libc::SIGKILL);
+                        }
+                        st.pool.push(PoolWorker { pid, sock: s.sock });
+                    }
+                    tracing::debug!(pid, "pooled worker started");
+                    watch(&shared, pid);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot pre-spawn a pooled worker; retrying in 5 s");
+                    backoff_until = Some(std::time::Instant::now() + Duration::from_secs(5));
+                }
+            }
+        }
+        match jobs.recv_timeout(Duration::from_secs(1)) {
+            Ok(SpawnJob::Direct {
+                bwrap,
+                cgroup_procs,
+                reply,
+            }) => {
+                let r = process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref());
+                let _ = reply.send(r);
+            }
+            Ok(SpawnJob::Refill) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// Starts a worker through the spawner thread.
+pub(crate) fn spawn_direct(
+    shared: &Shared,
+    bwrap: Option<Bwrap>,
+    cgroup_procs: Option<PathBuf>,
+) -> io::Result<Spawned> {
+    let (tx, rx) = mpsc::channel();
+    shared
+        .spawner
+        .send(SpawnJob::Direct {
+            bwrap,
+            cgroup_procs,
+            reply: tx,
+        })
+        .map_err(|_| io::Error::other("the spawner thread is gone"))?;
+    rx.recv()
+        .map_err(|_| io::Error::other("the spawner thread is gone"))?
+}
+
+/// Starts the watcher of `pid`, which the pool or an allocation names.
+pub(crate) fn watch(shared: &Arc<Shared>, pid: u32) {
+    let shared = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name(format!("watch-{pid}"))
+        .spawn(move || watcher(&shared, pid));
+    if let Err(e) = spawned {
+        // Without a watcher nobody would reap it or free its cores.
+        tracing::error!(pid, error = %e, "cannot start a worker's watcher thread; killing the worker");
+        process::signal(pid, libc::SIGKILL);
+    }
+}
+
+fn watcher(shared: &Arc<Shared>, pid: u32) {
+    let ended = match process::wait_exit(pid) {
+        // bwrap exits with 128 + the signal that ended the worker.
+        Ok(Ended::Exited(code))
+            if shared.settings.sandbox == Sandbox::Bubblewrap && (129..=192).contains(&code) =>
+        {
+            Ended::Signaled(code - 128)
+        }
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(pid, error = %e, "cannot wait for a worker");
+            return;
+        }
+    };
+    let mut report = None;
+    let mut refill = false;
+    {
+        let mut st = shared.lock();
+        if let Some(i) = st.pool.iter().position(|w| w.pid == pid) {
+            st.pool.remove(i);
+            if !st.draining && !st.stopping {
+                tracing::warn!(pid, ?ended, "an idle pooled worker ended");
+            }
+            refill = true;
+        } else if let Some(id) = st
+            .allocations
+            .values()
+            .find(|a| a.pid == Some(pid))
+            .map(|a| a.id)
+        {
+            let a = st.allocations.get_mut(&id).expect("found above");
+            if a.ready {
+                let a = shared.remove_allocation(&mut st, id).expect("found above");
+                let (cause, message) = describe(pid, ended, a.stop, a.expires_at);
+                tracing::info!(allocation = id, pid, ?cause, %message, "worker ended");
+                if !matches!(a.stop, Some(Stop::Deallocate | Stop::Failed)) {
+                    let msg = WorkerExited {
+                        allocation_id: id,
+                        cause,
+                        signal: match ended {
+                            Ended::Signaled(s) => Some(s),
+                            Ended::Exited(_) => None,
+                        },
+                        exit_code: match ended {
+                            Ended::Exited(c) => Some(c),
+                            Ended::Signaled(_) => None,
+                        },
+                        message,
+                    };
+                    st.reports_pending += 1;
+                    report = Some((a.conn, msg));
+                }
+            } else {
+                // Still starting: the allocating thread owns the cleanup.
+                a.pid = None;
+                a.ended = Some(ended);
+            }
+        }
+        process::reap(pid);
+        shared.changed.notify_all();
+    }
+    if let Some((conn, msg)) = report {
+        conn.send(&Frame::new(Kind::WorkerExited, &msg, Vec::new()));
+        shared.lock().reports_pending -= 1;
+        shared.changed.notify_all();
+    }
+    if refill {
+        shared.refill();
+    }
+}
+
+/// Why a worker ended, as the client hears it.
+pub(crate) fn describe(
+    pid: u32,
+    ended: Ended,
+    stop: Option<Stop>,
+    expires_at: u64,
+) -> (ExitCause, String) {
+    match (stop, ended) {
+        (Some(Stop::LeaseExpired), _) => (
+            ExitCause::LeaseExpired,
+            format!("worker {pid} stopped: the lease expired at {expires_at} (Unix seconds)"),
+        ),
+        (Some(Stop::Stopped), _) => (
+            ExitCause::Stopped,
+            format!("worker {pid} stopped: the executor is draining or shutting down"),
+        ),
+        (_, Ended::Signaled(sig)) => (
+            ExitCause::Crashed,
+            format!("worker {pid} killed by {}", process::signal_name(sig)),
+        ),
+        (_, Ended::Exited(3)) => (
+            ExitCause::DeadlineExceeded,
+            format!("worker {pid} ended itself: a function ran past its deadline"),
+        ),
+        (_, Ended::Exited(code)) => (
+            ExitCause::Exited,
+            format!("worker {pid} exited with code {code}"),
+        ),
+    }
+}
+
+/// Kills the workers of leases that ended, every quarter second.
+pub(crate) fn lease_ticker(shared: Arc<Shared>) {
+    loop {
+        std::thread::sleep(Duration::from_millis(250));
+        let now = unix_now();
+        let mut st = shared.lock();
+        if st.stopping {
+            return;
+        }
+        for a in st.allocations.values_mut() {
+            if a.ready && a.stop.is_none() && a.expires_at <= now {
+                if let Some(pid) = a.pid {
+                    tracing::info!(
+                        allocation = a.id,
+                        lease = a.lease_id,
+                        pid,
+                        "lease expired; killing its worker"
+                    );
+                    a.stop = Some(Stop::LeaseExpired);
+                    process::signal(pid, libc::SIGKILL);
+                }
+            }
+        }
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causes() {
+        let c = |stop, ended| describe(9, ended, stop, 100).0;
+        assert_eq!(c(None, Ended::Signaled(11)), ExitCause::Crashed);
+        assert_eq!(c(None, Ended::Exited(3)), ExitCause::DeadlineExceeded);
+        assert_eq!(c(None, Ended::Exited(1)), ExitCause::Exited);
+        assert_eq!(
+            c(Some(Stop::LeaseExpired), Ended::Signaled(9)),
+            ExitCause::LeaseExpired
+        );
+        assert_eq!(
+            c(Some(Stop::Stopped), Ended::Signaled(9)),
+            ExitCause::Stopped
+        );
+        assert_eq!(
+            describe(9, Ended::Signaled(11), None, 0).1,
+            "worker 9 killed by SIGSEGV"
+        );
+    }
+}

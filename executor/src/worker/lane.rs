@@ -1,0 +1,473 @@
+//! One lane: a connected endpoint, its completion queue, its buffers, and
+//! the loop that serves its invocations one at a time.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rfaas_fabric::{
+    Access, Completion, CompletionQueue, Domain, MemoryRegion, Opcode, RemoteAddr, Status,
+};
+use rfaas_proto::control::Mode;
+use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
+
+use super::library::Function;
+use super::watchdog::{LaneEndpoint, Running};
+use super::DRAINING;
+
+/// Receives kept posted per lane. One invocation is in flight per lane; the
+/// spares let a request that arrives while the previous response is being
+/// reaped land at once.
+pub const RECV_DEPTH: usize = 4;
+
+/// How long a warm lane sleeps in `wait` before it looks again.
+const WARM_WAIT: Duration = Duration::from_millis(100);
+
+/// Bytes per read of a bulk payload.
+const PULL_CHUNK: usize = 1 << 20;
+
+/// Reads of a bulk payload in flight at once.
+const PULL_IN_FLIGHT: usize = 4;
+
+/// Empty polls between two looks at the clock in hot-then-warm mode.
+const POLLS_PER_CLOCK_CHECK: u32 = 1024;
+
+/// Completions a lane holds back while it pulls a payload (requests that a
+/// misbehaving client sent before the previous answer).
+const DEFERRED: usize = 8;
+
+/// wr_id of a response write.
+const RESPONSE_WR_ID: u64 = 1 << 32;
+
+/// What a lane was given.
+#[derive(Debug)]
+pub struct LaneConfig {
+    /// Lane number (connection order).
+    pub index: usize,
+    /// CPU to pin the lane's thread to.
+    pub cpu: Option<u32>,
+    /// How the lane waits.
+    pub mode: Mode,
+    /// Hot period of [`Mode::HotThenWarm`].
+    pub hot_timeout: Duration,
+    /// The lease's end, Unix seconds (0: none).
+    pub expires_at: u64,
+    /// The allocation's output capacity, bytes.
+    pub output_capacity: usize,
+    /// Largest bulk payload the lane pulls.
+    pub pull_limit: usize,
+}
+
+/// A lane's fabric resources and state.
+#[derive(Debug)]
+pub struct Lane {
+    cfg: LaneConfig,
+    functions: Arc<[Function]>,
+    domain: Arc<Domain>,
+    endpoint: Arc<LaneEndpoint>,
+    cq: CompletionQueue,
+    input: MemoryRegion,
+    output: Arc<MemoryRegion>,
+    /// Offset of the function's output pointer in `output`: the output ends
+    /// at the region's end, where the guard page starts.
+    out_offset: usize,
+    pull: Option<MemoryRegion>,
+    running: Arc<Running>,
+    deferred: [Completion; DEFERRED],
+    n_deferred: usize,
+}
+
+/// Whether the lane goes on.
+enum Flow {
+    Continue,
+    End,
+}
+
+/// How a request's input was obtained.
+enum Input {
+    Ready(*mut u8, u32),
+    Refused(InvocationStatus),
+    End,
+}
+
+/// The first `n` reads of a pull all succeeded, or how it failed.
+enum Pull {
+    Done,
+    Failed(InvocationStatus),
+    PeerLost,
+}
+
+impl Lane {
+    /// Assembles a lane from its resources.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: LaneConfig,
+        functions: Arc<[Function]>,
+        domain: Arc<Domain>,
+        endpoint: Arc<LaneEndpoint>,
+        cq: CompletionQueue,
+        input: MemoryRegion,
+        output: Arc<MemoryRegion>,
+        running: Arc<Running>,
+    ) -> Lane {
+        let out_offset = output.len() - cfg.output_capacity.div_ceil(64) * 64;
+        Lane {
+            cfg,
+            functions,
+            domain,
+            endpoint,
+            cq,
+            input,
+            output,
+            out_offset,
+            pull: None,
+            running,
+            deferred: [Completion::EMPTY; DEFERRED],
+            n_deferred: 0,
+        }
+    }
+
+    /// Serves invocations until the client goes away.
+    pub fn run(mut self) {
+        if let Some(cpu) = self.cfg.cpu {
+            if let Err(e) = super::privileges::pin_to(&[cpu]) {
+                tracing::warn!(lane = self.cfg.index, error = %e, "cannot pin the lane thread");
+            }
+        }
+        let mut done = [Completion::EMPTY; 16];
+        let mut hot = self.cfg.mode != Mode::Warm;
+        let mut last = Instant::now();
+        let mut idle_polls = 0u32;
+        loop {
+            let n = if self.n_deferred > 0 {
+                self.n_deferred -= 1;
+                done[0] = self.deferred[self.n_deferred];
+                1
+            } else if hot {
+                let n = self.cq.poll(&mut done);
+                if n == 0 {
+                    if self.cfg.mode == Mode::HotThenWarm {
+                        idle_polls += 1;
+                        if idle_polls >= POLLS_PER_CLOCK_CHECK {
+                            idle_polls = 0;
+                            hot = last.elapsed() < self.cfg.hot_timeout;
+                        }
+                    }
+                    std::hint::spin_loop();
+                    continue;
+                }
+                n
+            } else {
+                match self.cq.wait(&mut done, WARM_WAIT) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::error!(lane = self.cfg.index, error = %e, "waiting for completions failed; ending the lane");
+                        return;
+                    }
+                }
+            };
+            let mut served = false;
+            for c in &done[..n] {
+                match self.on_completion(*c, &mut served) {
+                    Flow::Continue => {}
+                    Flow::End => return,
+                }
+            }
+            if served && self.cfg.mode == Mode::HotThenWarm {
+                hot = true;
+                idle_polls = 0;
+                last = Instant::now();
+            }
+        }
+    }
+
+    fn on_completion(&mut self, c: Completion, served: &mut bool) -> Flow {
+        if matches!(c.status, Status::PeerLost | Status::Flushed) {
+            tracing::info!(lane = self.cfg.index, status = %c.status, "the client went away; ending the lane");
+            return Flow::End;
+        }
+        match c.opcode {
+            Opcode::RecvWithImm if c.status.is_ok() => {
+                *served = true;
+                self.serve(c)
+            }
+            Opcode::RecvWithImm => {
+                tracing::error!(lane = self.cfg.index, status = %c.status, "a receive failed; ending the lane");
+                Flow::End
+            }
+            _ => {
+                if !c.status.is_ok() {
+                    tracing::warn!(lane = self.cfg.index, opcode = ?c.opcode, status = %c.status, "an operation to the client failed (bad output descriptor?)");
+                }
+                Flow::Continue
+            }
+        }
+    }
+
+    /// Serves one request. Hot path (but for bulk pulls and failures).
+    fn serve(&mut self, c: Completion) -> Flow {
+        // Re-post first, so the next request never waits for this one.
+        if let Err(e) = self.endpoint.get().post_recv(c.wr_id) {
+            tracing::error!(lane = self.cfg.index, error = %e, "cannot re-post a receive; ending the lane");
+            return Flow::End;
+        }
+        let req = RequestImm::decode(c.imm);
+        // SAFETY: the input region is at least InvocationHeader::LEN bytes
+        // (checked at assignment) and the client wrote it before the
+        // completion we hold.
+        let head =
+            unsafe { std::slice::from_raw_parts(self.input.as_ptr(), InvocationHeader::LEN) };
+        let reply_to = RemoteAddr {
+            addr: u64::from_le_bytes(head[0..8].try_into().expect("8 bytes")),
+            rkey: u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")),
+        };
+        let header = match InvocationHeader::decode(head) {
+            Ok(h) if c.byte_len as usize >= InvocationHeader::LEN => h,
+            _ => {
+                return self.respond(
+                    req.invocation_id,
+                    reply_to,
+                    InvocationStatus::MalformedRequest,
+                    0,
+                )
+            }
+        };
+        let input = self.input_of(&req, &header, c.byte_len);
+        let (in_ptr, in_len) = match input {
+            Input::Ready(p, l) => (p, l),
+            Input::Refused(status) => return self.respond(req.invocation_id, reply_to, status, 0),
+            Input::End => return Flow::End,
+        };
+        let f = self.functions[usize::from(req.function_index)];
+        // SAFETY: out_offset + the rounded output capacity is the region's
+        // end, so the pointer is in the region (or at its end, for capacity 0).
+        let out_ptr = unsafe { self.output.as_ptr().add(self.out_offset) };
+        let stamp = self.running.start(req.invocation_id, reply_to);
+        // SAFETY: `in_ptr` holds `in_len` readable bytes; `out_ptr` holds
+        // the output capacity, followed by the guard page. The function is
+        // the user's, called with the rFaaS contract.
+        let returned = unsafe { f(in_ptr.cast(), in_len, out_ptr.cast()) };
+        if !self.running.finish(stamp) {
+            // The watchdog answered and owns the endpoint; the process ends.
+            loop {
+                std::thread::park();
+            }
+        }
+        let limit = self
+            .cfg
+            .output_capacity
+            .min(header.output_capacity as usize);
+        if returned as usize > limit {
+            return self.respond(
+                req.invocation_id,
+                reply_to,
+                InvocationStatus::OutputTooLarge,
+                0,
+            );
+        }
+        self.respond(
+            req.invocation_id,
+            reply_to,
+            InvocationStatus::Ok,
+            returned as usize,
+        )
+    }
+
+    /// Checks a request in order and finds its input. Hot path for inline
+    /// payloads.
+    fn input_of(&mut self, req: &RequestImm, header: &InvocationHeader, byte_len: u32) -> Input {
+        let after = byte_len - InvocationHeader::LEN as u32;
+        if header.validate_inline(after).is_err() {
+            return Input::Refused(InvocationStatus::MalformedRequest);
+        }
+        if usize::from(req.function_index) >= self.functions.len() {
+            return Input::Refused(InvocationStatus::UnknownFunction);
+        }
+        if self.cfg.expires_at != 0 && unix_now() >= self.cfg.expires_at {
+            return Input::Refused(InvocationStatus::LeaseExpired);
+        }
+        if DRAINING.load(Ordering::Relaxed) {
+            return Input::Refused(InvocationStatus::ExecutorDraining);
+        }
+        if header.is_inline() {
+            // SAFETY: validate_inline proved input_len bytes arrived after
+            // the header, inside the input region.
+            let p = unsafe { self.input.as_ptr().add(InvocationHeader::LEN) };
+            return Input::Ready(p, header.input_len);
+        }
+        let len = header.input_len as usize;
+        if len > self.cfg.pull_limit {
+            return Input::Refused(InvocationStatus::PayloadTooLarge);
+        }
+        if !self.grow_pull(len) {
+            return Input::Refused(InvocationStatus::PayloadTooLarge);
+        }
+        match self.pull(header) {
+            Pull::Done => {
+                let region = self.pull.as_ref().expect("grow_pull made the pull region");
+                Input::Ready(region.as_ptr(), header.input_len)
+            }
+            Pull::Failed(status) => Input::Refused(status),
+            Pull::PeerLost => Input::End,
+        }
+    }
+
+    /// Makes the pull region hold at least `len` bytes.
+    fn grow_pull(&mut self, len: usize) -> bool {
+        if self.pull.as_ref().is_some_and(|r| r.len() >= len) {
+            return true;
+        }
+        // Free the old region first: under a memory limit both may not fit.
+        self.pull = None;
+        let size = len.max(1).div_ceil(PULL_CHUNK) * PULL_CHUNK;
+        match self
+            .domain
+            .register(size.min(self.cfg.pull_limit.max(len)), Access::LOCAL)
+        {
+            Ok(region) => {
+                self.pull = Some(region);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(lane = self.cfg.index, bytes = size, error = %e, "cannot allocate the pull buffer for a bulk payload");
+                false
+            }
+        }
+    }
+
+    /// Reads a bulk payload into the pull region: chunks of [`PULL_CHUNK`],
+    /// [`PULL_IN_FLIGHT`] at a time.
+    fn pull(&mut self, header: &InvocationHeader) -> Pull {
+        let len = header.input_len as usize;
+        let chunks = len.div_ceil(PULL_CHUNK);
+        // Taken out while the loop defers completions into `self`.
+        let region = self.pull.take().expect("grow_pull made the pull region");
+        let (mut posted, mut completed) = (0usize, 0usize);
+        let mut failure: Option<Pull> = None;
+        let mut done = [Completion::EMPTY; 16];
+        loop {
+            while failure.is_none() && posted < chunks && posted - completed < PULL_IN_FLIGHT {
+                let off = posted * PULL_CHUNK;
+                let n = PULL_CHUNK.min(len - off);
+                let remote = RemoteAddr {
+                    addr: header.input_addr.wrapping_add(off as u64),
+                    rkey: header.input_rkey,
+                };
+                if let Err(e) = self
+                    .endpoint
+                    .get()
+                    .read(posted as u64, &region, off, n, remote)
+                {
+                    tracing::error!(lane = self.cfg.index, error = %e, "cannot post a read of a bulk payload");
+                    failure = Some(Pull::Failed(InvocationStatus::InternalError));
+                    break;
+                }
+                posted += 1;
+            }
+            if completed == posted {
+                break;
+            }
+            let n = self.cq.poll(&mut done);
+            for c in &done[..n] {
+                match c.opcode {
+                    Opcode::Read => {
+                        completed += 1;
+                        match c.status {
+                            Status::Success => {}
+                            Status::PeerLost | Status::Flushed => failure = Some(Pull::PeerLost),
+                            Status::RemoteAccess => {
+                                failure.get_or_insert(Pull::Failed(
+                                    InvocationStatus::MalformedRequest,
+                                ));
+                            }
+                            _ => {
+                                failure
+                                    .get_or_insert(Pull::Failed(InvocationStatus::InternalError));
+                            }
+                        }
+                    }
+                    Opcode::RecvWithImm => self.defer(*c),
+                    _ => {
+                        if !c.status.is_ok() {
+                            tracing::warn!(lane = self.cfg.index, opcode = ?c.opcode, status = %c.status, "an operation to the client failed");
+                        }
+                    }
+                }
+            }
+            if n == 0 {
+                std::hint::spin_loop();
+            }
+        }
+        self.pull = Some(region);
+        failure.unwrap_or(Pull::Done)
+    }
+
+    fn defer(&mut self, c: Completion) {
+        if self.n_deferred < DEFERRED {
+            // Served last-in first-out; the client broke the one-in-flight
+            // rule anyway.
+            self.deferred[self.n_deferred] = c;
+            self.n_deferred += 1;
+        } else {
+            tracing::warn!(
+                lane = self.cfg.index,
+                "the client sent more requests than a lane takes at once; dropping one"
+            );
+        }
+    }
+
+    /// Writes `out[..len]` with the response immediate. Hot path.
+    fn respond(&mut self, id: u32, to: RemoteAddr, status: InvocationStatus, len: usize) -> Flow {
+        let imm = ResponseImm {
+            invocation_id: id,
+            status,
+        }
+        .encode()
+        .unwrap_or(u32::from(status.code()));
+        match self.endpoint.get().write_with_imm(
+            RESPONSE_WR_ID,
+            &self.output,
+            self.out_offset,
+            len,
+            to,
+            imm,
+        ) {
+            Ok(()) => Flow::Continue,
+            Err(rfaas_fabric::Error::QueueFull { .. }) => {
+                // Reap send completions and try once more.
+                let mut done = [Completion::EMPTY; 16];
+                let n = self.cq.poll(&mut done);
+                for c in &done[..n] {
+                    if c.opcode == Opcode::RecvWithImm {
+                        self.defer(*c);
+                    }
+                }
+                match self.endpoint.get().write_with_imm(
+                    RESPONSE_WR_ID,
+                    &self.output,
+                    self.out_offset,
+                    len,
+                    to,
+                    imm,
+                ) {
+                    Ok(()) => Flow::Continue,
+                    Err(e) => self.send_failed(e),
+                }
+            }
+            Err(e) => self.send_failed(e),
+        }
+    }
+
+    fn send_failed(&self, e: rfaas_fabric::Error) -> Flow {
+        tracing::error!(lane = self.cfg.index, error = %e, "cannot send a response; ending the lane");
+        Flow::End
+    }
+}
+
+/// Seconds since the Unix epoch. Hot path (a vDSO call).
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

@@ -1,0 +1,411 @@
+//! The worker process (`rfaas-worker`): one per allocation; serves its
+//! invocations on one thread per lane. See `docs/invocation.md`.
+//!
+//! # Life
+//!
+//! Started by the daemon with one end of a socket pair (`--control-fd`),
+//! the worker waits for an [`Assignment`] with the library's sealed memfd,
+//! then, in this order: pins itself to the assignment's CPUs, applies the
+//! address-space limit, becomes the lease's user (never root), loads the
+//! library through `/proc/self/fd` and resolves the function table, opens
+//! the fabric, registers each lane's buffers, listens and answers
+//! [`WorkerReady`] (or [`Kind::WorkerFailed`] with an [`ErrorReply`], then
+//! exits with [`EXIT_SETUP_FAILED`]). It accepts one connection per lane,
+//! in order, and starts the lane threads (`rfaas-lane-<i>`). When every
+//! client has gone it exits 0; nothing more is read from the control socket.
+//! SIGUSR1 makes every later request answer `executor_draining`.
+//! `expires_at` 0 means no lease end and `deadline_ms` 0 no watchdog (the
+//! daemon fills in its defaults); a bulk payload is bounded by
+//! `memory_limit_bytes`, or [`DEFAULT_PULL_LIMIT`] without one.
+//!
+//! # The lane loop
+//!
+//! A request is a receive completion carrying a [`RequestImm`](rfaas_proto::RequestImm). The lane
+//! re-posts the receive first, then checks the [`InvocationHeader`] in the
+//! input buffer (`malformed_request`), the function index
+//! (`unknown_function`), the lease's end (`lease_expired`) and the drain
+//! flag (`executor_draining`). A bulk payload is read from the client in
+//! 1 MiB chunks, four in flight, into a pull buffer grown on demand
+//! (`payload_too_large` past the memory limit). The lane publishes the
+//! start time for the [`watchdog`], calls the function, and answers
+//! with one write-with-immediate of the output into the client's output
+//! buffer ([`ResponseImm`](rfaas_proto::ResponseImm); the output only with `ok`, and
+//! `output_too_large` for a return value above the output capacity). A
+//! `PeerLost` or `Flushed` completion ends the lane.
+//!
+//! # Output buffer and guard page
+//!
+//! Each lane's output region is registered with
+//! [`Domain::register_guarded`](rfaas_fabric::Domain::register_guarded):
+//! whole pages followed by a `PROT_NONE` page. The function's `out`
+//! pointer is placed so that `out + output_capacity` (rounded up to 64
+//! bytes) is exactly the region's end:
+//!
+//! ```text
+//!  region start        out                        region end
+//!  |   (slack < 1 page) |  output_capacity (↑64)  | guard page (PROT_NONE) |
+//! ```
+//!
+//! so a function writing past its capacity (by more than the rounding)
+//! faults at once with SIGSEGV, and the daemon reports `crashed`.
+//!
+//! # Exit codes
+//!
+//! 0: every client went away; [`EXIT_FAILURE`]: internal or control-socket
+//! failure; [`EXIT_SETUP_FAILED`]: the assignment failed (after
+//! `WorkerFailed`); [`EXIT_DEADLINE`]: a function overran the deadline.
+//! Killed by a signal: the function crashed (or was stopped).
+//!
+//! # Layout
+//!
+//! - [`privileges`]: parent-death signal, pinning, memory limit, user drop.
+//! - [`library`]: `dlopen` from the memfd, the function table.
+//! - `lane`: one lane's resources and loop.
+//! - [`watchdog`]: the deadline watchdog.
+
+mod lane;
+pub mod library;
+pub mod privileges;
+pub mod watchdog;
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rfaas_fabric::{Access, EndpointOptions, Fabric};
+use rfaas_proto::control::{
+    Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind,
+    WorkerReady,
+};
+use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
+
+use crate::ipc;
+use lane::{Lane, LaneConfig, RECV_DEPTH};
+use library::Library;
+use watchdog::{LaneEndpoint, LaneWatch, Running};
+
+/// Exit code of an internal or control-socket failure.
+pub const EXIT_FAILURE: i32 = 1;
+
+/// Exit code after the worker answered `WorkerFailed`.
+pub const EXIT_SETUP_FAILED: i32 = 2;
+
+/// Exit code when a function ran past the deadline (the daemon reports
+/// `ExitCause::DeadlineExceeded`).
+pub const EXIT_DEADLINE: i32 = 3;
+
+/// Largest bulk payload pulled without a memory limit.
+pub const DEFAULT_PULL_LIMIT: usize = 1 << 30;
+
+/// Set by SIGUSR1: the executor is draining; requests are refused.
+pub static DRAINING: AtomicBool = AtomicBool::new(false);
+
+/// Why a worker stopped before serving.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// The control socket failed or carried something else than expected.
+    #[error("the control socket to rfaas-executord failed: {0}")]
+    Control(#[from] ControlError),
+    /// The parent died before the worker could arm the parent-death signal.
+    #[error("the daemon that started this worker has already exited; the worker ends with it")]
+    Orphaned,
+    /// The assignment could not be carried out; the daemon was told.
+    #[error("{message}")]
+    Failed {
+        /// The code sent in `WorkerFailed`.
+        code: ErrorCode,
+        /// What failed and what to do.
+        message: String,
+    },
+    /// Serving failed after `WorkerReady` (a lane could not start).
+    #[error("the worker failed while serving: {0}")]
+    Serving(String),
+}
+
+impl WorkerError {
+    /// A failure reported to the daemon with `code`.
+    pub fn failed(code: ErrorCode, message: String) -> WorkerError {
+        WorkerError::Failed { code, message }
+    }
+
+    /// The exit code the worker ends with after this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            WorkerError::Failed { .. } => EXIT_SETUP_FAILED,
+            _ => EXIT_FAILURE,
+        }
+    }
+}
+
+/// Installs the SIGUSR1 handler that sets [`DRAINING`].
+pub fn install_drain_handler() -> std::io::Result<()> {
+    extern "C" fn on_usr1(_: libc::c_int) {
+        DRAINING.store(true, Ordering::Relaxed);
+    }
+    // SAFETY: sigaction is plain data; all-zero is an empty mask, no flags.
+    let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+    act.sa_sigaction = on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    act.sa_flags = libc::SA_RESTART;
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    if unsafe { libc::sigaction(libc::SIGUSR1, &act, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Serves one assignment from `control` until every lane's client has gone.
+pub fn run(control: UnixStream) -> Result<(), WorkerError> {
+    let limits = FrameLimits {
+        max_json: 1 << 20,
+        max_blob: 0,
+    };
+    let (frame, memfd) = ipc::recv_frame(&control, limits)?;
+    let assignment: Assignment = frame.parse(Kind::Assignment)?;
+    tracing::info!(
+        allocation_id = assignment.allocation_id,
+        uid = assignment.uid,
+        lanes = assignment.lanes,
+        provider = %assignment.provider,
+        "assignment received"
+    );
+    let prepared = match memfd
+        .ok_or_else(|| {
+            WorkerError::failed(
+                ErrorCode::MalformedRequest,
+                "the assignment came without the library's memfd".into(),
+            )
+        })
+        .and_then(|memfd| prepare(&assignment, memfd))
+    {
+        Ok(p) => p,
+        Err(e) => {
+            if let WorkerError::Failed { code, message } = &e {
+                tracing::error!(code = ?code, "{message}");
+                let reply = ErrorReply {
+                    request_id: assignment.allocation_id,
+                    code: *code,
+                    message: message.clone(),
+                };
+                ipc::send_frame(
+                    &control,
+                    &Frame::new(Kind::WorkerFailed, &reply, vec![]),
+                    None,
+                )
+                .map_err(ControlError::Io)?;
+            }
+            return Err(e);
+        }
+    };
+    let ready = WorkerReady {
+        fabric_addr: prepared.listener.local_addr(),
+        lanes: prepared
+            .lanes
+            .iter()
+            .map(|l| Descriptor {
+                addr: l.input.as_ptr() as u64,
+                rkey: l.input.rkey(),
+                len: l.input.len() as u32,
+            })
+            .collect(),
+        load_ns: prepared.load_ns,
+        listen_ns: prepared.listen_ns,
+    };
+    ipc::send_frame(
+        &control,
+        &Frame::new(Kind::WorkerReady, &ready, vec![]),
+        None,
+    )
+    .map_err(ControlError::Io)?;
+    serve(&assignment, prepared)
+}
+
+/// One lane's resources before its client connected.
+struct PreparedLane {
+    cq: rfaas_fabric::CompletionQueue,
+    input: rfaas_fabric::MemoryRegion,
+    output: Arc<rfaas_fabric::MemoryRegion>,
+}
+
+/// Everything set up before `WorkerReady`.
+struct Prepared {
+    library: Library,
+    _fabric: Fabric,
+    domain: Arc<rfaas_fabric::Domain>,
+    listener: rfaas_fabric::Listener,
+    lanes: Vec<PreparedLane>,
+    load_ns: u64,
+    listen_ns: u64,
+}
+
+fn endpoint_options() -> EndpointOptions {
+    EndpointOptions {
+        send_depth: 64,
+        recv_depth: RECV_DEPTH,
+        ..EndpointOptions::default()
+    }
+}
+
+/// Pins, limits, drops privileges, loads the library and listens.
+fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, WorkerError> {
+    check(a)?;
+    if !a.cpus.is_empty() {
+        privileges::pin_to(&a.cpus)?;
+    }
+    if a.memory_limit_bytes > 0 {
+        privileges::limit_memory(a.memory_limit_bytes)?;
+    }
+    privileges::drop_privileges(a.uid, a.gid)?;
+
+    let t = Instant::now();
+    let library = Library::load(memfd, &a.functions)?;
+    let load_ns = t.elapsed().as_nanos() as u64;
+
+    let t = Instant::now();
+    let fabric_failed = |what: &str, e: rfaas_fabric::Error| {
+        WorkerError::failed(
+            ErrorCode::Internal,
+            format!("the worker cannot {what} on the {} fabric: {e}", a.provider),
+        )
+    };
+    let fabric = Fabric::open(&a.provider).map_err(|e| match e {
+        rfaas_fabric::Error::ProviderUnavailable { .. }
+        | rfaas_fabric::Error::UnknownProvider(_) => {
+            WorkerError::failed(ErrorCode::ProviderUnsupported, format!("{e}"))
+        }
+        e => fabric_failed("open the provider", e),
+    })?;
+    let domain = Arc::new(
+        fabric
+            .domain()
+            .map_err(|e| fabric_failed("create a domain", e))?,
+    );
+    let opts = endpoint_options();
+    let mut lanes = Vec::with_capacity(a.lanes.into());
+    for _ in 0..a.lanes {
+        let cq = fabric
+            .completion_queue(opts.send_depth + opts.recv_depth + 1)
+            .map_err(|e| fabric_failed("create a completion queue", e))?;
+        let input = domain
+            .register(a.input_capacity as usize, Access::REMOTE_WRITE)
+            .map_err(|e| fabric_failed("register an input buffer", e))?;
+        let out_len = (a.output_capacity as usize).div_ceil(64) * 64;
+        let output = domain
+            .register_guarded(out_len, Access::LOCAL)
+            .map_err(|e| fabric_failed("register an output buffer", e))?;
+        lanes.push(PreparedLane {
+            cq,
+            input,
+            output: Arc::new(output),
+        });
+    }
+    let listener = fabric
+        .listen(&a.listen_addr)
+        .map_err(|e| fabric_failed(&format!("listen on {:?}", a.listen_addr), e))?;
+    let listen_ns = t.elapsed().as_nanos() as u64;
+    Ok(Prepared {
+        library,
+        _fabric: fabric,
+        domain,
+        listener,
+        lanes,
+        load_ns,
+        listen_ns,
+    })
+}
+
+/// Refuses assignments the worker cannot serve.
+fn check(a: &Assignment) -> Result<(), WorkerError> {
+    let bad = |m: String| Err(WorkerError::failed(ErrorCode::MalformedRequest, m));
+    if a.lanes == 0 {
+        return bad("the assignment has 0 lanes; at least one is needed".into());
+    }
+    if (a.input_capacity as usize) < InvocationHeader::LEN {
+        return bad(format!(
+            "the input capacity {} is smaller than the {}-byte invocation header",
+            a.input_capacity,
+            InvocationHeader::LEN
+        ));
+    }
+    if a.functions.is_empty() || a.functions.len() > usize::from(MAX_FUNCTIONS) {
+        return bad(format!(
+            "the assignment names {} functions; between 1 and {MAX_FUNCTIONS} are allowed",
+            a.functions.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Accepts each lane's connection, starts the lane threads and the
+/// watchdog, and waits for the lanes to end.
+fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
+    let functions: Arc<[library::Function]> = p.library.functions().into();
+    let opts = endpoint_options();
+    let pull_limit = if a.memory_limit_bytes > 0 {
+        (a.memory_limit_bytes as usize).min(u32::MAX as usize)
+    } else {
+        DEFAULT_PULL_LIMIT
+    };
+    let mut threads = Vec::with_capacity(p.lanes.len());
+    let mut watches = Vec::with_capacity(p.lanes.len());
+    for (index, mut l) in p.lanes.into_iter().enumerate() {
+        let endpoint = p
+            .listener
+            .accept(&p.domain, &mut l.cq, &opts, None)
+            .map_err(|e| internal(format!("accepting lane {index}'s connection failed: {e}")))?;
+        for wr in 0..RECV_DEPTH as u64 {
+            endpoint
+                .post_recv(wr)
+                .map_err(|e| internal(format!("posting lane {index}'s receives failed: {e}")))?;
+        }
+        let endpoint = Arc::new(LaneEndpoint::new(endpoint));
+        let running = Arc::new(Running::default());
+        watches.push(LaneWatch {
+            running: running.clone(),
+            endpoint: endpoint.clone(),
+            region: l.output.clone(),
+        });
+        let cfg = LaneConfig {
+            index,
+            cpu: (!a.cpus.is_empty()).then(|| a.cpus[index % a.cpus.len()]),
+            mode: a.mode,
+            hot_timeout: Duration::from_micros(a.hot_timeout_us),
+            expires_at: a.expires_at,
+            output_capacity: a.output_capacity as usize,
+            pull_limit,
+        };
+        let lane = Lane::new(
+            cfg,
+            functions.clone(),
+            p.domain.clone(),
+            endpoint,
+            l.cq,
+            l.input,
+            l.output,
+            running,
+        );
+        let handle = thread::Builder::new()
+            .name(format!("rfaas-lane-{index}"))
+            .spawn(move || lane.run())
+            .map_err(|e| internal(format!("cannot start lane {index}'s thread: {e}")))?;
+        threads.push(handle);
+    }
+    tracing::info!(lanes = threads.len(), "every lane is connected");
+    if a.deadline_ms > 0 {
+        watchdog::spawn(watches, Duration::from_millis(a.deadline_ms))
+            .map_err(|e| internal(format!("cannot start the deadline watchdog: {e}")))?;
+    }
+    for t in threads {
+        if t.join().is_err() {
+            return Err(internal("a lane thread panicked".into()));
+        }
+    }
+    tracing::info!("every client has gone; the worker ends");
+    Ok(())
+}
+
+fn internal(message: String) -> WorkerError {
+    WorkerError::Serving(message)
+}

@@ -1,0 +1,951 @@
+//! `rfaas-executord` as a black box: the real daemon and real workers,
+//! spoken to with control frames over TCP and its local socket.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rfaas_executor::daemon::Config;
+use rfaas_proto::control::{
+    AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, ExitCause, Frame,
+    FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, Mode, WorkerExited,
+};
+use rfaas_testkit::executord::{Executord, ExecutordOptions};
+use rfaas_testkit::functions::c_library_bytes;
+
+const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn start(opts: ExecutordOptions) -> Executord {
+    Executord::start(Path::new(DAEMON), opts)
+}
+
+/// The client side of the control protocol, by hand.
+struct Control {
+    stream: TcpStream,
+    next_id: u64,
+}
+
+impl Control {
+    fn connect(d: &Executord) -> Control {
+        let stream = TcpStream::connect(d.control_addr()).expect("connect to the daemon");
+        stream.set_read_timeout(Some(MINUTE)).unwrap();
+        Control { stream, next_id: 1 }
+    }
+
+    fn send(&mut self, frame: &Frame) {
+        frame.write_to(&mut self.stream).expect("send a frame");
+    }
+
+    fn recv(&mut self) -> Frame {
+        Frame::read_from(&mut self.stream, FrameLimits::default()).expect("a frame from the daemon")
+    }
+
+    /// Whether the daemon closed the connection (EOF within a minute).
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.stream.read(&mut b), Ok(0))
+    }
+
+    fn allocate_frame(&mut self, mut req: AllocateRequest, library: Vec<u8>) -> Frame {
+        req.request_id = self.next_id;
+        self.next_id += 1;
+        self.send(&Frame::new(Kind::AllocateRequest, &req, library));
+        let reply = self.recv();
+        if reply.kind == Kind::Error {
+            let e: ErrorReply = reply.parse(Kind::Error).unwrap();
+            assert_eq!(
+                e.request_id, req.request_id,
+                "the reply repeats the request id"
+            );
+        }
+        reply
+    }
+
+    fn allocate(
+        &mut self,
+        req: AllocateRequest,
+        library: Vec<u8>,
+    ) -> Result<AllocateOk, ErrorReply> {
+        let id = self.next_id;
+        let reply = self.allocate_frame(req, library);
+        match reply.kind {
+            Kind::AllocateOk => {
+                let ok: AllocateOk = reply.parse(Kind::AllocateOk).unwrap();
+                assert_eq!(ok.request_id, id);
+                Ok(ok)
+            }
+            Kind::Error => Err(reply.parse(Kind::Error).unwrap()),
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    fn deallocate(&mut self, allocation_id: u64) -> Frame {
+        let request_id = self.next_id;
+        self.next_id += 1;
+        self.send(&Frame::new(
+            Kind::Deallocate,
+            &Deallocate {
+                request_id,
+                allocation_id,
+            },
+            Vec::new(),
+        ));
+        self.recv()
+    }
+
+    fn worker_exited(&mut self) -> WorkerExited {
+        let f = self.recv();
+        f.parse(Kind::WorkerExited).unwrap_or_else(|e| {
+            panic!(
+                "expected WorkerExited: {e}: {:?}",
+                String::from_utf8_lossy(&f.json)
+            )
+        })
+    }
+}
+
+fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest {
+    AllocateRequest {
+        request_id: 0,
+        token,
+        cores,
+        memory_mib: 1024,
+        mode: Mode::Warm,
+        hot_timeout_us: 0,
+        input_capacity: 4096,
+        output_capacity: 4096,
+        deadline_ms: 0,
+        functions: functions.iter().map(|f| f.to_string()).collect(),
+        library_name: "libfunctions.so".into(),
+        provider: "tcp".into(),
+    }
+}
+
+fn good_request(d: &Executord, cores: u16) -> AllocateRequest {
+    request(
+        d.token("nobody", cores, 2048, MINUTE),
+        cores,
+        &["echo", "noop"],
+    )
+}
+
+fn status(
+    d: &Executord,
+) -> (
+    bool,
+    Vec<u32>,
+    u32,
+    u32,
+    Vec<rfaas_proto::control::AllocationStatus>,
+) {
+    match d.status() {
+        LocalReply::Status {
+            draining,
+            free_cpus,
+            free_memory_mib,
+            pool_idle,
+            allocations,
+            ..
+        } => (draining, free_cpus, free_memory_mib, pool_idle, allocations),
+        other => panic!("expected a status reply, got {other:?}"),
+    }
+}
+
+fn pid_of(d: &Executord, allocation_id: u64) -> u32 {
+    let (_, _, _, _, allocs) = status(d);
+    let a = allocs
+        .iter()
+        .find(|a| a.allocation_id == allocation_id)
+        .unwrap_or_else(|| panic!("allocation {allocation_id} not in the status: {allocs:?}"));
+    assert_ne!(a.pid, 0);
+    a.pid
+}
+
+fn process_exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+fn wait_gone(pid: u32) {
+    let until = Instant::now() + MINUTE;
+    while process_exists(pid) {
+        assert!(Instant::now() < until, "process {pid} still exists");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn uid_of(pid: u32) -> u32 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+fn all_free(d: &Executord) {
+    d.wait_status(MINUTE, |s| {
+        matches!(s, LocalReply::Status { free_cpus, cpus, allocations, free_memory_mib, memory_mib, .. }
+            if free_cpus == cpus && allocations.is_empty() && free_memory_mib == memory_mib)
+    });
+}
+
+#[test]
+fn allocation_runs_a_pooled_worker_as_the_lease_user() {
+    let d = start(ExecutordOptions::default());
+    // The pool fills in the background.
+    d.wait_status(MINUTE, |s| {
+        matches!(s, LocalReply::Status { pool_idle: 1, .. })
+    });
+    let mut c = Control::connect(&d);
+    let ok = c
+        .allocate(good_request(&d, 2), c_library_bytes())
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", d.log()));
+    assert_eq!(ok.lanes.len(), 2);
+    assert_eq!(ok.functions, ["echo", "noop"]);
+    assert!(ok.pooled, "the first allocation takes the pooled worker");
+    assert_eq!(ok.deadline_ms, 10_000, "the executor's default deadline");
+    assert!(
+        ok.fabric_addr.starts_with("127.0.0.1:"),
+        "{}",
+        ok.fabric_addr
+    );
+    assert_ne!(ok.fabric_addr, "127.0.0.1:0");
+
+    let (_, free, free_mem, _, allocs) = status(&d);
+    assert_eq!(free, [2, 3]);
+    assert_eq!(free_mem, 4096 - 1024);
+    assert_eq!(allocs.len(), 1);
+    assert_eq!(allocs[0].user, "nobody");
+    assert_eq!(allocs[0].cpus, [0, 1]);
+    let pid = allocs[0].pid;
+    assert_eq!(uid_of(pid), 65534, "the worker runs as nobody");
+
+    let reply = c.deallocate(ok.allocation_id);
+    let done: Deallocated = reply.parse(Kind::Deallocated).unwrap();
+    assert_eq!(done.allocation_id, ok.allocation_id);
+    assert!(
+        !process_exists(pid),
+        "the worker is reaped before Deallocated"
+    );
+    all_free(&d);
+    // A second deallocation of the same id is refused.
+    let again = c.deallocate(ok.allocation_id);
+    let e: ErrorReply = again.parse(Kind::Error).unwrap();
+    assert_eq!(e.code, ErrorCode::UnknownAllocation);
+}
+
+#[test]
+fn without_a_pool_a_worker_is_spawned() {
+    let d = start(ExecutordOptions {
+        pool_size: 0,
+        ..Default::default()
+    });
+    let mut c = Control::connect(&d);
+    let ok = c.allocate(good_request(&d, 1), c_library_bytes()).unwrap();
+    assert!(!ok.pooled);
+    assert_eq!(ok.lanes.len(), 1);
+}
+
+#[test]
+fn shm_allocation_listens_in_the_users_directory() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let mut req = good_request(&d, 1);
+    req.provider = "shm".into();
+    let ok = c
+        .allocate(req, c_library_bytes())
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", d.log()));
+    let sock = Path::new(&ok.fabric_addr);
+    assert!(sock.starts_with(d.dir().join("run")), "{}", ok.fabric_addr);
+    let dir = sock.parent().unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).unwrap();
+    assert_eq!((meta.uid(), meta.mode() & 0o777), (65534, 0o700));
+    let id = ok.allocation_id;
+    c.deallocate(id)
+        .parse::<Deallocated>(Kind::Deallocated)
+        .unwrap();
+    assert!(!dir.exists(), "the runtime directory is removed");
+}
+
+/// Every refusal carries its own code, and the daemon serves the next
+/// client normally.
+#[test]
+fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
+    let d = start(ExecutordOptions {
+        extra_config: "max_library_mib = 4\nmax_lanes = 3".into(),
+        ..Default::default()
+    });
+    let lib = c_library_bytes();
+    let good_after = |what: &str| {
+        let mut c = Control::connect(&d);
+        let ok = c
+            .allocate(good_request(&d, 1), lib.clone())
+            .unwrap_or_else(|e| panic!("after {what}: {e:?}"));
+        c.deallocate(ok.allocation_id)
+            .parse::<Deallocated>(Kind::Deallocated)
+            .unwrap();
+    };
+    let expect = |what: &str, reply: Frame, code: ErrorCode| {
+        assert_eq!(
+            reply.kind,
+            Kind::Error,
+            "{what}: {:?}",
+            String::from_utf8_lossy(&reply.json)
+        );
+        let e: ErrorReply = reply.parse(Kind::Error).unwrap();
+        assert_eq!(e.code, code, "{what}: {}", e.message);
+        assert!(
+            e.message.len() > 20,
+            "{what}: a sentence, got {:?}",
+            e.message
+        );
+        e
+    };
+
+    // Bytes that are not a frame: refused with request id 0, then closed.
+    let mut c = Control::connect(&d);
+    c.stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: rfaas\r\n\r\n")
+        .unwrap();
+    let e = expect("garbage", c.recv(), ErrorCode::MalformedRequest);
+    assert_eq!(e.request_id, 0);
+    assert!(e.message.contains("RFAX"), "{}", e.message);
+    assert!(c.closed());
+    good_after("garbage");
+
+    // A frame whose blob is over the limit: refused before the body.
+    let mut c = Control::connect(&d);
+    let header = FrameHeader {
+        kind: Kind::AllocateRequest,
+        json_len: 2,
+        blob_len: 5 << 20,
+    };
+    c.stream.write_all(&header.encode()).unwrap();
+    c.stream.write_all(b"{}").unwrap();
+    c.stream.write_all(&vec![0u8; 5 << 20]).unwrap();
+    let e = expect("oversized blob", c.recv(), ErrorCode::TooLarge);
+    assert_eq!(e.request_id, 0);
+    assert!(c.closed());
+    good_after("oversized blob");
+
+    // Well-framed but not JSON: refused, and the connection goes on.
+    let mut c = Control::connect(&d);
+    c.send(&Frame {
+        kind: Kind::AllocateRequest,
+        json: b"{\"request_id\": 5, \"token\": ".to_vec(),
+        blob: Vec::new(),
+    });
+    expect("bad json", c.recv(), ErrorCode::MalformedRequest);
+    c.allocate(good_request(&d, 1), lib.clone())
+        .expect("the same connection serves the next request");
+    drop(c);
+
+    // Each case on a fresh connection, a good allocation after each.
+    let token = |d: &Executord| d.token("nobody", 2, 2048, MINUTE);
+    let mut other_secret_claims = d.claims("nobody", 2, 2048, MINUTE);
+    other_secret_claims.account = "other".into();
+    let forged = other_secret_claims
+        .sign(b"another cluster's secret, 32+ bytes long")
+        .unwrap();
+    let mut expired = d.claims("nobody", 2, 2048, MINUTE);
+    expired.issued_at -= 120;
+    expired.expires_at = expired.issued_at + 60;
+    let mut other_node = d.claims("nobody", 2, 2048, MINUTE);
+    other_node.node = "some-other-node".into();
+
+    let mut truncated_elf = b"\x7fELF".to_vec();
+    truncated_elf.extend(std::iter::repeat(0x42).take(1000));
+    let random: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+
+    let cases: Vec<(&str, AllocateRequest, Vec<u8>, ErrorCode)> = vec![
+        (
+            "unknown function",
+            request(token(&d), 1, &["echo", "no_such_function"]),
+            lib.clone(),
+            ErrorCode::UnknownFunction,
+        ),
+        (
+            "random bytes",
+            request(token(&d), 1, &["echo"]),
+            random,
+            ErrorCode::MalformedLibrary,
+        ),
+        (
+            "a shell script",
+            request(token(&d), 1, &["echo"]),
+            b"#!/bin/sh\necho hi\n".to_vec(),
+            ErrorCode::MalformedLibrary,
+        ),
+        (
+            "a broken ELF",
+            request(token(&d), 1, &["echo"]),
+            truncated_elf,
+            ErrorCode::MalformedLibrary,
+        ),
+        (
+            "forged token",
+            request(forged, 1, &["echo"]),
+            lib.clone(),
+            ErrorCode::TokenForged,
+        ),
+        (
+            "expired token",
+            request(d.mint(&expired), 1, &["echo"]),
+            lib.clone(),
+            ErrorCode::TokenExpired,
+        ),
+        (
+            "other node's token",
+            request(d.mint(&other_node), 1, &["echo"]),
+            lib.clone(),
+            ErrorCode::TokenWrongNode,
+        ),
+        (
+            "not a token",
+            request("rfaas1.nonsense".into(), 1, &["echo"]),
+            lib.clone(),
+            ErrorCode::TokenMalformed,
+        ),
+        (
+            "more cores than the lease",
+            request(token(&d), 3, &["echo"]),
+            lib.clone(),
+            ErrorCode::ExceedsLease,
+        ),
+        (
+            "more memory than the lease",
+            AllocateRequest {
+                memory_mib: 4096,
+                ..request(token(&d), 1, &["echo"])
+            },
+            lib.clone(),
+            ErrorCode::ExceedsLease,
+        ),
+        (
+            "more lanes than the executor allows",
+            request(d.token("nobody", 4, 2048, MINUTE), 4, &["echo"]),
+            lib.clone(),
+            ErrorCode::TooLarge,
+        ),
+        (
+            "an output buffer over the limit",
+            AllocateRequest {
+                output_capacity: 1 << 30,
+                ..request(token(&d), 1, &["echo"])
+            },
+            lib.clone(),
+            ErrorCode::TooLarge,
+        ),
+        (
+            "unserved provider",
+            AllocateRequest {
+                provider: "verbs:mlx5_0".into(),
+                ..request(token(&d), 1, &["echo"])
+            },
+            lib.clone(),
+            ErrorCode::ProviderUnsupported,
+        ),
+        (
+            "root",
+            request(d.token("root", 1, 2048, MINUTE), 1, &["echo"]),
+            lib.clone(),
+            ErrorCode::UserRefused,
+        ),
+        (
+            "unknown user",
+            request(d.token("rfaas-no-such-user", 1, 2048, MINUTE), 1, &["echo"]),
+            lib.clone(),
+            ErrorCode::UserRefused,
+        ),
+        (
+            "zero cores",
+            request(token(&d), 0, &["echo"]),
+            lib.clone(),
+            ErrorCode::MalformedRequest,
+        ),
+    ];
+    for (what, req, library, code) in cases {
+        let mut c = Control::connect(&d);
+        let reply = c.allocate_frame(req, library);
+        expect(what, reply, code);
+        good_after(what);
+    }
+    all_free(&d);
+    let (draining, ..) = status(&d);
+    assert!(!draining);
+}
+
+#[test]
+fn capacity_is_never_granted_twice() {
+    let d = start(ExecutordOptions {
+        cpus: "0-3".into(),
+        ..Default::default()
+    });
+    let lib = c_library_bytes();
+    let mut a = Control::connect(&d);
+    let mut b = Control::connect(&d);
+    let first = a.allocate(good_request(&d, 2), lib.clone()).unwrap();
+    let second = b.allocate(good_request(&d, 2), lib.clone()).unwrap();
+    let (_, free, ..) = status(&d);
+    assert!(free.is_empty());
+
+    let mut c = Control::connect(&d);
+    let e = c.allocate(good_request(&d, 1), lib.clone()).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NoCapacity, "{}", e.message);
+    assert!(e.message.contains("0 free cores"), "{}", e.message);
+
+    a.deallocate(first.allocation_id)
+        .parse::<Deallocated>(Kind::Deallocated)
+        .unwrap();
+    let third = c.allocate(good_request(&d, 1), lib.clone()).unwrap();
+    let (_, _, _, _, allocs) = status(&d);
+    let mut held: Vec<u32> = allocs.iter().flat_map(|a| a.cpus.clone()).collect();
+    held.sort_unstable();
+    held.dedup();
+    assert_eq!(held.len(), 3, "no CPU held twice: {allocs:?}");
+    drop((second, third));
+}
+
+#[test]
+fn concurrent_requests_do_not_overcommit() {
+    let d = start(ExecutordOptions {
+        cpus: "0-2".into(),
+        pool_size: 2,
+        ..Default::default()
+    });
+    let lib = c_library_bytes();
+    let results: Vec<Result<AllocateOk, ErrorReply>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..5)
+            .map(|_| {
+                let lib = lib.clone();
+                let d = &d;
+                s.spawn(move || {
+                    let mut c = Control::connect(d);
+                    let r = c.allocate(good_request(d, 1), lib);
+                    // Keep the connection (and so the allocation) until
+                    // every request was answered.
+                    (r, c)
+                })
+            })
+            .collect();
+        let pairs: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        pairs.into_iter().map(|(r, _c)| r).collect()
+    });
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(ok, 3, "exactly as many allocations as CPUs: {results:?}");
+    for r in &results {
+        if let Err(e) = r {
+            assert_eq!(e.code, ErrorCode::NoCapacity, "{}", e.message);
+        }
+    }
+}
+
+#[test]
+fn a_killed_worker_is_reported_and_its_capacity_freed() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let ok = c.allocate(good_request(&d, 2), c_library_bytes()).unwrap();
+    let pid = pid_of(&d, ok.allocation_id);
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    let exited = c.worker_exited();
+    assert_eq!(exited.allocation_id, ok.allocation_id);
+    assert_eq!(exited.cause, ExitCause::Crashed);
+    assert_eq!(exited.signal, Some(9));
+    assert!(exited.message.contains("SIGKILL"), "{}", exited.message);
+    all_free(&d);
+    let e = c
+        .deallocate(ok.allocation_id)
+        .parse::<ErrorReply>(Kind::Error)
+        .unwrap();
+    assert_eq!(e.code, ErrorCode::UnknownAllocation);
+}
+
+#[test]
+fn closing_the_connection_deallocates() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let one = c.allocate(good_request(&d, 1), c_library_bytes()).unwrap();
+    let two = c.allocate(good_request(&d, 1), c_library_bytes()).unwrap();
+    let pids = [pid_of(&d, one.allocation_id), pid_of(&d, two.allocation_id)];
+    drop(c);
+    for pid in pids {
+        wait_gone(pid);
+    }
+    all_free(&d);
+}
+
+#[test]
+fn an_expired_lease_stops_its_worker() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let token = d.token("nobody", 1, 1024, Duration::from_secs(2));
+    let ok = c
+        .allocate(request(token, 1, &["echo"]), c_library_bytes())
+        .unwrap();
+    let exited = c.worker_exited();
+    assert_eq!(exited.allocation_id, ok.allocation_id);
+    assert_eq!(exited.cause, ExitCause::LeaseExpired, "{}", exited.message);
+    all_free(&d);
+}
+
+#[test]
+fn drain_refuses_allocations_until_resumed() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let mut c = Control::connect(&d);
+    let ok = c.allocate(good_request(&d, 1), lib.clone()).unwrap();
+    let pid = pid_of(&d, ok.allocation_id);
+
+    let reply = d.local(LocalRequest::Drain { grace_ms: 100 });
+    assert!(matches!(reply, LocalReply::Done { .. }), "{reply:?}");
+    let exited = c.worker_exited();
+    assert_eq!(exited.cause, ExitCause::Stopped);
+    assert!(!process_exists(pid));
+    let (draining, _, _, pool_idle, allocs) = status(&d);
+    assert!(draining);
+    assert!(allocs.is_empty());
+    assert_eq!(pool_idle, 0, "no idle workers while drained");
+
+    let e = Control::connect(&d)
+        .allocate(good_request(&d, 1), lib.clone())
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Draining, "{}", e.message);
+
+    let reply = d.local(LocalRequest::Resume);
+    assert!(matches!(reply, LocalReply::Done { .. }), "{reply:?}");
+    let (draining, ..) = status(&d);
+    assert!(!draining);
+    Control::connect(&d)
+        .allocate(good_request(&d, 1), lib)
+        .expect("allocations are taken again");
+}
+
+#[test]
+fn stopping_the_daemon_stops_every_worker() {
+    let d = start(ExecutordOptions {
+        pool_size: 2,
+        ..Default::default()
+    });
+    let mut c = Control::connect(&d);
+    let ok = c.allocate(good_request(&d, 1), c_library_bytes()).unwrap();
+    let pid = pid_of(&d, ok.allocation_id);
+    drop(d); // SIGTERM
+    let exited = c.worker_exited();
+    assert_eq!(exited.cause, ExitCause::Stopped);
+    wait_gone(pid);
+    assert!(c.closed(), "the daemon is gone");
+}
+
+#[test]
+fn a_secret_others_can_read_is_refused() {
+    let err = Executord::try_start(
+        Path::new(DAEMON),
+        ExecutordOptions {
+            secret_mode: 0o644,
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(err.contains("mode 0644"), "{err}");
+    assert!(err.contains("chmod 600"), "{err}");
+}
+
+#[test]
+fn the_example_configuration_parses() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("rfaas-executord.example.toml");
+    let config = Config::load(&path).unwrap();
+    let s = config.resolve().unwrap();
+    assert_eq!(s.node_name, "node001");
+    assert_eq!(s.cpus, [0, 1]);
+    assert_eq!(s.providers, ["tcp", "shm"]);
+    // Every key is documented (worker_path commented out: its default
+    // depends on where the daemon is installed).
+    let text = std::fs::read_to_string(&path).unwrap();
+    for key in [
+        "node_name",
+        "control_listen",
+        "fabric_host",
+        "providers",
+        "cpus",
+        "pin",
+        "memory_mib",
+        "secret_file",
+        "local_socket",
+        "runtime_dir",
+        "pool_size",
+        "worker_path",
+        "sandbox",
+        "bwrap_path",
+        "max_library_mib",
+        "max_lanes",
+        "max_input_capacity",
+        "max_output_capacity",
+        "default_deadline_ms",
+        "max_deadline_ms",
+        "worker_ready_timeout_ms",
+        "log_level",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.trim_start_matches("# ").starts_with(&format!("{key} = "))),
+            "{key} is not in the example"
+        );
+    }
+}
+
+#[test]
+fn bubblewrap_sandbox_runs_the_worker_as_the_user() {
+    let bwrap_ok = std::process::Command::new("bwrap")
+        .args(["--ro-bind", "/", "/", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    // scripts/test.sh installs bubblewrap; a machine without it fails here
+    // rather than passing an untested sandbox.
+    assert!(
+        bwrap_ok,
+        "bwrap is not installed or cannot create namespaces here: install the bubblewrap package (scripts/test.sh does)"
+    );
+    let d = start(ExecutordOptions {
+        sandbox: "bubblewrap".into(),
+        pool_size: 0,
+        ..Default::default()
+    });
+    let mut c = Control::connect(&d);
+    for provider in ["tcp", "shm"] {
+        let mut req = good_request(&d, 1);
+        req.provider = provider.into();
+        let ok = c
+            .allocate(req, c_library_bytes())
+            .unwrap_or_else(|e| panic!("{provider}: {e:?}\n{}", d.log()));
+        assert!(!ok.pooled);
+        let bwrap_pid = pid_of(&d, ok.allocation_id);
+        let worker = descendants(bwrap_pid)
+            .into_iter()
+            .find(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.trim() == "rfaas-worker")
+            })
+            .expect("the worker runs under bwrap");
+        assert_eq!(uid_of(worker), 65534);
+        if provider == "tcp" {
+            c.deallocate(ok.allocation_id)
+                .parse::<Deallocated>(Kind::Deallocated)
+                .unwrap();
+        } else {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
+            let exited = c.worker_exited();
+            assert_eq!(exited.cause, ExitCause::Crashed, "{}", exited.message);
+            assert_eq!(exited.signal, Some(9));
+        }
+        wait_gone(worker);
+    }
+    all_free(&d);
+}
+
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        let children =
+            std::fs::read_to_string(format!("/proc/{p}/task/{p}/children")).unwrap_or_default();
+        for c in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+            out.push(c);
+            todo.push(c);
+        }
+    }
+    out
+}
+
+/// One lane of an allocation, driven by hand over the fabric: the client
+/// side of docs/invocation.md's invocation steps, inline payloads only.
+struct RawLane {
+    _fabric: rfaas_fabric::Fabric,
+    _domain: rfaas_fabric::Domain,
+    cq: rfaas_fabric::CompletionQueue,
+    ep: rfaas_fabric::Endpoint,
+    input: rfaas_fabric::MemoryRegion,
+    output: rfaas_fabric::MemoryRegion,
+    remote: rfaas_proto::control::Descriptor,
+    next_id: u32,
+}
+
+impl RawLane {
+    fn connect(ok: &AllocateOk, provider: &str) -> RawLane {
+        use rfaas_fabric::{Access, EndpointOptions, Fabric};
+        let fabric = Fabric::open(provider).unwrap();
+        let domain = fabric.domain().unwrap();
+        let mut cq = fabric.completion_queue(512).unwrap();
+        let ep = domain
+            .connect(&ok.fabric_addr, &mut cq, &EndpointOptions::default())
+            .unwrap();
+        let input = domain.register(4096, Access::LOCAL).unwrap();
+        let output = domain.register(4096, Access::REMOTE_WRITE).unwrap();
+        RawLane {
+            _fabric: fabric,
+            _domain: domain,
+            cq,
+            ep,
+            input,
+            output,
+            remote: ok.lanes[0],
+            next_id: 1,
+        }
+    }
+
+    /// Sends one request; returns the response's status and output, or
+    /// `None` when none came within `timeout`.
+    fn invoke(
+        &mut self,
+        function: u16,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Option<(rfaas_proto::InvocationStatus, Vec<u8>)> {
+        use rfaas_fabric::{Completion, Opcode, RemoteAddr};
+        use rfaas_proto::{InvocationHeader, RequestImm, ResponseImm};
+        let id = self.next_id;
+        self.next_id += 1;
+        let out = self.output.descriptor();
+        let header = InvocationHeader {
+            output_addr: out.addr,
+            output_rkey: out.rkey,
+            output_capacity: out.len,
+            input_addr: 0,
+            input_rkey: 0,
+            input_len: payload.len() as u32,
+        };
+        let buf = self.input.as_mut_slice();
+        buf[..InvocationHeader::LEN].copy_from_slice(&header.to_bytes());
+        buf[InvocationHeader::LEN..InvocationHeader::LEN + payload.len()].copy_from_slice(payload);
+        self.ep.post_recv(u64::from(id)).unwrap();
+        let imm = RequestImm {
+            invocation_id: id,
+            function_index: function,
+        }
+        .encode()
+        .unwrap();
+        let remote = RemoteAddr {
+            addr: self.remote.addr,
+            rkey: self.remote.rkey,
+        };
+        self.ep
+            .write_with_imm(
+                0,
+                &self.input,
+                0,
+                InvocationHeader::LEN + payload.len(),
+                remote,
+                imm,
+            )
+            .unwrap();
+        let until = Instant::now() + timeout;
+        let mut done = [Completion::EMPTY; 8];
+        while Instant::now() < until {
+            let n = self.cq.wait(&mut done, Duration::from_millis(100)).ok()?;
+            for c in &done[..n] {
+                if c.opcode == Opcode::RecvWithImm {
+                    if !c.status.is_ok() {
+                        return None;
+                    }
+                    let r = ResponseImm::decode(c.imm).unwrap();
+                    assert_eq!(r.invocation_id, id);
+                    let len = c.byte_len as usize;
+                    return Some((r.status, self.output.as_slice()[..len].to_vec()));
+                }
+            }
+        }
+        None
+    }
+}
+
+#[test]
+fn the_allocated_worker_answers_invocations() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    for provider in ["tcp", "shm"] {
+        let mut req = good_request(&d, 1);
+        req.provider = provider.into();
+        let ok = c.allocate(req, c_library_bytes()).unwrap();
+        let mut lane = RawLane::connect(&ok, provider);
+        let (status, out) = lane
+            .invoke(0, b"hello executor", MINUTE)
+            .expect("a response");
+        assert_eq!(status, rfaas_proto::InvocationStatus::Ok, "{provider}");
+        assert_eq!(out, b"hello executor", "{provider}");
+        c.deallocate(ok.allocation_id)
+            .parse::<Deallocated>(Kind::Deallocated)
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_crashing_function_is_reported_as_a_crash() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let req = request(d.token("nobody", 1, 2048, MINUTE), 1, &["fault_segfault"]);
+    let ok = c.allocate(req, c_library_bytes()).unwrap();
+    let mut lane = RawLane::connect(&ok, "tcp");
+    let _ = lane.invoke(0, b"", Duration::from_secs(5));
+    let exited = c.worker_exited();
+    assert_eq!(exited.allocation_id, ok.allocation_id);
+    assert_eq!(exited.cause, ExitCause::Crashed, "{}", exited.message);
+    assert_eq!(exited.signal, Some(libc::SIGSEGV));
+    all_free(&d);
+}
+
+#[test]
+fn a_function_past_its_deadline_ends_the_worker() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let mut req = request(d.token("nobody", 1, 2048, MINUTE), 1, &["sleep_ms"]);
+    req.deadline_ms = 200;
+    let ok = c.allocate(req, c_library_bytes()).unwrap();
+    assert_eq!(ok.deadline_ms, 200);
+    let mut lane = RawLane::connect(&ok, "tcp");
+    let response = lane.invoke(0, &30_000u32.to_le_bytes(), MINUTE);
+    if let Some((status, _)) = response {
+        assert_eq!(status, rfaas_proto::InvocationStatus::DeadlineExceeded);
+    }
+    let exited = c.worker_exited();
+    assert_eq!(
+        exited.cause,
+        ExitCause::DeadlineExceeded,
+        "{}",
+        exited.message
+    );
+    assert_eq!(exited.exit_code, Some(3));
+    all_free(&d);
+}
+
+#[test]
+fn a_draining_worker_refuses_new_invocations() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let ok = c.allocate(good_request(&d, 1), c_library_bytes()).unwrap();
+    let mut lane = RawLane::connect(&ok, "tcp");
+    let (status, _) = lane.invoke(0, b"before", MINUTE).expect("a response");
+    assert_eq!(status, rfaas_proto::InvocationStatus::Ok);
+    std::thread::scope(|s| {
+        let drain = s.spawn(|| d.local(LocalRequest::Drain { grace_ms: 3_000 }));
+        d.wait_status(MINUTE, |s| {
+            matches!(s, LocalReply::Status { draining: true, .. })
+        });
+        // SIGUSR1 is asynchronous: the worker refuses once it has seen it.
+        let until = Instant::now() + MINUTE;
+        loop {
+            let (status, _) = lane.invoke(0, b"during", MINUTE).expect("a response");
+            if status == rfaas_proto::InvocationStatus::ExecutorDraining {
+                break;
+            }
+            assert_eq!(status, rfaas_proto::InvocationStatus::Ok);
+            assert!(Instant::now() < until, "the worker never refused");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let done = drain.join().unwrap();
+        assert!(matches!(done, LocalReply::Done { .. }), "{done:?}");
+    });
+    assert_eq!(c.worker_exited().cause, ExitCause::Stopped);
+}

@@ -1,0 +1,863 @@
+//! `rfaas-worker` end to end: the test plays the daemon (a socket pair, an
+//! `Assignment` with the library's sealed memfd) and the client (raw
+//! rfaas-fabric endpoints and rfaas-proto headers), for the tcp and shm
+//! providers.
+
+use std::collections::BTreeSet;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rfaas_executor::ipc::{recv_frame, sealed_memfd, send_frame};
+use rfaas_executor::worker::EXIT_DEADLINE;
+use rfaas_fabric::{
+    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
+    Opcode, RemoteAddr, Status,
+};
+use rfaas_proto::control::{
+    Assignment, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, Mode, WorkerReady,
+};
+use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
+use rstest::rstest;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+const FUNCTIONS: [&str; 6] = [
+    "noop",
+    "echo",
+    "fault_segfault",
+    "fault_overrun",
+    "fault_claim",
+    "sleep_ms",
+];
+const NOOP: u16 = 0;
+const ECHO: u16 = 1;
+const SEGFAULT: u16 = 2;
+const OVERRUN: u16 = 3;
+const CLAIM: u16 = 4;
+const SLEEP: u16 = 5;
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The user the worker runs as: nobody when the tests run as root (the
+/// worker refuses root), else the tests' own user.
+fn worker_user() -> (u32, u32) {
+    if is_root() {
+        (65534, 65534)
+    } else {
+        // SAFETY: getuid and getgid cannot fail.
+        unsafe { (libc::getuid(), libc::getgid()) }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// A directory removed on drop; writable by everyone, so a worker that
+/// dropped to another user can create its shm socket there.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "rfaas-worker-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+        // SAFETY: chmod on a path we just created.
+        assert_eq!(unsafe { libc::chmod(c.as_ptr(), 0o777) }, 0);
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The assignment most tests use: two lanes, hot, 64 KiB buffers.
+fn assignment(provider: &str, dir: &TempDir) -> Assignment {
+    let (uid, gid) = worker_user();
+    Assignment {
+        allocation_id: 7,
+        uid,
+        gid,
+        cpus: vec![],
+        lanes: 2,
+        memory_limit_bytes: 0,
+        mode: Mode::Hot,
+        hot_timeout_us: 1000,
+        input_capacity: 64 << 10,
+        output_capacity: 64 << 10,
+        deadline_ms: 0,
+        expires_at: unix_now() + 3600,
+        functions: FUNCTIONS.iter().map(|s| s.to_string()).collect(),
+        provider: provider.into(),
+        listen_addr: match provider {
+            "shm" => dir.0.join("worker.sock").to_str().unwrap().into(),
+            _ => "127.0.0.1:0".into(),
+        },
+    }
+}
+
+/// A running rfaas-worker, killed on drop.
+struct Worker {
+    child: Child,
+    control: UnixStream,
+    status: Option<ExitStatus>,
+}
+
+impl Worker {
+    fn spawn() -> Worker {
+        let (control, theirs) = UnixStream::pair().unwrap();
+        let fd = theirs.as_raw_fd();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rfaas-worker"));
+        cmd.arg("--control-fd").arg(fd.to_string());
+        // SAFETY: the closure only calls fcntl, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Let the worker inherit its end of the socket pair.
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("start rfaas-worker");
+        drop(theirs);
+        Worker {
+            child,
+            control,
+            status: None,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `a` with `library` as the memfd; returns the worker's reply.
+    fn assign(&self, a: &Assignment, library: &[u8]) -> Frame {
+        let memfd = sealed_memfd("libfunctions.so", library).unwrap();
+        send_frame(
+            &self.control,
+            &Frame::new(Kind::Assignment, a, vec![]),
+            Some(memfd.as_fd()),
+        )
+        .unwrap();
+        self.control.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let (frame, fd) = recv_frame(&self.control, FrameLimits::default()).unwrap();
+        assert!(fd.is_none());
+        frame
+    }
+
+    fn ready(&self, a: &Assignment) -> WorkerReady {
+        let frame = self.assign(a, &rfaas_testkit::functions::c_library_bytes());
+        if frame.kind == Kind::WorkerFailed {
+            let e: ErrorReply = frame.parse(Kind::WorkerFailed).unwrap();
+            panic!("the worker failed: {e:?}");
+        }
+        frame.parse(Kind::WorkerReady).unwrap()
+    }
+
+    /// Waits for the worker to end.
+    fn wait(&mut self) -> ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                self.status = Some(status);
+                return status;
+            }
+            assert!(start.elapsed() < TIMEOUT, "the worker did not end");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill on our own child's pid.
+        assert_eq!(unsafe { libc::kill(self.pid() as libc::pid_t, sig) }, 0);
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A client lane: an endpoint with its own queue, a staging region holding
+/// `[header][payload]`, and an output region the worker writes into.
+struct ClientLane {
+    ep: Endpoint,
+    cq: CompletionQueue,
+    input: MemoryRegion,
+    output: MemoryRegion,
+    remote: Descriptor,
+    next_id: u32,
+}
+
+// The client's regions are not shared between threads at once: each lane
+// belongs to one test thread.
+struct Client {
+    _fabric: Fabric,
+    _domain: Domain,
+    lanes: Vec<ClientLane>,
+}
+
+fn connect(provider: &str, ready: &WorkerReady, staging: usize, output: usize) -> Client {
+    let fabric = Fabric::open(provider).unwrap();
+    let domain = fabric.domain().unwrap();
+    let opts = EndpointOptions::default();
+    let lanes = ready
+        .lanes
+        .iter()
+        .map(|remote| {
+            let mut cq = fabric.completion_queue(1024).unwrap();
+            let ep = domain.connect(&ready.fabric_addr, &mut cq, &opts).unwrap();
+            for wr in 0..4 {
+                ep.post_recv(wr).unwrap();
+            }
+            ClientLane {
+                ep,
+                cq,
+                input: domain
+                    .register(InvocationHeader::LEN + staging, Access::REMOTE_READ)
+                    .unwrap(),
+                output: domain.register(output, Access::REMOTE_WRITE).unwrap(),
+                remote: *remote,
+                next_id: 1,
+            }
+        })
+        .collect();
+    Client {
+        _fabric: fabric,
+        _domain: domain,
+        lanes,
+    }
+}
+
+impl ClientLane {
+    /// Invokes `function` on `payload`: inline when it fits the worker's
+    /// input buffer, else bulk. Returns the status and the output.
+    fn invoke(&mut self, function: u16, payload: &[u8]) -> (InvocationStatus, Vec<u8>) {
+        let inline = InvocationHeader::LEN + payload.len() <= self.remote.len as usize;
+        self.input.as_mut_slice()[InvocationHeader::LEN..][..payload.len()]
+            .copy_from_slice(payload);
+        let header = InvocationHeader {
+            output_addr: self.output.as_ptr() as u64,
+            output_rkey: self.output.rkey(),
+            output_capacity: self.output.len() as u32,
+            input_addr: if inline {
+                0
+            } else {
+                self.input.as_ptr() as u64 + InvocationHeader::LEN as u64
+            },
+            input_rkey: if inline { 0 } else { self.input.rkey() },
+            input_len: payload.len() as u32,
+        };
+        let sent = if inline {
+            InvocationHeader::LEN + payload.len()
+        } else {
+            InvocationHeader::LEN
+        };
+        self.invoke_raw(function, header, sent)
+    }
+
+    /// Sends `header` and whatever the staging region holds after it,
+    /// `sent` bytes in all.
+    fn invoke_raw(
+        &mut self,
+        function: u16,
+        header: InvocationHeader,
+        sent: usize,
+    ) -> (InvocationStatus, Vec<u8>) {
+        header.encode(self.input.as_mut_slice()).unwrap();
+        let id = self.next_id;
+        self.next_id = rfaas_proto::next_invocation_id(id);
+        let imm = RequestImm {
+            invocation_id: id,
+            function_index: function,
+        }
+        .encode()
+        .unwrap();
+        self.ep
+            .write_with_imm(
+                1000 + u64::from(id),
+                &self.input,
+                0,
+                sent,
+                RemoteAddr {
+                    addr: self.remote.addr,
+                    rkey: self.remote.rkey,
+                },
+                imm,
+            )
+            .unwrap();
+        let c = self.response();
+        self.ep.post_recv(c.wr_id).unwrap();
+        let resp = ResponseImm::decode(c.imm).unwrap();
+        assert_eq!(resp.invocation_id, id, "the response names the request");
+        let out = self.output.as_slice()[..c.byte_len as usize].to_vec();
+        if resp.status != InvocationStatus::Ok {
+            assert_eq!(c.byte_len, 0, "only ok carries output");
+        }
+        (resp.status, out)
+    }
+
+    /// The next response; send completions must be successful.
+    fn response(&mut self) -> Completion {
+        let start = Instant::now();
+        let mut done = [Completion::EMPTY; 8];
+        let mut found = None;
+        loop {
+            let n = self.cq.poll(&mut done);
+            for c in &done[..n] {
+                if c.opcode == Opcode::RecvWithImm {
+                    assert_eq!(c.status, Status::Success, "the response arrives");
+                    assert!(found.is_none(), "one response per request");
+                    found = Some(*c);
+                } else {
+                    assert_eq!(
+                        c.status,
+                        Status::Success,
+                        "the request was delivered: {c:?}"
+                    );
+                }
+            }
+            if let Some(c) = found {
+                return c;
+            }
+            assert!(start.elapsed() < TIMEOUT, "no response within {TIMEOUT:?}");
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(31).wrapping_add(seed * 7) >> 3) as u8)
+        .collect()
+}
+
+fn u32_input(n: u32) -> Vec<u8> {
+    n.to_le_bytes().to_vec()
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn echo_on_two_lanes_is_byte_exact(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let a = assignment(provider, &dir);
+    let ready = worker.ready(&a);
+    assert_eq!(ready.lanes.len(), 2);
+    assert!(ready.lanes.iter().all(|l| l.len == 64 << 10));
+    let client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let max = (64 << 10) - InvocationHeader::LEN;
+    std::thread::scope(|s| {
+        for (lane_no, mut lane) in client.lanes.into_iter().enumerate() {
+            s.spawn(move || {
+                let sizes = [0, 1, 31, 32, 33, 4095, 4096, 4097, 10_000, max - 1, max];
+                for round in 0..20u32 {
+                    for (k, &len) in sizes.iter().enumerate() {
+                        let seed = round * 100 + k as u32 + lane_no as u32 * 10_000;
+                        let input = pattern(len, seed);
+                        let (status, out) = lane.invoke(ECHO, &input);
+                        assert_eq!(status, InvocationStatus::Ok);
+                        assert!(out == input, "lane {lane_no}: echo of {len} bytes differs");
+                    }
+                }
+                let (status, out) = lane.invoke(NOOP, b"ignored");
+                assert_eq!(status, InvocationStatus::Ok);
+                assert!(out.is_empty());
+            });
+        }
+    });
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn refused_requests_get_their_status(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let lane = &mut client.lanes[0];
+
+    let (status, _) = lane.invoke(FUNCTIONS.len() as u16, b"x");
+    assert_eq!(status, InvocationStatus::UnknownFunction);
+    let (status, _) = lane.invoke(4095, b"x");
+    assert_eq!(status, InvocationStatus::UnknownFunction);
+
+    // The header says 100 bytes follow, 10 do.
+    let header = InvocationHeader {
+        output_addr: lane.output.as_ptr() as u64,
+        output_rkey: lane.output.rkey(),
+        output_capacity: lane.output.len() as u32,
+        input_addr: 0,
+        input_rkey: 0,
+        input_len: 100,
+    };
+    let (status, _) = lane.invoke_raw(ECHO, header, InvocationHeader::LEN + 10);
+    assert_eq!(status, InvocationStatus::MalformedRequest);
+    // An inline header with an input address.
+    let bad = InvocationHeader {
+        input_addr: 0x1000,
+        input_len: 0,
+        ..header
+    };
+    let (status, _) = lane.invoke_raw(ECHO, bad, InvocationHeader::LEN);
+    assert_eq!(status, InvocationStatus::MalformedRequest);
+
+    // fault_claim returns a length it never wrote.
+    let (status, _) = lane.invoke(CLAIM, &u32_input((64 << 10) + 1));
+    assert_eq!(status, InvocationStatus::OutputTooLarge);
+    let (status, out) = lane.invoke(CLAIM, &u32_input(64 << 10));
+    assert_eq!((status, out.len()), (InvocationStatus::Ok, 64 << 10));
+    // Above the header's output capacity, below the allocation's.
+    let small = InvocationHeader {
+        output_capacity: 8,
+        input_len: 4,
+        ..header
+    };
+    lane.input.as_mut_slice()[32..36].copy_from_slice(&u32_input(9));
+    let (status, _) = lane.invoke_raw(CLAIM, small, InvocationHeader::LEN + 4);
+    assert_eq!(status, InvocationStatus::OutputTooLarge);
+
+    // The lane still serves, and the worker ends when the client goes.
+    let (status, out) = lane.invoke(ECHO, b"still here");
+    assert_eq!(
+        (status, &out[..]),
+        (InvocationStatus::Ok, &b"still here"[..])
+    );
+    drop(client);
+    let status = worker.wait();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn bulk_payload_is_pulled_and_echoed(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    a.output_capacity = 4 << 20;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 4 << 20, 4 << 20);
+    let lane = &mut client.lanes[0];
+    for len in [(3 << 20) + 12_345, 64 << 10, (1 << 20) * 2, 100_000] {
+        let input = pattern(len, len as u32);
+        let (status, out) = lane.invoke(ECHO, &input);
+        assert_eq!(status, InvocationStatus::Ok);
+        assert_eq!(out.len(), len);
+        assert!(out == input, "bulk echo of {len} bytes differs");
+    }
+    // Inline again after bulk.
+    let (status, out) = lane.invoke(ECHO, b"small");
+    assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"small"[..]));
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn bulk_payload_beyond_the_memory_limit_is_refused(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    a.memory_limit_bytes = 1 << 30;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let lane = &mut client.lanes[0];
+    // Refused before anything is read: the client region is much smaller.
+    let header = InvocationHeader {
+        output_addr: lane.output.as_ptr() as u64,
+        output_rkey: lane.output.rkey(),
+        output_capacity: lane.output.len() as u32,
+        input_addr: lane.input.as_ptr() as u64,
+        input_rkey: lane.input.rkey(),
+        input_len: (1 << 30) + 1,
+    };
+    let (status, _) = lane.invoke_raw(ECHO, header, InvocationHeader::LEN);
+    assert_eq!(status, InvocationStatus::PayloadTooLarge);
+    // Within the limit, but naming more than the client registered.
+    let header = InvocationHeader {
+        input_len: 128 << 10,
+        ..header
+    };
+    let (status, _) = lane.invoke_raw(ECHO, header, InvocationHeader::LEN);
+    assert_eq!(status, InvocationStatus::MalformedRequest);
+    let (status, out) = lane.invoke(ECHO, b"ok");
+    assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"ok"[..]));
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn segfault_ends_the_worker_with_sigsegv(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let lane = &mut client.lanes[0];
+    let imm = RequestImm {
+        invocation_id: 1,
+        function_index: SEGFAULT,
+    }
+    .encode()
+    .unwrap();
+    let header = InvocationHeader {
+        output_addr: lane.output.as_ptr() as u64,
+        output_rkey: lane.output.rkey(),
+        output_capacity: 64,
+        input_addr: 0,
+        input_rkey: 0,
+        input_len: 0,
+    };
+    header.encode(lane.input.as_mut_slice()).unwrap();
+    let remote = RemoteAddr {
+        addr: lane.remote.addr,
+        rkey: lane.remote.rkey,
+    };
+    lane.ep
+        .write_with_imm(1, &lane.input, 0, 32, remote, imm)
+        .unwrap();
+    let status = worker.wait();
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn writing_past_the_output_capacity_hits_the_guard_page(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    // Not a multiple of 64: the guard page starts 1024 bytes after `out`.
+    a.output_capacity = 1000;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let lane = &mut client.lanes[0];
+    let (status, out) = lane.invoke(OVERRUN, &u32_input(1000));
+    assert_eq!(status, InvocationStatus::Ok);
+    assert!(out.len() == 1000 && out.iter().all(|&b| b == 0xab));
+    // Within the rounding: written, but more than the capacity.
+    let (status, _) = lane.invoke(OVERRUN, &u32_input(1024));
+    assert_eq!(status, InvocationStatus::OutputTooLarge);
+    assert_eq!(worker.child.try_wait().unwrap(), None, "still alive");
+
+    let imm = RequestImm {
+        invocation_id: 99,
+        function_index: OVERRUN,
+    }
+    .encode()
+    .unwrap();
+    let header = InvocationHeader {
+        output_addr: lane.output.as_ptr() as u64,
+        output_rkey: lane.output.rkey(),
+        output_capacity: lane.output.len() as u32,
+        input_addr: 0,
+        input_rkey: 0,
+        input_len: 4,
+    };
+    header.encode(lane.input.as_mut_slice()).unwrap();
+    lane.input.as_mut_slice()[32..36].copy_from_slice(&u32_input(1025));
+    let remote = RemoteAddr {
+        addr: lane.remote.addr,
+        rkey: lane.remote.rkey,
+    };
+    lane.ep
+        .write_with_imm(1, &lane.input, 0, 36, remote, imm)
+        .unwrap();
+    let status = worker.wait();
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn deadline_answers_and_exits_with_code_3(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.deadline_ms = 200;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    // Within the deadline.
+    let (status, out) = client.lanes[1].invoke(SLEEP, &u32_input(10));
+    assert_eq!((status, out), (InvocationStatus::Ok, u32_input(10)));
+    let (status, out) = client.lanes[0].invoke(SLEEP, &u32_input(5000));
+    assert_eq!(status, InvocationStatus::DeadlineExceeded);
+    assert!(out.is_empty());
+    let status = worker.wait();
+    assert_eq!(status.code(), Some(EXIT_DEADLINE), "{status:?}");
+}
+
+#[rstest]
+#[case::tcp_hot("tcp", Mode::Hot)]
+#[case::tcp_warm("tcp", Mode::Warm)]
+#[case::tcp_hot_then_warm("tcp", Mode::HotThenWarm)]
+#[case::shm_hot("shm", Mode::Hot)]
+#[case::shm_warm("shm", Mode::Warm)]
+#[case::shm_hot_then_warm("shm", Mode::HotThenWarm)]
+fn every_mode_serves(#[case] provider: &str, #[case] mode: Mode) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.mode = mode;
+    a.hot_timeout_us = 2_000;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    for i in 0..20u32 {
+        let lane = &mut client.lanes[(i % 2) as usize];
+        let input = pattern(100 + i as usize * 37, i);
+        let (status, out) = lane.invoke(ECHO, &input);
+        assert_eq!(status, InvocationStatus::Ok);
+        assert_eq!(out, input);
+        // Some gaps longer than the hot period, so hot_then_warm sleeps.
+        if i % 5 == 0 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Vec<u32> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; pid 0 is this thread.
+    let rc =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    assert_eq!(rc, 0);
+    (0..libc::CPU_SETSIZE as u32)
+        // SAFETY: i is below CPU_SETSIZE.
+        .filter(|&i| unsafe { libc::CPU_ISSET(i as usize, &set) })
+        .collect()
+}
+
+/// Parses a kernel CPU list such as `0-2,5`.
+fn cpu_list(s: &str) -> BTreeSet<u32> {
+    let mut out = BTreeSet::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.parse::<u32>().unwrap()..=b.parse::<u32>().unwrap()),
+            None => {
+                out.insert(part.parse().unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn status_field(path: &str, field: &str) -> String {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .unwrap_or_else(|| panic!("{path} has no {field}"))
+        .trim()
+        .to_string()
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn runs_as_the_user_pinned_and_limited(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    let cpus = allowed_cpus();
+    let lane_cpus = vec![cpus[0], *cpus.last().unwrap()];
+    a.cpus = lane_cpus.clone();
+    a.memory_limit_bytes = 8 << 30;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    for lane in &mut client.lanes {
+        let (status, out) = lane.invoke(ECHO, b"who");
+        assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"who"[..]));
+    }
+
+    let pid = worker.pid();
+    let (uid, gid) = worker_user();
+    let uids = status_field(&format!("/proc/{pid}/status"), "Uid:");
+    assert_eq!(
+        uids.split_whitespace().collect::<Vec<_>>(),
+        vec![uid.to_string(); 4]
+    );
+    let gids = status_field(&format!("/proc/{pid}/status"), "Gid:");
+    assert_eq!(
+        gids.split_whitespace().collect::<Vec<_>>(),
+        vec![gid.to_string(); 4]
+    );
+    if is_root() {
+        assert_eq!(status_field(&format!("/proc/{pid}/status"), "Groups:"), "");
+    }
+    assert_eq!(
+        status_field(&format!("/proc/{pid}/status"), "NoNewPrivs:"),
+        "1"
+    );
+
+    let union: BTreeSet<u32> = lane_cpus.iter().copied().collect();
+    let main = status_field(&format!("/proc/{pid}/status"), "Cpus_allowed_list:");
+    assert_eq!(cpu_list(&main), union);
+    let mut lanes_seen = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap();
+        if let Some(i) = comm.trim().strip_prefix("rfaas-lane-") {
+            let i: usize = i.parse().unwrap();
+            let list = status_field(task.join("status").to_str().unwrap(), "Cpus_allowed_list:");
+            assert_eq!(cpu_list(&list), BTreeSet::from([lane_cpus[i]]), "lane {i}");
+            lanes_seen += 1;
+        }
+    }
+    assert_eq!(lanes_seen, 2);
+
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))
+        .unwrap();
+    let limit = (8u64 << 30).to_string();
+    assert_eq!(
+        line.split_whitespace().filter(|w| *w == limit).count(),
+        2,
+        "{line}"
+    );
+}
+
+fn failure(worker: &mut Worker, a: &Assignment, library: &[u8]) -> ErrorReply {
+    let frame = worker.assign(a, library);
+    let reply: ErrorReply = frame.parse(Kind::WorkerFailed).unwrap();
+    let status = worker.wait();
+    assert_eq!(
+        status.code(),
+        Some(rfaas_executor::worker::EXIT_SETUP_FAILED)
+    );
+    reply
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn malformed_library_fails_the_assignment(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let a = assignment(provider, &dir);
+    let junk = pattern(10_000, 42);
+    let reply = failure(&mut worker, &a, &junk);
+    assert_eq!(reply.code, ErrorCode::MalformedLibrary);
+    assert!(
+        reply.message.contains("/proc/self/fd/"),
+        "{}",
+        reply.message
+    );
+    assert_eq!(reply.request_id, a.allocation_id);
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn missing_function_fails_the_assignment(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.functions = vec!["echo".into(), "no_such_function".into()];
+    let reply = failure(
+        &mut worker,
+        &a,
+        &rfaas_testkit::functions::c_library_bytes(),
+    );
+    assert_eq!(reply.code, ErrorCode::UnknownFunction);
+    assert!(
+        reply.message.contains("\"no_such_function\""),
+        "{}",
+        reply.message
+    );
+}
+
+#[test]
+fn root_is_refused() {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment("tcp", &dir);
+    a.uid = 0;
+    a.gid = 0;
+    let reply = failure(
+        &mut worker,
+        &a,
+        &rfaas_testkit::functions::c_library_bytes(),
+    );
+    assert_eq!(reply.code, ErrorCode::UserRefused);
+    assert!(reply.message.contains("root"), "{}", reply.message);
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn expired_lease_refuses_invocations(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.expires_at = unix_now() - 10;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let (status, out) = client.lanes[0].invoke(ECHO, b"late");
+    assert_eq!(status, InvocationStatus::LeaseExpired);
+    assert!(out.is_empty());
+}
+
+#[rstest]
+#[case::tcp_hot("tcp", Mode::Hot)]
+#[case::tcp_warm("tcp", Mode::Warm)]
+#[case::shm_hot("shm", Mode::Hot)]
+#[case::shm_warm("shm", Mode::Warm)]
+fn sigusr1_drains(#[case] provider: &str, #[case] mode: Mode) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.mode = mode;
+    let ready = worker.ready(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let (status, _) = client.lanes[0].invoke(ECHO, b"before");
+    assert_eq!(status, InvocationStatus::Ok);
+    worker.signal(libc::SIGUSR1);
+    // The signal lands asynchronously; requests turn to draining once it has.
+    let start = Instant::now();
+    loop {
+        let (status, _) = client.lanes[1].invoke(ECHO, b"after");
+        if status == InvocationStatus::ExecutorDraining {
+            break;
+        }
+        assert_eq!(status, InvocationStatus::Ok);
+        assert!(start.elapsed() < TIMEOUT, "SIGUSR1 never took effect");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (status, _) = client.lanes[0].invoke(ECHO, b"again");
+    assert_eq!(status, InvocationStatus::ExecutorDraining);
+}

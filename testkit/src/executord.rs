@@ -1,0 +1,391 @@
+//! A real `rfaas-executord` for tests: [`Executord`] writes a secret (mode
+//! 0600) and a configuration into a private temporary directory, starts the
+//! daemon binary, waits for its ready line, mints tokens for it, speaks to
+//! its local socket, and stops it (and so every worker) by pid when
+//! dropped.
+//!
+//! The daemon's binary path comes from the caller: only the executor
+//! crate's tests know `CARGO_BIN_EXE_rfaas-executord`; elsewhere use
+//! [`daemon_binary`]. The worker binary is the daemon's default,
+//! `rfaas-worker` next to it (cargo builds both into the same directory).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rfaas_proto::control::{ErrorReply, Frame, FrameLimits, Kind, LocalReply, LocalRequest};
+use rfaas_proto::lease::LeaseClaims;
+
+/// How to configure the daemon. `Default` gives a test node: 4 logical CPU
+/// slots (no pinning), 4096 MiB, one pooled worker, tcp and shm, no
+/// sandbox.
+#[derive(Debug, Clone)]
+pub struct ExecutordOptions {
+    /// `node_name`.
+    pub node_name: String,
+    /// `cpus`, a cpulist.
+    pub cpus: String,
+    /// `pin`.
+    pub pin: bool,
+    /// `memory_mib`.
+    pub memory_mib: u32,
+    /// `pool_size`.
+    pub pool_size: u32,
+    /// `providers`.
+    pub providers: Vec<String>,
+    /// `sandbox`: `"none"` or `"bubblewrap"`.
+    pub sandbox: String,
+    /// `default_deadline_ms`.
+    pub default_deadline_ms: u64,
+    /// `max_deadline_ms`.
+    pub max_deadline_ms: u64,
+    /// Mode of the secret file (the daemon refuses anything group or
+    /// others can access).
+    pub secret_mode: u32,
+    /// More TOML lines appended to the configuration as they are.
+    pub extra_config: String,
+}
+
+impl Default for ExecutordOptions {
+    fn default() -> Self {
+        ExecutordOptions {
+            node_name: "rfaas-test-node".into(),
+            cpus: "0-3".into(),
+            pin: false,
+            memory_mib: 4096,
+            pool_size: 1,
+            providers: vec!["tcp".into(), "shm".into()],
+            sandbox: "none".into(),
+            default_deadline_ms: 10_000,
+            max_deadline_ms: 60_000,
+            secret_mode: 0o600,
+            extra_config: String::new(),
+        }
+    }
+}
+
+/// A running daemon, stopped (SIGTERM, then SIGKILL after 10 s) on drop.
+#[derive(Debug)]
+pub struct Executord {
+    child: Child,
+    dir: PathBuf,
+    secret: Vec<u8>,
+    node_name: String,
+    control_addr: SocketAddr,
+    local_socket: PathBuf,
+}
+
+static INSTANCE: AtomicU64 = AtomicU64::new(0);
+static LEASE: AtomicU64 = AtomicU64::new(1);
+
+/// `rfaas-executord` in the workspace's target directory (debug build),
+/// for tests outside the executor crate. Panics when it is not built.
+pub fn daemon_binary() -> PathBuf {
+    let p = crate::target_dir().join("debug").join("rfaas-executord");
+    assert!(
+        p.exists(),
+        "{} is not built; run `cargo build -p rfaas-executor` first",
+        p.display()
+    );
+    p
+}
+
+impl Executord {
+    /// Starts the daemon `daemon_bin` with `opts`; panics with the daemon's
+    /// log when it does not come up.
+    pub fn start(daemon_bin: &Path, opts: ExecutordOptions) -> Executord {
+        Executord::try_start(daemon_bin, opts).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts the daemon; `Err` holds what it printed when it did not
+    /// print its ready line (within 30 s).
+    pub fn try_start(daemon_bin: &Path, opts: ExecutordOptions) -> Result<Executord, String> {
+        let n = INSTANCE.fetch_add(1, Ordering::Relaxed);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let dir = std::env::temp_dir().join(format!(
+            "rfaas-executord-{}-{n}-{nanos:x}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+        // Workers run as other users and reach their directories below it.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("chmod {}: {e}", dir.display()))?;
+
+        let secret = random_secret();
+        let secret_file = dir.join("secret");
+        std::fs::write(&secret_file, &secret).map_err(|e| format!("write the secret: {e}"))?;
+        std::fs::set_permissions(
+            &secret_file,
+            std::fs::Permissions::from_mode(opts.secret_mode),
+        )
+        .map_err(|e| format!("chmod the secret: {e}"))?;
+
+        let local_socket = dir.join("executord.sock");
+        let providers: Vec<String> = opts.providers.iter().map(|p| format!("{p:?}")).collect();
+        let config = format!(
+            "node_name = {node:?}\n\
+             control_listen = \"127.0.0.1:0\"\n\
+             fabric_host = \"127.0.0.1\"\n\
+             providers = [{providers}]\n\
+             cpus = {cpus:?}\n\
+             pin = {pin}\n\
+             memory_mib = {mem}\n\
+             secret_file = {secret:?}\n\
+             local_socket = {local:?}\n\
+             runtime_dir = {run:?}\n\
+             pool_size = {pool}\n\
+             sandbox = {sandbox:?}\n\
+             default_deadline_ms = {ddl}\n\
+             max_deadline_ms = {mdl}\n\
+             log_level = \"debug\"\n\
+             {extra}\n",
+            node = opts.node_name,
+            providers = providers.join(", "),
+            cpus = opts.cpus,
+            pin = opts.pin,
+            mem = opts.memory_mib,
+            secret = secret_file.display().to_string(),
+            local = local_socket.display().to_string(),
+            run = dir.join("run").display().to_string(),
+            pool = opts.pool_size,
+            sandbox = opts.sandbox,
+            ddl = opts.default_deadline_ms,
+            mdl = opts.max_deadline_ms,
+            extra = opts.extra_config,
+        );
+        let config_file = dir.join("executord.toml");
+        std::fs::write(&config_file, config).map_err(|e| format!("write the config: {e}"))?;
+
+        let log = std::fs::File::create(dir.join("executord.log"))
+            .map_err(|e| format!("create the log: {e}"))?;
+        let mut child = Command::new(daemon_bin)
+            .arg("--config")
+            .arg(&config_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", daemon_bin.display()))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            let first = lines.next();
+            let _ = tx.send(first);
+            // Keep the pipe open (and drained) for the daemon's lifetime.
+            for _ in lines {}
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Some(Ok(line))) => line,
+            other => {
+                stop_child(&mut child, Duration::from_secs(5));
+                let log = std::fs::read_to_string(dir.join("executord.log")).unwrap_or_default();
+                let status = child.try_wait().ok().flatten();
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(format!(
+                    "rfaas-executord did not print its ready line (got {other:?}, exit status {status:?}); its log:\n{log}"
+                ));
+            }
+        };
+        let parsed = parse_ready(&line);
+        let Some((control_addr, local)) = parsed else {
+            stop_child(&mut child, Duration::from_secs(5));
+            return Err(format!(
+                "unexpected ready line from rfaas-executord: {line:?}"
+            ));
+        };
+        Ok(Executord {
+            child,
+            dir,
+            secret,
+            node_name: opts.node_name,
+            control_addr,
+            local_socket: local,
+        })
+    }
+
+    /// The control listener's address.
+    pub fn control_addr(&self) -> SocketAddr {
+        self.control_addr
+    }
+
+    /// The node tools' socket.
+    pub fn local_socket(&self) -> &Path {
+        &self.local_socket
+    }
+
+    /// The node name tokens must carry.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// The cluster secret the daemon checks tokens with.
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The daemon's private directory (config, secret, log, `run/`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// What the daemon logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("executord.log")).unwrap_or_default()
+    }
+
+    /// Claims for this node: a fresh lease id, account `"test"`, issued
+    /// now, ending after `ttl`. Change fields before [`mint`](Self::mint)
+    /// to test refusals.
+    pub fn claims(&self, user: &str, cores: u16, memory_mib: u32, ttl: Duration) -> LeaseClaims {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_secs();
+        LeaseClaims {
+            lease_id: (u64::from(std::process::id()) << 32) | LEASE.fetch_add(1, Ordering::Relaxed),
+            node: self.node_name.clone(),
+            user: user.to_owned(),
+            account: "test".into(),
+            job_id: None,
+            cores,
+            memory_mib,
+            issued_at: now,
+            expires_at: now + ttl.as_secs(),
+        }
+    }
+
+    /// Signs `claims` with the daemon's secret.
+    pub fn mint(&self, claims: &LeaseClaims) -> String {
+        claims
+            .sign(&self.secret)
+            .expect("the test secret is long enough")
+    }
+
+    /// A valid token for this node.
+    pub fn token(&self, user: &str, cores: u16, memory_mib: u32, ttl: Duration) -> String {
+        self.mint(&self.claims(user, cores, memory_mib, ttl))
+    }
+
+    /// Sends one request on the local socket and returns the reply;
+    /// panics on an error reply or a broken socket.
+    pub fn local(&self, req: LocalRequest) -> LocalReply {
+        let mut sock = UnixStream::connect(&self.local_socket)
+            .unwrap_or_else(|e| panic!("connect {}: {e}", self.local_socket.display()));
+        sock.set_read_timeout(Some(Duration::from_secs(120)))
+            .expect("set a read timeout");
+        Frame::new(Kind::LocalRequest, &req, Vec::new())
+            .write_to(&mut sock)
+            .expect("send a local request");
+        let frame = Frame::read_from(&mut sock, FrameLimits::default())
+            .unwrap_or_else(|e| panic!("no reply to {req:?}: {e}\nlog:\n{}", self.log()));
+        if frame.kind == Kind::Error {
+            let e: ErrorReply = frame.parse(Kind::Error).expect("an ErrorReply");
+            panic!("{req:?} refused: {e:?}");
+        }
+        frame.parse(Kind::LocalReply).expect("a LocalReply")
+    }
+
+    /// `local(LocalRequest::Status)`.
+    pub fn status(&self) -> LocalReply {
+        self.local(LocalRequest::Status)
+    }
+
+    /// Waits up to `timeout` for `cond` to hold on the status reply and
+    /// returns the last reply; panics (with the log) when it never does.
+    pub fn wait_status(
+        &self,
+        timeout: Duration,
+        mut cond: impl FnMut(&LocalReply) -> bool,
+    ) -> LocalReply {
+        let until = Instant::now() + timeout;
+        loop {
+            let s = self.status();
+            if cond(&s) {
+                return s;
+            }
+            if Instant::now() >= until {
+                panic!("status never matched; last: {s:?}\nlog:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Executord {
+    fn drop(&mut self) {
+        stop_child(&mut self.child, Duration::from_secs(10));
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// SIGTERM (the daemon stops its workers), then SIGKILL after `grace`.
+fn stop_child(child: &mut Child, grace: Duration) {
+    if matches!(child.try_wait(), Ok(Some(_))) {
+        return;
+    }
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let _ = child.wait();
+}
+
+fn parse_ready(line: &str) -> Option<(SocketAddr, PathBuf)> {
+    let rest = line.strip_prefix("rfaas-executord ready control=")?;
+    let (addr, local) = rest.split_once(" local=")?;
+    Some((addr.parse().ok()?, PathBuf::from(local)))
+}
+
+/// 48 random printable bytes (so the file reads well in a failed test's
+/// directory).
+fn random_secret() -> Vec<u8> {
+    let mut raw = [0u8; 24];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = std::io::Read::read_exact(&mut f, &mut raw);
+    }
+    raw.iter()
+        .flat_map(|b| format!("{b:02x}").into_bytes())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_line() {
+        assert_eq!(
+            parse_ready("rfaas-executord ready control=127.0.0.1:4000 local=/tmp/x y.sock"),
+            Some((
+                "127.0.0.1:4000".parse().unwrap(),
+                PathBuf::from("/tmp/x y.sock")
+            ))
+        );
+        assert_eq!(parse_ready("hello"), None);
+        assert_eq!(random_secret().len(), 48);
+    }
+}
