@@ -257,38 +257,46 @@ impl ClientLane {
     /// Invokes `function` on `payload`: inline when it fits the worker's
     /// input buffer, else bulk. Returns the status and the output.
     fn invoke(&mut self, function: u16, payload: &[u8]) -> (InvocationStatus, Vec<u8>) {
-        let inline = InvocationHeader::LEN + payload.len() <= self.remote.len as usize;
-        self.input.as_mut_slice()[InvocationHeader::LEN..][..payload.len()]
-            .copy_from_slice(payload);
-        let header = InvocationHeader {
+        let len = payload.len() as u32;
+        if InvocationHeader::LEN + payload.len() <= self.remote.len as usize {
+            self.call(function, self.inline_header(len), payload)
+        } else {
+            self.input.as_mut_slice()[InvocationHeader::LEN..][..payload.len()]
+                .copy_from_slice(payload);
+            self.call(function, self.bulk_header(len), &[])
+        }
+    }
+
+    /// A header for `input_len` bytes sent inline, answered into the whole
+    /// output region.
+    fn inline_header(&self, input_len: u32) -> InvocationHeader {
+        InvocationHeader {
             output_addr: self.output.as_ptr() as u64,
             output_rkey: self.output.rkey(),
             output_capacity: self.output.len() as u32,
-            input_addr: if inline {
-                0
-            } else {
-                self.input.as_ptr() as u64 + InvocationHeader::LEN as u64
-            },
-            input_rkey: if inline { 0 } else { self.input.rkey() },
-            input_len: payload.len() as u32,
-        };
-        let sent = if inline {
-            InvocationHeader::LEN + payload.len()
-        } else {
-            InvocationHeader::LEN
-        };
-        self.invoke_raw(function, header, sent)
+            input_addr: 0,
+            input_rkey: 0,
+            input_len,
+        }
     }
 
-    /// Sends `header` and whatever the staging region holds after it,
-    /// `sent` bytes in all.
-    fn invoke_raw(
-        &mut self,
-        function: u16,
-        header: InvocationHeader,
-        sent: usize,
-    ) -> (InvocationStatus, Vec<u8>) {
-        header.encode(self.input.as_mut_slice()).unwrap();
+    /// A header for `input_len` bytes the worker reads from the staging
+    /// region, after the header.
+    fn bulk_header(&self, input_len: u32) -> InvocationHeader {
+        InvocationHeader {
+            input_addr: self.input.as_ptr() as u64 + InvocationHeader::LEN as u64,
+            input_rkey: self.input.rkey(),
+            ..self.inline_header(input_len)
+        }
+    }
+
+    /// Posts a request, `header` then `inline` right after it, whatever
+    /// the header claims, and does not wait for the response. Returns the
+    /// invocation id.
+    fn send(&mut self, function: u16, header: InvocationHeader, inline: &[u8]) -> u32 {
+        let staging = self.input.as_mut_slice();
+        header.encode(staging).unwrap();
+        staging[InvocationHeader::LEN..][..inline.len()].copy_from_slice(inline);
         let id = self.next_id;
         self.next_id = rfaas_proto::next_invocation_id(id);
         let imm = RequestImm {
@@ -302,7 +310,7 @@ impl ClientLane {
                 1000 + u64::from(id),
                 &self.input,
                 0,
-                sent,
+                InvocationHeader::LEN + inline.len(),
                 RemoteAddr {
                     addr: self.remote.addr,
                     rkey: self.remote.rkey,
@@ -310,6 +318,18 @@ impl ClientLane {
                 imm,
             )
             .unwrap();
+        id
+    }
+
+    /// Sends a request as [`ClientLane::send`] does and waits for its
+    /// response: the status and the output.
+    fn call(
+        &mut self,
+        function: u16,
+        header: InvocationHeader,
+        inline: &[u8],
+    ) -> (InvocationStatus, Vec<u8>) {
+        let id = self.send(function, header, inline);
         let c = self.response();
         self.ep.post_recv(c.wr_id).unwrap();
         let resp = ResponseImm::decode(c.imm).unwrap();
@@ -411,23 +431,14 @@ fn refused_requests_get_their_status(#[case] provider: &str) {
     assert_eq!(status, InvocationStatus::UnknownFunction);
 
     // The header says 100 bytes follow, 10 do.
-    let header = InvocationHeader {
-        output_addr: lane.output.as_ptr() as u64,
-        output_rkey: lane.output.rkey(),
-        output_capacity: lane.output.len() as u32,
-        input_addr: 0,
-        input_rkey: 0,
-        input_len: 100,
-    };
-    let (status, _) = lane.invoke_raw(ECHO, header, InvocationHeader::LEN + 10);
+    let (status, _) = lane.call(ECHO, lane.inline_header(100), &[0; 10]);
     assert_eq!(status, InvocationStatus::MalformedRequest);
     // An inline header with an input address.
     let bad = InvocationHeader {
         input_addr: 0x1000,
-        input_len: 0,
-        ..header
+        ..lane.inline_header(0)
     };
-    let (status, _) = lane.invoke_raw(ECHO, bad, InvocationHeader::LEN);
+    let (status, _) = lane.call(ECHO, bad, &[]);
     assert_eq!(status, InvocationStatus::MalformedRequest);
 
     // fault_claim returns a length it never wrote.
@@ -438,11 +449,9 @@ fn refused_requests_get_their_status(#[case] provider: &str) {
     // Above the header's output capacity, below the allocation's.
     let small = InvocationHeader {
         output_capacity: 8,
-        input_len: 4,
-        ..header
+        ..lane.inline_header(4)
     };
-    lane.input.as_mut_slice()[32..36].copy_from_slice(&u32_input(9));
-    let (status, _) = lane.invoke_raw(CLAIM, small, InvocationHeader::LEN + 4);
+    let (status, _) = lane.call(CLAIM, small, &u32_input(9));
     assert_eq!(status, InvocationStatus::OutputTooLarge);
 
     // The lane still serves, and the worker ends when the client goes.
@@ -493,22 +502,10 @@ fn bulk_payload_beyond_the_memory_limit_is_refused(#[case] provider: &str) {
     let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
     let lane = &mut client.lanes[0];
     // Refused before anything is read: the client region is much smaller.
-    let header = InvocationHeader {
-        output_addr: lane.output.as_ptr() as u64,
-        output_rkey: lane.output.rkey(),
-        output_capacity: lane.output.len() as u32,
-        input_addr: lane.input.as_ptr() as u64,
-        input_rkey: lane.input.rkey(),
-        input_len: (1 << 30) + 1,
-    };
-    let (status, _) = lane.invoke_raw(ECHO, header, InvocationHeader::LEN);
+    let (status, _) = lane.call(ECHO, lane.bulk_header((1 << 30) + 1), &[]);
     assert_eq!(status, InvocationStatus::PayloadTooLarge);
     // Within the limit, but naming more than the client registered.
-    let header = InvocationHeader {
-        input_len: 128 << 10,
-        ..header
-    };
-    let (status, _) = lane.invoke_raw(ECHO, header, InvocationHeader::LEN);
+    let (status, _) = lane.call(ECHO, lane.bulk_header(128 << 10), &[]);
     assert_eq!(status, InvocationStatus::MalformedRequest);
     let (status, out) = lane.invoke(ECHO, b"ok");
     assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"ok"[..]));
@@ -525,28 +522,8 @@ fn segfault_ends_the_worker_with_sigsegv(#[case] provider: &str) {
     let ready = worker.ready(&a);
     let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
     let lane = &mut client.lanes[0];
-    let imm = RequestImm {
-        invocation_id: 1,
-        function_index: SEGFAULT,
-    }
-    .encode()
-    .unwrap();
-    let header = InvocationHeader {
-        output_addr: lane.output.as_ptr() as u64,
-        output_rkey: lane.output.rkey(),
-        output_capacity: 64,
-        input_addr: 0,
-        input_rkey: 0,
-        input_len: 0,
-    };
-    header.encode(lane.input.as_mut_slice()).unwrap();
-    let remote = RemoteAddr {
-        addr: lane.remote.addr,
-        rkey: lane.remote.rkey,
-    };
-    lane.ep
-        .write_with_imm(1, &lane.input, 0, 32, remote, imm)
-        .unwrap();
+    // The worker dies instead of answering.
+    lane.send(SEGFAULT, lane.inline_header(0), &[]);
     let status = worker.wait();
     assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
 }
@@ -572,29 +549,8 @@ fn writing_past_the_output_capacity_hits_the_guard_page(#[case] provider: &str) 
     assert_eq!(status, InvocationStatus::OutputTooLarge);
     assert_eq!(worker.child.try_wait().unwrap(), None, "still alive");
 
-    let imm = RequestImm {
-        invocation_id: 99,
-        function_index: OVERRUN,
-    }
-    .encode()
-    .unwrap();
-    let header = InvocationHeader {
-        output_addr: lane.output.as_ptr() as u64,
-        output_rkey: lane.output.rkey(),
-        output_capacity: lane.output.len() as u32,
-        input_addr: 0,
-        input_rkey: 0,
-        input_len: 4,
-    };
-    header.encode(lane.input.as_mut_slice()).unwrap();
-    lane.input.as_mut_slice()[32..36].copy_from_slice(&u32_input(1025));
-    let remote = RemoteAddr {
-        addr: lane.remote.addr,
-        rkey: lane.remote.rkey,
-    };
-    lane.ep
-        .write_with_imm(1, &lane.input, 0, 36, remote, imm)
-        .unwrap();
+    // Past the rounding: into the guard page.
+    lane.send(OVERRUN, lane.inline_header(4), &u32_input(1025));
     let status = worker.wait();
     assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
 }
@@ -704,26 +660,24 @@ fn runs_as_the_user_pinned_and_limited(#[case] provider: &str) {
 
     let pid = worker.pid();
     let (uid, gid) = worker_user();
-    let uids = status_field(&format!("/proc/{pid}/status"), "Uid:");
+    let proc_status = format!("/proc/{pid}/status");
+    let uids = status_field(&proc_status, "Uid:");
     assert_eq!(
         uids.split_whitespace().collect::<Vec<_>>(),
         vec![uid.to_string(); 4]
     );
-    let gids = status_field(&format!("/proc/{pid}/status"), "Gid:");
+    let gids = status_field(&proc_status, "Gid:");
     assert_eq!(
         gids.split_whitespace().collect::<Vec<_>>(),
         vec![gid.to_string(); 4]
     );
     if is_root() {
-        assert_eq!(status_field(&format!("/proc/{pid}/status"), "Groups:"), "");
+        assert_eq!(status_field(&proc_status, "Groups:"), "");
     }
-    assert_eq!(
-        status_field(&format!("/proc/{pid}/status"), "NoNewPrivs:"),
-        "1"
-    );
+    assert_eq!(status_field(&proc_status, "NoNewPrivs:"), "1");
 
     let union: BTreeSet<u32> = lane_cpus.iter().copied().collect();
-    let main = status_field(&format!("/proc/{pid}/status"), "Cpus_allowed_list:");
+    let main = status_field(&proc_status, "Cpus_allowed_list:");
     assert_eq!(cpu_list(&main), union);
     let mut lanes_seen = 0;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
