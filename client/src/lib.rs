@@ -1,2 +1,64 @@
-//! `rfaas-client`: allocate on executors, register buffers, invoke
-//! functions. See `docs/invocation.md`.
+//! `rfaas-client`: allocate workers on rfaas executors, register buffers,
+//! and invoke functions on other nodes' cores over the rfaas fabric.
+//!
+//! The protocol is in `docs/invocation.md`; the job author's guide is
+//! `docs/client.md`.
+//!
+//! # Usage
+//!
+//! ```no_run
+//! use rfaas_client::{AllocationSpec, Client, ClientOptions, Mode};
+//! # fn main() -> rfaas_client::Result<()> {
+//! # let token = String::new();
+//! let library = std::fs::read("libfunctions.so").expect("the library");
+//! let client = Client::new(ClientOptions::default());
+//! let alloc = client.allocate(
+//!     "127.0.0.1:7100",
+//!     &token,
+//!     &AllocationSpec::new(library, &["echo"]).cores(2).mode(Mode::Warm),
+//! )?;
+//! let echo = alloc.function("echo")?;
+//! let mut input = alloc.buffer::<f64>(1024)?;
+//! let mut output = alloc.buffer::<f64>(1024)?;
+//! input.as_mut_slice().fill(1.5);
+//! let bytes = alloc.submit(echo, &input, 1024, &mut output)?.get()?;
+//! assert_eq!(bytes, 1024 * 8);
+//! assert_eq!(output.as_slice()[0], 1.5);
+//! alloc.deallocate()?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Layout
+//!
+//! - [`client`]: [`Client`], the fabric and the cached control
+//!   connections; allocation and its cold-start timings.
+//! - [`spec`]: [`ClientOptions`] and [`AllocationSpec`].
+//! - [`allocation`]: [`Allocation`] (submit, invoke, retry, deallocate),
+//!   [`FunctionId`], [`ColdStart`].
+//! - [`buffer`]: [`Buffer`], registered memory with the request header's
+//!   slot in front of page-aligned data, and the [`Pod`] marker.
+//! - [`invocation`]: [`Invocation`], waited for by blocking, spinning,
+//!   polling or as a future.
+//! - `lane`: one endpoint, completion queue and in-flight invocation; who
+//!   may touch the queue, and how an abandoned invocation is drained.
+//! - `control`: the control connection, its reader thread, and each
+//!   allocation's fate (`WorkerExited`, connection loss).
+//! - [`error`]: [`Error`], with [`Error::is_retryable`].
+
+pub mod allocation;
+pub mod buffer;
+pub mod client;
+mod control;
+pub mod error;
+pub mod invocation;
+mod lane;
+pub mod spec;
+
+pub use allocation::{Allocation, ColdStart, FunctionId};
+pub use buffer::{Buffer, Pod};
+pub use client::Client;
+pub use error::{Error, Result};
+pub use invocation::Invocation;
+pub use rfaas_proto::control::{ErrorCode, ExitCause};
+pub use rfaas_proto::InvocationStatus;
+pub use spec::{AllocationSpec, ClientOptions, Mode};

@@ -1,0 +1,513 @@
+//! [`Allocation`]: a worker on an executor, its lanes, and the calls made
+//! on them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rfaas_fabric::Domain;
+use rfaas_proto::control::{Deallocate, ErrorCode, Frame, Kind};
+
+use crate::buffer::{Buffer, Pod};
+use crate::client::Client;
+use crate::control::{ControlConn, Fate, FateState, Reply};
+use crate::error::{Error, Result};
+use crate::invocation::Invocation;
+use crate::lane::{Lane, Take, LOST_GRACE};
+use crate::spec::AllocationSpec;
+
+/// A function of an allocation's table, by index. Valid only for the
+/// allocation (or its re-allocations) that returned it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FunctionId(pub(crate) u16);
+
+impl FunctionId {
+    /// The index in the function table (the order of
+    /// [`AllocationSpec::new`]'s names).
+    pub fn index(self) -> u16 {
+        self.0
+    }
+}
+
+/// Where a cold start spent its time: the executor's phases from its
+/// `AllocateOk` and what the client measured around them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ColdStart {
+    /// Connecting the control connection (zero when a cached one was used).
+    pub connect_control: Duration,
+    /// From sending the request to receiving `AllocateOk`: the executor's
+    /// phases below plus the network and the library's transfer.
+    pub round_trip: Duration,
+    /// The executor parsing the request and checking token and capacity.
+    pub validate: Duration,
+    /// The executor taking a pooled worker or spawning one.
+    pub worker: Duration,
+    /// The worker loading the library and resolving the functions.
+    pub load: Duration,
+    /// The worker registering its buffers and listening.
+    pub listen: Duration,
+    /// The client connecting every lane's endpoint.
+    pub connect_lanes: Duration,
+    /// The whole `allocate` call.
+    pub total: Duration,
+    /// Whether a pre-spawned worker was used.
+    pub pooled: bool,
+}
+
+/// A worker process on an executor serving one library's functions, and the
+/// client's side of it: a protection domain and one lane (endpoint) per
+/// worker thread. Made by [`Client::allocate`].
+///
+/// `submit` takes `&self`, so several threads may invoke at once (one
+/// invocation per lane). Dropping it deallocates without waiting;
+/// [`deallocate`](Self::deallocate) waits for the executor.
+#[derive(Debug)]
+pub struct Allocation {
+    client: Client,
+    /// Executors to use, the first is the one asked for; each with its token.
+    executors: Arc<[(String, String)]>,
+    /// Which of `executors` this allocation is on.
+    target: usize,
+    spec: AllocationSpec,
+    conn: Arc<ControlConn>,
+    id: u64,
+    lease_id: u64,
+    functions: Vec<String>,
+    output_capacity: u32,
+    deadline: Duration,
+    expires_at: u64,
+    fate: Arc<Fate>,
+    lanes: Box<[Arc<Lane>]>,
+    domain: Arc<Domain>,
+    domain_id: u64,
+    cold_start: ColdStart,
+    /// Deallocated explicitly.
+    done: bool,
+}
+
+/// What [`Client`] hands over to build an [`Allocation`].
+pub(crate) struct Parts {
+    pub(crate) client: Client,
+    pub(crate) executors: Arc<[(String, String)]>,
+    pub(crate) target: usize,
+    pub(crate) spec: AllocationSpec,
+    pub(crate) conn: Arc<ControlConn>,
+    pub(crate) ok: rfaas_proto::control::AllocateOk,
+    pub(crate) fate: Arc<Fate>,
+    pub(crate) lanes: Box<[Arc<Lane>]>,
+    pub(crate) domain: Arc<Domain>,
+    pub(crate) cold_start: ColdStart,
+}
+
+impl Allocation {
+    pub(crate) fn from_parts(p: Parts) -> Allocation {
+        Allocation {
+            client: p.client,
+            executors: p.executors,
+            target: p.target,
+            spec: p.spec,
+            conn: p.conn,
+            id: p.ok.allocation_id,
+            lease_id: p.ok.lease_id,
+            functions: p.ok.functions,
+            output_capacity: p.ok.output_capacity,
+            deadline: Duration::from_millis(p.ok.deadline_ms),
+            expires_at: p.ok.expires_at,
+            fate: p.fate,
+            lanes: p.lanes,
+            domain_id: p.domain.id(),
+            domain: p.domain,
+            cold_start: p.cold_start,
+            done: false,
+        }
+    }
+
+    /// The function called `name`.
+    pub fn function(&self, name: &str) -> Result<FunctionId> {
+        self.functions
+            .iter()
+            .position(|f| f == name)
+            .map(|i| FunctionId(i as u16))
+            .ok_or_else(|| Error::UnknownFunction(name.to_owned()))
+    }
+
+    /// The function at `index` of the table.
+    pub fn function_at(&self, index: u16) -> Result<FunctionId> {
+        if usize::from(index) < self.functions.len() {
+            Ok(FunctionId(index))
+        } else {
+            Err(Error::UnknownFunction(format!("#{index}")))
+        }
+    }
+
+    /// The function table, in index order.
+    pub fn functions(&self) -> &[String] {
+        &self.functions
+    }
+
+    /// The allocation's id on its executor.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The lease it runs under.
+    pub fn lease_id(&self) -> u64 {
+        self.lease_id
+    }
+
+    /// The executor's control address.
+    pub fn executor(&self) -> &str {
+        self.conn.executor()
+    }
+
+    /// Lanes: invocations that may be in flight at once.
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Bytes a function may write per invocation.
+    pub fn output_capacity(&self) -> u32 {
+        self.output_capacity
+    }
+
+    /// The function deadline in force.
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// When the lease ends, Unix seconds.
+    pub fn expires_at(&self) -> u64 {
+        self.expires_at
+    }
+
+    /// Where the allocation's cold start spent its time.
+    pub fn cold_start(&self) -> ColdStart {
+        self.cold_start
+    }
+
+    /// Whether the worker is still there as far as the client knows (no
+    /// `WorkerExited`, the control connection open).
+    pub fn is_alive(&self) -> bool {
+        !self.fate.ended()
+    }
+
+    /// A buffer of `len` zeroed elements registered for this allocation
+    /// (and its re-allocations): page-aligned data with room for the
+    /// request header in front.
+    pub fn buffer<T: Pod>(&self, len: usize) -> Result<Buffer<T>> {
+        Buffer::new(&self.domain, len)
+    }
+
+    /// Starts `function` on the first `in_len` elements of `input`; its
+    /// output goes to `output`. Takes the first idle lane, or fails with
+    /// [`Error::AllLanesBusy`]. Hot path: no lock, no allocation.
+    pub fn submit<'a, I: Pod, O: Pod>(
+        &'a self,
+        function: FunctionId,
+        input: &'a Buffer<I>,
+        in_len: usize,
+        output: &'a mut Buffer<O>,
+    ) -> Result<Invocation<'a>> {
+        let (in_bytes, out_bytes) = self.check(function, input, in_len, output)?;
+        self.claim_output(output)?;
+        let lane = match self.take_lane() {
+            Ok(Some(lane)) => lane,
+            Ok(None) => {
+                self.unclaim_output(output);
+                return Err(Error::AllLanesBusy);
+            }
+            Err(e) => {
+                self.unclaim_output(output);
+                return Err(e);
+            }
+        };
+        self.launch(lane, function, input, in_bytes, output, out_bytes)
+    }
+
+    /// Like [`submit`](Self::submit), but waits for an idle lane (and for
+    /// an output buffer a dropped invocation still targets) instead of
+    /// failing.
+    pub fn submit_wait<'a, I: Pod, O: Pod>(
+        &'a self,
+        function: FunctionId,
+        input: &'a Buffer<I>,
+        in_len: usize,
+        output: &'a mut Buffer<O>,
+    ) -> Result<Invocation<'a>> {
+        let (in_bytes, out_bytes) = self.check(function, input, in_len, output)?;
+        let mut tries = 0u32;
+        loop {
+            match self.claim_output(output) {
+                Ok(()) => break,
+                Err(Error::BufferBusy) => backoff(&mut tries),
+                Err(e) => return Err(e),
+            }
+        }
+        loop {
+            match self.take_lane() {
+                Ok(Some(lane)) => {
+                    return self.launch(lane, function, input, in_bytes, output, out_bytes)
+                }
+                Ok(None) => backoff(&mut tries),
+                Err(e) => {
+                    self.unclaim_output(output);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Calls `function` and waits for it (sleeping): `submit_wait` then
+    /// [`Invocation::get`]. Returns the output length in bytes.
+    pub fn invoke<I: Pod, O: Pod>(
+        &self,
+        function: FunctionId,
+        input: &Buffer<I>,
+        in_len: usize,
+        output: &mut Buffer<O>,
+    ) -> Result<usize> {
+        self.submit_wait(function, input, in_len, output)?.get()
+    }
+
+    /// Like [`invoke`](Self::invoke), but after a retryable failure (the
+    /// worker crashed or was lost, the executor was lost or is draining,
+    /// ...) allocates again with the same spec and token, on the same
+    /// executor or, when that one is lost or full, on the next of
+    /// [`AllocationSpec::fallback_executor`], and calls again; at most
+    /// `retries` times in all (re-allocations that fail count too).
+    ///
+    /// The new allocation keeps this one's protection domain, so every
+    /// [`Buffer`] made by [`buffer`](Self::buffer) stays valid. It replaces
+    /// `self`: ids, lanes and [`cold_start`](Self::cold_start) are the new
+    /// worker's.
+    pub fn invoke_retrying<I: Pod, O: Pod>(
+        &mut self,
+        function: FunctionId,
+        input: &Buffer<I>,
+        in_len: usize,
+        output: &mut Buffer<O>,
+        retries: u32,
+    ) -> Result<usize> {
+        let mut attempts = 0u32;
+        loop {
+            let err = match self.invoke(function, input, in_len, output) {
+                Ok(n) => return Ok(n),
+                Err(e) => e,
+            };
+            if !err.is_retryable() || attempts >= retries {
+                return Err(err);
+            }
+            let mut elsewhere = err.wants_other_executor();
+            tracing::info!(error = %err, attempt = attempts + 1, retries, "invocation failed; allocating again");
+            loop {
+                attempts += 1;
+                match self.reallocate(elsewhere) {
+                    Ok(()) => break,
+                    Err(e) if e.is_retryable() && attempts < retries => {
+                        tracing::info!(error = %e, attempt = attempts + 1, retries, "re-allocation failed; trying again");
+                        elsewhere |= e.wants_other_executor();
+                        std::thread::sleep(Duration::from_millis(50 * u64::from(attempts.min(20))));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+
+    /// Replaces this allocation by a new one with the same spec, in the
+    /// same domain.
+    fn reallocate(&mut self, elsewhere: bool) -> Result<()> {
+        let target = if elsewhere {
+            (self.target + 1) % self.executors.len()
+        } else {
+            self.target
+        };
+        let new = self.client.allocate_in(
+            Arc::clone(&self.executors),
+            target,
+            &self.spec,
+            Some(Arc::clone(&self.domain)),
+        )?;
+        // The old one is dropped here: best-effort deallocation.
+        *self = new;
+        Ok(())
+    }
+
+    /// Ends the allocation: the executor stops the worker and frees its
+    /// cores. Waits for the executor's confirmation. An allocation whose
+    /// worker already ended, or whose executor is lost, is ended already:
+    /// that is not an error.
+    pub fn deallocate(mut self) -> Result<()> {
+        self.done = true;
+        if self.fate.ended() {
+            self.conn.forget(self.id);
+            return Ok(());
+        }
+        let request_id = self.conn.next_request_id();
+        let frame = Frame::new(
+            Kind::Deallocate,
+            &Deallocate {
+                request_id,
+                allocation_id: self.id,
+            },
+            Vec::new(),
+        );
+        let reply = self
+            .conn
+            .request(&frame, request_id, self.client.options().allocation_timeout);
+        self.fate.set(FateState::Deallocated);
+        self.conn.forget(self.id);
+        match reply? {
+            Reply::Deallocated => Ok(()),
+            Reply::Refused(e) if e.code == ErrorCode::UnknownAllocation => Ok(()),
+            Reply::Refused(e) => Err(Error::Refused {
+                code: e.code,
+                message: e.message,
+            }),
+            Reply::Allocated(..) => Err(Error::Protocol(
+                "the executor answered a Deallocate with AllocateOk".into(),
+            )),
+        }
+    }
+
+    /// Checks a submission's arguments; returns the input and output sizes
+    /// in bytes.
+    fn check<I: Pod, O: Pod>(
+        &self,
+        function: FunctionId,
+        input: &Buffer<I>,
+        in_len: usize,
+        output: &Buffer<O>,
+    ) -> Result<(u32, u32)> {
+        if usize::from(function.0) >= self.functions.len() {
+            return Err(Error::UnknownFunction(format!("#{}", function.0)));
+        }
+        if in_len > input.len() {
+            return Err(Error::InvalidArgument(format!(
+                "in_len {in_len} is more than the input buffer's {} elements",
+                input.len()
+            )));
+        }
+        if input.domain_id() != self.domain_id || output.domain_id() != self.domain_id {
+            return Err(Error::InvalidArgument(
+                "a buffer belongs to another allocation; make buffers with this allocation's buffer()".into(),
+            ));
+        }
+        let in_bytes = u32::try_from(in_len * std::mem::size_of::<I>()).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "the input is {} bytes; an invocation carries at most 4 GiB - 1",
+                in_len * std::mem::size_of::<I>()
+            ))
+        })?;
+        let out_bytes = u32::try_from(output.capacity_bytes()).unwrap_or(u32::MAX);
+        if self.fate.ended() {
+            return Err(self.fate.error(Duration::ZERO));
+        }
+        Ok((in_bytes, out_bytes))
+    }
+
+    fn claim_output<O: Pod>(&self, output: &Buffer<O>) -> Result<()> {
+        let flag = &output.shared.output_busy;
+        let claim = || {
+            flag.compare_exchange(
+                false,
+                true,
+                std::sync::atomic::Ordering::Acquire,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+        };
+        if claim() {
+            return Ok(());
+        }
+        // A dropped invocation still targets it: reap what has arrived.
+        for lane in self.lanes.iter() {
+            lane.drain_if_idle();
+        }
+        if claim() {
+            Ok(())
+        } else {
+            Err(Error::BufferBusy)
+        }
+    }
+
+    fn unclaim_output<O: Pod>(&self, output: &Buffer<O>) {
+        output
+            .shared
+            .output_busy
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The first idle lane, taken; `None` when all are busy.
+    fn take_lane(&self) -> Result<Option<&Arc<Lane>>> {
+        for lane in self.lanes.iter() {
+            match lane.try_take() {
+                Take::Taken => return Ok(Some(lane)),
+                Take::Busy => {}
+                Take::Broken => return Err(self.fate.error(LOST_GRACE)),
+            }
+        }
+        Ok(None)
+    }
+
+    fn launch<'a, I: Pod, O: Pod>(
+        &'a self,
+        lane: &'a Arc<Lane>,
+        function: FunctionId,
+        input: &'a Buffer<I>,
+        in_bytes: u32,
+        output: &'a mut Buffer<O>,
+        out_bytes: u32,
+    ) -> Result<Invocation<'a>> {
+        if let Err(e) = lane.start(
+            function.0,
+            &input.shared,
+            in_bytes,
+            &output.shared,
+            out_bytes,
+        ) {
+            lane.release();
+            self.unclaim_output(output);
+            return Err(e);
+        }
+        Ok(Invocation::new(
+            lane,
+            self.client.options().invocation_timeout,
+        ))
+    }
+}
+
+/// Spins a little, then yields, while waiting for a lane.
+fn backoff(tries: &mut u32) {
+    *tries = tries.saturating_add(1);
+    if *tries < 64 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if !self.done && !self.fate.ended() {
+            self.conn.deallocate_nowait(self.id);
+        }
+        self.fate.set(FateState::Deallocated);
+        self.conn.forget(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn allocations_and_buffers_cross_threads() {
+        assert_send_sync::<Allocation>();
+        assert_send_sync::<Buffer<f64>>();
+        assert_send_sync::<Client>();
+        fn assert_send<T: Send>() {}
+        assert_send::<Invocation<'static>>();
+    }
+}

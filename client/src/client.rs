@@ -1,0 +1,285 @@
+//! [`Client`]: the fabric, the cached control connections, and allocation.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rfaas_fabric::{Access, Domain, EndpointOptions, Fabric};
+use rfaas_proto::control::{AllocateRequest, Frame, Kind};
+use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
+
+use crate::allocation::{Allocation, ColdStart, Parts};
+use crate::control::{lock, ControlConn, Fate, Reply};
+use crate::error::{Error, Result};
+use crate::lane::{Lane, CQ_DEPTH, ENDPOINT_DEPTH};
+use crate::spec::{AllocationSpec, ClientOptions};
+
+/// The entry point: opens the fabric on first use and keeps one control
+/// connection per executor, shared by every allocation on it. Cheap to
+/// clone; clones share connections.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+#[derive(Debug)]
+struct ClientInner {
+    opts: ClientOptions,
+    conns: Mutex<HashMap<String, Arc<ControlConn>>>,
+    fabric: Mutex<Option<Arc<Fabric>>>,
+}
+
+impl Client {
+    /// A client with `opts`. Connects nothing yet.
+    pub fn new(opts: ClientOptions) -> Client {
+        Client {
+            inner: Arc::new(ClientInner {
+                opts,
+                conns: Mutex::new(HashMap::new()),
+                fabric: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// The options it was made with.
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.opts
+    }
+
+    /// Allocates a worker on the executor at `executor` (its control
+    /// address, `host:port`) under the lease `token`, loads `spec`'s library
+    /// there and connects its lanes.
+    pub fn allocate(
+        &self,
+        executor: &str,
+        token: &str,
+        spec: &AllocationSpec,
+    ) -> Result<Allocation> {
+        let executors: Vec<(String, String)> =
+            std::iter::once((executor.to_owned(), token.to_owned()))
+                .chain(spec.fallback_executors.iter().cloned())
+                .collect();
+        self.allocate_in(executors.into(), 0, spec, None)
+    }
+
+    /// Allocates on `executors[target]`; with `domain`, the lanes join it
+    /// (a re-allocation keeps its buffers).
+    pub(crate) fn allocate_in(
+        &self,
+        executors: Arc<[(String, String)]>,
+        target: usize,
+        spec: &AllocationSpec,
+        domain: Option<Arc<Domain>>,
+    ) -> Result<Allocation> {
+        let started = Instant::now();
+        let (executor, token) = &executors[target];
+        if spec.functions.is_empty() || spec.functions.len() > usize::from(MAX_FUNCTIONS) {
+            return Err(Error::InvalidArgument(format!(
+                "an allocation names 1 to {MAX_FUNCTIONS} functions, this spec names {}",
+                spec.functions.len()
+            )));
+        }
+        let fabric = self.fabric()?;
+        let (conn, connect_control) = self.conn(executor)?;
+        let request_id = conn.next_request_id();
+        let req = AllocateRequest {
+            request_id,
+            token: token.clone(),
+            cores: spec.cores,
+            memory_mib: spec.memory_mib,
+            mode: spec.mode,
+            hot_timeout_us: u64::try_from(spec.hot_timeout.as_micros()).unwrap_or(u64::MAX),
+            input_capacity: spec.input_capacity,
+            output_capacity: spec.output_capacity,
+            deadline_ms: deadline_ms(spec.deadline),
+            functions: spec.functions.clone(),
+            library_name: spec.library_name.clone(),
+            provider: self.inner.opts.provider.clone(),
+        };
+        let frame = Frame::new(Kind::AllocateRequest, &req, spec.library.to_vec());
+        let sent = Instant::now();
+        let reply = conn.request(&frame, request_id, self.inner.opts.allocation_timeout)?;
+        let round_trip = sent.elapsed();
+        let (ok, fate) = match reply {
+            Reply::Allocated(ok, fate) => (*ok, fate),
+            Reply::Refused(e) => {
+                return Err(Error::Refused {
+                    code: e.code,
+                    message: e.message,
+                })
+            }
+            Reply::Deallocated => {
+                return Err(Error::Protocol(
+                    "the executor answered an AllocateRequest with Deallocated".into(),
+                ))
+            }
+        };
+        if ok.lanes.is_empty() || ok.functions != spec.functions {
+            conn.deallocate_nowait(ok.allocation_id);
+            return Err(Error::Protocol(format!(
+                "AllocateOk has {} lanes and the function table {:?}; expected at least one lane and {:?}",
+                ok.lanes.len(),
+                ok.functions,
+                spec.functions
+            )));
+        }
+        let connecting = Instant::now();
+        let domain = match domain {
+            Some(d) => d,
+            None => Arc::new(fabric.domain()?),
+        };
+        let lanes = match self.connect_lanes(&fabric, &domain, &ok, &fate) {
+            Ok(lanes) => lanes,
+            Err(e) => {
+                conn.deallocate_nowait(ok.allocation_id);
+                return Err(e);
+            }
+        };
+        let connect_lanes = connecting.elapsed();
+        let ns = Duration::from_nanos;
+        let cold_start = ColdStart {
+            connect_control,
+            round_trip,
+            validate: ns(ok.phases.validate_ns),
+            worker: ns(ok.phases.worker_ns),
+            load: ns(ok.phases.load_ns),
+            listen: ns(ok.phases.listen_ns),
+            connect_lanes,
+            total: started.elapsed(),
+            pooled: ok.pooled,
+        };
+        tracing::debug!(executor = %executor, allocation = ok.allocation_id, lanes = lanes.len(), ?cold_start, "allocated");
+        Ok(Allocation::from_parts(Parts {
+            client: self.clone(),
+            executors,
+            target,
+            spec: spec.clone(),
+            conn,
+            ok,
+            fate,
+            lanes,
+            domain,
+            cold_start,
+        }))
+    }
+
+    /// One endpoint per lane, in lane order.
+    fn connect_lanes(
+        &self,
+        fabric: &Fabric,
+        domain: &Arc<Domain>,
+        ok: &rfaas_proto::control::AllocateOk,
+        fate: &Arc<Fate>,
+    ) -> Result<Box<[Arc<Lane>]>> {
+        let opts = EndpointOptions {
+            send_depth: ENDPOINT_DEPTH,
+            recv_depth: ENDPOINT_DEPTH,
+            connect_timeout: self.inner.opts.connect_timeout,
+            ..EndpointOptions::default()
+        };
+        let mut lanes = Vec::with_capacity(ok.lanes.len());
+        for (i, remote) in ok.lanes.iter().enumerate() {
+            if (remote.len as usize) < InvocationHeader::LEN {
+                return Err(Error::Protocol(format!(
+                    "lane {i}'s input buffer is {} bytes, less than a request header",
+                    remote.len
+                )));
+            }
+            let mut cq = fabric.completion_queue(CQ_DEPTH)?;
+            let endpoint = domain.connect(&ok.fabric_addr, &mut cq, &opts)?;
+            let header = domain.register(InvocationHeader::LEN, Access::LOCAL)?;
+            lanes.push(Arc::new(Lane::new(
+                i,
+                endpoint,
+                cq,
+                header,
+                *remote,
+                Arc::clone(fate),
+                Arc::clone(domain),
+            )));
+        }
+        Ok(lanes.into_boxed_slice())
+    }
+
+    /// The fabric, opened on first use.
+    fn fabric(&self) -> Result<Arc<Fabric>> {
+        let mut f = lock(&self.inner.fabric);
+        if let Some(f) = &*f {
+            return Ok(Arc::clone(f));
+        }
+        let fabric = Arc::new(Fabric::open(&self.inner.opts.provider)?);
+        *f = Some(Arc::clone(&fabric));
+        Ok(fabric)
+    }
+
+    /// The cached control connection to `executor`, or a new one (and how
+    /// long connecting took).
+    fn conn(&self, executor: &str) -> Result<(Arc<ControlConn>, Duration)> {
+        if let Some(c) = lock(&self.inner.conns).get(executor) {
+            if !c.is_lost() {
+                return Ok((Arc::clone(c), Duration::ZERO));
+            }
+        }
+        let started = Instant::now();
+        let conn = Arc::new(ControlConn::connect(
+            executor,
+            self.inner.opts.connect_timeout,
+        )?);
+        let took = started.elapsed();
+        let mut conns = lock(&self.inner.conns);
+        match conns.get(executor) {
+            // Another thread connected meanwhile: share its connection.
+            Some(c) if !c.is_lost() => Ok((Arc::clone(c), took)),
+            _ => {
+                conns.insert(executor.to_owned(), Arc::clone(&conn));
+                Ok((conn, took))
+            }
+        }
+    }
+}
+
+/// A deadline in whole milliseconds, rounded up (zero stays zero: the
+/// executor's default).
+fn deadline_ms(d: Duration) -> u64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_round_up_to_milliseconds() {
+        assert_eq!(deadline_ms(Duration::ZERO), 0);
+        assert_eq!(deadline_ms(Duration::from_micros(1)), 1);
+        assert_eq!(deadline_ms(Duration::from_millis(250)), 250);
+        assert_eq!(deadline_ms(Duration::from_micros(250_001)), 251);
+    }
+
+    #[test]
+    fn connecting_to_nothing_is_a_retryable_connect_error() {
+        // A port nobody listens on: bind one, note it, close it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let client = Client::new(ClientOptions::with_provider("tcp"));
+        let spec = AllocationSpec::new(b"\x7fELF".to_vec(), &["echo"]);
+        let err = client
+            .allocate(&format!("127.0.0.1:{port}"), "token", &spec)
+            .unwrap_err();
+        assert!(matches!(err, Error::Connect { .. }), "{err:?}");
+        assert!(err.is_retryable());
+        assert!(err.to_string().contains(&port.to_string()), "{err}");
+    }
+
+    #[test]
+    fn an_empty_function_list_is_refused_locally() {
+        let client = Client::new(ClientOptions::with_provider("tcp"));
+        let spec = AllocationSpec::new(b"\x7fELF".to_vec(), &[]);
+        let err = client.allocate("127.0.0.1:1", "t", &spec).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    }
+}

@@ -1,0 +1,813 @@
+//! One lane: an endpoint connected to one worker thread, its completion
+//! queue, and the bookkeeping of the invocation in flight on it.
+//!
+//! # Ownership
+//!
+//! A lane is taken by flipping its `busy` flag (no lock). Whoever holds the
+//! flag, an [`Invocation`](crate::Invocation) or the submission that is
+//! starting one, has the lane's [`LaneInner`] (the completion queue above
+//! all) to itself. An invocation awaited as a future hands the lane to the
+//! lane's helper thread while it sleeps, and takes it back when the helper
+//! is done; `AsyncSlot::in_helper` says who has it. So the completion queue
+//! is never touched by two threads at once, and the synchronous paths take
+//! no lock.
+//!
+//! # Abandoned invocations
+//!
+//! A lane is clean when no response is owed and no send is unreaped. An
+//! invocation dropped before its response leaves the lane unclean; the next
+//! submission that tries the lane drains its completion queue without
+//! waiting and skips the lane while the response is still owed. The buffers
+//! of the abandoned invocation stay referenced (and flagged busy) until
+//! their completions are reaped.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, SyncSender};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use rfaas_fabric::{
+    Completion, CompletionQueue, Domain, Endpoint, MemoryRegion, Opcode, RemoteAddr, Status,
+};
+use rfaas_proto::control::Descriptor;
+use rfaas_proto::{
+    next_invocation_id, InvocationHeader, InvocationStatus, RequestImm, ResponseImm,
+};
+
+use crate::buffer::{header_offset, RegionShared};
+use crate::control::{lock, Fate};
+use crate::error::{Error, Result};
+
+/// wr_id of the request write.
+const SEND_WR: u64 = 1;
+/// wr_id of the response receive.
+const RECV_WR: u64 = 2;
+/// Completions per poll.
+const BATCH: usize = 8;
+/// Send and receive depth of a lane's endpoint: one invocation is in
+/// flight, the rest is slack.
+pub(crate) const ENDPOINT_DEPTH: usize = 8;
+/// Depth of a lane's completion queue (at least both endpoint depths).
+pub(crate) const CQ_DEPTH: usize = 2 * ENDPOINT_DEPTH;
+/// How long a lane that lost its worker waits for the executor to say why.
+pub(crate) const LOST_GRACE: Duration = Duration::from_secs(2);
+/// How long one blocking wait sleeps before it looks at the allocation's
+/// fate and the timeout again.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// Empty polls between two looks at the fate and the clock while spinning.
+const SPINS_PER_CHECK: u32 = 1024;
+
+/// How a request leaves the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// Header and payload from the input buffer's header slot, one write.
+    Inline,
+    /// The header alone from the input buffer's header slot; the worker
+    /// reads the payload.
+    BulkFromSlot,
+    /// The header alone from the lane's own header region: the input
+    /// buffer's slot is in use by another lane.
+    BulkFromLane,
+}
+
+/// The request header and how to send it. `input` is the data's
+/// `(address, rkey)`; `slot_free` says whether the input buffer's header
+/// slot could be taken.
+pub(crate) fn plan_request(
+    output: (u64, u32, u32),
+    input: (u64, u32),
+    in_bytes: u32,
+    lane_capacity: u32,
+    slot_free: bool,
+) -> (InvocationHeader, Plan) {
+    let fits = InvocationHeader::LEN as u64 + u64::from(in_bytes) <= u64::from(lane_capacity);
+    let plan = match (slot_free, fits) {
+        (true, true) => Plan::Inline,
+        (true, false) => Plan::BulkFromSlot,
+        (false, _) => Plan::BulkFromLane,
+    };
+    let (input_addr, input_rkey) = match plan {
+        Plan::Inline => (0, 0),
+        Plan::BulkFromSlot | Plan::BulkFromLane => input,
+    };
+    let header = InvocationHeader {
+        output_addr: output.0,
+        output_rkey: output.1,
+        output_capacity: output.2,
+        input_addr,
+        input_rkey,
+        input_len: in_bytes,
+    };
+    (header, plan)
+}
+
+/// How a waiter waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum How {
+    /// Look once.
+    Poll,
+    /// Busy-poll.
+    Spin,
+    /// Sleep in the kernel.
+    Block,
+}
+
+/// The async hand-over between an invocation and the lane's helper thread.
+#[derive(Debug, Default)]
+pub(crate) struct AsyncSlot {
+    /// The helper has the lane.
+    pub(crate) in_helper: bool,
+    /// The invocation was dropped while the helper had the lane: the
+    /// helper releases it when done.
+    pub(crate) abandoned: bool,
+    /// Woken when the helper is done.
+    pub(crate) waker: Option<Waker>,
+    /// The helper's result.
+    pub(crate) result: Option<Result<usize>>,
+    /// The invocation's timeout.
+    pub(crate) deadline: Option<Deadline>,
+}
+
+/// When a waiter gives up.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline {
+    /// The moment.
+    pub(crate) at: Instant,
+    /// The configured timeout, for the error.
+    pub(crate) after: Duration,
+}
+
+impl Deadline {
+    /// `timeout` from now, if any.
+    pub(crate) fn after(timeout: Option<Duration>) -> Option<Deadline> {
+        timeout.map(|after| Deadline {
+            at: Instant::now() + after,
+            after,
+        })
+    }
+}
+
+/// The part of a lane only its holder touches.
+struct LaneInner {
+    cq: CompletionQueue,
+    /// A 32-byte region for headers of requests whose input buffer's slot
+    /// is taken.
+    header: MemoryRegion,
+    next_id: u32,
+    /// The invocation id the holder waits for.
+    expected: Option<u32>,
+    response: Option<Result<usize>>,
+    unreaped_sends: u32,
+    posted_recvs: u32,
+    /// Requests sent and not answered.
+    owed: u32,
+    input_hold: Option<Arc<RegionShared>>,
+    output_hold: Option<Arc<RegionShared>>,
+    /// The first error completion: the endpoint is finished.
+    broken: Option<Status>,
+    /// When the lane broke, or the fate was first seen ended.
+    trouble_since: Option<Instant>,
+    done: [Completion; BATCH],
+}
+
+impl LaneInner {
+    fn is_clean(&self) -> bool {
+        self.owed == 0 && self.unreaped_sends == 0
+    }
+
+    fn release_input(&mut self) {
+        if let Some(r) = self.input_hold.take() {
+            r.header_busy.store(false, Ordering::Release);
+        }
+    }
+
+    fn release_output(&mut self) {
+        if let Some(r) = self.output_hold.take() {
+            r.output_busy.store(false, Ordering::Release);
+        }
+    }
+
+    fn fail(&mut self, status: Status) {
+        if self.broken.is_none() {
+            self.broken = Some(status);
+            self.trouble_since = Some(Instant::now());
+        }
+        // A finished endpoint writes nothing more into either buffer.
+        self.release_input();
+        self.release_output();
+    }
+
+    /// Hot path: accounts for one completion.
+    fn absorb(&mut self, c: Completion) {
+        match c.opcode {
+            Opcode::RecvWithImm => {
+                self.posted_recvs = self.posted_recvs.saturating_sub(1);
+                if !c.status.is_ok() {
+                    self.fail(c.status);
+                    return;
+                }
+                self.owed = self.owed.saturating_sub(1);
+                self.release_output();
+                match ResponseImm::decode(c.imm) {
+                    Ok(r) if Some(r.invocation_id) == self.expected => {
+                        self.response = Some(if r.status == InvocationStatus::Ok {
+                            Ok(c.byte_len as usize)
+                        } else {
+                            Err(Error::FunctionFailed(r.status))
+                        });
+                    }
+                    // The answer to an abandoned invocation.
+                    Ok(_) => {}
+                    Err(e) => {
+                        if self.expected.is_some() {
+                            self.response = Some(Err(Error::Protocol(format!(
+                                "the worker answered with a malformed immediate {:#010x}: {e}",
+                                c.imm
+                            ))));
+                        }
+                    }
+                }
+            }
+            _ => {
+                self.unreaped_sends = self.unreaped_sends.saturating_sub(1);
+                self.release_input();
+                if !c.status.is_ok() {
+                    self.fail(c.status);
+                }
+            }
+        }
+    }
+
+    /// Moves completions in; returns how many. Hot path for `Poll`/`Spin`.
+    fn pump(&mut self, block: Option<Duration>) -> Result<usize> {
+        let n = match block {
+            None => self.cq.poll(&mut self.done),
+            Some(t) => self.cq.wait(&mut self.done, t)?,
+        };
+        for i in 0..n {
+            let c = self.done[i];
+            self.absorb(c);
+        }
+        Ok(n)
+    }
+}
+
+/// One lane of an allocation.
+pub(crate) struct Lane {
+    pub(crate) index: usize,
+    // Dropped first: no remote write lands once the lane is gone.
+    endpoint: Endpoint,
+    remote: Descriptor,
+    busy: AtomicBool,
+    inner: UnsafeCell<LaneInner>,
+    pub(crate) fate: Arc<Fate>,
+    pub(crate) slot: Mutex<AsyncSlot>,
+    helper: OnceLock<SyncSender<()>>,
+    _domain: Arc<Domain>,
+}
+
+// SAFETY: `inner` is only touched by the holder of `busy` (or the helper
+// thread the holder handed the lane to, see the module docs), so it is
+// never accessed from two threads at once; everything else is Sync.
+unsafe impl Sync for Lane {}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("index", &self.index)
+            .field("remote", &self.remote)
+            .field("busy", &self.busy.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Lane::try_take`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Take {
+    /// The caller holds the lane now.
+    Taken,
+    /// Held by someone else, or still owed an abandoned response.
+    Busy,
+    /// Its endpoint failed: the worker is gone.
+    Broken,
+}
+
+impl Lane {
+    /// Assembles a lane around a connected endpoint.
+    pub(crate) fn new(
+        index: usize,
+        endpoint: Endpoint,
+        cq: CompletionQueue,
+        header: MemoryRegion,
+        remote: Descriptor,
+        fate: Arc<Fate>,
+        domain: Arc<Domain>,
+    ) -> Lane {
+        Lane {
+            index,
+            endpoint,
+            remote,
+            busy: AtomicBool::new(false),
+            inner: UnsafeCell::new(LaneInner {
+                cq,
+                header,
+                next_id: 0,
+                expected: None,
+                response: None,
+                unreaped_sends: 0,
+                posted_recvs: 0,
+                owed: 0,
+                input_hold: None,
+                output_hold: None,
+                broken: None,
+                trouble_since: None,
+                done: [Completion::EMPTY; BATCH],
+            }),
+            fate,
+            slot: Mutex::new(AsyncSlot::default()),
+            helper: OnceLock::new(),
+            _domain: domain,
+        }
+    }
+
+    /// The lane's private state.
+    ///
+    /// # Safety
+    ///
+    /// The caller holds the lane (took `busy`, or was handed the lane by
+    /// its holder) and makes no other reference to it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn inner(&self) -> &mut LaneInner {
+        // SAFETY: exclusive by the caller's contract.
+        unsafe { &mut *self.inner.get() }
+    }
+
+    /// Takes the lane if it is idle and clean. Hot path: one CAS, and a
+    /// non-blocking drain of a lane an abandoned invocation left unclean.
+    pub(crate) fn try_take(&self) -> Take {
+        if self
+            .busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return Take::Busy;
+        }
+        // SAFETY: we just took busy.
+        let inner = unsafe { self.inner() };
+        if !inner.is_clean() && inner.broken.is_none() {
+            let _ = inner.pump(None);
+        }
+        if inner.broken.is_some() {
+            self.release();
+            return Take::Broken;
+        }
+        if !inner.is_clean() {
+            self.release();
+            return Take::Busy;
+        }
+        Take::Taken
+    }
+
+    /// Gives the lane back. The caller held it.
+    pub(crate) fn release(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+
+    /// Drains a lane no one holds (to free a buffer an abandoned invocation
+    /// still flags). Never waits.
+    pub(crate) fn drain_if_idle(&self) {
+        if self.try_take() == Take::Taken {
+            self.release();
+        }
+    }
+
+    /// Sends a request: posts the response's receive, then writes the
+    /// header (and an inline payload). Hot path. The caller holds the lane
+    /// and has flagged `output` busy; on error the lane is as before and
+    /// the caller releases both.
+    pub(crate) fn start(
+        &self,
+        function_index: u16,
+        input: &Arc<RegionShared>,
+        in_bytes: u32,
+        output: &Arc<RegionShared>,
+        out_bytes: u32,
+    ) -> Result<()> {
+        // SAFETY: the caller holds the lane.
+        let inner = unsafe { self.inner() };
+        let id = next_invocation_id(inner.next_id);
+        inner.next_id = id;
+        let imm = RequestImm {
+            invocation_id: id,
+            function_index,
+        }
+        .encode()
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let slot_free = input
+            .header_busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok();
+        let (header, plan) = plan_request(
+            (output.data_addr(), output.region.rkey(), out_bytes),
+            (input.data_addr(), input.region.rkey()),
+            in_bytes,
+            self.remote.len,
+            slot_free,
+        );
+        let (region, offset, len) = match plan {
+            Plan::Inline => {
+                input.write_header(&header);
+                (
+                    &input.region,
+                    header_offset(),
+                    InvocationHeader::LEN + in_bytes as usize,
+                )
+            }
+            Plan::BulkFromSlot => {
+                input.write_header(&header);
+                (&input.region, header_offset(), InvocationHeader::LEN)
+            }
+            Plan::BulkFromLane => {
+                header
+                    .encode(inner.header.as_mut_slice())
+                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                (&inner.header, 0, InvocationHeader::LEN)
+            }
+        };
+        let unslot = || {
+            if slot_free {
+                input.header_busy.store(false, Ordering::Release);
+            }
+        };
+        if inner.posted_recvs == 0 {
+            if let Err(e) = self.endpoint.post_recv(RECV_WR) {
+                unslot();
+                return Err(e.into());
+            }
+            inner.posted_recvs += 1;
+        }
+        let remote = RemoteAddr {
+            addr: self.remote.addr,
+            rkey: self.remote.rkey,
+        };
+        if let Err(e) = self
+            .endpoint
+            .write_with_imm(SEND_WR, region, offset, len, remote, imm)
+        {
+            unslot();
+            return Err(e.into());
+        }
+        inner.expected = Some(id);
+        inner.response = None;
+        inner.trouble_since = None;
+        inner.unreaped_sends += 1;
+        inner.owed += 1;
+        inner.input_hold = slot_free.then(|| Arc::clone(input));
+        inner.output_hold = Some(Arc::clone(output));
+        Ok(())
+    }
+
+    /// Drives the invocation in flight towards its end; `None` when `how`
+    /// is [`How::Poll`] and it has not ended. The caller holds the lane.
+    pub(crate) fn complete(&self, how: How, deadline: Option<Deadline>) -> Option<Result<usize>> {
+        // SAFETY: the caller holds the lane (see the module docs).
+        let inner = unsafe { self.inner() };
+        let mut spins = 0u32;
+        loop {
+            if let Some(r) = outcome(self.index, &self.fate, inner, how) {
+                return Some(r);
+            }
+            let pumped = match how {
+                How::Poll | How::Spin => inner.pump(None),
+                How::Block => inner.pump(Some(WAIT_SLICE)),
+            };
+            let n = match pumped {
+                Ok(n) => n,
+                Err(e) => return Some(Err(e)),
+            };
+            if n > 0 {
+                continue;
+            }
+            if how == How::Spin {
+                spins += 1;
+                if spins < SPINS_PER_CHECK {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                spins = 0;
+            }
+            // Nothing came: look at the allocation's fate and the clock.
+            if self.fate.ended() && inner.broken.is_none() {
+                let since = *inner.trouble_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= LOST_GRACE {
+                    inner.fail(Status::PeerLost);
+                }
+            }
+            if let Some(r) = outcome(self.index, &self.fate, inner, how) {
+                return Some(r);
+            }
+            if let Some(d) = deadline.filter(|d| Instant::now() >= d.at) {
+                inner.expected = None;
+                return Some(Err(Error::Timeout {
+                    what: "the invocation",
+                    after: d.after,
+                }));
+            }
+            if how == How::Poll {
+                return None;
+            }
+        }
+    }
+
+    /// Hands the lane to its helper thread, which waits for the invocation
+    /// and wakes the slot's waker. The caller held the lane and has set
+    /// `in_helper`.
+    pub(crate) fn hand_to_helper(self: &Arc<Lane>) -> Result<()> {
+        let tx = match self.helper.get() {
+            Some(tx) => tx,
+            None => {
+                let (tx, rx) = mpsc::sync_channel::<()>(1);
+                let weak = Arc::downgrade(self);
+                std::thread::Builder::new()
+                    .name(format!("rfaas-lane-{}", self.index))
+                    .spawn(move || helper_loop(&weak, &rx))
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!("cannot start a lane's helper thread: {e}"))
+                    })?;
+                // Only the lane's holder gets here, so no one raced us.
+                let _ = self.helper.set(tx);
+                self.helper.get().expect("just set")
+            }
+        };
+        tx.send(())
+            .map_err(|_| Error::InvalidArgument("the lane's helper thread ended".into()))
+    }
+}
+
+/// The invocation's result, if it has one.
+fn outcome(index: usize, fate: &Fate, inner: &mut LaneInner, how: How) -> Option<Result<usize>> {
+    if inner.unreaped_sends == 0 || inner.broken.is_some() {
+        if let Some(r) = inner.response.take() {
+            inner.expected = None;
+            return Some(r);
+        }
+    }
+    let status = inner.broken?;
+    if !matches!(status, Status::PeerLost | Status::Flushed) {
+        inner.expected = None;
+        return Some(Err(Error::Transport {
+            lane: index,
+            status,
+        }));
+    }
+    if fate.ended() {
+        inner.expected = None;
+        return Some(Err(fate.error(Duration::ZERO)));
+    }
+    let since = inner.trouble_since.unwrap_or_else(Instant::now);
+    let left = LOST_GRACE.saturating_sub(since.elapsed());
+    if how == How::Poll && !left.is_zero() {
+        return None;
+    }
+    inner.expected = None;
+    Some(Err(fate.error(left)))
+}
+
+/// A lane's helper: waits for the invocation of every hand-over.
+fn helper_loop(lane: &Weak<Lane>, rx: &mpsc::Receiver<()>) {
+    while rx.recv().is_ok() {
+        let Some(lane) = lane.upgrade() else { return };
+        let deadline = lock(&lane.slot).deadline;
+        let result = lane
+            .complete(How::Block, deadline)
+            .unwrap_or(Err(Error::WorkerLost));
+        let mut slot = lock(&lane.slot);
+        slot.in_helper = false;
+        if slot.abandoned {
+            slot.abandoned = false;
+            drop(slot);
+            lane.release();
+        } else {
+            slot.result = Some(result);
+            let waker = slot.waker.take();
+            drop(slot);
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::FateState;
+    use rfaas_fabric::{Access, Fabric};
+    use rfaas_proto::control::{ExitCause, WorkerExited};
+
+    /// A lane's state with one request in flight (id 5), as `start` leaves it.
+    fn in_flight() -> LaneInner {
+        let fabric = Fabric::open("tcp").unwrap();
+        let domain = fabric.domain().unwrap();
+        LaneInner {
+            cq: fabric.completion_queue(CQ_DEPTH).unwrap(),
+            header: domain.register(32, Access::LOCAL).unwrap(),
+            next_id: 5,
+            expected: Some(5),
+            response: None,
+            unreaped_sends: 1,
+            posted_recvs: 1,
+            owed: 1,
+            input_hold: None,
+            output_hold: None,
+            broken: None,
+            trouble_since: None,
+            done: [Completion::EMPTY; BATCH],
+        }
+    }
+
+    fn sent(status: Status) -> Completion {
+        Completion {
+            wr_id: SEND_WR,
+            opcode: Opcode::WriteWithImm,
+            status,
+            imm: 0,
+            byte_len: 32,
+        }
+    }
+
+    fn answer(id: u32, st: InvocationStatus, byte_len: u32) -> Completion {
+        Completion {
+            wr_id: RECV_WR,
+            opcode: Opcode::RecvWithImm,
+            status: Status::Success,
+            imm: ResponseImm {
+                invocation_id: id,
+                status: st,
+            }
+            .encode()
+            .unwrap(),
+            byte_len,
+        }
+    }
+
+    fn fate() -> Fate {
+        Fate::new("127.0.0.1:9".into())
+    }
+
+    #[test]
+    fn a_response_ends_the_invocation_once_the_send_is_reaped() {
+        let f = fate();
+        let mut l = in_flight();
+        l.absorb(answer(5, InvocationStatus::Ok, 100));
+        // The request's send completion is still owed.
+        assert!(outcome(0, &f, &mut l, How::Poll).is_none());
+        l.absorb(sent(Status::Success));
+        assert!(matches!(outcome(0, &f, &mut l, How::Poll), Some(Ok(100))));
+        assert!(l.is_clean());
+        assert_eq!((l.posted_recvs, l.expected), (0, None));
+    }
+
+    #[test]
+    fn statuses_become_function_failures() {
+        let f = fate();
+        let mut l = in_flight();
+        l.absorb(sent(Status::Success));
+        l.absorb(answer(5, InvocationStatus::OutputTooLarge, 0));
+        assert!(matches!(
+            outcome(0, &f, &mut l, How::Poll),
+            Some(Err(Error::FunctionFailed(InvocationStatus::OutputTooLarge)))
+        ));
+    }
+
+    #[test]
+    fn a_stale_answer_is_drained_not_returned() {
+        let f = fate();
+        let mut l = in_flight();
+        l.expected = None; // abandoned
+        l.absorb(sent(Status::Success));
+        l.absorb(answer(5, InvocationStatus::Ok, 8));
+        assert!(l.is_clean());
+        assert!(l.response.is_none());
+        assert!(outcome(0, &f, &mut l, How::Poll).is_none());
+    }
+
+    #[test]
+    fn a_malformed_immediate_is_a_protocol_error() {
+        let f = fate();
+        let mut l = in_flight();
+        l.absorb(sent(Status::Success));
+        let mut c = answer(5, InvocationStatus::Ok, 0);
+        c.imm = (5 << 12) | 0xfff;
+        l.absorb(c);
+        assert!(matches!(
+            outcome(0, &f, &mut l, How::Poll),
+            Some(Err(Error::Protocol(_)))
+        ));
+    }
+
+    #[test]
+    fn a_refused_send_is_a_transport_error() {
+        let f = fate();
+        let mut l = in_flight();
+        l.absorb(sent(Status::RemoteAccess));
+        assert!(matches!(
+            outcome(3, &f, &mut l, How::Poll),
+            Some(Err(Error::Transport {
+                lane: 3,
+                status: Status::RemoteAccess
+            }))
+        ));
+    }
+
+    #[test]
+    fn peer_loss_asks_the_fate() {
+        let mut l = in_flight();
+        let mut lost = answer(0, InvocationStatus::Ok, 0);
+        lost.status = Status::PeerLost;
+        l.absorb(lost);
+        assert_eq!(l.broken, Some(Status::PeerLost));
+
+        // No news yet: polling keeps waiting for the executor's word.
+        let f = fate();
+        assert!(outcome(0, &f, &mut l, How::Poll).is_none());
+        f.set(FateState::Exited(WorkerExited {
+            allocation_id: 1,
+            cause: ExitCause::Crashed,
+            signal: Some(11),
+            exit_code: None,
+            message: "worker 2 killed by SIGSEGV".into(),
+        }));
+        assert!(matches!(
+            outcome(0, &f, &mut l, How::Poll),
+            Some(Err(Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }))
+        ));
+
+        let f = fate();
+        f.set(FateState::ExecutorLost);
+        assert!(matches!(
+            outcome(0, &f, &mut l, How::Block),
+            Some(Err(Error::ExecutorLost { .. }))
+        ));
+
+        // Nothing from the executor within the grace period.
+        let f = fate();
+        l.trouble_since = Some(Instant::now() - LOST_GRACE);
+        assert!(matches!(
+            outcome(0, &f, &mut l, How::Poll),
+            Some(Err(Error::WorkerLost))
+        ));
+    }
+
+    const OUT: (u64, u32, u32) = (0x7f00_0000_1000, 0x11, 4096);
+    const IN: (u64, u32) = (0x7f00_0000_9000, 0x22);
+
+    #[test]
+    fn inline_up_to_the_lane_capacity() {
+        // 32 + 4064 = 4096: fits exactly.
+        let (h, plan) = plan_request(OUT, IN, 4064, 4096, true);
+        assert_eq!(plan, Plan::Inline);
+        assert_eq!(
+            h,
+            InvocationHeader {
+                output_addr: OUT.0,
+                output_rkey: OUT.1,
+                output_capacity: OUT.2,
+                input_addr: 0,
+                input_rkey: 0,
+                input_len: 4064,
+            }
+        );
+        assert!(h.is_inline());
+        let (h, plan) = plan_request(OUT, IN, 0, 32, true);
+        assert_eq!(plan, Plan::Inline);
+        assert_eq!(h.input_len, 0);
+    }
+
+    #[test]
+    fn bulk_past_the_lane_capacity() {
+        let (h, plan) = plan_request(OUT, IN, 4065, 4096, true);
+        assert_eq!(plan, Plan::BulkFromSlot);
+        assert_eq!(
+            (h.input_addr, h.input_rkey, h.input_len),
+            (IN.0, IN.1, 4065)
+        );
+        assert!(!h.is_inline());
+        assert_eq!(h.validate(), Ok(()));
+        let (_, plan) = plan_request(OUT, IN, u32::MAX, u32::MAX, true);
+        assert_eq!(plan, Plan::BulkFromSlot);
+    }
+
+    #[test]
+    fn bulk_from_the_lane_when_the_slot_is_taken() {
+        let (h, plan) = plan_request(OUT, IN, 10, 4096, false);
+        assert_eq!(plan, Plan::BulkFromLane);
+        assert_eq!((h.input_addr, h.input_rkey, h.input_len), (IN.0, IN.1, 10));
+        assert_eq!((h.output_addr, h.output_rkey), (OUT.0, OUT.1));
+    }
+}

@@ -1,0 +1,156 @@
+//! What a client and an allocation are asked to be: [`ClientOptions`] and
+//! [`AllocationSpec`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use rfaas_proto::control::Mode;
+
+/// How a [`Client`](crate::Client) connects and waits.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Longest a TCP connect to an executor, or a fabric connect to a
+    /// worker, may take.
+    pub connect_timeout: Duration,
+    /// Longest an executor may take to answer an allocation (it starts or
+    /// takes a worker and loads the library meanwhile).
+    pub allocation_timeout: Duration,
+    /// Longest a blocking wait for an invocation may take; `None` waits as
+    /// long as the worker lives (the executor's deadline bounds a function).
+    pub invocation_timeout: Option<Duration>,
+    /// The fabric provider: `tcp`, `shm` or `verbs:<device>`.
+    pub provider: String,
+}
+
+impl Default for ClientOptions {
+    /// 10 s to connect, 60 s to allocate, no invocation timeout, and the
+    /// provider named by `RFAAS_PROVIDER` (or `tcp`).
+    fn default() -> Self {
+        ClientOptions {
+            connect_timeout: Duration::from_secs(10),
+            allocation_timeout: Duration::from_secs(60),
+            invocation_timeout: None,
+            provider: std::env::var("RFAAS_PROVIDER")
+                .ok()
+                .filter(|p| !p.is_empty())
+                .unwrap_or_else(|| "tcp".into()),
+        }
+    }
+}
+
+impl ClientOptions {
+    /// The defaults with `provider`.
+    pub fn with_provider(provider: &str) -> ClientOptions {
+        ClientOptions {
+            provider: provider.to_owned(),
+            ..ClientOptions::default()
+        }
+    }
+}
+
+/// What to allocate: a library, the functions to call, and the worker's
+/// shape. Built with [`AllocationSpec::new`] and the builder methods.
+#[derive(Debug, Clone)]
+pub struct AllocationSpec {
+    pub(crate) library: Arc<[u8]>,
+    pub(crate) library_name: String,
+    pub(crate) functions: Vec<String>,
+    pub(crate) cores: u16,
+    pub(crate) memory_mib: u32,
+    pub(crate) mode: Mode,
+    pub(crate) hot_timeout: Duration,
+    pub(crate) input_capacity: u32,
+    pub(crate) output_capacity: u32,
+    pub(crate) deadline: Duration,
+    pub(crate) fallback_executors: Vec<(String, String)>,
+}
+
+impl AllocationSpec {
+    /// The library's bytes (an ELF shared object) and the functions to
+    /// call, by symbol name; their order is the function table.
+    ///
+    /// Defaults: 1 core (lane), 256 MiB, [`Mode::HotThenWarm`] with a 5 ms
+    /// hot period, 64 KiB input capacity per lane (bigger payloads are
+    /// pulled by the worker), 1 MiB output capacity, the executor's default
+    /// deadline.
+    pub fn new(library: impl Into<Arc<[u8]>>, functions: &[&str]) -> AllocationSpec {
+        AllocationSpec {
+            library: library.into(),
+            library_name: "library.so".into(),
+            functions: functions.iter().map(|f| (*f).to_owned()).collect(),
+            cores: 1,
+            memory_mib: 256,
+            mode: Mode::HotThenWarm,
+            hot_timeout: Duration::from_millis(5),
+            input_capacity: 64 << 10,
+            output_capacity: 1 << 20,
+            deadline: Duration::ZERO,
+            fallback_executors: Vec::new(),
+        }
+    }
+
+    /// Worker threads (lanes), one core each: invocations in flight at once.
+    pub fn cores(mut self, cores: u16) -> Self {
+        self.cores = cores;
+        self
+    }
+
+    /// The worker's memory limit, MiB.
+    pub fn memory_mib(mut self, mib: u32) -> Self {
+        self.memory_mib = mib;
+        self
+    }
+
+    /// How the worker's lanes wait for requests.
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// How long a [`Mode::HotThenWarm`] lane polls after an invocation.
+    pub fn hot_timeout(mut self, hot: Duration) -> Self {
+        self.hot_timeout = hot;
+        self
+    }
+
+    /// Bytes of each lane's input buffer at the worker, the 32-byte header
+    /// included: payloads up to this minus 32 travel with the request.
+    pub fn input_capacity(mut self, bytes: u32) -> Self {
+        self.input_capacity = bytes;
+        self
+    }
+
+    /// Bytes a function may write per invocation.
+    pub fn output_capacity(mut self, bytes: u32) -> Self {
+        self.output_capacity = bytes;
+        self
+    }
+
+    /// Longest a function may run (millisecond resolution); zero means the
+    /// executor's default.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// A name for the library in the executor's logs.
+    pub fn library_name(mut self, name: &str) -> Self {
+        self.library_name = name.to_owned();
+        self
+    }
+
+    /// Another executor (control address) and a lease token for its node,
+    /// for [`Allocation::invoke_retrying`](crate::Allocation::invoke_retrying)
+    /// to move to when the current one is lost or full. Tried in the order
+    /// added.
+    pub fn fallback_executor(mut self, executor: &str, token: &str) -> Self {
+        self.fallback_executors
+            .push((executor.to_owned(), token.to_owned()));
+        self
+    }
+
+    /// The function names, in table order.
+    pub fn functions(&self) -> &[String] {
+        &self.functions
+    }
+}

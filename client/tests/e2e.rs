@@ -1,0 +1,706 @@
+//! The client against a real `rfaas-executord` and its workers, on the tcp
+//! and shm providers. Needs the daemon built: `cargo build -p
+//! rfaas-executor` first.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use rfaas_client::{
+    Allocation, AllocationSpec, Client, ClientOptions, Error, ErrorCode, ExitCause,
+    InvocationStatus, Mode,
+};
+use rfaas_proto::control::LocalReply;
+use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::functions::c_library_bytes;
+use rstest::rstest;
+
+const FUNCTIONS: &[&str] = &[
+    "echo",
+    "noop",
+    "fault_segfault",
+    "fault_overrun",
+    "fault_claim",
+    "sleep_ms",
+];
+
+fn daemon() -> Executord {
+    Executord::start(&daemon_binary(), ExecutordOptions::default())
+}
+
+fn token(d: &Executord) -> String {
+    d.token("nobody", 4, 2048, Duration::from_secs(600))
+}
+
+fn spec() -> AllocationSpec {
+    AllocationSpec::new(c_library_bytes(), FUNCTIONS)
+        .library_name("libfunctions.so")
+        .mode(Mode::Warm)
+        .memory_mib(256)
+}
+
+fn allocate(d: &Executord, provider: &str, spec: &AllocationSpec) -> Allocation {
+    let client = Client::new(ClientOptions::with_provider(provider));
+    client
+        .allocate(&d.control_addr().to_string(), &token(d), spec)
+        .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()))
+}
+
+/// A byte pattern that differs per size and position.
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) as u8 ^ (i >> 8) as u8)
+        .collect()
+}
+
+/// The worker pid of `allocation`, from the daemon's status.
+fn worker_pid(d: &Executord, allocation: u64) -> i32 {
+    match d.status() {
+        LocalReply::Status { allocations, .. } => {
+            allocations
+                .iter()
+                .find(|a| a.allocation_id == allocation)
+                .unwrap_or_else(|| panic!("allocation {allocation} not in {allocations:?}"))
+                .pid as i32
+        }
+        other => panic!("unexpected status reply {other:?}"),
+    }
+}
+
+fn kill(pid: i32, signal: i32) {
+    // SAFETY: kill has no memory preconditions; the pid is a process this
+    // test started (through the daemon).
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill {pid}");
+}
+
+fn u32_input(alloc: &Allocation, value: u32) -> rfaas_client::Buffer<u32> {
+    let mut b = alloc.buffer::<u32>(1).unwrap();
+    b.as_mut_slice()[0] = value;
+    b
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn echo_inline_and_bulk_sizes(#[case] provider: &str) {
+    let d = daemon();
+    let spec = spec().input_capacity(64 << 10).output_capacity(8 << 20);
+    let alloc = allocate(&d, provider, &spec);
+    let echo = alloc.function("echo").unwrap();
+    let big = 5 << 20;
+    let mut input = alloc.buffer::<u8>(big).unwrap();
+    let mut output = alloc.buffer::<u8>(big).unwrap();
+    // Around the inline limit (64 KiB - 32), then bulk, then 5 MiB.
+    let sizes = [
+        0usize,
+        1,
+        7,
+        31,
+        32,
+        33,
+        100,
+        4096,
+        65_503,
+        65_504,
+        65_505,
+        65_536,
+        300_000,
+        1 << 20,
+        big,
+    ];
+    for (seed, &n) in sizes.iter().enumerate() {
+        let data = pattern(n, seed as u32);
+        input.as_mut_slice()[..n].copy_from_slice(&data);
+        output.as_mut_slice()[..n.min(64)].fill(0xee);
+        let got = alloc
+            .submit(echo, &input, n, &mut output)
+            .unwrap()
+            .get()
+            .unwrap_or_else(|e| panic!("echo of {n} bytes failed: {e}\n{}", d.log()));
+        assert_eq!(got, n, "output length of a {n}-byte echo");
+        assert!(
+            output.as_slice()[..n] == data[..],
+            "output of a {n}-byte echo differs"
+        );
+    }
+    alloc.deallocate().unwrap();
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn many_echoes_with_checked_outputs(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec());
+    let echo = alloc.function("echo").unwrap();
+    let mut input = alloc.buffer::<u8>(64 << 10).unwrap();
+    let mut output = alloc.buffer::<u8>(64 << 10).unwrap();
+    for i in 0..300u32 {
+        let n = (i as usize * 7919) % (64 << 10);
+        let data = pattern(n, i);
+        input.as_mut_slice()[..n].copy_from_slice(&data);
+        // Alternate the ways of waiting.
+        let inv = alloc.submit(echo, &input, n, &mut output).unwrap();
+        let got = match i % 3 {
+            0 => inv.get(),
+            1 => inv.spin(),
+            _ => {
+                let mut inv = inv;
+                loop {
+                    if let Some(r) = inv.try_get() {
+                        break r;
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        }
+        .unwrap();
+        assert_eq!(got, n);
+        assert!(
+            output.as_slice()[..n] == data[..],
+            "invocation {i}: output differs"
+        );
+    }
+    // Typed buffers: f64 in, f64 out.
+    let mut fin = alloc.buffer::<f64>(1000).unwrap();
+    let mut fout = alloc.buffer::<f64>(1000).unwrap();
+    for (i, x) in fin.as_mut_slice().iter_mut().enumerate() {
+        *x = i as f64 * 0.5;
+    }
+    assert_eq!(alloc.invoke(echo, &fin, 1000, &mut fout).unwrap(), 8000);
+    assert_eq!(fout.as_slice(), fin.as_slice());
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn concurrent_clients(#[case] provider: &'static str) {
+    let d = Arc::new(daemon());
+    let threads: Vec<_> = (0..3u32)
+        .map(|t| {
+            let d = Arc::clone(&d);
+            std::thread::spawn(move || {
+                let alloc = allocate(&d, provider, &spec());
+                let echo = alloc.function("echo").unwrap();
+                let mut input = alloc.buffer::<u8>(4096).unwrap();
+                let mut output = alloc.buffer::<u8>(4096).unwrap();
+                for i in 0..100u32 {
+                    let n = ((i * 37 + t) % 4096) as usize;
+                    let data = pattern(n, t * 1000 + i);
+                    input.as_mut_slice()[..n].copy_from_slice(&data);
+                    assert_eq!(alloc.invoke(echo, &input, n, &mut output).unwrap(), n);
+                    assert!(output.as_slice()[..n] == data[..], "client {t} call {i}");
+                }
+                alloc.deallocate().unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn parallel_submissions_across_two_lanes(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec().cores(2));
+    assert_eq!(alloc.lanes(), 2);
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let noop = alloc.function("noop").unwrap();
+    let a_in = u32_input(&alloc, 300);
+    let b_in = u32_input(&alloc, 300);
+    let mut a_out = alloc.buffer::<u32>(1).unwrap();
+    let mut b_out = alloc.buffer::<u32>(1).unwrap();
+    let mut c_out = alloc.buffer::<u32>(1).unwrap();
+    let a = alloc.submit(sleep, &a_in, 1, &mut a_out).unwrap();
+    let b = alloc.submit(sleep, &b_in, 1, &mut b_out).unwrap();
+    assert_ne!(a.lane(), b.lane());
+    // Both lanes are taken now.
+    assert!(matches!(
+        alloc.submit(noop, &a_in, 0, &mut c_out),
+        Err(Error::AllLanesBusy)
+    ));
+    assert_eq!(b.get().unwrap(), 4);
+    assert_eq!(a.get().unwrap(), 4);
+    assert_eq!(a_out.as_slice(), &[300]);
+    assert_eq!(b_out.as_slice(), &[300]);
+
+    // Threads sharing the allocation, one input buffer on both lanes.
+    let shared_in = u32_input(&alloc, 1);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                let mut out = alloc.buffer::<u32>(1).unwrap();
+                for _ in 0..50 {
+                    assert_eq!(alloc.invoke(sleep, &shared_in, 1, &mut out).unwrap(), 4);
+                    assert_eq!(out.as_slice(), &[1]);
+                }
+            });
+        }
+    });
+}
+
+/// Thread states ('R', 'S', ...) of `pid`.
+fn thread_states(pid: i32) -> Vec<char> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+        .filter_map(|stat| {
+            // The state follows the ")" that ends the command name.
+            let rest = &stat[stat.rfind(')')? + 1..];
+            rest.trim_start().chars().next()
+        })
+        .collect()
+}
+
+/// Whether some sample within `within` satisfies `cond`.
+fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn hot_then_warm_switches_and_keeps_working(#[case] provider: &str) {
+    let d = daemon();
+    let spec = spec()
+        .mode(Mode::HotThenWarm)
+        .hot_timeout(Duration::from_millis(1500));
+    let alloc = allocate(&d, provider, &spec);
+    let pid = worker_pid(&d, alloc.id());
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 42);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    for round in 0..2 {
+        assert_eq!(alloc.invoke(echo, &input, 1, &mut output).unwrap(), 4);
+        assert_eq!(output.as_slice(), &[42]);
+        // Hot: the lane thread polls, so it runs.
+        assert!(
+            eventually(Duration::from_secs(1), || thread_states(pid).contains(&'R')),
+            "round {round}: no running thread after an invocation: {:?}",
+            thread_states(pid)
+        );
+        // Warm once the hot period is over: every thread sleeps.
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let s = thread_states(pid);
+                !s.is_empty() && !s.contains(&'R')
+            }),
+            "round {round}: still running long after the hot period: {:?}",
+            thread_states(pid)
+        );
+    }
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn cold_start_to_first_result(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec().cores(2));
+    let c = alloc.cold_start();
+    assert!(c.round_trip > Duration::ZERO);
+    assert!(c.connect_lanes > Duration::ZERO);
+    assert!(c.total >= c.round_trip + c.connect_lanes, "{c:?}");
+    assert!(c.round_trip >= c.load + c.listen, "{c:?}");
+    assert!(c.load > Duration::ZERO, "{c:?}");
+    let noop = alloc.function("noop").unwrap();
+    let input = alloc.buffer::<u8>(0).unwrap();
+    let mut output = alloc.buffer::<u8>(0).unwrap();
+    assert_eq!(alloc.invoke(noop, &input, 0, &mut output).unwrap(), 0);
+    assert!(alloc
+        .functions()
+        .iter()
+        .map(String::as_str)
+        .eq(FUNCTIONS.iter().copied()));
+    assert!(matches!(alloc.function("nope"), Err(Error::UnknownFunction(f)) if f == "nope"));
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn async_invocations(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec().cores(2));
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let a_in = u32_input(&alloc, 100);
+    let b_in = u32_input(&alloc, 50);
+    let mut a_out = alloc.buffer::<u32>(1).unwrap();
+    let mut b_out = alloc.buffer::<u32>(1).unwrap();
+    for _ in 0..5 {
+        let a = alloc.submit(sleep, &a_in, 1, &mut a_out).unwrap();
+        let b = alloc.submit(sleep, &b_in, 1, &mut b_out).unwrap();
+        assert_eq!(block_on(b).unwrap(), 4);
+        assert_eq!(block_on(a).unwrap(), 4);
+        assert_eq!(a_out.as_slice(), &[100]);
+        assert_eq!(b_out.as_slice(), &[50]);
+    }
+    // Polled once as a future (handed to the helper), then waited for.
+    let mut inv = alloc.submit(sleep, &a_in, 1, &mut a_out).unwrap();
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let first = std::pin::Pin::new(&mut inv).poll(&mut Context::from_waker(&waker));
+    assert!(first.is_pending());
+    assert_eq!(inv.get().unwrap(), 4);
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec());
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let echo = alloc.function("echo").unwrap();
+    let slow = u32_input(&alloc, 300);
+    let mut out = alloc.buffer::<u32>(1).unwrap();
+    drop(alloc.submit(sleep, &slow, 1, &mut out).unwrap());
+    // The only lane still owes the dropped invocation's answer.
+    let fast = u32_input(&alloc, 7);
+    let mut other = alloc.buffer::<u32>(1).unwrap();
+    assert!(matches!(
+        alloc.submit(echo, &fast, 1, &mut other),
+        Err(Error::AllLanesBusy)
+    ));
+    assert!(matches!(
+        alloc.submit(echo, &fast, 1, &mut out),
+        Err(Error::BufferBusy)
+    ));
+    // submit_wait drains it, and the late answer does not leak into this one.
+    assert_eq!(
+        alloc
+            .submit_wait(echo, &fast, 1, &mut out)
+            .unwrap()
+            .get()
+            .unwrap(),
+        4
+    );
+    assert_eq!(out.as_slice(), &[7]);
+
+    // The same, abandoned while awaited as a future.
+    let mut inv = alloc.submit(sleep, &slow, 1, &mut out).unwrap();
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    assert!(std::pin::Pin::new(&mut inv)
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
+    drop(inv);
+    assert_eq!(alloc.invoke(echo, &fast, 1, &mut other).unwrap(), 4);
+    assert_eq!(other.as_slice(), &[7]);
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn segfault_is_a_worker_crash(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec());
+    let f = alloc.function("fault_segfault").unwrap();
+    let input = alloc.buffer::<u8>(0).unwrap();
+    let mut output = alloc.buffer::<u8>(0).unwrap();
+    let err = alloc.invoke(f, &input, 0, &mut output).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                cause: ExitCause::Crashed,
+                ..
+            }
+        ),
+        "{err:?}\n{}",
+        d.log()
+    );
+    assert!(err.is_retryable());
+    assert!(!alloc.is_alive());
+    // Later calls fail at once with the same news.
+    let echo = alloc.function("echo").unwrap();
+    let err = alloc.invoke(echo, &input, 0, &mut output).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    alloc.deallocate().unwrap();
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn overrunning_the_output_crashes_the_worker(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec().output_capacity(4096));
+    let f = alloc.function("fault_overrun").unwrap();
+    let input = u32_input(&alloc, 4096 + 8192);
+    let mut output = alloc.buffer::<u8>(64 << 10).unwrap();
+    let err = alloc.invoke(f, &input, 1, &mut output).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }
+        ),
+        "{err:?}\n{}",
+        d.log()
+    );
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn claiming_too_much_output_is_output_too_large(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec().output_capacity(4096));
+    let f = alloc.function("fault_claim").unwrap();
+    let mut output = alloc.buffer::<u8>(64 << 10).unwrap();
+    let input = u32_input(&alloc, 4097);
+    let err = alloc.invoke(f, &input, 1, &mut output).unwrap_err();
+    assert!(
+        matches!(err, Error::FunctionFailed(InvocationStatus::OutputTooLarge)),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    // Bounded by the client's buffer too.
+    let mut small = alloc.buffer::<u8>(16).unwrap();
+    let input = u32_input(&alloc, 17);
+    let err = alloc.invoke(f, &input, 1, &mut small).unwrap_err();
+    assert!(
+        matches!(err, Error::FunctionFailed(InvocationStatus::OutputTooLarge)),
+        "{err:?}"
+    );
+    // The worker lives on.
+    let input = u32_input(&alloc, 4096);
+    assert_eq!(alloc.invoke(f, &input, 1, &mut output).unwrap(), 4096);
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn running_past_the_deadline(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec().deadline(Duration::from_millis(200)));
+    assert_eq!(alloc.deadline(), Duration::from_millis(200));
+    let f = alloc.function("sleep_ms").unwrap();
+    let input = u32_input(&alloc, 5000);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    let err = alloc.invoke(f, &input, 1, &mut output).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::FunctionFailed(InvocationStatus::DeadlineExceeded)
+        ),
+        "{err:?}\n{}",
+        d.log()
+    );
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec());
+    let pid = worker_pid(&d, alloc.id());
+    let f = alloc.function("sleep_ms").unwrap();
+    let input = u32_input(&alloc, 10_000);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    kill(pid, libc::SIGKILL);
+    let err = inv.get().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WorkerCrashed {
+                signal: Some(9),
+                ..
+            }
+        ),
+        "{err:?}\n{}",
+        d.log()
+    );
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
+    let d = daemon();
+    let alloc = allocate(&d, provider, &spec());
+    let f = alloc.function("sleep_ms").unwrap();
+    let input = u32_input(&alloc, 10_000);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    kill(d.pid() as i32, libc::SIGKILL);
+    let err = inv.get().unwrap_err();
+    assert!(
+        matches!(err, Error::ExecutorLost { ref executor } if *executor == d.control_addr().to_string()),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn invoke_retrying_recovers_on_a_new_worker(#[case] provider: &str) {
+    let d = daemon();
+    let mut alloc = allocate(&d, provider, &spec());
+    let first = alloc.id();
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 0xabcd);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    // Kill the worker, then call: the first attempt fails, the retry
+    // allocates again and succeeds with the same buffers.
+    kill(worker_pid(&d, first), libc::SIGKILL);
+    let n = alloc
+        .invoke_retrying(echo, &input, 1, &mut output, 3)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(n, 4);
+    assert_eq!(output.as_slice(), &[0xabcd]);
+    assert_ne!(alloc.id(), first);
+    assert!(alloc.is_alive());
+
+    // A function that crashes crashes again: retries run out.
+    let crash = alloc.function("fault_segfault").unwrap();
+    let err = alloc
+        .invoke_retrying(crash, &input, 0, &mut output, 1)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // Not retryable: returned at once.
+    let claim = alloc.function("fault_claim").unwrap();
+    let huge = u32_input(&alloc, u32::MAX);
+    let before = alloc.id();
+    let err = alloc.invoke_retrying(claim, &huge, 1, &mut output, 3);
+    // The previous crash left the allocation dead: one re-allocation, then
+    // the non-retryable answer.
+    assert!(
+        matches!(
+            err,
+            Err(Error::FunctionFailed(InvocationStatus::OutputTooLarge))
+        ),
+        "{err:?}"
+    );
+    assert_ne!(alloc.id(), before);
+    alloc.deallocate().unwrap();
+}
+
+#[test]
+fn invoke_retrying_moves_to_a_fallback_executor() {
+    let first = daemon();
+    let second = daemon();
+    let fallback = second.control_addr().to_string();
+    let spec = spec().fallback_executor(&fallback, &token(&second));
+    let mut alloc = allocate(&first, "tcp", &spec);
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 99);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    assert_eq!(alloc.invoke(echo, &input, 1, &mut output).unwrap(), 4);
+    kill(first.pid() as i32, libc::SIGKILL);
+    assert!(eventually(Duration::from_secs(10), || !alloc.is_alive()));
+    let n = alloc
+        .invoke_retrying(echo, &input, 1, &mut output, 2)
+        .unwrap_or_else(|e| panic!("{e}\n{}", second.log()));
+    assert_eq!(n, 4);
+    assert_eq!(output.as_slice(), &[99]);
+    assert_eq!(alloc.executor(), fallback);
+    alloc.deallocate().unwrap();
+}
+
+#[test]
+fn refusals_are_typed() {
+    let d = daemon();
+    let client = Client::new(ClientOptions::with_provider("tcp"));
+    let addr = d.control_addr().to_string();
+    let mut claims = d.claims("nobody", 4, 2048, Duration::from_secs(600));
+    let good = d.mint(&claims);
+    claims.cores = 64;
+    let forged = format!("{}x", d.mint(&claims));
+    let err = client.allocate(&addr, &forged, &spec()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Refused {
+                code: ErrorCode::TokenForged | ErrorCode::TokenMalformed,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    let err = client.allocate(&addr, &good, &spec().cores(5)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Refused {
+                code: ErrorCode::ExceedsLease,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let bad = AllocationSpec::new(c_library_bytes(), &["echo", "no_such_symbol"]);
+    let err = client.allocate(&addr, &good, &bad).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Refused {
+                code: ErrorCode::UnknownFunction,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // The cached connection still serves.
+    let alloc = client.allocate(&addr, &good, &spec()).unwrap();
+    assert_eq!(alloc.cold_start().connect_control, Duration::ZERO);
+    alloc.deallocate().unwrap();
+}
+
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs a future to completion on this thread.
+fn block_on<F: Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_secs(1));
+    }
+}
