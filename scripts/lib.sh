@@ -48,3 +48,75 @@ loud() {
 repo_root() {
     cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd
 }
+
+# Starts rfaas-executord on loopback with its files in a work directory.
+#   start_executord BIN_DIR WORK_DIR [EXTRA_TOML_LINES]
+# BIN_DIR holds rfaas-executord, rfaas-worker and rfaas-token. Sets
+# EXECUTORD_PID, EXECUTORD_CONTROL (host:port), EXECUTORD_NODE and
+# EXECUTORD_SECRET; the daemon's log is WORK_DIR/executord.log. Stop it with
+# stop_executord (by its pid).
+start_executord() {
+    local bin=$1 work=$2 extra=${3:-}
+    EXECUTORD_BIN=$bin
+    # Workers run as the lease's user and reach their directories below it.
+    chmod 0755 "$work"
+    EXECUTORD_SECRET="$work/secret"
+    EXECUTORD_NODE=rfaas-local
+    "$bin/rfaas-token" gen-secret "$EXECUTORD_SECRET" >/dev/null 2>&1
+    cat >"$work/executord.toml" <<TOML
+node_name = "$EXECUTORD_NODE"
+control_listen = "127.0.0.1:0"
+fabric_host = "127.0.0.1"
+providers = ["tcp", "shm"]
+cpus = "0-3"
+pin = false
+memory_mib = 4096
+secret_file = "$EXECUTORD_SECRET"
+local_socket = "$work/executord.sock"
+runtime_dir = "$work/run"
+pool_size = 2
+sandbox = "none"
+log_level = "info"
+$extra
+TOML
+    "$bin/rfaas-executord" --config "$work/executord.toml" \
+        </dev/null >"$work/executord.out" 2>"$work/executord.log" &
+    EXECUTORD_PID=$!
+    EXECUTORD_CONTROL=""
+    local _i
+    for _i in $(seq 300); do
+        EXECUTORD_CONTROL=$(sed -n 's/^rfaas-executord ready control=\([^ ]*\) .*/\1/p' "$work/executord.out")
+        [ -n "$EXECUTORD_CONTROL" ] && break
+        kill -0 "$EXECUTORD_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if [ -z "$EXECUTORD_CONTROL" ]; then
+        echo "rfaas-executord did not print its ready line within 30 s; its log:" >&2
+        tail -n 40 "$work/executord.log" >&2
+        return 1
+    fi
+    echo "rfaas-executord (pid $EXECUTORD_PID) ready, control $EXECUTORD_CONTROL"
+}
+
+# Stops the daemon start_executord started (SIGTERM: it stops its workers;
+# SIGKILL after 5 s), by its pid.
+stop_executord() {
+    [ -n "${EXECUTORD_PID:-}" ] || return 0
+    if kill -0 "$EXECUTORD_PID" 2>/dev/null; then
+        kill -TERM "$EXECUTORD_PID" 2>/dev/null || true
+        local _i
+        for _i in $(seq 50); do
+            kill -0 "$EXECUTORD_PID" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$EXECUTORD_PID" 2>/dev/null || true
+    fi
+    wait "$EXECUTORD_PID" 2>/dev/null || true
+    EXECUTORD_PID=""
+}
+
+# Prints a lease token for the local daemon: mint_token USER CORES MEMORY_MIB
+mint_token() {
+    "$EXECUTORD_BIN/rfaas-token" mint --secret-file "$EXECUTORD_SECRET" --node "$EXECUTORD_NODE" \
+        --user "$1" --account demo --cores "$2" --memory-mib "$3" --ttl-secs 3600
+}

@@ -18,7 +18,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$(repo_root)"
 
-ensure_packages "${BUILD_PACKAGES[@]}"
+ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}"
 ensure_rust
 
 echo "== build (with the verbs provider)"
@@ -35,6 +35,9 @@ else
     cargo test --workspace --features rfaas-fabric/verbs --no-fail-fast
 fi
 cargo test --workspace --features rfaas-fabric/verbs --doc
+
+echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
+bash scripts/examples.sh
 
 if [ "${RFAAS_SKIP_RDMA_VM:-0}" = 1 ]; then
     loud "SKIPPED: the verbs provider's tests under Soft-RoCE (RFAAS_SKIP_RDMA_VM=1)." \

@@ -1,1 +1,46 @@
-//! `librfaas`: the C API of the rfaas client library.
+//! `librfaas`: the C API of the rfaas client library (`rfaas.h`).
+//!
+//! Every function returns an [`rfaas_status`](status::rfaas_status) (or a
+//! plain value for accessors and `_free`s); a failure leaves a sentence in
+//! the calling thread's [`rfaas_last_error`](ffi::rfaas_last_error). No
+//! call crashes on a NULL pointer or a bad argument, and a panic inside
+//! the library never crosses into C: it becomes `RFAAS_ERR_INTERNAL`.
+//!
+//! `build.rs` generates `include/rfaas.h` from these items with cbindgen;
+//! `scripts/build-capi.sh` builds and installs `librfaas.so`,
+//! `librfaas.a`, the header and `rfaas.pc`. The guide is `docs/c-api.md`.
+//!
+//! # Layout
+//!
+//! - [`status`]: `rfaas_status`, one code per way a call fails, mapped from
+//!   [`::rfaas_client::Error`]; `rfaas_status_name`,
+//!   `rfaas_status_is_retryable`.
+//! - [`ffi`]: the thread's last error, panic containment, checked
+//!   conversions of C pointers and strings.
+//! - [`options`]: `rfaas_alloc_options`, `rfaas_mode`.
+//! - [`client`]: `rfaas_client`, `rfaas_allocation`: allocate,
+//!   look functions up, deallocate.
+//! - [`buffer`]: `rfaas_buffer`, registered page-aligned bytes.
+//! - [`invocation`]: `rfaas_invocation`: submit, wait, spin, test; the
+//!   synchronous `rfaas_invoke`.
+#![allow(non_camel_case_types)]
+
+// In the order rfaas.h presents them (cbindgen follows the modules).
+pub mod status;
+
+pub mod ffi;
+
+pub mod options;
+
+pub mod client;
+
+pub mod buffer;
+
+pub mod invocation;
+
+pub use buffer::*;
+pub use client::*;
+pub use ffi::rfaas_last_error;
+pub use invocation::*;
+pub use options::*;
+pub use status::*;

@@ -1,0 +1,25 @@
+//! Writes `include/rfaas.h` from the crate's `extern "C"` items with
+//! cbindgen (`cbindgen.toml`). The header is checked in; the file is only
+//! rewritten when its text changes, so an unchanged build leaves it (and
+//! its timestamp) alone, and `scripts/build-capi.sh` can fail on a stale
+//! checked-in copy.
+
+use std::path::PathBuf;
+
+fn main() {
+    let crate_dir =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    println!("cargo:rerun-if-changed=src");
+    println!("cargo:rerun-if-changed=cbindgen.toml");
+
+    let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml"))
+        .unwrap_or_else(|e| panic!("cannot read client/capi/cbindgen.toml: {e}"));
+    let bindings = cbindgen::Builder::new()
+        .with_crate(&crate_dir)
+        .with_config(config)
+        .generate()
+        .unwrap_or_else(|e| panic!("cbindgen cannot generate rfaas.h from client/capi/src: {e}"));
+    let header = crate_dir.join("include").join("rfaas.h");
+    // write_to_file compares first and only writes a changed header.
+    bindings.write_to_file(&header);
+}

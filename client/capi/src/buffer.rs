@@ -1,0 +1,95 @@
+//! [`rfaas_buffer`]: registered bytes for inputs and outputs.
+
+use std::ffi::c_void;
+
+use ::rfaas_client::Buffer;
+
+use crate::client::rfaas_allocation;
+use crate::ffi::{call, call_infallible, out_arg, ref_arg, Failure};
+use crate::status::rfaas_status::{self, RFAAS_OK};
+
+/// Bytes registered for one allocation's invocations: the data starts at a
+/// page boundary (so any element type is aligned), with room for the
+/// request header in front. Not synchronised: one thread writes it at a
+/// time, and nobody touches an output buffer while an invocation that
+/// writes it is in flight.
+#[derive(Debug)]
+pub struct rfaas_buffer {
+    pub(crate) buf: Buffer<u8>,
+}
+
+/// Makes a zeroed buffer of `bytes` bytes registered for `alloc` (usable
+/// only with `alloc`'s invocations). Free it with `rfaas_buffer_free`.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_buffer_new(
+    alloc: *const rfaas_allocation,
+    bytes: usize,
+    out: *mut *mut rfaas_buffer,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_buffer_new";
+    call(CALL, || {
+        out_arg(CALL, "out", out)?;
+        // SAFETY: the caller's promise.
+        let alloc = unsafe { ref_arg(CALL, "alloc", alloc) }?;
+        let buf = alloc
+            .alloc
+            .buffer::<u8>(bytes)
+            .map_err(|e| Failure::client(CALL, &e))?;
+        // SAFETY: out is non-null (checked) and writable (caller's promise).
+        unsafe { out.write(Box::into_raw(Box::new(rfaas_buffer { buf }))) };
+        Ok(RFAAS_OK)
+    })
+}
+
+/// The buffer's data: page-aligned, `rfaas_buffer_size` bytes, valid until
+/// `rfaas_buffer_free`. NULL for a NULL buffer.
+///
+/// # Safety
+///
+/// `buf` is NULL or a live buffer.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_buffer_data(buf: *mut rfaas_buffer) -> *mut c_void {
+    call_infallible(std::ptr::null_mut(), || {
+        // SAFETY: NULL or live (caller's promise); the &mut lives only for
+        // this call.
+        match unsafe { buf.as_mut() } {
+            Some(b) => b.buf.as_mut_slice().as_mut_ptr().cast(),
+            None => std::ptr::null_mut(),
+        }
+    })
+}
+
+/// The buffer's size in bytes; 0 for a NULL buffer.
+///
+/// # Safety
+///
+/// `buf` is NULL or a live buffer.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_buffer_size(buf: *const rfaas_buffer) -> usize {
+    call_infallible(0, || {
+        // SAFETY: NULL or live (caller's promise).
+        unsafe { buf.as_ref() }.map_or(0, |b| b.buf.len())
+    })
+}
+
+/// Frees a buffer. NULL is ignored. Freeing the output of an unfinished
+/// invocation is safe (the memory stays registered until its response is
+/// drained) but loses that output.
+///
+/// # Safety
+///
+/// `buf` is NULL or a buffer from `rfaas_buffer_new`, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_buffer_free(buf: *mut rfaas_buffer) {
+    call_infallible((), || {
+        if !buf.is_null() {
+            // SAFETY: the caller passes ownership of a Box made by
+            // rfaas_buffer_new.
+            drop(unsafe { Box::from_raw(buf) });
+        }
+    });
+}

@@ -1,0 +1,330 @@
+//! [`rfaas_client`] and [`rfaas_allocation`]: creating a client,
+//! allocating on an executor, looking up functions, deallocating.
+
+use std::ffi::{c_char, c_void};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ::rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
+
+use crate::ffi::{call, call_infallible, out_arg, ref_arg, str_arg, CallResult, Failure};
+use crate::options::{self, rfaas_alloc_options};
+use crate::status::rfaas_status::{self, RFAAS_OK};
+
+/// A client: the fabric provider and one control connection per executor,
+/// shared by its allocations. Thread-safe. Allocations keep what they need
+/// of it, so it may be freed before them.
+#[derive(Debug)]
+pub struct rfaas_client {
+    pub(crate) client: Client,
+}
+
+/// A worker on an executor and this process's connections to it.
+///
+/// Thread-safe for `rfaas_function_index`, `rfaas_buffer_new`,
+/// `rfaas_submit` and `rfaas_invoke` (each invocation takes an idle lane).
+/// `rfaas_deallocate` must not run concurrently with any other call on it.
+#[derive(Debug)]
+pub struct rfaas_allocation {
+    pub(crate) alloc: Allocation,
+    /// Invocations not yet freed: they borrow the allocation's lanes.
+    pub(crate) live: Arc<AtomicUsize>,
+}
+
+/// Creates a client for the fabric `provider` ("tcp", "shm",
+/// "verbs:<device>"); NULL takes `RFAAS_PROVIDER` from the environment, or
+/// "tcp". Connects nothing yet. Free it with `rfaas_client_free`.
+///
+/// # Safety
+///
+/// `provider` is NULL or a NUL-terminated string; `out` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_client_new(
+    provider: *const c_char,
+    out: *mut *mut rfaas_client,
+) -> rfaas_status {
+    call("rfaas_client_new", || {
+        out_arg("rfaas_client_new", "out", out)?;
+        let opts = if provider.is_null() {
+            ClientOptions::default()
+        } else {
+            // SAFETY: non-null; the caller promises a C string.
+            let p = unsafe { str_arg("rfaas_client_new", "provider", provider) }?;
+            if p.is_empty() {
+                return Err(Failure::invalid(
+                    "rfaas_client_new",
+                    "`provider` is empty; pass \"tcp\", \"shm\", \"verbs:<device>\" or NULL",
+                ));
+            }
+            ClientOptions::with_provider(p)
+        };
+        let handle = Box::new(rfaas_client {
+            client: Client::new(opts),
+        });
+        // SAFETY: out is non-null (checked) and writable (caller's promise).
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(RFAAS_OK)
+    })
+}
+
+/// Frees a client. NULL is ignored. Its allocations stay usable.
+///
+/// # Safety
+///
+/// `client` is NULL or a client from `rfaas_client_new`, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_client_free(client: *mut rfaas_client) {
+    call_infallible((), || {
+        if !client.is_null() {
+            // SAFETY: the caller passes ownership of a Box made by
+            // rfaas_client_new.
+            drop(unsafe { Box::from_raw(client) });
+        }
+    });
+}
+
+/// Reads `n` function names.
+///
+/// # Safety
+///
+/// `names` is NULL or points to `n` readable pointers, each NULL or a C
+/// string.
+unsafe fn function_names<'a>(
+    call: &str,
+    names: *const *const c_char,
+    n: usize,
+) -> Result<Vec<&'a str>, Failure> {
+    if n == 0 {
+        return Err(Failure::invalid(
+            call,
+            "no functions named; list the functions you will call",
+        ));
+    }
+    if names.is_null() {
+        return Err(Failure::invalid(call, "`functions` is NULL"));
+    }
+    // SAFETY: non-null, and the caller promises n readable pointers.
+    let ptrs = unsafe { std::slice::from_raw_parts(names, n) };
+    ptrs.iter()
+        .enumerate()
+        // SAFETY: each is NULL or a C string (caller's promise).
+        .map(|(i, &p)| unsafe { str_arg(call, &format!("functions[{i}]"), p) })
+        .collect()
+}
+
+/// Shared by rfaas_allocate and rfaas_allocate_file; the arguments are
+/// theirs.
+///
+/// # Safety
+///
+/// As for `rfaas_allocate`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn allocate(
+    call: &str,
+    client: *const rfaas_client,
+    executor: *const c_char,
+    token: *const c_char,
+    opts: *const rfaas_alloc_options,
+    library: impl FnOnce() -> Result<(Vec<u8>, Option<String>), Failure>,
+    functions: *const *const c_char,
+    n_functions: usize,
+    out: *mut *mut rfaas_allocation,
+) -> CallResult {
+    out_arg(call, "out", out)?;
+    // SAFETY: NULL or a live client (caller's promise).
+    let client = unsafe { ref_arg(call, "client", client) }?;
+    // SAFETY: NULL or a C string (caller's promise).
+    let executor = unsafe { str_arg(call, "executor", executor) }?;
+    // SAFETY: NULL or a C string (caller's promise).
+    let token = unsafe { str_arg(call, "token", token) }?;
+    // SAFETY: NULL or n_functions string pointers (caller's promise).
+    let names = unsafe { function_names(call, functions, n_functions) }?;
+    let (bytes, name) = library()?;
+    let mut spec = AllocationSpec::new(bytes, &names);
+    if let Some(name) = name {
+        spec = spec.library_name(&name);
+    }
+    // SAFETY: opts is NULL or readable (caller's promise).
+    let spec = unsafe { options::apply(call, opts, spec) }?;
+    let alloc = client
+        .client
+        .allocate(executor, token, &spec)
+        .map_err(|e| Failure::client(call, &e))?;
+    let handle = Box::new(rfaas_allocation {
+        alloc,
+        live: Arc::new(AtomicUsize::new(0)),
+    });
+    // SAFETY: out is non-null (checked) and writable (caller's promise).
+    unsafe { out.write(Box::into_raw(handle)) };
+    Ok(RFAAS_OK)
+}
+
+/// Allocates a worker on the executor at `executor` (its control address,
+/// "host:port") under the lease `token`, ships the function library
+/// (`library_len` bytes of an ELF shared object at `library`), resolves
+/// `functions` there (`n_functions` names; their order is the function
+/// table) and connects the worker's lanes. `opts` NULL takes the defaults.
+///
+/// On success `*out` is the allocation; end it with `rfaas_deallocate`.
+/// The library bytes are copied: they may be freed after the call.
+///
+/// # Safety
+///
+/// Every pointer is NULL or valid as described: C strings, `library_len`
+/// readable bytes, `n_functions` string pointers, a writable `out`.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_allocate(
+    client: *const rfaas_client,
+    executor: *const c_char,
+    token: *const c_char,
+    opts: *const rfaas_alloc_options,
+    library: *const c_void,
+    library_len: usize,
+    functions: *const *const c_char,
+    n_functions: usize,
+    out: *mut *mut rfaas_allocation,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_allocate";
+    call(CALL, || {
+        let library = || {
+            if library.is_null() || library_len == 0 {
+                return Err(Failure::invalid(
+                    CALL,
+                    "`library` is NULL or `library_len` is 0; pass the shared object's bytes",
+                ));
+            }
+            // SAFETY: non-null, and the caller promises library_len readable
+            // bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(library.cast::<u8>(), library_len) };
+            Ok((bytes.to_vec(), None))
+        };
+        // SAFETY: the caller's promises, passed on.
+        unsafe {
+            allocate(
+                CALL,
+                client,
+                executor,
+                token,
+                opts,
+                library,
+                functions,
+                n_functions,
+                out,
+            )
+        }
+    })
+}
+
+/// `rfaas_allocate` with the library read from the file `library_path`.
+///
+/// # Safety
+///
+/// As for `rfaas_allocate`; `library_path` is NULL or a C string.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_allocate_file(
+    client: *const rfaas_client,
+    executor: *const c_char,
+    token: *const c_char,
+    opts: *const rfaas_alloc_options,
+    library_path: *const c_char,
+    functions: *const *const c_char,
+    n_functions: usize,
+    out: *mut *mut rfaas_allocation,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_allocate_file";
+    call(CALL, || {
+        let library = || {
+            // SAFETY: NULL or a C string (caller's promise).
+            let path = unsafe { str_arg(CALL, "library_path", library_path) }?;
+            let bytes = std::fs::read(path).map_err(|e| Failure {
+                status: rfaas_status::RFAAS_ERR_IO,
+                message: format!("{CALL}: cannot read the function library {path}: {e}"),
+            })?;
+            let name = Path::new(path)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            Ok((bytes, name))
+        };
+        // SAFETY: the caller's promises, passed on.
+        unsafe {
+            allocate(
+                CALL,
+                client,
+                executor,
+                token,
+                opts,
+                library,
+                functions,
+                n_functions,
+                out,
+            )
+        }
+    })
+}
+
+/// Sets `*index` to the function table index of `name`; fails with
+/// `RFAAS_ERR_UNKNOWN_FUNCTION` when the allocation was not made with it.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation; `name` NULL or a C string;
+/// `index` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_function_index(
+    alloc: *const rfaas_allocation,
+    name: *const c_char,
+    index: *mut u32,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_function_index";
+    call(CALL, || {
+        out_arg(CALL, "index", index)?;
+        // SAFETY: NULL or a live allocation (caller's promise).
+        let alloc = unsafe { ref_arg(CALL, "alloc", alloc) }?;
+        // SAFETY: NULL or a C string (caller's promise).
+        let name = unsafe { str_arg(CALL, "name", name) }?;
+        let f = alloc
+            .alloc
+            .function(name)
+            .map_err(|e| Failure::client(CALL, &e))?;
+        // SAFETY: index is non-null (checked) and writable (caller's promise).
+        unsafe { index.write(u32::from(f.index())) };
+        Ok(RFAAS_OK)
+    })
+}
+
+/// Ends the allocation: the executor stops the worker and frees its cores;
+/// waits for the executor's confirmation. The handle is freed whatever the
+/// result, except when invocations of it are not freed yet: then it fails
+/// with `RFAAS_ERR_INVALID_ARGUMENT` and the allocation stays valid. A
+/// worker that already ended, or a lost executor, is not an error. Buffers
+/// stay valid memory (free them with `rfaas_buffer_free`). NULL is
+/// `RFAAS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation that no other thread is using.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_deallocate(alloc: *mut rfaas_allocation) -> rfaas_status {
+    const CALL: &str = "rfaas_deallocate";
+    call(CALL, || {
+        // SAFETY: the caller's promise.
+        let handle = unsafe { ref_arg(CALL, "alloc", alloc) }?;
+        let live = handle.live.load(Ordering::Acquire);
+        if live > 0 {
+            return Err(Failure::invalid(
+                CALL,
+                format!("{live} invocation(s) of this allocation are not freed; call rfaas_invocation_free on each first"),
+            ));
+        }
+        // SAFETY: a Box from rfaas_allocate*, owned by the caller, with no
+        // invocation borrowing it (checked above).
+        let handle = unsafe { Box::from_raw(alloc) };
+        handle
+            .alloc
+            .deallocate()
+            .map_err(|e| Failure::client(CALL, &e))?;
+        Ok(RFAAS_OK)
+    })
+}

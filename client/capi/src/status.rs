@@ -1,0 +1,410 @@
+//! [`rfaas_status`]: what every call returns, one code per way the client
+//! can fail, and the mapping from [`::rfaas_client::Error`].
+
+use std::ffi::{c_char, CStr};
+
+use ::rfaas_client::Error;
+use rfaas_proto::control::{ControlError, ErrorCode};
+use rfaas_proto::InvocationStatus;
+
+/// What a call returned. `RFAAS_OK` (0) is success; `RFAAS_PENDING` is
+/// `rfaas_test`'s "not yet"; every other value is a failure whose message
+/// `rfaas_last_error()` gives.
+///
+/// Codes are stable. 2..99 are failures of the client library or the
+/// connection, 100 + n is the worker's invocation status n, and 200 + n
+/// the executor's refusal of an allocation.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum rfaas_status {
+    /// Success.
+    RFAAS_OK = 0,
+    /// `rfaas_test`: the invocation has not finished yet.
+    RFAAS_PENDING = 1,
+    /// A NULL pointer, a string that is not UTF-8, a length beyond a
+    /// buffer, a buffer of another allocation, an option out of range.
+    RFAAS_ERR_INVALID_ARGUMENT = 2,
+    /// A fault inside librfaas (a bug): report it with the message.
+    RFAAS_ERR_INTERNAL = 3,
+    /// A local file (the function library) could not be read.
+    RFAAS_ERR_IO = 4,
+    /// The executor's control port could not be reached. Retryable.
+    RFAAS_ERR_CONNECT = 5,
+    /// Something took longer than the client's limit. Retryable.
+    RFAAS_ERR_TIMEOUT = 6,
+    /// The executor's reply broke the protocol.
+    RFAAS_ERR_PROTOCOL = 7,
+    /// The control connection failed while reading or writing. Retryable.
+    RFAAS_ERR_CONTROL_IO = 8,
+    /// The function name is not in the allocation's function table.
+    RFAAS_ERR_UNKNOWN_FUNCTION = 9,
+    /// Every lane of the allocation has an invocation in flight.
+    /// Retryable once one finishes.
+    RFAAS_ERR_ALL_LANES_BUSY = 10,
+    /// The output buffer is still the target of a freed, unfinished
+    /// invocation. Retryable once its response arrives.
+    RFAAS_ERR_BUFFER_BUSY = 11,
+    /// The worker process died under the invocation. Retryable with a new
+    /// allocation (a function that crashes on this input crashes again).
+    RFAAS_ERR_WORKER_CRASHED = 12,
+    /// The connection to the worker failed and the executor did not say
+    /// why. Retryable with a new allocation.
+    RFAAS_ERR_WORKER_LOST = 13,
+    /// The executor (its control connection) is gone, and with it the
+    /// allocation. Retryable elsewhere.
+    RFAAS_ERR_EXECUTOR_LOST = 14,
+    /// A lane's fabric operation failed at the peer. Retryable with a new
+    /// allocation; it means a bug.
+    RFAAS_ERR_TRANSPORT = 15,
+    /// A local fabric call failed.
+    RFAAS_ERR_FABRIC = 16,
+    /// A local fabric call failed for a transient reason (connection
+    /// refused, timeout, full queue). Retryable.
+    RFAAS_ERR_FABRIC_TRANSIENT = 17,
+    /// The function's process crashed (worker status 1).
+    RFAAS_ERR_FUNCTION_CRASHED = 101,
+    /// The function returned more output than the output capacity.
+    RFAAS_ERR_OUTPUT_TOO_LARGE = 102,
+    /// The worker does not know the function index.
+    RFAAS_ERR_FUNCTION_INDEX = 103,
+    /// The executor is being drained by Slurm. Retryable elsewhere.
+    RFAAS_ERR_EXECUTOR_DRAINING = 104,
+    /// The function ran past the allocation's deadline.
+    RFAAS_ERR_DEADLINE_EXCEEDED = 105,
+    /// The input is larger than the allocation permits.
+    RFAAS_ERR_PAYLOAD_TOO_LARGE = 106,
+    /// The worker could not decode the request header.
+    RFAAS_ERR_MALFORMED_REQUEST = 107,
+    /// The lease behind the allocation has expired.
+    RFAAS_ERR_LEASE_EXPIRED = 108,
+    /// The worker failed for a reason other than the function. Retryable.
+    RFAAS_ERR_WORKER_INTERNAL = 109,
+    /// The executor refused the allocation with a code this library does
+    /// not know.
+    RFAAS_ERR_REFUSED = 200,
+    /// Refused: the request could not be parsed.
+    RFAAS_ERR_REFUSED_MALFORMED_REQUEST = 201,
+    /// Refused: the token is not a well-formed token.
+    RFAAS_ERR_REFUSED_TOKEN_MALFORMED = 202,
+    /// Refused: the token's signature does not verify.
+    RFAAS_ERR_REFUSED_TOKEN_FORGED = 203,
+    /// Refused: the lease has ended. Retryable with a new lease.
+    RFAAS_ERR_REFUSED_TOKEN_EXPIRED = 204,
+    /// Refused: the lease is for another node.
+    RFAAS_ERR_REFUSED_TOKEN_WRONG_NODE = 205,
+    /// Refused: the request asks for more than the lease grants.
+    RFAAS_ERR_REFUSED_EXCEEDS_LEASE = 206,
+    /// Refused: the request is beyond the executor's limits.
+    RFAAS_ERR_REFUSED_TOO_LARGE = 207,
+    /// Refused: not enough free cores or memory now. Retryable.
+    RFAAS_ERR_REFUSED_NO_CAPACITY = 208,
+    /// Refused: a requested function is not in the library.
+    RFAAS_ERR_REFUSED_UNKNOWN_FUNCTION = 209,
+    /// Refused: the library could not be loaded.
+    RFAAS_ERR_REFUSED_MALFORMED_LIBRARY = 210,
+    /// Refused: the executor does not serve this fabric provider.
+    RFAAS_ERR_REFUSED_PROVIDER_UNSUPPORTED = 211,
+    /// Refused: the lease's user cannot run workers on this node.
+    RFAAS_ERR_REFUSED_USER_REFUSED = 212,
+    /// Refused: the node is being drained. Retryable elsewhere.
+    RFAAS_ERR_REFUSED_DRAINING = 213,
+    /// Refused: the allocation is unknown to the executor.
+    RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION = 214,
+    /// Refused: the executor failed. Retryable.
+    RFAAS_ERR_REFUSED_INTERNAL = 215,
+}
+
+use rfaas_status::*;
+
+/// Every status, in code order. (Not `pub`: cbindgen would export it.)
+const ALL: [rfaas_status; 43] = [
+    RFAAS_OK,
+    RFAAS_PENDING,
+    RFAAS_ERR_INVALID_ARGUMENT,
+    RFAAS_ERR_INTERNAL,
+    RFAAS_ERR_IO,
+    RFAAS_ERR_CONNECT,
+    RFAAS_ERR_TIMEOUT,
+    RFAAS_ERR_PROTOCOL,
+    RFAAS_ERR_CONTROL_IO,
+    RFAAS_ERR_UNKNOWN_FUNCTION,
+    RFAAS_ERR_ALL_LANES_BUSY,
+    RFAAS_ERR_BUFFER_BUSY,
+    RFAAS_ERR_WORKER_CRASHED,
+    RFAAS_ERR_WORKER_LOST,
+    RFAAS_ERR_EXECUTOR_LOST,
+    RFAAS_ERR_TRANSPORT,
+    RFAAS_ERR_FABRIC,
+    RFAAS_ERR_FABRIC_TRANSIENT,
+    RFAAS_ERR_FUNCTION_CRASHED,
+    RFAAS_ERR_OUTPUT_TOO_LARGE,
+    RFAAS_ERR_FUNCTION_INDEX,
+    RFAAS_ERR_EXECUTOR_DRAINING,
+    RFAAS_ERR_DEADLINE_EXCEEDED,
+    RFAAS_ERR_PAYLOAD_TOO_LARGE,
+    RFAAS_ERR_MALFORMED_REQUEST,
+    RFAAS_ERR_LEASE_EXPIRED,
+    RFAAS_ERR_WORKER_INTERNAL,
+    RFAAS_ERR_REFUSED,
+    RFAAS_ERR_REFUSED_MALFORMED_REQUEST,
+    RFAAS_ERR_REFUSED_TOKEN_MALFORMED,
+    RFAAS_ERR_REFUSED_TOKEN_FORGED,
+    RFAAS_ERR_REFUSED_TOKEN_EXPIRED,
+    RFAAS_ERR_REFUSED_TOKEN_WRONG_NODE,
+    RFAAS_ERR_REFUSED_EXCEEDS_LEASE,
+    RFAAS_ERR_REFUSED_TOO_LARGE,
+    RFAAS_ERR_REFUSED_NO_CAPACITY,
+    RFAAS_ERR_REFUSED_UNKNOWN_FUNCTION,
+    RFAAS_ERR_REFUSED_MALFORMED_LIBRARY,
+    RFAAS_ERR_REFUSED_PROVIDER_UNSUPPORTED,
+    RFAAS_ERR_REFUSED_USER_REFUSED,
+    RFAAS_ERR_REFUSED_DRAINING,
+    RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
+    RFAAS_ERR_REFUSED_INTERNAL,
+];
+
+impl rfaas_status {
+    /// The status of a worker's invocation status.
+    pub fn from_invocation(status: InvocationStatus) -> rfaas_status {
+        match status {
+            InvocationStatus::Ok => RFAAS_OK,
+            InvocationStatus::FunctionCrashed => RFAAS_ERR_FUNCTION_CRASHED,
+            InvocationStatus::OutputTooLarge => RFAAS_ERR_OUTPUT_TOO_LARGE,
+            InvocationStatus::UnknownFunction => RFAAS_ERR_FUNCTION_INDEX,
+            InvocationStatus::ExecutorDraining => RFAAS_ERR_EXECUTOR_DRAINING,
+            InvocationStatus::DeadlineExceeded => RFAAS_ERR_DEADLINE_EXCEEDED,
+            InvocationStatus::PayloadTooLarge => RFAAS_ERR_PAYLOAD_TOO_LARGE,
+            InvocationStatus::MalformedRequest => RFAAS_ERR_MALFORMED_REQUEST,
+            InvocationStatus::LeaseExpired => RFAAS_ERR_LEASE_EXPIRED,
+            InvocationStatus::InternalError => RFAAS_ERR_WORKER_INTERNAL,
+        }
+    }
+
+    /// The status of an executor's refusal.
+    pub fn from_refusal(code: ErrorCode) -> rfaas_status {
+        match code {
+            ErrorCode::MalformedRequest => RFAAS_ERR_REFUSED_MALFORMED_REQUEST,
+            ErrorCode::TokenMalformed => RFAAS_ERR_REFUSED_TOKEN_MALFORMED,
+            ErrorCode::TokenForged => RFAAS_ERR_REFUSED_TOKEN_FORGED,
+            ErrorCode::TokenExpired => RFAAS_ERR_REFUSED_TOKEN_EXPIRED,
+            ErrorCode::TokenWrongNode => RFAAS_ERR_REFUSED_TOKEN_WRONG_NODE,
+            ErrorCode::ExceedsLease => RFAAS_ERR_REFUSED_EXCEEDS_LEASE,
+            ErrorCode::TooLarge => RFAAS_ERR_REFUSED_TOO_LARGE,
+            ErrorCode::NoCapacity => RFAAS_ERR_REFUSED_NO_CAPACITY,
+            ErrorCode::UnknownFunction => RFAAS_ERR_REFUSED_UNKNOWN_FUNCTION,
+            ErrorCode::MalformedLibrary => RFAAS_ERR_REFUSED_MALFORMED_LIBRARY,
+            ErrorCode::ProviderUnsupported => RFAAS_ERR_REFUSED_PROVIDER_UNSUPPORTED,
+            ErrorCode::UserRefused => RFAAS_ERR_REFUSED_USER_REFUSED,
+            ErrorCode::Draining => RFAAS_ERR_REFUSED_DRAINING,
+            ErrorCode::UnknownAllocation => RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
+            ErrorCode::Internal => RFAAS_ERR_REFUSED_INTERNAL,
+            _ => RFAAS_ERR_REFUSED,
+        }
+    }
+
+    /// The status of a client error.
+    pub fn from_error(e: &Error) -> rfaas_status {
+        match e {
+            Error::Refused { code, .. } => Self::from_refusal(*code),
+            Error::FunctionFailed(status) => match Self::from_invocation(*status) {
+                // A worker never reports ok as a failure; keep the contract
+                // that a failure is never RFAAS_OK.
+                RFAAS_OK => RFAAS_ERR_PROTOCOL,
+                s => s,
+            },
+            Error::WorkerCrashed { .. } => RFAAS_ERR_WORKER_CRASHED,
+            Error::ExecutorLost { .. } => RFAAS_ERR_EXECUTOR_LOST,
+            Error::WorkerLost => RFAAS_ERR_WORKER_LOST,
+            Error::Transport { .. } => RFAAS_ERR_TRANSPORT,
+            Error::AllLanesBusy => RFAAS_ERR_ALL_LANES_BUSY,
+            Error::BufferBusy => RFAAS_ERR_BUFFER_BUSY,
+            Error::UnknownFunction(_) => RFAAS_ERR_UNKNOWN_FUNCTION,
+            Error::InvalidArgument(_) => RFAAS_ERR_INVALID_ARGUMENT,
+            Error::Protocol(_) => RFAAS_ERR_PROTOCOL,
+            Error::Connect { .. } => RFAAS_ERR_CONNECT,
+            Error::Timeout { .. } => RFAAS_ERR_TIMEOUT,
+            Error::Fabric(f) if f.is_retryable() => RFAAS_ERR_FABRIC_TRANSIENT,
+            Error::Fabric(_) => RFAAS_ERR_FABRIC,
+            Error::Control(ControlError::Io(_)) => RFAAS_ERR_CONTROL_IO,
+            Error::Control(_) => RFAAS_ERR_PROTOCOL,
+            _ => RFAAS_ERR_INTERNAL,
+        }
+    }
+
+    /// Whether the failed call may succeed later, with a new allocation or
+    /// on another executor.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            RFAAS_ERR_CONNECT
+                | RFAAS_ERR_TIMEOUT
+                | RFAAS_ERR_CONTROL_IO
+                | RFAAS_ERR_ALL_LANES_BUSY
+                | RFAAS_ERR_BUFFER_BUSY
+                | RFAAS_ERR_WORKER_CRASHED
+                | RFAAS_ERR_WORKER_LOST
+                | RFAAS_ERR_EXECUTOR_LOST
+                | RFAAS_ERR_TRANSPORT
+                | RFAAS_ERR_FABRIC_TRANSIENT
+                | RFAAS_ERR_EXECUTOR_DRAINING
+                | RFAAS_ERR_WORKER_INTERNAL
+                | RFAAS_ERR_REFUSED_TOKEN_EXPIRED
+                | RFAAS_ERR_REFUSED_NO_CAPACITY
+                | RFAAS_ERR_REFUSED_DRAINING
+                | RFAAS_ERR_REFUSED_INTERNAL
+        )
+    }
+
+    /// The constant's name, NUL-terminated.
+    pub fn name(self) -> &'static CStr {
+        match self {
+            RFAAS_OK => c"RFAAS_OK",
+            RFAAS_PENDING => c"RFAAS_PENDING",
+            RFAAS_ERR_INVALID_ARGUMENT => c"RFAAS_ERR_INVALID_ARGUMENT",
+            RFAAS_ERR_INTERNAL => c"RFAAS_ERR_INTERNAL",
+            RFAAS_ERR_IO => c"RFAAS_ERR_IO",
+            RFAAS_ERR_CONNECT => c"RFAAS_ERR_CONNECT",
+            RFAAS_ERR_TIMEOUT => c"RFAAS_ERR_TIMEOUT",
+            RFAAS_ERR_PROTOCOL => c"RFAAS_ERR_PROTOCOL",
+            RFAAS_ERR_CONTROL_IO => c"RFAAS_ERR_CONTROL_IO",
+            RFAAS_ERR_UNKNOWN_FUNCTION => c"RFAAS_ERR_UNKNOWN_FUNCTION",
+            RFAAS_ERR_ALL_LANES_BUSY => c"RFAAS_ERR_ALL_LANES_BUSY",
+            RFAAS_ERR_BUFFER_BUSY => c"RFAAS_ERR_BUFFER_BUSY",
+            RFAAS_ERR_WORKER_CRASHED => c"RFAAS_ERR_WORKER_CRASHED",
+            RFAAS_ERR_WORKER_LOST => c"RFAAS_ERR_WORKER_LOST",
+            RFAAS_ERR_EXECUTOR_LOST => c"RFAAS_ERR_EXECUTOR_LOST",
+            RFAAS_ERR_TRANSPORT => c"RFAAS_ERR_TRANSPORT",
+            RFAAS_ERR_FABRIC => c"RFAAS_ERR_FABRIC",
+            RFAAS_ERR_FABRIC_TRANSIENT => c"RFAAS_ERR_FABRIC_TRANSIENT",
+            RFAAS_ERR_FUNCTION_CRASHED => c"RFAAS_ERR_FUNCTION_CRASHED",
+            RFAAS_ERR_OUTPUT_TOO_LARGE => c"RFAAS_ERR_OUTPUT_TOO_LARGE",
+            RFAAS_ERR_FUNCTION_INDEX => c"RFAAS_ERR_FUNCTION_INDEX",
+            RFAAS_ERR_EXECUTOR_DRAINING => c"RFAAS_ERR_EXECUTOR_DRAINING",
+            RFAAS_ERR_DEADLINE_EXCEEDED => c"RFAAS_ERR_DEADLINE_EXCEEDED",
+            RFAAS_ERR_PAYLOAD_TOO_LARGE => c"RFAAS_ERR_PAYLOAD_TOO_LARGE",
+            RFAAS_ERR_MALFORMED_REQUEST => c"RFAAS_ERR_MALFORMED_REQUEST",
+            RFAAS_ERR_LEASE_EXPIRED => c"RFAAS_ERR_LEASE_EXPIRED",
+            RFAAS_ERR_WORKER_INTERNAL => c"RFAAS_ERR_WORKER_INTERNAL",
+            RFAAS_ERR_REFUSED => c"RFAAS_ERR_REFUSED",
+            RFAAS_ERR_REFUSED_MALFORMED_REQUEST => c"RFAAS_ERR_REFUSED_MALFORMED_REQUEST",
+            RFAAS_ERR_REFUSED_TOKEN_MALFORMED => c"RFAAS_ERR_REFUSED_TOKEN_MALFORMED",
+            RFAAS_ERR_REFUSED_TOKEN_FORGED => c"RFAAS_ERR_REFUSED_TOKEN_FORGED",
+            RFAAS_ERR_REFUSED_TOKEN_EXPIRED => c"RFAAS_ERR_REFUSED_TOKEN_EXPIRED",
+            RFAAS_ERR_REFUSED_TOKEN_WRONG_NODE => c"RFAAS_ERR_REFUSED_TOKEN_WRONG_NODE",
+            RFAAS_ERR_REFUSED_EXCEEDS_LEASE => c"RFAAS_ERR_REFUSED_EXCEEDS_LEASE",
+            RFAAS_ERR_REFUSED_TOO_LARGE => c"RFAAS_ERR_REFUSED_TOO_LARGE",
+            RFAAS_ERR_REFUSED_NO_CAPACITY => c"RFAAS_ERR_REFUSED_NO_CAPACITY",
+            RFAAS_ERR_REFUSED_UNKNOWN_FUNCTION => c"RFAAS_ERR_REFUSED_UNKNOWN_FUNCTION",
+            RFAAS_ERR_REFUSED_MALFORMED_LIBRARY => c"RFAAS_ERR_REFUSED_MALFORMED_LIBRARY",
+            RFAAS_ERR_REFUSED_PROVIDER_UNSUPPORTED => c"RFAAS_ERR_REFUSED_PROVIDER_UNSUPPORTED",
+            RFAAS_ERR_REFUSED_USER_REFUSED => c"RFAAS_ERR_REFUSED_USER_REFUSED",
+            RFAAS_ERR_REFUSED_DRAINING => c"RFAAS_ERR_REFUSED_DRAINING",
+            RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION => c"RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION",
+            RFAAS_ERR_REFUSED_INTERNAL => c"RFAAS_ERR_REFUSED_INTERNAL",
+        }
+    }
+
+    /// The status with code `code`, if there is one.
+    pub fn from_code(code: u32) -> Option<rfaas_status> {
+        ALL.into_iter().find(|s| *s as u32 == code)
+    }
+}
+
+/// The name of a status constant ("RFAAS_ERR_CONNECT"), or
+/// "RFAAS_UNKNOWN_STATUS" for a value that is none. The string is static.
+#[no_mangle]
+pub extern "C" fn rfaas_status_name(status: u32) -> *const c_char {
+    match rfaas_status::from_code(status) {
+        Some(s) => s.name().as_ptr(),
+        None => c"RFAAS_UNKNOWN_STATUS".as_ptr(),
+    }
+}
+
+/// Whether a call that failed with `status` may succeed when tried again:
+/// later, with a new allocation, or on another executor (see each code).
+/// False for RFAAS_OK, RFAAS_PENDING and unknown values.
+#[no_mangle]
+pub extern "C" fn rfaas_status_is_retryable(status: u32) -> bool {
+    rfaas_status::from_code(status).is_some_and(rfaas_status::is_retryable)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_is_complete_and_names_match() {
+        for s in ALL {
+            assert_eq!(rfaas_status::from_code(s as u32), Some(s));
+            let name = s.name().to_str().unwrap();
+            assert_eq!(name, format!("{s:?}"));
+        }
+        assert_eq!(rfaas_status::from_code(99), None);
+    }
+
+    #[test]
+    fn invocation_statuses_are_100_plus_their_code() {
+        for st in InvocationStatus::ALL.into_iter().skip(1) {
+            assert_eq!(
+                rfaas_status::from_invocation(st) as u32,
+                100 + u32::from(st.code())
+            );
+            assert_eq!(
+                rfaas_status::from_invocation(st).is_retryable(),
+                st.is_retryable(),
+                "{st:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn refusal_retryability_matches_the_executor_codes() {
+        for code in [
+            ErrorCode::MalformedRequest,
+            ErrorCode::TokenMalformed,
+            ErrorCode::TokenForged,
+            ErrorCode::TokenExpired,
+            ErrorCode::TokenWrongNode,
+            ErrorCode::ExceedsLease,
+            ErrorCode::TooLarge,
+            ErrorCode::NoCapacity,
+            ErrorCode::UnknownFunction,
+            ErrorCode::MalformedLibrary,
+            ErrorCode::ProviderUnsupported,
+            ErrorCode::UserRefused,
+            ErrorCode::Draining,
+            ErrorCode::UnknownAllocation,
+            ErrorCode::Internal,
+        ] {
+            let s = rfaas_status::from_refusal(code);
+            assert_ne!(s, RFAAS_ERR_REFUSED, "{code:?} has its own status");
+            assert_eq!(s.is_retryable(), code.is_retryable(), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn client_errors_keep_their_retryability() {
+        let errors = [
+            Error::AllLanesBusy,
+            Error::BufferBusy,
+            Error::WorkerLost,
+            Error::UnknownFunction("f".into()),
+            Error::InvalidArgument("x".into()),
+            Error::Protocol("p".into()),
+            Error::ExecutorLost {
+                executor: "127.0.0.1:1".into(),
+            },
+            Error::FunctionFailed(InvocationStatus::OutputTooLarge),
+            Error::FunctionFailed(InvocationStatus::InternalError),
+            Error::Refused {
+                code: ErrorCode::NoCapacity,
+                message: String::new(),
+            },
+        ];
+        for e in errors {
+            let s = rfaas_status::from_error(&e);
+            assert_ne!(s, RFAAS_OK);
+            assert_eq!(s.is_retryable(), e.is_retryable(), "{e:?} -> {s:?}");
+        }
+    }
+}

@@ -1,0 +1,451 @@
+//! The C API's error paths without an executor: NULL pointers, bad
+//! strings, bad options, unreachable executors. Each must return the
+//! documented status and leave a sentence in `rfaas_last_error`, never
+//! crash.
+
+use std::ffi::{c_char, CStr, CString};
+use std::ptr::{null, null_mut};
+
+use rfaas::*;
+
+fn last_error() -> String {
+    // SAFETY: rfaas_last_error returns this thread's NUL-terminated
+    // message, valid until its next failing call.
+    unsafe { CStr::from_ptr(rfaas_last_error()) }
+        .to_str()
+        .expect("the message is UTF-8")
+        .to_owned()
+}
+
+/// Asserts `status` is `expected` and the last error says `needle`.
+#[track_caller]
+fn assert_failed(status: rfaas_status, expected: rfaas_status, needle: &str) {
+    let msg = last_error();
+    assert_eq!(status, expected, "message: {msg}");
+    assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+}
+
+fn client() -> *mut rfaas_client {
+    let mut c = null_mut();
+    let provider = CString::new("tcp").unwrap();
+    // SAFETY: a valid C string and out-pointer.
+    let st = unsafe { rfaas_client_new(provider.as_ptr(), &mut c) };
+    assert_eq!(st, rfaas_status::RFAAS_OK, "{}", last_error());
+    assert!(!c.is_null());
+    c
+}
+
+/// A port on 127.0.0.1 nothing listens on.
+fn closed_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    addr
+}
+
+/// Calls rfaas_allocate with these arguments and one function, "echo".
+fn allocate(
+    client: *const rfaas_client,
+    executor: *const c_char,
+    token: *const c_char,
+    library: &[u8],
+    out: *mut *mut rfaas_allocation,
+) -> rfaas_status {
+    let echo = CString::new("echo").unwrap();
+    let names = [echo.as_ptr()];
+    // SAFETY: every pointer is NULL or valid for the call.
+    unsafe {
+        rfaas_allocate(
+            client,
+            executor,
+            token,
+            null(),
+            library.as_ptr().cast(),
+            library.len(),
+            names.as_ptr(),
+            names.len(),
+            out,
+        )
+    }
+}
+
+#[test]
+fn client_new_checks_its_arguments() {
+    // SAFETY: NULL out is what is tested.
+    let st = unsafe { rfaas_client_new(null(), null_mut()) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, "`out`");
+
+    let mut c = null_mut();
+    let empty = CString::new("").unwrap();
+    // SAFETY: valid pointers.
+    let st = unsafe { rfaas_client_new(empty.as_ptr(), &mut c) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`provider` is empty",
+    );
+    assert!(c.is_null());
+
+    let bad = b"tc\xffp\0";
+    // SAFETY: a NUL-terminated byte string.
+    let st = unsafe { rfaas_client_new(bad.as_ptr().cast(), &mut c) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "not valid UTF-8",
+    );
+
+    // NULL provider: the environment's or tcp.
+    // SAFETY: valid out-pointer.
+    let st = unsafe { rfaas_client_new(null(), &mut c) };
+    assert_eq!(st, rfaas_status::RFAAS_OK);
+    // SAFETY: a client from rfaas_client_new, freed once.
+    unsafe { rfaas_client_free(c) };
+}
+
+#[test]
+fn null_handles_are_refused_or_ignored() {
+    let mut index = 0u32;
+    let mut alloc = null_mut();
+    let mut buf = null_mut();
+    let mut inv = null_mut();
+    let mut len = 0usize;
+    let name = CString::new("echo").unwrap();
+    // SAFETY: NULL handles are what is tested; the other pointers are
+    // valid.
+    unsafe {
+        let st = rfaas_function_index(null(), name.as_ptr(), &mut index);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "`alloc` is NULL",
+        );
+        let st = rfaas_buffer_new(null(), 64, &mut buf);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "rfaas_buffer_new: `alloc` is NULL",
+        );
+        assert!(buf.is_null());
+        let st = rfaas_submit(null(), 0, null(), 0, null_mut(), &mut inv);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "rfaas_submit: `alloc` is NULL",
+        );
+        let st = rfaas_submit(null(), 0, null(), 0, null_mut(), null_mut());
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "`inv` (the result pointer) is NULL",
+        );
+        let st = rfaas_invoke(null(), 0, null(), 0, null_mut(), &mut len);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "rfaas_invoke: `alloc` is NULL",
+        );
+        type WaitFn = unsafe extern "C" fn(*mut rfaas_invocation, *mut usize) -> rfaas_status;
+        let waits: [(WaitFn, &str); 3] = [
+            (rfaas_wait, "rfaas_wait"),
+            (rfaas_spin, "rfaas_spin"),
+            (rfaas_test, "rfaas_test"),
+        ];
+        for (wait, call) in waits {
+            let st = wait(null_mut(), &mut len);
+            assert_failed(
+                st,
+                rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+                &format!("{call}: `inv` is NULL"),
+            );
+        }
+        let st = rfaas_deallocate(null_mut());
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "rfaas_deallocate: `alloc` is NULL",
+        );
+        let st = rfaas_allocate(
+            null(),
+            null(),
+            null(),
+            null(),
+            null(),
+            0,
+            null(),
+            0,
+            &mut alloc,
+        );
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "rfaas_allocate: `client` is NULL",
+        );
+
+        assert!(rfaas_buffer_data(null_mut()).is_null());
+        assert_eq!(rfaas_buffer_size(null()), 0);
+        rfaas_buffer_free(null_mut());
+        rfaas_invocation_free(null_mut());
+        rfaas_client_free(null_mut());
+    }
+}
+
+#[test]
+fn allocate_names_each_missing_argument() {
+    let c = client();
+    let exec = CString::new(closed_port()).unwrap();
+    let token = CString::new("token").unwrap();
+    let lib = b"\x7fELF not really";
+    let mut alloc = null_mut();
+
+    let st = allocate(c, null(), token.as_ptr(), lib, &mut alloc);
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`executor` is NULL",
+    );
+    let st = allocate(c, exec.as_ptr(), null(), lib, &mut alloc);
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`token` is NULL",
+    );
+    let st = allocate(c, exec.as_ptr(), token.as_ptr(), &[], &mut alloc);
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`library` is NULL or `library_len` is 0",
+    );
+    let st = allocate(c, exec.as_ptr(), token.as_ptr(), lib, null_mut());
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`out` (the result pointer) is NULL",
+    );
+
+    // SAFETY: valid pointers but for what is tested.
+    let st = unsafe {
+        rfaas_allocate(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            null(),
+            lib.as_ptr().cast(),
+            lib.len(),
+            null(),
+            0,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "no functions named",
+    );
+    // SAFETY: valid pointers but for what is tested.
+    let st = unsafe {
+        rfaas_allocate(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            null(),
+            lib.as_ptr().cast(),
+            lib.len(),
+            null(),
+            2,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`functions` is NULL",
+    );
+    let echo = CString::new("echo").unwrap();
+    let names = [echo.as_ptr(), null()];
+    // SAFETY: valid pointers but for what is tested.
+    let st = unsafe {
+        rfaas_allocate(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            null(),
+            lib.as_ptr().cast(),
+            lib.len(),
+            names.as_ptr(),
+            2,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`functions[1]` is NULL",
+    );
+
+    let path = CString::new("/nonexistent/libfunctions.so").unwrap();
+    // SAFETY: valid pointers but for what is tested.
+    let st = unsafe {
+        rfaas_allocate_file(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            null(),
+            path.as_ptr(),
+            names.as_ptr(),
+            1,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_IO,
+        "cannot read the function library /nonexistent/libfunctions.so",
+    );
+    assert!(alloc.is_null(), "no allocation on failure");
+    // SAFETY: from client(), freed once.
+    unsafe { rfaas_client_free(c) };
+}
+
+#[test]
+fn bad_options_are_refused_before_connecting() {
+    let c = client();
+    let exec = CString::new(closed_port()).unwrap();
+    let token = CString::new("token").unwrap();
+    let lib = b"\x7fELF";
+    let echo = CString::new("echo").unwrap();
+    let names = [echo.as_ptr()];
+    let mut alloc = null_mut();
+
+    let mut opts = rfaas_alloc_options_default();
+    opts.cores = 0;
+    // SAFETY: valid pointers.
+    let st = unsafe {
+        rfaas_allocate(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            &opts,
+            lib.as_ptr().cast(),
+            lib.len(),
+            names.as_ptr(),
+            1,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "options.cores is 0",
+    );
+
+    // C may store any integer in `mode`: write one that is no rfaas_mode
+    // through the C layout.
+    let mut opts = rfaas_alloc_options_default();
+    let mode_field = std::ptr::addr_of_mut!(opts.mode).cast::<u32>();
+    // SAFETY: rfaas_mode is repr(u32): the field is 4 writable bytes.
+    unsafe { mode_field.write(7) };
+    let opts_ptr: *const rfaas_alloc_options = &opts;
+    // SAFETY: valid pointers; the options are only read as integers.
+    let st = unsafe {
+        rfaas_allocate(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            opts_ptr,
+            lib.as_ptr().cast(),
+            lib.len(),
+            names.as_ptr(),
+            1,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "options.mode is 7",
+    );
+    // SAFETY: from client(), freed once.
+    unsafe { rfaas_client_free(c) };
+}
+
+#[test]
+fn an_unreachable_executor_is_a_retryable_connect_error() {
+    let c = client();
+    let port = closed_port();
+    let exec = CString::new(port.clone()).unwrap();
+    let token = CString::new("token").unwrap();
+    let mut alloc = null_mut();
+    let st = allocate(c, exec.as_ptr(), token.as_ptr(), b"\x7fELF", &mut alloc);
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_CONNECT,
+        &format!("cannot connect to the executor at {port}"),
+    );
+    assert!(rfaas_status_is_retryable(st as u32));
+    assert!(alloc.is_null());
+
+    let garbage = CString::new("not an address").unwrap();
+    let st = allocate(c, garbage.as_ptr(), token.as_ptr(), b"\x7fELF", &mut alloc);
+    let msg = last_error();
+    assert_ne!(st, rfaas_status::RFAAS_OK);
+    assert!(msg.contains("not an address"), "{msg}");
+    assert!(alloc.is_null());
+    // SAFETY: from client(), freed once.
+    unsafe { rfaas_client_free(c) };
+}
+
+#[test]
+fn the_last_error_is_per_thread() {
+    // SAFETY: NULL out is what is tested.
+    let st = unsafe { rfaas_client_new(null(), null_mut()) };
+    assert_eq!(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT);
+    let mine = last_error();
+    std::thread::spawn(|| {
+        assert_eq!(last_error(), "", "a new thread has no error yet");
+        // SAFETY: NULL handle is what is tested.
+        let st = unsafe { rfaas_deallocate(null_mut()) };
+        assert_eq!(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT);
+        assert!(last_error().starts_with("rfaas_deallocate"));
+    })
+    .join()
+    .unwrap();
+    assert_eq!(last_error(), mine);
+}
+
+#[test]
+fn status_names_and_retryability() {
+    let name = |s: u32| {
+        // SAFETY: rfaas_status_name returns a static C string.
+        unsafe { CStr::from_ptr(rfaas_status_name(s)) }
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(name(0), "RFAAS_OK");
+    assert_eq!(
+        name(rfaas_status::RFAAS_ERR_REFUSED_NO_CAPACITY as u32),
+        "RFAAS_ERR_REFUSED_NO_CAPACITY"
+    );
+    assert_eq!(name(9999), "RFAAS_UNKNOWN_STATUS");
+    assert!(!rfaas_status_is_retryable(0));
+    assert!(!rfaas_status_is_retryable(9999));
+    assert!(rfaas_status_is_retryable(
+        rfaas_status::RFAAS_ERR_REFUSED_NO_CAPACITY as u32
+    ));
+    assert!(!rfaas_status_is_retryable(
+        rfaas_status::RFAAS_ERR_REFUSED_TOKEN_FORGED as u32
+    ));
+}
+
+#[test]
+fn default_options_match_the_documentation() {
+    let o = rfaas_alloc_options_default();
+    assert_eq!(o.cores, 1);
+    assert_eq!(o.memory_mib, 256);
+    assert_eq!(o.mode, rfaas_mode::RFAAS_MODE_HOT_THEN_WARM);
+    assert_eq!(o.hot_timeout_us, 5000);
+    assert_eq!(o.input_capacity, 65536);
+    assert_eq!(o.output_capacity, 1 << 20);
+    assert_eq!(o.deadline_ms, 0);
+}
