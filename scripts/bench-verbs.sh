@@ -67,7 +67,7 @@ cd "$(repo_root)"
 ensure_packages "${BUILD_PACKAGES[@]}" jq
 ensure_rust
 bash scripts/rdma-vm.sh build
-cargo build --release -q -p rfaas-fabric --features verbs --bins
+cargo build --release -q -p rfaas-bench --features verbs --bin rfaas-fabric-bench
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 start=$SECONDS
 RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \

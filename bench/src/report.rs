@@ -6,6 +6,8 @@
 //! printed at the end (lowest median latency, highest bandwidth): on a
 //! shared machine a slow round says more about the neighbours than about
 //! the code, and the best rounds of two rows compare like with like.
+//! Derived rows (differences and ratios of two rows, with their target)
+//! follow the measured ones, computed from those best rounds.
 
 use std::io::{self, Write};
 
@@ -23,13 +25,28 @@ pub struct Row {
     pub measure: Measure,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Measure {
     Latency(Summary),
     /// `bytes` moved in total; `bytes_per_s` = `bytes` / elapsed.
     Bandwidth {
         bytes_per_s: u64,
         bytes: u64,
+    },
+    /// Derived from two other rows' medians: `median_ns` = median of one
+    /// minus median of the other (`of` says which), checked against an
+    /// upper bound.
+    Difference {
+        median_ns: i64,
+        of: String,
+        target_max_ns: Option<u64>,
+    },
+    /// Derived from two other rows: `ratio` = one row's figure over the
+    /// other's (`of` says which), checked against a lower bound.
+    Ratio {
+        ratio: f64,
+        of: String,
+        target_min: Option<f64>,
     },
 }
 
@@ -59,6 +76,66 @@ impl Row {
         }
     }
 
+    /// A derived row: `median_ns` = `a` − `b`, medians of two latency rows.
+    pub fn difference(
+        name: &str,
+        provider: &str,
+        size: u64,
+        median_ns: i64,
+        of: String,
+        target_max_ns: Option<u64>,
+    ) -> Self {
+        Self {
+            name: name.to_owned(),
+            provider: provider.to_owned(),
+            size,
+            measure: Measure::Difference {
+                median_ns,
+                of,
+                target_max_ns,
+            },
+        }
+    }
+
+    /// A derived row: one row's figure over another's.
+    pub fn ratio(
+        name: &str,
+        provider: &str,
+        size: u64,
+        ratio: f64,
+        of: String,
+        target_min: Option<f64>,
+    ) -> Self {
+        Self {
+            name: name.to_owned(),
+            provider: provider.to_owned(),
+            size,
+            measure: Measure::Ratio {
+                ratio,
+                of,
+                target_min,
+            },
+        }
+    }
+
+    /// Whether a derived row meets its target; `None` for measured rows and
+    /// derived rows without one.
+    pub fn meets_target(&self) -> Option<bool> {
+        match &self.measure {
+            Measure::Difference {
+                median_ns,
+                target_max_ns: Some(max),
+                ..
+            } => Some(*median_ns <= *max as i64),
+            Measure::Ratio {
+                ratio,
+                target_min: Some(min),
+                ..
+            } => Some(*ratio >= *min),
+            _ => None,
+        }
+    }
+
     /// The row as one JSON object, keys in a fixed order.
     pub fn to_json(&self) -> String {
         let mut s = format!(
@@ -67,7 +144,8 @@ impl Row {
             serde_json::Value::from(self.provider.as_str()),
             self.size
         );
-        match self.measure {
+        let met = self.meets_target();
+        match &self.measure {
             Measure::Latency(l) => s.push_str(&format!(
                 ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"iters\":{}}}",
                 l.median_ns, l.p99_ns, l.min_ns, l.mean_ns, l.iters
@@ -75,18 +153,56 @@ impl Row {
             Measure::Bandwidth { bytes_per_s, bytes } => s.push_str(&format!(
                 ",\"bytes_per_s\":{bytes_per_s},\"bytes\":{bytes}}}"
             )),
+            Measure::Difference {
+                median_ns,
+                of,
+                target_max_ns,
+            } => s.push_str(&format!(
+                ",\"median_ns\":{median_ns},\"of\":{},\"target_max_ns\":{},\"meets_target\":{}}}",
+                serde_json::Value::from(of.as_str()),
+                serde_json::Value::from(*target_max_ns),
+                serde_json::Value::from(met),
+            )),
+            Measure::Ratio {
+                ratio,
+                of,
+                target_min,
+            } => s.push_str(&format!(
+                ",\"ratio\":{},\"of\":{},\"target_min\":{},\"meets_target\":{}}}",
+                serde_json::Value::from((ratio * 1000.0).round() / 1000.0),
+                serde_json::Value::from(of.as_str()),
+                serde_json::Value::from(*target_min),
+                serde_json::Value::from(met),
+            )),
         }
         s
     }
 
     fn to_table_line(&self) -> String {
-        let (median, p99, bandwidth) = match self.measure {
-            Measure::Latency(l) => (micros(l.median_ns), micros(l.p99_ns), "-".to_owned()),
-            Measure::Bandwidth { bytes_per_s, .. } => {
-                ("-".to_owned(), "-".to_owned(), rate(bytes_per_s))
+        let dash = || "-".to_owned();
+        let (median, p99, bandwidth, note) = match &self.measure {
+            Measure::Latency(l) => (micros(l.median_ns), micros(l.p99_ns), dash(), None),
+            Measure::Bandwidth { bytes_per_s, .. } => (dash(), dash(), rate(*bytes_per_s), None),
+            Measure::Difference {
+                median_ns,
+                of,
+                target_max_ns,
+            } => {
+                let target = target_max_ns.map(|t| format!(", target <= {} µs", micros(t)));
+                let note = format!("{of}{}", target.unwrap_or_default());
+                (signed_micros(*median_ns), dash(), dash(), Some(note))
+            }
+            Measure::Ratio {
+                ratio,
+                of,
+                target_min,
+            } => {
+                let target = target_min.map(|t| format!(", target >= {t}"));
+                let note = format!("{of}{}", target.unwrap_or_default());
+                (dash(), dash(), format!("x {ratio:.2}"), Some(note))
             }
         };
-        format!(
+        let mut line = format!(
             "{:<28} {:<12} {:>9} {:>12} {:>12} {:>12}",
             self.name,
             self.provider,
@@ -94,7 +210,16 @@ impl Row {
             median,
             p99,
             bandwidth
-        )
+        );
+        if let Some(note) = note {
+            let verdict = match self.meets_target() {
+                Some(true) => ": met",
+                Some(false) => ": MISSED",
+                None => "",
+            };
+            line.push_str(&format!("  ({note}{verdict})"));
+        }
+        line
     }
 }
 
@@ -111,7 +236,7 @@ pub struct Report {
     json: bool,
     header_written: bool,
     rounds: usize,
-    /// With several rounds: the best of each row so far, in first-seen order.
+    /// The best of each row so far, in first-seen order.
     best: Vec<Row>,
 }
 
@@ -139,30 +264,50 @@ impl Report {
         }
     }
 
-    /// Prints `row` now (one round), or keeps it if it is its row's best.
+    /// Keeps `row` if it is its row's best so far, and prints it now when
+    /// there is one round.
     pub fn push(&mut self, row: &Row) -> Result<()> {
+        let same =
+            |r: &&mut Row| r.name == row.name && r.provider == row.provider && r.size == row.size;
+        match self.best.iter_mut().find(same) {
+            Some(best) if row.beats(best) => *best = row.clone(),
+            Some(_) => {}
+            None => self.best.push(row.clone()),
+        }
         if self.rounds > 1 {
-            let same = |r: &&mut Row| {
-                r.name == row.name && r.provider == row.provider && r.size == row.size
-            };
-            match self.best.iter_mut().find(same) {
-                Some(best) if row.beats(best) => *best = row.clone(),
-                Some(_) => {}
-                None => self.best.push(row.clone()),
-            }
             return Ok(());
         }
-        self.write(row)
-            .context(|| format!("could not print the result of row {}", row.name))
+        self.print(row)
     }
 
     /// Prints the best round of every row (several rounds only).
     pub fn finish(&mut self) -> Result<()> {
-        for row in std::mem::take(&mut self.best) {
-            self.write(&row)
-                .context(|| format!("could not print the result of row {}", row.name))?;
+        self.finish_with(|_| Vec::new())
+    }
+
+    /// As [`finish`](Self::finish), then prints the rows `derive` makes
+    /// from the best round of every row.
+    pub fn finish_with(&mut self, derive: impl FnOnce(&[Row]) -> Vec<Row>) -> Result<()> {
+        if self.rounds > 1 {
+            for row in self.best.clone() {
+                self.print(&row)?;
+            }
         }
+        for row in derive(&self.best) {
+            self.print(&row)?;
+        }
+        self.best.clear();
         Ok(())
+    }
+
+    /// The best of each row so far.
+    pub fn rows(&self) -> &[Row] {
+        &self.best
+    }
+
+    fn print(&mut self, row: &Row) -> Result<()> {
+        self.write(row)
+            .context(|| format!("could not print the result of row {}", row.name))
     }
 
     fn write(&mut self, row: &Row) -> io::Result<()> {
@@ -187,6 +332,10 @@ impl Report {
 }
 
 fn micros(ns: u64) -> String {
+    format!("{:.2}", ns as f64 / 1000.0)
+}
+
+fn signed_micros(ns: i64) -> String {
     format!("{:.2}", ns as f64 / 1000.0)
 }
 

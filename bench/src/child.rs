@@ -1,6 +1,6 @@
-//! Two-process orchestration: the bench re-executes itself as
-//! `rfaas-fabric-bench --serve <what> <args>...` to run the peer side of a row
-//! in its own process.
+//! Two-process orchestration: the bench re-executes itself (its own binary,
+//! `rfaas-bench` or `rfaas-fabric-bench`) as `--serve <what> <args>...` to run
+//! the peer side of a row in its own process.
 //!
 //! The protocol is one line: the peer prints `ready <addr>` on its stdout once
 //! it can be reached (a socket address, or anything the row understands). The

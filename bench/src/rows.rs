@@ -1,8 +1,9 @@
 //! What a row is, what it is given, and which rows run.
 //!
 //! A module that measures something exports one [`Suite`]: its rows and the
-//! peer entry points those rows start with [`Ctx::spawn_peer`]. `main.rs`
-//! lists the suites; nothing else needs to know a row exists.
+//! peer entry points those rows start with [`Ctx::spawn_peer`]. Each
+//! binary's `main.rs` lists its suites; nothing else needs to know a row
+//! exists.
 
 use std::fmt;
 use std::os::fd::BorrowedFd;
@@ -112,6 +113,8 @@ pub struct Ctx {
     pub cpu: Option<usize>,
     /// The CPU peers are pinned to, if pinning.
     pub peer_cpu: Option<usize>,
+    /// What the invocation rows need (`rfaas-bench` only).
+    pub invoke: crate::invoke::Settings,
 }
 
 impl Ctx {
@@ -200,6 +203,7 @@ mod tests {
             bw_bytes: 1 << 20,
             cpu: None,
             peer_cpu: None,
+            invoke: Default::default(),
         };
         assert_eq!(ctx.bw_messages(1 << 20), 8);
         assert_eq!(ctx.bw_messages(1024), 1024);

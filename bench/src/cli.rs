@@ -1,0 +1,190 @@
+//! What the two binaries share around their own `Args`: CPU pinning, the
+//! [`Ctx`] built from the flags, the `--serve` dispatch, and the rounds.
+
+use std::process::ExitCode;
+
+use clap::ValueEnum;
+
+use crate::child;
+use crate::error::{Context, Error, Result};
+use crate::report::{Report, Row};
+use crate::rows::{self, Ctx, Provider, Suite};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Pin {
+    Auto,
+    On,
+    Off,
+}
+
+/// The flags both binaries have; each flattens this into its own `Args`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Common {
+    /// Providers to measure: tcp, shm, verbs:DEVICE; repeat the flag or
+    /// separate with commas. Baselines run for the providers they stand for.
+    #[arg(long, value_delimiter = ',', default_value = "tcp,shm")]
+    pub provider: Vec<String>,
+
+    /// Payload sizes in bytes for latency rows.
+    #[arg(long, value_delimiter = ',', default_value = "1,64,1024,4096")]
+    pub sizes: Vec<usize>,
+
+    /// Payload sizes in bytes for bandwidth rows.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1024,65536,1048576,5242880"
+    )]
+    pub bw_sizes: Vec<usize>,
+
+    /// Timed iterations per latency row, after max(1000, iters/10) untimed.
+    #[arg(long, default_value_t = 10_000)]
+    pub iters: usize,
+
+    /// Bytes moved per bandwidth row (at least 8 messages; an echo counts
+    /// both directions).
+    #[arg(long, default_value_t = 256 << 20)]
+    pub bw_bytes: u64,
+
+    /// Measure every row this many times and report each row's best round
+    /// (see report.rs for why).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rounds: u64,
+
+    /// Only these rows (comma-separated names); all when absent.
+    #[arg(long, value_delimiter = ',')]
+    pub rows: Option<Vec<String>>,
+
+    /// Print one JSON object per row on stdout; the table goes to stderr.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Pin the bench to one CPU and its peers (and an executor daemon with
+    /// its workers) to another. `auto` pins when at least two CPUs are
+    /// available.
+    #[arg(long, value_enum, default_value_t = Pin::Auto, num_args = 0..=1, default_missing_value = "on")]
+    pub cpu_pin: Pin,
+
+    /// Internal: run the peer side `<what>` of a row (see child.rs).
+    #[arg(long, hide = true, num_args = 1.., allow_hyphen_values = true, value_name = "WHAT")]
+    pub serve: Option<Vec<String>>,
+}
+
+/// Checks the flags and decides where the bench and its peers run.
+pub fn context(args: &Common, invoke: crate::invoke::Settings) -> Result<Ctx> {
+    let providers = args
+        .provider
+        .iter()
+        .map(|p| Provider::parse(p))
+        .collect::<Result<Vec<_>>>()?;
+    for (flag, sizes) in [("--sizes", &args.sizes), ("--bw-sizes", &args.bw_sizes)] {
+        if sizes.contains(&0) {
+            return Err(Error::new(format!(
+                "{flag} must list sizes of at least 1 byte"
+            )));
+        }
+    }
+    let (cpu, peer_cpu) = match args.cpu_pin {
+        Pin::Off => (None, None),
+        pin => match child::allowed_cpus()?[..] {
+            [a, b, ..] => (Some(a), Some(b)),
+            _ if pin == Pin::On => {
+                return Err(Error::new(
+                    "--cpu-pin needs at least two CPUs and this process may use only one",
+                ))
+            }
+            _ => (None, None),
+        },
+    };
+    Ok(Ctx {
+        providers,
+        sizes: args.sizes.clone(),
+        bw_sizes: args.bw_sizes.clone(),
+        iters: args.iters,
+        warmup: (args.iters / 10).max(1000),
+        bw_bytes: args.bw_bytes,
+        cpu,
+        peer_cpu,
+        invoke,
+    })
+}
+
+/// Every peer entry point of `suites`.
+pub fn peers(suites: &[Suite]) -> Vec<child::PeerSpec> {
+    suites
+        .iter()
+        .flat_map(|s| s.peers.iter().copied())
+        .collect()
+}
+
+/// The body of a binary's `main`: serves a peer when started with
+/// `--serve <what> <args>...`; otherwise builds the [`Ctx`] with `invoke`,
+/// runs the rows `rounds` times and prints each row's best round, then the
+/// rows `derive` makes from them. An error becomes one line on stderr and a
+/// failing exit code.
+pub fn main(
+    bin: &str,
+    suites: &[Suite],
+    args: &Common,
+    invoke: impl FnOnce() -> Result<crate::invoke::Settings>,
+    derive: impl FnOnce(&[Row]) -> Vec<Row>,
+) -> ExitCode {
+    let result = match &args.serve {
+        Some(serve) => match serve.split_first() {
+            Some((what, rest)) => child::serve(&peers(suites), what, rest)
+                .map_err(|e| Error::new(format!("the {what} peer process stopped: {e}"))),
+            None => Err(Error::new("--serve needs the name of a peer")),
+        },
+        None => invoke()
+            .and_then(|invoke| context(args, invoke))
+            .and_then(|ctx| run_rounds(suites, args, &ctx, derive)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{bin}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Checks that no two rows and no two peers of `suites` share a name (each
+/// binary's tests call it).
+pub fn check_unique_names(suites: &[Suite]) {
+    let mut rows: Vec<&str> = suites.iter().flat_map(|s| s.rows).map(|r| r.name).collect();
+    let mut peers: Vec<&str> = peers(suites).iter().map(|p| p.name).collect();
+    for names in [&mut rows, &mut peers] {
+        let n = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), n, "duplicate names: {names:?}");
+    }
+}
+
+/// Pins the bench, runs the selected rows `rounds` times, prints each row's
+/// best round (see report.rs), then the rows `derive` makes from them.
+fn run_rounds(
+    suites: &[Suite],
+    args: &Common,
+    ctx: &Ctx,
+    derive: impl FnOnce(&[Row]) -> Vec<Row>,
+) -> Result<()> {
+    let filter = args.rows.as_deref();
+    let rounds = args.rounds as usize;
+    if let Some(filter) = filter {
+        rows::check_filter(suites, filter)?;
+    }
+    if let Some(cpu) = ctx.cpu {
+        child::pin_current_thread(cpu).context(|| {
+            format!("could not pin the bench to CPU {cpu} (--cpu-pin off skips pinning)")
+        })?;
+    }
+    let mut report = Report::new(args.json, rounds);
+    for round in 1..=rounds {
+        if rounds > 1 {
+            eprintln!("round {round} of {rounds}");
+        }
+        rows::run(suites, filter, ctx, &mut report)?;
+    }
+    report.finish_with(derive)
+}

@@ -1,0 +1,389 @@
+//! Rows measured through `rfaas-client` against a real `rfaas-executord`
+//! on 127.0.0.1, which each row starts for itself (with one provider, a
+//! worker pool and no sandbox) and stops by pid when it ends, fails or the
+//! bench is interrupted (see `cleanup.rs`). The functions are the C
+//! examples (`noop`, `echo`).
+//!
+//! | row | what one sample is |
+//! |---|---|
+//! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
+//! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
+//! | `echo` | `submit` + `spin` of `echo` with `--bw-sizes` bytes each way, on a hot worker; reported as bandwidth (below) |
+//! | `cold_start` | a fresh `Client`: `allocate` (one core, the library shipped) up to the first `noop` result; then `deallocate`, untimed |
+//! | `cold_start_<phase>` | the phases of the same cold starts, from `Allocation::cold_start()`; `first_result` is the rest: buffers and the first call |
+//!
+//! `echo`'s `bytes_per_s` is the bytes that crossed the fabric per second
+//! of round trip: `2 × size × calls / elapsed`, the payload in and the
+//! result out. The fabric's `bandwidth` row counts the same way (bytes
+//! placed in the peer's memory per second), so the two compare directly;
+//! `derived.rs` prints their ratio. Payloads up to [`ECHO_INPUT_CAPACITY`]
+//! − 32 travel with the request; bigger ones are pulled by the worker with
+//! one-sided reads.
+//!
+//! The daemon and its workers are placed on the peers' CPU, so a hot worker
+//! does not share a CPU with the client: the bench moves itself there while
+//! the daemon starts (every process inherits the mask) and back after.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rfaas_client::{Allocation, AllocationSpec, Buffer, Client, ClientOptions, FunctionId, Mode};
+use rfaas_testkit::executord::{Executord, ExecutordOptions};
+
+use crate::child;
+use crate::cleanup;
+use crate::error::{Context, Error, Result};
+use crate::report::{Report, Row};
+use crate::rows::{Ctx, Provider, RowSpec, Runner, Suite};
+use crate::stats::{time_round_trips, Summary};
+
+const HOT_NOOP: &str = "hot_noop";
+const WARM_NOOP: &str = "warm_noop";
+const ECHO: &str = "echo";
+const COLD_START: &str = "cold_start";
+
+/// Input capacity of the echo allocation's lane: 1 KiB and 64 KiB travel
+/// inline, 1 MiB and more are pulled.
+pub const ECHO_INPUT_CAPACITY: u32 = (64 << 10) + 32;
+
+/// Lease users may not be root; the worker drops to this one.
+const LEASE_USER: &str = "nobody";
+const LEASE_MEMORY_MIB: u32 = 1024;
+const ALLOCATION_MEMORY_MIB: u32 = 256;
+
+pub const SUITE: Suite = Suite {
+    rows: &[
+        RowSpec {
+            name: HOT_NOOP,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| noop(ctx, p, Mode::Hot, out),
+            },
+        },
+        RowSpec {
+            name: WARM_NOOP,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| noop(ctx, p, Mode::Warm, out),
+            },
+        },
+        RowSpec {
+            name: ECHO,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: echo,
+            },
+        },
+        RowSpec {
+            name: COLD_START,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: cold_start,
+            },
+        },
+    ],
+    peers: &[],
+};
+
+/// What the invocation rows need from the command line.
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    /// The `rfaas-executord` binary; `None`: next to the bench's own.
+    pub executord: Option<PathBuf>,
+    /// Cold starts measured per provider (after one untimed).
+    pub cold_iters: usize,
+    /// The daemon's pool of pre-spawned workers.
+    pub pool_size: u32,
+}
+
+/// `rfaas-client` errors as bench errors, with what was being done.
+trait ClientContext<T> {
+    fn ctx(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> ClientContext<T> for rfaas_client::Result<T> {
+    fn ctx(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::new(format!("{}: {e}", what())))
+    }
+}
+
+/// A daemon started for one row, and its place in the signal handler.
+struct Daemon {
+    executord: Executord,
+    _registered: cleanup::Registered,
+}
+
+impl Daemon {
+    /// Starts `rfaas-executord` with `provider` only, on the peers' CPU.
+    fn start(ctx: &Ctx, provider: &Provider) -> Result<Daemon> {
+        let bin = match &ctx.invoke.executord {
+            Some(bin) => bin.clone(),
+            None => std::env::current_exe()
+                .context(|| "could not find the bench's own executable".to_owned())?
+                .with_file_name("rfaas-executord"),
+        };
+        if !bin.exists() {
+            return Err(Error::new(format!(
+                "{} does not exist: build it next to the bench (cargo build --release \
+                 -p rfaas-executor -p rfaas-bench) or pass --executord",
+                bin.display()
+            )));
+        }
+        let opts = ExecutordOptions {
+            node_name: "rfaas-bench".into(),
+            providers: vec![provider.spec.clone()],
+            pool_size: ctx.invoke.pool_size,
+            memory_mib: 4096,
+            ..ExecutordOptions::default()
+        };
+        if let Some(cpu) = ctx.peer_cpu {
+            child::pin_current_thread(cpu)
+                .context(|| format!("could not move to CPU {cpu} to start the daemon"))?;
+        }
+        let started = Executord::try_start(&bin, opts);
+        if let Some(cpu) = ctx.cpu {
+            child::pin_current_thread(cpu)
+                .context(|| format!("could not move the bench back to CPU {cpu}"))?;
+        }
+        let executord =
+            started.map_err(|e| Error::new(format!("could not start {}: {e}", bin.display())))?;
+        let registered = cleanup::register(executord.pid());
+        Ok(Daemon {
+            executord,
+            _registered: registered,
+        })
+    }
+
+    fn token(&self) -> String {
+        self.executord
+            .token(LEASE_USER, 4, LEASE_MEMORY_MIB, Duration::from_secs(3600))
+    }
+
+    fn addr(&self) -> String {
+        self.executord.control_addr().to_string()
+    }
+
+    /// Waits until the pool holds a worker and no allocation is left, so
+    /// each cold start begins from the same state.
+    fn wait_idle(&self) -> Result<()> {
+        catch_unwind(AssertUnwindSafe(|| {
+            self.executord.wait_status(Duration::from_secs(30), |s| {
+                matches!(s, rfaas_proto::control::LocalReply::Status {
+                    pool_idle, allocations, ..
+                } if *pool_idle >= 1 && allocations.is_empty())
+            })
+        }))
+        .map(drop)
+        .map_err(|_| {
+            Error::new(format!(
+                "the daemon's pool did not refill within 30 s; its log:\n{}",
+                self.executord.log()
+            ))
+        })
+    }
+}
+
+/// The C example functions, as a client ships them.
+fn library() -> Result<Vec<u8>> {
+    catch_unwind(rfaas_testkit::functions::c_library_bytes).map_err(|_| {
+        Error::new(
+            "could not build examples/functions/c into libfunctions.so (needs cc); \
+             the compiler's output is printed above",
+        )
+    })
+}
+
+fn noop(ctx: &Ctx, provider: &Provider, mode: Mode, out: &mut Report) -> Result<()> {
+    let name = if mode == Mode::Hot {
+        HOT_NOOP
+    } else {
+        WARM_NOOP
+    };
+    let daemon = Daemon::start(ctx, provider)?;
+    let client = Client::new(ClientOptions::with_provider(&provider.spec));
+    let max = ctx.sizes.iter().copied().max().unwrap_or(1);
+    let spec = AllocationSpec::new(library()?, &["noop"])
+        .mode(mode)
+        .memory_mib(ALLOCATION_MEMORY_MIB)
+        .input_capacity(u32::try_from(max + 32).unwrap_or(u32::MAX).max(4096));
+    let alloc = client
+        .allocate(&daemon.addr(), &daemon.token(), &spec)
+        .ctx(|| format!("{name}: allocating on {}", daemon.addr()))?;
+    let f = alloc.function("noop").ctx(|| "finding noop".into())?;
+    let mut input = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
+    input.as_mut_slice().fill(0xa5);
+    let mut output = alloc.buffer::<u8>(64).ctx(|| "registering".into())?;
+    for &size in &ctx.sizes {
+        let summary = time_round_trips(ctx.warmup, ctx.iters, || {
+            let inv = alloc
+                .submit(f, &input, size, &mut output)
+                .ctx(|| format!("{name}: submitting {size} bytes"))?;
+            let len = match mode {
+                Mode::Hot => inv.spin(),
+                _ => inv.get(),
+            }
+            .ctx(|| format!("{name}: the {size}-byte call failed"))?;
+            match len {
+                0 => Ok(()),
+                n => Err(Error::new(format!("{name}: noop returned {n} bytes"))),
+            }
+        })?;
+        out.push(&Row::latency(name, &provider.spec, size, summary))?;
+    }
+    alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
+    drop(daemon);
+    Ok(())
+}
+
+fn echo(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let daemon = Daemon::start(ctx, provider)?;
+    let client = Client::new(ClientOptions::with_provider(&provider.spec));
+    let max = ctx.bw_sizes.iter().copied().max().unwrap_or(1);
+    let capacity = u32::try_from(max)
+        .map_err(|_| Error::new("--bw-sizes must stay below 4 GiB for echo"))?
+        .max(4096);
+    let spec = AllocationSpec::new(library()?, &["echo"])
+        .mode(Mode::Hot)
+        .memory_mib(ALLOCATION_MEMORY_MIB.max(capacity.div_ceil(1 << 20) * 4 + 64))
+        .input_capacity(ECHO_INPUT_CAPACITY)
+        .output_capacity(capacity);
+    let alloc = client
+        .allocate(&daemon.addr(), &daemon.token(), &spec)
+        .ctx(|| format!("{ECHO}: allocating on {}", daemon.addr()))?;
+    let f = alloc.function("echo").ctx(|| "finding echo".into())?;
+    let mut input = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
+    for (i, b) in input.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut output = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
+    for &size in &ctx.bw_sizes {
+        // Untimed: faults the pages in on both sides and grows the
+        // worker's pull buffer.
+        for _ in 0..4 {
+            echo_call(&alloc, f, &input, size, &mut output)?;
+        }
+        if output.as_slice()[..size] != input.as_slice()[..size] {
+            return Err(Error::new(format!(
+                "{ECHO}: the {size}-byte result differs from the input"
+            )));
+        }
+        let calls = (ctx.bw_messages(size) / 2).max(8);
+        let start = Instant::now();
+        for _ in 0..calls {
+            echo_call(&alloc, f, &input, size, &mut output)?;
+        }
+        let elapsed = start.elapsed();
+        out.push(&Row::bandwidth(
+            ECHO,
+            &provider.spec,
+            size,
+            2 * size as u64 * calls,
+            elapsed,
+        ))?;
+    }
+    alloc.deallocate().ctx(|| format!("{ECHO}: deallocating"))?;
+    drop(daemon);
+    Ok(())
+}
+
+/// One `echo` of `size` bytes, checked for its length. Hot path.
+#[inline]
+fn echo_call(
+    alloc: &Allocation,
+    f: FunctionId,
+    input: &Buffer<u8>,
+    size: usize,
+    output: &mut Buffer<u8>,
+) -> Result<()> {
+    let len = alloc
+        .submit(f, input, size, output)
+        .ctx(|| format!("{ECHO}: submitting {size} bytes"))?
+        .spin()
+        .ctx(|| format!("{ECHO}: the {size}-byte call failed"))?;
+    match len {
+        n if n == size => Ok(()),
+        n => Err(Error::new(format!(
+            "{ECHO}: {size} bytes in, {n} bytes out"
+        ))),
+    }
+}
+
+/// The cold-start rows, in print order: the whole, the executor's and the
+/// client's phases, and what follows `allocate`.
+const COLD_PHASES: [&str; 8] = [
+    COLD_START,
+    "cold_start_connect",
+    "cold_start_validate",
+    "cold_start_worker",
+    "cold_start_load",
+    "cold_start_listen",
+    "cold_start_lanes",
+    "cold_start_first_result",
+];
+
+fn cold_start(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let daemon = Daemon::start(ctx, provider)?;
+    let library = library()?;
+    let spec = AllocationSpec::new(library, &["noop"])
+        .cores(1)
+        .mode(Mode::HotThenWarm)
+        .memory_mib(ALLOCATION_MEMORY_MIB);
+    let (addr, token) = (daemon.addr(), daemon.token());
+    let iters = ctx.invoke.cold_iters.max(1);
+    let mut samples: [Vec<u64>; COLD_PHASES.len()] =
+        std::array::from_fn(|_| Vec::with_capacity(iters));
+    let mut pooled = 0usize;
+    // One untimed first: the page cache, the daemon's first allocation.
+    for i in 0..=iters {
+        daemon.wait_idle()?;
+        let start = Instant::now();
+        let client = Client::new(ClientOptions::with_provider(&provider.spec));
+        let alloc = client
+            .allocate(&addr, &token, &spec)
+            .ctx(|| format!("{COLD_START}: allocating on {addr}"))?;
+        let allocated = start.elapsed();
+        let f = alloc.function("noop").ctx(|| "finding noop".into())?;
+        let input = alloc.buffer::<u8>(1).ctx(|| "registering".into())?;
+        let mut output = alloc.buffer::<u8>(64).ctx(|| "registering".into())?;
+        alloc
+            .invoke(f, &input, 1, &mut output)
+            .ctx(|| format!("{COLD_START}: the first call failed"))?;
+        let total = start.elapsed();
+        let cs = alloc.cold_start();
+        alloc
+            .deallocate()
+            .ctx(|| format!("{COLD_START}: deallocating"))?;
+        drop(client);
+        if i == 0 {
+            continue;
+        }
+        pooled += usize::from(cs.pooled);
+        let phases = [
+            total,
+            cs.connect_control,
+            cs.validate,
+            cs.worker,
+            cs.load,
+            cs.listen,
+            cs.connect_lanes,
+            total.saturating_sub(allocated),
+        ];
+        for (s, d) in samples.iter_mut().zip(phases) {
+            s.push(d.as_nanos() as u64);
+        }
+    }
+    if pooled < iters {
+        eprintln!(
+            "note: {COLD_START} on {}: {} of {iters} allocations found no pooled worker",
+            provider.spec,
+            iters - pooled
+        );
+    }
+    for (name, s) in COLD_PHASES.iter().zip(samples.iter_mut()) {
+        let summary = Summary::of(s).ok_or_else(|| Error::new("no cold start was measured"))?;
+        out.push(&Row::latency(name, &provider.spec, 1, summary))?;
+    }
+    drop(daemon);
+    Ok(())
+}

@@ -1,0 +1,48 @@
+//! `rfaas-bench`: the harness and rows of the two benchmark binaries.
+//!
+//! - `rfaas-bench` measures invocations through `rfaas-client` against a
+//!   real `rfaas-executord` on loopback (hot and warm no-op round trips, echo
+//!   bandwidth, cold starts), a gRPC echo, and in the same run the fabric
+//!   rows and raw baselines they are judged against, with the differences
+//!   and ratios as derived rows.
+//! - `rfaas-fabric-bench` measures the fabric providers against the raw
+//!   baselines only.
+//!
+//! # Layout
+//!
+//! - [`rows`]: what a row is ([`rows::RowSpec`]), what it is given
+//!   ([`rows::Ctx`]), and the loop that runs the selected ones;
+//! - [`cli`]: what both binaries share around their flags: pinning, the
+//!   `--serve` dispatch, the rounds;
+//! - [`fabric_rows`]: `pingpong` and `bandwidth` through rfaas-fabric;
+//! - [`baselines`]: the raw baselines (plain sockets, shared memory, memcpy);
+//! - [`invoke`]: `hot_noop`, `warm_noop`, `echo` and `cold_start` through
+//!   rfaas-client and a real executor daemon;
+//! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
+//! - [`derived`]: overheads and ratios computed from the best rounds;
+//! - [`child`]: the peer process a two-sided row runs against, started by
+//!   re-executing the binary with the hidden `--serve <what>`;
+//! - [`cleanup`]: stops the daemons the bench started on SIGINT/SIGTERM;
+//! - [`stats`]: latency samples -> median, p99, min, mean;
+//! - [`report`]: the table on stdout, or JSON lines with `--json`;
+//! - [`error`]: the error type; every error is a sentence.
+//!
+//! Adding rows: write a module that exports a [`rows::Suite`] and list it
+//! in the binary's `SUITES`. A row is a `fn(&Ctx, &Provider, &mut Report) ->
+//! Result<()>` (or `fn(&Ctx, &mut Report)` for provider-less rows) that
+//! pushes one [`report::Row`] per size; its peer side is a `fn(&[String],
+//! Ready) -> Result<()>` listed in the suite's `peers`, started with
+//! `ctx.spawn_peer(name, args, fds)`. `baselines.rs` is the example.
+
+pub mod baselines;
+pub mod child;
+pub mod cleanup;
+pub mod cli;
+pub mod derived;
+pub mod error;
+pub mod fabric_rows;
+pub mod grpc;
+pub mod invoke;
+pub mod report;
+pub mod rows;
+pub mod stats;
