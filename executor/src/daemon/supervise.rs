@@ -215,6 +215,11 @@ pub(crate) fn describe(
             ExitCause::Stopped,
             format!("worker {pid} stopped: the executor is draining or shutting down"),
         ),
+        // Only logged: the client asked for it and hears `Deallocated`.
+        (Some(Stop::Deallocate), _) => (
+            ExitCause::Stopped,
+            format!("worker {pid} stopped: its client deallocated or went away"),
+        ),
         (_, Ended::Signaled(sig)) => (
             ExitCause::Crashed,
             format!("worker {pid} killed by {}", process::signal_name(sig)),
@@ -271,6 +276,10 @@ mod tests {
     fn causes() {
         let c = |stop, ended| describe(9, ended, stop, 100).0;
         assert_eq!(c(None, Ended::Signaled(11)), ExitCause::Crashed);
+        assert_eq!(
+            c(Some(Stop::Deallocate), Ended::Signaled(libc::SIGKILL)),
+            ExitCause::Stopped
+        );
         assert_eq!(c(None, Ended::Exited(3)), ExitCause::DeadlineExceeded);
         assert_eq!(c(None, Ended::Exited(1)), ExitCause::Exited);
         assert_eq!(
