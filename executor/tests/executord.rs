@@ -181,6 +181,18 @@ fn uid_of(pid: u32) -> u32 {
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
 }
 
+/// The nice value of every thread of `pid`.
+fn nice_of_threads(pid: u32) -> Vec<i32> {
+    let mut nice = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap();
+        // Fields after the command's closing parenthesis; nice is field 19.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        nice.push(rest.split_whitespace().nth(16).unwrap().parse().unwrap());
+    }
+    nice
+}
+
 fn all_free(d: &Executord) {
     d.wait_status(MINUTE, |s| {
         matches!(s, LocalReply::Status { free_cpus, cpus, allocations, free_memory_mib, memory_mib, .. }
@@ -218,6 +230,9 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
     assert_eq!(allocs[0].cpus, [0, 1]);
     let pid = allocs[0].pid;
     assert_eq!(uid_of(pid), 65534, "the worker runs as nobody");
+    // Pooled workers start niced; serving, every thread is back to 0.
+    let nice = nice_of_threads(pid);
+    assert!(!nice.is_empty() && nice.iter().all(|&n| n == 0), "{nice:?}");
 
     let reply = c.deallocate(ok.allocation_id);
     let done: Deallocated = reply.parse(Kind::Deallocated).unwrap();

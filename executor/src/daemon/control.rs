@@ -68,6 +68,10 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: TcpStream) {
             Kind::AllocateRequest => {
                 let reply = allocate(&shared, &conn, conn_id, &frame);
                 conn.send(&reply);
+                // Only now: spawning the pooled worker's successor (fork,
+                // exec, dynamic linking) would compete for the CPU with the
+                // allocation it replaces.
+                shared.refill();
             }
             Kind::Deallocate => match frame.parse::<Deallocate>(Kind::Deallocate) {
                 Ok(d) => deallocate(&shared, &conn, conn_id, d),
@@ -605,7 +609,6 @@ fn attach_worker(
                 process::signal(w.pid, libc::SIGKILL);
             }
             drop(st);
-            shared.refill();
             return Ok((w.sock, w.pid, true));
         }
     }

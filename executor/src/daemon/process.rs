@@ -40,6 +40,7 @@ pub fn spawn_worker(
     worker: &Path,
     bwrap: Option<&Bwrap>,
     cgroup_procs: Option<&Path>,
+    nice: i32,
 ) -> io::Result<Spawned> {
     let (ours, theirs) = UnixStream::pair()?;
     let fd = theirs.as_raw_fd();
@@ -88,7 +89,7 @@ pub fn spawn_worker(
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // SAFETY: the closure runs in the forked child before exec and only
     // makes async-signal-safe system calls (fcntl, sigprocmask, prctl,
-    // open, write, close) on memory prepared before the fork.
+    // setpriority, open, write, close) on memory prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             let flags = libc::fcntl(fd, libc::F_GETFD);
@@ -101,6 +102,9 @@ pub fn spawn_worker(
             libc::sigemptyset(&mut empty);
             libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                return Err(io::Error::last_os_error());
+            }
             if let Some(procs) = &procs {
                 let f = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                 if f < 0 {
@@ -246,7 +250,7 @@ mod tests {
     #[test]
     fn spawn_wait_and_reap() {
         // `true` ignores its arguments, so it stands in for the worker.
-        let s = spawn_worker(Path::new("/bin/true"), None, None).unwrap();
+        let s = spawn_worker(Path::new("/bin/true"), None, None, 0).unwrap();
         assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
         // Still a zombie: the pid is ours until reaped.
         assert!(Path::new(&format!("/proc/{}", s.pid)).exists());
@@ -257,7 +261,7 @@ mod tests {
 
     #[test]
     fn killed_children_report_the_signal() {
-        let s = spawn_worker(Path::new("/bin/sleep"), None, None);
+        let s = spawn_worker(Path::new("/bin/sleep"), None, None, 0);
         // sleep refuses "--control-fd" and exits 1 at once.
         let s = s.unwrap();
         let ended = wait_exit(s.pid).unwrap();
@@ -272,8 +276,25 @@ mod tests {
     }
 
     #[test]
+    fn a_niced_worker_starts_at_that_nice_value() {
+        let dir = std::env::temp_dir().join(format!("rfaas-nice-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("report-nice");
+        // The script stands in for the worker and ignores --control-fd.
+        std::fs::write(&script, "#!/bin/sh\nnice > \"$(dirname \"$0\")/nice\"\n").unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let s = spawn_worker(&script, None, None, 7).unwrap();
+        assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
+        reap(s.pid);
+        let nice = std::fs::read_to_string(dir.join("nice")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(nice.trim(), "7");
+    }
+
+    #[test]
     fn missing_worker_binary_is_named() {
-        let err = spawn_worker(Path::new("/nonexistent/rfaas-worker"), None, None).unwrap_err();
+        let err = spawn_worker(Path::new("/nonexistent/rfaas-worker"), None, None, 0).unwrap_err();
         assert!(
             err.to_string().contains("/nonexistent/rfaas-worker"),
             "{err}"

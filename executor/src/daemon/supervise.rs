@@ -15,6 +15,12 @@ use super::config::Sandbox;
 use super::process::{self, Bwrap, Ended, Spawned};
 use super::state::{PoolWorker, Shared, Stop};
 
+/// The nice value pooled workers start with. Starting one (exec, dynamic
+/// linking, its first pages) runs while allocations are being served; at
+/// this value it takes the CPU only when the node has it to spare. The
+/// worker returns to the normal priority when it takes an assignment.
+pub(crate) const POOL_NICE: i32 = 10;
+
 /// Work for the spawner thread.
 #[derive(Debug)]
 pub(crate) enum SpawnJob {
@@ -42,7 +48,8 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
                     cgroup_procs,
                     reply,
                 }) => {
-                    let r = process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref());
+                    let r =
+                        process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref(), 0);
                     let _ = reply.send(r);
                 }
                 Ok(SpawnJob::Refill) => {}
@@ -61,7 +68,7 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
         };
         let backing_off = backoff_until.is_some_and(|t| std::time::Instant::now() < t);
         if short && !backing_off {
-            match process::spawn_worker(&worker, None, None) {
+            match process::spawn_worker(&worker, None, None, POOL_NICE) {
                 Ok(s) => {
                     let pid = s.pid;
                     {
@@ -87,7 +94,7 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
                 cgroup_procs,
                 reply,
             }) => {
-                let r = process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref());
+                let r = process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref(), 0);
                 let _ = reply.send(r);
             }
             Ok(SpawnJob::Refill) | Err(mpsc::RecvTimeoutError::Timeout) => {}

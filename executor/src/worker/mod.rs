@@ -251,6 +251,7 @@ fn endpoint_options() -> EndpointOptions {
 /// Pins, limits, drops privileges, loads the library and listens.
 fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, WorkerError> {
     check(a)?;
+    privileges::normal_priority();
     if !a.cpus.is_empty() {
         privileges::pin_to(&a.cpus)?;
     }
