@@ -1,59 +1,38 @@
 #!/usr/bin/env bash
-# The rfaas demo on one machine. For now: the fabric between two processes.
-#  1. write-with-immediate ping-pong over the tcp and shm providers;
-#  2. three processes adding into a counter held by a passive target
-#     (one-sided fetch-and-add; the target's own thread never polls).
+# The rfaas demo on one machine: an executor daemon on loopback and a job
+# that offloads half of a matrix multiplication to it, over the tcp and the
+# shm provider, printing the latencies it measured.
+#
+#   scripts/demo.sh            (N=512 REPS=20 by default: N=1024 scripts/demo.sh)
+#
 # Installs what it needs first. Every process it starts is stopped by PID.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-cd "$(repo_root)"
+root=$(repo_root)
+cd "$root"
 
 ensure_packages "${BUILD_PACKAGES[@]}"
 ensure_rust
-cargo build --release -q -p rfaas-fabric --bins
-probe=target/release/rfaas-fabric-probe
+echo "== building (release)"
+cargo build --release -q -p rfaas-executor -p rfaas-example-functions
+cargo build --release -q -p rfaas-client --example offload_matmul
+bin="${CARGO_TARGET_DIR:-$root/target}/release"
 
-pids=()
+work=$(mktemp -d "${TMPDIR:-/tmp}/rfaas-demo.XXXXXX")
 cleanup() {
-    local pid
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    stop_executord
+    rm -rf "$work"
 }
 trap cleanup EXIT
 
-# Starts `rfaas-fabric-probe serve`, leaves its PID in `pids` and its
-# `ready <addr> <region-addr> <rkey> <len>` line in $ready.
-serve() {
-    local out
-    out=$(mktemp)
-    "$probe" "$@" >"$out" &
-    pids+=($!)
-    for _ in $(seq 100); do
-        [ -s "$out" ] && break
-        sleep 0.05
-    done
-    read -r ready <"$out"
-    rm -f "$out"
-    [[ $ready == ready* ]] || { echo "the server did not start" >&2; exit 1; }
-}
+echo "== starting rfaas-executord"
+start_executord "$bin" "$work"
+token=$(mint_token nobody 2 1024)
 
 for provider in tcp shm; do
-    listen=127.0.0.1:0
-    [ "$provider" = shm ] && listen=""
-    serve --provider "$provider" serve --echo --listen "$listen" --len 65536
-    read -r _ addr raddr rkey _ <<<"$ready"
-    for size in 64 4096; do
-        "$probe" --provider "$provider" pingpong --connect "$addr" --addr "$raddr" --rkey "$rkey" \
-            --size "$size" --iters 20000
-    done
+    echo
+    echo "== a job offloads half of C = A x B (${N:-512}x${N:-512}, f64) over $provider"
+    "$bin/examples/offload_matmul" --executor "$EXECUTORD_CONTROL" --token "$token" \
+        --library "$bin/librfaas_example_functions.so" --provider "$provider" \
+        --n "${N:-512}" --reps "${REPS:-20}"
 done
-
-serve --provider tcp serve --listen 127.0.0.1:0
-read -r _ addr raddr rkey _ <<<"$ready"
-echo "three processes add 1000 each into a counter on a passive tcp target:"
-adders=()
-for _ in 1 2 3; do
-    "$probe" --provider tcp faa --connect "$addr" --addr "$raddr" --rkey "$rkey" --count 1000 &
-    adders+=($!)
-done
-for pid in "${adders[@]}"; do wait "$pid"; done
