@@ -16,7 +16,13 @@ pub const MSG_LEN: usize = 64;
 /// First bytes of a hello.
 pub const MAGIC: [u8; 8] = *b"RFAASSHM";
 /// Protocol version; a peer with another one is refused at connect.
-pub const VERSION: u16 = 1;
+///
+/// The version also covers the layout and meaning of the shared immediate
+/// ring the hello passes (`rfaas_fabric`'s `shm/ring.rs`). Version 2: the
+/// ring's `sleeping` word says how the consumer sleeps (1: on the wake-up
+/// socket, 2: on the futex word next to it), so a version-1 producer, which
+/// only kicks the socket, would miss a futex sleeper's wake-ups.
+pub const VERSION: u16 = 2;
 
 /// What a hello says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -264,7 +270,7 @@ mod tests {
         };
         let b = hello.encode();
         assert_eq!(&b[0..8], b"RFAASSHM");
-        assert_eq!(&b[8..12], &[1, 0, 2, 0]);
+        assert_eq!(&b[8..12], &[2, 0, 2, 0]);
         assert_eq!(&b[12..16], &[4, 3, 2, 1]);
         assert_eq!(&b[16..20], &[0, 1, 0, 0]);
         assert_eq!(&b[20..24], &[128, 0, 0, 0]);
@@ -280,6 +286,9 @@ mod tests {
         b[0..8].copy_from_slice(&MAGIC);
         b[8..10].copy_from_slice(&7u16.to_le_bytes());
         assert_eq!(Hello::decode(&b), Err(HelloError::Version(7)));
+        // Version 1 rings have no futex word: refused, not misread.
+        b[8..10].copy_from_slice(&1u16.to_le_bytes());
+        assert_eq!(Hello::decode(&b), Err(HelloError::Version(1)));
         b[8..10].copy_from_slice(&VERSION.to_le_bytes());
         b[10..12].copy_from_slice(&9u16.to_le_bytes());
         assert_eq!(Hello::decode(&b), Err(HelloError::Kind(9)));

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use super::link::Link;
-use super::sys;
+use super::ring::{AWAKE, SLEEP_FUTEX, SLEEP_SOCKET};
+use super::sys::{self, FutexWaitv, Waited, FUTEX_WAITV_MAX};
 use crate::completion::{Completion, Opcode, Status};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::os;
 
 /// Epoll token of the queue's own eventfd; attached endpoint `i` uses `i + 1`.
@@ -26,9 +27,14 @@ pub(super) struct CqShared {
     /// reserved push cannot fail.
     reserved: AtomicUsize,
     depth: usize,
-    /// The owner is (about to be) asleep in `wait`.
+    /// Whether and how the owner is (about to be) asleep in `wait`:
+    /// [`AWAKE`], [`SLEEP_FUTEX`] (on `futex`) or [`SLEEP_SOCKET`] (in
+    /// `epoll_wait`, on `event`).
     sleeping: AtomicU32,
-    /// Private eventfd the owner sleeps on (with the wake-up sockets).
+    /// Private futex word the owner sleeps on (with its rings' words).
+    futex: AtomicU32,
+    /// Private eventfd the owner sleeps on in the epoll fallback (with the
+    /// wake-up sockets).
     event: OwnedFd,
 }
 
@@ -70,15 +76,26 @@ impl CqShared {
         // Pairs with the fence in `ShmCq::wait` between announcing sleep and
         // the last poll: either the owner sees our push or we see its flag.
         fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::Relaxed) != 0
-            && self.sleeping.swap(0, Ordering::AcqRel) != 0
-        {
-            os::eventfd_signal(self.event.as_raw_fd());
+        if self.sleeping.load(Ordering::Relaxed) != AWAKE {
+            match self.sleeping.swap(AWAKE, Ordering::AcqRel) {
+                AWAKE => {}
+                SLEEP_FUTEX => self.wake_futex(),
+                _ => os::eventfd_signal(self.event.as_raw_fd()),
+            }
         }
     }
 
-    /// Wakes the owner unconditionally (peer loss, endpoint closed).
+    /// Bumps the private futex word and wakes the owner sleeping on it.
+    fn wake_futex(&self) {
+        // Release: an owner that reads the new value sees what we published.
+        self.futex.fetch_add(1, Ordering::Release);
+        sys::futex_wake(&self.futex, true);
+    }
+
+    /// Wakes the owner unconditionally (peer loss, endpoint closed), on
+    /// whichever path it sleeps. Cold path.
     pub(super) fn wake(&self) {
+        self.wake_futex();
         os::eventfd_signal(self.event.as_raw_fd());
     }
 }
@@ -91,7 +108,8 @@ struct Attached {
     head: u64,
     /// Endpoint closed and its receives flushed: nothing more to do.
     done: bool,
-    /// Our end of the wake-up socket the peer kicks.
+    /// Our end of the wake-up socket the peer kicks when we sleep in
+    /// `epoll_wait` (the fallback).
     wake: OwnedFd,
     /// Whether `wake` is still in our epoll set.
     watching: bool,
@@ -166,6 +184,22 @@ pub(crate) struct ShmCq {
     links: Vec<Option<Attached>>,
     /// Where the next poll starts, so no endpoint starves the others.
     cursor: usize,
+    /// The words of the current `futex_waitv` (reused: no allocation per wait).
+    waiters: Vec<FutexWaitv>,
+    /// Sleep with `futex_waitv` when possible (tests clear it to force the
+    /// epoll fallback).
+    use_futex: bool,
+    /// How many times `wait` slept on each path.
+    sleeps: Sleeps,
+}
+
+/// How many times a queue slept in the kernel, by path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Sleeps {
+    pub futex: u64,
+    pub epoll: u64,
+    /// Sleeps (either path) that ended because the timeout passed.
+    pub timeouts: u64,
 }
 
 impl ShmCq {
@@ -183,13 +217,29 @@ impl ShmCq {
                 queue: ArrayQueue::new(depth),
                 reserved: AtomicUsize::new(0),
                 depth,
-                sleeping: AtomicU32::new(0),
+                sleeping: AtomicU32::new(AWAKE),
+                futex: AtomicU32::new(0),
                 event,
             }),
             epoll,
             links: Vec::new(),
             cursor: 0,
+            waiters: Vec::with_capacity(FUTEX_WAITV_MAX),
+            use_futex: true,
+            sleeps: Sleeps::default(),
         })
+    }
+
+    /// Makes `wait` sleep on the epoll fallback, as without `futex_waitv`.
+    #[cfg(test)]
+    pub(super) fn force_epoll(&mut self) {
+        self.use_futex = false;
+    }
+
+    /// How many times `wait` slept, by path.
+    #[cfg(test)]
+    pub(super) fn sleeps(&self) -> Sleeps {
+        self.sleeps
     }
 
     pub(super) fn shared(&self) -> &Arc<CqShared> {
@@ -285,18 +335,27 @@ impl ShmCq {
     }
 
     /// Polls; if nothing is ready, sleeps in the kernel until something is or
-    /// `timeout` passes (then `Ok(0)`; epoll rounds it up to whole
-    /// milliseconds). Warm path.
+    /// `timeout` passes (then `Ok(0)`). Warm path.
     ///
     /// Wake-up protocol: announce "sleeping" (our flag and every attached
-    /// ring's), fence, poll once more, then sleep in `epoll_wait`. A producer
-    /// publishes, fences, and signals only if it sees the announcement, so a
-    /// completion that lands between the last poll and the sleep still wakes us.
+    /// ring's), read the futex words, fence, poll once more, then sleep in
+    /// `futex_waitv` on those words with the values read. A producer
+    /// publishes, fences, and only if it sees the announcement bumps the
+    /// word and wakes it, so a completion that lands between the last poll
+    /// and the sleep still wakes us (the kernel sees the word changed).
+    ///
+    /// Without `futex_waitv` (Linux < 5.16, a seccomp filter), or with more
+    /// endpoints than one call can watch, we announce the socket path and
+    /// sleep in `epoll_wait` on the eventfd and the wake-up sockets instead
+    /// (its timeout is rounded up to whole milliseconds).
     pub(crate) fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
         let deadline = Instant::now().checked_add(timeout);
+        // The deadline on CLOCK_MONOTONIC (Instant's clock), for futex_waitv;
+        // computed at the first sleep.
+        let mut abs_deadline: Option<Option<libc::timespec>> = None;
         self.reap();
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
         loop {
@@ -304,41 +363,100 @@ impl ShmCq {
             if n > 0 {
                 return Ok(n);
             }
-            self.set_sleeping(true);
+            let futex =
+                self.use_futex && sys::futex_waitv_usable() && self.sleepers() <= FUTEX_WAITV_MAX;
+            self.announce(if futex { SLEEP_FUTEX } else { SLEEP_SOCKET });
             fence(Ordering::SeqCst);
             let n = self.poll(out);
             if n > 0 {
-                self.set_sleeping(false);
+                self.set_sleeping(AWAKE);
                 return Ok(n);
             }
-            let ms = match deadline {
-                None => -1,
+            let remaining = match deadline {
+                None => None,
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
-                        self.set_sleeping(false);
+                        self.set_sleeping(AWAKE);
                         return Ok(0);
                     }
-                    os::ceil_ms(deadline - now)
+                    Some(deadline - now)
                 }
             };
-            let ready = os::epoll_wait(self.epoll.as_raw_fd(), &mut events, ms);
-            self.set_sleeping(false);
-            let ready = ready?;
-            for event in &events[..ready] {
-                let token = event.u64;
-                self.on_event(token);
+            if futex {
+                let abs =
+                    *abs_deadline.get_or_insert_with(|| remaining.and_then(sys::monotonic_after));
+                self.sleeps.futex += 1;
+                let waited = sys::futex_waitv(&self.waiters, abs.as_ref());
+                self.waiters.clear();
+                self.set_sleeping(AWAKE);
+                match waited.map_err(|e| Error::io("futex_waitv", e))? {
+                    Waited::Woken => {}
+                    Waited::TimedOut => {
+                        self.sleeps.timeouts += 1;
+                        return Ok(self.poll(out));
+                    }
+                    Waited::Unsupported => {
+                        tracing::debug!(
+                            "futex_waitv is unavailable; shm completion queues sleep in epoll_wait"
+                        );
+                    }
+                }
+            } else {
+                let ms = remaining.map_or(-1, os::ceil_ms);
+                self.sleeps.epoll += 1;
+                let ready = os::epoll_wait(self.epoll.as_raw_fd(), &mut events, ms);
+                self.set_sleeping(AWAKE);
+                let ready = ready?;
+                if ready == 0 {
+                    self.sleeps.timeouts += 1;
+                }
+                for event in &events[..ready] {
+                    let token = event.u64;
+                    self.on_event(token);
+                }
             }
         }
     }
 
-    fn set_sleeping(&self, sleeping: bool) {
-        self.shared
-            .sleeping
-            .store(u32::from(sleeping), Ordering::Relaxed);
+    /// How many words a `futex_waitv` would watch: ours and every live ring's.
+    fn sleepers(&self) -> usize {
+        1 + self.links.iter().flatten().filter(|a| !a.done).count()
+    }
+
+    /// Announces that we sleep, and how, in our flag and every live ring;
+    /// for [`SLEEP_FUTEX`], fills `waiters` with each futex word and its
+    /// value now (before the caller's fence and last poll).
+    fn announce(&mut self, how: u32) {
+        let shared = &*self.shared;
+        shared.sleeping.store(how, Ordering::Relaxed);
+        self.waiters.clear();
+        let futex = how == SLEEP_FUTEX;
+        if futex {
+            // Acquire: if a waker's bump is already visible, so is what it
+            // published, and the last poll finds it.
+            let seen = shared.futex.load(Ordering::Acquire);
+            self.waiters
+                .push(FutexWaitv::new(&shared.futex, seen, true));
+        }
         for a in self.links.iter().flatten() {
             if !a.done {
-                a.link.inbound.set_sleeping(sleeping);
+                let inbound = &a.link.inbound;
+                inbound.set_sleeping(how);
+                if futex {
+                    let word = inbound.futex();
+                    let seen = word.load(Ordering::Acquire);
+                    self.waiters.push(FutexWaitv::new(word, seen, false));
+                }
+            }
+        }
+    }
+
+    fn set_sleeping(&self, how: u32) {
+        self.shared.sleeping.store(how, Ordering::Relaxed);
+        for a in self.links.iter().flatten() {
+            if !a.done {
+                a.link.inbound.set_sleeping(how);
             }
         }
     }

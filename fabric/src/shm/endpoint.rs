@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::cq::ShmCq;
 use super::link::Link;
 use super::progress::{progress, Progress};
-use super::ring::{self, Inbound, Outbound};
+use super::ring::{self, Inbound, Outbound, Wake};
 use super::sys::{self, Mapping};
 use super::{validity_word, DomainState, VALIDITY_BYTES};
 use crate::completion::{Completion, Opcode, Status};
@@ -130,7 +130,8 @@ pub(crate) struct ShmEndpoint {
     recv_depth: usize,
     /// The peer's inbound ring.
     out: Outbound,
-    /// The peer's wake-up socket, kicked when its CQ sleeps.
+    /// The peer's wake-up socket, kicked when its CQ sleeps in `epoll_wait`
+    /// (the fallback; it normally sleeps on its ring's futex word).
     peer_wake: OwnedFd,
     /// The peer domain's validity table (read-only).
     peer_validity: Mapping,
@@ -197,8 +198,10 @@ impl ShmEndpoint {
             unsafe { std::ptr::copy(local.as_ptr().add(offset), dst, len) };
         }
         if let Some(imm) = imm {
-            if self.out.push(imm, len as u32) {
-                sys::kick(self.peer_wake.as_raw_fd());
+            match self.out.push(imm, len as u32) {
+                Wake::No => {}
+                Wake::Futex => self.out.wake_futex(),
+                Wake::Socket => sys::kick(self.peer_wake.as_raw_fd()),
             }
         }
         self.finish(Completion::ok(wr_id, opcode, len as u32))

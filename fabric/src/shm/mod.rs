@@ -48,20 +48,42 @@
 //!   than `send_depth` unpolled completions of one endpoint) makes the post
 //!   return `QueueFull` and do nothing. `poll` drains that queue and every
 //!   attached ring: atomics only.
-//! - **Wake-up.** `wait` announces "sleeping" in its own flag and in every
-//!   attached ring, fences, polls once more, then sleeps in `epoll_wait` on
-//!   a private eventfd and the wake-up sockets. A producer publishes, fences,
-//!   and only if it sees the announcement clears it and sends one byte with
-//!   `MSG_DONTWAIT`: no missed wake-up, and no syscall on the hot path while
-//!   the target polls. Each peer holds only its own wake-up socket, so it
-//!   cannot steal or block another peer's wake-ups.
+//! - **Wake-up.** `wait` announces "sleeping on a futex" in its own flag and
+//!   in every attached ring, reads the futex words (its private one and each
+//!   ring's, next to the ring's flag), fences, polls once more, then sleeps
+//!   in `futex_waitv` on those words with the values read. A producer
+//!   publishes, fences, and only if it sees the announcement clears it,
+//!   bumps the word and calls `FUTEX_WAKE` (shared for a ring word, which
+//!   lives in a memfd both processes map; private for the CQ's own word,
+//!   bumped by local completions, `wake` and the progress thread's peer-loss
+//!   notice): no missed wake-up (the kernel compares the word before
+//!   sleeping), and no syscall on the hot path while the target polls. The
+//!   timeout is an absolute `CLOCK_MONOTONIC` time, not rounded to
+//!   milliseconds.
+//!
+//!   Fallback: when `futex_waitv` is missing (Linux < 5.16: `ENOSYS` on
+//!   first use, or refused by a seccomp filter) or more than 127 endpoints
+//!   are attached (`FUTEX_WAITV_MAX` is 128 words), `wait` announces
+//!   "sleeping on the socket" instead and sleeps in `epoll_wait` on a
+//!   private eventfd and the *wake-up sockets* (one pair per connection, one
+//!   end passed in the hello); the producer then sends one byte with
+//!   `MSG_DONTWAIT`. The flag's value tells the producer which to do.
+//!
+//!   Isolation: a peer can touch only the ring it was given, so corrupting
+//!   that ring's flag or futex word can cause spurious wake-ups of our CQ
+//!   (at worst a busy `wait`) or lose its *own* wake-ups, never another
+//!   peer's: every other word we sleep on lives in pages that peer does not
+//!   map, and `futex_waitv` returns as soon as any one word changes or is
+//!   woken. The same holds for the wake-up sockets: each peer holds only its
+//!   own.
 //! - **Progress and peer loss.** One progress thread per process ([`progress`],
 //!   started lazily) serves grant requests with epoll over all control
 //!   sockets, so a target that never polls stays accessible. When a socket
 //!   hangs up (the peer died or dropped its endpoint) the connection is
 //!   marked lost: notifications published before the loss still pair with
 //!   receives; the other posted receives, later receives and every later
-//!   operation complete with `PeerLost`, and the CQ is woken. Dropping an
+//!   operation complete with `PeerLost`, and the CQ is woken (its private
+//!   futex word and its eventfd, whichever it sleeps on). Dropping an
 //!   endpoint flushes its own posted receives (`Flushed`). Memory we mapped
 //!   stays mapped until our endpoint drops, so a peer dying mid-operation
 //!   cannot crash us; all shared memory is sealed against shrinking (no
@@ -82,9 +104,11 @@
 //! process granted a writable region can write all of it, and nothing else.
 //! Revocation binds honest peers only: a hostile one may keep the memfd of a
 //! dropped region, whose pages no new region reuses. Everything a peer
-//! writes (ring counters, wake-up bytes, hellos, grant replies, descriptors)
-//! is validated before use: memfds must be sealed and long enough, the
-//! wake-up descriptor must be a socket, counters must be possible.
+//! writes (ring counters, hellos, grant replies, descriptors) is validated
+//! before use: memfds must be sealed and long enough, the wake-up
+//! descriptor must be a socket, counters must be possible. What it writes
+//! to wake us (its ring's flag and futex word, its socket's bytes) can only
+//! end or skip one of our sleeps (see "Wake-up").
 //!
 //! # Files
 //!

@@ -8,29 +8,59 @@
 //! |---|---|---|
 //! | 0 | `tail`: notifications published | producer |
 //! | 64 | `head`: notifications consumed | consumer |
-//! | 128 | `sleeping`: the consumer's CQ is (about to be) asleep | consumer sets, producer clears |
+//! | 128 | `sleeping`: 0 (awake), or how the consumer's CQ is about to sleep: 1 on its wake-up socket, 2 on `futex` | consumer sets, producer clears |
+//! | 132 | `futex`: a 32-bit futex word, bumped before each futex wake-up | producer |
 //! | 192 | `cap` entries of 8 bytes: `imm` (low half) and `byte_len` (high half) | producer |
 //!
 //! Counters grow forever (u64) and index the entries modulo `cap`, a power
 //! of two. The producer writes the entry, then publishes `tail` with release
 //! ordering, so the consumer that reads `tail` with acquire ordering sees the
 //! entry and the bytes of the write before it.
+//!
+//! Both wake-up words are in the ring the producer was given, so a hostile
+//! producer that scribbles on them only causes spurious wake-ups of the
+//! consumer or loses its own.
 
 use std::cell::Cell;
 use std::mem::size_of;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
-use super::sys::{Mapping, Segment};
+use super::sys::{self, Mapping, Segment};
 use crate::error::Result;
 
 #[repr(C, align(64))]
 struct Line<T>(T);
 
+/// The consumer's announcement and the futex word it sleeps on.
+#[repr(C)]
+struct WakeWords {
+    sleeping: AtomicU32,
+    futex: AtomicU32,
+}
+
 #[repr(C)]
 struct Header {
     tail: Line<AtomicU64>,
     head: Line<AtomicU64>,
-    sleeping: Line<AtomicU32>,
+    wake: Line<WakeWords>,
+}
+
+/// `sleeping`: the consumer does not sleep.
+pub(super) const AWAKE: u32 = 0;
+/// `sleeping`: the consumer sleeps in `epoll_wait` on its wake-up socket.
+pub(super) const SLEEP_SOCKET: u32 = 1;
+/// `sleeping`: the consumer sleeps in `futex_waitv` on the ring's `futex` word.
+pub(super) const SLEEP_FUTEX: u32 = 2;
+
+/// What a producer must do after publishing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Wake {
+    /// Nothing: the consumer is awake.
+    No,
+    /// Bump the futex word and wake it ([`Outbound::wake_futex`]).
+    Futex,
+    /// Send a byte on the consumer's wake-up socket.
+    Socket,
 }
 
 const ENTRIES: usize = size_of::<Header>();
@@ -121,13 +151,19 @@ impl Inbound {
         self.header().head.0.store(head, Ordering::Release);
     }
 
-    /// Tells the producer whether our CQ sleeps (it then kicks our wake-up
-    /// socket). The caller issues the SeqCst fence after announcing.
-    pub(super) fn set_sleeping(&self, sleeping: bool) {
-        self.header()
-            .sleeping
-            .0
-            .store(u32::from(sleeping), Ordering::Relaxed);
+    /// Tells the producer whether and how our CQ sleeps ([`AWAKE`],
+    /// [`SLEEP_SOCKET`] or [`SLEEP_FUTEX`]). The caller issues the SeqCst
+    /// fence after announcing.
+    #[inline]
+    pub(super) fn set_sleeping(&self, how: u32) {
+        self.header().wake.0.sleeping.store(how, Ordering::Relaxed);
+    }
+
+    /// The futex word the producer bumps before waking us (shared with the
+    /// producer's process: never wait on it as a private futex).
+    #[inline]
+    pub(super) fn futex(&self) -> &AtomicU32 {
+        &self.header().wake.0.futex
     }
 }
 
@@ -181,10 +217,10 @@ impl Outbound {
     }
 
     /// Publishes a notification (call [`Outbound::has_room`] first).
-    /// Returns whether the consumer announced it sleeps, in which case the
-    /// caller kicks its wake-up socket. Hot path: no syscall otherwise.
+    /// Returns how to wake the consumer if it announced it sleeps. Hot path:
+    /// no syscall.
     #[inline]
-    pub(super) fn push(&self, imm: u32, byte_len: u32) -> bool {
+    pub(super) fn push(&self, imm: u32, byte_len: u32) -> Wake {
         let tail = self.tail.get();
         let index = (tail & (self.cap - 1)) as usize;
         // SAFETY: index < cap, inside the mapping (checked in new); 8-byte
@@ -206,7 +242,26 @@ impl Outbound {
         // Pairs with the consumer's fence between announcing sleep and its
         // last look at `tail`: either it sees our entry or we see its flag.
         fence(Ordering::SeqCst);
-        h.sleeping.0.load(Ordering::Relaxed) != 0 && h.sleeping.0.swap(0, Ordering::AcqRel) != 0
+        let sleeping = &h.wake.0.sleeping;
+        if sleeping.load(Ordering::Relaxed) == AWAKE {
+            return Wake::No;
+        }
+        match sleeping.swap(AWAKE, Ordering::AcqRel) {
+            AWAKE => Wake::No,
+            SLEEP_FUTEX => Wake::Futex,
+            // SLEEP_SOCKET, or garbage the consumer wrote into its own ring.
+            _ => Wake::Socket,
+        }
+    }
+
+    /// Wakes a consumer that sleeps on the ring's futex word ([`Wake::Futex`]).
+    /// Warm path: one syscall.
+    #[inline]
+    pub(super) fn wake_futex(&self) {
+        let word = &self.header().wake.0.futex;
+        // Release: a consumer that reads the new value also sees our entry.
+        word.fetch_add(1, Ordering::Release);
+        sys::futex_wake(word, false);
     }
 }
 
@@ -217,11 +272,36 @@ mod tests {
     #[test]
     fn layout_puts_doorbells_on_their_own_cache_lines() {
         assert_eq!(std::mem::offset_of!(Header, head), 64);
-        assert_eq!(std::mem::offset_of!(Header, sleeping), 128);
+        assert_eq!(std::mem::offset_of!(Header, wake), 128);
+        assert_eq!(std::mem::offset_of!(WakeWords, futex), 4);
         assert_eq!(ENTRIES, 192);
         assert_eq!(ring_cap(1), 16);
         assert_eq!(ring_cap(256), 256);
         assert_eq!(ring_cap(300), 512);
+    }
+
+    #[test]
+    fn a_sleeping_consumer_is_woken_the_way_it_announced() {
+        let inbound = Inbound::new(16).unwrap();
+        let map = Mapping::new(inbound.fd(), ring_bytes(16), true).unwrap();
+        let out = Outbound::new(map, 16);
+        assert_eq!(out.push(1, 1), Wake::No);
+        inbound.set_sleeping(SLEEP_FUTEX);
+        assert_eq!(out.push(2, 2), Wake::Futex);
+        // The announcement is consumed: one wake-up per sleep.
+        assert_eq!(out.push(3, 3), Wake::No);
+        let before = inbound.futex().load(Ordering::Relaxed);
+        out.wake_futex();
+        assert_eq!(
+            inbound.futex().load(Ordering::Relaxed),
+            before.wrapping_add(1)
+        );
+        inbound.set_sleeping(SLEEP_SOCKET);
+        assert_eq!(out.push(4, 4), Wake::Socket);
+        // Garbage in the consumer's own ring: the old behaviour, a kick.
+        inbound.set_sleeping(7);
+        assert_eq!(out.push(5, 5), Wake::Socket);
+        assert_eq!(inbound.ready(0), Some(5));
     }
 
     #[test]

@@ -1,14 +1,16 @@
 //! Checked wrappers over the system calls of the shm provider: shared
 //! mappings, sealed memfds, unix sockets with descriptor passing, and the
-//! small wake-up channels. Nothing here is on the hot path except
-//! [`kick`] and [`Mapping::as_ptr`].
+//! small wake-up channels (futexes, or sockets on the fallback path).
+//! Nothing here is on the hot path except [`Mapping::as_ptr`]; [`kick`] and
+//! [`futex_wake`] run only when the target announced it sleeps.
 
 use std::ffi::CString;
 use std::io;
 use std::mem::{size_of, zeroed};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::memory::map_shared;
@@ -214,6 +216,136 @@ pub(super) fn drain_socket(fd: RawFd) -> bool {
         }
     }
     true
+}
+
+/// Most words one `futex_waitv` watches (`FUTEX_WAITV_MAX`).
+pub(super) const FUTEX_WAITV_MAX: usize = 128;
+
+/// `FUTEX2_SIZE_U32`: the word is 32 bits.
+const FUTEX2_SIZE_U32: u32 = 2;
+/// `FUTEX2_PRIVATE` (= `FUTEX_PRIVATE_FLAG`): the word is not shared with
+/// another process.
+const FUTEX2_PRIVATE: u32 = 128;
+
+/// One word of a `futex_waitv` call (`struct futex_waitv` of the kernel uapi).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FutexWaitv {
+    val: u64,
+    uaddr: u64,
+    flags: u32,
+    reserved: u32,
+}
+
+impl FutexWaitv {
+    /// Sleep while `word` holds `expected`. `private`: the word lives in
+    /// memory no other process maps (cheaper kernel lookup); a word in a
+    /// shared memfd must not be private, or the other process's wake misses.
+    ///
+    /// The caller keeps `word` alive until the `futex_waitv` call returns.
+    pub(super) fn new(word: &AtomicU32, expected: u32, private: bool) -> FutexWaitv {
+        FutexWaitv {
+            val: u64::from(expected),
+            uaddr: word.as_ptr() as u64,
+            flags: FUTEX2_SIZE_U32 | if private { FUTEX2_PRIVATE } else { 0 },
+            reserved: 0,
+        }
+    }
+}
+
+/// Whether `futex_waitv` works here: unknown, yes, no (ENOSYS or refused).
+static FUTEX_WAITV: AtomicU8 = AtomicU8::new(UNKNOWN);
+const UNKNOWN: u8 = 0;
+const AVAILABLE: u8 = 1;
+const MISSING: u8 = 2;
+
+/// Whether `futex_waitv` may be used (true until a call proved otherwise).
+pub(super) fn futex_waitv_usable() -> bool {
+    FUTEX_WAITV.load(Ordering::Relaxed) != MISSING
+}
+
+/// How a `futex_waitv` ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Waited {
+    /// Woken, interrupted, or a word no longer held its expected value.
+    Woken,
+    /// The deadline passed.
+    TimedOut,
+    /// The kernel has no `futex_waitv` (before 5.16) or a seccomp filter
+    /// refuses it; from now on [`futex_waitv_usable`] says no.
+    Unsupported,
+}
+
+/// Sleeps until one of `waiters` is woken or no longer holds its expected
+/// value, or until `deadline` (absolute, `CLOCK_MONOTONIC`) passes.
+pub(super) fn futex_waitv(
+    waiters: &[FutexWaitv],
+    deadline: Option<&libc::timespec>,
+) -> io::Result<Waited> {
+    assert!(!waiters.is_empty() && waiters.len() <= FUTEX_WAITV_MAX);
+    let timeout = deadline.map_or(std::ptr::null(), std::ptr::from_ref);
+    // SAFETY: waiters is a live array of `len` entries laid out as the
+    // kernel's struct futex_waitv, and timeout is null or points to a live
+    // timespec; the kernel only reads them (flags must be 0). It only reads
+    // the words at the entries' addresses too: a stale address (the caller
+    // keeps its words alive, see FutexWaitv::new) would mean EFAULT or an
+    // early return, never a write to our memory.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_futex_waitv,
+            waiters.as_ptr(),
+            waiters.len() as libc::c_uint,
+            0 as libc::c_uint,
+            timeout,
+            libc::CLOCK_MONOTONIC,
+        )
+    };
+    if rc >= 0 {
+        FUTEX_WAITV.store(AVAILABLE, Ordering::Relaxed);
+        return Ok(Waited::Woken);
+    }
+    let err = io::Error::last_os_error();
+    let waited = match err.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::EINTR) => Waited::Woken,
+        Some(libc::ETIMEDOUT) => Waited::TimedOut,
+        // Only the first call can tell "missing" from a bug of ours.
+        Some(libc::ENOSYS) | Some(libc::EPERM)
+            if FUTEX_WAITV.load(Ordering::Relaxed) != AVAILABLE =>
+        {
+            FUTEX_WAITV.store(MISSING, Ordering::Relaxed);
+            return Ok(Waited::Unsupported);
+        }
+        _ => return Err(err),
+    };
+    FUTEX_WAITV.store(AVAILABLE, Ordering::Relaxed);
+    Ok(waited)
+}
+
+/// Wakes one thread sleeping on `word` (`private`: as in [`FutexWaitv::new`]).
+pub(super) fn futex_wake(word: &AtomicU32, private: bool) {
+    let op = if private {
+        libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG
+    } else {
+        libc::FUTEX_WAKE
+    };
+    // SAFETY: word is a live, aligned 32-bit word; FUTEX_WAKE only uses its
+    // address as a key. A failure (nobody sleeps, or a hostile peer's page)
+    // needs no handling.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), op, 1 as libc::c_int) };
+}
+
+/// The `CLOCK_MONOTONIC` time `after` from now, as `futex_waitv` takes it
+/// (`None` if it does not fit).
+pub(super) fn monotonic_after(after: Duration) -> Option<libc::timespec> {
+    // SAFETY: an all-zero timespec is valid.
+    let mut now: libc::timespec = unsafe { zeroed() };
+    // SAFETY: now is a valid out-parameter; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    let total = Duration::new(now.tv_sec as u64, now.tv_nsec as u32).checked_add(after)?;
+    Some(libc::timespec {
+        tv_sec: libc::time_t::try_from(total.as_secs()).ok()?,
+        tv_nsec: libc::c_long::from(total.subsec_nanos()),
+    })
 }
 
 /// A `sockaddr_un` for a filesystem path or, with a leading `@`, an abstract name.

@@ -498,9 +498,55 @@ fn full_queues_refuse_posts_without_doing_them() {
     assert_eq!(p.a_cq.poll(&mut out), 2);
 }
 
-#[test]
-fn wait_wakes_on_a_remote_immediate_and_on_a_local_completion() {
-    let p = pair();
+/// Which kernel sleep a completion queue's `wait` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sleep {
+    /// `futex_waitv` on the rings' futex words (the normal path).
+    Futex,
+    /// `epoll_wait` on the eventfd and the wake-up sockets (the fallback).
+    Epoll,
+}
+
+/// The shm queue behind a fabric queue.
+fn shm_cq(cq: &mut CompletionQueue) -> &mut super::ShmCq {
+    match &mut cq.imp {
+        crate::Imp::Shm(c) => c,
+        _ => unreachable!("not an shm completion queue"),
+    }
+}
+
+/// Makes `cq` sleep the `how` way.
+fn sleep_with(cq: &mut CompletionQueue, how: Sleep) {
+    if how == Sleep::Epoll {
+        shm_cq(cq).force_epoll();
+    }
+}
+
+/// Asserts that `cq` slept at least once, and only the `how` way.
+fn assert_slept(cq: &mut CompletionQueue, how: Sleep) {
+    let s = shm_cq(cq).sleeps();
+    let (used, other) = match how {
+        Sleep::Futex => (s.futex, s.epoll),
+        Sleep::Epoll => (s.epoll, s.futex),
+    };
+    assert!(used > 0 && other == 0, "{how:?}: {s:?}");
+}
+
+/// Asserts that `cq` slept only the `how` way and was woken every time
+/// (a missed wake-up would end a sleep of [`next`] by its timeout instead).
+fn assert_woken(cq: &mut CompletionQueue, how: Sleep) {
+    assert_slept(cq, how);
+    let s = shm_cq(cq).sleeps();
+    assert_eq!(s.timeouts, 0, "{how:?}: a sleep was not woken: {s:?}");
+}
+
+#[rstest]
+#[case::futex(Sleep::Futex)]
+#[case::epoll(Sleep::Epoll)]
+fn wait_wakes_on_a_remote_immediate_and_on_a_local_completion(#[case] how: Sleep) {
+    let mut p = pair();
+    sleep_with(&mut p.a_cq, how);
+    sleep_with(&mut p.b_cq, how);
     let Pair {
         a,
         b,
@@ -529,11 +575,16 @@ fn wait_wakes_on_a_remote_immediate_and_on_a_local_completion() {
     assert_eq!(next(&mut a_cq).wr_id, 1);
     assert_eq!(next(&mut a_cq).wr_id, 2);
     let _keep = writer.join().unwrap();
+    assert_woken(&mut b_cq, how);
+    assert_eq!(shm_cq(&mut a_cq).sleeps().timeouts, 0);
 }
 
-#[test]
-fn wait_times_out_with_zero() {
+#[rstest]
+#[case::futex(Sleep::Futex)]
+#[case::epoll(Sleep::Epoll)]
+fn wait_times_out_with_zero(#[case] how: Sleep) {
     let mut p = pair();
+    sleep_with(&mut p.b_cq, how);
     let mut out = [Completion::EMPTY; 4];
     let start = Instant::now();
     assert_eq!(p.b_cq.wait(&mut out, Duration::from_millis(50)).unwrap(), 0);
@@ -543,6 +594,147 @@ fn wait_times_out_with_zero() {
         "{took:?}"
     );
     assert_eq!(p.a_cq.wait(&mut out, Duration::ZERO).unwrap(), 0);
+    assert_slept(&mut p.b_cq, how);
+}
+
+#[test]
+fn a_short_timeout_is_not_rounded_up_to_a_millisecond() {
+    let mut p = pair();
+    let mut out = [Completion::EMPTY; 4];
+    let asked = Duration::from_micros(200);
+    let mut fastest = Duration::MAX;
+    for _ in 0..20 {
+        let start = Instant::now();
+        assert_eq!(p.b_cq.wait(&mut out, asked).unwrap(), 0);
+        let took = start.elapsed();
+        assert!(took >= asked, "returned after {took:?}, before {asked:?}");
+        fastest = fastest.min(took);
+    }
+    // epoll_wait would take at least a whole millisecond every time.
+    assert!(
+        fastest < Duration::from_micros(900),
+        "the fastest 200 µs wait took {fastest:?}"
+    );
+    assert_slept(&mut p.b_cq, Sleep::Futex);
+}
+
+#[rstest]
+#[case::futex(Sleep::Futex)]
+#[case::epoll(Sleep::Epoll)]
+fn a_sleeping_waiter_is_woken_by_peer_loss(#[case] how: Sleep) {
+    let mut p = pair();
+    sleep_with(&mut p.b_cq, how);
+    let Pair { a, b, mut b_cq, .. } = p;
+    b.post_recv(1).unwrap();
+    let dropper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        drop(a);
+    });
+    let start = Instant::now();
+    assert_eq!(
+        next(&mut b_cq),
+        Completion::error(1, Opcode::RecvWithImm, Status::PeerLost)
+    );
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(90) && took < Duration::from_secs(1),
+        "woken after {took:?}"
+    );
+    dropper.join().unwrap();
+    assert_woken(&mut b_cq, how);
+}
+
+/// Raises the soft limit on open files to at least `want` if the hard
+/// limit allows (`n` endpoints in one process hold about 8 `n` descriptors).
+fn allow_open_files(want: u64) {
+    // SAFETY: an all-zero rlimit is valid; getrlimit/setrlimit only read
+    // and write it.
+    unsafe {
+        let mut lim: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < want {
+            lim.rlim_cur = want.min(lim.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+#[test]
+fn a_queue_with_more_endpoints_than_futex_waitv_takes_falls_back_to_epoll() {
+    const MANY: usize = 128;
+    allow_open_files(4096);
+    let fabric = fabric();
+    let listener = fabric.listen("").unwrap();
+    let (a_dom, b_dom) = (fabric.domain().unwrap(), fabric.domain().unwrap());
+    let mut a_cq = fabric.completion_queue(4 * MANY).unwrap();
+    let mut b_cq = fabric.completion_queue(4 * MANY).unwrap();
+    let opts = EndpointOptions {
+        send_depth: 2,
+        recv_depth: 2,
+        ..EndpointOptions::default()
+    };
+    let (mut dialled, mut accepted): (Vec<Option<Endpoint>>, Vec<Endpoint>) =
+        std::thread::scope(|s| {
+            let accepted = s.spawn(|| {
+                (0..MANY)
+                    .map(|_| {
+                        listener
+                            .accept(&b_dom, &mut b_cq, &opts, Some(LONG))
+                            .unwrap()
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let dialled = (0..MANY)
+                .map(|_| {
+                    Some(
+                        a_dom
+                            .connect(&listener.local_addr(), &mut a_cq, &opts)
+                            .unwrap(),
+                    )
+                })
+                .collect();
+            (dialled, accepted.join().unwrap())
+        });
+    let src = std::sync::Arc::new(a_dom.register(64, Access::LOCAL).unwrap());
+    let target = b_dom.register(64, Access::REMOTE_WRITE).unwrap();
+    let remote = at(&target, 0);
+
+    // One sleep of b's queue, woken from another thread by an immediate on
+    // the `which`-th connection. Returns b's sleep counts.
+    let mut round = |dialled: &mut [Option<Endpoint>],
+                     accepted: &[Endpoint],
+                     which: usize,
+                     b_cq: &mut CompletionQueue| {
+        accepted[which].post_recv(which as u64).unwrap();
+        let a = dialled[which].take().unwrap();
+        let src = src.clone();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            a.write_with_imm(0, &src, 0, 8, remote, which as u32)
+                .unwrap();
+            a
+        });
+        let start = Instant::now();
+        let c = next(b_cq);
+        assert_eq!(
+            (c.wr_id, c.imm, c.status),
+            (which as u64, which as u32, Status::Success)
+        );
+        assert!(start.elapsed() >= Duration::from_millis(40));
+        assert_eq!(shm_cq(b_cq).sleeps().timeouts, 0, "b's sleep was not woken");
+        dialled[which] = Some(writer.join().unwrap());
+        assert_eq!(next(&mut a_cq).status, Status::Success);
+        shm_cq(b_cq).sleeps()
+    };
+    // 128 rings and the queue's own word: one too many for futex_waitv.
+    let s = round(&mut dialled, &accepted, MANY - 1, &mut b_cq);
+    assert!(s.epoll > 0 && s.futex == 0, "{s:?}");
+    // Close one connection; once b's queue has polled its end, 127 rings
+    // and its own word fit.
+    drop((dialled.pop(), accepted.pop()));
+    let mut out = [Completion::EMPTY; 8];
+    let _ = b_cq.poll(&mut out);
+    let s = round(&mut dialled, &accepted, MANY / 2, &mut b_cq);
+    assert!(s.futex > 0, "{s:?}");
 }
 
 #[test]
@@ -688,7 +880,7 @@ const CHILD_ENV: &str = "RFAAS_SHM_TEST_CHILD";
 
 /// Not a test: the peer process of `a_killed_peer_process_is_peer_lost`
 /// (run by re-executing this test binary). Adds to the parent's counter,
-/// writes 64 bytes with immediate 77, then waits to be killed.
+/// writes 64 bytes with immediate 77 100 ms later, then waits to be killed.
 #[test]
 #[ignore = "helper process, started by a_killed_peer_process_is_peer_lost"]
 fn child_peer() {
@@ -715,6 +907,9 @@ fn child_peer() {
         assert_eq!(next(&mut cq).status, Status::Success);
     }
     local.as_mut_slice()[64..128].fill(0xC5);
+    // Late enough that the parent sleeps in `wait`: our wake-up must cross
+    // processes.
+    std::thread::sleep(Duration::from_millis(100));
     ep.write_with_imm(1, &local, 64, 64, remote(64), 77)
         .unwrap();
     assert_eq!(next(&mut cq).status, Status::Success);
@@ -730,13 +925,16 @@ impl Drop for KillOnDrop {
     }
 }
 
-#[test]
-fn a_killed_peer_process_is_peer_lost() {
+#[rstest]
+#[case::futex(Sleep::Futex)]
+#[case::epoll(Sleep::Epoll)]
+fn a_killed_peer_process_is_peer_lost(#[case] how: Sleep) {
     const ADDS: u64 = 2000;
     let fabric = fabric();
     let listener = fabric.listen("").unwrap();
     let dom = fabric.domain().unwrap();
     let mut cq = fabric.completion_queue(64).unwrap();
+    sleep_with(&mut cq, how);
     let target = dom.register(4096, Access::ALL).unwrap();
     let spec = format!(
         "{} {} {} {ADDS}",
@@ -798,6 +996,8 @@ fn a_killed_peer_process_is_peer_lost() {
         }
         adder.join().unwrap();
     });
+    // We slept while the children worked: their wake-ups crossed processes.
+    assert_woken(&mut cq, how);
     assert_eq!(local_adds.load(Ordering::Relaxed), ADDS);
     assert_eq!(
         target.read_u64(0),
@@ -847,6 +1047,7 @@ fn a_killed_peer_process_is_peer_lost() {
         next(&mut cq),
         Completion::error(101, Opcode::Write, Status::PeerLost)
     );
+    assert_woken(&mut cq, how);
     // The other child's connection is unaffected.
     nothing_pending(&mut cq);
 }
