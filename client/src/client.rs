@@ -4,8 +4,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rfaas_fabric::{Access, Domain, EndpointOptions, Fabric};
-use rfaas_proto::control::{AllocateRequest, Frame, Kind};
+use rfaas_fabric::{
+    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
+    Opcode, RemoteAddr,
+};
+use rfaas_proto::control::{AllocateRequest, Descriptor, Frame, Kind};
+use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::allocation::{Allocation, ColdStart, Parts};
@@ -177,6 +181,8 @@ impl Client {
             connect_timeout: self.inner.opts.connect_timeout,
             ..EndpointOptions::default()
         };
+        let key = LaneKey::from_hex(&ok.lane_key)
+            .map_err(|e| Error::Protocol(format!("the executor's AllocateOk: {e}")))?;
         let mut lanes = Vec::with_capacity(ok.lanes.len());
         for (i, remote) in ok.lanes.iter().enumerate() {
             if (remote.len as usize) < InvocationHeader::LEN {
@@ -187,7 +193,12 @@ impl Client {
             }
             let mut cq = fabric.completion_queue(CQ_DEPTH)?;
             let endpoint = domain.connect(&ok.fabric_addr, &mut cq, &opts)?;
-            let header = domain.register(InvocationHeader::LEN, Access::LOCAL)?;
+            let mut header = domain.register(InvocationHeader::LEN, Access::LOCAL)?;
+            let hello = LaneHello {
+                lane: i as u32,
+                key,
+            };
+            self.say_hello(&endpoint, &mut cq, &mut header, remote, hello)?;
             lanes.push(Arc::new(Lane::new(
                 i,
                 endpoint,
@@ -199,6 +210,63 @@ impl Client {
             )));
         }
         Ok(lanes.into_boxed_slice())
+    }
+
+    /// The first write on a lane: the hello that proves to the worker
+    /// this connection is the allocation's (`rfaas_proto::hello`). Waits for
+    /// the worker's answer, so the first request cannot overwrite the hello
+    /// before it is read, and the lane starts with nothing in flight.
+    fn say_hello(
+        &self,
+        endpoint: &Endpoint,
+        cq: &mut CompletionQueue,
+        staging: &mut MemoryRegion,
+        remote: &Descriptor,
+        hello: LaneHello,
+    ) -> Result<()> {
+        const HELLO_WR: u64 = u64::MAX - 1;
+        hello
+            .encode(staging.as_mut_slice())
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        let to = RemoteAddr {
+            addr: remote.addr,
+            rkey: remote.rkey,
+        };
+        endpoint.post_recv(HELLO_WR)?;
+        endpoint.write_with_imm(HELLO_WR, staging, 0, LaneHello::LEN, to, LANE_HELLO_IMM)?;
+        let timeout = self.inner.opts.connect_timeout;
+        let deadline = Instant::now() + timeout;
+        let mut done = [Completion::EMPTY; 2];
+        let (mut sent, mut answered) = (false, false);
+        while !(sent && answered) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Protocol(format!(
+                    "the worker did not answer lane {}'s hello within {timeout:?}",
+                    hello.lane
+                )));
+            }
+            let n = cq.wait(&mut done, left)?;
+            for c in &done[..n] {
+                if !c.status.is_ok() {
+                    return Err(Error::Protocol(format!(
+                        "lane {}'s hello failed: {} (the worker refused the connection)",
+                        hello.lane, c.status
+                    )));
+                }
+                match c.opcode {
+                    Opcode::RecvWithImm if c.imm == LANE_HELLO_IMM => answered = true,
+                    Opcode::RecvWithImm => {
+                        return Err(Error::Protocol(format!(
+                            "the worker answered lane {}'s hello with immediate {:#x}",
+                            hello.lane, c.imm
+                        )))
+                    }
+                    _ => sent = true,
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The fabric, opened on first use.

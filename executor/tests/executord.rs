@@ -797,8 +797,32 @@ impl RawLane {
         let ep = domain
             .connect(&ok.fabric_addr, &mut cq, &EndpointOptions::default())
             .unwrap();
-        let input = domain.register(4096, Access::LOCAL).unwrap();
+        let mut input = domain.register(4096, Access::LOCAL).unwrap();
         let output = domain.register(4096, Access::REMOTE_WRITE).unwrap();
+        // The lane hello first (rfaas_proto::hello), waited for.
+        use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
+        let key = LaneKey::from_hex(&ok.lane_key).unwrap();
+        LaneHello { lane: 0, key }
+            .encode(input.as_mut_slice())
+            .unwrap();
+        let remote = rfaas_fabric::RemoteAddr {
+            addr: ok.lanes[0].addr,
+            rkey: ok.lanes[0].rkey,
+        };
+        ep.post_recv(0).unwrap();
+        ep.write_with_imm(0, &input, 0, LaneHello::LEN, remote, LANE_HELLO_IMM)
+            .unwrap();
+        // Its local completion and the worker's answer.
+        let mut seen = 0;
+        let mut done = [rfaas_fabric::Completion::EMPTY; 2];
+        while seen < 2 {
+            let n = cq.wait(&mut done, MINUTE).unwrap();
+            assert!(n > 0, "the worker answers the hello");
+            for c in &done[..n] {
+                assert!(c.status.is_ok(), "{c:?}");
+            }
+            seen += n;
+        }
         RawLane {
             _fabric: fabric,
             _domain: domain,

@@ -21,6 +21,7 @@ use rfaas_fabric::{
 use rfaas_proto::control::{
     Assignment, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, Mode, WorkerReady,
 };
+use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 use rstest::rstest;
 
@@ -89,11 +90,17 @@ impl Drop for TempDir {
     }
 }
 
+/// The lane key of every test assignment.
+fn key() -> LaneKey {
+    LaneKey([0x5a; 24])
+}
+
 /// The assignment most tests use: two lanes, hot, 64 KiB buffers.
 fn assignment(provider: &str, dir: &TempDir) -> Assignment {
     let (uid, gid) = worker_user();
     Assignment {
         allocation_id: 7,
+        lane_key: key().to_hex(),
         uid,
         gid,
         cpus: vec![],
@@ -224,26 +231,17 @@ struct Client {
 fn connect(provider: &str, ready: &WorkerReady, staging: usize, output: usize) -> Client {
     let fabric = Fabric::open(provider).unwrap();
     let domain = fabric.domain().unwrap();
-    let opts = EndpointOptions::default();
     let lanes = ready
         .lanes
         .iter()
-        .map(|remote| {
-            let mut cq = fabric.completion_queue(1024).unwrap();
-            let ep = domain.connect(&ready.fabric_addr, &mut cq, &opts).unwrap();
-            for wr in 0..4 {
-                ep.post_recv(wr).unwrap();
-            }
-            ClientLane {
-                ep,
-                cq,
-                input: domain
-                    .register(InvocationHeader::LEN + staging, Access::REMOTE_READ)
-                    .unwrap(),
-                output: domain.register(output, Access::REMOTE_WRITE).unwrap(),
-                remote: *remote,
-                next_id: 1,
-            }
+        .enumerate()
+        .map(|(i, remote)| {
+            let mut lane = ClientLane::connect(&fabric, &domain, ready, remote, staging, output);
+            assert!(
+                lane.hello(i as u32, &key()),
+                "the worker answers lane {i}'s hello"
+            );
+            lane
         })
         .collect();
     Client {
@@ -254,6 +252,99 @@ fn connect(provider: &str, ready: &WorkerReady, staging: usize, output: usize) -
 }
 
 impl ClientLane {
+    /// Connects to the worker's listener; says no hello.
+    fn connect(
+        fabric: &Fabric,
+        domain: &Domain,
+        ready: &WorkerReady,
+        remote: &Descriptor,
+        staging: usize,
+        output: usize,
+    ) -> ClientLane {
+        let mut cq = fabric.completion_queue(1024).unwrap();
+        let ep = domain
+            .connect(&ready.fabric_addr, &mut cq, &EndpointOptions::default())
+            .unwrap();
+        for wr in 0..4 {
+            ep.post_recv(wr).unwrap();
+        }
+        ClientLane {
+            ep,
+            cq,
+            input: domain
+                .register(InvocationHeader::LEN + staging, Access::REMOTE_READ)
+                .unwrap(),
+            output: domain.register(output, Access::REMOTE_WRITE).unwrap(),
+            remote: *remote,
+            next_id: 1,
+        }
+    }
+
+    /// The lane hello, as the client library sends it first. Returns
+    /// whether the worker answered it within two seconds.
+    fn hello(&mut self, lane: u32, key: &LaneKey) -> bool {
+        LaneHello { lane, key: *key }
+            .encode(self.input.as_mut_slice())
+            .unwrap();
+        self.ep
+            .write_with_imm(
+                999,
+                &self.input,
+                0,
+                LaneHello::LEN,
+                RemoteAddr {
+                    addr: self.remote.addr,
+                    rkey: self.remote.rkey,
+                },
+                LANE_HELLO_IMM,
+            )
+            .unwrap();
+        let start = Instant::now();
+        let mut done = [Completion::EMPTY; 4];
+        while start.elapsed() < Duration::from_secs(2) {
+            let n = self.cq.poll(&mut done);
+            for c in &done[..n] {
+                if c.opcode == Opcode::RecvWithImm && c.status.is_ok() {
+                    assert_eq!(c.imm, LANE_HELLO_IMM, "the answer to a hello");
+                    assert_eq!(c.byte_len, 0);
+                    self.ep.post_recv(c.wr_id).unwrap();
+                    return true;
+                }
+            }
+            std::thread::yield_now();
+        }
+        false
+    }
+
+    /// Whether the worker has closed this connection: a write to it fails
+    /// (at post or in its completion) within `TIMEOUT`.
+    fn is_dropped(&mut self) -> bool {
+        let start = Instant::now();
+        let mut done = [Completion::EMPTY; 8];
+        while start.elapsed() < TIMEOUT {
+            let to = RemoteAddr {
+                addr: self.remote.addr,
+                rkey: self.remote.rkey,
+            };
+            if self.ep.write(5, &self.input, 0, 8, to).is_err() {
+                return true;
+            }
+            let until = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < until {
+                let n = self.cq.poll(&mut done);
+                if done[..n].iter().any(|c| c.status != Status::Success) {
+                    return true;
+                }
+                assert!(
+                    !done[..n].iter().any(|c| c.opcode == Opcode::RecvWithImm),
+                    "a connection without the lane key got an answer"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        false
+    }
+
     /// Invokes `function` on `payload`: inline when it fits the worker's
     /// input buffer, else bulk. Returns the status and the output.
     fn invoke(&mut self, function: u16, payload: &[u8]) -> (InvocationStatus, Vec<u8>) {
@@ -368,6 +459,45 @@ impl ClientLane {
             std::thread::yield_now();
         }
     }
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn connections_without_the_lane_key_are_dropped(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    let worker = Worker::spawn();
+    let ready = worker.ready(&a);
+    let fabric = Fabric::open(provider).unwrap();
+    let domain = fabric.domain().unwrap();
+    let remote = &ready.lanes[0];
+    let lane = |d: &Domain| ClientLane::connect(&fabric, d, &ready, remote, 4096, 4096);
+
+    // A stranger with a wrong key, one naming another lane, one that says
+    // nothing (dropped after a second): none is served.
+    let mut wrong = lane(&domain);
+    assert!(
+        !wrong.hello(0, &LaneKey([0x11; 24])),
+        "a wrong key gets no answer"
+    );
+    assert!(wrong.is_dropped(), "a wrong key is refused");
+    let mut other_lane = lane(&domain);
+    assert!(!other_lane.hello(1, &key()));
+    assert!(
+        other_lane.is_dropped(),
+        "a hello for another lane is refused"
+    );
+    let mut silent = lane(&domain);
+    assert!(silent.is_dropped(), "a silent connection is dropped");
+
+    // The allocation's client still gets its lane.
+    let mut real = lane(&domain);
+    assert!(real.hello(0, &key()), "the allocation's client is answered");
+    let (status, out) = real.invoke(ECHO, b"still served");
+    assert_eq!(status, InvocationStatus::Ok);
+    assert_eq!(out, b"still served");
 }
 
 fn pattern(len: usize, seed: u32) -> Vec<u8> {

@@ -406,6 +406,9 @@ pub struct AllocateOk {
     pub fabric_addr: String,
     /// Input buffer of each lane, in lane order.
     pub lanes: Vec<Descriptor>,
+    /// The allocation's lane key, 48 hex digits: the client's first write
+    /// on every lane is a [`LaneHello`](crate::hello::LaneHello) with it.
+    pub lane_key: String,
     /// The function table: `functions[i]` is called with index `i`.
     pub functions: Vec<String>,
     /// The output capacity granted (bytes per invocation).
@@ -553,6 +556,9 @@ pub struct Assignment {
     /// CPUs to pin the lane threads to, one per lane, in lane order; empty
     /// means no pinning.
     pub cpus: Vec<u32>,
+    /// The allocation's lane key, 48 hex digits: a connection serves a
+    /// lane only after a [`LaneHello`](crate::hello::LaneHello) with it.
+    pub lane_key: String,
     /// Lanes (worker threads).
     pub lanes: u16,
     /// Address-space limit for the process in bytes (0: none), used when

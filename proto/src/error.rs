@@ -93,4 +93,14 @@ pub enum ProtoError {
         /// The offending code.
         code: u16,
     },
+
+    /// A lane key is not 48 hex digits. Not retryable: the executor sent a
+    /// malformed `AllocateOk` or assignment.
+    #[error("a lane key must be 48 hex digits (24 bytes)")]
+    BadLaneKey,
+
+    /// The first write on a lane is not a lane hello (wrong magic). Not
+    /// retryable: the peer is not an rfaas client of this version.
+    #[error("the first write on a lane is not a lane hello (magic \"RFLH\")")]
+    NotALaneHello,
 }

@@ -113,6 +113,7 @@
 pub mod control;
 pub mod error;
 pub mod header;
+pub mod hello;
 pub mod imm;
 pub mod lease;
 pub mod shm_control;

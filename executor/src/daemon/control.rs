@@ -13,6 +13,7 @@ use rfaas_proto::control::{
     AllocateOk, AllocatePhases, AllocateRequest, Assignment, ControlError, Deallocate, Deallocated,
     ErrorCode, ErrorReply, Frame, FrameLimits, Kind, WorkerReady,
 };
+use rfaas_proto::hello::LaneKey;
 use rfaas_proto::lease::{self, TokenError};
 
 use super::capacity::Refusal;
@@ -389,6 +390,16 @@ fn allocate_checked(
     );
 
     let started_worker = Instant::now();
+    let lane_key = match LaneKey::random() {
+        Ok(k) => k.to_hex(),
+        Err(e) => {
+            let refused = (
+                ErrorCode::Internal,
+                format!("the executor cannot draw a lane key from /dev/urandom: {e}; retry"),
+            );
+            return Err(abandon(shared, id, refused));
+        }
+    };
     let result = start_worker(
         shared,
         id,
@@ -399,6 +410,7 @@ fn allocate_checked(
         deadline_ms,
         claims.expires_at,
         &runtime_dir,
+        &lane_key,
     );
     let (ready, pooled) = match result {
         Ok(r) => r,
@@ -414,6 +426,7 @@ fn allocate_checked(
         lease_id: claims.lease_id,
         fabric_addr: ready.fabric_addr,
         lanes: ready.lanes,
+        lane_key,
         functions: req.functions.clone(),
         output_capacity: req.output_capacity,
         deadline_ms,
@@ -468,6 +481,7 @@ fn start_worker(
     deadline_ms: u64,
     expires_at: u64,
     runtime_dir: &Path,
+    lane_key: &str,
 ) -> Result<(WorkerReady, bool), Refused> {
     let s = &shared.settings;
     let internal = |what: &str, e: &dyn std::fmt::Display| {
@@ -495,6 +509,7 @@ fn start_worker(
     };
     let assignment = Assignment {
         allocation_id: id,
+        lane_key: lane_key.to_owned(),
         uid: user.uid,
         gid: user.gid,
         cpus: if s.pin { cpus.to_vec() } else { Vec::new() },

@@ -79,6 +79,7 @@ use rfaas_proto::control::{
     Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind,
     WorkerReady,
 };
+use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::ipc;
@@ -323,6 +324,9 @@ fn check(a: &Assignment) -> Result<(), WorkerError> {
     if a.lanes == 0 {
         return bad("the assignment has 0 lanes; at least one is needed".into());
     }
+    if let Err(e) = LaneKey::from_hex(&a.lane_key) {
+        return bad(format!("the assignment's lane key is unusable: {e}"));
+    }
     if (a.input_capacity as usize) < InvocationHeader::LEN {
         return bad(format!(
             "the input capacity {} is smaller than the {}-byte invocation header",
@@ -349,18 +353,11 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     } else {
         DEFAULT_PULL_LIMIT
     };
+    let key = LaneKey::from_hex(&a.lane_key).map_err(|e| internal(e.to_string()))?;
     let mut threads = Vec::with_capacity(p.lanes.len());
     let mut watches = Vec::with_capacity(p.lanes.len());
     for (index, mut l) in p.lanes.into_iter().enumerate() {
-        let endpoint = p
-            .listener
-            .accept(&p.domain, &mut l.cq, &opts, None)
-            .map_err(|e| internal(format!("accepting lane {index}'s connection failed: {e}")))?;
-        for wr in 0..RECV_DEPTH as u64 {
-            endpoint
-                .post_recv(wr)
-                .map_err(|e| internal(format!("posting lane {index}'s receives failed: {e}")))?;
-        }
+        let endpoint = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &key)?;
         let endpoint = Arc::new(LaneEndpoint::new(endpoint));
         let running = Arc::new(Running::default());
         watches.push(LaneWatch {
@@ -406,6 +403,122 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     tracing::info!("every client has gone; the worker ends");
     Ok(())
 }
+
+/// How long a new connection has to present its lane hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Accepts connections for lane `index` until one presents the allocation's
+/// lane hello (see `rfaas_proto::hello`); others are dropped, logged. Leaves
+/// the endpoint with all [`RECV_DEPTH`] receives posted.
+fn accept_lane(
+    listener: &rfaas_fabric::Listener,
+    domain: &rfaas_fabric::Domain,
+    l: &mut PreparedLane,
+    opts: &EndpointOptions,
+    index: usize,
+    key: &LaneKey,
+) -> Result<rfaas_fabric::Endpoint, WorkerError> {
+    for attempt in 0u64.. {
+        let endpoint = listener
+            .accept(domain, &mut l.cq, opts, None)
+            .map_err(|e| internal(format!("accepting lane {index}'s connection failed: {e}")))?;
+        // Receives of earlier, dropped connections may still complete
+        // (flushed); the attempt in the high bits tells them apart.
+        let tag = attempt << 32;
+        for wr in 0..RECV_DEPTH as u64 {
+            endpoint
+                .post_recv(tag | wr)
+                .map_err(|e| internal(format!("posting lane {index}'s receives failed: {e}")))?;
+        }
+        match await_hello(l, index, key, tag).and_then(|wr_id| {
+            endpoint
+                .post_recv(wr_id)
+                .map_err(|e| format!("could not be given its receive back: {e}"))?;
+            acknowledge_hello(&endpoint, l, tag)
+        }) {
+            Ok(()) => return Ok(endpoint),
+            Err(why) => {
+                tracing::warn!(
+                    lane = index,
+                    "a connection {why}; dropped it, waiting for the client's"
+                );
+            }
+        }
+    }
+    unreachable!("u64 attempts do not run out")
+}
+
+/// Waits for the first write on a new lane connection and checks it is the
+/// allocation's hello for lane `index`. Returns the consumed receive's id,
+/// or why the connection is refused.
+fn await_hello(l: &mut PreparedLane, index: usize, key: &LaneKey, tag: u64) -> Result<u64, String> {
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    let mut done = [rfaas_fabric::Completion::EMPTY; 4];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "sent no lane hello within {} ms",
+                HELLO_TIMEOUT.as_millis()
+            ));
+        }
+        let n =
+            l.cq.wait(&mut done, left)
+                .map_err(|e| format!("failed while the worker waited for its hello: {e}"))?;
+        for c in &done[..n] {
+            if c.wr_id >> 32 != tag >> 32 {
+                continue;
+            }
+            if c.opcode != rfaas_fabric::Opcode::RecvWithImm || !c.status.is_ok() {
+                return Err(format!(
+                    "failed before its lane hello ({:?}: {})",
+                    c.opcode, c.status
+                ));
+            }
+            if c.imm != LANE_HELLO_IMM || c.byte_len as usize != LaneHello::LEN {
+                return Err(format!(
+                    "began with a write of {} bytes and immediate {:#x}, not a lane hello",
+                    c.byte_len, c.imm
+                ));
+            }
+            // SAFETY: the input region holds at least InvocationHeader::LEN
+            // (= LaneHello::LEN) bytes, and the peer's write of them
+            // completed before the completion we hold.
+            let bytes = unsafe { std::slice::from_raw_parts(l.input.as_ptr(), LaneHello::LEN) };
+            let hello = LaneHello::decode(bytes).map_err(|e| format!("sent a bad hello: {e}"))?;
+            if hello.lane as usize != index {
+                return Err(format!(
+                    "said hello to lane {} while lane {index} was being connected",
+                    hello.lane
+                ));
+            }
+            if !hello.key.matches(key) {
+                return Err("presented a lane key that is not this allocation's".into());
+            }
+            return Ok(c.wr_id);
+        }
+    }
+}
+
+/// Answers an accepted hello with a zero-length write-with-immediate
+/// ([`LANE_HELLO_IMM`]). The client waits for it before its first request:
+/// a request written earlier could overwrite the hello in the input buffer
+/// before the worker read it. The write's own completion is left to the
+/// lane (which ignores successful ones): the client's first request may
+/// arrive before it, and must not be taken here.
+fn acknowledge_hello(
+    endpoint: &rfaas_fabric::Endpoint,
+    l: &mut PreparedLane,
+    tag: u64,
+) -> Result<(), String> {
+    let nowhere = rfaas_fabric::RemoteAddr { addr: 0, rkey: 0 };
+    endpoint
+        .write_with_imm(tag | HELLO_ACK_WR, &l.output, 0, 0, nowhere, LANE_HELLO_IMM)
+        .map_err(|e| format!("could not be answered: {e}"))
+}
+
+/// wr_id (below the attempt tag) of the hello's answer.
+const HELLO_ACK_WR: u64 = 0xffff;
 
 fn internal(message: String) -> WorkerError {
     WorkerError::Serving(message)

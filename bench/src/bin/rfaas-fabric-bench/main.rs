@@ -79,6 +79,9 @@ mod tests {
             "3",
             "64",
         ]);
-        assert_eq!(args.common.serve.unwrap(), ["raw_shm_echo", "spin", "3", "64"]);
+        assert_eq!(
+            args.common.serve.unwrap(),
+            ["raw_shm_echo", "spin", "3", "64"]
+        );
     }
 }
