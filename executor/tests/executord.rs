@@ -723,9 +723,18 @@ fn bubblewrap_sandbox_runs_the_worker_as_the_user() {
         bwrap_ok,
         "bwrap is not installed or cannot create namespaces here: install the bubblewrap package (scripts/test.sh does)"
     );
+    // The worker binary under /tmp, which the sandbox replaces with a
+    // tmpfs: the daemon must bind it back in (a build tree under /tmp, as
+    // in many CI checkouts).
+    let bin_dir = std::env::temp_dir().join(format!("rfaas-bwrap-worker-{}", std::process::id()));
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    let worker_bin = bin_dir.join("rfaas-worker");
+    std::fs::copy(env!("CARGO_BIN_EXE_rfaas-worker"), &worker_bin).unwrap();
+    assert!(worker_bin.starts_with("/tmp"), "{}", worker_bin.display());
     let d = start(ExecutordOptions {
         sandbox: "bubblewrap".into(),
         pool_size: 0,
+        extra_config: format!("worker_path = {:?}", worker_bin.display().to_string()),
         ..Default::default()
     });
     let mut c = Control::connect(&d);
@@ -759,6 +768,8 @@ fn bubblewrap_sandbox_runs_the_worker_as_the_user() {
         wait_gone(worker);
     }
     all_free(&d);
+    drop(d);
+    std::fs::remove_dir_all(&bin_dir).unwrap();
 }
 
 fn descendants(pid: u32) -> Vec<u32> {

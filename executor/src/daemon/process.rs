@@ -76,6 +76,9 @@ pub fn spawn_worker(
                 c.args(["--perms", "0711", "--dir"]).arg(a);
             }
             c.arg("--bind").arg(&b.runtime_dir).arg(&b.runtime_dir);
+            // The worker binary itself, in case the tmpfs hid it (a build
+            // tree under /tmp). It is executed as root, before any drop.
+            c.arg("--ro-bind").arg(worker).arg(worker);
             c.arg("--new-session").arg("--").arg(worker);
             c
         }
