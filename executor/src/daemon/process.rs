@@ -142,6 +142,15 @@ pub fn spawn_worker(
     Ok(Spawned { pid, sock: ours })
 }
 
+/// Sets the nice value of `pid`'s main thread (threads it starts later
+/// inherit it). Best effort: raising a priority needs root.
+pub fn renice(pid: u32, nice: i32) {
+    // SAFETY: setpriority has no memory preconditions.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, nice) } != 0 {
+        tracing::debug!(pid, nice, error = %io::Error::last_os_error(), "cannot renice the worker");
+    }
+}
+
 /// How a process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ended {

@@ -45,9 +45,11 @@ pub fn die_with_parent() -> Result<(), WorkerError> {
 
 /// Returns the calling thread, and so every thread it starts later, to the
 /// normal scheduling priority: pooled workers start lowered (see the
-/// daemon's `POOL_NICE`). Raising the priority needs root, so this runs
-/// before [`drop_privileges`]; a daemon not running as root cannot, and its
-/// workers stay lowered (logged, not fatal).
+/// daemon's `POOL_NICE`). The daemon already renices a pooled worker's main
+/// thread when it hands it an allocation; this covers any thread the worker
+/// started before. Raising the priority needs root, so this runs before
+/// [`drop_privileges`]; a daemon not running as root cannot, and its workers
+/// stay lowered (logged, not fatal).
 pub fn normal_priority() {
     // SAFETY: plain system calls on the calling thread (who 0). A failing
     // getpriority returns -1, which is not above 0.
