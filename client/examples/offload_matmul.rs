@@ -155,14 +155,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     total.sort();
     noops.sort();
     println!(
-        "cold start (allocate to first result): {:.2} ms ({} worker; executor: \
-         validate {:.0} µs, worker {:.0} µs, load {:.0} µs, listen {:.0} µs)",
+        "cold start (allocate to first result): {:.2} ms, {} worker",
         cold.as_secs_f64() * 1e3,
         if phases.pooled { "pooled" } else { "spawned" },
+    );
+    println!(
+        "  control connect {:.0} µs, request {:.0} µs (executor: validate {:.0}, worker {:.0}, \
+         load {:.0}, listen {:.0}), lanes {:.0} µs, first call {:.0} µs",
+        us(phases.connect_control),
+        us(phases.round_trip),
         us(phases.validate),
         us(phases.worker),
         us(phases.load),
         us(phases.listen),
+        us(phases.connect_lanes),
+        us(cold.saturating_sub(phases.total)),
     );
     println!("{:<44} {:>12} {:>12}", "", "median µs", "p99 µs");
     println!(

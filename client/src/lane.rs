@@ -59,6 +59,12 @@ const WAIT_SLICE: Duration = Duration::from_millis(50);
 /// Empty polls between two looks at the fate and the clock while spinning.
 const SPINS_PER_CHECK: u32 = 1024;
 
+/// How long `spin` busy-polls before it also yields the CPU at each check:
+/// a spinning thread must not starve a thread of its own process (the
+/// fabric's progress thread serving the worker's reads and grants) or a
+/// worker that shares its core.
+const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
+
 /// How a request leaves the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Plan {
@@ -475,6 +481,7 @@ impl Lane {
         // SAFETY: the caller holds the lane (see the module docs).
         let inner = unsafe { self.inner() };
         let mut spins = 0u32;
+        let mut spinning_since = None::<Instant>;
         loop {
             if let Some(r) = outcome(self.index, &self.fate, inner, how) {
                 return Some(r);
@@ -497,6 +504,9 @@ impl Lane {
                     continue;
                 }
                 spins = 0;
+                if spinning_since.get_or_insert_with(Instant::now).elapsed() >= SPIN_BEFORE_YIELD {
+                    std::thread::yield_now();
+                }
             }
             // Nothing came: look at the allocation's fate and the clock.
             if self.fate.ended() && inner.broken.is_none() {
