@@ -500,6 +500,23 @@ fn connections_without_the_lane_key_are_dropped(#[case] provider: &str) {
     assert_eq!(out, b"still served");
 }
 
+/// A worker serving one lane of `assignment` (changed by `tweak`), and a
+/// client connected to it with `buffers` bytes of staging and output.
+fn one_lane(
+    provider: &str,
+    buffers: usize,
+    tweak: impl FnOnce(&mut Assignment),
+) -> (TempDir, Worker, Client) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    tweak(&mut a);
+    let ready = worker.ready(&a);
+    let client = connect(provider, &ready, buffers, buffers);
+    (dir, worker, client)
+}
+
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32)
         .map(|i| (i.wrapping_mul(31).wrapping_add(seed * 7) >> 3) as u8)
@@ -547,12 +564,7 @@ fn echo_on_two_lanes_is_byte_exact(#[case] provider: &str) {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn refused_requests_get_their_status(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let mut worker = Worker::spawn();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    let ready = worker.ready(&a);
-    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let (_dir, mut worker, mut client) = one_lane(provider, 64 << 10, |_| {});
     let lane = &mut client.lanes[0];
 
     let (status, _) = lane.invoke(FUNCTIONS.len() as u16, b"x");
@@ -599,13 +611,9 @@ fn refused_requests_get_their_status(#[case] provider: &str) {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn bulk_payload_is_pulled_and_echoed(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let worker = Worker::spawn();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    a.output_capacity = 4 << 20;
-    let ready = worker.ready(&a);
-    let mut client = connect(provider, &ready, 4 << 20, 4 << 20);
+    let (_dir, _worker, mut client) = one_lane(provider, 4 << 20, |a| {
+        a.output_capacity = 4 << 20;
+    });
     let lane = &mut client.lanes[0];
     for len in [(3 << 20) + 12_345, 64 << 10, (1 << 20) * 2, 100_000] {
         let input = pattern(len, len as u32);
@@ -623,13 +631,9 @@ fn bulk_payload_is_pulled_and_echoed(#[case] provider: &str) {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn bulk_payload_beyond_the_memory_limit_is_refused(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let worker = Worker::spawn();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    a.memory_limit_bytes = 1 << 30;
-    let ready = worker.ready(&a);
-    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let (_dir, _worker, mut client) = one_lane(provider, 64 << 10, |a| {
+        a.memory_limit_bytes = 1 << 30;
+    });
     let lane = &mut client.lanes[0];
     // Refused before anything is read: the client region is much smaller.
     let (status, _) = lane.call(ECHO, lane.bulk_header((1 << 30) + 1), &[]);
@@ -645,12 +649,7 @@ fn bulk_payload_beyond_the_memory_limit_is_refused(#[case] provider: &str) {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn segfault_ends_the_worker_with_sigsegv(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let mut worker = Worker::spawn();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    let ready = worker.ready(&a);
-    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let (_dir, mut worker, mut client) = one_lane(provider, 64 << 10, |_| {});
     let lane = &mut client.lanes[0];
     // The worker dies instead of answering.
     lane.send(SEGFAULT, lane.inline_header(0), &[]);
@@ -662,14 +661,10 @@ fn segfault_ends_the_worker_with_sigsegv(#[case] provider: &str) {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn writing_past_the_output_capacity_hits_the_guard_page(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let mut worker = Worker::spawn();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    // Not a multiple of 64: the guard page starts 1024 bytes after `out`.
-    a.output_capacity = 1000;
-    let ready = worker.ready(&a);
-    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let (_dir, mut worker, mut client) = one_lane(provider, 64 << 10, |a| {
+        // Not a multiple of 64: the guard page starts 1024 bytes after `out`.
+        a.output_capacity = 1000;
+    });
     let lane = &mut client.lanes[0];
     let (status, out) = lane.invoke(OVERRUN, &u32_input(1000));
     assert_eq!(status, InvocationStatus::Ok);
