@@ -60,7 +60,7 @@ use std::time::Duration;
 
 pub use completion::{Completion, Opcode, Status};
 pub use error::{Error, Result};
-pub use memory::{page_size, Access, Buffer, MemoryRegion, RemoteAddr, RemoteDescriptor};
+pub use memory::{page_size, Access, Buffer, MemoryRegion, PeerView, RemoteAddr, RemoteDescriptor};
 
 /// Which provider, parsed from its name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -386,6 +386,33 @@ impl Endpoint {
     ) -> Result<()> {
         self.check_local(local, offset, len)?;
         dispatch!(&self.imp, e => e.write(wr_id, local, offset, len, remote, Some(imm)))
+    }
+
+    /// In-place, read-only access to `len` bytes of the peer's memory at
+    /// `remote`, checked as a [`read`](Self::read) of them would be (an rkey
+    /// of this connection's peer, bounds, [`Access::REMOTE_READ`]). Only a
+    /// provider that shares memory with the peer offers it (shm): `None` on
+    /// tcp and verbs, where the caller copies with `read`. `Some(Err)` with
+    /// the status a read would complete with when the access is refused or
+    /// the peer is gone.
+    ///
+    /// The view stays mapped until the next operation on this endpoint
+    /// (which may unmap regions the peer revoked) or until the endpoint is
+    /// dropped. The bytes are the peer's: it may change them meanwhile, as
+    /// it may under a NIC's read. The mapping is read-only.
+    pub fn peer_view(
+        &self,
+        remote: RemoteAddr,
+        len: usize,
+    ) -> Option<std::result::Result<PeerView, Status>> {
+        match &self.imp {
+            Imp::Shm(e) => Some(e.peer_view(remote, len)),
+            Imp::Tcp(_) => None,
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(_) => None,
+            #[cfg(not(feature = "verbs"))]
+            Imp::Verbs(never) => match *never {},
+        }
     }
 
     /// Reads `len` bytes at `remote` into `local[offset..]`.

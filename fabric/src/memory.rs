@@ -444,3 +444,33 @@ mod tests {
         drop(buf);
     }
 }
+
+/// Bytes of a peer's memory mapped into this process, read in place: what
+/// [`Endpoint::peer_view`](crate::Endpoint::peer_view) gives on a provider
+/// that shares memory with the peer.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerView {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl PeerView {
+    pub(crate) fn new(ptr: *const u8, len: usize) -> PeerView {
+        PeerView { ptr, len }
+    }
+
+    /// The first byte (dangling, never read, for an empty view).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// Bytes in view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

@@ -196,6 +196,55 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
     }
 }
 
+/// In-place views of the peer's memory: shm offers them, checked like a
+/// read; tcp and verbs do not.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn peer_views_are_checked_like_reads(#[case] provider: &str) {
+    let p = pair(provider);
+    let mut readable = p.target_domain.register(8192, Access::REMOTE_READ).unwrap();
+    let data = pattern(8192, 7);
+    readable.as_mut_slice().copy_from_slice(&data);
+    let writable_only = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let remote = readable.descriptor();
+    let Some(view) = p.ep.peer_view(remote.at(100), 5000) else {
+        assert_ne!(provider, "shm", "shm shares memory with its peer");
+        return;
+    };
+    assert_eq!(provider, "shm", "only shm maps the peer's memory");
+    let view = view.unwrap();
+    assert_eq!(view.len(), 5000);
+    // SAFETY: no operation on the endpoint since the view was taken.
+    let bytes = unsafe { std::slice::from_raw_parts(view.as_ptr(), view.len()) };
+    assert!(bytes == &data[100..5100], "the view shows the peer's bytes");
+    // The peer's later writes show through: it is the same memory.
+    readable.as_mut_slice()[100] ^= 0xff;
+    // SAFETY: as above.
+    assert_eq!(unsafe { *view.as_ptr() }, data[100] ^ 0xff);
+    // Refused like reads: past the end, a wrong rkey, no read right.
+    let refused = |r: RemoteAddr, len| p.ep.peer_view(r, len).unwrap().map(|_| ()).unwrap_err();
+    assert_eq!(refused(remote.at(4096), 4097), Status::RemoteAccess);
+    let forged = RemoteAddr {
+        addr: remote.addr,
+        rkey: remote.rkey ^ 0x5a5a,
+    };
+    assert_eq!(refused(forged, 1), Status::RemoteAccess);
+    assert_eq!(
+        refused(writable_only.descriptor().at(0), 1),
+        Status::RemoteAccess
+    );
+    assert!(
+        p.ep.peer_view(forged, 0).unwrap().is_ok(),
+        "zero bytes check no rkey"
+    );
+}
+
 /// Immediates arrive in order, each consuming one posted receive, with the
 /// write's length.
 #[rstest]

@@ -18,7 +18,7 @@ use super::sys::{self, Mapping};
 use super::{validity_word, DomainState, VALIDITY_BYTES};
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
-use crate::memory::{page_size, Access, MemoryRegion, RemoteAddr};
+use crate::memory::{page_size, Access, MemoryRegion, PeerView, RemoteAddr};
 use crate::EndpointOptions;
 use rfaas_proto::shm_control::{
     Control, Hello, HelloError, HelloKind, RejectReason, MSG_LEN, VERSION,
@@ -38,6 +38,9 @@ struct Grant {
     len: u64,
     access: Access,
     map: Mapping,
+    /// A second, read-only mapping of a writable region, for
+    /// [`crate::Endpoint::peer_view`] (`None`: `map` is read-only already).
+    view_map: Option<Mapping>,
 }
 
 impl Grant {
@@ -55,6 +58,21 @@ impl Grant {
         // SAFETY: offset + len <= self.len <= map.len() (checked when the
         // grant was mapped), so the pointer stays inside the mapping.
         Some(unsafe { self.map.as_ptr().add(offset as usize) })
+    }
+}
+
+impl Grant {
+    /// Like [`Grant::locate`] with [`Access::REMOTE_READ`], in the
+    /// read-only mapping.
+    #[inline]
+    fn locate_view(&self, addr: u64, len: u64) -> Option<*const u8> {
+        let p = self.locate(addr, len, Access::REMOTE_READ)?;
+        match &self.view_map {
+            None => Some(p.cast_const()),
+            // SAFETY: `p` lies in `map` at offset p - map; both mappings
+            // have the same length.
+            Some(ro) => Some(unsafe { ro.as_ptr().add(p.offset_from(self.map.as_ptr()) as usize) }),
+        }
     }
 }
 
@@ -231,6 +249,27 @@ impl ShmEndpoint {
         self.finish(Completion::ok(wr_id, Opcode::Read, len as u32))
     }
 
+    /// See [`crate::Endpoint::peer_view`]. Hot path once the region's grant
+    /// is cached.
+    pub(crate) fn peer_view(
+        &self,
+        remote: RemoteAddr,
+        len: usize,
+    ) -> std::result::Result<PeerView, Status> {
+        if self.link.is_lost() {
+            return Err(Status::PeerLost);
+        }
+        if len == 0 {
+            // Like a zero-length read: no rkey is checked.
+            return Ok(PeerView::new(
+                std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                0,
+            ));
+        }
+        self.with_grant(remote.rkey, |g| g.locate_view(remote.addr, len as u64))
+            .map(|p| PeerView::new(p, len))
+    }
+
     /// Fetch-and-add on the peer's word at `remote`. Hot path once the
     /// region's grant is cached.
     pub(crate) fn fetch_add(
@@ -381,20 +420,31 @@ impl ShmEndpoint {
         len: u64,
         need: Access,
     ) -> std::result::Result<*mut u8, Status> {
+        self.with_grant(remote.rkey, |g| g.locate(remote.addr, len, need))
+    }
+
+    /// `f` on the current grant of `rkey` (fetched first if need be);
+    /// `RemoteAccess` when there is none, it was revoked, or `f` refuses.
+    #[inline]
+    fn with_grant<T>(
+        &self,
+        rkey: u32,
+        f: impl FnOnce(&Grant) -> Option<T>,
+    ) -> std::result::Result<T, Status> {
         let mut grants = self.grants.borrow_mut();
-        if grants.get(remote.rkey).is_none() {
-            let grant = self.fetch_grant(remote.rkey)?;
+        if grants.get(rkey).is_none() {
+            let grant = self.fetch_grant(rkey)?;
             // Forget regions the peer revoked since, so a peer that keeps
             // registering fresh regions does not grow our mappings forever.
             grants.retain(|g| self.peer_serial(g.rkey) == g.serial);
             grants.insert(grant);
         }
-        let serial = self.peer_serial(remote.rkey);
-        let located = match grants.get(remote.rkey) {
-            Some(grant) if grant.serial == serial => grant.locate(remote.addr, len, need),
+        let serial = self.peer_serial(rkey);
+        let located = match grants.get(rkey) {
+            Some(grant) if grant.serial == serial => f(grant),
             Some(_) => {
                 // Revoked since we mapped it: forget it (slow path, unmaps).
-                grants.remove(remote.rkey);
+                grants.remove(rkey);
                 None
             }
             None => None,
@@ -438,10 +488,17 @@ impl ShmEndpoint {
         let access = Access::from_bits_truncate(info.access);
         let writable =
             access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
-        let map = Mapping::new(fd.as_raw_fd(), info.map_len as usize, writable).map_err(|e| {
-            tracing::warn!(peer = %self.link.peer, rkey, error = %e, "shm: cannot map a granted region");
-            Status::RemoteAccess
-        })?;
+        let map_as = |writable| {
+            Mapping::new(fd.as_raw_fd(), info.map_len as usize, writable).map_err(|e| {
+                tracing::warn!(peer = %self.link.peer, rkey, error = %e, "shm: cannot map a granted region");
+                Status::RemoteAccess
+            })
+        };
+        let map = map_as(writable)?;
+        let view_map = match writable && access.contains(Access::REMOTE_READ) {
+            true => Some(map_as(false)?),
+            false => None,
+        };
         Ok(Grant {
             rkey,
             serial: info.serial,
@@ -449,6 +506,7 @@ impl ShmEndpoint {
             len: info.len,
             access,
             map,
+            view_map,
         })
     }
 }

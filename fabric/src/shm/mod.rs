@@ -18,7 +18,9 @@
 //!   and the region's memfd. A region without remote write or atomic rights
 //!   goes out as a read-only file description, so the kernel refuses a
 //!   writable mapping. The initiator caches the mapping per endpoint; a
-//!   cached access takes no lock, no syscall and no allocation.
+//!   cached access takes no lock, no syscall and no allocation. A readable
+//!   region with write rights is mapped a second time read-only, for
+//!   [`crate::Endpoint::peer_view`] (in-place reads).
 //! - **Checks.** The initiator's library checks bounds and rights on every
 //!   access against the grant, and the rkey's current serial in the target
 //!   domain's validity table (one atomic load). A refused access completes
