@@ -57,7 +57,10 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             ));
         }
     }
-    for echo in rows.iter().filter(|r| r.name == "echo") {
+    for echo in rows
+        .iter()
+        .filter(|r| r.name == "echo" || r.name == "echo_read_only")
+    {
         let bandwidth = rows
             .iter()
             .find(|r| r.name == "bandwidth" && same_point(r, echo))
@@ -65,11 +68,11 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
         if let (Some(a), Some(b)) = (bytes_per_s(echo), bandwidth) {
             if b > 0 {
                 out.push(Row::ratio(
-                    "echo_vs_bandwidth",
+                    &format!("{}_vs_bandwidth", echo.name),
                     &echo.provider,
                     echo.size,
                     a as f64 / b as f64,
-                    "echo / bandwidth".into(),
+                    format!("{} / bandwidth", echo.name),
                     (echo.size >= ECHO_TARGET_FROM).then_some(ECHO_MIN_RATIO),
                 ));
             }

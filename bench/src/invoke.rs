@@ -9,6 +9,7 @@
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `echo` | `submit` + `spin` of `echo` with `--bw-sizes` bytes each way, on a hot worker; reported as bandwidth (below) |
+//! | `echo_read_only` | the same with `read_only_input(true)`: on shm, bulk payloads are read in place instead of pulled |
 //! | `cold_start` | a fresh `Client`: `allocate` (one core, the library shipped) up to the first `noop` result; then `deallocate`, untimed |
 //! | `cold_start_<phase>` | the phases of the same cold starts, from `Allocation::cold_start()`; `first_result` is the rest: buffers and the first call |
 //!
@@ -41,6 +42,7 @@ use crate::stats::{time_round_trips, Summary};
 const HOT_NOOP: &str = "hot_noop";
 const WARM_NOOP: &str = "warm_noop";
 const ECHO: &str = "echo";
+const ECHO_READ_ONLY: &str = "echo_read_only";
 const COLD_START: &str = "cold_start";
 
 /// Input capacity of the echo allocation's lane: 1 KiB and 64 KiB travel
@@ -72,7 +74,14 @@ pub const SUITE: Suite = Suite {
             name: ECHO,
             runner: Runner::PerProvider {
                 kind: None,
-                run: echo,
+                run: |ctx, p, out| echo(ctx, p, false, out),
+            },
+        },
+        RowSpec {
+            name: ECHO_READ_ONLY,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| echo(ctx, p, true, out),
             },
         },
         RowSpec {
@@ -236,7 +245,8 @@ fn noop(ctx: &Ctx, provider: &Provider, mode: Mode, out: &mut Report) -> Result<
     Ok(())
 }
 
-fn echo(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+fn echo(ctx: &Ctx, provider: &Provider, read_only: bool, out: &mut Report) -> Result<()> {
+    let name = if read_only { ECHO_READ_ONLY } else { ECHO };
     let daemon = Daemon::start(ctx, provider)?;
     let client = Client::new(ClientOptions::with_provider(&provider.spec));
     let max = ctx.bw_sizes.iter().copied().max().unwrap_or(1);
@@ -247,10 +257,11 @@ fn echo(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
         .mode(Mode::Hot)
         .memory_mib(ALLOCATION_MEMORY_MIB.max(capacity.div_ceil(1 << 20) * 4 + 64))
         .input_capacity(ECHO_INPUT_CAPACITY)
-        .output_capacity(capacity);
+        .output_capacity(capacity)
+        .read_only_input(read_only);
     let alloc = client
         .allocate(&daemon.addr(), &daemon.token(), &spec)
-        .ctx(|| format!("{ECHO}: allocating on {}", daemon.addr()))?;
+        .ctx(|| format!("{name}: allocating on {}", daemon.addr()))?;
     let f = alloc.function("echo").ctx(|| "finding echo".into())?;
     let mut input = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
     for (i, b) in input.as_mut_slice().iter_mut().enumerate() {
@@ -265,7 +276,7 @@ fn echo(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
         }
         if output.as_slice()[..size] != input.as_slice()[..size] {
             return Err(Error::new(format!(
-                "{ECHO}: the {size}-byte result differs from the input"
+                "{name}: the {size}-byte result differs from the input"
             )));
         }
         let calls = (ctx.bw_messages(size) / 2).max(8);
@@ -275,14 +286,14 @@ fn echo(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
         }
         let elapsed = start.elapsed();
         out.push(&Row::bandwidth(
-            ECHO,
+            name,
             &provider.spec,
             size,
             2 * size as u64 * calls,
             elapsed,
         ))?;
     }
-    alloc.deallocate().ctx(|| format!("{ECHO}: deallocating"))?;
+    alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
     drop(daemon);
     Ok(())
 }

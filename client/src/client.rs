@@ -99,6 +99,7 @@ impl Client {
             functions: spec.functions.clone(),
             library_name: spec.library_name.clone(),
             provider: self.inner.opts.provider.clone(),
+            read_only_input: spec.read_only_input,
         };
         let frame = Frame::new(Kind::AllocateRequest, &req, spec.library.to_vec());
         let sent = Instant::now();

@@ -62,6 +62,7 @@ pub struct AllocationSpec {
     pub(crate) input_capacity: u32,
     pub(crate) output_capacity: u32,
     pub(crate) deadline: Duration,
+    pub(crate) read_only_input: bool,
     pub(crate) fallback_executors: Vec<(String, String)>,
 }
 
@@ -85,6 +86,7 @@ impl AllocationSpec {
             input_capacity: 64 << 10,
             output_capacity: 1 << 20,
             deadline: Duration::ZERO,
+            read_only_input: false,
             fallback_executors: Vec::new(),
         }
     }
@@ -130,6 +132,18 @@ impl AllocationSpec {
     /// executor's default.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
+        self
+    }
+
+    /// Promises that the functions never write to their input. On the shm
+    /// provider a payload bigger than the input capacity is then read by
+    /// the function in place, from this client's buffer, instead of being
+    /// copied to the worker first; the mapping is read-only, so a function
+    /// that writes to its input faults (a worker crash). Other providers
+    /// copy as before. Off by default: rFaaS functions may write to their
+    /// input.
+    pub fn read_only_input(mut self, read_only: bool) -> Self {
+        self.read_only_input = read_only;
         self
     }
 

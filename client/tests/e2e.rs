@@ -23,6 +23,7 @@ const FUNCTIONS: &[&str] = &[
     "fault_overrun",
     "fault_claim",
     "sleep_ms",
+    "fault_scribble_input",
 ];
 
 fn daemon() -> Executord {
@@ -397,6 +398,61 @@ fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
     drop(inv);
     assert_eq!(alloc.invoke(echo, &fast, 1, &mut other).unwrap(), 4);
     assert_eq!(other.as_slice(), &[7]);
+}
+
+/// With read-only input promised, shm reads bulk payloads in place (a
+/// function that writes to its input then faults); tcp still copies.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn read_only_input_is_read_in_place_on_shm(#[case] provider: &str) {
+    let d = daemon();
+    let spec = spec()
+        .mode(Mode::Hot)
+        .read_only_input(true)
+        .input_capacity(4096)
+        .output_capacity(3 << 20);
+    let alloc = allocate(&d, provider, &spec);
+    let echo = alloc.function("echo").unwrap();
+    let mut input = alloc.buffer::<u8>(3 << 20).unwrap();
+    let mut output = alloc.buffer::<u8>(3 << 20).unwrap();
+    for (seed, n) in [100, 4064, 4065, 1 << 20, (3 << 20) - 7]
+        .into_iter()
+        .enumerate()
+    {
+        let data = pattern(n, seed as u32);
+        input.as_mut_slice()[..n].copy_from_slice(&data);
+        let got = alloc.invoke(echo, &input, n, &mut output).unwrap();
+        assert_eq!(got, n);
+        assert!(
+            output.as_slice()[..n] == data[..],
+            "echo of {n} bytes differs"
+        );
+    }
+    // A function that writes to its (bulk) input breaks the promise.
+    let scribble = alloc.function("fault_scribble_input").unwrap();
+    let n = 1 << 20;
+    let data = pattern(n, 99);
+    input.as_mut_slice()[..n].copy_from_slice(&data);
+    let result = alloc.invoke(scribble, &input, n, &mut output);
+    if provider == "shm" {
+        let err = result.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::WorkerCrashed {
+                    signal: Some(11),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    } else {
+        assert_eq!(result.unwrap(), n, "tcp copies: the input is the worker's");
+        assert_eq!(output.as_slice()[0], input.as_slice()[0] ^ 1);
+    }
+    // The client's buffer is untouched either way.
+    assert!(input.as_slice()[..n] == data[..]);
 }
 
 #[rstest]

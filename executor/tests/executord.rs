@@ -120,6 +120,7 @@ fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest {
         functions: functions.iter().map(|f| f.to_string()).collect(),
         library_name: "libfunctions.so".into(),
         provider: "tcp".into(),
+        read_only_input: false,
     }
 }
 

@@ -118,6 +118,7 @@ fn assignment(provider: &str, dir: &TempDir) -> Assignment {
             "shm" => dir.0.join("worker.sock").to_str().unwrap().into(),
             _ => "127.0.0.1:0".into(),
         },
+        read_only_input: false,
     }
 }
 

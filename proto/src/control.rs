@@ -378,6 +378,12 @@ pub struct AllocateRequest {
     pub library_name: String,
     /// The fabric provider the client speaks (`tcp`, `shm`, `verbs:<dev>`).
     pub provider: String,
+    /// The client promises that the functions never write to their input.
+    /// On a provider that shares memory with the client (shm), a payload
+    /// bigger than the input buffer is then read in place, without a copy,
+    /// through a read-only mapping (a function that writes to it faults).
+    #[serde(default)]
+    pub read_only_input: bool,
 }
 
 /// Time spent in each phase of an allocation on the executor, nanoseconds.
@@ -582,6 +588,9 @@ pub struct Assignment {
     pub provider: String,
     /// Where to listen (`host:0` for tcp and verbs, a socket path for shm).
     pub listen_addr: String,
+    /// As in [`AllocateRequest::read_only_input`].
+    #[serde(default)]
+    pub read_only_input: bool,
 }
 
 /// Worker → daemon: the assignment is loaded and listening.
@@ -751,6 +760,7 @@ mod tests {
             functions: vec!["echo".into(), "noop".into()],
             library_name: "libfunctions.so".into(),
             provider: "tcp".into(),
+            read_only_input: true,
         };
         let frame = Frame::new(Kind::AllocateRequest, &req, vec![0x7f, b'E', b'L', b'F']);
         let bytes = frame.to_bytes();
@@ -760,7 +770,7 @@ mod tests {
         let json = std::str::from_utf8(&bytes[16..16 + json_len]).unwrap();
         assert_eq!(
             json,
-            r#"{"request_id":3,"token":"rfaas1.x.y","cores":2,"memory_mib":256,"mode":"hot_then_warm","hot_timeout_us":500,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["echo","noop"],"library_name":"libfunctions.so","provider":"tcp"}"#
+            r#"{"request_id":3,"token":"rfaas1.x.y","cores":2,"memory_mib":256,"mode":"hot_then_warm","hot_timeout_us":500,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["echo","noop"],"library_name":"libfunctions.so","provider":"tcp","read_only_input":true}"#
         );
         let back = Frame::read_from(&mut &bytes[..], FrameLimits::default()).unwrap();
         assert_eq!(back, frame);
@@ -771,6 +781,10 @@ mod tests {
         );
         let err = back.parse::<Deallocate>(Kind::Deallocate).unwrap_err();
         assert!(matches!(err, ControlError::UnexpectedKind { .. }));
+        // A request without the field promises nothing.
+        let older = json.replace(r#","read_only_input":true"#, "");
+        let older: AllocateRequest = serde_json::from_str(&older).unwrap();
+        assert!(!older.read_only_input);
     }
 
     #[test]

@@ -323,6 +323,13 @@ typedef struct rfaas_alloc_options {
    * default. Default 0.
    */
   uint64_t deadline_ms;
+  /**
+   * 1: the functions never write to their input. On the shm provider,
+   * inputs bigger than the input capacity are then read in place from
+   * the caller's buffer (read-only: a function that writes to it crashes
+   * the worker) instead of copied. 0 or 1. Default 0.
+   */
+  uint32_t read_only_input;
 } rfaas_alloc_options;
 
 #ifdef __cplusplus

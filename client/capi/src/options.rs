@@ -44,6 +44,11 @@ pub struct rfaas_alloc_options {
     /// Longest a function may run, milliseconds; 0 takes the executor's
     /// default. Default 0.
     pub deadline_ms: u64,
+    /// 1: the functions never write to their input. On the shm provider,
+    /// inputs bigger than the input capacity are then read in place from
+    /// the caller's buffer (read-only: a function that writes to it crashes
+    /// the worker) instead of copied. 0 or 1. Default 0.
+    pub read_only_input: u32,
 }
 
 /// The same layout with `mode` as a plain integer: C may store any value
@@ -59,6 +64,7 @@ struct RawOptions {
     input_capacity: u32,
     output_capacity: u32,
     deadline_ms: u64,
+    read_only_input: u32,
 }
 
 const _: () = {
@@ -78,6 +84,7 @@ pub extern "C" fn rfaas_alloc_options_default() -> rfaas_alloc_options {
         input_capacity: 64 << 10,
         output_capacity: 1 << 20,
         deadline_ms: 0,
+        read_only_input: 0,
     }
 }
 
@@ -101,6 +108,7 @@ pub(crate) unsafe fn apply(
             input_capacity: d.input_capacity,
             output_capacity: d.output_capacity,
             deadline_ms: d.deadline_ms,
+            read_only_input: d.read_only_input,
         }
     } else {
         // SAFETY: the caller promises a readable rfaas_alloc_options, which
@@ -128,7 +136,18 @@ pub(crate) unsafe fn apply(
                 format!("options.cores is {}; ask for 1 to 65535", raw.cores),
             )
         })?;
+    let read_only_input = match raw.read_only_input {
+        0 => false,
+        1 => true,
+        v => {
+            return Err(Failure::invalid(
+                call,
+                format!("options.read_only_input is {v}; use 0 or 1"),
+            ))
+        }
+    };
     Ok(spec
+        .read_only_input(read_only_input)
         .cores(cores)
         .memory_mib(raw.memory_mib)
         .mode(mode)

@@ -315,29 +315,29 @@ fn bad_options_are_refused_before_connecting() {
     let lib = b"\x7fELF";
     let echo = CString::new("echo").unwrap();
     let names = [echo.as_ptr()];
-    let mut alloc = null_mut();
+    let refused = |opts: *const rfaas_alloc_options, message: &str| {
+        let mut alloc = null_mut();
+        // SAFETY: valid pointers; the options are only read as integers.
+        let st = unsafe {
+            rfaas_allocate(
+                c,
+                exec.as_ptr(),
+                token.as_ptr(),
+                opts,
+                lib.as_ptr().cast(),
+                lib.len(),
+                names.as_ptr(),
+                1,
+                &mut alloc,
+            )
+        };
+        assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, message);
+        assert!(alloc.is_null());
+    };
 
     let mut opts = rfaas_alloc_options_default();
     opts.cores = 0;
-    // SAFETY: valid pointers.
-    let st = unsafe {
-        rfaas_allocate(
-            c,
-            exec.as_ptr(),
-            token.as_ptr(),
-            &opts,
-            lib.as_ptr().cast(),
-            lib.len(),
-            names.as_ptr(),
-            1,
-            &mut alloc,
-        )
-    };
-    assert_failed(
-        st,
-        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
-        "options.cores is 0",
-    );
+    refused(&opts, "options.cores is 0");
 
     // C may store any integer in `mode`: write one that is no rfaas_mode
     // through the C layout.
@@ -345,26 +345,11 @@ fn bad_options_are_refused_before_connecting() {
     let mode_field = std::ptr::addr_of_mut!(opts.mode).cast::<u32>();
     // SAFETY: rfaas_mode is repr(u32): the field is 4 writable bytes.
     unsafe { mode_field.write(7) };
-    let opts_ptr: *const rfaas_alloc_options = &opts;
-    // SAFETY: valid pointers; the options are only read as integers.
-    let st = unsafe {
-        rfaas_allocate(
-            c,
-            exec.as_ptr(),
-            token.as_ptr(),
-            opts_ptr,
-            lib.as_ptr().cast(),
-            lib.len(),
-            names.as_ptr(),
-            1,
-            &mut alloc,
-        )
-    };
-    assert_failed(
-        st,
-        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
-        "options.mode is 7",
-    );
+    refused(&opts, "options.mode is 7");
+
+    let mut opts = rfaas_alloc_options_default();
+    opts.read_only_input = 2;
+    refused(&opts, "options.read_only_input is 2");
     // SAFETY: from client(), freed once.
     unsafe { rfaas_client_free(c) };
 }

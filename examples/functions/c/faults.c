@@ -48,6 +48,17 @@ uint32_t fault_claim(void *in, uint32_t in_len, void *out)
     return n;
 }
 
+/* Flips the input's first byte, then echoes it: a function that writes to
+ * its input, which faults when the client promised read-only input and
+ * the input is read in place (shm). */
+uint32_t fault_scribble_input(void *in, uint32_t in_len, void *out)
+{
+    if (in_len > 0)
+        ((volatile unsigned char *)in)[0] ^= 1;
+    memcpy(out, in, in_len);
+    return in_len;
+}
+
 /* Sleeps for the input's first u32 in milliseconds, then echoes the input:
  * the deadline tests. */
 uint32_t sleep_ms(void *in, uint32_t in_len, void *out)

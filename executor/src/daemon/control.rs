@@ -524,6 +524,7 @@ fn start_worker(
         functions: req.functions.clone(),
         provider: req.provider.clone(),
         listen_addr,
+        read_only_input: req.read_only_input,
     };
     let frame = Frame::new(Kind::Assignment, &assignment, Vec::new());
 

@@ -56,6 +56,9 @@ pub struct LaneConfig {
     pub output_capacity: usize,
     /// Largest bulk payload the lane pulls.
     pub pull_limit: usize,
+    /// The client promised read-only input: read bulk payloads in place
+    /// where the provider maps the client's memory (shm).
+    pub read_only_input: bool,
 }
 
 /// A lane's fabric resources and state.
@@ -243,9 +246,10 @@ impl Lane {
         // end, so the pointer is in the region (or at its end, for capacity 0).
         let out_ptr = unsafe { self.output.as_ptr().add(self.out_offset) };
         let stamp = self.running.start(req.invocation_id, reply_to);
-        // SAFETY: `in_ptr` holds `in_len` readable bytes; `out_ptr` holds
-        // the output capacity, followed by the guard page. The function is
-        // the user's, called with the rFaaS contract.
+        // SAFETY: `in_ptr` holds `in_len` readable bytes (read-only ones
+        // when read in place, as the client promised the function only
+        // reads); `out_ptr` holds the output capacity, followed by the guard
+        // page. The function is the user's, called with the rFaaS contract.
         let returned = unsafe { f(in_ptr.cast(), in_len, out_ptr.cast()) };
         if !self.running.finish(stamp) {
             // The watchdog answered and owns the endpoint; the process ends.
@@ -296,6 +300,25 @@ impl Lane {
             return Input::Ready(p, header.input_len);
         }
         let len = header.input_len as usize;
+        if self.cfg.read_only_input {
+            let remote = RemoteAddr {
+                addr: header.input_addr,
+                rkey: header.input_rkey,
+            };
+            // In place, through the provider's read-only mapping of the
+            // client's buffer: no copy and no memory of ours. The view lasts
+            // until the lane's next operation on the endpoint, which comes
+            // after the function returned.
+            match self.endpoint.get().peer_view(remote, len) {
+                Some(Ok(view)) => return Input::Ready(view.as_ptr().cast_mut(), header.input_len),
+                Some(Err(Status::PeerLost | Status::Flushed)) => return Input::End,
+                Some(Err(Status::RemoteAccess)) => {
+                    return Input::Refused(InvocationStatus::MalformedRequest)
+                }
+                Some(Err(_)) => return Input::Refused(InvocationStatus::InternalError),
+                None => {}
+            }
+        }
         if len > self.cfg.pull_limit {
             return Input::Refused(InvocationStatus::PayloadTooLarge);
         }

@@ -373,6 +373,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             expires_at: a.expires_at,
             output_capacity: a.output_capacity as usize,
             pull_limit,
+            read_only_input: a.read_only_input,
         };
         let lane = Lane::new(
             cfg,
