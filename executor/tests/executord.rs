@@ -182,6 +182,21 @@ fn uid_of(pid: u32) -> u32 {
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
 }
 
+/// Whether this process may raise its own locked-memory limit (root with
+/// CAP_SYS_RESOURCE), as the daemon's workers try to.
+fn can_raise_memlock() -> bool {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write the struct we pass.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim);
+        lim.rlim_max = libc::RLIM_INFINITY;
+        libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) == 0
+    }
+}
+
 /// The nice value of every thread of `pid`.
 fn nice_of_threads(pid: u32) -> Vec<i32> {
     let mut nice = Vec::new();
@@ -234,6 +249,30 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
     // Pooled workers start niced; serving, every thread is back to 0.
     let nice = nice_of_threads(pid);
     assert!(!nice.is_empty() && nice.iter().all(|&n| n == 0), "{nice:?}");
+    // It may pin what it registers (verbs) up to its memory limit: the
+    // locked-memory limit is lifted where root may raise limits
+    // (CAP_SYS_RESOURCE; containers often drop it), and said otherwise.
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let memlock = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))
+        .unwrap();
+    if can_raise_memlock() {
+        assert!(
+            memlock.split_whitespace().nth(3) == Some("unlimited"),
+            "{memlock}"
+        );
+    } else {
+        let until = Instant::now() + MINUTE;
+        while !d.log().contains("cannot lift the locked-memory limit") {
+            assert!(
+                Instant::now() < until,
+                "no word of the memlock limit:\n{}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 
     let reply = c.deallocate(ok.allocation_id);
     let done: Deallocated = reply.parse(Kind::Deallocated).unwrap();

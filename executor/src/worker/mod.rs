@@ -259,6 +259,7 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
     if a.memory_limit_bytes > 0 {
         privileges::limit_memory(a.memory_limit_bytes)?;
     }
+    privileges::allow_pinning();
     privileges::drop_privileges(a.uid, a.gid)?;
 
     let t = Instant::now();

@@ -102,6 +102,26 @@ pub fn limit_memory(bytes: u64) -> Result<(), WorkerError> {
     Ok(())
 }
 
+/// Lifts the locked-memory limit (RLIMIT_MEMLOCK), as root, before the drop
+/// to the lease's user: the verbs provider pins every registered buffer,
+/// and the default 8 MiB would refuse a lease's worth of them. Pinned pages
+/// stay inside the memory limit (RLIMIT_AS, or the cgroup's), which bounds
+/// the worker either way. A daemon not running as root cannot raise it;
+/// its workers keep the inherited limit (logged, not fatal).
+pub fn allow_pinning() {
+    let lim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads the struct we pass.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
+        tracing::warn!(
+            error = %io::Error::last_os_error(),
+            "cannot lift the locked-memory limit (the executor does not run as root); registering memory may fail on verbs"
+        );
+    }
+}
+
 /// Becomes `uid`/`gid` with no supplementary groups (when that is not who
 /// the process already is), then makes `/proc/self` readable again and
 /// forbids regaining privileges.
