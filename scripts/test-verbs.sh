@@ -5,9 +5,12 @@
 #   scripts/test-verbs.sh
 #
 # Builds the test binaries on the host, then boots the VM once and runs in it
-#  - the library's device tests (`verbs::tests::`, ignored elsewhere), and
+#  - the library's device tests (`verbs::tests::`, ignored elsewhere),
 #  - the conformance suite's verbs cases (fabric/tests/conformance.rs, the
-#    same bodies as tcp and shm), both with --include-ignored.
+#    same bodies as tcp and shm), and
+#  - the client's end-to-end verbs cases (client/tests/e2e.rs: a real
+#    rfaas-executord and its workers on rxe0, the same bodies as tcp and
+#    shm), all with --include-ignored.
 # Prints each runner's "test result:" line and fails if a test fails, if a
 # binary ran no test, or if the VM could not run them (the VM script then
 # says why, loudly). The image is built on first use (about a minute; see
@@ -19,11 +22,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # In the guest: run both binaries, every test even after a failure.
 if [ "${1:-}" = --in-guest ]; then
-    lib=$2 conformance=$3 status=0
+    lib=$2 conformance=$3 e2e=$4 status=0
     echo "== verbs: library device tests on $RDMA_DEVICE ($RDMA_VM_IP)"
     "$lib" verbs::tests:: --include-ignored --test-threads=1 || status=1
     echo "== verbs: conformance suite on verbs:$RDMA_DEVICE"
     "$conformance" verbs --include-ignored --test-threads=1 || status=1
+    echo "== verbs: executor and client end to end on verbs:$RDMA_DEVICE"
+    "$e2e" verbs --include-ignored --test-threads=1 || status=1
     exit "$status"
 fi
 
@@ -47,6 +52,20 @@ if [ -z "$lib" ] || [ -z "$conformance" ]; then
     echo "$binaries" >&2
     exit 1
 fi
+# The daemon and worker the end-to-end tests start (next to each other in
+# target/debug), and the client's test binary, all with verbs.
+cargo build -p rfaas-executor --features rfaas-fabric/verbs
+e2e=$(cargo test -p rfaas-client --features rfaas-fabric/verbs --test e2e --no-run \
+    --message-format=json-render-diagnostics |
+    jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test)
+           | .executable')
+if [ -z "$e2e" ]; then
+    echo "test-verbs: cargo built no client e2e test binary" >&2
+    exit 1
+fi
+# The guest has no C compiler: one tcp case on the host builds the example
+# function library into the target directory, where the guest finds it.
+"$e2e" --exact echo_inline_and_bulk_sizes::case_1_tcp --test-threads=1
 
 echo "== verbs: one VM boot for both (build took $((SECONDS - start)) s)"
 log=$(mktemp)
@@ -55,7 +74,7 @@ vm_status=0
 # The binaries live in cargo's target directory, which may be outside the repository.
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 RDMA_VM_TIMEOUT=${RDMA_VM_TIMEOUT:-900} RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
-    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" |
+    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" |
     tee "$log" || vm_status=$?
 # With pipefail, the pipeline's status is the VM's (tee does not fail).
 
@@ -67,8 +86,8 @@ if [ "$vm_status" -ne 0 ]; then
     echo "test-verbs: FAILED: the run in the VM exited with $vm_status" >&2
     failed=1
 fi
-if [ ${#results[@]} -ne 2 ]; then
-    echo "test-verbs: FAILED: expected 2 test summaries (library, conformance), got ${#results[@]}" >&2
+if [ ${#results[@]} -ne 3 ]; then
+    echo "test-verbs: FAILED: expected 3 test summaries (library, conformance, e2e), got ${#results[@]}" >&2
     failed=1
 fi
 for line in "${results[@]}"; do

@@ -30,6 +30,28 @@ fn daemon() -> Executord {
     Executord::start(&daemon_binary(), ExecutordOptions::default())
 }
 
+/// The verbs provider on the test machine's RDMA device: `RDMA_DEVICE`
+/// (default rxe0). Its cases are ignored elsewhere; scripts/test-verbs.sh
+/// runs them under Soft-RoCE in a VM.
+fn verbs() -> &'static str {
+    let device = std::env::var("RDMA_DEVICE").unwrap_or_else(|_| "rxe0".into());
+    Box::leak(format!("verbs:{device}").into_boxed_str())
+}
+
+/// A daemon serving `provider`: for verbs, its workers listen on the RDMA
+/// device's address (`RDMA_VM_IP`).
+fn daemon_for(provider: &str) -> Executord {
+    if !provider.starts_with("verbs:") {
+        return daemon();
+    }
+    let opts = ExecutordOptions {
+        providers: vec![provider.to_owned()],
+        fabric_host: std::env::var("RDMA_VM_IP").expect("RDMA_VM_IP: the RDMA device's address"),
+        ..ExecutordOptions::default()
+    };
+    Executord::start(&daemon_binary(), opts)
+}
+
 fn token(d: &Executord) -> String {
     d.token("nobody", 4, 2048, Duration::from_secs(600))
 }
@@ -84,8 +106,10 @@ fn u32_input(alloc: &Allocation, value: u32) -> rfaas_client::Buffer<u32> {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn echo_inline_and_bulk_sizes(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let spec = spec().input_capacity(64 << 10).output_capacity(8 << 20);
     let alloc = allocate(&d, provider, &spec);
     let echo = alloc.function("echo").unwrap();
@@ -131,8 +155,10 @@ fn echo_inline_and_bulk_sizes(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn many_echoes_with_checked_outputs(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec());
     let echo = alloc.function("echo").unwrap();
     let mut input = alloc.buffer::<u8>(64 << 10).unwrap();
@@ -176,8 +202,10 @@ fn many_echoes_with_checked_outputs(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn concurrent_clients(#[case] provider: &'static str) {
-    let d = Arc::new(daemon());
+    let d = Arc::new(daemon_for(provider));
     let threads: Vec<_> = (0..3u32)
         .map(|t| {
             let d = Arc::clone(&d);
@@ -205,8 +233,10 @@ fn concurrent_clients(#[case] provider: &'static str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn parallel_submissions_across_two_lanes(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec().cores(2));
     assert_eq!(alloc.lanes(), 2);
     let sleep = alloc.function("sleep_ms").unwrap();
@@ -274,8 +304,10 @@ fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn hot_then_warm_switches_and_keeps_working(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let spec = spec()
         .mode(Mode::HotThenWarm)
         .hot_timeout(Duration::from_millis(1500));
@@ -308,8 +340,10 @@ fn hot_then_warm_switches_and_keeps_working(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn cold_start_to_first_result(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec().cores(2));
     let c = alloc.cold_start();
     assert!(c.round_trip > Duration::ZERO);
@@ -332,8 +366,10 @@ fn cold_start_to_first_result(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn async_invocations(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec().cores(2));
     let sleep = alloc.function("sleep_ms").unwrap();
     let a_in = u32_input(&alloc, 100);
@@ -359,8 +395,10 @@ fn async_invocations(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec());
     let sleep = alloc.function("sleep_ms").unwrap();
     let echo = alloc.function("echo").unwrap();
@@ -405,8 +443,10 @@ fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn read_only_input_is_read_in_place_on_shm(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let spec = spec()
         .mode(Mode::Hot)
         .read_only_input(true)
@@ -458,8 +498,10 @@ fn read_only_input_is_read_in_place_on_shm(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn segfault_is_a_worker_crash(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec());
     let f = alloc.function("fault_segfault").unwrap();
     let input = alloc.buffer::<u8>(0).unwrap();
@@ -498,8 +540,10 @@ fn segfault_is_a_worker_crash(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn overrunning_the_output_crashes_the_worker(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec().output_capacity(4096));
     let f = alloc.function("fault_overrun").unwrap();
     let input = u32_input(&alloc, 4096 + 8192);
@@ -521,8 +565,10 @@ fn overrunning_the_output_crashes_the_worker(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn claiming_too_much_output_is_output_too_large(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec().output_capacity(4096));
     let f = alloc.function("fault_claim").unwrap();
     let mut output = alloc.buffer::<u8>(64 << 10).unwrap();
@@ -549,8 +595,10 @@ fn claiming_too_much_output_is_output_too_large(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn running_past_the_deadline(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec().deadline(Duration::from_millis(200)));
     assert_eq!(alloc.deadline(), Duration::from_millis(200));
     let f = alloc.function("sleep_ms").unwrap();
@@ -570,8 +618,10 @@ fn running_past_the_deadline(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec());
     let pid = worker_pid(&d, alloc.id());
     let f = alloc.function("sleep_ms").unwrap();
@@ -597,8 +647,10 @@ fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec());
     let f = alloc.function("sleep_ms").unwrap();
     let input = u32_input(&alloc, 10_000);
@@ -617,8 +669,10 @@ fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
 fn invoke_retrying_recovers_on_a_new_worker(#[case] provider: &str) {
-    let d = daemon();
+    let d = daemon_for(provider);
     let mut alloc = allocate(&d, provider, &spec());
     let first = alloc.id();
     let echo = alloc.function("echo").unwrap();

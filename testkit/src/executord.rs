@@ -39,6 +39,9 @@ pub struct ExecutordOptions {
     pub pool_size: u32,
     /// `providers`.
     pub providers: Vec<String>,
+    /// `fabric_host`: where workers listen (an address of the RDMA device's
+    /// interface for verbs).
+    pub fabric_host: String,
     /// `sandbox`: `"none"` or `"bubblewrap"`.
     pub sandbox: String,
     /// `default_deadline_ms`.
@@ -61,6 +64,7 @@ impl Default for ExecutordOptions {
             memory_mib: 4096,
             pool_size: 1,
             providers: vec!["tcp".into(), "shm".into()],
+            fabric_host: "127.0.0.1".into(),
             sandbox: "none".into(),
             default_deadline_ms: 10_000,
             max_deadline_ms: 60_000,
@@ -133,7 +137,7 @@ impl Executord {
         let config = format!(
             "node_name = {node:?}\n\
              control_listen = \"127.0.0.1:0\"\n\
-             fabric_host = \"127.0.0.1\"\n\
+             fabric_host = {host:?}\n\
              providers = [{providers}]\n\
              cpus = {cpus:?}\n\
              pin = {pin}\n\
@@ -149,6 +153,7 @@ impl Executord {
              {extra}\n",
             node = opts.node_name,
             providers = providers.join(", "),
+            host = opts.fabric_host,
             cpus = opts.cpus,
             pin = opts.pin,
             mem = opts.memory_mib,
