@@ -405,14 +405,7 @@ impl Endpoint {
         remote: RemoteAddr,
         len: usize,
     ) -> Option<std::result::Result<PeerView, Status>> {
-        match &self.imp {
-            Imp::Shm(e) => Some(e.peer_view(remote, len)),
-            Imp::Tcp(_) => None,
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(_) => None,
-            #[cfg(not(feature = "verbs"))]
-            Imp::Verbs(never) => match *never {},
-        }
+        dispatch!(&self.imp, e => e.peer_view(remote, len))
     }
 
     /// Reads `len` bytes at `remote` into `local[offset..]`.

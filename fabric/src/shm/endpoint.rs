@@ -255,7 +255,11 @@ impl ShmEndpoint {
         &self,
         remote: RemoteAddr,
         len: usize,
-    ) -> std::result::Result<PeerView, Status> {
+    ) -> Option<std::result::Result<PeerView, Status>> {
+        Some(self.view(remote, len))
+    }
+
+    fn view(&self, remote: RemoteAddr, len: usize) -> std::result::Result<PeerView, Status> {
         if self.link.is_lost() {
             return Err(Status::PeerLost);
         }

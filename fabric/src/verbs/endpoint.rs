@@ -379,6 +379,16 @@ impl VerbsEndpoint {
         self.post_send(wr_id, op, local, offset, len, remote)
     }
 
+    /// See [`crate::Endpoint::peer_view`]: the peer's memory is not mapped
+    /// here, so there is no view; callers read.
+    pub(crate) fn peer_view(
+        &self,
+        _remote: RemoteAddr,
+        _len: usize,
+    ) -> Option<std::result::Result<crate::PeerView, crate::Status>> {
+        None
+    }
+
     pub(crate) fn read(
         &self,
         wr_id: u64,
