@@ -882,6 +882,21 @@ fn missing_function_fails_the_assignment(#[case] provider: &str) {
 }
 
 #[test]
+fn an_unusable_lane_key_fails_the_assignment() {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment("tcp", &dir);
+    a.lane_key = "not hex".into();
+    let reply = failure(
+        &mut worker,
+        &a,
+        &rfaas_testkit::functions::c_library_bytes(),
+    );
+    assert_eq!(reply.code, ErrorCode::MalformedRequest);
+    assert!(reply.message.contains("lane key"), "{}", reply.message);
+}
+
+#[test]
 fn root_is_refused() {
     let dir = TempDir::new();
     let mut worker = Worker::spawn();

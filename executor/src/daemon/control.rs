@@ -619,15 +619,15 @@ fn attach_worker(
     if s.sandbox == Sandbox::None {
         let mut st = shared.lock();
         if let Some(w) = st.pool.pop() {
-            // A pooled worker may still be starting (it runs at POOL_NICE
-            // until its assignment): it is on the allocation's path now.
-            process::renice(w.pid, 0);
             let a = st.allocations.get_mut(&id).expect("starting allocation");
             a.pid = Some(w.pid);
             if a.stop.is_some() {
                 process::signal(w.pid, libc::SIGKILL);
             }
             drop(st);
+            // A pooled worker may still be starting (it runs at POOL_NICE
+            // until its assignment): it is on the allocation's path now.
+            process::renice(w.pid, 0);
             return Ok((w.sock, w.pid, true));
         }
     }

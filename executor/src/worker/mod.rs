@@ -239,6 +239,8 @@ struct Prepared {
     lanes: Vec<PreparedLane>,
     load_ns: u64,
     listen_ns: u64,
+    /// The allocation's lane key, parsed from the assignment.
+    key: LaneKey,
 }
 
 fn endpoint_options() -> EndpointOptions {
@@ -252,6 +254,12 @@ fn endpoint_options() -> EndpointOptions {
 /// Pins, limits, drops privileges, loads the library and listens.
 fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, WorkerError> {
     check(a)?;
+    let key = LaneKey::from_hex(&a.lane_key).map_err(|e| {
+        WorkerError::failed(
+            ErrorCode::MalformedRequest,
+            format!("the assignment's lane key is unusable: {e}"),
+        )
+    })?;
     privileges::normal_priority();
     if !a.cpus.is_empty() {
         privileges::pin_to(&a.cpus)?;
@@ -316,6 +324,7 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
         lanes,
         load_ns,
         listen_ns,
+        key,
     })
 }
 
@@ -324,9 +333,6 @@ fn check(a: &Assignment) -> Result<(), WorkerError> {
     let bad = |m: String| Err(WorkerError::failed(ErrorCode::MalformedRequest, m));
     if a.lanes == 0 {
         return bad("the assignment has 0 lanes; at least one is needed".into());
-    }
-    if let Err(e) = LaneKey::from_hex(&a.lane_key) {
-        return bad(format!("the assignment's lane key is unusable: {e}"));
     }
     if (a.input_capacity as usize) < InvocationHeader::LEN {
         return bad(format!(
@@ -354,11 +360,10 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     } else {
         DEFAULT_PULL_LIMIT
     };
-    let key = LaneKey::from_hex(&a.lane_key).map_err(|e| internal(e.to_string()))?;
     let mut threads = Vec::with_capacity(p.lanes.len());
     let mut watches = Vec::with_capacity(p.lanes.len());
     for (index, mut l) in p.lanes.into_iter().enumerate() {
-        let endpoint = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &key)?;
+        let endpoint = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &p.key)?;
         let endpoint = Arc::new(LaneEndpoint::new(endpoint));
         let running = Arc::new(Running::default());
         watches.push(LaneWatch {
@@ -436,7 +441,7 @@ fn accept_lane(
             endpoint
                 .post_recv(wr_id)
                 .map_err(|e| format!("could not be given its receive back: {e}"))?;
-            acknowledge_hello(&endpoint, l, tag)
+            acknowledge_hello(&endpoint, &l.output, tag)
         }) {
             Ok(()) => return Ok(endpoint),
             Err(why) => {
@@ -510,12 +515,19 @@ fn await_hello(l: &mut PreparedLane, index: usize, key: &LaneKey, tag: u64) -> R
 /// arrive before it, and must not be taken here.
 fn acknowledge_hello(
     endpoint: &rfaas_fabric::Endpoint,
-    l: &mut PreparedLane,
+    any_region: &rfaas_fabric::MemoryRegion,
     tag: u64,
 ) -> Result<(), String> {
     let nowhere = rfaas_fabric::RemoteAddr { addr: 0, rkey: 0 };
     endpoint
-        .write_with_imm(tag | HELLO_ACK_WR, &l.output, 0, 0, nowhere, LANE_HELLO_IMM)
+        .write_with_imm(
+            tag | HELLO_ACK_WR,
+            any_region,
+            0,
+            0,
+            nowhere,
+            LANE_HELLO_IMM,
+        )
         .map_err(|e| format!("could not be answered: {e}"))
 }
 
