@@ -18,7 +18,8 @@ use super::state::{PoolWorker, Shared, Stop};
 /// The nice value pooled workers start with. Starting one (exec, dynamic
 /// linking, its first pages) runs while allocations are being served; at
 /// this value it takes the CPU only when the node has it to spare. The
-/// worker returns to the normal priority when it takes an assignment.
+/// daemon renices it to 0 when it hands it an allocation, before the
+/// worker starts any thread ([`process::renice`]).
 pub(crate) const POOL_NICE: i32 = 10;
 
 /// Work for the spawner thread.

@@ -260,7 +260,6 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
             format!("the assignment's lane key is unusable: {e}"),
         )
     })?;
-    privileges::normal_priority();
     if !a.cpus.is_empty() {
         privileges::pin_to(&a.cpus)?;
     }

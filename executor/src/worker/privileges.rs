@@ -43,27 +43,6 @@ pub fn die_with_parent() -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// Returns the calling thread, and so every thread it starts later, to the
-/// normal scheduling priority: pooled workers start lowered (see the
-/// daemon's `POOL_NICE`). The daemon already renices a pooled worker's main
-/// thread when it hands it an allocation; this covers any thread the worker
-/// started before. Raising the priority needs root, so this runs before
-/// [`drop_privileges`]; a daemon not running as root cannot, and its workers
-/// stay lowered (logged, not fatal).
-pub fn normal_priority() {
-    // SAFETY: plain system calls on the calling thread (who 0). A failing
-    // getpriority returns -1, which is not above 0.
-    let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-    // SAFETY: as above.
-    if now > 0 && unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 0) } != 0 {
-        tracing::warn!(
-            nice = now,
-            error = %io::Error::last_os_error(),
-            "cannot return the worker to nice 0 (the executor does not run as root); it serves at nice {now}"
-        );
-    }
-}
-
 /// Pins the calling thread, and so every thread it starts later, to `cpus`.
 pub fn pin_to(cpus: &[u32]) -> Result<(), WorkerError> {
     // SAFETY: cpu_set_t is plain data; all-zero is the empty set.
