@@ -5,7 +5,10 @@
 //! |---|---|---|
 //! | `hot_overhead` | median `hot_noop` − median `pingpong`, same provider and size | ≤ 300 ns on shm, ≤ 1 µs on tcp |
 //! | `warm_overhead` | median `warm_noop` − median `raw_<tcp\|shm>_pingpong_blocking` | ≤ 5 µs |
-//! | `echo_vs_bandwidth` | `echo` bytes/s over `bandwidth` bytes/s (both count bytes crossing the fabric) | ≥ 0.9 from 1 MB |
+//! | `<row>_vs_bandwidth` | bytes/s of `transfer`, `echo`, `echo_pulled` or `echo_read_only` over `bandwidth` bytes/s (both count bytes crossing the fabric) | ≥ 0.9 from 1 MB |
+//! | `pingpong_bandwidth_vs_bandwidth` | the fabric alone in an invocation's pattern (one payload each way, nothing overlapping) over its streaming `bandwidth` | none: the fabric's, not rfaas's |
+//! | `transfer_vs_pingpong_bandwidth` | `transfer` over `pingpong_bandwidth`: the share of the fabric's round trip the invocation path keeps | none |
+//! | `echo_copy_estimate` | what a sequential echo that copies its input reaches if each crossing runs at `bandwidth` and the copy at `memcpy_bandwidth`: `1 / (1 + bandwidth / (2 × memcpy_bandwidth))` | none: it explains `echo_vs_bandwidth` |
 //! | `grpc_echo_over_hot_noop` | median `grpc_echo` over median `hot_noop` on tcp | ≥ 5 at 64 B |
 //!
 //! A derived row appears only when both of its rows were measured.
@@ -19,6 +22,9 @@ const ECHO_MIN_RATIO: f64 = 0.9;
 const ECHO_TARGET_FROM: u64 = 1_000_000;
 const GRPC_MIN_RATIO: f64 = 5.0;
 const GRPC_TARGET_SIZE: u64 = 64;
+
+/// The invocation rows reported as bandwidth.
+const PAYLOAD_ROWS: [&str; 4] = ["transfer", "echo", "echo_pulled", "echo_read_only"];
 
 /// Every derived row `rows` allow, in a fixed order.
 pub fn derive(rows: &[Row]) -> Vec<Row> {
@@ -57,23 +63,37 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             ));
         }
     }
-    for echo in rows
+    for row in rows
         .iter()
-        .filter(|r| r.name == "echo" || r.name == "echo_read_only")
+        .filter(|r| PAYLOAD_ROWS.contains(&r.name.as_str()))
     {
-        let bandwidth = rows
+        let target = (row.size >= ECHO_TARGET_FROM).then_some(ECHO_MIN_RATIO);
+        out.extend(bandwidth_ratio(rows, row, "bandwidth", target));
+    }
+    // What the fabric itself reaches in an invocation's pattern, and the
+    // share of that the invocation path keeps.
+    for row in rows.iter().filter(|r| r.name == "pingpong_bandwidth") {
+        out.extend(bandwidth_ratio(rows, row, "bandwidth", None));
+    }
+    for row in rows.iter().filter(|r| r.name == "transfer") {
+        out.extend(bandwidth_ratio(rows, row, "pingpong_bandwidth", None));
+    }
+    // An echo's round trip is two crossings and, in between, the function's
+    // copy of the payload: 2M bytes in 2M/B + M/C seconds at best.
+    for bw in rows.iter().filter(|r| r.name == "bandwidth") {
+        let copy = rows
             .iter()
-            .find(|r| r.name == "bandwidth" && same_point(r, echo))
+            .find(|r| r.name == "memcpy_bandwidth" && r.size == bw.size)
             .and_then(bytes_per_s);
-        if let (Some(a), Some(b)) = (bytes_per_s(echo), bandwidth) {
-            if b > 0 {
+        if let (Some(b), Some(c)) = (bytes_per_s(bw), copy) {
+            if c > 0 {
                 out.push(Row::ratio(
-                    &format!("{}_vs_bandwidth", echo.name),
-                    &echo.provider,
-                    echo.size,
-                    a as f64 / b as f64,
-                    format!("{} / bandwidth", echo.name),
-                    (echo.size >= ECHO_TARGET_FROM).then_some(ECHO_MIN_RATIO),
+                    "echo_copy_estimate",
+                    &bw.provider,
+                    bw.size,
+                    1.0 / (1.0 + b as f64 / (2.0 * c as f64)),
+                    "1 / (1 + bandwidth / (2 memcpy_bandwidth))".into(),
+                    None,
                 ));
             }
         }
@@ -97,6 +117,25 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
         }
     }
     out
+}
+
+/// `<row>_vs_<baseline>`: `row`'s bytes/s over those of `baseline` at the
+/// same provider and size.
+fn bandwidth_ratio(rows: &[Row], row: &Row, baseline: &str, target: Option<f64>) -> Option<Row> {
+    let b = rows
+        .iter()
+        .find(|r| r.name == baseline && same_point(r, row))
+        .and_then(bytes_per_s)
+        .filter(|&b| b > 0)?;
+    let a = bytes_per_s(row)?;
+    Some(Row::ratio(
+        &format!("{}_vs_{baseline}", row.name),
+        &row.provider,
+        row.size,
+        a as f64 / b as f64,
+        format!("{} / {baseline}", row.name),
+        target,
+    ))
 }
 
 fn same_point(a: &Row, b: &Row) -> bool {
@@ -156,6 +195,9 @@ mod tests {
             bw("echo", "tcp", 1 << 20, 950),
             bw("bandwidth", "tcp", 1024, 1000),
             bw("echo", "tcp", 1024, 100),
+            bw("transfer", "tcp", 1 << 20, 899),
+            bw("pingpong_bandwidth", "tcp", 1 << 20, 930),
+            bw("memcpy_bandwidth", "mem", 1 << 20, 4000),
             lat("grpc_echo", "tcp", 64, 54_000),
         ];
         let d = derive(&rows);
@@ -171,13 +213,18 @@ mod tests {
                 ("warm_overhead", "shm", 64),
                 ("echo_vs_bandwidth", "tcp", 1 << 20),
                 ("echo_vs_bandwidth", "tcp", 1024),
+                ("transfer_vs_bandwidth", "tcp", 1 << 20),
+                ("pingpong_bandwidth_vs_bandwidth", "tcp", 1 << 20),
+                ("transfer_vs_pingpong_bandwidth", "tcp", 1 << 20),
+                ("echo_copy_estimate", "tcp", 1 << 20),
                 ("grpc_echo_over_hot_noop", "tcp", 64),
             ]
         );
         let met: Vec<Option<bool>> = d.iter().map(Row::meets_target).collect();
         // shm 250 ns over its 300 ns budget is met, tcp 800 ns too; warm is
         // faster than its baseline (negative overhead); 1 KiB echo has no
-        // target; 54/10.8 = 5.0 meets ">= 5".
+        // target; 0.899 misses 0.9; the fabric's own ratios and the copy
+        // estimate have none; 54/10.8 = 5.0 meets ">= 5".
         assert_eq!(
             met,
             [
@@ -186,9 +233,22 @@ mod tests {
                 Some(true),
                 Some(true),
                 None,
+                Some(false),
+                None,
+                None,
+                None,
                 Some(true)
             ]
         );
+        assert!(matches!(
+            d[7].measure,
+            Measure::Ratio { ratio, .. } if (ratio - 899.0 / 930.0).abs() < 1e-9
+        ));
+        // 1 / (1 + 1000 / (2 × 4000)) = 8/9.
+        assert!(matches!(
+            d[8].measure,
+            Measure::Ratio { ratio, .. } if (ratio - 8.0 / 9.0).abs() < 1e-9
+        ));
         assert!(matches!(
             d[2].measure,
             Measure::Difference {
@@ -199,7 +259,7 @@ mod tests {
         let json: serde_json::Value = serde_json::from_str(&d[0].to_json()).unwrap();
         assert_eq!(json["median_ns"], 250);
         assert_eq!(json["meets_target"], true);
-        let json: serde_json::Value = serde_json::from_str(&d[5].to_json()).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&d[9].to_json()).unwrap();
         assert_eq!(json["ratio"], 5.0);
     }
 

@@ -6,6 +6,10 @@
 //!   up to `WINDOW` outstanding, ended by a write-with-immediate the peer
 //!   answers, so the time covers every byte placed in the peer's memory.
 //!   The peer busy-polls, as a hot rfaas worker does.
+//! - `pingpong_bandwidth`: `pingpong` with each `--bw-sizes` size each way,
+//!   reported as bandwidth (`2 × size` per round trip): what the fabric
+//!   itself reaches in an invocation's pattern, one payload over and one
+//!   back with nothing in flight between them.
 //! - `bandwidth_passive`: the same with the peer asleep in `wait`: on shm
 //!   (and verbs) the writes need no target CPU; on tcp the target's library
 //!   wakes to place the data.
@@ -26,6 +30,7 @@ use crate::stats::time_round_trips;
 
 const PINGPONG: &str = "pingpong";
 const BANDWIDTH: &str = "bandwidth";
+const PINGPONG_BANDWIDTH: &str = "pingpong_bandwidth";
 const BANDWIDTH_PASSIVE: &str = "bandwidth_passive";
 const ECHO: &str = "fabric_echo";
 
@@ -50,6 +55,13 @@ pub const SUITE: Suite = Suite {
             runner: Runner::PerProvider {
                 kind: None,
                 run: bandwidth,
+            },
+        },
+        RowSpec {
+            name: PINGPONG_BANDWIDTH,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: pingpong_bandwidth,
             },
         },
         RowSpec {
@@ -199,6 +211,33 @@ fn pingpong(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
         out.push(&Row::latency(PINGPONG, &provider.spec, size, summary))?;
     }
     drop(session);
+    drop(peer);
+    Ok(())
+}
+
+fn pingpong_bandwidth(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let max = ctx.bw_sizes.iter().copied().max().unwrap_or(1).max(4096);
+    let (peer, mut s) = Session::open(ctx, provider, max, "spin")?;
+    for &size in &ctx.bw_sizes {
+        // Untimed first, as in `bandwidth`.
+        for _ in 0..4 {
+            s.round_trip(size, 1)?;
+        }
+        let calls = (ctx.bw_messages(size) / 2).max(8);
+        let start = std::time::Instant::now();
+        for _ in 0..calls {
+            s.round_trip(size, 1)?;
+        }
+        let elapsed = start.elapsed();
+        out.push(&Row::bandwidth(
+            PINGPONG_BANDWIDTH,
+            &provider.spec,
+            size,
+            2 * size as u64 * calls,
+            elapsed,
+        ))?;
+    }
+    drop(s);
     drop(peer);
     Ok(())
 }

@@ -2,24 +2,26 @@
 //! on 127.0.0.1, which each row starts for itself (with one provider, a
 //! worker pool and no sandbox) and stops by pid when it ends, fails or the
 //! bench is interrupted (see `cleanup.rs`). The functions are the C
-//! examples (`noop`, `echo`).
+//! examples (`noop`, `echo`, `empty`).
 //!
 //! | row | what one sample is |
 //! |---|---|
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
-//! | `echo` | `submit` + `spin` of `echo` with `--bw-sizes` bytes each way, on a hot worker; reported as bandwidth (below) |
-//! | `echo_read_only` | the same with `read_only_input(true)`: on shm, bulk payloads are read in place instead of pulled |
+//! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below) |
+//! | `echo` | the same with `echo`, which copies its input to its output |
+//! | `echo_pulled` | `echo` on a lane with a 64 KiB input buffer: from 1 MiB the worker pulls the payload with one-sided reads |
+//! | `echo_read_only` | `echo_pulled` with `read_only_input(true)`: on shm, bulk payloads are read in place instead of pulled |
 //! | `cold_start` | a fresh `Client`: `allocate` (one core, the library shipped) up to the first `noop` result; then `deallocate`, untimed |
 //! | `cold_start_<phase>` | the phases of the same cold starts, from `Allocation::cold_start()`; `first_result` is the rest: buffers and the first call |
 //!
-//! `echo`'s `bytes_per_s` is the bytes that crossed the fabric per second
+//! The bandwidth rows count the bytes that crossed the fabric per second
 //! of round trip: `2 × size × calls / elapsed`, the payload in and the
 //! result out. The fabric's `bandwidth` row counts the same way (bytes
 //! placed in the peer's memory per second), so the two compare directly;
-//! `derived.rs` prints their ratio. Payloads up to [`ECHO_INPUT_CAPACITY`]
-//! − 32 travel with the request; bigger ones are pulled by the worker with
-//! one-sided reads.
+//! `derived.rs` prints their ratio. `transfer` is the invocation path
+//! alone; `echo` adds the function's own copy of the payload, which one
+//! round trip cannot overlap with either crossing (`echo_copy_estimate`).
 //!
 //! The daemon and its workers are placed on the peers' CPU, so a hot worker
 //! does not share a CPU with the client: the bench moves itself there while
@@ -30,6 +32,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rfaas_client::{Allocation, AllocationSpec, Buffer, Client, ClientOptions, FunctionId, Mode};
+use rfaas_proto::InvocationHeader;
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
 
 use crate::child;
@@ -42,12 +45,14 @@ use crate::stats::{time_round_trips, Summary};
 const HOT_NOOP: &str = "hot_noop";
 const WARM_NOOP: &str = "warm_noop";
 const ECHO: &str = "echo";
+const ECHO_PULLED: &str = "echo_pulled";
 const ECHO_READ_ONLY: &str = "echo_read_only";
+const TRANSFER: &str = "transfer";
 const COLD_START: &str = "cold_start";
 
-/// Input capacity of the echo allocation's lane: 1 KiB and 64 KiB travel
+/// Input capacity of the pulled rows' lane: 1 KiB and 64 KiB travel
 /// inline, 1 MiB and more are pulled.
-pub const ECHO_INPUT_CAPACITY: u32 = (64 << 10) + 32;
+pub const PULLED_INPUT_CAPACITY: u32 = (64 << 10) + InvocationHeader::LEN as u32;
 
 /// Lease users may not be root; the worker drops to this one.
 const LEASE_USER: &str = "nobody";
@@ -74,14 +79,28 @@ pub const SUITE: Suite = Suite {
             name: ECHO,
             runner: Runner::PerProvider {
                 kind: None,
-                run: |ctx, p, out| echo(ctx, p, false, out),
+                run: |ctx, p, out| payload(ctx, p, ECHO_ROW, out),
+            },
+        },
+        RowSpec {
+            name: ECHO_PULLED,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| payload(ctx, p, ECHO_PULLED_ROW, out),
             },
         },
         RowSpec {
             name: ECHO_READ_ONLY,
             runner: Runner::PerProvider {
                 kind: None,
-                run: |ctx, p, out| echo(ctx, p, true, out),
+                run: |ctx, p, out| payload(ctx, p, ECHO_READ_ONLY_ROW, out),
+            },
+        },
+        RowSpec {
+            name: TRANSFER,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| payload(ctx, p, TRANSFER_ROW, out),
             },
         },
         RowSpec {
@@ -245,24 +264,79 @@ fn noop(ctx: &Ctx, provider: &Provider, mode: Mode, out: &mut Report) -> Result<
     Ok(())
 }
 
-fn echo(ctx: &Ctx, provider: &Provider, read_only: bool, out: &mut Report) -> Result<()> {
-    let name = if read_only { ECHO_READ_ONLY } else { ECHO };
+/// A row that moves `--bw-sizes` bytes each way through one function.
+#[derive(Debug, Clone, Copy)]
+struct Payload {
+    name: &'static str,
+    function: &'static str,
+    /// The lane's input buffer holds the largest payload, so every payload
+    /// travels with its request; otherwise it is [`PULLED_INPUT_CAPACITY`].
+    inline: bool,
+    read_only: bool,
+}
+
+const ECHO_ROW: Payload = Payload {
+    name: ECHO,
+    function: "echo",
+    inline: true,
+    read_only: false,
+};
+const ECHO_PULLED_ROW: Payload = Payload {
+    name: ECHO_PULLED,
+    function: "echo",
+    inline: false,
+    read_only: false,
+};
+const ECHO_READ_ONLY_ROW: Payload = Payload {
+    name: ECHO_READ_ONLY,
+    function: "echo",
+    inline: false,
+    read_only: true,
+};
+const TRANSFER_ROW: Payload = Payload {
+    name: TRANSFER,
+    function: "empty",
+    inline: true,
+    read_only: false,
+};
+
+impl Payload {
+    /// What the result must hold: all of the input for `echo`, its first
+    /// word for `empty` (the rest is the output buffer as it was).
+    fn checked_len(&self, size: usize) -> usize {
+        match self.function {
+            "echo" => size,
+            _ => size.min(4),
+        }
+    }
+}
+
+fn payload(ctx: &Ctx, provider: &Provider, row: Payload, out: &mut Report) -> Result<()> {
+    let name = row.name;
     let daemon = Daemon::start(ctx, provider)?;
     let client = Client::new(ClientOptions::with_provider(&provider.spec));
     let max = ctx.bw_sizes.iter().copied().max().unwrap_or(1);
     let capacity = u32::try_from(max)
-        .map_err(|_| Error::new("--bw-sizes must stay below 4 GiB for echo"))?
+        .ok()
+        .and_then(|m| m.checked_add(InvocationHeader::LEN as u32))
+        .ok_or_else(|| Error::new(format!("--bw-sizes must stay below 4 GiB for {name}")))?
         .max(4096);
-    let spec = AllocationSpec::new(library()?, &["echo"])
+    let spec = AllocationSpec::new(library()?, &[row.function])
         .mode(Mode::Hot)
         .memory_mib(ALLOCATION_MEMORY_MIB.max(capacity.div_ceil(1 << 20) * 4 + 64))
-        .input_capacity(ECHO_INPUT_CAPACITY)
+        .input_capacity(if row.inline {
+            capacity
+        } else {
+            PULLED_INPUT_CAPACITY
+        })
         .output_capacity(capacity)
-        .read_only_input(read_only);
+        .read_only_input(row.read_only);
     let alloc = client
         .allocate(&daemon.addr(), &daemon.token(), &spec)
         .ctx(|| format!("{name}: allocating on {}", daemon.addr()))?;
-    let f = alloc.function("echo").ctx(|| "finding echo".into())?;
+    let f = alloc
+        .function(row.function)
+        .ctx(|| format!("finding {}", row.function))?;
     let mut input = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
     for (i, b) in input.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
@@ -272,9 +346,10 @@ fn echo(ctx: &Ctx, provider: &Provider, read_only: bool, out: &mut Report) -> Re
         // Untimed: faults the pages in on both sides and grows the
         // worker's pull buffer.
         for _ in 0..4 {
-            echo_call(&alloc, f, &input, size, &mut output)?;
+            payload_call(name, &alloc, f, &input, size, &mut output)?;
         }
-        if output.as_slice()[..size] != input.as_slice()[..size] {
+        let checked = row.checked_len(size);
+        if output.as_slice()[..checked] != input.as_slice()[..checked] {
             return Err(Error::new(format!(
                 "{name}: the {size}-byte result differs from the input"
             )));
@@ -282,7 +357,7 @@ fn echo(ctx: &Ctx, provider: &Provider, read_only: bool, out: &mut Report) -> Re
         let calls = (ctx.bw_messages(size) / 2).max(8);
         let start = Instant::now();
         for _ in 0..calls {
-            echo_call(&alloc, f, &input, size, &mut output)?;
+            payload_call(name, &alloc, f, &input, size, &mut output)?;
         }
         let elapsed = start.elapsed();
         out.push(&Row::bandwidth(
@@ -298,9 +373,10 @@ fn echo(ctx: &Ctx, provider: &Provider, read_only: bool, out: &mut Report) -> Re
     Ok(())
 }
 
-/// One `echo` of `size` bytes, checked for its length. Hot path.
+/// One call of `size` bytes that must return `size` bytes. Hot path.
 #[inline]
-fn echo_call(
+fn payload_call(
+    name: &str,
     alloc: &Allocation,
     f: FunctionId,
     input: &Buffer<u8>,
@@ -309,13 +385,13 @@ fn echo_call(
 ) -> Result<()> {
     let len = alloc
         .submit(f, input, size, output)
-        .ctx(|| format!("{ECHO}: submitting {size} bytes"))?
+        .ctx(|| format!("{name}: submitting {size} bytes"))?
         .spin()
-        .ctx(|| format!("{ECHO}: the {size}-byte call failed"))?;
+        .ctx(|| format!("{name}: the {size}-byte call failed"))?;
     match len {
         n if n == size => Ok(()),
         n => Err(Error::new(format!(
-            "{ECHO}: {size} bytes in, {n} bytes out"
+            "{name}: {size} bytes in, {n} bytes out"
         ))),
     }
 }

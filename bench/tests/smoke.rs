@@ -66,7 +66,7 @@ fn invocation_rows_against_a_real_daemon() {
             "--provider",
             "tcp",
             "--rows",
-            "hot_noop,pingpong,echo,bandwidth,cold_start,grpc_echo",
+            "hot_noop,pingpong,echo_pulled,transfer,bandwidth,pingpong_bandwidth,memcpy_bandwidth,cold_start,grpc_echo",
             "--sizes",
             "64",
             "--bw-sizes",
@@ -97,19 +97,29 @@ fn invocation_rows_against_a_real_daemon() {
         );
     }
     assert_eq!(find(&rows, "cold_start", "tcp", 1)["iters"], 2);
-    // 200000 bytes is above the echo allocation's input capacity: the
-    // worker pulls the payload.
-    for size in [4096, 200_000] {
-        assert!(
-            find(&rows, "echo", "tcp", size)["bytes_per_s"]
-                .as_u64()
-                .unwrap()
-                > 0
-        );
-        assert_eq!(
-            find(&rows, "echo_vs_bandwidth", "tcp", size)["of"],
-            "echo / bandwidth"
-        );
+    // 200000 bytes is above echo_pulled's input capacity: the worker
+    // pulls the payload. transfer sends it with the request.
+    for name in ["echo_pulled", "transfer"] {
+        for size in [4096, 200_000] {
+            assert!(
+                find(&rows, name, "tcp", size)["bytes_per_s"]
+                    .as_u64()
+                    .unwrap()
+                    > 0
+            );
+            assert_eq!(
+                find(&rows, &format!("{name}_vs_bandwidth"), "tcp", size)["of"],
+                format!("{name} / bandwidth")
+            );
+        }
+    }
+    for name in [
+        "echo_copy_estimate",
+        "pingpong_bandwidth_vs_bandwidth",
+        "transfer_vs_pingpong_bandwidth",
+    ] {
+        let ratio = find(&rows, name, "tcp", 200_000)["ratio"].as_f64().unwrap();
+        assert!(ratio > 0.0, "{name}: {ratio}");
     }
     let overhead = find(&rows, "hot_overhead", "tcp", 64);
     assert_eq!(overhead["of"], "hot_noop - pingpong");

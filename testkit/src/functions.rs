@@ -172,6 +172,7 @@ mod tests {
         for f in [
             "noop",
             "echo",
+            "empty",
             "matmul",
             "jacobi",
             "black_scholes",

@@ -224,7 +224,7 @@ fn dominant_matrix(n: usize) -> Vec<f64> {
 #[test]
 fn libraries_export_every_example_function() {
     for lib in both() {
-        for f in ["noop", "echo", "matmul", "jacobi", "black_scholes"] {
+        for f in ["noop", "echo", "empty", "matmul", "jacobi", "black_scholes"] {
             lib.function(f);
         }
     }
@@ -245,6 +245,24 @@ fn echo_returns_its_input() {
             let (n, out) = lib.call("echo", &input, len);
             assert_eq!(n as usize, len, "{}: echo length", lib.name);
             assert_eq!(out, input, "{}: echo bytes", lib.name);
+        }
+    }
+}
+
+#[test]
+fn empty_returns_the_input_length_and_writes_only_the_first_word() {
+    for lib in both() {
+        for len in [0usize, 1, 3, 4, 5, 4097] {
+            let input: Vec<u8> = (0..len).map(|i| (i * 5 + 1) as u8).collect();
+            let (n, out) = lib.call_at("empty", &input, 0, len, CANARY);
+            assert_eq!(n as usize, len, "{}: empty length", lib.name);
+            let copied = if len >= 4 { 4 } else { 0 };
+            assert_eq!(out[..copied], input[..copied], "{}: first word", lib.name);
+            assert!(
+                out[copied..].iter().all(|&b| b == CANARY),
+                "{}: empty wrote past its first word",
+                lib.name
+            );
         }
     }
 }

@@ -25,3 +25,23 @@ pub unsafe extern "C" fn echo(input: *mut c_void, in_len: u32, out: *mut c_void)
     unsafe { std::ptr::copy_nonoverlapping(input.cast::<u8>(), out.cast::<u8>(), in_len as usize) };
     in_len
 }
+
+/// rFaaS's bandwidth benchmark function: copies the first 4 bytes of its
+/// input and returns `in_len`, so `in_len` bytes of the output buffer travel
+/// back without the function touching them. A round trip through it moves
+/// the payload both ways at no cost in the function: what is left is the
+/// invocation path's own.
+///
+/// # Safety
+///
+/// `input` must point to `in_len` readable bytes and `out` to `in_len`
+/// writable bytes (the rfaas worker checks `in_len` against its output
+/// capacity before sending them).
+#[no_mangle]
+pub unsafe extern "C" fn empty(input: *mut c_void, in_len: u32, out: *mut c_void) -> u32 {
+    if in_len >= 4 {
+        // SAFETY: both pointers hold at least `in_len` >= 4 bytes.
+        unsafe { std::ptr::copy_nonoverlapping(input.cast::<u8>(), out.cast::<u8>(), 4) };
+    }
+    in_len
+}
