@@ -1,8 +1,8 @@
 //! `rfaas-bench`: the harness and rows of the two benchmark binaries.
 //!
 //! - `rfaas-bench` measures invocations through `rfaas-client` against a
-//!   real `rfaas-executord` on loopback (hot and warm no-op round trips, echo
-//!   bandwidth, cold starts), a gRPC echo, and in the same run the fabric
+//!   real `rfaas-executord` on loopback (hot and warm no-op round trips,
+//!   transfer and echo bandwidth, cold starts), a gRPC echo, and in the same run the fabric
 //!   rows and raw baselines they are judged against, with the differences
 //!   and ratios as derived rows.
 //! - `rfaas-fabric-bench` measures the fabric providers against the raw
@@ -14,10 +14,11 @@
 //!   ([`rows::Ctx`]), and the loop that runs the selected ones;
 //! - [`cli`]: what both binaries share around their flags: pinning, the
 //!   `--serve` dispatch, the rounds;
-//! - [`fabric_rows`]: `pingpong` and `bandwidth` through rfaas-fabric;
+//! - [`fabric_rows`]: `pingpong`, `pingpong_bandwidth` and `bandwidth`
+//!   through rfaas-fabric;
 //! - [`baselines`]: the raw baselines (plain sockets, shared memory, memcpy);
-//! - [`invoke`]: `hot_noop`, `warm_noop`, `echo` and `cold_start` through
-//!   rfaas-client and a real executor daemon;
+//! - [`invoke`]: `hot_noop`, `warm_noop`, `transfer`, the `echo` rows and
+//!   `cold_start` through rfaas-client and a real executor daemon;
 //! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
 //! - [`derived`]: overheads and ratios computed from the best rounds;
 //! - [`child`]: the peer process a two-sided row runs against, started by
