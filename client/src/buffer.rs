@@ -72,6 +72,20 @@ impl RegionShared {
         self.region.descriptor().addr + data_offset() as u64
     }
 
+    /// The data's first 4 bytes, little-endian.
+    ///
+    /// # Safety
+    ///
+    /// The data holds at least 4 bytes, and no write to them is in flight.
+    pub(crate) unsafe fn first_word(&self) -> i32 {
+        // SAFETY: data_offset() is inside the region, and the caller
+        // promises 4 data bytes at rest.
+        let bytes = unsafe {
+            std::ptr::read_unaligned(self.region.as_ptr().add(data_offset()).cast::<[u8; 4]>())
+        };
+        i32::from_le_bytes(bytes)
+    }
+
     /// Writes the request header into the header slot.
     ///
     /// The caller holds `header_busy`, so nobody else writes the slot, and

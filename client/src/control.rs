@@ -32,6 +32,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) enum FateState {
     /// Running, as far as the executor said.
     Running,
+    /// A lane's worker answered that a function crashed: the worker is
+    /// ending, and the executor's report is still to come.
+    Crashed {
+        /// The signal, when the answer carried it.
+        signal: Option<i32>,
+    },
     /// The executor reported the worker's end.
     Exited(WorkerExited),
     /// The control connection ended.
@@ -70,7 +76,12 @@ impl Fate {
     /// Records the end, unless an earlier one is recorded.
     pub(crate) fn set(&self, state: FateState) {
         let mut st = lock(&self.state);
-        if matches!(*st, FateState::Running) {
+        // The executor's report of a crash says more than the worker's.
+        let replaces = matches!(
+            (&*st, &state),
+            (FateState::Running, _) | (FateState::Crashed { .. }, FateState::Exited(_))
+        );
+        if replaces {
             *st = state;
             self.ended.store(true, Ordering::Release);
         }
@@ -95,6 +106,7 @@ impl Fate {
                 .0;
         }
         match &*st {
+            FateState::Crashed { signal } => Error::crashed_in_band(*signal),
             FateState::Exited(exit) => Error::from_exit(exit),
             FateState::ExecutorLost => Error::ExecutorLost {
                 executor: self.executor.clone(),
@@ -359,6 +371,42 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
 mod tests {
     use super::*;
     use rfaas_proto::control::ExitCause;
+
+    #[test]
+    fn the_executors_report_of_a_crash_replaces_the_workers() {
+        let f = Fate::new("127.0.0.1:9".into());
+        f.set(FateState::Crashed { signal: None });
+        assert!(f.ended());
+        assert!(matches!(
+            f.error(Duration::ZERO),
+            Error::WorkerCrashed {
+                signal: None,
+                cause: ExitCause::Crashed,
+                ..
+            }
+        ));
+        // Losing the executor afterwards changes nothing...
+        f.set(FateState::ExecutorLost);
+        assert!(matches!(
+            f.error(Duration::ZERO),
+            Error::WorkerCrashed { .. }
+        ));
+        // ...its report of the exit fills in the signal.
+        f.set(FateState::Exited(WorkerExited {
+            allocation_id: 1,
+            cause: ExitCause::Crashed,
+            signal: Some(6),
+            exit_code: None,
+            message: "worker 3 killed by SIGABRT".into(),
+        }));
+        assert!(matches!(
+            f.error(Duration::ZERO),
+            Error::WorkerCrashed {
+                signal: Some(6),
+                ..
+            }
+        ));
+    }
 
     #[test]
     fn fate_errors() {

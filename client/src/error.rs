@@ -146,6 +146,17 @@ impl Error {
         }
     }
 
+    /// The error of a `function_crashed` answer: the worker reports the
+    /// signal before it dies of it, and the daemon's `WorkerExited` says
+    /// the same afterwards.
+    pub(crate) fn crashed_in_band(signal: Option<i32>) -> Error {
+        Error::WorkerCrashed {
+            signal,
+            cause: ExitCause::Crashed,
+            message: "the function crashed; its worker answered for it and ended".into(),
+        }
+    }
+
     /// The error an invocation ends with when its worker ended with `exit`.
     pub(crate) fn from_exit(exit: &WorkerExited) -> Error {
         match exit.cause {

@@ -37,7 +37,7 @@ use rfaas_proto::{
 };
 
 use crate::buffer::{header_offset, RegionShared};
-use crate::control::{lock, Fate};
+use crate::control::{lock, Fate, FateState};
 use crate::error::{Error, Result};
 
 /// wr_id of the request write.
@@ -189,6 +189,16 @@ impl LaneInner {
         }
     }
 
+    /// The first 4 bytes of the held output buffer, little-endian: where a
+    /// `function_crashed` response carries the signal.
+    fn output_word(&self) -> Option<i32> {
+        let r = self.output_hold.as_ref()?;
+        // SAFETY: the worker wrote 4 bytes there, so the client declared at
+        // least 4 bytes of output capacity, which the buffer holds; the
+        // response's completion orders the write before this read.
+        Some(unsafe { r.first_word() })
+    }
+
     fn release_output(&mut self) {
         if let Some(r) = self.output_hold.take() {
             r.output_busy.store(false, Ordering::Release);
@@ -215,13 +225,22 @@ impl LaneInner {
                     return;
                 }
                 self.owed = self.owed.saturating_sub(1);
+                let decoded = ResponseImm::decode(c.imm);
+                let crash_signal = match decoded {
+                    Ok(r) if r.status == InvocationStatus::FunctionCrashed && c.byte_len == 4 => {
+                        self.output_word()
+                    }
+                    _ => None,
+                };
                 self.release_output();
-                match ResponseImm::decode(c.imm) {
+                match decoded {
                     Ok(r) if Some(r.invocation_id) == self.expected => {
-                        self.response = Some(if r.status == InvocationStatus::Ok {
-                            Ok(c.byte_len as usize)
-                        } else {
-                            Err(Error::FunctionFailed(r.status))
+                        self.response = Some(match r.status {
+                            InvocationStatus::Ok => Ok(c.byte_len as usize),
+                            InvocationStatus::FunctionCrashed => {
+                                Err(Error::crashed_in_band(crash_signal))
+                            }
+                            status => Err(Error::FunctionFailed(status)),
                         });
                     }
                     // The answer to an abandoned invocation.
@@ -561,6 +580,11 @@ fn outcome(index: usize, fate: &Fate, inner: &mut LaneInner, how: How) -> Option
     if inner.unreaped_sends == 0 || inner.broken.is_some() {
         if let Some(r) = inner.response.take() {
             inner.expected = None;
+            if let Err(Error::WorkerCrashed { signal, .. }) = &r {
+                // Answered in band: the worker is ending; every other call
+                // of the allocation fails at once from here on.
+                fate.set(FateState::Crashed { signal: *signal });
+            }
             return Some(r);
         }
     }
@@ -613,7 +637,6 @@ fn helper_loop(lane: &Weak<Lane>, rx: &mpsc::Receiver<()>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::FateState;
     use rfaas_fabric::{Access, Fabric};
     use rfaas_proto::control::{ExitCause, WorkerExited};
 
@@ -689,6 +712,50 @@ mod tests {
         assert!(matches!(
             outcome(0, &f, &mut l, How::Poll),
             Some(Err(Error::FunctionFailed(InvocationStatus::OutputTooLarge)))
+        ));
+    }
+
+    #[test]
+    fn a_crash_answer_is_a_worker_crash_with_its_signal() {
+        let f = fate();
+        let mut l = in_flight();
+        let domain = Fabric::open("tcp").unwrap().domain().unwrap();
+        let mut output = crate::buffer::Buffer::<i32>::new(&domain, 1).unwrap();
+        output.as_mut_slice()[0] = 7;
+        let shared = output.shared.clone();
+        shared.output_busy.store(true, Ordering::Relaxed);
+        l.output_hold = Some(shared.clone());
+        l.absorb(sent(Status::Success));
+        l.absorb(answer(5, InvocationStatus::FunctionCrashed, 4));
+        let e = outcome(0, &f, &mut l, How::Poll);
+        assert!(
+            matches!(
+                e,
+                Some(Err(Error::WorkerCrashed {
+                    signal: Some(7),
+                    cause: ExitCause::Crashed,
+                    ..
+                }))
+            ),
+            "{e:?}"
+        );
+        assert!(!shared.output_busy.load(Ordering::Relaxed));
+        assert!(f.ended(), "the allocation is known to be ending");
+        assert!(matches!(
+            f.error(Duration::ZERO),
+            Error::WorkerCrashed {
+                signal: Some(7),
+                ..
+            }
+        ));
+
+        // A client output buffer under 4 bytes: no signal.
+        let mut l = in_flight();
+        l.absorb(sent(Status::Success));
+        l.absorb(answer(5, InvocationStatus::FunctionCrashed, 0));
+        assert!(matches!(
+            outcome(0, &f, &mut l, How::Poll),
+            Some(Err(Error::WorkerCrashed { signal: None, .. }))
         ));
     }
 

@@ -505,7 +505,8 @@ fn segfault_is_a_worker_crash(#[case] provider: &str) {
     let alloc = allocate(&d, provider, &spec());
     let f = alloc.function("fault_segfault").unwrap();
     let input = alloc.buffer::<u8>(0).unwrap();
-    let mut output = alloc.buffer::<u8>(0).unwrap();
+    // Room for the signal, which the worker answers in band.
+    let mut output = alloc.buffer::<u8>(4).unwrap();
     let err = alloc.invoke(f, &input, 0, &mut output).unwrap_err();
     assert!(
         matches!(
@@ -513,8 +514,8 @@ fn segfault_is_a_worker_crash(#[case] provider: &str) {
             Error::WorkerCrashed {
                 signal: Some(11),
                 cause: ExitCause::Crashed,
-                ..
-            }
+                ref message,
+            } if message.contains("its worker answered")
         ),
         "{err:?}\n{}",
         d.log()

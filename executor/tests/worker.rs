@@ -26,13 +26,14 @@ use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 use rstest::rstest;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-const FUNCTIONS: [&str; 6] = [
+const FUNCTIONS: [&str; 7] = [
     "noop",
     "echo",
     "fault_segfault",
     "fault_overrun",
     "fault_claim",
     "sleep_ms",
+    "fault_abort",
 ];
 const NOOP: u16 = 0;
 const ECHO: u16 = 1;
@@ -40,6 +41,7 @@ const SEGFAULT: u16 = 2;
 const OVERRUN: u16 = 3;
 const CLAIM: u16 = 4;
 const SLEEP: u16 = 5;
+const ABORT: u16 = 6;
 
 fn is_root() -> bool {
     // SAFETY: geteuid cannot fail.
@@ -427,8 +429,15 @@ impl ClientLane {
         let resp = ResponseImm::decode(c.imm).unwrap();
         assert_eq!(resp.invocation_id, id, "the response names the request");
         let out = self.output.as_slice()[..c.byte_len as usize].to_vec();
-        if resp.status != InvocationStatus::Ok {
-            assert_eq!(c.byte_len, 0, "only ok carries output");
+        match resp.status {
+            InvocationStatus::Ok => {}
+            InvocationStatus::FunctionCrashed => {
+                assert!(
+                    c.byte_len == 0 || c.byte_len == 4,
+                    "a crash carries its signal or nothing"
+                )
+            }
+            _ => assert_eq!(c.byte_len, 0, "only ok carries output"),
         }
         (resp.status, out)
     }
@@ -649,13 +658,33 @@ fn bulk_payload_beyond_the_memory_limit_is_refused(#[case] provider: &str) {
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
-fn segfault_ends_the_worker_with_sigsegv(#[case] provider: &str) {
+fn segfault_is_answered_then_ends_the_worker_with_sigsegv(#[case] provider: &str) {
     let (_dir, mut worker, mut client) = one_lane(provider, 64 << 10, |_| {});
     let lane = &mut client.lanes[0];
-    // The worker dies instead of answering.
-    lane.send(SEGFAULT, lane.inline_header(0), &[]);
+    // The watchdog answers for the crashed function, with the signal...
+    let (status, out) = lane.call(SEGFAULT, lane.inline_header(0), &[]);
+    assert_eq!(status, InvocationStatus::FunctionCrashed);
+    assert_eq!(out, (libc::SIGSEGV as u32).to_le_bytes());
+    // ...and the worker dies of it.
     let status = worker.wait();
     assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn abort_is_answered_without_the_signal_when_the_output_is_too_small(#[case] provider: &str) {
+    let (_dir, mut worker, mut client) = one_lane(provider, 64 << 10, |_| {});
+    let lane = &mut client.lanes[0];
+    let header = InvocationHeader {
+        output_capacity: 3,
+        ..lane.inline_header(0)
+    };
+    let (status, out) = lane.call(ABORT, header, &[]);
+    assert_eq!(status, InvocationStatus::FunctionCrashed);
+    assert!(out.is_empty(), "{out:?}");
+    let status = worker.wait();
+    assert_eq!(status.signal(), Some(libc::SIGABRT), "{status:?}");
 }
 
 #[rstest]

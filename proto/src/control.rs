@@ -685,7 +685,7 @@ mod tests {
         let b = h.encode();
         assert_eq!(
             b,
-            [b'R', b'F', b'A', b'X', 1, 0, 1, 0, 0x02, 0x01, 0, 0, 0x0d, 0x0c, 0x0b, 0x0a]
+            [b'R', b'F', b'A', b'X', 2, 0, 1, 0, 0x02, 0x01, 0, 0, 0x0d, 0x0c, 0x0b, 0x0a]
         );
         let limits = FrameLimits {
             max_json: u32::MAX,

@@ -24,7 +24,7 @@
 //!   over TCP), with their own [`tcp_frame::FrameError`].
 //!
 //! Every integer on the wire is little-endian. The formats are those of
-//! protocol [`VERSION`] 1.
+//! protocol [`VERSION`] 2.
 //!
 //! # Invocation
 //!
@@ -48,8 +48,11 @@
 //! client's output buffer (`output_addr`, `output_rkey`, at most
 //! `output_capacity` bytes); the immediate is a [`ResponseImm`] carrying the
 //! request's invocation id. With [`InvocationStatus::Ok`] the completion's
-//! byte length is the output length; with any other status the output bytes
-//! are not meaningful.
+//! byte length is the output length. With
+//! [`InvocationStatus::FunctionCrashed`] it is 4 or 0: the 4 bytes are the
+//! signal the function died of (a little-endian `u32`, 11 for SIGSEGV),
+//! sent when `output_capacity` is at least 4. With any other status it is
+//! 0.
 //!
 //! ## Invocation header
 //!
@@ -130,15 +133,15 @@ pub use status::InvocationStatus;
 /// Every control frame carries it ([`control`]), so client, executor and
 /// worker refuse to talk across releases that disagree. Any change to a layout or a status code in this
 /// crate bumps it.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn version_is_1() {
-        assert_eq!(VERSION, 1);
+    fn version_is_2() {
+        assert_eq!(VERSION, 2);
     }
 
     /// The worked example at the end of the crate docs.

@@ -184,7 +184,7 @@ mod tests {
         assert_eq!(
             msg,
             "status code 10 is not a known invocation status; \
-             protocol version 1 defines codes 0 through 9"
+             protocol version 2 defines codes 0 through 9"
         );
     }
 }

@@ -132,6 +132,7 @@ impl Lane {
 
     /// Serves invocations until the client goes away.
     pub fn run(mut self) {
+        self.running.bind_thread();
         if let Some(cpu) = self.cfg.cpu {
             if let Err(e) = super::privileges::pin_to(&[cpu]) {
                 tracing::warn!(lane = self.cfg.index, error = %e, "cannot pin the lane thread");
@@ -245,7 +246,13 @@ impl Lane {
         // SAFETY: out_offset + the rounded output capacity is the region's
         // end, so the pointer is in the region (or at its end, for capacity 0).
         let out_ptr = unsafe { self.output.as_ptr().add(self.out_offset) };
-        let stamp = self.running.start(req.invocation_id, reply_to);
+        let limit = self
+            .cfg
+            .output_capacity
+            .min(header.output_capacity as usize);
+        let stamp = self
+            .running
+            .start(req.invocation_id, reply_to, limit as u32);
         // SAFETY: `in_ptr` holds `in_len` readable bytes (read-only ones
         // when read in place, as the client promised the function only
         // reads); `out_ptr` holds the output capacity, followed by the guard
@@ -257,10 +264,6 @@ impl Lane {
                 std::thread::park();
             }
         }
-        let limit = self
-            .cfg
-            .output_capacity
-            .min(header.output_capacity as usize);
         if returned as usize > limit {
             return self.respond(
                 req.invocation_id,

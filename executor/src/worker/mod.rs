@@ -14,7 +14,7 @@
 //! in order, and starts the lane threads (`rfaas-lane-<i>`). When every
 //! client has gone it exits 0; nothing more is read from the control socket.
 //! SIGUSR1 makes every later request answer `executor_draining`.
-//! `expires_at` 0 means no lease end and `deadline_ms` 0 no watchdog (the
+//! `expires_at` 0 means no lease end and `deadline_ms` 0 no deadline (the
 //! daemon fills in its defaults); a bulk payload is bounded by
 //! `memory_limit_bytes`, or [`DEFAULT_PULL_LIMIT`] without one.
 //!
@@ -33,6 +33,12 @@
 //! `output_too_large` for a return value above the output capacity). A
 //! `PeerLost` or `Flushed` completion ends the lane.
 //!
+//! A function that dies of a signal cannot answer; the [`watchdog`]
+//! answers for it, `function_crashed` with the signal (see `crash`), and the
+//! process then dies of that signal. The watchdog starts once every lane
+//! is connected, as the client library waits for before its first call; a
+//! crash before that is reported by the daemon alone.
+//!
 //! # Output buffer and guard page
 //!
 //! Each lane's output region is registered with
@@ -47,7 +53,8 @@
 //! ```
 //!
 //! so a function writing past its capacity (by more than the rounding)
-//! faults at once with SIGSEGV, and the daemon reports `crashed`.
+//! faults at once with SIGSEGV: the client gets `function_crashed`, and
+//! the daemon reports `crashed`.
 //!
 //! # Exit codes
 //!
@@ -61,8 +68,10 @@
 //! - [`privileges`]: parent-death signal, pinning, memory limit, user drop.
 //! - [`library`]: `dlopen` from the memfd, the function table.
 //! - `lane`: one lane's resources and loop.
-//! - [`watchdog`]: the deadline watchdog.
+//! - `crash`: the fatal-signal handler and the crash it hands the watchdog.
+//! - [`watchdog`]: answers for crashed and overrunning functions.
 
+mod crash;
 mod lane;
 pub mod library;
 pub mod privileges;
@@ -361,10 +370,14 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     };
     let mut threads = Vec::with_capacity(p.lanes.len());
     let mut watches = Vec::with_capacity(p.lanes.len());
-    for (index, mut l) in p.lanes.into_iter().enumerate() {
+    let runnings: Box<[Arc<Running>]> = p.lanes.iter().map(|_| Arc::default()).collect();
+    // Before any lane can run a function.
+    crash::install(runnings.clone())
+        .map_err(|e| internal(format!("cannot install the crash handler: {e}")))?;
+    for ((index, mut l), running) in p.lanes.into_iter().enumerate().zip(runnings.iter()) {
         let endpoint = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &p.key)?;
         let endpoint = Arc::new(LaneEndpoint::new(endpoint));
-        let running = Arc::new(Running::default());
+        let running = running.clone();
         watches.push(LaneWatch {
             running: running.clone(),
             endpoint: endpoint.clone(),
@@ -397,10 +410,9 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
         threads.push(handle);
     }
     tracing::info!(lanes = threads.len(), "every lane is connected");
-    if a.deadline_ms > 0 {
-        watchdog::spawn(watches, Duration::from_millis(a.deadline_ms))
-            .map_err(|e| internal(format!("cannot start the deadline watchdog: {e}")))?;
-    }
+    let deadline = (a.deadline_ms > 0).then(|| Duration::from_millis(a.deadline_ms));
+    watchdog::spawn(watches, deadline)
+        .map_err(|e| internal(format!("cannot start the watchdog: {e}")))?;
     for t in threads {
         if t.join().is_err() {
             return Err(internal("a lane thread panicked".into()));

@@ -1,11 +1,15 @@
-//! The deadline watchdog: one thread that ends the worker when a function
-//! runs longer than the allocation's deadline.
+//! The watchdog: one thread that answers for a lane whose function cannot
+//! answer: one that crashed ([`crash`](super::crash)), or one that runs
+//! longer than the allocation's deadline.
 //!
-//! Each lane publishes, in a [`Running`], when its current function started
-//! and whom to answer. The watchdog answers `deadline_exceeded` to that
-//! client itself, gives the response a moment to leave, and ends the
-//! process with [`EXIT_DEADLINE`]: a function that
-//! overran cannot be stopped inside a thread, only with its process.
+//! Each lane publishes, in a [`Running`], when its current function started,
+//! on which thread, and whom to answer. For a crash the watchdog answers
+//! `function_crashed` with the signal and lets the crashed thread die of
+//! it. For an overrun it answers `deadline_exceeded`, gives the response a
+//! moment to leave, and ends the process with [`EXIT_DEADLINE`]: a function
+//! that overran cannot be stopped inside a thread, only with its process.
+//! Between events it sleeps on the crash word's futex (with the deadline's
+//! tick as timeout when there is a deadline).
 //!
 //! Endpoints are `Send` but not all are `Sync` (shm's is not), so the lane
 //! and the watchdog never use one at the same time: while a function runs
@@ -14,7 +18,7 @@
 //! whose function returns after that finds its start time gone and parks
 //! until the process ends.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -22,6 +26,7 @@ use std::time::{Duration, Instant};
 use rfaas_fabric::{Endpoint, MemoryRegion, RemoteAddr};
 use rfaas_proto::{InvocationStatus, ResponseImm};
 
+use super::crash::{self, Crash};
 use super::EXIT_DEADLINE;
 
 /// How long the response to an overrunning invocation gets to leave before
@@ -53,16 +58,22 @@ pub struct Running {
     output_addr: AtomicU64,
     /// Its rkey.
     output_rkey: AtomicU32,
+    /// The bytes the client's output buffer takes.
+    output_capacity: AtomicU32,
+    /// The lane thread's id (0 until it starts).
+    tid: AtomicI32,
 }
 
 impl Running {
     /// Marks a function as started; returns the stamp to hand to
     /// [`Running::finish`]. Hot path.
     #[inline]
-    pub fn start(&self, invocation_id: u32, output: RemoteAddr) -> u64 {
+    pub fn start(&self, invocation_id: u32, output: RemoteAddr, output_capacity: u32) -> u64 {
         self.invocation_id.store(invocation_id, Ordering::Relaxed);
         self.output_addr.store(output.addr, Ordering::Relaxed);
         self.output_rkey.store(output.rkey, Ordering::Relaxed);
+        self.output_capacity
+            .store(output_capacity, Ordering::Relaxed);
         let stamp = now_ns();
         self.started_ns.store(stamp, Ordering::Release);
         stamp
@@ -77,6 +88,43 @@ impl Running {
         self.started_ns
             .compare_exchange(stamp, 0, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
+    }
+}
+
+impl Running {
+    /// Records the calling thread as the lane's, for the crash handler.
+    pub fn bind_thread(&self) {
+        // SAFETY: gettid has no preconditions.
+        self.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+    }
+
+    /// Whether thread `tid` is this lane's and inside a function.
+    /// Async-signal-safe (atomics only).
+    pub fn crashed_here(&self, tid: libc::pid_t) -> bool {
+        let started = self.started_ns.load(Ordering::Acquire);
+        self.tid.load(Ordering::Relaxed) == tid && started != 0 && started != TAKEN
+    }
+
+    /// Takes the endpoint over from a lane inside a function; `None` when
+    /// the function returned (or the endpoint was taken already). Returns
+    /// the invocation to answer and where.
+    fn take_over(&self) -> Option<(u32, RemoteAddr, u32)> {
+        let started = self.started_ns.load(Ordering::Acquire);
+        if started == 0 || started == TAKEN {
+            return None;
+        }
+        self.started_ns
+            .compare_exchange(started, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        let remote = RemoteAddr {
+            addr: self.output_addr.load(Ordering::Relaxed),
+            rkey: self.output_rkey.load(Ordering::Relaxed),
+        };
+        Some((
+            self.invocation_id.load(Ordering::Relaxed),
+            remote,
+            self.output_capacity.load(Ordering::Relaxed),
+        ))
     }
 }
 
@@ -117,42 +165,74 @@ pub struct LaneWatch {
     pub running: Arc<Running>,
     /// The lane's endpoint.
     pub endpoint: Arc<LaneEndpoint>,
-    /// Any region of the endpoint's domain (the response is empty).
+    /// A region of the endpoint's domain, at least 4 bytes, that only the
+    /// lane writes: a crash response's signal is sent from its start.
     pub region: Arc<MemoryRegion>,
 }
 
-/// Starts the watchdog over `lanes` with `deadline`.
-pub fn spawn(lanes: Vec<LaneWatch>, deadline: Duration) -> std::io::Result<()> {
-    let tick = (deadline / 4).clamp(Duration::from_millis(1), Duration::from_millis(50));
-    let deadline_ns = deadline.as_nanos() as u64;
+/// Starts the watchdog over `lanes`, with `deadline` for every function
+/// (`None`: no deadline, crashes only).
+pub fn spawn(lanes: Vec<LaneWatch>, deadline: Option<Duration>) -> std::io::Result<()> {
+    let tick = deadline.map(|d| (d / 4).clamp(Duration::from_millis(1), Duration::from_millis(50)));
     thread::Builder::new()
         .name("rfaas-watchdog".into())
         .spawn(move || loop {
-            thread::sleep(tick);
+            if let Some(c) = crash::wait(tick) {
+                crashed(&lanes, c);
+            }
+            let Some(deadline) = deadline else { continue };
+            let deadline_ns = deadline.as_nanos() as u64;
             let now = now_ns();
             for (i, lane) in lanes.iter().enumerate() {
                 let started = lane.running.started_ns.load(Ordering::Acquire);
                 if started == 0 || started == TAKEN || now.saturating_sub(started) <= deadline_ns {
                     continue;
                 }
-                // Take the endpoint over; fails if the function just returned.
-                if lane
-                    .running
-                    .started_ns
-                    .compare_exchange(started, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_err()
-                {
-                    continue;
+                // Fails if the function just returned.
+                if let Some((id, remote, _)) = lane.running.take_over() {
+                    overran(i, lane, id, remote, deadline);
                 }
-                let id = lane.running.invocation_id.load(Ordering::Relaxed);
-                let remote = RemoteAddr {
-                    addr: lane.running.output_addr.load(Ordering::Relaxed),
-                    rkey: lane.running.output_rkey.load(Ordering::Relaxed),
-                };
-                overran(i, lane, id, remote, deadline);
             }
         })
         .map(drop)
+}
+
+/// Answers `function_crashed` for crash `c`, carrying the signal as a
+/// 4-byte little-endian output when the client's buffer takes it, lets it
+/// leave, and lets the crashed thread die. Never returns: the process is
+/// ending.
+fn crashed(lanes: &[LaneWatch], c: Crash) -> ! {
+    tracing::error!(
+        lane = c.lane,
+        signal = c.signal,
+        "a function crashed; answering function_crashed and ending the worker"
+    );
+    if let Some((lane, (id, remote, capacity))) = lanes
+        .get(c.lane)
+        .and_then(|l| l.running.take_over().map(|t| (l, t)))
+    {
+        let len = if capacity >= 4 { 4 } else { 0 };
+        // SAFETY: the region is at least a page, ours, and nobody else
+        // writes it: its lane is stopped in the signal handler.
+        unsafe {
+            lane.region
+                .as_ptr()
+                .cast::<[u8; 4]>()
+                .write_unaligned((c.signal as u32).to_le_bytes())
+        };
+        answer(
+            c.lane,
+            lane,
+            id,
+            remote,
+            InvocationStatus::FunctionCrashed,
+            len,
+        );
+    }
+    crash::answered();
+    loop {
+        thread::park();
+    }
 }
 
 /// Answers `deadline_exceeded` on `lane` and ends the process.
@@ -163,21 +243,41 @@ fn overran(index: usize, lane: &LaneWatch, id: u32, remote: RemoteAddr, deadline
         deadline_ms = deadline.as_millis() as u64,
         "a function ran past the deadline; answering deadline_exceeded and ending the worker"
     );
-    let imm = ResponseImm {
-        invocation_id: id,
-        status: InvocationStatus::DeadlineExceeded,
-    }
-    .encode()
-    .unwrap_or(InvocationStatus::DeadlineExceeded.code() as u32);
-    if let Err(e) =
-        lane.endpoint
-            .get()
-            .write_with_imm(WATCHDOG_WR_ID, &lane.region, 0, 0, remote, imm)
-    {
-        tracing::warn!(lane = index, error = %e, "cannot send the deadline_exceeded response");
-    }
-    thread::sleep(RESPONSE_GRACE);
+    answer(
+        index,
+        lane,
+        id,
+        remote,
+        InvocationStatus::DeadlineExceeded,
+        0,
+    );
     // SAFETY: _exit ends the process without running destructors or atexit
     // handlers, which could wait on the lane stuck in user code.
     unsafe { libc::_exit(EXIT_DEADLINE) }
+}
+
+/// Writes the first `len` bytes of the lane's region to its client with
+/// `status`, then gives the response [`RESPONSE_GRACE`] to leave.
+fn answer(
+    index: usize,
+    lane: &LaneWatch,
+    id: u32,
+    remote: RemoteAddr,
+    status: InvocationStatus,
+    len: usize,
+) {
+    let imm = ResponseImm {
+        invocation_id: id,
+        status,
+    }
+    .encode()
+    .unwrap_or(status.code() as u32);
+    if let Err(e) =
+        lane.endpoint
+            .get()
+            .write_with_imm(WATCHDOG_WR_ID, &lane.region, 0, len, remote, imm)
+    {
+        tracing::warn!(lane = index, error = %e, %status, "cannot send the watchdog's response");
+    }
+    thread::sleep(RESPONSE_GRACE);
 }

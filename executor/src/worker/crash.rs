@@ -1,0 +1,198 @@
+//! In-band crash reports: when a function dies of a signal, its client
+//! hears `function_crashed`, with the signal, on the lane itself, before
+//! the process ends; the daemon's `WorkerExited` follows as before.
+//!
+//! A handler for the fatal signals ([`FATAL`]) runs on the faulting
+//! thread (on the alternate stack std gives every thread, so a stack
+//! overflow is caught too) and does only async-signal-safe work: it finds
+//! the lane by thread id among those running a function, publishes the lane
+//! and the signal in one atomic word, wakes the [`watchdog`](super::watchdog)
+//! with a futex, and waits, for [`ANSWER_WAIT`] at most, until the watchdog
+//! has answered. Then it raises the signal again: `SA_RESETHAND` restored
+//! the default action, so the process dies of the function's own signal and
+//! the daemon reports it exactly as it would have.
+//!
+//! The answer is written by the watchdog thread, not in the handler: that
+//! thread was not interrupted inside the function, holds none of its locks,
+//! and uses the lane's endpoint through the same take-over as a deadline
+//! answer. A function that corrupted the process's memory may still break
+//! that write; the bounded wait means the process dies anyway, and the
+//! client falls back to the daemon's report.
+//!
+//! A fault outside a function (an rfaas bug), a second crash while the
+//! first is answered, or a signal sent from outside to a thread that runs
+//! no function: no report, the default action at once.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::watchdog::Running;
+
+/// The signals a function's fault raises.
+pub const FATAL: [libc::c_int; 7] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGFPE,
+    libc::SIGILL,
+    libc::SIGABRT,
+    libc::SIGTRAP,
+    libc::SIGSYS,
+];
+
+/// How long a crashed thread waits for the watchdog's answer before the
+/// process dies regardless.
+pub const ANSWER_WAIT: Duration = Duration::from_secs(1);
+
+/// Every lane's [`Running`], by lane index; set before the first lane starts.
+static LANES: OnceLock<Box<[Arc<Running>]>> = OnceLock::new();
+
+/// 0, or the crash to answer: `(lane + 1) << 8 | signal`.
+static CRASH: AtomicU32 = AtomicU32::new(0);
+
+/// Set to 1 by the watchdog once the crash is answered (or cannot be).
+static ANSWERED: AtomicU32 = AtomicU32::new(0);
+
+/// A crash the watchdog is to answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Crash {
+    /// The lane whose function crashed.
+    pub lane: usize,
+    /// The signal.
+    pub signal: i32,
+}
+
+impl Crash {
+    fn encode(self) -> u32 {
+        ((self.lane as u32 + 1) << 8) | (self.signal as u32 & 0xff)
+    }
+
+    fn decode(word: u32) -> Option<Crash> {
+        (word != 0).then(|| Crash {
+            lane: (word >> 8) as usize - 1,
+            signal: (word & 0xff) as i32,
+        })
+    }
+}
+
+/// Publishes the lanes and installs the handler for [`FATAL`]. Call once,
+/// before any lane runs a function.
+pub fn install(lanes: Box<[Arc<Running>]>) -> std::io::Result<()> {
+    if LANES.set(lanes).is_err() {
+        return Err(std::io::Error::other(
+            "the crash handler is already installed",
+        ));
+    }
+    for sig in FATAL {
+        // SAFETY: an all-zero sigaction is valid; the handler has the
+        // SA_SIGINFO signature and does only async-signal-safe work.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_fatal as *const () as usize;
+            action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_RESETHAND;
+            libc::sigemptyset(&mut action.sa_mask);
+            if libc::sigaction(sig, &action, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The crash to answer, waiting for one up to `timeout` (forever: `None`).
+/// The watchdog's sleep.
+pub fn wait(timeout: Option<Duration>) -> Option<Crash> {
+    if let Some(c) = Crash::decode(CRASH.load(Ordering::Acquire)) {
+        return Some(c);
+    }
+    futex_wait(&CRASH, 0, timeout);
+    Crash::decode(CRASH.load(Ordering::Acquire))
+}
+
+/// Lets the crashed thread go on to die.
+pub fn answered() {
+    ANSWERED.store(1, Ordering::Release);
+    futex_wake(&ANSWERED);
+}
+
+extern "C" fn on_fatal(sig: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Everything here is async-signal-safe: atomics, gettid, futex,
+    // clock_gettime, raise.
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    let lane = LANES
+        .get()
+        .and_then(|lanes| lanes.iter().position(|r| r.crashed_here(tid)));
+    if let Some(lane) = lane {
+        let word = Crash { lane, signal: sig }.encode();
+        if CRASH
+            .compare_exchange(0, word, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            futex_wake(&CRASH);
+            let end = Instant::now() + ANSWER_WAIT;
+            while ANSWERED.load(Ordering::Acquire) == 0 {
+                let left = end.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                futex_wait(&ANSWERED, 0, Some(left));
+            }
+        }
+    }
+    // SA_RESETHAND restored the default action and the signal stays blocked
+    // until this handler returns: then it is delivered, and kills.
+    // SAFETY: raise has no preconditions.
+    unsafe { libc::raise(sig) };
+}
+
+/// `FUTEX_WAIT` on `word` while it holds `expected`, up to `timeout`.
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+    let ts = timeout.map(|t| libc::timespec {
+        tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    });
+    let ts_ptr = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: `word` is a live, aligned u32 and `ts_ptr` null or a live
+    // timespec; a spurious or interrupted return is fine for every caller,
+    // which looks at the word again.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            ts_ptr,
+        );
+    }
+}
+
+/// `FUTEX_WAKE` of every waiter on `word`.
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned u32.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            i32::MAX,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crash_words_round_trip() {
+        for (lane, signal) in [(0, libc::SIGSEGV), (3, libc::SIGABRT), (254, libc::SIGSYS)] {
+            let c = Crash { lane, signal };
+            assert_ne!(c.encode(), 0);
+            assert_eq!(Crash::decode(c.encode()), Some(c));
+        }
+        assert_eq!(Crash::decode(0), None);
+    }
+}
