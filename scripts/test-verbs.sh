@@ -10,7 +10,9 @@
 #    same bodies as tcp and shm), and
 #  - the client's end-to-end verbs cases (client/tests/e2e.rs: a real
 #    rfaas-executord and its workers on rxe0, the same bodies as tcp and
-#    shm), all with --include-ignored.
+#    shm), all with --include-ignored. The guest mounts cgroup v2, so these
+#    daemons limit their workers with memory.max (RFAAS_TEST_CGROUP_V2 makes
+#    the memory-limit test insist on it).
 # Prints each runner's "test result:" line and fails if a test fails, if a
 # binary ran no test, or if the VM could not run them (the VM script then
 # says why, loudly). The image is built on first use (about a minute; see
@@ -23,6 +25,19 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # In the guest: run both binaries, every test even after a failure.
 if [ "${1:-}" = --in-guest ]; then
     lib=$2 conformance=$3 e2e=$4 status=0
+    # The guest's init mounts no cgroups; a unified (v2) hierarchy with the
+    # memory controller lets the executor daemons here limit their workers
+    # with memory.max, which the host (cgroup v1) cannot show.
+    if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
+        mount -t cgroup2 cgroup2 /sys/fs/cgroup
+    fi
+    if grep -qw memory /sys/fs/cgroup/cgroup.controllers; then
+        echo "== verbs: cgroup v2 with the memory controller: workers run under memory.max"
+        export RFAAS_TEST_CGROUP_V2=1
+    else
+        echo "test-verbs: the guest has no cgroup v2 memory controller" >&2
+        status=1
+    fi
     echo "== verbs: library device tests on $RDMA_DEVICE ($RDMA_VM_IP)"
     "$lib" verbs::tests:: --include-ignored --test-threads=1 || status=1
     echo "== verbs: conformance suite on verbs:$RDMA_DEVICE"

@@ -24,6 +24,7 @@ const FUNCTIONS: &[&str] = &[
     "fault_claim",
     "sleep_ms",
     "fault_scribble_input",
+    "fault_hog",
 ];
 
 fn daemon() -> Executord {
@@ -536,6 +537,67 @@ fn segfault_is_a_worker_crash(#[case] provider: &str) {
         "{err:?}"
     );
     alloc.deallocate().unwrap();
+}
+
+/// Under a cgroup v2 `memory.max` the kernel kills a worker past its
+/// allocation's memory, and the executor says so; under `RLIMIT_AS` (this
+/// build machine: cgroup v1) the function's `malloc` fails and `fault_hog`
+/// aborts. scripts/test-verbs.sh sets `RFAAS_TEST_CGROUP_V2` in its VM,
+/// which mounts cgroup v2, so the cgroup path is proven there.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn a_function_past_the_memory_limit_ends_its_worker(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let cgroup = d
+        .log()
+        .contains("worker memory limits: cgroup v2 memory.max");
+    if std::env::var_os("RFAAS_TEST_CGROUP_V2").is_some() {
+        assert!(cgroup, "cgroup v2 limits expected here:\n{}", d.log());
+    }
+    let alloc = allocate(&d, provider, &spec());
+    let hog = alloc.function("fault_hog").unwrap();
+    let mut input = alloc.buffer::<u32>(1).unwrap();
+    let mut output = alloc.buffer::<u8>(4).unwrap();
+    // A sixteenth of the allocation's 256 MiB is fine (RLIMIT_AS counts
+    // the worker's whole address space, so not much more is).
+    input.as_mut_slice()[0] = 16;
+    assert_eq!(alloc.invoke(hog, &input, 1, &mut output).unwrap(), 0);
+    // Four times it is not.
+    input.as_mut_slice()[0] = 1024;
+    let err = alloc.invoke(hog, &input, 1, &mut output).unwrap_err();
+    let expected = if cgroup {
+        (ExitCause::OutOfMemory, libc::SIGKILL)
+    } else {
+        (ExitCause::Crashed, libc::SIGABRT)
+    };
+    match &err {
+        Error::WorkerCrashed {
+            signal: Some(sig),
+            cause,
+            message,
+        } => {
+            assert_eq!((*cause, *sig), expected, "{err:?}\n{}", d.log());
+            if cgroup {
+                assert!(message.contains("more than its 256 MiB"), "{message}");
+            }
+        }
+        _ => panic!("{err:?}\n{}", d.log()),
+    }
+    assert!(err.is_retryable());
+    // The daemon serves on, with the allocation's memory free again.
+    d.wait_status(
+        Duration::from_secs(10),
+        |s| matches!(s, LocalReply::Status { allocations, .. } if allocations.is_empty()),
+    );
+    let again = allocate(&d, provider, &spec());
+    let echo = again.function("echo").unwrap();
+    let input = again.buffer::<u32>(1).unwrap();
+    let mut output = again.buffer::<u8>(4).unwrap();
+    assert_eq!(again.invoke(echo, &input, 1, &mut output).unwrap(), 4);
+    again.deallocate().unwrap();
 }
 
 #[rstest]

@@ -528,6 +528,10 @@ pub enum ExitCause {
     Stopped,
     /// The worker exited on its own (an internal failure).
     Exited,
+    /// The kernel killed the worker because the allocation used more memory
+    /// than it was given (a cgroup `memory.max`; under `RLIMIT_AS` the
+    /// function's allocation fails instead, and it usually crashes).
+    OutOfMemory,
 }
 
 /// Executor → client, unsolicited: an allocation's worker ended. Its cores
@@ -826,6 +830,10 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&exited).unwrap(),
             r#"{"allocation_id":5,"cause":"crashed","signal":11,"message":"worker 9 killed by SIGSEGV"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&ExitCause::OutOfMemory).unwrap(),
+            r#""out_of_memory""#
         );
         let err = ErrorReply {
             request_id: 1,

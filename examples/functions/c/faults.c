@@ -2,6 +2,7 @@
  * when user code fails. Not for production libraries. */
 #include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -46,6 +47,26 @@ uint32_t fault_claim(void *in, uint32_t in_len, void *out)
     if (in_len >= 4)
         memcpy(&n, in, 4);
     return n;
+}
+
+/* Allocates and touches as many MiB as the input's first u32 says, then
+ * frees them and returns nothing; aborts when the allocation fails. Past
+ * the allocation's memory limit the worker dies: of SIGKILL from the kernel
+ * under a cgroup memory.max, of SIGABRT under RLIMIT_AS. */
+uint32_t fault_hog(void *in, uint32_t in_len, void *out)
+{
+    (void)out;
+    uint32_t mib = 0;
+    if (in_len >= 4)
+        memcpy(&mib, in, 4);
+    size_t bytes = (size_t)mib << 20;
+    unsigned char *p = malloc(bytes);
+    if (p == NULL && bytes > 0)
+        abort();
+    for (size_t i = 0; i < bytes; i += 4096)
+        ((volatile unsigned char *)p)[i] = 1;
+    free(p);
+    return 0;
 }
 
 /* Flips the input's first byte, then echoes it: a function that writes to

@@ -64,6 +64,17 @@ impl MemoryLimiter {
         Ok(Some(dir.join("cgroup.procs")))
     }
 
+    /// Whether the kernel's OOM killer ended a process of allocation `id`'s
+    /// group (its `memory.events` counts an `oom_kill`). Read it before
+    /// [`MemoryLimiter::remove`]; always false with the rlimit mechanism.
+    pub fn oom_killed(&self, id: u64) -> bool {
+        let MemoryLimiter::Cgroup(root) = self else {
+            return false;
+        };
+        std::fs::read_to_string(root.join(format!("alloc-{id}")).join("memory.events"))
+            .is_ok_and(|events| oom_kills(&events) > 0)
+    }
+
     /// Removes allocation `id`'s group, once its processes are gone.
     pub fn remove(&self, id: u64) {
         if let MemoryLimiter::Cgroup(root) = self {
@@ -80,6 +91,15 @@ impl MemoryLimiter {
 /// Puts `pid` into the group whose `cgroup.procs` is `procs`.
 pub fn join(procs: &Path, pid: u32) -> io::Result<()> {
     std::fs::write(procs, pid.to_string())
+}
+
+/// The `oom_kill` count of a `memory.events` file (0 when absent).
+fn oom_kills(events: &str) -> u64 {
+    events
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn probe_cgroup(root: &Path) -> Result<PathBuf, String> {
@@ -142,6 +162,30 @@ mod tests {
         assert_eq!(MemoryLimiter::Rlimit.rlimit_bytes(3), 3 << 20);
         assert_eq!(MemoryLimiter::Rlimit.create(1, 3).unwrap(), None);
         assert_eq!(MemoryLimiter::Cgroup("/x".into()).rlimit_bytes(3), 0);
+    }
+
+    #[test]
+    fn oom_kills_are_read_from_memory_events() {
+        let root = std::env::temp_dir().join(format!("rfaas-cg-events-{}", std::process::id()));
+        let group = root.join("alloc-7");
+        std::fs::create_dir_all(&group).unwrap();
+        let limiter = MemoryLimiter::Cgroup(root.clone());
+        assert!(!limiter.oom_killed(7), "no memory.events yet");
+        std::fs::write(
+            group.join("memory.events"),
+            "low 0\nhigh 0\nmax 12\noom 1\noom_kill 0\noom_group_kill 0\n",
+        )
+        .unwrap();
+        assert!(!limiter.oom_killed(7), "at the limit, nothing killed");
+        std::fs::write(
+            group.join("memory.events"),
+            "low 0\nhigh 0\nmax 40\noom 2\noom_kill 1\noom_group_kill 0\n",
+        )
+        .unwrap();
+        assert!(limiter.oom_killed(7));
+        assert!(!limiter.oom_killed(8), "another allocation");
+        assert!(!MemoryLimiter::Rlimit.oom_killed(7));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

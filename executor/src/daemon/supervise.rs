@@ -168,8 +168,10 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
         {
             let a = st.allocations.get_mut(&id).expect("found above");
             if a.ready {
+                let oom = shared.limiter.oom_killed(id);
                 let a = shared.remove_allocation(&mut st, id).expect("found above");
-                let (cause, message) = describe(pid, ended, a.stop, a.expires_at);
+                let oom = oom.then_some(a.memory_mib);
+                let (cause, message) = describe(pid, ended, a.stop, a.expires_at, oom);
                 tracing::info!(allocation = id, pid, ?cause, %message, "worker ended");
                 if !matches!(a.stop, Some(Stop::Deallocate | Stop::Failed)) {
                     let msg = WorkerExited {
@@ -207,12 +209,14 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
     }
 }
 
-/// Why a worker ended, as the client hears it.
+/// Why a worker ended, as the client hears it. `oom` is the allocation's
+/// memory (MiB) when the kernel's OOM killer ended a process of its group.
 pub(crate) fn describe(
     pid: u32,
     ended: Ended,
     stop: Option<Stop>,
     expires_at: u64,
+    oom: Option<u32>,
 ) -> (ExitCause, String) {
     match (stop, ended) {
         (Some(Stop::LeaseExpired), _) => (
@@ -227,6 +231,14 @@ pub(crate) fn describe(
         (Some(Stop::Deallocate), _) => (
             ExitCause::Stopped,
             format!("worker {pid} stopped: its client deallocated or went away"),
+        ),
+        (_, Ended::Signaled(sig)) if oom.is_some() => (
+            ExitCause::OutOfMemory,
+            format!(
+                "worker {pid} killed by {}: the allocation used more than its {} MiB",
+                process::signal_name(sig),
+                oom.unwrap_or_default()
+            ),
         ),
         (_, Ended::Signaled(sig)) => (
             ExitCause::Crashed,
@@ -282,7 +294,7 @@ mod tests {
 
     #[test]
     fn causes() {
-        let c = |stop, ended| describe(9, ended, stop, 100).0;
+        let c = |stop, ended| describe(9, ended, stop, 100, None).0;
         assert_eq!(c(None, Ended::Signaled(11)), ExitCause::Crashed);
         assert_eq!(
             c(Some(Stop::Deallocate), Ended::Signaled(libc::SIGKILL)),
@@ -299,8 +311,19 @@ mod tests {
             ExitCause::Stopped
         );
         assert_eq!(
-            describe(9, Ended::Signaled(11), None, 0).1,
+            describe(9, Ended::Signaled(11), None, 0, None).1,
             "worker 9 killed by SIGSEGV"
+        );
+        let oom = describe(9, Ended::Signaled(libc::SIGKILL), None, 0, Some(256));
+        assert_eq!(oom.0, ExitCause::OutOfMemory);
+        assert_eq!(
+            oom.1,
+            "worker 9 killed by SIGKILL: the allocation used more than its 256 MiB"
+        );
+        // A deallocation's kill is a deallocation, whatever the group saw.
+        assert_eq!(
+            describe(9, Ended::Signaled(9), Some(Stop::Deallocate), 0, Some(256)).0,
+            ExitCause::Stopped
         );
     }
 }
