@@ -4,6 +4,7 @@
 //! providers.
 
 use std::collections::BTreeSet;
+use std::io::Write as _;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -508,6 +509,48 @@ fn connections_without_the_lane_key_are_dropped(#[case] provider: &str) {
     let (status, out) = real.invoke(ECHO, b"still served");
     assert_eq!(status, InvocationStatus::Ok);
     assert_eq!(out, b"still served");
+}
+
+/// A raw connection to a fabric address, below the fabric: a TCP stream,
+/// or a unix stream for shm (`@name`: the abstract namespace).
+fn raw_connect(addr: &str) -> Box<dyn std::io::Write> {
+    if let Ok(sa) = addr.parse::<std::net::SocketAddr>() {
+        return Box::new(std::net::TcpStream::connect(sa).unwrap());
+    }
+    let unix = match addr.strip_prefix('@') {
+        Some(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            std::os::unix::net::SocketAddr::from_abstract_name(name).unwrap()
+        }
+        None => std::os::unix::net::SocketAddr::from_pathname(addr).unwrap(),
+    };
+    Box::new(std::os::unix::net::UnixStream::connect_addr(&unix).unwrap())
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn connections_that_fail_the_fabric_handshake_cost_the_worker_nothing(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    let mut worker = Worker::spawn();
+    let ready = worker.ready(&a);
+    // One peer that says nothing, one that says nonsense and leaves: each
+    // is refused within the worker's one-second handshake bound...
+    let _silent = raw_connect(&ready.fabric_addr);
+    let mut noise = raw_connect(&ready.fabric_addr);
+    noise.write_all(&[0x5a; 64]).unwrap();
+    drop(noise);
+    // ...and the allocation's client still gets its lane (its hello is
+    // answered within two seconds of being sent).
+    let fabric = Fabric::open(provider).unwrap();
+    let domain = fabric.domain().unwrap();
+    let mut real = ClientLane::connect(&fabric, &domain, &ready, &ready.lanes[0], 4096, 4096);
+    assert!(real.hello(0, &key()), "the allocation's client is answered");
+    let (status, out) = real.invoke(ECHO, b"served");
+    assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"served"[..]));
+    assert_eq!(worker.child.try_wait().unwrap(), None, "the worker lives");
 }
 
 /// A worker serving one lane of `assignment` (changed by `tweak`), and a

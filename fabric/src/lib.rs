@@ -105,7 +105,10 @@ pub struct EndpointOptions {
     pub send_depth: usize,
     /// Receives that may be posted at once.
     pub recv_depth: usize,
-    /// How long `connect` may take before it fails with [`Error::Timeout`].
+    /// How long connecting may take, on either side: `connect` fails with
+    /// [`Error::Timeout`] past it, and `accept` refuses a peer that has not
+    /// finished its handshake by then with [`Error::Connect`] (so a silent
+    /// peer holds a listener no longer than this).
     pub connect_timeout: Duration,
     /// verbs: InfiniBand service level (QoS class) of the queue pair.
     pub service_level: u8,

@@ -256,6 +256,10 @@ fn endpoint_options() -> EndpointOptions {
     EndpointOptions {
         send_depth: 64,
         recv_depth: RECV_DEPTH,
+        // The client connects right after AllocateOk: a peer slower than
+        // this in the fabric's own handshake is not it, and holds the
+        // listener no longer.
+        connect_timeout: HELLO_TIMEOUT,
         ..EndpointOptions::default()
     }
 }
@@ -437,9 +441,20 @@ fn accept_lane(
     key: &LaneKey,
 ) -> Result<rfaas_fabric::Endpoint, WorkerError> {
     for attempt in 0u64.. {
-        let endpoint = listener
-            .accept(domain, &mut l.cq, opts, None)
-            .map_err(|e| internal(format!("accepting lane {index}'s connection failed: {e}")))?;
+        let endpoint = match listener.accept(domain, &mut l.cq, opts, None) {
+            Ok(endpoint) => endpoint,
+            // A peer that failed the fabric's handshake (silent, or not
+            // speaking it): not the client; the listener is fine.
+            Err(e @ rfaas_fabric::Error::Connect { .. }) => {
+                tracing::warn!(lane = index, error = %e, "a connection failed the fabric handshake; dropped it, waiting for the client's");
+                continue;
+            }
+            Err(e) => {
+                return Err(internal(format!(
+                    "accepting lane {index}'s connection failed: {e}"
+                )))
+            }
+        };
         // Receives of earlier, dropped connections may still complete
         // (flushed); the attempt in the high bits tells them apart.
         let tag = attempt << 32;

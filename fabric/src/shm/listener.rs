@@ -11,10 +11,6 @@ use super::{ShmCq, ShmDomain};
 use crate::error::{Error, Result};
 use crate::EndpointOptions;
 
-/// How long an accepted peer may take to send its hello when the caller
-/// gave no shorter timeout, so a silent client cannot hold `accept` forever.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-
 static NEXT_NAME: AtomicU64 = AtomicU64::new(0);
 
 /// A listening shm socket. A filesystem socket is unlinked when dropped.
@@ -83,7 +79,9 @@ impl ShmListener {
                 }
                 Err(e) => return Err(Error::io("accept (shm)", e)),
             };
-            let hello_deadline = Instant::now() + HELLO_TIMEOUT;
+            // A silent peer cannot hold `accept` longer than the handshake
+            // may take.
+            let hello_deadline = Instant::now() + opts.connect_timeout;
             let hello_deadline = deadline.map_or(hello_deadline, |d| d.min(hello_deadline));
             let role = Role::Accept {
                 listener: &self.addr,
@@ -94,8 +92,8 @@ impl ShmListener {
                     Err(Error::Connect {
                         addr: self.addr.clone(),
                         reason: format!(
-                            "the peer sent no hello within {} s",
-                            HELLO_TIMEOUT.as_secs()
+                            "the peer sent no hello within {} ms",
+                            opts.connect_timeout.as_millis()
                         ),
                     })
                 }
