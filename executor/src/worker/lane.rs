@@ -36,8 +36,28 @@ const POLLS_PER_CLOCK_CHECK: u32 = 1024;
 /// misbehaving client sent before the previous answer).
 const DEFERRED: usize = 8;
 
-/// wr_id of a response write.
-const RESPONSE_WR_ID: u64 = 1 << 32;
+/// Bits of a wr_id below the connection tag ([`conn_tag`]).
+const TAG_SHIFT: u32 = 48;
+
+/// The tag of the connection made by accept attempt `attempt`, carried in
+/// the top bits of every wr_id posted on it (never 0). The lane's
+/// completion queue outlives the connections dropped while the lane was
+/// being connected, whose receives may complete (flushed) after the lane
+/// took it over: the tag tells them apart.
+pub fn conn_tag(attempt: u64) -> u64 {
+    ((attempt % 0xffff) + 1) << TAG_SHIFT
+}
+
+/// The connection tag of `wr_id`.
+pub fn tag_of(wr_id: u64) -> u64 {
+    wr_id & !((1 << TAG_SHIFT) - 1)
+}
+
+/// wr_id (below the tag) of a response write; receives are `0..RECV_DEPTH`.
+const RESPONSE_WR: u64 = 1 << 32;
+
+/// wr_id (below the tag) of a pull's first read; chunk `i` is `PULL_WR + i`.
+const PULL_WR: u64 = 2 << 32;
 
 /// What a lane was given.
 #[derive(Debug)]
@@ -59,6 +79,8 @@ pub struct LaneConfig {
     /// The client promised read-only input: read bulk payloads in place
     /// where the provider maps the client's memory (shm).
     pub read_only_input: bool,
+    /// The lane's connection's tag ([`conn_tag`]).
+    pub tag: u64,
 }
 
 /// A lane's fabric resources and state.
@@ -186,6 +208,10 @@ impl Lane {
     }
 
     fn on_completion(&mut self, c: Completion, served: &mut bool) -> Flow {
+        if tag_of(c.wr_id) != self.cfg.tag {
+            tracing::debug!(lane = self.cfg.index, wr_id = c.wr_id, status = %c.status, "a completion of a connection dropped while the lane was connected; ignored");
+            return Flow::Continue;
+        }
         if matches!(c.status, Status::PeerLost | Status::Flushed) {
             tracing::info!(lane = self.cfg.index, status = %c.status, "the client went away; ending the lane");
             return Flow::End;
@@ -379,11 +405,13 @@ impl Lane {
                     addr: header.input_addr.wrapping_add(off as u64),
                     rkey: header.input_rkey,
                 };
-                if let Err(e) = self
-                    .endpoint
-                    .get()
-                    .read(posted as u64, &region, off, n, remote)
-                {
+                if let Err(e) = self.endpoint.get().read(
+                    self.cfg.tag | PULL_WR | posted as u64,
+                    &region,
+                    off,
+                    n,
+                    remote,
+                ) {
                     tracing::error!(lane = self.cfg.index, error = %e, "cannot post a read of a bulk payload");
                     failure = Some(Pull::Failed(InvocationStatus::InternalError));
                     break;
@@ -394,7 +422,8 @@ impl Lane {
                 break;
             }
             let n = self.cq.poll(&mut done);
-            for c in &done[..n] {
+            let tag = self.cfg.tag;
+            for c in done[..n].iter().filter(|c| tag_of(c.wr_id) == tag) {
                 match c.opcode {
                     Opcode::Read => {
                         completed += 1;
@@ -451,7 +480,7 @@ impl Lane {
         .encode()
         .unwrap_or(u32::from(status.code()));
         match self.endpoint.get().write_with_imm(
-            RESPONSE_WR_ID,
+            self.cfg.tag | RESPONSE_WR,
             &self.output,
             self.out_offset,
             len,
@@ -469,7 +498,7 @@ impl Lane {
                     }
                 }
                 match self.endpoint.get().write_with_imm(
-                    RESPONSE_WR_ID,
+                    self.cfg.tag | RESPONSE_WR,
                     &self.output,
                     self.out_offset,
                     len,
@@ -496,4 +525,27 @@ fn unix_now() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_tags_tell_connections_apart() {
+        let tags: Vec<u64> = (0..5).map(conn_tag).collect();
+        for (i, &t) in tags.iter().enumerate() {
+            assert_ne!(t, 0, "attempt {i}: a tag is never 0");
+            for &u in &tags[i + 1..] {
+                assert_ne!(t, u);
+            }
+            // Every wr_id the lane posts keeps its connection's tag...
+            for low in [0, RECV_DEPTH as u64 - 1, RESPONSE_WR, PULL_WR, PULL_WR + 4095] {
+                assert_eq!(tag_of(t | low), t, "{low:#x}");
+            }
+        }
+        // ...and the ids of one connection never carry another's.
+        assert_ne!(tag_of(conn_tag(0) | PULL_WR), conn_tag(1));
+        assert_eq!(conn_tag(0xffff), conn_tag(0), "wraps after 65535 attempts");
+    }
 }

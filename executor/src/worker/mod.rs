@@ -379,7 +379,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     crash::install(runnings.clone())
         .map_err(|e| internal(format!("cannot install the crash handler: {e}")))?;
     for ((index, mut l), running) in p.lanes.into_iter().enumerate().zip(runnings.iter()) {
-        let endpoint = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &p.key)?;
+        let (endpoint, tag) = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &p.key)?;
         let endpoint = Arc::new(LaneEndpoint::new(endpoint));
         let running = running.clone();
         watches.push(LaneWatch {
@@ -396,6 +396,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             output_capacity: a.output_capacity as usize,
             pull_limit,
             read_only_input: a.read_only_input,
+            tag,
         };
         let lane = Lane::new(
             cfg,
@@ -431,7 +432,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Accepts connections for lane `index` until one presents the allocation's
 /// lane hello (see `rfaas_proto::hello`); others are dropped, logged. Leaves
-/// the endpoint with all [`RECV_DEPTH`] receives posted.
+/// the endpoint with all [`RECV_DEPTH`] receives posted, and returns it
+/// with its connection tag ([`lane::conn_tag`]).
 fn accept_lane(
     listener: &rfaas_fabric::Listener,
     domain: &rfaas_fabric::Domain,
@@ -439,7 +441,7 @@ fn accept_lane(
     opts: &EndpointOptions,
     index: usize,
     key: &LaneKey,
-) -> Result<rfaas_fabric::Endpoint, WorkerError> {
+) -> Result<(rfaas_fabric::Endpoint, u64), WorkerError> {
     for attempt in 0u64.. {
         let endpoint = match listener.accept(domain, &mut l.cq, opts, None) {
             Ok(endpoint) => endpoint,
@@ -456,8 +458,8 @@ fn accept_lane(
             }
         };
         // Receives of earlier, dropped connections may still complete
-        // (flushed); the attempt in the high bits tells them apart.
-        let tag = attempt << 32;
+        // (flushed), here or once the lane runs: the tag tells them apart.
+        let tag = lane::conn_tag(attempt);
         for wr in 0..RECV_DEPTH as u64 {
             endpoint
                 .post_recv(tag | wr)
@@ -469,7 +471,7 @@ fn accept_lane(
                 .map_err(|e| format!("could not be given its receive back: {e}"))?;
             acknowledge_hello(&endpoint, &l.output, tag)
         }) {
-            Ok(()) => return Ok(endpoint),
+            Ok(()) => return Ok((endpoint, tag)),
             Err(why) => {
                 tracing::warn!(
                     lane = index,
@@ -499,7 +501,7 @@ fn await_hello(l: &mut PreparedLane, index: usize, key: &LaneKey, tag: u64) -> R
             l.cq.wait(&mut done, left)
                 .map_err(|e| format!("failed while the worker waited for its hello: {e}"))?;
         for c in &done[..n] {
-            if c.wr_id >> 32 != tag >> 32 {
+            if lane::tag_of(c.wr_id) != tag {
                 continue;
             }
             if c.opcode != rfaas_fabric::Opcode::RecvWithImm || !c.status.is_ok() {
@@ -557,7 +559,7 @@ fn acknowledge_hello(
         .map_err(|e| format!("could not be answered: {e}"))
 }
 
-/// wr_id (below the attempt tag) of the hello's answer.
+/// wr_id (below the connection tag) of the hello's answer.
 const HELLO_ACK_WR: u64 = 0xffff;
 
 fn internal(message: String) -> WorkerError {
