@@ -540,7 +540,13 @@ mod tests {
                 assert_ne!(t, u);
             }
             // Every wr_id the lane posts keeps its connection's tag...
-            for low in [0, RECV_DEPTH as u64 - 1, RESPONSE_WR, PULL_WR, PULL_WR + 4095] {
+            for low in [
+                0,
+                RECV_DEPTH as u64 - 1,
+                RESPONSE_WR,
+                PULL_WR,
+                PULL_WR + 4095,
+            ] {
                 assert_eq!(tag_of(t | low), t, "{low:#x}");
             }
         }
