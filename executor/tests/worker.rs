@@ -27,7 +27,7 @@ use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 use rstest::rstest;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-const FUNCTIONS: [&str; 7] = [
+const FUNCTIONS: [&str; 8] = [
     "noop",
     "echo",
     "fault_segfault",
@@ -35,6 +35,7 @@ const FUNCTIONS: [&str; 7] = [
     "fault_claim",
     "sleep_ms",
     "fault_abort",
+    "fault_stack_overflow",
 ];
 const NOOP: u16 = 0;
 const ECHO: u16 = 1;
@@ -43,6 +44,7 @@ const OVERRUN: u16 = 3;
 const CLAIM: u16 = 4;
 const SLEEP: u16 = 5;
 const ABORT: u16 = 6;
+const STACK_OVERFLOW: u16 = 7;
 
 fn is_root() -> bool {
     // SAFETY: geteuid cannot fail.
@@ -698,14 +700,17 @@ fn bulk_payload_beyond_the_memory_limit_is_refused(#[case] provider: &str) {
     assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"ok"[..]));
 }
 
+/// A null dereference, and a stack overflow (whose handler runs on the lane
+/// thread's alternate signal stack).
 #[rstest]
-#[case::tcp("tcp")]
-#[case::shm("shm")]
-fn segfault_is_answered_then_ends_the_worker_with_sigsegv(#[case] provider: &str) {
+fn a_fault_is_answered_then_ends_the_worker_with_sigsegv(
+    #[values("tcp", "shm")] provider: &str,
+    #[values(SEGFAULT, STACK_OVERFLOW)] function: u16,
+) {
     let (_dir, mut worker, mut client) = one_lane(provider, 64 << 10, |_| {});
     let lane = &mut client.lanes[0];
     // The watchdog answers for the crashed function, with the signal...
-    let (status, out) = lane.call(SEGFAULT, lane.inline_header(0), &[]);
+    let (status, out) = lane.call(function, lane.inline_header(0), &[]);
     assert_eq!(status, InvocationStatus::FunctionCrashed);
     assert_eq!(out, (libc::SIGSEGV as u32).to_le_bytes());
     // ...and the worker dies of it.

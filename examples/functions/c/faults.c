@@ -17,6 +17,30 @@ uint32_t fault_segfault(void *in, uint32_t in_len, void *out)
     return 0;
 }
 
+/* One 4 KiB frame deeper per call, with no end before the stack's guard
+ * page (UINT32_MAX frames would be 16 TiB). */
+static uint32_t deeper(volatile unsigned char *prev, uint32_t depth)
+{
+    volatile unsigned char frame[4096];
+    frame[0] = (unsigned char)(prev[0] + 1);
+    frame[sizeof frame - 1] = frame[0];
+    if (depth == UINT32_MAX)
+        return frame[0];
+    return deeper(frame, depth + 1) + frame[sizeof frame - 1];
+}
+
+/* Recurses until the stack runs out: the worker dies with SIGSEGV on the
+ * stack's guard page (the crash is handled on the thread's alternate
+ * signal stack). */
+uint32_t fault_stack_overflow(void *in, uint32_t in_len, void *out)
+{
+    (void)in;
+    (void)in_len;
+    (void)out;
+    volatile unsigned char seed[1] = {0};
+    return deeper(seed, 0);
+}
+
 /* Calls abort(): the worker dies with SIGABRT. */
 uint32_t fault_abort(void *in, uint32_t in_len, void *out)
 {
