@@ -106,9 +106,10 @@ pub struct EndpointOptions {
     /// Receives that may be posted at once.
     pub recv_depth: usize,
     /// How long connecting may take, on either side: `connect` fails with
-    /// [`Error::Timeout`] past it, and `accept` refuses a peer that has not
-    /// finished its handshake by then with [`Error::Connect`] (so a silent
-    /// peer holds a listener no longer than this).
+    /// [`Error::Timeout`] past it, and `accept` gives up a peer whose opening
+    /// message has not arrived by then ([`Error::Connect`]). On tcp and shm
+    /// `accept` hands out peers in the order their opening message is
+    /// whole, so a silent or slow peer holds up nobody behind it.
     pub connect_timeout: Duration,
     /// verbs: InfiniBand service level (QoS class) of the queue pair.
     pub service_level: u8,

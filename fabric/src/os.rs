@@ -1,33 +1,14 @@
-//! The few epoll, eventfd and poll calls the software providers share.
+//! The few epoll, eventfd and poll calls the software providers share, and
+//! the pending connections of their listeners ([`Pending`]).
 //!
 //! None of these is on a hot path: they serve `wait`, set-up and the
 //! progress threads.
 
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
-use std::time::Duration;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-
-/// Waits until `fd` is readable; `false` on timeout.
-pub(crate) fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> Result<bool> {
-    let ms = timeout_ms(timeout);
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: pfd is a valid pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc >= 0 {
-            return Ok(rc > 0);
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::io("poll", err));
-        }
-    }
-}
 
 /// A duration as epoll/poll milliseconds, rounded up (a sleep never ends early).
 pub(crate) fn ceil_ms(d: Duration) -> i32 {
@@ -112,4 +93,188 @@ pub(crate) fn epoll_add(epfd: RawFd, fd: RawFd, events: u32, token: u64) -> Resu
 /// Removes `fd` from an epoll set (best effort: it may be gone already).
 pub(crate) fn epoll_del(epfd: RawFd, fd: RawFd) {
     let _ = epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, 0, 0);
+}
+
+/// A connection a listener took whose peer has not yet sent its whole
+/// opening message.
+#[derive(Debug)]
+pub(crate) struct PendingPeer {
+    pub fd: OwnedFd,
+    /// Who it is, for errors.
+    pub label: String,
+    /// When it is given up if its opening message is still incomplete.
+    deadline: Instant,
+    /// It hung up (seen by poll), with part of its message sent.
+    hung_up: bool,
+}
+
+/// What [`Pending::next`] found.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// A peer whose whole opening message is waiting.
+    Ready(PendingPeer),
+    /// A peer given up, and why (it hung up or ran out of time).
+    Failed(PendingPeer, String),
+    /// The caller's deadline passed.
+    TimedOut,
+}
+
+impl Next {
+    /// The ready peer; a given-up one as [`Error::Connect`], the caller's
+    /// deadline as [`Error::Timeout`]`(timed_out)`.
+    pub(crate) fn peer(self, timed_out: &'static str) -> Result<PendingPeer> {
+        match self {
+            Next::Ready(peer) => Ok(peer),
+            Next::Failed(peer, why) => Err(Error::Connect {
+                addr: peer.label,
+                reason: format!("the peer {why}"),
+            }),
+            Next::TimedOut => Err(Error::Timeout(timed_out)),
+        }
+    }
+}
+
+/// The connections a listener has taken but not handed out yet. `accept`
+/// hands out the first whose peer has sent its whole opening message, so a
+/// silent or slow peer holds up nobody behind it; one that hangs up or
+/// outlives its deadline is handed out as failed (and closed).
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    peers: Mutex<Vec<PendingPeer>>,
+}
+
+/// How often a peer with part of its opening message is looked at again
+/// (poll cannot wait for "at least n bytes" on every socket type).
+const PARTIAL_RECHECK: Duration = Duration::from_millis(10);
+
+impl Pending {
+    /// Waits for a pending peer with at least `need` bytes readable, or one
+    /// to give up, taking new connections with `take` whenever `listener`
+    /// is readable (`take` returns `None` when none is left; each new one
+    /// gets `hold` to send its message), until `deadline`.
+    pub(crate) fn next(
+        &self,
+        listener: RawFd,
+        need: usize,
+        hold: Duration,
+        deadline: Option<Instant>,
+        mut take: impl FnMut() -> std::io::Result<Option<(OwnedFd, String)>>,
+    ) -> Result<Next> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let now = Instant::now();
+            let mut partial = false;
+            for i in 0..peers.len() {
+                let p = &peers[i];
+                let why = match peek_len(p.fd.as_raw_fd(), need) {
+                    Peek::Ready => return Ok(Next::Ready(peers.swap_remove(i))),
+                    Peek::Gone => "closed the connection before its hello was whole",
+                    Peek::Partial if p.hung_up => {
+                        "closed the connection before its hello was whole"
+                    }
+                    _ if p.deadline <= now => "sent no whole hello in time",
+                    Peek::Partial => {
+                        partial = true;
+                        continue;
+                    }
+                    Peek::Nothing => continue,
+                };
+                return Ok(Next::Failed(peers.swap_remove(i), why.into()));
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(Next::TimedOut);
+            }
+            // Wake for the listener, a peer's bytes or hang-up, a peer's
+            // deadline, the caller's, and the next look at partial peers.
+            let mut wake = deadline;
+            for p in peers.iter() {
+                wake = Some(wake.map_or(p.deadline, |w| w.min(p.deadline)));
+            }
+            if partial {
+                let soon = now + PARTIAL_RECHECK;
+                wake = Some(wake.map_or(soon, |w| w.min(soon)));
+            }
+            let mut fds = Vec::with_capacity(peers.len() + 1);
+            fds.push(libc::pollfd {
+                fd: listener,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            for p in peers.iter() {
+                // A partial peer is readable all along: wait only for its
+                // hang-up, and look again at PARTIAL_RECHECK.
+                let events = match peek_len(p.fd.as_raw_fd(), need) {
+                    Peek::Partial => libc::POLLRDHUP,
+                    _ => libc::POLLIN | libc::POLLRDHUP,
+                };
+                fds.push(libc::pollfd {
+                    fd: p.fd.as_raw_fd(),
+                    events,
+                    revents: 0,
+                });
+            }
+            let ms = timeout_ms(wake.map(|w| w.saturating_duration_since(now)));
+            // SAFETY: fds is a valid array of pollfds for the call.
+            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+            if rc < 0 {
+                let err = std::io::Error::last_os_error();
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(Error::io("poll (accept)", err));
+                }
+                continue;
+            }
+            for (p, f) in peers.iter_mut().zip(&fds[1..]) {
+                if f.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                    p.hung_up = true;
+                }
+            }
+            if fds[0].revents != 0 {
+                while let Some((fd, label)) = take().map_err(|e| Error::io("accept", e))? {
+                    peers.push(PendingPeer {
+                        fd,
+                        label,
+                        deadline: Instant::now() + hold,
+                        hung_up: false,
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peek {
+    /// At least the bytes asked for are there.
+    Ready,
+    /// Some, not all.
+    Partial,
+    /// None yet.
+    Nothing,
+    /// Closed or failed with nothing sent.
+    Gone,
+}
+
+/// How much of a `need`-byte message waits on `fd`, without taking it.
+fn peek_len(fd: RawFd, need: usize) -> Peek {
+    let mut buf = [0u8; 256];
+    let want = need.min(buf.len());
+    // SAFETY: buf holds `want` writable bytes; MSG_PEEK leaves the data
+    // (and any passed descriptors) queued.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            buf.as_mut_ptr().cast(),
+            want,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    match n {
+        n if n >= 0 && n as usize >= want => Peek::Ready,
+        0 => Peek::Gone,
+        n if n > 0 => Peek::Partial,
+        _ => match std::io::Error::last_os_error().kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Peek::Nothing,
+            _ => Peek::Gone,
+        },
+    }
 }

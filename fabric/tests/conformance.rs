@@ -4,7 +4,7 @@
 //! on machines without one and run by `scripts/test-verbs.sh` under
 //! Soft-RoCE).
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write as _};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -104,6 +104,67 @@ impl Pair {
         self.target = target;
         self.ep = ep;
     }
+}
+
+/// A raw connection below the fabric: a TCP stream, or a unix stream for
+/// shm (`@name`: the abstract namespace).
+fn raw_connect(addr: &str) -> Box<dyn std::io::Write> {
+    if let Ok(sa) = addr.parse::<std::net::SocketAddr>() {
+        return Box::new(std::net::TcpStream::connect(sa).expect("raw tcp connect"));
+    }
+    let unix = match addr.strip_prefix('@') {
+        Some(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            std::os::unix::net::SocketAddr::from_abstract_name(name).unwrap()
+        }
+        None => std::os::unix::net::SocketAddr::from_pathname(addr).unwrap(),
+    };
+    Box::new(std::os::unix::net::UnixStream::connect_addr(&unix).expect("raw unix connect"))
+}
+
+/// A peer that connects and says nothing (or half a hello) holds up nobody
+/// behind it: `accept` hands out the next peer whose hello is whole, and
+/// gives the silent one up, with a clear error, after `connect_timeout`.
+/// (Socket-level peers: verbs connects through the RDMA CM.)
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn a_silent_peer_holds_up_no_other(#[case] provider: &str) {
+    let fabric = Fabric::open(provider).expect("open the provider");
+    let listener = fabric.listen(&listen_addr(provider)).expect("listen");
+    let addr = listener.local_addr();
+    let target_domain = fabric.domain().unwrap();
+    let mut target_cq = fabric.completion_queue(1024).unwrap();
+    let domain = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(1024).unwrap();
+    let accepting = EndpointOptions {
+        connect_timeout: Duration::from_secs(3),
+        ..EndpointOptions::default()
+    };
+    let _silent = raw_connect(&addr);
+    let mut half = raw_connect(&addr);
+    half.write_all(b"RFAAS").unwrap();
+    std::thread::scope(|s| {
+        let connector = s.spawn(|| domain.connect(&addr, &mut cq, &EndpointOptions::default()));
+        // Connected last, handed out first.
+        let real = listener.accept(&target_domain, &mut target_cq, &accepting, Some(TIMEOUT));
+        let connected = connector.join().unwrap();
+        assert!(real.is_ok(), "{:?}", real.err());
+        connected.expect("connect");
+    });
+    // The other two are given up once their three seconds are over.
+    for _ in 0..2 {
+        let start = Instant::now();
+        let err = listener
+            .accept(&target_domain, &mut target_cq, &accepting, Some(TIMEOUT))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Connect { reason, .. } if reason.contains("no whole hello")),
+            "{err}"
+        );
+        assert!(start.elapsed() < TIMEOUT);
+    }
+    drop(half);
 }
 
 /// Whether an endpoint stays usable after one of its operations failed at

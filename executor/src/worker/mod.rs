@@ -257,8 +257,7 @@ fn endpoint_options() -> EndpointOptions {
         send_depth: 64,
         recv_depth: RECV_DEPTH,
         // The client connects right after AllocateOk: a peer slower than
-        // this in the fabric's own handshake is not it, and holds the
-        // listener no longer.
+        // this in the fabric's own handshake is not it, and is given up.
         connect_timeout: HELLO_TIMEOUT,
         ..EndpointOptions::default()
     }

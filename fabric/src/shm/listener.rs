@@ -5,11 +5,13 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use rfaas_proto::shm_control::MSG_LEN;
+
 use super::endpoint::{self, Role, ShmEndpoint};
 use super::sys;
 use super::{ShmCq, ShmDomain};
 use crate::error::{Error, Result};
-use crate::EndpointOptions;
+use crate::{os, EndpointOptions};
 
 static NEXT_NAME: AtomicU64 = AtomicU64::new(0);
 
@@ -19,6 +21,8 @@ pub(crate) struct ShmListener {
     fd: OwnedFd,
     addr: String,
     path: Option<String>,
+    /// Connections whose peer's hello is not whole yet.
+    pending: os::Pending,
 }
 
 impl ShmListener {
@@ -45,7 +49,12 @@ impl ShmListener {
             )
         })?;
         let path = (!addr.starts_with('@')).then(|| addr.clone());
-        Ok(ShmListener { fd, addr, path })
+        Ok(ShmListener {
+            fd,
+            addr,
+            path,
+            pending: os::Pending::default(),
+        })
     }
 
     /// Accepts one connection, waiting at most `timeout` (forever with `None`).
@@ -58,47 +67,42 @@ impl ShmListener {
     ) -> Result<ShmEndpoint> {
         endpoint::check_options(opts)?;
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        loop {
-            let ready = sys::wait_fd(self.fd.as_raw_fd(), libc::POLLIN, deadline)
-                .map_err(|e| Error::io("poll (shm accept)", e))?;
-            if !ready {
-                return Err(Error::Timeout("shm accept"));
-            }
-            let sock = match sys::accept(self.fd.as_raw_fd()) {
-                Ok(sock) => sock,
-                // Another thread took it, or the client gave up already.
+        let listener = self.fd.as_raw_fd();
+        let take = || loop {
+            match sys::accept(listener) {
+                Ok(sock) => return Ok(Some((sock, self.addr.clone()))),
+                // None left (or another thread took it).
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                // The client gave up already.
                 Err(e)
                     if matches!(
                         e.kind(),
-                        io::ErrorKind::WouldBlock
-                            | io::ErrorKind::Interrupted
-                            | io::ErrorKind::ConnectionAborted
-                    ) =>
-                {
-                    continue
-                }
-                Err(e) => return Err(Error::io("accept (shm)", e)),
-            };
-            // A silent peer cannot hold `accept` longer than the handshake
-            // may take.
-            let hello_deadline = Instant::now() + opts.connect_timeout;
-            let hello_deadline = deadline.map_or(hello_deadline, |d| d.min(hello_deadline));
-            let role = Role::Accept {
-                listener: &self.addr,
-            };
-            return match endpoint::establish(sock, role, &domain.state, cq, opts, hello_deadline) {
-                // The caller's own deadline did not pass: the peer was too slow.
-                Err(Error::Timeout(_)) if deadline.map_or(true, |d| Instant::now() < d) => {
-                    Err(Error::Connect {
-                        addr: self.addr.clone(),
-                        reason: format!(
-                            "the peer sent no hello within {} ms",
-                            opts.connect_timeout.as_millis()
-                        ),
-                    })
-                }
-                other => other,
-            };
+                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        };
+        // A peer is handed out once its whole hello has arrived, so a silent
+        // one holds up nobody; it is dropped after `connect_timeout`.
+        let peer = self
+            .pending
+            .next(listener, MSG_LEN, opts.connect_timeout, deadline, take)?
+            .peer("shm accept")?;
+        // Its hello is there; only our answer can still wait (on a full
+        // socket buffer).
+        let hello_deadline = Instant::now() + opts.connect_timeout;
+        let role = Role::Accept {
+            listener: &self.addr,
+        };
+        match endpoint::establish(peer.fd, role, &domain.state, cq, opts, hello_deadline) {
+            Err(Error::Timeout(_)) => Err(Error::Connect {
+                addr: self.addr.clone(),
+                reason: format!(
+                    "the handshake did not finish within {} ms",
+                    opts.connect_timeout.as_millis()
+                ),
+            }),
+            other => other,
         }
     }
 

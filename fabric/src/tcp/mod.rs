@@ -33,9 +33,9 @@ mod sys;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, HEADER_LEN};
 
@@ -75,7 +75,14 @@ impl TcpFabric {
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("getsockname", e))?;
-        Ok(TcpListener { listener, local })
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl (listen)", e))?;
+        Ok(TcpListener {
+            listener,
+            local,
+            pending: os::Pending::default(),
+        })
     }
 }
 
@@ -124,6 +131,8 @@ impl TcpDomain {
 pub(crate) struct TcpListener {
     listener: std::net::TcpListener,
     local: SocketAddr,
+    /// Connections whose peer's hello is not whole yet.
+    pending: os::Pending,
 }
 
 impl TcpListener {
@@ -134,11 +143,40 @@ impl TcpListener {
         opts: &EndpointOptions,
         timeout: Option<Duration>,
     ) -> Result<TcpEndpoint> {
-        if !os::wait_readable(self.listener.as_raw_fd(), timeout)? {
-            return Err(Error::Timeout("accepting a tcp connection"));
-        }
-        let (stream, peer) = self.listener.accept().map_err(|e| Error::io("accept", e))?;
-        establish(stream, &peer.to_string(), &domain.registry, cq, opts)
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let take = || loop {
+            match self.listener.accept() {
+                Ok((stream, peer)) => return Ok(Some((OwnedFd::from(stream), peer.to_string()))),
+                // None left (or another thread took it).
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+                // The client gave up already.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        };
+        // A peer is handed out once its whole hello has arrived, so a silent
+        // one holds up nobody; it is dropped after `connect_timeout`.
+        let peer = self
+            .pending
+            .next(
+                self.listener.as_raw_fd(),
+                HEADER_LEN,
+                opts.connect_timeout,
+                deadline,
+                take,
+            )?
+            .peer("accepting a tcp connection")?;
+        let stream = TcpStream::from(peer.fd);
+        // Accepted from a non-blocking listener: make sure it blocks, as
+        // the handshake expects.
+        stream
+            .set_nonblocking(false)
+            .map_err(|e| Error::io("fcntl (accept)", e))?;
+        establish(stream, &peer.label, &domain.registry, cq, opts)
     }
 
     pub(crate) fn local_addr(&self) -> String {
