@@ -267,14 +267,28 @@ impl ClientLane {
         staging: usize,
         output: usize,
     ) -> ClientLane {
+        let opts = EndpointOptions::default();
+        Self::connect_with(fabric, domain, ready, remote, staging, output, &opts)
+            .unwrap_or_else(|e| panic!("connecting to the worker: {e}"))
+    }
+
+    /// [`ClientLane::connect`] with `opts` (a shorter connect timeout), or
+    /// the fabric's error.
+    fn connect_with(
+        fabric: &Fabric,
+        domain: &Domain,
+        ready: &WorkerReady,
+        remote: &Descriptor,
+        staging: usize,
+        output: usize,
+        opts: &EndpointOptions,
+    ) -> Result<ClientLane, rfaas_fabric::Error> {
         let mut cq = fabric.completion_queue(1024).unwrap();
-        let ep = domain
-            .connect(&ready.fabric_addr, &mut cq, &EndpointOptions::default())
-            .unwrap();
+        let ep = domain.connect(&ready.fabric_addr, &mut cq, opts)?;
         for wr in 0..4 {
             ep.post_recv(wr).unwrap();
         }
-        ClientLane {
+        Ok(ClientLane {
             ep,
             cq,
             input: domain
@@ -283,7 +297,7 @@ impl ClientLane {
             output: domain.register(output, Access::REMOTE_WRITE).unwrap(),
             remote: *remote,
             next_id: 1,
-        }
+        })
     }
 
     /// The lane hello, as the client library sends it first. Returns
@@ -478,11 +492,7 @@ impl ClientLane {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn connections_without_the_lane_key_are_dropped(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    let worker = Worker::spawn();
-    let ready = worker.ready(&a);
+    let (_dir, _worker, ready) = one_lane_worker(provider);
     let fabric = Fabric::open(provider).unwrap();
     let domain = fabric.domain().unwrap();
     let remote = &ready.lanes[0];
@@ -513,6 +523,63 @@ fn connections_without_the_lane_key_are_dropped(#[case] provider: &str) {
     assert_eq!(out, b"still served");
 }
 
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn connections_that_never_say_hello_hold_up_nobody(#[case] provider: &str) {
+    let (_dir, _worker, ready) = one_lane_worker(provider);
+    let fabric = Fabric::open(provider).unwrap();
+    let domain = fabric.domain().unwrap();
+    let remote = &ready.lanes[0];
+    // Three connections that finish the fabric's handshake and then say
+    // nothing, connecting at once ahead of the client: each is on
+    // probation for a second, all together, so the client connects well
+    // within two seconds (one after the other, they would hold it up for
+    // three, and its connect would time out).
+    std::thread::scope(|s| {
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let done_rx = std::sync::Arc::new(std::sync::Mutex::new(done_rx));
+        let silent: Vec<_> = (0..3)
+            .map(|_| {
+                let done_rx = done_rx.clone();
+                let (fabric, ready) = (&fabric, &ready);
+                s.spawn(move || {
+                    let domain = fabric.domain().unwrap();
+                    let opts = EndpointOptions::default();
+                    // Still waiting when the client got the lane, it may be
+                    // refused outright: served it is not.
+                    let Ok(mut lane) =
+                        ClientLane::connect_with(fabric, &domain, ready, remote, 4096, 4096, &opts)
+                    else {
+                        return true;
+                    };
+                    let _ = done_rx.lock().unwrap().recv();
+                    lane.is_dropped()
+                })
+            })
+            .collect();
+        // Ordering only: let the three reach the listener first.
+        std::thread::sleep(Duration::from_millis(300));
+        let quick = EndpointOptions {
+            connect_timeout: Duration::from_secs(2),
+            ..EndpointOptions::default()
+        };
+        let mut real =
+            ClientLane::connect_with(&fabric, &domain, &ready, remote, 4096, 4096, &quick)
+                .unwrap_or_else(|e| panic!("the client's connect: {e}"));
+        assert!(real.hello(0, &key()), "the allocation's client is answered");
+        let (status, out) = real.invoke(ECHO, b"not held up");
+        assert_eq!(
+            (status, &out[..]),
+            (InvocationStatus::Ok, &b"not held up"[..])
+        );
+        drop(done_tx);
+        for t in silent {
+            assert!(t.join().unwrap(), "a silent connection is dropped");
+        }
+    });
+}
+
 /// A raw connection to a fabric address, below the fabric: a TCP stream,
 /// or a unix stream for shm (`@name`: the abstract namespace).
 fn raw_connect(addr: &str) -> Box<dyn std::io::Write> {
@@ -533,11 +600,7 @@ fn raw_connect(addr: &str) -> Box<dyn std::io::Write> {
 #[case::tcp("tcp")]
 #[case::shm("shm")]
 fn connections_that_fail_the_fabric_handshake_cost_the_worker_nothing(#[case] provider: &str) {
-    let dir = TempDir::new();
-    let mut a = assignment(provider, &dir);
-    a.lanes = 1;
-    let mut worker = Worker::spawn();
-    let ready = worker.ready(&a);
+    let (_dir, mut worker, ready) = one_lane_worker(provider);
     // One peer that says nothing, one that says nonsense and leaves: each
     // is refused within the worker's one-second handshake bound...
     let _silent = raw_connect(&ready.fabric_addr);
@@ -553,6 +616,16 @@ fn connections_that_fail_the_fabric_handshake_cost_the_worker_nothing(#[case] pr
     let (status, out) = real.invoke(ECHO, b"served");
     assert_eq!((status, &out[..]), (InvocationStatus::Ok, &b"served"[..]));
     assert_eq!(worker.child.try_wait().unwrap(), None, "the worker lives");
+}
+
+/// A worker serving one lane, ready and not yet connected.
+fn one_lane_worker(provider: &str) -> (TempDir, Worker, WorkerReady) {
+    let dir = TempDir::new();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 1;
+    let worker = Worker::spawn();
+    let ready = worker.ready(&a);
+    (dir, worker, ready)
 }
 
 /// A worker serving one lane of `assignment` (changed by `tweak`), and a

@@ -144,8 +144,13 @@ pub(crate) struct Pending {
 }
 
 /// How often a peer with part of its opening message is looked at again
-/// (poll cannot wait for "at least n bytes" on every socket type).
+/// (poll cannot wait for "at least n bytes" on every socket type), and how
+/// long the listener rests when the process is out of descriptors.
 const PARTIAL_RECHECK: Duration = Duration::from_millis(10);
+
+/// Most connections kept waiting for their opening message; past it, new
+/// ones wait in the kernel's backlog, as they did before any was taken.
+const MAX_PENDING: usize = 64;
 
 impl Pending {
     /// Waits for a pending peer with at least `need` bytes readable, or one
@@ -161,6 +166,7 @@ impl Pending {
         mut take: impl FnMut() -> std::io::Result<Option<(OwnedFd, String)>>,
     ) -> Result<Next> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rest_until: Option<Instant> = None;
         loop {
             let now = Instant::now();
             let mut partial = false;
@@ -190,13 +196,17 @@ impl Pending {
             for p in peers.iter() {
                 wake = Some(wake.map_or(p.deadline, |w| w.min(p.deadline)));
             }
-            if partial {
+            let resting = rest_until.is_some_and(|r| now < r);
+            if partial || resting {
                 let soon = now + PARTIAL_RECHECK;
                 wake = Some(wake.map_or(soon, |w| w.min(soon)));
             }
+            // A full list, or no descriptor to take one with: leave new
+            // connections in the backlog for now (fd -1 is ignored by poll).
+            let taking = peers.len() < MAX_PENDING && !resting;
             let mut fds = Vec::with_capacity(peers.len() + 1);
             fds.push(libc::pollfd {
-                fd: listener,
+                fd: if taking { listener } else { -1 },
                 events: libc::POLLIN,
                 revents: 0,
             });
@@ -229,13 +239,28 @@ impl Pending {
                 }
             }
             if fds[0].revents != 0 {
-                while let Some((fd, label)) = take().map_err(|e| Error::io("accept", e))? {
-                    peers.push(PendingPeer {
-                        fd,
-                        label,
-                        deadline: Instant::now() + hold,
-                        hung_up: false,
-                    });
+                while peers.len() < MAX_PENDING {
+                    match take() {
+                        Ok(Some((fd, label))) => peers.push(PendingPeer {
+                            fd,
+                            label,
+                            deadline: Instant::now() + hold,
+                            hung_up: false,
+                        }),
+                        Ok(None) => break,
+                        // Out of descriptors or memory: the peers waiting
+                        // now are served first, and the listener rests.
+                        Err(e)
+                            if matches!(
+                                e.raw_os_error(),
+                                Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                            ) =>
+                        {
+                            rest_until = Some(Instant::now() + PARTIAL_RECHECK);
+                            break;
+                        }
+                        Err(e) => return Err(Error::io("accept", e)),
+                    }
                 }
             }
         }

@@ -307,8 +307,9 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
     let opts = endpoint_options();
     let mut lanes = Vec::with_capacity(a.lanes.into());
     for _ in 0..a.lanes {
+        // Room for every connection on probation at once (accept_lane).
         let cq = fabric
-            .completion_queue(opts.send_depth + opts.recv_depth + 1)
+            .completion_queue((opts.send_depth + opts.recv_depth) * MAX_CANDIDATES + 1)
             .map_err(|e| fabric_failed("create a completion queue", e))?;
         let input = domain
             .register(a.input_capacity as usize, Access::REMOTE_WRITE)
@@ -429,10 +430,27 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
 /// How long a new connection has to present its lane hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long the lane's accept loop waits on its completion queue before it
+/// looks at the listener again, while some connection is on probation.
+const HELLO_SLICE: Duration = Duration::from_millis(5);
+
+/// Most connections on probation at once per lane; more wait in the
+/// listener until one leaves (said its hello, failed, or timed out).
+const MAX_CANDIDATES: usize = 4;
+
+/// A connection on probation: accepted, not yet said its lane hello.
+struct Candidate {
+    endpoint: rfaas_fabric::Endpoint,
+    tag: u64,
+    deadline: Instant,
+}
+
 /// Accepts connections for lane `index` until one presents the allocation's
-/// lane hello (see `rfaas_proto::hello`); others are dropped, logged. Leaves
-/// the endpoint with all [`RECV_DEPTH`] receives posted, and returns it
-/// with its connection tag ([`lane::conn_tag`]).
+/// lane hello (see `rfaas_proto::hello`); others are dropped, logged. Several
+/// connections can be on probation at once, so one that says nothing holds
+/// up nobody behind it. Leaves the endpoint with all [`RECV_DEPTH`]
+/// receives posted, and returns it with its connection tag
+/// ([`lane::conn_tag`]).
 fn accept_lane(
     listener: &rfaas_fabric::Listener,
     domain: &rfaas_fabric::Domain,
@@ -441,97 +459,131 @@ fn accept_lane(
     index: usize,
     key: &LaneKey,
 ) -> Result<(rfaas_fabric::Endpoint, u64), WorkerError> {
-    for attempt in 0u64.. {
-        let endpoint = match listener.accept(domain, &mut l.cq, opts, None) {
-            Ok(endpoint) => endpoint,
+    let mut candidates: Vec<Candidate> = Vec::new();
+    let mut attempts = 0u64;
+    let mut done = [rfaas_fabric::Completion::EMPTY; 16];
+    let drop_one = |why: &str| {
+        tracing::warn!(
+            lane = index,
+            "a connection {why}; dropped it, waiting for the client's"
+        );
+    };
+    loop {
+        // Wait for a connection while nobody is on probation; otherwise
+        // only look, and not at all while the probation is full.
+        let wait = (!candidates.is_empty()).then_some(Duration::ZERO);
+        let accepted = if candidates.len() < MAX_CANDIDATES {
+            listener.accept(domain, &mut l.cq, opts, wait)
+        } else {
+            Err(rfaas_fabric::Error::Timeout("the lane's probation is full"))
+        };
+        match accepted {
+            Ok(endpoint) => {
+                // Receives of dropped connections may still complete
+                // (flushed), here or once the lane runs: the tag tells them
+                // apart.
+                let tag = lane::conn_tag(attempts);
+                attempts += 1;
+                for wr in 0..RECV_DEPTH as u64 {
+                    endpoint.post_recv(tag | wr).map_err(|e| {
+                        internal(format!("posting lane {index}'s receives failed: {e}"))
+                    })?;
+                }
+                candidates.push(Candidate {
+                    endpoint,
+                    tag,
+                    deadline: Instant::now() + HELLO_TIMEOUT,
+                });
+            }
+            Err(rfaas_fabric::Error::Timeout(_)) => {}
             // A peer that failed the fabric's handshake (silent, or not
             // speaking it): not the client; the listener is fine.
             Err(e @ rfaas_fabric::Error::Connect { .. }) => {
-                tracing::warn!(lane = index, error = %e, "a connection failed the fabric handshake; dropped it, waiting for the client's");
-                continue;
+                drop_one(&format!("failed the fabric handshake ({e})"));
             }
             Err(e) => {
                 return Err(internal(format!(
                     "accepting lane {index}'s connection failed: {e}"
                 )))
             }
-        };
-        // Receives of earlier, dropped connections may still complete
-        // (flushed), here or once the lane runs: the tag tells them apart.
-        let tag = lane::conn_tag(attempt);
-        for wr in 0..RECV_DEPTH as u64 {
-            endpoint
-                .post_recv(tag | wr)
-                .map_err(|e| internal(format!("posting lane {index}'s receives failed: {e}")))?;
         }
-        match await_hello(l, index, key, tag).and_then(|wr_id| {
-            endpoint
-                .post_recv(wr_id)
-                .map_err(|e| format!("could not be given its receive back: {e}"))?;
-            acknowledge_hello(&endpoint, &l.output, tag)
-        }) {
-            Ok(()) => return Ok((endpoint, tag)),
-            Err(why) => {
-                tracing::warn!(
-                    lane = index,
-                    "a connection {why}; dropped it, waiting for the client's"
-                );
-            }
-        }
-    }
-    unreachable!("u64 attempts do not run out")
-}
-
-/// Waits for the first write on a new lane connection and checks it is the
-/// allocation's hello for lane `index`. Returns the consumed receive's id,
-/// or why the connection is refused.
-fn await_hello(l: &mut PreparedLane, index: usize, key: &LaneKey, tag: u64) -> Result<u64, String> {
-    let deadline = Instant::now() + HELLO_TIMEOUT;
-    let mut done = [rfaas_fabric::Completion::EMPTY; 4];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!(
-                "sent no lane hello within {} ms",
-                HELLO_TIMEOUT.as_millis()
-            ));
+        if candidates.is_empty() {
+            continue;
         }
         let n =
-            l.cq.wait(&mut done, left)
-                .map_err(|e| format!("failed while the worker waited for its hello: {e}"))?;
+            l.cq.wait(&mut done, HELLO_SLICE)
+                .map_err(|e| internal(format!("waiting for lane {index}'s hello failed: {e}")))?;
         for c in &done[..n] {
-            if lane::tag_of(c.wr_id) != tag {
-                continue;
+            let Some(at) = candidates
+                .iter()
+                .position(|k| k.tag == lane::tag_of(c.wr_id))
+            else {
+                continue; // a dropped connection's
+            };
+            let verdict = check_hello(l, index, key, c).and_then(|wr_id| {
+                let k = &candidates[at];
+                k.endpoint
+                    .post_recv(wr_id)
+                    .map_err(|e| format!("could not be given its receive back: {e}"))?;
+                acknowledge_hello(&k.endpoint, &l.output, k.tag)
+            });
+            let k = candidates.swap_remove(at);
+            match verdict {
+                // The others on probation are dropped with `candidates`.
+                Ok(()) => return Ok((k.endpoint, k.tag)),
+                Err(why) => drop_one(&why),
             }
-            if c.opcode != rfaas_fabric::Opcode::RecvWithImm || !c.status.is_ok() {
-                return Err(format!(
-                    "failed before its lane hello ({:?}: {})",
-                    c.opcode, c.status
-                ));
-            }
-            if c.imm != LANE_HELLO_IMM || c.byte_len as usize != LaneHello::LEN {
-                return Err(format!(
-                    "began with a write of {} bytes and immediate {:#x}, not a lane hello",
-                    c.byte_len, c.imm
-                ));
-            }
-            // SAFETY: the input region holds at least InvocationHeader::LEN
-            // (= LaneHello::LEN) bytes, and the peer's write of them
-            // completed before the completion we hold.
-            let bytes = unsafe { std::slice::from_raw_parts(l.input.as_ptr(), LaneHello::LEN) };
-            let hello = LaneHello::decode(bytes).map_err(|e| format!("sent a bad hello: {e}"))?;
-            if hello.lane as usize != index {
-                return Err(format!(
-                    "said hello to lane {} while lane {index} was being connected",
-                    hello.lane
-                ));
-            }
-            if !hello.key.matches(key) {
-                return Err("presented a lane key that is not this allocation's".into());
-            }
-            return Ok(c.wr_id);
         }
+        let now = Instant::now();
+        candidates.retain(|k| {
+            let keep = k.deadline > now;
+            if !keep {
+                drop_one(&format!(
+                    "sent no lane hello within {} ms",
+                    HELLO_TIMEOUT.as_millis()
+                ));
+            }
+            keep
+        });
     }
+}
+
+/// Checks that a connection's first completion `c` is the allocation's
+/// hello for lane `index`. Returns the consumed receive's id, or why the
+/// connection is refused.
+fn check_hello(
+    l: &PreparedLane,
+    index: usize,
+    key: &LaneKey,
+    c: &rfaas_fabric::Completion,
+) -> Result<u64, String> {
+    if c.opcode != rfaas_fabric::Opcode::RecvWithImm || !c.status.is_ok() {
+        return Err(format!(
+            "failed before its lane hello ({:?}: {})",
+            c.opcode, c.status
+        ));
+    }
+    if c.imm != LANE_HELLO_IMM || c.byte_len as usize != LaneHello::LEN {
+        return Err(format!(
+            "began with a write of {} bytes and immediate {:#x}, not a lane hello",
+            c.byte_len, c.imm
+        ));
+    }
+    // SAFETY: the input region holds at least InvocationHeader::LEN
+    // (= LaneHello::LEN) bytes, and the peer's write of them completed
+    // before the completion we hold.
+    let bytes = unsafe { std::slice::from_raw_parts(l.input.as_ptr(), LaneHello::LEN) };
+    let hello = LaneHello::decode(bytes).map_err(|e| format!("sent a bad hello: {e}"))?;
+    if hello.lane as usize != index {
+        return Err(format!(
+            "said hello to lane {} while lane {index} was being connected",
+            hello.lane
+        ));
+    }
+    if !hello.key.matches(key) {
+        return Err("presented a lane key that is not this allocation's".into());
+    }
+    Ok(c.wr_id)
 }
 
 /// Answers an accepted hello with a zero-length write-with-immediate
