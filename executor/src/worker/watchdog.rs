@@ -89,9 +89,7 @@ impl Running {
             .compare_exchange(stamp, 0, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
     }
-}
 
-impl Running {
     /// Records the calling thread as the lane's, for the crash handler.
     pub fn bind_thread(&self) {
         // SAFETY: gettid has no preconditions.
@@ -101,18 +99,20 @@ impl Running {
     /// Whether thread `tid` is this lane's and inside a function.
     /// Async-signal-safe (atomics only).
     pub fn crashed_here(&self, tid: libc::pid_t) -> bool {
-        let started = self.started_ns.load(Ordering::Acquire);
-        self.tid.load(Ordering::Relaxed) == tid && started != 0 && started != TAKEN
+        self.tid.load(Ordering::Relaxed) == tid && self.started().is_some()
     }
 
-    /// Takes the endpoint over from a lane inside a function; `None` when
-    /// the function returned (or the endpoint was taken already). Returns
-    /// the invocation to answer and where.
-    fn take_over(&self) -> Option<(u32, RemoteAddr, u32)> {
+    /// When the lane's current function started; `None` while it is idle
+    /// or its endpoint was taken over.
+    fn started(&self) -> Option<u64> {
         let started = self.started_ns.load(Ordering::Acquire);
-        if started == 0 || started == TAKEN {
-            return None;
-        }
+        (started != 0 && started != TAKEN).then_some(started)
+    }
+
+    /// Takes the endpoint over from the function that started at `started`;
+    /// `None` when that function returned meanwhile. Returns the invocation
+    /// to answer, where, and the bytes the client's output buffer takes.
+    fn take_over(&self, started: u64) -> Option<(u32, RemoteAddr, u32)> {
         self.started_ns
             .compare_exchange(started, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
             .ok()?;
@@ -184,12 +184,14 @@ pub fn spawn(lanes: Vec<LaneWatch>, deadline: Option<Duration>) -> std::io::Resu
             let deadline_ns = deadline.as_nanos() as u64;
             let now = now_ns();
             for (i, lane) in lanes.iter().enumerate() {
-                let started = lane.running.started_ns.load(Ordering::Acquire);
-                if started == 0 || started == TAKEN || now.saturating_sub(started) <= deadline_ns {
+                let Some(started) = lane.running.started() else {
+                    continue;
+                };
+                if now.saturating_sub(started) <= deadline_ns {
                     continue;
                 }
-                // Fails if the function just returned.
-                if let Some((id, remote, _)) = lane.running.take_over() {
+                // Fails if that function just returned.
+                if let Some((id, remote, _)) = lane.running.take_over(started) {
                     overran(i, lane, id, remote, deadline);
                 }
             }
@@ -207,10 +209,11 @@ fn crashed(lanes: &[LaneWatch], c: Crash) -> ! {
         signal = c.signal,
         "a function crashed; answering function_crashed and ending the worker"
     );
-    if let Some((lane, (id, remote, capacity))) = lanes
-        .get(c.lane)
-        .and_then(|l| l.running.take_over().map(|t| (l, t)))
-    {
+    // The crashed lane is stopped inside its function, which cannot return.
+    if let Some((lane, (id, remote, capacity))) = lanes.get(c.lane).and_then(|l| {
+        let started = l.running.started()?;
+        l.running.take_over(started).map(|t| (l, t))
+    }) {
         let len = if capacity >= 4 { 4 } else { 0 };
         // SAFETY: the region is at least a page, ours, and nobody else
         // writes it: its lane is stopped in the signal handler.
