@@ -273,6 +273,9 @@ struct Payload {
     /// travels with its request; otherwise it is [`PULLED_INPUT_CAPACITY`].
     inline: bool,
     read_only: bool,
+    /// The whole output is the input (`echo`), not only its first word
+    /// (`empty`: the rest is the output buffer as it was).
+    echoes: bool,
 }
 
 const ECHO_ROW: Payload = Payload {
@@ -280,33 +283,37 @@ const ECHO_ROW: Payload = Payload {
     function: "echo",
     inline: true,
     read_only: false,
+    echoes: true,
 };
 const ECHO_PULLED_ROW: Payload = Payload {
     name: ECHO_PULLED,
     function: "echo",
     inline: false,
     read_only: false,
+    echoes: true,
 };
 const ECHO_READ_ONLY_ROW: Payload = Payload {
     name: ECHO_READ_ONLY,
     function: "echo",
     inline: false,
     read_only: true,
+    echoes: true,
 };
 const TRANSFER_ROW: Payload = Payload {
     name: TRANSFER,
     function: "empty",
     inline: true,
     read_only: false,
+    echoes: false,
 };
 
 impl Payload {
-    /// What the result must hold: all of the input for `echo`, its first
-    /// word for `empty` (the rest is the output buffer as it was).
+    /// How much of the result must equal the input.
     fn checked_len(&self, size: usize) -> usize {
-        match self.function {
-            "echo" => size,
-            _ => size.min(4),
+        if self.echoes {
+            size
+        } else {
+            size.min(4)
         }
     }
 }

@@ -106,6 +106,8 @@ pub(crate) struct PendingPeer {
     deadline: Instant,
     /// It hung up (seen by poll), with part of its message sent.
     hung_up: bool,
+    /// Part of its message is there (as of the last look).
+    partial: bool,
 }
 
 /// What [`Pending::next`] found.
@@ -169,21 +171,18 @@ impl Pending {
         let mut rest_until: Option<Instant> = None;
         loop {
             let now = Instant::now();
-            let mut partial = false;
             for i in 0..peers.len() {
-                let p = &peers[i];
-                let why = match peek_len(p.fd.as_raw_fd(), need) {
+                let p = &mut peers[i];
+                let peek = peek_len(p.fd.as_raw_fd(), need);
+                p.partial = peek == Peek::Partial;
+                let why = match peek {
                     Peek::Ready => return Ok(Next::Ready(peers.swap_remove(i))),
                     Peek::Gone => "closed the connection before its hello was whole",
                     Peek::Partial if p.hung_up => {
                         "closed the connection before its hello was whole"
                     }
                     _ if p.deadline <= now => "sent no whole hello in time",
-                    Peek::Partial => {
-                        partial = true;
-                        continue;
-                    }
-                    Peek::Nothing => continue,
+                    Peek::Partial | Peek::Nothing => continue,
                 };
                 return Ok(Next::Failed(peers.swap_remove(i), why.into()));
             }
@@ -197,7 +196,7 @@ impl Pending {
                 wake = Some(wake.map_or(p.deadline, |w| w.min(p.deadline)));
             }
             let resting = rest_until.is_some_and(|r| now < r);
-            if partial || resting {
+            if resting || peers.iter().any(|p| p.partial) {
                 let soon = now + PARTIAL_RECHECK;
                 wake = Some(wake.map_or(soon, |w| w.min(soon)));
             }
@@ -213,9 +212,10 @@ impl Pending {
             for p in peers.iter() {
                 // A partial peer is readable all along: wait only for its
                 // hang-up, and look again at PARTIAL_RECHECK.
-                let events = match peek_len(p.fd.as_raw_fd(), need) {
-                    Peek::Partial => libc::POLLRDHUP,
-                    _ => libc::POLLIN | libc::POLLRDHUP,
+                let events = if p.partial {
+                    libc::POLLRDHUP
+                } else {
+                    libc::POLLIN | libc::POLLRDHUP
                 };
                 fds.push(libc::pollfd {
                     fd: p.fd.as_raw_fd(),
@@ -246,6 +246,7 @@ impl Pending {
                             label,
                             deadline: Instant::now() + hold,
                             hung_up: false,
+                            partial: false,
                         }),
                         Ok(None) => break,
                         // Out of descriptors or memory: the peers waiting

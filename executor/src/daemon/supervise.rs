@@ -218,37 +218,36 @@ pub(crate) fn describe(
     expires_at: u64,
     oom: Option<u32>,
 ) -> (ExitCause, String) {
-    match (stop, ended) {
-        (Some(Stop::LeaseExpired), _) => (
+    match (stop, ended, oom) {
+        (Some(Stop::LeaseExpired), ..) => (
             ExitCause::LeaseExpired,
             format!("worker {pid} stopped: the lease expired at {expires_at} (Unix seconds)"),
         ),
-        (Some(Stop::Stopped), _) => (
+        (Some(Stop::Stopped), ..) => (
             ExitCause::Stopped,
             format!("worker {pid} stopped: the executor is draining or shutting down"),
         ),
         // Only logged: the client asked for it and hears `Deallocated`.
-        (Some(Stop::Deallocate), _) => (
+        (Some(Stop::Deallocate), ..) => (
             ExitCause::Stopped,
             format!("worker {pid} stopped: its client deallocated or went away"),
         ),
-        (_, Ended::Signaled(sig)) if oom.is_some() => (
+        (_, Ended::Signaled(sig), Some(mib)) => (
             ExitCause::OutOfMemory,
             format!(
-                "worker {pid} killed by {}: the allocation used more than its {} MiB",
-                process::signal_name(sig),
-                oom.unwrap_or_default()
+                "worker {pid} killed by {}: the allocation used more than its {mib} MiB",
+                process::signal_name(sig)
             ),
         ),
-        (_, Ended::Signaled(sig)) => (
+        (_, Ended::Signaled(sig), None) => (
             ExitCause::Crashed,
             format!("worker {pid} killed by {}", process::signal_name(sig)),
         ),
-        (_, Ended::Exited(3)) => (
+        (_, Ended::Exited(3), _) => (
             ExitCause::DeadlineExceeded,
             format!("worker {pid} ended itself: a function ran past its deadline"),
         ),
-        (_, Ended::Exited(code)) => (
+        (_, Ended::Exited(code), _) => (
             ExitCause::Exited,
             format!("worker {pid} exited with code {code}"),
         ),
