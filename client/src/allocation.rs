@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rfaas_fabric::Domain;
-use rfaas_proto::control::{Deallocate, ErrorCode, Frame, Kind};
+use rfaas_proto::control::{Deallocate, ErrorCode, Frame};
 
 use crate::buffer::{Buffer, Pod};
 use crate::client::Client;
@@ -344,7 +344,6 @@ impl Allocation {
         }
         let request_id = self.conn.next_request_id();
         let frame = Frame::new(
-            Kind::Deallocate,
             &Deallocate {
                 request_id,
                 allocation_id: self.id,

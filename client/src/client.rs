@@ -8,7 +8,7 @@ use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
     Opcode, RemoteAddr,
 };
-use rfaas_proto::control::{AllocateRequest, Descriptor, Frame, Kind};
+use rfaas_proto::control::{AllocateRequest, Descriptor, Frame};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
@@ -101,7 +101,7 @@ impl Client {
             provider: self.inner.opts.provider.clone(),
             read_only_input: spec.read_only_input,
         };
-        let frame = Frame::new(Kind::AllocateRequest, &req, spec.library.to_vec());
+        let frame = Frame::new(&req, spec.library.to_vec());
         let sent = Instant::now();
         let reply = conn.request(&frame, request_id, self.inner.opts.allocation_timeout)?;
         let round_trip = sent.elapsed();

@@ -267,7 +267,7 @@ impl Drop for ControlConn {
 }
 
 fn send_deallocate(shared: &ConnShared, msg: &Deallocate) {
-    let frame = Frame::new(Kind::Deallocate, msg, Vec::new());
+    let frame = Frame::new(msg, Vec::new());
     if let Err(e) = frame.write_to(&mut *lock(&shared.writer)) {
         tracing::debug!(executor = %shared.executor, error = %e, "cannot send Deallocate");
     }
@@ -301,7 +301,7 @@ fn read_loop(stream: TcpStream, shared: &ConnShared) {
 fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
     match frame.kind {
         Kind::AllocateOk => {
-            let ok: AllocateOk = frame.parse(Kind::AllocateOk)?;
+            let ok: AllocateOk = frame.parse()?;
             let fate = Arc::new(Fate::new(shared.executor.clone()));
             let mut st = lock(&shared.state);
             match st.waiters.remove(&ok.request_id) {
@@ -326,7 +326,7 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
             }
         }
         Kind::Error => {
-            let e: ErrorReply = frame.parse(Kind::Error)?;
+            let e: ErrorReply = frame.parse()?;
             let tx = lock(&shared.state).waiters.remove(&e.request_id);
             match tx {
                 Some(tx) => {
@@ -338,7 +338,7 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
             }
         }
         Kind::Deallocated => {
-            let d: Deallocated = frame.parse(Kind::Deallocated)?;
+            let d: Deallocated = frame.parse()?;
             let mut st = lock(&shared.state);
             let fate = st.allocations.remove(&d.allocation_id);
             let tx = st.waiters.remove(&d.request_id);
@@ -351,7 +351,7 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
             }
         }
         Kind::WorkerExited => {
-            let w: WorkerExited = frame.parse(Kind::WorkerExited)?;
+            let w: WorkerExited = frame.parse()?;
             tracing::debug!(allocation = w.allocation_id, cause = ?w.cause, signal = ?w.signal, message = %w.message, "worker exited");
             let fate = lock(&shared.state).allocations.remove(&w.allocation_id);
             if let Some(fate) = fate {

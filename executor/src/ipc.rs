@@ -194,12 +194,11 @@ pub fn sealed_memfd(name: &str, bytes: &[u8]) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rfaas_proto::control::{Deallocate, Kind};
+    use rfaas_proto::control::Deallocate;
     use std::os::fd::AsFd;
 
     fn frame(blob: Vec<u8>) -> Frame {
         Frame::new(
-            Kind::Deallocate,
             &Deallocate {
                 request_id: 7,
                 allocation_id: 9,

@@ -51,10 +51,10 @@ impl Control {
     fn allocate_frame(&mut self, mut req: AllocateRequest, library: Vec<u8>) -> Frame {
         req.request_id = self.next_id;
         self.next_id += 1;
-        self.send(&Frame::new(Kind::AllocateRequest, &req, library));
+        self.send(&Frame::new(&req, library));
         let reply = self.recv();
         if reply.kind == Kind::Error {
-            let e: ErrorReply = reply.parse(Kind::Error).unwrap();
+            let e: ErrorReply = reply.parse().unwrap();
             assert_eq!(
                 e.request_id, req.request_id,
                 "the reply repeats the request id"
@@ -72,11 +72,11 @@ impl Control {
         let reply = self.allocate_frame(req, library);
         match reply.kind {
             Kind::AllocateOk => {
-                let ok: AllocateOk = reply.parse(Kind::AllocateOk).unwrap();
+                let ok: AllocateOk = reply.parse().unwrap();
                 assert_eq!(ok.request_id, id);
                 Ok(ok)
             }
-            Kind::Error => Err(reply.parse(Kind::Error).unwrap()),
+            Kind::Error => Err(reply.parse().unwrap()),
             other => panic!("unexpected reply {other:?}"),
         }
     }
@@ -85,7 +85,6 @@ impl Control {
         let request_id = self.next_id;
         self.next_id += 1;
         self.send(&Frame::new(
-            Kind::Deallocate,
             &Deallocate {
                 request_id,
                 allocation_id,
@@ -97,7 +96,7 @@ impl Control {
 
     fn worker_exited(&mut self) -> WorkerExited {
         let f = self.recv();
-        f.parse(Kind::WorkerExited).unwrap_or_else(|e| {
+        f.parse().unwrap_or_else(|e| {
             panic!(
                 "expected WorkerExited: {e}: {:?}",
                 String::from_utf8_lossy(&f.json)
@@ -275,7 +274,7 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
     }
 
     let reply = c.deallocate(ok.allocation_id);
-    let done: Deallocated = reply.parse(Kind::Deallocated).unwrap();
+    let done: Deallocated = reply.parse().unwrap();
     assert_eq!(done.allocation_id, ok.allocation_id);
     assert!(
         !process_exists(pid),
@@ -284,7 +283,7 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
     all_free(&d);
     // A second deallocation of the same id is refused.
     let again = c.deallocate(ok.allocation_id);
-    let e: ErrorReply = again.parse(Kind::Error).unwrap();
+    let e: ErrorReply = again.parse().unwrap();
     assert_eq!(e.code, ErrorCode::UnknownAllocation);
 }
 
@@ -316,9 +315,7 @@ fn shm_allocation_listens_in_the_users_directory() {
     let meta = std::fs::metadata(dir).unwrap();
     assert_eq!((meta.uid(), meta.mode() & 0o777), (65534, 0o700));
     let id = ok.allocation_id;
-    c.deallocate(id)
-        .parse::<Deallocated>(Kind::Deallocated)
-        .unwrap();
+    c.deallocate(id).parse::<Deallocated>().unwrap();
     assert!(!dir.exists(), "the runtime directory is removed");
 }
 
@@ -337,7 +334,7 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
             .allocate(good_request(&d, 1), lib.clone())
             .unwrap_or_else(|e| panic!("after {what}: {e:?}"));
         c.deallocate(ok.allocation_id)
-            .parse::<Deallocated>(Kind::Deallocated)
+            .parse::<Deallocated>()
             .unwrap();
     };
     let expect = |what: &str, reply: Frame, code: ErrorCode| {
@@ -347,7 +344,7 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
             "{what}: {:?}",
             String::from_utf8_lossy(&reply.json)
         );
-        let e: ErrorReply = reply.parse(Kind::Error).unwrap();
+        let e: ErrorReply = reply.parse().unwrap();
         assert_eq!(e.code, code, "{what}: {}", e.message);
         assert!(
             e.message.len() > 20,
@@ -552,7 +549,7 @@ fn capacity_is_never_granted_twice() {
     assert!(e.message.contains("0 free cores"), "{}", e.message);
 
     a.deallocate(first.allocation_id)
-        .parse::<Deallocated>(Kind::Deallocated)
+        .parse::<Deallocated>()
         .unwrap();
     let third = c.allocate(good_request(&d, 1), lib.clone()).unwrap();
     let (_, _, _, _, allocs) = status(&d);
@@ -613,7 +610,7 @@ fn a_killed_worker_is_reported_and_its_capacity_freed() {
     all_free(&d);
     let e = c
         .deallocate(ok.allocation_id)
-        .parse::<ErrorReply>(Kind::Error)
+        .parse::<ErrorReply>()
         .unwrap();
     assert_eq!(e.code, ErrorCode::UnknownAllocation);
 }
@@ -796,7 +793,7 @@ fn bubblewrap_sandbox_runs_the_worker_as_the_user() {
         assert_eq!(uid_of(worker), 65534);
         if provider == "tcp" {
             c.deallocate(ok.allocation_id)
-                .parse::<Deallocated>(Kind::Deallocated)
+                .parse::<Deallocated>()
                 .unwrap();
         } else {
             // SAFETY: kill has no memory preconditions.
@@ -966,7 +963,7 @@ fn the_allocated_worker_answers_invocations() {
         assert_eq!(status, rfaas_proto::InvocationStatus::Ok, "{provider}");
         assert_eq!(out, b"hello executor", "{provider}");
         c.deallocate(ok.allocation_id)
-            .parse::<Deallocated>(Kind::Deallocated)
+            .parse::<Deallocated>()
             .unwrap();
     }
 }

@@ -20,7 +20,8 @@ use rfaas_fabric::{
     Opcode, RemoteAddr, Status,
 };
 use rfaas_proto::control::{
-    Assignment, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, Mode, WorkerReady,
+    Assignment, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, Mode, WorkerFailed,
+    WorkerReady,
 };
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
@@ -166,12 +167,7 @@ impl Worker {
     /// Sends `a` with `library` as the memfd; returns the worker's reply.
     fn assign(&self, a: &Assignment, library: &[u8]) -> Frame {
         let memfd = sealed_memfd("libfunctions.so", library).unwrap();
-        send_frame(
-            &self.control,
-            &Frame::new(Kind::Assignment, a, vec![]),
-            Some(memfd.as_fd()),
-        )
-        .unwrap();
+        send_frame(&self.control, &Frame::new(a, vec![]), Some(memfd.as_fd())).unwrap();
         self.control.set_read_timeout(Some(TIMEOUT)).unwrap();
         let (frame, fd) = recv_frame(&self.control, FrameLimits::default()).unwrap();
         assert!(fd.is_none());
@@ -181,10 +177,10 @@ impl Worker {
     fn ready(&self, a: &Assignment) -> WorkerReady {
         let frame = self.assign(a, &rfaas_testkit::functions::c_library_bytes());
         if frame.kind == Kind::WorkerFailed {
-            let e: ErrorReply = frame.parse(Kind::WorkerFailed).unwrap();
+            let WorkerFailed(e) = frame.parse().unwrap();
             panic!("the worker failed: {e:?}");
         }
-        frame.parse(Kind::WorkerReady).unwrap()
+        frame.parse().unwrap()
     }
 
     /// Waits for the worker to end.
@@ -983,7 +979,7 @@ fn runs_as_the_user_pinned_and_limited(#[case] provider: &str) {
 
 fn failure(worker: &mut Worker, a: &Assignment, library: &[u8]) -> ErrorReply {
     let frame = worker.assign(a, library);
-    let reply: ErrorReply = frame.parse(Kind::WorkerFailed).unwrap();
+    let WorkerFailed(reply) = frame.parse().unwrap();
     let status = worker.wait();
     assert_eq!(
         status.code(),

@@ -75,7 +75,7 @@ pub enum Kind {
     Assignment = 16,
     /// [`WorkerReady`], worker → daemon.
     WorkerReady = 17,
-    /// [`ErrorReply`], worker → daemon: the assignment failed.
+    /// [`WorkerFailed`], worker → daemon: the assignment failed.
     WorkerFailed = 18,
     /// [`LocalRequest`], node tool → daemon (unix socket).
     LocalRequest = 32,
@@ -108,6 +108,35 @@ impl Kind {
     pub fn from_code(code: u16) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| k.code() == code)
     }
+}
+
+/// A control message: the JSON body of a frame whose kind is fixed by the
+/// message's type, so a frame's kind and its body cannot disagree.
+pub trait Message: Serialize + DeserializeOwned {
+    /// The frame kind that carries this message.
+    const KIND: Kind;
+}
+
+macro_rules! message_kinds {
+    ($($ty:ty => $kind:ident),* $(,)?) => {
+        $(impl Message for $ty {
+            const KIND: Kind = Kind::$kind;
+        })*
+    };
+}
+
+message_kinds! {
+    AllocateRequest => AllocateRequest,
+    AllocateOk => AllocateOk,
+    ErrorReply => Error,
+    Deallocate => Deallocate,
+    Deallocated => Deallocated,
+    WorkerExited => WorkerExited,
+    Assignment => Assignment,
+    WorkerReady => WorkerReady,
+    WorkerFailed => WorkerFailed,
+    LocalRequest => LocalRequest,
+    LocalReply => LocalReply,
 }
 
 /// Largest sizes a receiver accepts; bigger frames are refused before their
@@ -251,10 +280,10 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// A frame holding `msg` and `blob`.
-    pub fn new<T: Serialize>(kind: Kind, msg: &T, blob: Vec<u8>) -> Frame {
+    /// A frame holding `msg` (its kind is the message type's) and `blob`.
+    pub fn new<M: Message>(msg: &M, blob: Vec<u8>) -> Frame {
         Frame {
-            kind,
+            kind: M::KIND,
             json: serde_json::to_vec(msg).expect("control messages always serialise"),
             blob,
         }
@@ -307,11 +336,11 @@ impl Frame {
         })
     }
 
-    /// Parses the JSON as `T`, which must be the message of `expected`.
-    pub fn parse<T: DeserializeOwned>(&self, expected: Kind) -> Result<T, ControlError> {
-        if self.kind != expected {
+    /// Parses the JSON as message `M`, which must be the frame's kind.
+    pub fn parse<M: Message>(&self) -> Result<M, ControlError> {
+        if self.kind != M::KIND {
             return Err(ControlError::UnexpectedKind {
-                expected,
+                expected: M::KIND,
                 got: self.kind,
             });
         }
@@ -610,6 +639,12 @@ pub struct WorkerReady {
     pub listen_ns: u64,
 }
 
+/// Worker → daemon: the assignment failed, with the refusal the daemon
+/// passes on to the client (the same JSON as an [`ErrorReply`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct WorkerFailed(pub ErrorReply);
+
 /// Node tool → daemon (unix socket).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
@@ -766,7 +801,7 @@ mod tests {
             provider: "tcp".into(),
             read_only_input: true,
         };
-        let frame = Frame::new(Kind::AllocateRequest, &req, vec![0x7f, b'E', b'L', b'F']);
+        let frame = Frame::new(&req, vec![0x7f, b'E', b'L', b'F']);
         let bytes = frame.to_bytes();
         assert_eq!(&bytes[..4], b"RFAX");
         assert_eq!(&bytes[bytes.len() - 4..], b"\x7fELF");
@@ -778,17 +813,36 @@ mod tests {
         );
         let back = Frame::read_from(&mut &bytes[..], FrameLimits::default()).unwrap();
         assert_eq!(back, frame);
-        assert_eq!(
-            back.parse::<AllocateRequest>(Kind::AllocateRequest)
-                .unwrap(),
-            req
-        );
-        let err = back.parse::<Deallocate>(Kind::Deallocate).unwrap_err();
+        assert_eq!(back.parse::<AllocateRequest>().unwrap(), req);
+        let err = back.parse::<Deallocate>().unwrap_err();
         assert!(matches!(err, ControlError::UnexpectedKind { .. }));
         // A request without the field promises nothing.
         let older = json.replace(r#","read_only_input":true"#, "");
         let older: AllocateRequest = serde_json::from_str(&older).unwrap();
         assert!(!older.read_only_input);
+    }
+
+    #[test]
+    fn a_message_type_fixes_its_frame_kind() {
+        let reply = ErrorReply {
+            request_id: 4,
+            code: ErrorCode::MalformedLibrary,
+            message: "no".into(),
+        };
+        let as_error = Frame::new(&reply, vec![]);
+        let as_failed = Frame::new(&WorkerFailed(reply.clone()), vec![]);
+        assert_eq!(as_error.kind, Kind::Error);
+        assert_eq!(as_failed.kind, Kind::WorkerFailed);
+        // The same body, told apart only by the kind.
+        assert_eq!(as_error.json, as_failed.json);
+        assert_eq!(as_failed.parse::<WorkerFailed>().unwrap().0, reply);
+        assert!(matches!(
+            as_failed.parse::<ErrorReply>(),
+            Err(ControlError::UnexpectedKind {
+                expected: Kind::Error,
+                got: Kind::WorkerFailed
+            })
+        ));
     }
 
     #[test]
@@ -798,7 +852,7 @@ mod tests {
             json: b"{\"request_id\":1}".to_vec(),
             blob: vec![],
         };
-        let err = frame.parse::<Deallocate>(Kind::Deallocate).unwrap_err();
+        let err = frame.parse::<Deallocate>().unwrap_err();
         assert!(err.to_string().contains("Deallocate"), "{err}");
         assert!(err.to_string().contains("allocation_id"), "{err}");
     }
@@ -806,7 +860,6 @@ mod tests {
     #[test]
     fn truncated_frames_are_io_errors() {
         let bytes = Frame::new(
-            Kind::Deallocate,
             &Deallocate {
                 request_id: 1,
                 allocation_id: 2,

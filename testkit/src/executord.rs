@@ -292,16 +292,16 @@ impl Executord {
             .unwrap_or_else(|e| panic!("connect {}: {e}", self.local_socket.display()));
         sock.set_read_timeout(Some(Duration::from_secs(120)))
             .expect("set a read timeout");
-        Frame::new(Kind::LocalRequest, &req, Vec::new())
+        Frame::new(&req, Vec::new())
             .write_to(&mut sock)
             .expect("send a local request");
         let frame = Frame::read_from(&mut sock, FrameLimits::default())
             .unwrap_or_else(|e| panic!("no reply to {req:?}: {e}\nlog:\n{}", self.log()));
         if frame.kind == Kind::Error {
-            let e: ErrorReply = frame.parse(Kind::Error).expect("an ErrorReply");
+            let e: ErrorReply = frame.parse().expect("an ErrorReply");
             panic!("{req:?} refused: {e:?}");
         }
-        frame.parse(Kind::LocalReply).expect("a LocalReply")
+        frame.parse().expect("a LocalReply")
     }
 
     /// `local(LocalRequest::Status)`.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::control::{
     AllocateOk, AllocatePhases, AllocateRequest, Assignment, ControlError, Deallocate, Deallocated,
-    ErrorCode, ErrorReply, Frame, FrameLimits, Kind, WorkerReady,
+    ErrorCode, ErrorReply, Frame, FrameLimits, Kind, WorkerFailed, WorkerReady,
 };
 use rfaas_proto::hello::LaneKey;
 use rfaas_proto::lease::{self, TokenError};
@@ -74,7 +74,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: TcpStream) {
                 // allocation it replaces.
                 shared.refill();
             }
-            Kind::Deallocate => match frame.parse::<Deallocate>(Kind::Deallocate) {
+            Kind::Deallocate => match frame.parse::<Deallocate>() {
                 Ok(d) => deallocate(&shared, &conn, conn_id, d),
                 Err(e) => conn.error(
                     request_id_of(&frame),
@@ -165,7 +165,6 @@ fn deallocate(shared: &Shared, conn: &ConnWriter, conn_id: u64, d: Deallocate) {
     }
     tracing::info!(allocation = d.allocation_id, "deallocated");
     conn.send(&Frame::new(
-        Kind::Deallocated,
         &Deallocated {
             request_id: d.request_id,
             allocation_id: d.allocation_id,
@@ -177,7 +176,7 @@ fn deallocate(shared: &Shared, conn: &ConnWriter, conn_id: u64, d: Deallocate) {
 /// Handles one `AllocateRequest` and returns the reply frame.
 fn allocate(shared: &Arc<Shared>, conn: &Arc<ConnWriter>, conn_id: u64, frame: &Frame) -> Frame {
     let started = Instant::now();
-    let req = match frame.parse::<AllocateRequest>(Kind::AllocateRequest) {
+    let req = match frame.parse::<AllocateRequest>() {
         Ok(r) => r,
         Err(e) => {
             return error_frame(
@@ -189,7 +188,7 @@ fn allocate(shared: &Arc<Shared>, conn: &Arc<ConnWriter>, conn_id: u64, frame: &
     };
     let rid = req.request_id;
     match allocate_checked(shared, conn, conn_id, &req, &frame.blob, started) {
-        Ok(ok) => Frame::new(Kind::AllocateOk, &ok, Vec::new()),
+        Ok(ok) => Frame::new(&ok, Vec::new()),
         Err((code, message)) => {
             tracing::info!(request_id = rid, ?code, %message, "allocation refused");
             error_frame(rid, code, message)
@@ -199,7 +198,6 @@ fn allocate(shared: &Arc<Shared>, conn: &Arc<ConnWriter>, conn_id: u64, frame: &
 
 fn error_frame(request_id: u64, code: ErrorCode, message: String) -> Frame {
     Frame::new(
-        Kind::Error,
         &ErrorReply {
             request_id,
             code,
@@ -526,7 +524,7 @@ fn start_worker(
         listen_addr,
         read_only_input: req.read_only_input,
     };
-    let frame = Frame::new(Kind::Assignment, &assignment, Vec::new());
+    let frame = Frame::new(&assignment, Vec::new());
 
     // A pooled worker that died idle shows only when the send fails; one
     // fresh spawn then takes its place.
@@ -558,11 +556,11 @@ fn start_worker(
     };
     let ready = match ipc::recv_frame(&sock, limits) {
         Ok((f, _)) if f.kind == Kind::WorkerReady => f
-            .parse::<WorkerReady>(Kind::WorkerReady)
+            .parse::<WorkerReady>()
             .map_err(|e| internal("understand the worker's answer", &e))?,
         Ok((f, _)) if f.kind == Kind::WorkerFailed => {
-            let e = f
-                .parse::<ErrorReply>(Kind::WorkerFailed)
+            let WorkerFailed(e) = f
+                .parse()
                 .map_err(|e| internal("understand the worker's answer", &e))?;
             return Err((e.code, e.message));
         }

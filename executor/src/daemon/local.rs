@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rfaas_proto::control::{
-    AllocationStatus, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
+    AllocationStatus, ErrorCode, ErrorReply, Frame, FrameLimits, LocalReply, LocalRequest,
 };
 
 use super::process;
@@ -32,7 +32,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: UnixStream) {
                 return;
             }
         };
-        let req = match frame.parse::<LocalRequest>(Kind::LocalRequest) {
+        let req = match frame.parse::<LocalRequest>() {
             Ok(r) => r,
             Err(e) => {
                 reply_error(&stream, ErrorCode::MalformedRequest, e.to_string());
@@ -42,10 +42,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: UnixStream) {
         tracing::info!(request = ?req, "local request");
         let reply = handle(&shared, req);
         let mut w = &stream;
-        if Frame::new(Kind::LocalReply, &reply, Vec::new())
-            .write_to(&mut w)
-            .is_err()
-        {
+        if Frame::new(&reply, Vec::new()).write_to(&mut w).is_err() {
             return;
         }
     }
@@ -54,7 +51,6 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: UnixStream) {
 fn reply_error(stream: &UnixStream, code: ErrorCode, message: String) {
     let mut w = stream;
     let _ = Frame::new(
-        Kind::Error,
         &ErrorReply {
             request_id: 0,
             code,

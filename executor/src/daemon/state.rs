@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits, Kind};
+use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits};
 
 use super::capacity::Capacity;
 use super::config::Settings;
@@ -64,7 +64,6 @@ impl ConnWriter {
     pub(crate) fn error(&self, request_id: u64, code: ErrorCode, message: String) {
         tracing::info!(request_id, ?code, %message, "request refused");
         self.send(&Frame::new(
-            Kind::Error,
             &ErrorReply {
                 request_id,
                 code,

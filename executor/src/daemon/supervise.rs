@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rfaas_proto::control::{ExitCause, Frame, Kind, WorkerExited};
+use rfaas_proto::control::{ExitCause, Frame, WorkerExited};
 
 use super::config::Sandbox;
 use super::process::{self, Bwrap, Ended, Spawned};
@@ -200,7 +200,7 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
         shared.changed.notify_all();
     }
     if let Some((conn, msg)) = report {
-        conn.send(&Frame::new(Kind::WorkerExited, &msg, Vec::new()));
+        conn.send(&Frame::new(&msg, Vec::new()));
         shared.lock().reports_pending -= 1;
         shared.changed.notify_all();
     }

@@ -9,7 +9,7 @@
 //! address-space limit, becomes the lease's user (never root), loads the
 //! library through `/proc/self/fd` and resolves the function table, opens
 //! the fabric, registers each lane's buffers, listens and answers
-//! [`WorkerReady`] (or [`Kind::WorkerFailed`] with an [`ErrorReply`], then
+//! [`WorkerReady`] (or [`WorkerFailed`], then
 //! exits with [`EXIT_SETUP_FAILED`]). It accepts one connection per lane,
 //! in order, and starts the lane threads (`rfaas-lane-<i>`). When every
 //! client has gone it exits 0; nothing more is read from the control socket.
@@ -85,7 +85,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_fabric::{Access, EndpointOptions, Fabric};
 use rfaas_proto::control::{
-    Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind,
+    Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, WorkerFailed,
     WorkerReady,
 };
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
@@ -173,7 +173,7 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         max_blob: 0,
     };
     let (frame, memfd) = ipc::recv_frame(&control, limits)?;
-    let assignment: Assignment = frame.parse(Kind::Assignment)?;
+    let assignment: Assignment = frame.parse()?;
     tracing::info!(
         allocation_id = assignment.allocation_id,
         uid = assignment.uid,
@@ -194,17 +194,13 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         Err(e) => {
             if let WorkerError::Failed { code, message } = &e {
                 tracing::error!(code = ?code, "{message}");
-                let reply = ErrorReply {
+                let reply = WorkerFailed(ErrorReply {
                     request_id: assignment.allocation_id,
                     code: *code,
                     message: message.clone(),
-                };
-                ipc::send_frame(
-                    &control,
-                    &Frame::new(Kind::WorkerFailed, &reply, vec![]),
-                    None,
-                )
-                .map_err(ControlError::Io)?;
+                });
+                ipc::send_frame(&control, &Frame::new(&reply, vec![]), None)
+                    .map_err(ControlError::Io)?;
             }
             return Err(e);
         }
@@ -223,12 +219,7 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         load_ns: prepared.load_ns,
         listen_ns: prepared.listen_ns,
     };
-    ipc::send_frame(
-        &control,
-        &Frame::new(Kind::WorkerReady, &ready, vec![]),
-        None,
-    )
-    .map_err(ControlError::Io)?;
+    ipc::send_frame(&control, &Frame::new(&ready, vec![]), None).map_err(ControlError::Io)?;
     serve(&assignment, prepared)
 }
 
