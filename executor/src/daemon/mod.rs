@@ -18,12 +18,16 @@
 //! - `process`: spawning (plain or bubblewrap), signalling, waiting.
 //! - `state`: the shared state behind one lock; ending allocations.
 //! - `supervise`: the spawner and pool, worker watchers, lease expiry.
-//! - `control`: the clients' TCP protocol and the allocation steps.
+//! - `control`: the clients' TCP protocol: requests in, replies out,
+//!   and the end of a connection.
+//! - `allocate`: one allocation's steps in order (validation, the lease
+//!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume).
 
 pub mod config;
 pub mod secret;
 
+mod allocate;
 mod capacity;
 mod control;
 mod local;

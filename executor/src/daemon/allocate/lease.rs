@@ -1,0 +1,37 @@
+//! The lease check: the token's signature, expiry and node, and the request
+//! against what the lease grants.
+
+use rfaas_proto::control::{AllocateRequest, ErrorCode};
+use rfaas_proto::lease::{self, LeaseClaims, TokenError};
+
+use super::Refused;
+use crate::daemon::config::Settings;
+use crate::daemon::supervise::unix_now;
+
+/// The lease's claims, if its token is good for this node now and the
+/// request fits in what it grants.
+pub(super) fn check(
+    req: &AllocateRequest,
+    secret: &[u8],
+    s: &Settings,
+) -> Result<LeaseClaims, Refused> {
+    let claims = lease::verify(&req.token, secret, unix_now(), &s.node_name).map_err(|e| {
+        let code = match e {
+            TokenError::BadSignature => ErrorCode::TokenForged,
+            TokenError::Expired { .. } => ErrorCode::TokenExpired,
+            TokenError::WrongNode { .. } => ErrorCode::TokenWrongNode,
+            _ => ErrorCode::TokenMalformed,
+        };
+        (code, e.to_string())
+    })?;
+    if req.cores > claims.cores || req.memory_mib > claims.memory_mib {
+        return Err((
+            ErrorCode::ExceedsLease,
+            format!(
+                "the request asks for {} cores and {} MiB, but lease {} grants {} cores and {} MiB; ask for less or get a bigger lease",
+                req.cores, req.memory_mib, claims.lease_id, claims.cores, claims.memory_mib
+            ),
+        ));
+    }
+    Ok(claims)
+}

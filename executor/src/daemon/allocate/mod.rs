@@ -1,0 +1,84 @@
+//! One allocation, step by step: the checks of docs/invocation.md in their
+//! documented order, then a worker.
+//!
+//! - [`validate`]: the request's own shape and the executor's limits.
+//! - [`lease`]: the token, and the request against what it grants.
+//! - [`reserve`]: cores and memory taken under the state lock, with the
+//!   checks that must see the same state (draining, the user, the library).
+//! - [`spawn`]: the worker: runtime directory, memory limit, pooled or fresh
+//!   process, its assignment and its answer.
+
+mod lease;
+mod reserve;
+mod spawn;
+mod validate;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rfaas_proto::control::{AllocateOk, AllocatePhases, AllocateRequest, ErrorCode};
+use rfaas_proto::hello::LaneKey;
+
+use super::state::{ConnWriter, Shared};
+
+/// A refusal: the code and the sentence for the client.
+pub(crate) type Refused = (ErrorCode, String);
+
+/// Checks `req` and starts its worker; the reply for the client either way.
+pub(crate) fn allocate(
+    shared: &Arc<Shared>,
+    conn: &Arc<ConnWriter>,
+    conn_id: u64,
+    req: &AllocateRequest,
+    library: &[u8],
+    started: Instant,
+) -> Result<AllocateOk, Refused> {
+    let s = &shared.settings;
+    validate::request(req, s)?;
+    let claims = lease::check(req, &shared.secret, s)?;
+    let deadline_ms = validate::limits(req, library, s)?;
+    let reserved = reserve::reserve(shared, conn, conn_id, req, &claims, library)?;
+    let validate_ns = started.elapsed().as_nanos() as u64;
+
+    let started_worker = Instant::now();
+    let lane_key = match LaneKey::random() {
+        Ok(k) => k.to_hex(),
+        Err(e) => {
+            let refused = (
+                ErrorCode::Internal,
+                format!("the executor cannot draw a lane key from /dev/urandom: {e}; retry"),
+            );
+            return Err(spawn::abandon(shared, reserved.id, refused));
+        }
+    };
+    let (ready, pooled) = spawn::start_worker(
+        shared,
+        &reserved,
+        req,
+        library,
+        deadline_ms,
+        claims.expires_at,
+        &lane_key,
+    )
+    .map_err(|refused| spawn::abandon(shared, reserved.id, refused))?;
+    let worker_ns = started_worker.elapsed().as_nanos() as u64;
+    Ok(AllocateOk {
+        request_id: req.request_id,
+        allocation_id: reserved.id,
+        lease_id: claims.lease_id,
+        fabric_addr: ready.fabric_addr,
+        lanes: ready.lanes,
+        lane_key,
+        functions: req.functions.clone(),
+        output_capacity: req.output_capacity,
+        deadline_ms,
+        expires_at: claims.expires_at,
+        pooled,
+        phases: AllocatePhases {
+            validate_ns,
+            worker_ns: worker_ns.saturating_sub(ready.load_ns + ready.listen_ns),
+            load_ns: ready.load_ns,
+            listen_ns: ready.listen_ns,
+        },
+    })
+}

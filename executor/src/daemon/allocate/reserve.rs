@@ -1,0 +1,147 @@
+//! Capacity: the allocation's cores and memory, taken under the state lock
+//! together with the checks that must see the same state.
+
+use std::sync::Arc;
+
+use rfaas_proto::control::{AllocateRequest, ErrorCode};
+use rfaas_proto::lease::LeaseClaims;
+
+use super::Refused;
+use crate::daemon::capacity::Refusal;
+use crate::daemon::state::{Allocation, ConnWriter, Shared, State};
+use crate::daemon::users::{self, User};
+
+/// A starting allocation: its id, the CPUs and memory it holds, and the
+/// user its worker runs as.
+#[derive(Debug)]
+pub(super) struct Reserved {
+    pub id: u64,
+    pub cpus: Vec<u32>,
+    pub user: User,
+    pub runtime_dir: std::path::PathBuf,
+}
+
+/// Takes the cores and memory for `req` and records the starting
+/// allocation, or refuses: capacity, then draining, then the user, then the
+/// library's ELF magic (the order docs/invocation.md gives).
+pub(super) fn reserve(
+    shared: &Arc<Shared>,
+    conn: &Arc<ConnWriter>,
+    conn_id: u64,
+    req: &AllocateRequest,
+    claims: &LeaseClaims,
+    library: &[u8],
+) -> Result<Reserved, Refused> {
+    let s = &shared.settings;
+    // Looked up before the lock (the user database may be slow); reported
+    // in the documented order.
+    let user = check_user(&claims.user, &s.node_name);
+    let elf_ok = library.starts_with(b"\x7fELF");
+
+    let id = shared.next_id();
+    let runtime_dir = s.runtime_dir.join(format!("alloc-{id}"));
+    let mut st = shared.lock();
+    let cpus = st
+        .capacity
+        .grant(
+            claims.lease_id,
+            claims.cores,
+            claims.memory_mib,
+            req.cores,
+            req.memory_mib,
+        )
+        .map_err(|r| match r {
+            Refusal::ExceedsLease(m) => (ErrorCode::ExceedsLease, m),
+            Refusal::NoCapacity(m) => (ErrorCode::NoCapacity, m),
+        })?;
+    let refuse = |st: &mut State, code, m| {
+        st.capacity.release(claims.lease_id, &cpus, req.memory_mib);
+        Err((code, m))
+    };
+    if st.draining {
+        return refuse(
+            &mut st,
+            ErrorCode::Draining,
+            format!(
+                "executor {} is draining (its node is being retrieved); allocate elsewhere",
+                s.node_name
+            ),
+        );
+    }
+    let user = match user {
+        Ok(u) => u,
+        Err(m) => return refuse(&mut st, ErrorCode::UserRefused, m),
+    };
+    if !elf_ok {
+        return refuse(
+            &mut st,
+            ErrorCode::MalformedLibrary,
+            format!(
+                "the library {:?} is not an ELF shared object (it does not start with \\x7fELF); send the .so file's bytes",
+                req.library_name
+            ),
+        );
+    }
+    st.allocations.insert(
+        id,
+        Allocation {
+            id,
+            lease_id: claims.lease_id,
+            user: claims.user.clone(),
+            conn_id,
+            conn: Arc::clone(conn),
+            pid: None,
+            worker_sock: None,
+            cpus: cpus.clone(),
+            memory_mib: req.memory_mib,
+            expires_at: claims.expires_at,
+            ready: false,
+            stop: None,
+            ended: None,
+            runtime_dir: runtime_dir.clone(),
+        },
+    );
+    drop(st);
+    tracing::info!(
+        allocation = id,
+        lease = claims.lease_id,
+        user = %user.name,
+        cores = req.cores,
+        memory_mib = req.memory_mib,
+        cpus = ?cpus,
+        library = %req.library_name,
+        "allocation granted"
+    );
+    Ok(Reserved {
+        id,
+        cpus,
+        user,
+        runtime_dir,
+    })
+}
+
+/// Whether workers may run as `name` here.
+fn check_user(name: &str, node: &str) -> Result<User, String> {
+    let user = match users::lookup(name) {
+        Ok(Some(u)) => u,
+        Ok(None) => {
+            return Err(format!(
+                "the lease's user {name:?} does not exist on node {node}; the node's user database must know every job user"
+            ))
+        }
+        Err(e) => return Err(format!("cannot look up the lease's user {name:?}: {e}")),
+    };
+    if user.uid == 0 {
+        return Err(format!(
+            "the lease's user {name:?} is root (uid 0); workers never run as root"
+        ));
+    }
+    let euid = users::effective_uid();
+    if euid != 0 && user.uid != euid {
+        return Err(format!(
+            "this executor runs as uid {euid}, not root, so it can run workers only as itself, not as {name:?} (uid {}); run rfaas-executord as root",
+            user.uid
+        ));
+    }
+    Ok(user)
+}
