@@ -164,7 +164,9 @@ impl Error {
                 Error::FunctionFailed(InvocationStatus::DeadlineExceeded)
             }
             ExitCause::LeaseExpired => Error::FunctionFailed(InvocationStatus::LeaseExpired),
-            ExitCause::Stopped => Error::FunctionFailed(InvocationStatus::ExecutorDraining),
+            ExitCause::Stopped | ExitCause::Drained => {
+                Error::FunctionFailed(InvocationStatus::ExecutorDraining)
+            }
             cause => Error::WorkerCrashed {
                 signal: exit.signal,
                 cause,

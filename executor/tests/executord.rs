@@ -654,7 +654,8 @@ fn drain_refuses_allocations_until_resumed() {
     let reply = d.local(LocalRequest::Drain { grace_ms: 100 });
     assert!(matches!(reply, LocalReply::Done { .. }), "{reply:?}");
     let exited = c.worker_exited();
-    assert_eq!(exited.cause, ExitCause::Stopped);
+    assert_eq!(exited.cause, ExitCause::Drained, "{}", exited.message);
+    assert!(exited.message.contains("retrieved"), "{}", exited.message);
     assert!(!process_exists(pid));
     let (draining, _, _, pool_idle, allocs) = status(&d);
     assert!(draining);
@@ -687,6 +688,11 @@ fn stopping_the_daemon_stops_every_worker() {
     drop(d); // SIGTERM
     let exited = c.worker_exited();
     assert_eq!(exited.cause, ExitCause::Stopped);
+    assert!(
+        exited.message.contains("shutting down"),
+        "{}",
+        exited.message
+    );
     wait_gone(pid);
     assert!(c.closed(), "the daemon is gone");
 }
@@ -1034,5 +1040,5 @@ fn a_draining_worker_refuses_new_invocations() {
         let done = drain.join().unwrap();
         assert!(matches!(done, LocalReply::Done { .. }), "{done:?}");
     });
-    assert_eq!(c.worker_exited().cause, ExitCause::Stopped);
+    assert_eq!(c.worker_exited().cause, ExitCause::Drained);
 }

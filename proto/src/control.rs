@@ -553,7 +553,7 @@ pub enum ExitCause {
     DeadlineExceeded,
     /// The lease expired and the executor stopped the worker.
     LeaseExpired,
-    /// The executor stopped the worker (node retrieval, shutdown).
+    /// The executor is shutting down and stopped the worker.
     Stopped,
     /// The worker exited on its own (an internal failure).
     Exited,
@@ -561,6 +561,9 @@ pub enum ExitCause {
     /// than it was given (a cgroup `memory.max`; under `RLIMIT_AS` the
     /// function's allocation fails instead, and it usually crashes).
     OutOfMemory,
+    /// The node is being retrieved (drained) and the executor stopped the
+    /// worker after the grace period.
+    Drained,
 }
 
 /// Executor → client, unsolicited: an allocation's worker ended. Its cores

@@ -134,7 +134,7 @@ fn drain(shared: &Shared, grace: Duration) -> LocalReply {
     let (st, _) = shared.wait_until(st, grace, |st| st.allocations.is_empty());
     let ids: Vec<u64> = st.allocations.keys().copied().collect();
     drop(st);
-    let left = shared.end_allocations(&ids, Stop::Stopped, Duration::from_secs(10));
+    let left = shared.end_allocations(&ids, Stop::Drained, Duration::from_secs(10));
     let message = if left > 0 {
         format!("drained, but {left} workers did not end after SIGKILL")
     } else {

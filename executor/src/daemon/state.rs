@@ -33,8 +33,10 @@ pub(crate) enum Stop {
     Failed,
     /// The lease ended.
     LeaseExpired,
-    /// Drain or shutdown.
-    Stopped,
+    /// The node is being retrieved (a drain).
+    Drained,
+    /// The daemon is shutting down (SIGTERM, SIGINT).
+    Shutdown,
 }
 
 /// The write side of a client's control connection, shared with the
@@ -254,7 +256,8 @@ impl Shared {
     }
 
     /// Stops every worker, pooled or allocated, and waits (bounded) until
-    /// they are reaped. Clients hear `WorkerExited` with cause `stopped`.
+    /// they are reaped. Clients hear `WorkerExited` with cause `stopped`;
+    /// allocations asked for meanwhile are refused `draining`.
     pub(crate) fn shutdown(&self) {
         let ids: Vec<u64> = {
             let mut st = self.lock();
@@ -263,7 +266,7 @@ impl Shared {
             self.empty_pool(&mut st);
             st.allocations.keys().copied().collect()
         };
-        let left = self.end_allocations(&ids, Stop::Stopped, Duration::from_secs(5));
+        let left = self.end_allocations(&ids, Stop::Shutdown, Duration::from_secs(5));
         let st = self.lock();
         let (st, pool_done) = self.wait_until(st, Duration::from_secs(2), |st| {
             st.pool.is_empty() && st.reports_pending == 0

@@ -223,9 +223,13 @@ pub(crate) fn describe(
             ExitCause::LeaseExpired,
             format!("worker {pid} stopped: the lease expired at {expires_at} (Unix seconds)"),
         ),
-        (Some(Stop::Stopped), ..) => (
+        (Some(Stop::Drained), ..) => (
+            ExitCause::Drained,
+            format!("worker {pid} stopped: its node is being retrieved (drained); allocate on another executor"),
+        ),
+        (Some(Stop::Shutdown), ..) => (
             ExitCause::Stopped,
-            format!("worker {pid} stopped: the executor is draining or shutting down"),
+            format!("worker {pid} stopped: the executor is shutting down; allocate again, on another executor if it does not come back"),
         ),
         // Only logged: the client asked for it and hears `Deallocated`.
         (Some(Stop::Deallocate), ..) => (
@@ -306,7 +310,11 @@ mod tests {
             ExitCause::LeaseExpired
         );
         assert_eq!(
-            c(Some(Stop::Stopped), Ended::Signaled(9)),
+            c(Some(Stop::Drained), Ended::Signaled(9)),
+            ExitCause::Drained
+        );
+        assert_eq!(
+            c(Some(Stop::Shutdown), Ended::Signaled(9)),
             ExitCause::Stopped
         );
         assert_eq!(

@@ -59,13 +59,15 @@ pub(super) fn reserve(
         Err((code, m))
     };
     if st.draining {
+        let why = if st.stopping {
+            "is shutting down"
+        } else {
+            "is draining (its node is being retrieved)"
+        };
         return refuse(
             &mut st,
             ErrorCode::Draining,
-            format!(
-                "executor {} is draining (its node is being retrieved); allocate elsewhere",
-                s.node_name
-            ),
+            format!("executor {} {why}; allocate elsewhere", s.node_name),
         );
     }
     let user = match user {

@@ -239,14 +239,21 @@ pub(super) fn abandon(shared: &Shared, id: u64, refused: Refused) -> Refused {
     let Some(a) = shared.remove_allocation(&mut st, id) else {
         return refused;
     };
-    if a.stop == Some(Stop::Stopped) {
-        return (
-            ErrorCode::Draining,
-            format!(
-                "executor {} began draining while the worker started; allocate elsewhere",
-                shared.settings.node_name
-            ),
-        );
+    let node = &shared.settings.node_name;
+    match a.stop {
+        Some(Stop::Drained) => {
+            return (
+                ErrorCode::Draining,
+                format!("executor {node} began draining (its node is being retrieved) while the worker started; allocate elsewhere"),
+            )
+        }
+        Some(Stop::Shutdown) => {
+            return (
+                ErrorCode::Draining,
+                format!("executor {node} began shutting down while the worker started; allocate elsewhere"),
+            )
+        }
+        _ => {}
     }
     match (a.ended, refused.0) {
         // A worker that died while loading says more than "connection closed".
