@@ -9,6 +9,7 @@
 //! | `pingpong_bandwidth_vs_bandwidth` | the fabric alone in an invocation's pattern (one payload each way, nothing overlapping) over its streaming `bandwidth` | none: the fabric's, not rfaas's |
 //! | `transfer_vs_pingpong_bandwidth` | `transfer` over `pingpong_bandwidth`: the share of the fabric's round trip the invocation path keeps | none |
 //! | `echo_copy_estimate` | what a sequential echo that copies its input reaches if each crossing runs at `bandwidth` and the copy at `memcpy_bandwidth`: `1 / (1 + bandwidth / (2 × memcpy_bandwidth))` | none: it explains `echo_vs_bandwidth` |
+//! | `hot_noop_rate_vs_pingpong_rate` | calls/s of `hot_noop_rate` over the fabric's `pingpong_rate` with as many in flight | none |
 //! | `grpc_echo_over_hot_noop` | median `grpc_echo` over median `hot_noop` on tcp | ≥ 5 at 64 B |
 //!
 //! A derived row appears only when both of its rows were measured.
@@ -98,6 +99,25 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             }
         }
     }
+    for row in rows.iter().filter(|r| r.name == "hot_noop_rate") {
+        let fabric = rows
+            .iter()
+            .find(|r| r.name == "pingpong_rate" && r.same_row_but_name(row))
+            .and_then(per_s)
+            .filter(|&b| b > 0);
+        if let (Some(a), Some(b)) = (per_s(row), fabric) {
+            let mut ratio = Row::ratio(
+                "hot_noop_rate_vs_pingpong_rate",
+                &row.provider,
+                row.size,
+                a as f64 / b as f64,
+                "hot_noop_rate / pingpong_rate".into(),
+                None,
+            );
+            ratio.in_flight = row.in_flight;
+            out.push(ratio);
+        }
+    }
     for grpc in rows.iter().filter(|r| r.name == "grpc_echo") {
         let hot = rows
             .iter()
@@ -149,6 +169,13 @@ fn median(row: &Row) -> Option<u64> {
     }
 }
 
+fn per_s(row: &Row) -> Option<u64> {
+    match &row.measure {
+        Measure::Rate { per_s, .. } => Some(*per_s),
+        _ => None,
+    }
+}
+
 fn bytes_per_s(row: &Row) -> Option<u64> {
     match &row.measure {
         Measure::Bandwidth { bytes_per_s, .. } => Some(*bytes_per_s),
@@ -180,6 +207,35 @@ mod tests {
 
     fn bw(name: &str, provider: &str, size: usize, bytes_per_s: u64) -> Row {
         Row::bandwidth(name, provider, size, bytes_per_s, Duration::from_secs(1))
+    }
+
+    #[test]
+    fn rate_ratios_pair_rows_with_as_many_in_flight() {
+        let rate = |name, in_flight, calls| {
+            Row::rate(name, "shm", 64, in_flight, calls, Duration::from_secs(1))
+        };
+        let rows = [
+            rate("pingpong_rate", 1, 1000),
+            rate("pingpong_rate", 4, 4000),
+            rate("hot_noop_rate", 4, 1000),
+            rate("hot_noop_rate", 1, 500),
+            rate("hot_noop_rate", 16, 100),
+        ];
+        let d = derive(&rows);
+        let got: Vec<(u32, f64)> = d
+            .iter()
+            .map(|r| match r.measure {
+                Measure::Ratio { ratio, .. } => (r.in_flight, ratio),
+                _ => panic!("{r:?}"),
+            })
+            .collect();
+        // 16 in flight has no fabric row to compare with.
+        assert_eq!(got, [(4, 0.25), (1, 0.5)]);
+        assert!(
+            d[0].to_json().contains(r#""in_flight":4"#),
+            "{}",
+            d[0].to_json()
+        );
     }
 
     #[test]

@@ -13,6 +13,10 @@
 //! - `bandwidth_passive`: the same with the peer asleep in `wait`: on shm
 //!   (and verbs) the writes need no target CPU; on tcp the target's library
 //!   wakes to place the data.
+//! - `pingpong_rate`: the fabric's message rate: 64-byte writes-with-immediate
+//!   the peer answers, with 1, 4 and 16 outstanding on one endpoint (a new
+//!   one is posted as each answer arrives), in answers per second. The
+//!   ceiling `hot_noop_rate` is judged against.
 //!
 //! The peer (`--serve fabric_echo <provider> <addr> <region-len> <spin|wait>`)
 //! echoes every write-with-immediate with one of the same length and
@@ -32,6 +36,7 @@ const PINGPONG: &str = "pingpong";
 const BANDWIDTH: &str = "bandwidth";
 const PINGPONG_BANDWIDTH: &str = "pingpong_bandwidth";
 const BANDWIDTH_PASSIVE: &str = "bandwidth_passive";
+const PINGPONG_RATE: &str = "pingpong_rate";
 const ECHO: &str = "fabric_echo";
 
 /// Immediate of the first message, which carries the initiator's reply descriptor.
@@ -40,6 +45,10 @@ const SETUP: u32 = u32::MAX;
 const WINDOW: usize = 32;
 /// Receives kept posted on each side.
 const RECVS: u64 = 64;
+/// Message size of the rate rows (`pingpong_rate`, `hot_noop_rate`).
+pub const RATE_SIZE: usize = 64;
+/// Messages outstanding in the rate rows.
+pub const RATE_IN_FLIGHT: [u32; 3] = [1, 4, 16];
 
 pub const SUITE: Suite = Suite {
     rows: &[
@@ -69,6 +78,13 @@ pub const SUITE: Suite = Suite {
             runner: Runner::PerProvider {
                 kind: None,
                 run: bandwidth_passive,
+            },
+        },
+        RowSpec {
+            name: PINGPONG_RATE,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: pingpong_rate,
             },
         },
     ],
@@ -176,6 +192,40 @@ impl Session {
         Ok((peer, session))
     }
 
+    /// `calls` writes-with-immediate of `size` bytes and their answers, with
+    /// `in_flight` outstanding: a new one goes out as each answer arrives.
+    /// Hot loop of `pingpong_rate`.
+    fn answered(&mut self, size: usize, in_flight: u32, calls: u64) -> Result<()> {
+        let (mut posted, mut answered) = (0u64, 0u64);
+        while answered < calls {
+            while posted < calls && posted - answered < u64::from(in_flight) {
+                match self
+                    .ep
+                    .write_with_imm(0, &self.src, 0, size, self.remote, 1)
+                {
+                    Ok(()) => posted += 1,
+                    Err(e) if e.is_retryable() => break,
+                    Err(e) => {
+                        return Err(Error::new(format!("posting a write-with-immediate: {e}")))
+                    }
+                }
+            }
+            let n = self.cq.poll(&mut self.done);
+            for c in &self.done[..n] {
+                if !c.status.is_ok() {
+                    return Err(Error::new(format!("{:?} failed: {}", c.opcode, c.status)));
+                }
+                if c.opcode == Opcode::RecvWithImm {
+                    self.ep
+                        .post_recv(c.wr_id)
+                        .ctx(|| "posting a receive".into())?;
+                    answered += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// One write-with-immediate and the peer's answer. Hot loop of `pingpong`.
     #[inline]
     fn round_trip(&mut self, size: usize, imm: u32) -> Result<()> {
@@ -235,6 +285,28 @@ fn pingpong_bandwidth(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Resul
             size,
             2 * size as u64 * calls,
             elapsed,
+        ))?;
+    }
+    drop(s);
+    drop(peer);
+    Ok(())
+}
+
+fn pingpong_rate(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let (peer, mut s) = Session::open(ctx, provider, 4096, "spin")?;
+    for in_flight in RATE_IN_FLIGHT {
+        // Untimed first, as in the latency rows.
+        s.answered(RATE_SIZE, in_flight, ctx.warmup as u64)?;
+        let calls = ctx.rate_calls();
+        let start = std::time::Instant::now();
+        s.answered(RATE_SIZE, in_flight, calls)?;
+        out.push(&Row::rate(
+            PINGPONG_RATE,
+            &provider.spec,
+            RATE_SIZE,
+            in_flight,
+            calls,
+            start.elapsed(),
         ))?;
     }
     drop(s);

@@ -7,6 +7,7 @@
 //! | row | what one sample is |
 //! |---|---|
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
+//! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with 1, 4 and 16 in flight, one per lane of an allocation with that many hot lanes (a lane holds one invocation at a time), each resubmitted as soon as its result is in; next to `pingpong_rate` |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below) |
 //! | `echo` | the same with `echo`, which copies its input to its output |
@@ -38,12 +39,14 @@ use rfaas_testkit::executord::{Executord, ExecutordOptions};
 use crate::child;
 use crate::cleanup;
 use crate::error::{Context, Error, Result};
+use crate::fabric_rows::{RATE_IN_FLIGHT, RATE_SIZE};
 use crate::report::{Report, Row};
 use crate::rows::{Ctx, Provider, RowSpec, Runner, Suite};
 use crate::stats::{time_round_trips, Summary};
 
 const HOT_NOOP: &str = "hot_noop";
 const WARM_NOOP: &str = "warm_noop";
+const HOT_NOOP_RATE: &str = "hot_noop_rate";
 const ECHO: &str = "echo";
 const ECHO_PULLED: &str = "echo_pulled";
 const ECHO_READ_ONLY: &str = "echo_read_only";
@@ -58,6 +61,9 @@ pub const PULLED_INPUT_CAPACITY: u32 = (64 << 10) + InvocationHeader::LEN as u32
 const LEASE_USER: &str = "nobody";
 const LEASE_MEMORY_MIB: u32 = 1024;
 const ALLOCATION_MEMORY_MIB: u32 = 256;
+/// `hot_noop_rate`'s allocations: up to 16 lane threads, each with its
+/// stack and, under `RLIMIT_AS`, its share of malloc arenas.
+const RATE_MEMORY_MIB: u32 = 2048;
 
 pub const SUITE: Suite = Suite {
     rows: &[
@@ -66,6 +72,13 @@ pub const SUITE: Suite = Suite {
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop(ctx, p, Mode::Hot, out),
+            },
+        },
+        RowSpec {
+            name: HOT_NOOP_RATE,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: noop_rate,
             },
         },
         RowSpec {
@@ -145,6 +158,12 @@ struct Daemon {
 impl Daemon {
     /// Starts `rfaas-executord` with `provider` only, on the peers' CPU.
     fn start(ctx: &Ctx, provider: &Provider) -> Result<Daemon> {
+        Daemon::start_with(ctx, provider, 4)
+    }
+
+    /// As [`start`](Self::start), with `lanes` logical CPU slots (not
+    /// pinned: the workers share the peers' CPU).
+    fn start_with(ctx: &Ctx, provider: &Provider, lanes: u32) -> Result<Daemon> {
         let bin = match &ctx.invoke.executord {
             Some(bin) => bin.clone(),
             None => std::env::current_exe()
@@ -163,6 +182,7 @@ impl Daemon {
             providers: vec![provider.spec.clone()],
             pool_size: ctx.invoke.pool_size,
             memory_mib: 4096,
+            cpus: format!("0-{}", lanes.max(1) - 1),
             ..ExecutordOptions::default()
         };
         if let Some(cpu) = ctx.peer_cpu {
@@ -184,8 +204,16 @@ impl Daemon {
     }
 
     fn token(&self) -> String {
-        self.executord
-            .token(LEASE_USER, 4, LEASE_MEMORY_MIB, Duration::from_secs(3600))
+        self.token_for(4)
+    }
+
+    fn token_for(&self, cores: u16) -> String {
+        self.executord.token(
+            LEASE_USER,
+            cores,
+            LEASE_MEMORY_MIB.max(RATE_MEMORY_MIB),
+            Duration::from_secs(3600),
+        )
     }
 
     fn addr(&self) -> String {
@@ -261,6 +289,96 @@ fn noop(ctx: &Ctx, provider: &Provider, mode: Mode, out: &mut Report) -> Result<
     }
     alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
     drop(daemon);
+    Ok(())
+}
+
+fn noop_rate(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let name = HOT_NOOP_RATE;
+    let most = RATE_IN_FLIGHT.into_iter().max().unwrap_or(1);
+    let daemon = Daemon::start_with(ctx, provider, most)?;
+    let client = Client::new(ClientOptions::with_provider(&provider.spec));
+    for in_flight in RATE_IN_FLIGHT {
+        let lanes = u16::try_from(in_flight).unwrap_or(u16::MAX);
+        let spec = AllocationSpec::new(library()?, &["noop"])
+            .cores(lanes)
+            .mode(Mode::Hot)
+            .memory_mib(RATE_MEMORY_MIB);
+        let alloc = client
+            .allocate(&daemon.addr(), &daemon.token_for(lanes), &spec)
+            .ctx(|| format!("{name}: allocating {lanes} lanes on {}", daemon.addr()))?;
+        let f = alloc.function("noop").ctx(|| "finding noop".into())?;
+        let input = alloc.buffer::<u8>(RATE_SIZE).ctx(|| "registering".into())?;
+        let mut outputs = (0..in_flight)
+            .map(|_| alloc.buffer::<u8>(64))
+            .collect::<rfaas_client::Result<Vec<_>>>()
+            .ctx(|| "registering".into())?;
+        calls_in_flight(name, &alloc, f, &input, &mut outputs, ctx.warmup as u64)?;
+        let calls = ctx.rate_calls();
+        let start = Instant::now();
+        calls_in_flight(name, &alloc, f, &input, &mut outputs, calls)?;
+        out.push(&Row::rate(
+            name,
+            &provider.spec,
+            RATE_SIZE,
+            in_flight,
+            calls,
+            start.elapsed(),
+        ))?;
+        alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
+    }
+    drop(daemon);
+    Ok(())
+}
+
+/// `calls` calls of `noop`, one in flight per output buffer, each buffer's
+/// next call submitted as soon as its result is in. Hot loop of
+/// `hot_noop_rate`.
+fn calls_in_flight(
+    name: &str,
+    alloc: &Allocation,
+    f: FunctionId,
+    input: &Buffer<u8>,
+    outputs: &mut [Buffer<u8>],
+    calls: u64,
+) -> Result<()> {
+    let submit = |output: &mut Buffer<u8>| {
+        let output: *mut Buffer<u8> = output;
+        // SAFETY: only the borrow's lifetime is widened. An invocation
+        // borrows its output buffer until it is dropped (it keeps no
+        // pointer to it, only the lifetime), and each slot below drops its
+        // invocation before it submits the next one on the same buffer, so
+        // no two live invocations ever target one buffer.
+        let output: &mut Buffer<u8> = unsafe { &mut *output };
+        alloc
+            .submit(f, input, RATE_SIZE, output)
+            .ctx(|| format!("{name}: submitting"))
+    };
+    let mut slots = Vec::with_capacity(outputs.len());
+    let mut posted = 0u64;
+    for output in outputs.iter_mut() {
+        if posted < calls {
+            slots.push(Some(submit(output)?));
+            posted += 1;
+        }
+    }
+    let mut done = 0u64;
+    while done < calls {
+        for (slot, output) in slots.iter_mut().zip(outputs.iter_mut()) {
+            let Some(inv) = slot else { continue };
+            let Some(result) = inv.try_get() else {
+                continue;
+            };
+            *slot = None;
+            match result.ctx(|| format!("{name}: a call failed"))? {
+                0 => done += 1,
+                n => return Err(Error::new(format!("{name}: noop returned {n} bytes"))),
+            }
+            if posted < calls {
+                *slot = Some(submit(output)?);
+                posted += 1;
+            }
+        }
+    }
     Ok(())
 }
 

@@ -6,8 +6,11 @@
 //! printed at the end (lowest median latency, highest bandwidth): on a
 //! shared machine a slow round says more about the neighbours than about
 //! the code, and the best rounds of two rows compare like with like.
-//! Derived rows (differences and ratios of two rows, with their target)
-//! follow the measured ones, computed from those best rounds.
+//! Each such row also says how far its single rounds moved (`spread`: the
+//! worst round's figure over the best's, ≥ 1), so a reader sees whether the
+//! best round stands for the others. Derived rows (differences and ratios
+//! of two rows, with their target) follow the measured ones, computed from
+//! those best rounds.
 
 use std::io::{self, Write};
 
@@ -22,7 +25,22 @@ pub struct Row {
     pub provider: String,
     /// Message size in bytes.
     pub size: u64,
+    /// Operations outstanding at once, for rate rows and rows derived from
+    /// them; 0 for every other row.
+    pub in_flight: u32,
     pub measure: Measure,
+    /// With several rounds: how far this row's rounds moved.
+    pub spread: Option<Spread>,
+}
+
+/// How far the rounds of one row moved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    pub rounds: u32,
+    /// The worst round's figure over the best's (for latency the slowest
+    /// median over the fastest, for bandwidth and rates the highest over
+    /// the lowest): 1.0 when every round agreed.
+    pub worst_over_best: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +50,12 @@ pub enum Measure {
     Bandwidth {
         bytes_per_s: u64,
         bytes: u64,
+    },
+    /// Operations completed per second with `in_flight` outstanding at
+    /// once; `calls` completed in all.
+    Rate {
+        per_s: u64,
+        calls: u64,
     },
     /// Derived from two other rows' medians: `median_ns` = median of one
     /// minus median of the other (`of` says which), checked against an
@@ -57,6 +81,8 @@ impl Row {
             provider: provider.to_owned(),
             size: size as u64,
             measure: Measure::Latency(summary),
+            in_flight: 0,
+            spread: None,
         }
     }
 
@@ -73,6 +99,52 @@ impl Row {
             provider: provider.to_owned(),
             size: size as u64,
             measure: Measure::Bandwidth { bytes_per_s, bytes },
+            in_flight: 0,
+            spread: None,
+        }
+    }
+
+    /// `calls` operations of `size` bytes, `in_flight` at a time, in
+    /// `elapsed`.
+    pub fn rate(
+        name: &str,
+        provider: &str,
+        size: usize,
+        in_flight: u32,
+        calls: u64,
+        elapsed: std::time::Duration,
+    ) -> Self {
+        let per_s = (calls as f64 / elapsed.as_secs_f64().max(1e-9)).round() as u64;
+        Self {
+            name: name.to_owned(),
+            provider: provider.to_owned(),
+            size: size as u64,
+            measure: Measure::Rate { per_s, calls },
+            in_flight,
+            spread: None,
+        }
+    }
+
+    /// Whether `other` is a measurement (another round) of the same row.
+    pub fn same_row(&self, other: &Row) -> bool {
+        self.name == other.name && self.same_row_but_name(other)
+    }
+
+    /// Whether `other` measures the same point (provider, size, in flight)
+    /// as this row, whatever its name.
+    pub fn same_row_but_name(&self, other: &Row) -> bool {
+        self.provider == other.provider
+            && self.size == other.size
+            && self.in_flight == other.in_flight
+    }
+
+    /// The figure rounds are compared by: median ns, bytes/s or calls/s.
+    fn figure(&self) -> Option<f64> {
+        match &self.measure {
+            Measure::Latency(l) => Some(l.median_ns as f64),
+            Measure::Bandwidth { bytes_per_s, .. } => Some(*bytes_per_s as f64),
+            Measure::Rate { per_s, .. } => Some(*per_s as f64),
+            _ => None,
         }
     }
 
@@ -94,6 +166,8 @@ impl Row {
                 of,
                 target_max_ns,
             },
+            in_flight: 0,
+            spread: None,
         }
     }
 
@@ -115,6 +189,8 @@ impl Row {
                 of,
                 target_min,
             },
+            in_flight: 0,
+            spread: None,
         }
     }
 
@@ -144,21 +220,27 @@ impl Row {
             serde_json::Value::from(self.provider.as_str()),
             self.size
         );
+        if self.in_flight > 0 {
+            s.push_str(&format!(",\"in_flight\":{}", self.in_flight));
+        }
         let met = self.meets_target();
         match &self.measure {
             Measure::Latency(l) => s.push_str(&format!(
-                ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"iters\":{}}}",
+                ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"iters\":{}",
                 l.median_ns, l.p99_ns, l.min_ns, l.mean_ns, l.iters
             )),
-            Measure::Bandwidth { bytes_per_s, bytes } => s.push_str(&format!(
-                ",\"bytes_per_s\":{bytes_per_s},\"bytes\":{bytes}}}"
-            )),
+            Measure::Bandwidth { bytes_per_s, bytes } => {
+                s.push_str(&format!(",\"bytes_per_s\":{bytes_per_s},\"bytes\":{bytes}"))
+            }
+            Measure::Rate { per_s, calls } => {
+                s.push_str(&format!(",\"per_s\":{per_s},\"calls\":{calls}"))
+            }
             Measure::Difference {
                 median_ns,
                 of,
                 target_max_ns,
             } => s.push_str(&format!(
-                ",\"median_ns\":{median_ns},\"of\":{},\"target_max_ns\":{},\"meets_target\":{}}}",
+                ",\"median_ns\":{median_ns},\"of\":{},\"target_max_ns\":{},\"meets_target\":{}",
                 serde_json::Value::from(of.as_str()),
                 serde_json::Value::from(*target_max_ns),
                 serde_json::Value::from(met),
@@ -168,13 +250,21 @@ impl Row {
                 of,
                 target_min,
             } => s.push_str(&format!(
-                ",\"ratio\":{},\"of\":{},\"target_min\":{},\"meets_target\":{}}}",
+                ",\"ratio\":{},\"of\":{},\"target_min\":{},\"meets_target\":{}",
                 serde_json::Value::from((ratio * 1000.0).round() / 1000.0),
                 serde_json::Value::from(of.as_str()),
                 serde_json::Value::from(*target_min),
                 serde_json::Value::from(met),
             )),
         }
+        if let Some(sp) = self.spread {
+            s.push_str(&format!(
+                ",\"rounds\":{},\"spread\":{}",
+                sp.rounds,
+                serde_json::Value::from((sp.worst_over_best * 1000.0).round() / 1000.0)
+            ));
+        }
+        s.push('}');
         s
     }
 
@@ -183,6 +273,7 @@ impl Row {
         let (median, p99, bandwidth, note) = match &self.measure {
             Measure::Latency(l) => (micros(l.median_ns), micros(l.p99_ns), dash(), None),
             Measure::Bandwidth { bytes_per_s, .. } => (dash(), dash(), rate(*bytes_per_s), None),
+            Measure::Rate { per_s, .. } => (dash(), dash(), calls_per_s(*per_s), None),
             Measure::Difference {
                 median_ns,
                 of,
@@ -211,6 +302,18 @@ impl Row {
             p99,
             bandwidth
         );
+        let in_flight = (self.in_flight > 0).then(|| format!("{} in flight", self.in_flight));
+        let note = match (in_flight, note) {
+            (Some(f), Some(n)) => Some(format!("{f}; {n}")),
+            (f, n) => f.or(n),
+        };
+        let spread = self
+            .spread
+            .map(|sp| format!("{} rounds, worst/best {:.2}", sp.rounds, sp.worst_over_best));
+        let note = match (note, spread) {
+            (Some(n), Some(sp)) => Some(format!("{n}; {sp}")),
+            (n, sp) => n.or(sp),
+        };
         if let Some(note) = note {
             let verdict = match self.meets_target() {
                 Some(true) => ": met",
@@ -236,8 +339,33 @@ pub struct Report {
     json: bool,
     header_written: bool,
     rounds: usize,
-    /// The best of each row so far, in first-seen order.
-    best: Vec<Row>,
+    /// The best of each row so far, in first-seen order, with the figure
+    /// of every round.
+    best: Vec<Kept>,
+}
+
+#[derive(Debug)]
+struct Kept {
+    best: Row,
+    figures: Vec<f64>,
+}
+
+impl Kept {
+    /// The best round, with the spread of all of them.
+    fn row(&self) -> Row {
+        let mut row = self.best.clone();
+        let (lo, hi) = self
+            .figures
+            .iter()
+            .fold((f64::INFINITY, 0f64), |(lo, hi), &f| (lo.min(f), hi.max(f)));
+        if self.figures.len() > 1 && lo > 0.0 {
+            row.spread = Some(Spread {
+                rounds: self.figures.len() as u32,
+                worst_over_best: hi / lo,
+            });
+        }
+        row
+    }
 }
 
 impl Row {
@@ -249,6 +377,7 @@ impl Row {
                 Measure::Bandwidth { bytes_per_s: a, .. },
                 Measure::Bandwidth { bytes_per_s: b, .. },
             ) => a > b,
+            (Measure::Rate { per_s: a, .. }, Measure::Rate { per_s: b, .. }) => a > b,
             _ => false,
         }
     }
@@ -267,12 +396,18 @@ impl Report {
     /// Keeps `row` if it is its row's best so far, and prints it now when
     /// there is one round.
     pub fn push(&mut self, row: &Row) -> Result<()> {
-        let same =
-            |r: &&mut Row| r.name == row.name && r.provider == row.provider && r.size == row.size;
-        match self.best.iter_mut().find(same) {
-            Some(best) if row.beats(best) => *best = row.clone(),
-            Some(_) => {}
-            None => self.best.push(row.clone()),
+        let figure = row.figure();
+        match self.best.iter_mut().find(|k| k.best.same_row(row)) {
+            Some(kept) => {
+                kept.figures.extend(figure);
+                if row.beats(&kept.best) {
+                    kept.best = row.clone();
+                }
+            }
+            None => self.best.push(Kept {
+                best: row.clone(),
+                figures: figure.into_iter().collect(),
+            }),
         }
         if self.rounds > 1 {
             return Ok(());
@@ -288,21 +423,22 @@ impl Report {
     /// As [`finish`](Self::finish), then prints the rows `derive` makes
     /// from the best round of every row.
     pub fn finish_with(&mut self, derive: impl FnOnce(&[Row]) -> Vec<Row>) -> Result<()> {
+        let best = self.rows();
         if self.rounds > 1 {
-            for row in self.best.clone() {
-                self.print(&row)?;
+            for row in &best {
+                self.print(row)?;
             }
         }
-        for row in derive(&self.best) {
+        for row in derive(&best) {
             self.print(&row)?;
         }
         self.best.clear();
         Ok(())
     }
 
-    /// The best of each row so far.
-    pub fn rows(&self) -> &[Row] {
-        &self.best
+    /// The best round of each row so far, with its spread.
+    pub fn rows(&self) -> Vec<Row> {
+        self.best.iter().map(Kept::row).collect()
     }
 
     fn print(&mut self, row: &Row) -> Result<()> {
@@ -348,6 +484,15 @@ fn rate(bytes_per_s: u64) -> String {
     }
 }
 
+fn calls_per_s(per_s: u64) -> String {
+    let r = per_s as f64;
+    if r >= 1e6 {
+        format!("{:.2} M/s", r / 1e6)
+    } else {
+        format!("{:.1} k/s", r / 1e3)
+    }
+}
+
 fn size(bytes: u64) -> String {
     const KIB: u64 = 1024;
     const MIB: u64 = 1024 * 1024;
@@ -381,7 +526,21 @@ mod tests {
         for row in [lat(900), bw(10), lat(700), bw(30), lat(800), bw(20)] {
             report.push(&row).unwrap();
         }
-        assert_eq!(report.best, vec![lat(700), bw(30)]);
+        let rows = report.rows();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].measure, lat(700).measure);
+        assert_eq!(rows[1].measure, bw(30).measure);
+        let spread = |r: &Row| r.spread.unwrap();
+        assert_eq!(spread(&rows[0]).rounds, 3);
+        assert!((spread(&rows[0]).worst_over_best - 900.0 / 700.0).abs() < 1e-9);
+        assert!((spread(&rows[1]).worst_over_best - 3.0).abs() < 1e-9);
+        assert!(
+            rows[0]
+                .to_json()
+                .ends_with(r#","rounds":3,"spread":1.286}"#),
+            "{}",
+            rows[0].to_json()
+        );
     }
 
     #[test]
@@ -415,6 +574,33 @@ mod tests {
             row.to_json(),
             r#"{"name":"memcpy_bandwidth","provider":"mem","size":1048576,"bytes_per_s":2147483648,"bytes":1073741824}"#
         );
+    }
+
+    #[test]
+    fn rate_rows_differ_by_what_is_in_flight() {
+        let rate = |in_flight, calls| {
+            Row::rate(
+                "hot_noop_rate",
+                "shm",
+                64,
+                in_flight,
+                calls,
+                std::time::Duration::from_millis(500),
+            )
+        };
+        assert_eq!(
+            rate(4, 1000).to_json(),
+            r#"{"name":"hot_noop_rate","provider":"shm","size":64,"in_flight":4,"per_s":2000,"calls":1000}"#
+        );
+        let mut report = Report::new(true, 2);
+        for row in [rate(1, 100), rate(4, 300), rate(1, 200), rate(4, 400)] {
+            report.push(&row).unwrap();
+        }
+        let rows = report.rows();
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert_eq!((rows[0].in_flight, rows[1].in_flight), (1, 4));
+        assert!(matches!(rows[0].measure, Measure::Rate { per_s: 400, .. }));
+        assert!((rows[1].spread.unwrap().worst_over_best - 4.0 / 3.0).abs() < 1e-9);
     }
 
     #[test]

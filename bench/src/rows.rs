@@ -118,6 +118,11 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// Operations completed per rate measurement: ten latency rows' worth.
+    pub fn rate_calls(&self) -> u64 {
+        (self.iters as u64 * 10).max(1000)
+    }
+
     /// How many `size`-byte messages make up one bandwidth measurement.
     pub fn bw_messages(&self, size: usize) -> u64 {
         self.bw_bytes.div_ceil(size.max(1) as u64).max(8)
