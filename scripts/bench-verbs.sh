@@ -5,7 +5,10 @@
 #    client in the guest over rxe0's loopback, pinned to different vCPUs
 #    (under emulation the guest's TSCs disagree, and perftest times with
 #    rdtsc);
-#  - rfaas-fabric-bench --provider verbs:rxe0 --rows pingpong,bandwidth.
+#  - rfaas-fabric-bench --provider verbs:rxe0 --rows pingpong,bandwidth;
+#  - rfaas-bench --provider verbs:rxe0 with the invocation rows (hot_noop,
+#    warm_noop, warm_noop_spin) next to the fabric's pingpong and its
+#    blocking baseline: a real rfaas-executord and its workers on rxe0.
 #
 #   scripts/bench-verbs.sh
 #   BENCH_ITERS=2000 BENCH_BW_BYTES=16777216 scripts/bench-verbs.sh   # the defaults
@@ -23,7 +26,7 @@ bw_bytes=${BENCH_BW_BYTES:-16777216}
 
 # In the guest.
 if [ "${1:-}" = --in-guest ]; then
-    bench=$2 iters=$3 bw_bytes=$4
+    bench=$2 iters=$3 bw_bytes=$4 invoke_bench=$5
     # One perftest pair: the server on vCPU 1, the client on vCPU 0, then the
     # client's result line.
     perftest_pair() {
@@ -60,6 +63,10 @@ if [ "${1:-}" = --in-guest ]; then
     echo "== rfaas-fabric-bench"
     "$bench" --provider "verbs:$RDMA_DEVICE" --rows pingpong,bandwidth \
         --iters "$iters" --bw-bytes "$bw_bytes"
+    echo "== rfaas-bench (invocations through rfaas-executord on $RDMA_DEVICE)"
+    "$invoke_bench" --provider "verbs:$RDMA_DEVICE" \
+        --rows hot_noop,warm_noop,warm_noop_spin,pingpong \
+        --sizes 1,64 --iters "$iters"
     exit 0
 fi
 
@@ -67,10 +74,11 @@ cd "$(repo_root)"
 ensure_packages "${BUILD_PACKAGES[@]}" jq
 ensure_rust
 bash scripts/rdma-vm.sh build
-cargo build --release -q -p rfaas-bench --features verbs --bin rfaas-fabric-bench
+cargo build --release -q -p rfaas-bench -p rfaas-executor --features rfaas-fabric/verbs
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 start=$SECONDS
 RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
     bash scripts/rdma-vm.sh run -- "$PWD/scripts/bench-verbs.sh" --in-guest \
-    "$target_dir/release/rfaas-fabric-bench" "$iters" "$bw_bytes"
+    "$target_dir/release/rfaas-fabric-bench" "$iters" "$bw_bytes" \
+    "$target_dir/release/rfaas-bench"
 echo "bench-verbs: one boot, $((SECONDS - start)) s"

@@ -105,15 +105,11 @@ impl<T> FabricContext<T> for rfaas_fabric::Result<T> {
 }
 
 /// Where a provider's peer listens.
-fn listen_addr(provider: &Provider) -> String {
-    match provider.kind {
-        Kind::Tcp => "127.0.0.1:0".into(),
+fn listen_addr(provider: &Provider) -> Result<String> {
+    Ok(match provider.kind {
         Kind::Shm => String::new(),
-        Kind::Verbs => format!(
-            "{}:0",
-            std::env::var("RDMA_VM_IP").unwrap_or_else(|_| "192.0.2.1".into())
-        ),
-    }
+        Kind::Tcp | Kind::Verbs => format!("{}:0", provider.host()?),
+    })
 }
 
 /// A connection to an echo peer, with the initiator's side set up.
@@ -138,7 +134,7 @@ impl Session {
             ECHO,
             &[
                 provider.spec.clone(),
-                listen_addr(provider),
+                listen_addr(provider)?,
                 region_len.to_string(),
                 mode.to_owned(),
             ],

@@ -9,6 +9,7 @@
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
 //! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with 1, 4 and 16 in flight, one per lane of an allocation with that many hot lanes (a lane holds one invocation at a time), each resubmitted as soon as its result is in; next to `pingpong_rate` |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
+//! | `warm_noop_spin` | a worker in `Mode::Warm` and a client that busy-polls (`spin`): only the worker sleeps |
 //! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below) |
 //! | `echo` | the same with `echo`, which copies its input to its output |
 //! | `echo_pulled` | `echo` on a lane with a 64 KiB input buffer: from 1 MiB the worker pulls the payload with one-sided reads |
@@ -46,6 +47,7 @@ use crate::stats::{time_round_trips, Summary};
 
 const HOT_NOOP: &str = "hot_noop";
 const WARM_NOOP: &str = "warm_noop";
+const WARM_NOOP_SPIN: &str = "warm_noop_spin";
 const HOT_NOOP_RATE: &str = "hot_noop_rate";
 const ECHO: &str = "echo";
 const ECHO_PULLED: &str = "echo_pulled";
@@ -71,7 +73,7 @@ pub const SUITE: Suite = Suite {
             name: HOT_NOOP,
             runner: Runner::PerProvider {
                 kind: None,
-                run: |ctx, p, out| noop(ctx, p, Mode::Hot, out),
+                run: |ctx, p, out| noop(ctx, p, HOT_NOOP, Mode::Hot, true, out),
             },
         },
         RowSpec {
@@ -85,7 +87,14 @@ pub const SUITE: Suite = Suite {
             name: WARM_NOOP,
             runner: Runner::PerProvider {
                 kind: None,
-                run: |ctx, p, out| noop(ctx, p, Mode::Warm, out),
+                run: |ctx, p, out| noop(ctx, p, WARM_NOOP, Mode::Warm, false, out),
+            },
+        },
+        RowSpec {
+            name: WARM_NOOP_SPIN,
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| noop(ctx, p, WARM_NOOP_SPIN, Mode::Warm, true, out),
             },
         },
         RowSpec {
@@ -183,6 +192,7 @@ impl Daemon {
             pool_size: ctx.invoke.pool_size,
             memory_mib: 4096,
             cpus: format!("0-{}", lanes.max(1) - 1),
+            fabric_host: provider.host()?,
             ..ExecutordOptions::default()
         };
         if let Some(cpu) = ctx.peer_cpu {
@@ -250,12 +260,15 @@ fn library() -> Result<Vec<u8>> {
     })
 }
 
-fn noop(ctx: &Ctx, provider: &Provider, mode: Mode, out: &mut Report) -> Result<()> {
-    let name = if mode == Mode::Hot {
-        HOT_NOOP
-    } else {
-        WARM_NOOP
-    };
+/// `noop` calls on a worker in `mode`, the client spinning or sleeping.
+fn noop(
+    ctx: &Ctx,
+    provider: &Provider,
+    name: &str,
+    mode: Mode,
+    spin: bool,
+    out: &mut Report,
+) -> Result<()> {
     let daemon = Daemon::start(ctx, provider)?;
     let client = Client::new(ClientOptions::with_provider(&provider.spec));
     let max = ctx.sizes.iter().copied().max().unwrap_or(1);
@@ -275,11 +288,8 @@ fn noop(ctx: &Ctx, provider: &Provider, mode: Mode, out: &mut Report) -> Result<
             let inv = alloc
                 .submit(f, &input, size, &mut output)
                 .ctx(|| format!("{name}: submitting {size} bytes"))?;
-            let len = match mode {
-                Mode::Hot => inv.spin(),
-                _ => inv.get(),
-            }
-            .ctx(|| format!("{name}: the {size}-byte call failed"))?;
+            let len = if spin { inv.spin() } else { inv.get() }
+                .ctx(|| format!("{name}: the {size}-byte call failed"))?;
             match len {
                 0 => Ok(()),
                 n => Err(Error::new(format!("{name}: noop returned {n} bytes"))),

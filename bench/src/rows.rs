@@ -95,6 +95,69 @@ impl Provider {
     }
 }
 
+impl Provider {
+    /// The address peers of this provider listen on: loopback for tcp
+    /// (and shm, which ignores it), and for verbs the IPv4 address of the
+    /// RDMA device's network interface, which rdma_cm routes through the
+    /// device (a loopback address would not reach it).
+    pub fn host(&self) -> Result<String> {
+        match (&self.kind, &self.device) {
+            (Kind::Verbs, Some(dev)) => device_ipv4(dev),
+            _ => Ok("127.0.0.1".into()),
+        }
+    }
+}
+
+/// The first IPv4 address of the network interface behind RDMA device
+/// `dev` (RoCE: port 1's GID table names it).
+fn device_ipv4(dev: &str) -> Result<String> {
+    let ndev_path = format!("/sys/class/infiniband/{dev}/ports/1/gid_attrs/ndevs/0");
+    let ifname = std::fs::read_to_string(&ndev_path)
+        .map(|s| s.trim().to_owned())
+        .map_err(|e| {
+            Error::new(format!(
+                "cannot find the network interface of RDMA device {dev} ({ndev_path}: {e}); \
+                 is it a RoCE device? (ibv_devices lists the devices)"
+            ))
+        })?;
+    let mut addrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `addrs` with a list freed below.
+    if unsafe { libc::getifaddrs(&mut addrs) } != 0 {
+        return Err(Error::new(format!(
+            "cannot list the network interfaces: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    let mut found = None;
+    let mut cur = addrs;
+    while !cur.is_null() && found.is_none() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, which
+        // stays valid until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_name is a NUL-terminated string of the list.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        // SAFETY: ifa_addr points to a sockaddr of the list.
+        let family = unsafe { (*ifa.ifa_addr).sa_family };
+        if name.to_bytes() == ifname.as_bytes() && i32::from(family) == libc::AF_INET {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            found = Some(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+        }
+    }
+    // SAFETY: `addrs` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(addrs) };
+    found.map(|a| a.to_string()).ok_or_else(|| {
+        Error::new(format!(
+            "RDMA device {dev}'s interface {ifname} has no IPv4 address; give it one \
+             (rdma_cm resolves routes by IP)"
+        ))
+    })
+}
+
 /// Everything a row is given: the parsed command line and the CPU layout.
 #[derive(Debug, Clone)]
 pub struct Ctx {
