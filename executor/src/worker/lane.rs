@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, MemoryRegion, Opcode, RemoteAddr, Status,
@@ -162,7 +162,9 @@ impl Lane {
         }
         let mut done = [Completion::EMPTY; 16];
         let mut hot = self.cfg.mode != Mode::Warm;
-        let mut last = Instant::now();
+        // When the lane last served, read lazily at the first clock check
+        // after it (a clock read can cost microseconds; see watchdog.rs).
+        let mut last = Some(Instant::now());
         let mut idle_polls = 0u32;
         loop {
             let n = if self.n_deferred > 0 {
@@ -176,7 +178,8 @@ impl Lane {
                         idle_polls += 1;
                         if idle_polls >= POLLS_PER_CLOCK_CHECK {
                             idle_polls = 0;
-                            hot = last.elapsed() < self.cfg.hot_timeout;
+                            hot = last.get_or_insert_with(Instant::now).elapsed()
+                                < self.cfg.hot_timeout;
                         }
                     }
                     std::hint::spin_loop();
@@ -202,7 +205,7 @@ impl Lane {
             if served && self.cfg.mode == Mode::HotThenWarm {
                 hot = true;
                 idle_polls = 0;
-                last = Instant::now();
+                last = None;
             }
         }
     }
@@ -316,7 +319,7 @@ impl Lane {
         if usize::from(req.function_index) >= self.functions.len() {
             return Input::Refused(InvocationStatus::UnknownFunction);
         }
-        if self.cfg.expires_at != 0 && unix_now() >= self.cfg.expires_at {
+        if self.cfg.expires_at != 0 && super::watchdog::coarse_unix_secs() >= self.cfg.expires_at {
             return Input::Refused(InvocationStatus::LeaseExpired);
         }
         if DRAINING.load(Ordering::Relaxed) {
@@ -517,14 +520,6 @@ impl Lane {
         tracing::error!(lane = self.cfg.index, error = %e, "cannot send a response; ending the lane");
         Flow::End
     }
-}
-
-/// Seconds since the Unix epoch. Hot path (a vDSO call).
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -19,9 +19,9 @@
 //! until the process ends.
 
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rfaas_fabric::{Endpoint, MemoryRegion, RemoteAddr};
 use rfaas_proto::{InvocationStatus, ResponseImm};
@@ -39,19 +39,58 @@ const WATCHDOG_WR_ID: u64 = u64::MAX;
 /// The start time of a lane whose endpoint the watchdog took over.
 const TAKEN: u64 = u64::MAX;
 
-/// Nanoseconds since the process's first call, never 0.
-pub fn now_ns() -> u64 {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    let epoch = *EPOCH.get_or_init(Instant::now);
-    (epoch.elapsed().as_nanos() as u64).clamp(1, TAKEN - 1)
+/// Bits of a start stamp that count invocations; the rest is the start
+/// time in milliseconds.
+const SEQ_BITS: u32 = 24;
+
+/// Milliseconds of `CLOCK_MONOTONIC_COARSE`: the time of the kernel's last
+/// tick (a few ms old at most), read from the vDSO page without touching a
+/// clock device. Hot path: a full clock read costs microseconds where the
+/// clocksource is emulated (a VM without a usable TSC reads the HPET).
+#[inline]
+pub fn coarse_ms() -> u64 {
+    coarse(libc::CLOCK_MONOTONIC_COARSE).as_millis() as u64
+}
+
+/// Seconds since the Unix epoch, of `CLOCK_REALTIME_COARSE` (see
+/// [`coarse_ms`]). Hot path.
+#[inline]
+pub fn coarse_unix_secs() -> u64 {
+    coarse(libc::CLOCK_REALTIME_COARSE).as_secs()
+}
+
+#[inline]
+fn coarse(clock: libc::clockid_t) -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid out-pointer; the coarse clocks exist on every
+    // Linux since 2.6.32 and cannot fail with a valid pointer.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// A start stamp: the start in coarse milliseconds, and the lane's
+/// invocation count below it, so two invocations of one lane never share a
+/// stamp even within one tick. Never 0 and never [`TAKEN`].
+fn stamp(started_ms: u64, seq: u32) -> u64 {
+    ((started_ms << SEQ_BITS) | u64::from(seq & ((1 << SEQ_BITS) - 1))).clamp(1, TAKEN - 1)
+}
+
+/// The start in coarse milliseconds of a stamp.
+fn started_ms(stamp: u64) -> u64 {
+    stamp >> SEQ_BITS
 }
 
 /// What one lane is running, published with atomics (the lane writes, the
 /// watchdog reads).
 #[derive(Debug, Default)]
 pub struct Running {
-    /// [`now_ns`] when the function started; 0 while the lane is idle.
+    /// The [`stamp`] of the running function; 0 while the lane is idle.
     started_ns: AtomicU64,
+    /// Invocations started (the lane writes it, nobody else).
+    seq: AtomicU32,
     /// The invocation id.
     invocation_id: AtomicU32,
     /// The client's output buffer.
@@ -74,7 +113,9 @@ impl Running {
         self.output_rkey.store(output.rkey, Ordering::Relaxed);
         self.output_capacity
             .store(output_capacity, Ordering::Relaxed);
-        let stamp = now_ns();
+        let seq = self.seq.load(Ordering::Relaxed).wrapping_add(1);
+        self.seq.store(seq, Ordering::Relaxed);
+        let stamp = stamp(coarse_ms(), seq);
         self.started_ns.store(stamp, Ordering::Release);
         stamp
     }
@@ -102,7 +143,7 @@ impl Running {
         self.tid.load(Ordering::Relaxed) == tid && self.started().is_some()
     }
 
-    /// When the lane's current function started; `None` while it is idle
+    /// The stamp of the lane's current function; `None` while it is idle
     /// or its endpoint was taken over.
     fn started(&self) -> Option<u64> {
         let started = self.started_ns.load(Ordering::Acquire);
@@ -181,13 +222,13 @@ pub fn spawn(lanes: Vec<LaneWatch>, deadline: Option<Duration>) -> std::io::Resu
                 crashed(&lanes, c);
             }
             let Some(deadline) = deadline else { continue };
-            let deadline_ns = deadline.as_nanos() as u64;
-            let now = now_ns();
+            let deadline_ms = deadline.as_millis() as u64;
+            let now = coarse_ms();
             for (i, lane) in lanes.iter().enumerate() {
                 let Some(started) = lane.running.started() else {
                     continue;
                 };
-                if now.saturating_sub(started) <= deadline_ns {
+                if now.saturating_sub(started_ms(started)) <= deadline_ms {
                     continue;
                 }
                 // Fails if that function just returned.
@@ -283,4 +324,36 @@ fn answer(
         tracing::warn!(lane = index, error = %e, %status, "cannot send the watchdog's response");
     }
     thread::sleep(RESPONSE_GRACE);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stamps_of_one_tick_differ_and_keep_their_start() {
+        let (a, b) = (stamp(1234, 1), stamp(1234, 2));
+        assert_ne!(a, b, "two invocations in one tick");
+        assert_eq!((started_ms(a), started_ms(b)), (1234, 1234));
+        // The count wraps below the time, never into it.
+        assert_eq!(started_ms(stamp(1234, u32::MAX)), 1234);
+        assert_ne!(stamp(0, 0), 0, "0 means idle");
+        assert_ne!(stamp(u64::MAX >> SEQ_BITS, u32::MAX), TAKEN);
+    }
+
+    #[test]
+    fn a_running_lane_publishes_a_fresh_stamp_per_invocation() {
+        let r = Running::default();
+        let remote = RemoteAddr { addr: 1, rkey: 2 };
+        let first = r.start(7, remote, 64);
+        assert_eq!(r.started(), Some(first));
+        assert!(r.finish(first));
+        assert_eq!(r.started(), None);
+        let second = r.start(8, remote, 64);
+        assert_ne!(first, second);
+        // A take-over aimed at the first function misses the second.
+        assert!(r.take_over(first).is_none());
+        assert!(r.take_over(second).is_some());
+        assert!(!r.finish(second), "the watchdog has the endpoint");
+    }
 }
