@@ -12,6 +12,18 @@ const INPUT_ADDR: usize = 16;
 const INPUT_RKEY: usize = 24;
 const INPUT_LEN: usize = 28;
 
+/// Where the worker answers: the client's output buffer, as the header's
+/// first 16 bytes name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReplyTo {
+    /// Address of the client's output buffer.
+    pub addr: u64,
+    /// Its remote key.
+    pub rkey: u32,
+    /// Bytes the worker may write there.
+    pub capacity: u32,
+}
+
 /// Where the worker writes the output and where it finds the input.
 ///
 /// The payload is *inline* (it follows the header in the same write) when
@@ -43,6 +55,29 @@ impl InvocationHeader {
     /// waiting to be read from the client.
     pub const fn is_inline(&self) -> bool {
         self.input_rkey == 0
+    }
+
+    /// Where the worker answers this request.
+    pub const fn reply_to(&self) -> ReplyTo {
+        ReplyTo {
+            addr: self.output_addr,
+            rkey: self.output_rkey,
+            capacity: self.output_capacity,
+        }
+    }
+
+    /// Where to answer the request whose header is `buf`, read without
+    /// checking the rest of the header: a request whose header does not
+    /// [`decode`](Self::decode) is still answered (`malformed_request`) at
+    /// the output buffer it names.
+    ///
+    /// Hot path: no allocation.
+    pub fn peek_reply_to(buf: &[u8; Self::LEN]) -> ReplyTo {
+        ReplyTo {
+            addr: read_u64(buf, OUTPUT_ADDR),
+            rkey: read_u32(buf, OUTPUT_RKEY),
+            capacity: read_u32(buf, OUTPUT_CAPACITY),
+        }
     }
 
     /// Checks the rules [`decode`](Self::decode) enforces, so a client can
@@ -210,17 +245,37 @@ mod tests {
     ];
 
     #[test]
-    fn len_is_32() {
-        assert_eq!(InvocationHeader::LEN, 32);
-    }
-
-    #[test]
     fn known_header_exact_bytes() {
         assert_eq!(KNOWN.to_bytes(), KNOWN_BYTES);
         let mut out = [0xAA; 32];
         KNOWN.encode(&mut out).unwrap();
         assert_eq!(out, KNOWN_BYTES);
         assert_eq!(InvocationHeader::decode(&KNOWN_BYTES), Ok(KNOWN));
+    }
+
+    #[test]
+    fn the_reply_address_is_the_first_16_bytes() {
+        let expected = ReplyTo {
+            addr: 0x0102_0304_0506_0708,
+            rkey: 0x090A_0B0C,
+            capacity: 0x0D0E_0F10,
+        };
+        assert_eq!(KNOWN.reply_to(), expected);
+        assert_eq!(InvocationHeader::peek_reply_to(&KNOWN_BYTES), expected);
+        // The rest of the header does not matter, even when it is malformed.
+        let mut bad = KNOWN_BYTES;
+        bad[16..].fill(0xFF);
+        bad[24..28].fill(0); // inline rkey with an address: does not decode
+        assert!(InvocationHeader::decode(&bad).is_err());
+        assert_eq!(InvocationHeader::peek_reply_to(&bad), expected);
+        assert_eq!(
+            InvocationHeader::peek_reply_to(&INLINE_BYTES),
+            ReplyTo {
+                addr: 0x7F00_DEAD_B000,
+                rkey: 0x1234,
+                capacity: 4096
+            }
+        );
     }
 
     #[test]

@@ -164,12 +164,6 @@ mod tests {
     }
 
     #[test]
-    fn constants() {
-        assert_eq!(MAX_INVOCATION_ID, 0x000F_FFFF);
-        assert_eq!(MAX_FUNCTIONS, 4096);
-    }
-
-    #[test]
     fn request_exact_bits() {
         let cases: [(RequestImm, u32); 6] = [
             (req(0, 0), 0x0000_0000),

@@ -74,6 +74,10 @@
 //!
 //! - `output_addr`, `output_rkey`: the client's output buffer.
 //! - `output_capacity`: bytes the worker may write there; 0 is allowed.
+//!   These first 16 bytes are where the worker answers
+//!   ([`InvocationHeader::reply_to`]); it reads them even from a header that
+//!   does not decode, to answer `malformed_request`
+//!   ([`InvocationHeader::peek_reply_to`]).
 //! - `input_addr`, `input_rkey`: where a bulk payload is read from. Both 0
 //!   means the payload is inline; `input_rkey` 0 with a nonzero `input_addr`
 //!   is malformed ([`ProtoError::InlineWithAddress`]).
@@ -124,7 +128,7 @@ pub mod status;
 pub mod tcp_frame;
 
 pub use error::ProtoError;
-pub use header::InvocationHeader;
+pub use header::{InvocationHeader, ReplyTo};
 pub use imm::{next_invocation_id, RequestImm, ResponseImm, MAX_FUNCTIONS, MAX_INVOCATION_ID};
 pub use status::InvocationStatus;
 

@@ -246,13 +246,14 @@ impl Lane {
         }
         let req = RequestImm::decode(c.imm);
         // SAFETY: the input region is at least InvocationHeader::LEN bytes
-        // (checked at assignment) and the client wrote it before the
-        // completion we hold.
-        let head =
-            unsafe { std::slice::from_raw_parts(self.input.as_ptr(), InvocationHeader::LEN) };
+        // (checked at assignment), page-aligned, and the client wrote it
+        // before the completion we hold.
+        let head = unsafe { &*self.input.as_ptr().cast::<[u8; InvocationHeader::LEN]>() };
+        // Even a header that does not decode names where to answer.
+        let reply = InvocationHeader::peek_reply_to(head);
         let reply_to = RemoteAddr {
-            addr: u64::from_le_bytes(head[0..8].try_into().expect("8 bytes")),
-            rkey: u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")),
+            addr: reply.addr,
+            rkey: reply.rkey,
         };
         let header = match InvocationHeader::decode(head) {
             Ok(h) if c.byte_len as usize >= InvocationHeader::LEN => h,
