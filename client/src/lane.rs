@@ -293,10 +293,20 @@ pub(crate) struct Lane {
     _domain: Arc<Domain>,
 }
 
-// SAFETY: `inner` is only touched by the holder of `busy` (or the helper
-// thread the holder handed the lane to, see the module docs), so it is
-// never accessed from two threads at once; everything else is Sync.
+// SAFETY: two fields are not `Sync`: `inner`, and `endpoint` (an
+// `Endpoint` is `Send` but not `Sync`: shm's is not). Both are used only by
+// the holder of `busy` (or the helper thread the holder handed the lane to,
+// see the module docs), and taking or handing over the lane is an
+// acquire/release pair, so neither is ever used from two threads at once;
+// they only move between threads, which `Send` allows (checked below).
+// Everything else in a lane is `Sync`.
 unsafe impl Sync for Lane {}
+
+const _: () = {
+    const fn sendable<T: Send>() {}
+    sendable::<Endpoint>();
+    sendable::<LaneInner>();
+};
 
 impl std::fmt::Debug for Lane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
