@@ -171,7 +171,7 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
                 let oom = shared.limiter.oom_killed(id);
                 let a = shared.remove_allocation(&mut st, id).expect("found above");
                 let oom = oom.then_some(a.memory_mib);
-                let (cause, message) = describe(pid, ended, a.stop, a.expires_at, oom);
+                let (cause, message) = describe(pid, ended, a.stop, a.expires_at, oom, unix_now());
                 tracing::info!(allocation = id, pid, ?cause, %message, "worker ended");
                 if !matches!(a.stop, Some(Stop::Deallocate | Stop::Failed)) {
                     let msg = WorkerExited {
@@ -210,14 +210,17 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
 }
 
 /// Why a worker ended, as the client hears it. `oom` is the allocation's
-/// memory (MiB) when the kernel's OOM killer ended a process of its group.
+/// memory (MiB) when the kernel's OOM killer ended a process of its group;
+/// `now` is the Unix time it ended.
 pub(crate) fn describe(
     pid: u32,
     ended: Ended,
     stop: Option<Stop>,
     expires_at: u64,
     oom: Option<u32>,
+    now: u64,
 ) -> (ExitCause, String) {
+    let expired = expires_at != 0 && expires_at <= now;
     match (stop, ended, oom) {
         (Some(Stop::LeaseExpired), ..) => (
             ExitCause::LeaseExpired,
@@ -231,10 +234,21 @@ pub(crate) fn describe(
             ExitCause::Stopped,
             format!("worker {pid} stopped: the executor is shutting down; allocate again, on another executor if it does not come back"),
         ),
-        // Only logged: the client asked for it and hears `Deallocated`.
-        (Some(Stop::Deallocate), ..) => (
+        // Only logged: the client asked for it and hears `Deallocated`. A
+        // worker that was ending by itself when the client let go (it
+        // crashed, or overran its deadline: the client heard that first)
+        // or that outlived its lease is logged as that, further down.
+        (Some(Stop::Deallocate), Ended::Exited(code), _) if code != 3 => (
             ExitCause::Stopped,
             format!("worker {pid} stopped: its client deallocated or went away"),
+        ),
+        (Some(Stop::Deallocate), Ended::Signaled(libc::SIGKILL), _) if !expired => (
+            ExitCause::Stopped,
+            format!("worker {pid} stopped: its client deallocated or went away"),
+        ),
+        (Some(Stop::Deallocate), Ended::Signaled(libc::SIGKILL), _) => (
+            ExitCause::LeaseExpired,
+            format!("worker {pid} stopped: its client deallocated it after its lease expired at {expires_at} (Unix seconds)"),
         ),
         (_, Ended::Signaled(sig), Some(mib)) => (
             ExitCause::OutOfMemory,
@@ -297,7 +311,7 @@ mod tests {
 
     #[test]
     fn causes() {
-        let c = |stop, ended| describe(9, ended, stop, 100, None).0;
+        let c = |stop, ended| describe(9, ended, stop, 100, None, 50).0;
         assert_eq!(c(None, Ended::Signaled(11)), ExitCause::Crashed);
         assert_eq!(
             c(Some(Stop::Deallocate), Ended::Signaled(libc::SIGKILL)),
@@ -318,10 +332,10 @@ mod tests {
             ExitCause::Stopped
         );
         assert_eq!(
-            describe(9, Ended::Signaled(11), None, 0, None).1,
+            describe(9, Ended::Signaled(11), None, 0, None, 50).1,
             "worker 9 killed by SIGSEGV"
         );
-        let oom = describe(9, Ended::Signaled(libc::SIGKILL), None, 0, Some(256));
+        let oom = describe(9, Ended::Signaled(libc::SIGKILL), None, 0, Some(256), 50);
         assert_eq!(oom.0, ExitCause::OutOfMemory);
         assert_eq!(
             oom.1,
@@ -329,7 +343,33 @@ mod tests {
         );
         // A deallocation's kill is a deallocation, whatever the group saw.
         assert_eq!(
-            describe(9, Ended::Signaled(9), Some(Stop::Deallocate), 0, Some(256)).0,
+            describe(
+                9,
+                Ended::Signaled(9),
+                Some(Stop::Deallocate),
+                0,
+                Some(256),
+                50
+            )
+            .0,
+            ExitCause::Stopped
+        );
+        // A worker that was ending by itself when its client let go is
+        // logged as what ended it, not as the deallocation.
+        let dealloc =
+            |ended, expires_at| describe(9, ended, Some(Stop::Deallocate), expires_at, None, 50).0;
+        assert_eq!(dealloc(Ended::Exited(0), 100), ExitCause::Stopped);
+        assert_eq!(
+            dealloc(Ended::Signaled(libc::SIGSEGV), 100),
+            ExitCause::Crashed
+        );
+        assert_eq!(dealloc(Ended::Exited(3), 100), ExitCause::DeadlineExceeded);
+        assert_eq!(
+            dealloc(Ended::Signaled(libc::SIGKILL), 50),
+            ExitCause::LeaseExpired
+        );
+        assert_eq!(
+            dealloc(Ended::Signaled(libc::SIGKILL), 51),
             ExitCause::Stopped
         );
     }

@@ -3,8 +3,8 @@
 //! the process ends; the daemon's `WorkerExited` follows as before.
 //!
 //! A handler for the fatal signals ([`FATAL`]) runs on the faulting
-//! thread (on the alternate stack std gives every thread, so a stack
-//! overflow is caught too) and does only async-signal-safe work: it finds
+//! thread (on the lane thread's own alternate stack, [`arm_thread`], so a
+//! stack overflow is caught too) and does only async-signal-safe work: it finds
 //! the lane by thread id among those running a function, publishes the lane
 //! and the signal in one atomic word, wakes the [`watchdog`](super::watchdog)
 //! with a futex, and waits, for [`ANSWER_WAIT`] at most, until the watchdog
@@ -107,6 +107,50 @@ pub fn wait(timeout: Option<Duration>) -> Option<Crash> {
     }
     futex_wait(&CRASH, 0, timeout);
     Crash::decode(CRASH.load(Ordering::Acquire))
+}
+
+/// Bytes of the alternate signal stack [`arm_thread`] gives a lane thread.
+const ALT_STACK: usize = 64 << 10;
+
+/// Gives the calling (lane) thread an alternate signal stack of
+/// [`ALT_STACK`] bytes for the handler. The one std gives every thread is
+/// sized for std's own overflow message: a handler that waits for the
+/// watchdog needs more, and a second fault on that stack would end the
+/// process before the crash is answered. Lane threads live as long as the
+/// process, so the stack is never unmapped.
+pub fn arm_thread() -> std::io::Result<()> {
+    let page = rfaas_fabric::page_size();
+    // SAFETY: an anonymous private mapping; the result is checked.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            page + ALT_STACK,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // A guard page below: overflowing this stack faults instead of writing
+    // into whatever lies there.
+    // SAFETY: the first page of the mapping just made.
+    if unsafe { libc::mprotect(base, page, libc::PROT_NONE) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let ss = libc::stack_t {
+        // SAFETY: page + ALT_STACK bytes were mapped at base.
+        ss_sp: unsafe { base.cast::<u8>().add(page) }.cast(),
+        ss_flags: 0,
+        ss_size: ALT_STACK,
+    };
+    // SAFETY: `ss` names ALT_STACK writable bytes that are never unmapped.
+    if unsafe { libc::sigaltstack(&ss, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Lets the crashed thread go on to die.

@@ -5,9 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rfaas_fabric::{
-    Access, Completion, CompletionQueue, Domain, MemoryRegion, Opcode, RemoteAddr, Status,
-};
+use rfaas_fabric::{Access, Completion, Domain, MemoryRegion, Opcode, RemoteAddr, Status};
 use rfaas_proto::control::Mode;
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 
@@ -90,7 +88,6 @@ pub struct Lane {
     functions: Arc<[Function]>,
     domain: Arc<Domain>,
     endpoint: Arc<LaneEndpoint>,
-    cq: CompletionQueue,
     input: MemoryRegion,
     output: Arc<MemoryRegion>,
     /// Offset of the function's output pointer in `output`: the output ends
@@ -130,7 +127,6 @@ impl Lane {
         functions: Arc<[Function]>,
         domain: Arc<Domain>,
         endpoint: Arc<LaneEndpoint>,
-        cq: CompletionQueue,
         input: MemoryRegion,
         output: Arc<MemoryRegion>,
         running: Arc<Running>,
@@ -141,7 +137,6 @@ impl Lane {
             functions,
             domain,
             endpoint,
-            cq,
             input,
             output,
             out_offset,
@@ -155,6 +150,9 @@ impl Lane {
     /// Serves invocations until the client goes away.
     pub fn run(mut self) {
         self.running.bind_thread();
+        if let Err(e) = super::crash::arm_thread() {
+            tracing::warn!(lane = self.cfg.index, error = %e, "cannot give the lane thread its signal stack; a crash may go unanswered");
+        }
         if let Some(cpu) = self.cfg.cpu {
             if let Err(e) = super::privileges::pin_to(&[cpu]) {
                 tracing::warn!(lane = self.cfg.index, error = %e, "cannot pin the lane thread");
@@ -172,7 +170,7 @@ impl Lane {
                 done[0] = self.deferred[self.n_deferred];
                 1
             } else if hot {
-                let n = self.cq.poll(&mut done);
+                let n = self.endpoint.poll(&mut done);
                 if n == 0 {
                     if self.cfg.mode == Mode::HotThenWarm {
                         idle_polls += 1;
@@ -187,7 +185,7 @@ impl Lane {
                 }
                 n
             } else {
-                match self.cq.wait(&mut done, WARM_WAIT) {
+                match self.endpoint.wait(&mut done, WARM_WAIT) {
                     Ok(n) => n,
                     Err(e) => {
                         tracing::error!(lane = self.cfg.index, error = %e, "waiting for completions failed; ending the lane");
@@ -425,7 +423,7 @@ impl Lane {
             if completed == posted {
                 break;
             }
-            let n = self.cq.poll(&mut done);
+            let n = self.endpoint.poll(&mut done);
             let tag = self.cfg.tag;
             for c in done[..n].iter().filter(|c| tag_of(c.wr_id) == tag) {
                 match c.opcode {
@@ -495,7 +493,7 @@ impl Lane {
             Err(rfaas_fabric::Error::QueueFull { .. }) => {
                 // Reap send completions and try once more.
                 let mut done = [Completion::EMPTY; 16];
-                let n = self.cq.poll(&mut done);
+                let n = self.endpoint.poll(&mut done);
                 for c in &done[..n] {
                     if c.opcode == Opcode::RecvWithImm {
                         self.defer(*c);

@@ -371,7 +371,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
         .map_err(|e| internal(format!("cannot install the crash handler: {e}")))?;
     for ((index, mut l), running) in p.lanes.into_iter().enumerate().zip(runnings.iter()) {
         let (endpoint, tag) = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &p.key)?;
-        let endpoint = Arc::new(LaneEndpoint::new(endpoint));
+        let endpoint = Arc::new(LaneEndpoint::new(endpoint, l.cq));
         let running = running.clone();
         watches.push(LaneWatch {
             running: running.clone(),
@@ -394,7 +394,6 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             functions.clone(),
             p.domain.clone(),
             endpoint,
-            l.cq,
             l.input,
             l.output,
             running,

@@ -5,33 +5,37 @@
 //! Each lane publishes, in a [`Running`], when its current function started,
 //! on which thread, and whom to answer. For a crash the watchdog answers
 //! `function_crashed` with the signal and lets the crashed thread die of
-//! it. For an overrun it answers `deadline_exceeded`, gives the response a
-//! moment to leave, and ends the process with [`EXIT_DEADLINE`]: a function
-//! that overran cannot be stopped inside a thread, only with its process.
-//! Between events it sleeps on the crash word's futex (with the deadline's
-//! tick as timeout when there is a deadline).
+//! it. For an overrun it answers `deadline_exceeded` and ends the process
+//! with [`EXIT_DEADLINE`]: a function that overran cannot be stopped inside
+//! a thread, only with its process. Either way the process ends as soon as
+//! the answer's write has completed (on tcp and verbs: the client has it),
+//! [`RESPONSE_GRACE`] at most, so nobody waits on a worker that has
+//! answered for its end. Between events it sleeps on the crash word's futex
+//! (with the deadline's tick as timeout when there is a deadline).
 //!
-//! Endpoints are `Send` but not all are `Sync` (shm's is not), so the lane
-//! and the watchdog never use one at the same time: while a function runs
-//! the lane leaves its endpoint alone, and the watchdog takes it over by
-//! swapping the start time for `TAKEN` with a compare-and-swap. A lane
-//! whose function returns after that finds its start time gone and parks
-//! until the process ends.
+//! Endpoints and completion queues are `Send` but not all are `Sync`
+//! (shm's are not), so the lane and the watchdog never use them at the same
+//! time: while a function runs the lane leaves its endpoint and queue alone,
+//! and the watchdog takes them over by swapping the start time for `TAKEN`
+//! with a compare-and-swap. A lane whose function returns after that finds
+//! its start time gone and parks until the process ends.
 
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rfaas_fabric::{Endpoint, MemoryRegion, RemoteAddr};
+use rfaas_fabric::{Completion, CompletionQueue, Endpoint, MemoryRegion, RemoteAddr};
 use rfaas_proto::{InvocationStatus, ResponseImm};
 
 use super::crash::{self, Crash};
 use super::EXIT_DEADLINE;
 
-/// How long the response to an overrunning invocation gets to leave before
-/// the process ends.
-const RESPONSE_GRACE: Duration = Duration::from_millis(200);
+/// The longest the watchdog waits for its answer's write to complete
+/// before the process ends regardless (a client that stopped acknowledging
+/// must not keep a worker that has to end).
+pub const RESPONSE_GRACE: Duration = Duration::from_millis(200);
 
 /// The wr_id of the watchdog's response.
 const WATCHDOG_WR_ID: u64 = u64::MAX;
@@ -169,33 +173,62 @@ impl Running {
     }
 }
 
-/// A lane's endpoint, shared by the lane and the watchdog, used by one of
-/// them at a time (see the module docs).
-#[derive(Debug)]
-pub struct LaneEndpoint(Endpoint);
+/// A lane's endpoint and its completion queue, shared by the lane and the
+/// watchdog, used by one of them at a time (see the module docs).
+pub struct LaneEndpoint {
+    endpoint: Endpoint,
+    cq: UnsafeCell<CompletionQueue>,
+}
 
-// SAFETY: `Endpoint` is `Send` (checked below); the lane uses it only while
-// its `Running` start time is 0 (outside the function) and the watchdog only
-// after swapping a nonzero start time for `TAKEN`, which the lane can never
-// undo. The compare-and-swaps order every use before the next user's, so
-// the endpoint is never used from two threads at once.
+// SAFETY: `Endpoint` and `CompletionQueue` are `Send` (checked below); the
+// lane uses them only while its `Running` start time is 0 (outside the
+// function) and the watchdog only after swapping a nonzero start time for
+// `TAKEN`, which the lane can never undo. The compare-and-swaps order every
+// use before the next user's, so neither is used from two threads at once,
+// and a `&mut` to the queue lives only inside one `poll` or `wait` call.
 unsafe impl Sync for LaneEndpoint {}
 
 const _: () = {
     const fn sendable<T: Send>() {}
     sendable::<Endpoint>();
+    sendable::<CompletionQueue>();
 };
 
+impl std::fmt::Debug for LaneEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneEndpoint")
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
 impl LaneEndpoint {
-    /// Wraps a lane's endpoint.
-    pub fn new(endpoint: Endpoint) -> LaneEndpoint {
-        LaneEndpoint(endpoint)
+    /// Wraps a lane's endpoint and the completion queue it completes into.
+    pub fn new(endpoint: Endpoint, cq: CompletionQueue) -> LaneEndpoint {
+        LaneEndpoint {
+            endpoint,
+            cq: UnsafeCell::new(cq),
+        }
     }
 
     /// The endpoint, for its lane, outside the function call only.
     #[inline]
     pub fn get(&self) -> &Endpoint {
-        &self.0
+        &self.endpoint
+    }
+
+    /// Polls the queue, for whoever uses the endpoint now. Hot path.
+    #[inline]
+    pub fn poll(&self, out: &mut [Completion]) -> usize {
+        // SAFETY: only the endpoint's current user calls this (module docs),
+        // and the reference ends with the call.
+        unsafe { (*self.cq.get()).poll(out) }
+    }
+
+    /// Waits on the queue up to `timeout`, for whoever uses the endpoint now.
+    pub fn wait(&self, out: &mut [Completion], timeout: Duration) -> rfaas_fabric::Result<usize> {
+        // SAFETY: as in poll.
+        unsafe { (*self.cq.get()).wait(out, timeout) }
     }
 }
 
@@ -301,7 +334,8 @@ fn overran(index: usize, lane: &LaneWatch, id: u32, remote: RemoteAddr, deadline
 }
 
 /// Writes the first `len` bytes of the lane's region to its client with
-/// `status`, then gives the response [`RESPONSE_GRACE`] to leave.
+/// `status`, and waits until the write has completed, [`RESPONSE_GRACE`]
+/// at most.
 fn answer(
     index: usize,
     lane: &LaneWatch,
@@ -322,8 +356,33 @@ fn answer(
             .write_with_imm(WATCHDOG_WR_ID, &lane.region, 0, len, remote, imm)
     {
         tracing::warn!(lane = index, error = %e, %status, "cannot send the watchdog's response");
+        return;
     }
-    thread::sleep(RESPONSE_GRACE);
+    let until = Instant::now() + RESPONSE_GRACE;
+    let mut done = [Completion::EMPTY; 16];
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            tracing::warn!(lane = index, %status, "the watchdog's response did not complete in time; ending anyway");
+            return;
+        }
+        // Other completions (requests the lane will never serve) are
+        // dropped: the process is ending.
+        match lane.endpoint.wait(&mut done, left) {
+            Ok(n) => {
+                if let Some(c) = done[..n].iter().find(|c| c.wr_id == WATCHDOG_WR_ID) {
+                    if !c.status.is_ok() {
+                        tracing::warn!(lane = index, %status, completion = %c.status, "the watchdog's response failed");
+                    }
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(lane = index, error = %e, %status, "cannot wait for the watchdog's response");
+                return;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
