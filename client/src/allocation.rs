@@ -10,7 +10,7 @@ use rfaas_proto::control::{Deallocate, ErrorCode, Frame};
 use crate::buffer::{Buffer, Pod};
 use crate::client::Client;
 use crate::control::{ControlConn, Fate, FateState, Reply};
-use crate::error::{Error, Result};
+use crate::error::{elements, Error, Result};
 use crate::invocation::Invocation;
 use crate::lane::{Lane, Take, LOST_GRACE};
 use crate::spec::AllocationSpec;
@@ -382,8 +382,8 @@ impl Allocation {
         }
         if in_len > input.len() {
             return Err(Error::InvalidArgument(format!(
-                "in_len {in_len} is more than the input buffer's {} elements",
-                input.len()
+                "in_len {in_len} is more than the input buffer holds ({})",
+                elements(input.len(), std::mem::size_of::<I>())
             )));
         }
         if input.domain_id() != self.domain_id || output.domain_id() != self.domain_id {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use rfaas_fabric::{Access, Domain, MemoryRegion};
 use rfaas_proto::InvocationHeader;
 
-use crate::error::{Error, Result};
+use crate::error::{elements, Error, Result};
 
 /// Plain data: any bit pattern is a valid value, there is no padding and
 /// no pointer, so bytes written by a remote function can be read as `Self`.
@@ -127,8 +127,8 @@ impl<T: Pod> Buffer<T> {
             .filter(|&b| b <= u32::MAX as usize)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "a buffer of {len} elements of {} bytes does not fit in a registered region (at most 4 GiB)",
-                    std::mem::size_of::<T>()
+                    "a buffer of {} does not fit in a registered region (at most 4 GiB, a page of it for the request header); make it smaller",
+                    elements(len, std::mem::size_of::<T>())
                 ))
             })?;
         let region = domain.register(

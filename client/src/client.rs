@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
-    Opcode, RemoteAddr,
+    Opcode, ProviderKind, RemoteAddr,
 };
 use rfaas_proto::control::{AllocateRequest, Descriptor, Frame};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
@@ -14,7 +14,7 @@ use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::allocation::{Allocation, ColdStart, Parts};
 use crate::control::{lock, ControlConn, Fate, Reply};
-use crate::error::{Error, Result};
+use crate::error::{count, Error, Result};
 use crate::lane::{Lane, CQ_DEPTH, ENDPOINT_DEPTH};
 use crate::spec::{AllocationSpec, ClientOptions};
 
@@ -77,12 +77,7 @@ impl Client {
     ) -> Result<Allocation> {
         let started = Instant::now();
         let (executor, token) = &executors[target];
-        if spec.functions.is_empty() || spec.functions.len() > usize::from(MAX_FUNCTIONS) {
-            return Err(Error::InvalidArgument(format!(
-                "an allocation names 1 to {MAX_FUNCTIONS} functions, this spec names {}",
-                spec.functions.len()
-            )));
-        }
+        self.check(spec)?;
         let fabric = self.fabric()?;
         let (conn, connect_control) = self.conn(executor)?;
         let request_id = conn.next_request_id();
@@ -166,6 +161,34 @@ impl Client {
             domain,
             cold_start,
         }))
+    }
+
+    /// Refuses, before connecting anything, what no executor would take.
+    fn check(&self, spec: &AllocationSpec) -> Result<()> {
+        let invalid = |m: String| Err(Error::InvalidArgument(m));
+        if spec.functions.is_empty() || spec.functions.len() > usize::from(MAX_FUNCTIONS) {
+            return invalid(format!(
+                "an allocation names 1 to {MAX_FUNCTIONS} functions; this one names {}",
+                spec.functions.len()
+            ));
+        }
+        if (spec.input_capacity as usize) < InvocationHeader::LEN {
+            return invalid(format!(
+                "the input capacity is {}, less than the {}-byte request header it holds; give AllocationSpec::input_capacity at least {}",
+                count(spec.input_capacity, "byte"),
+                InvocationHeader::LEN,
+                InvocationHeader::LEN
+            ));
+        }
+        if spec.output_capacity == 0 {
+            return invalid(
+                "the output capacity is 0 bytes, so no function could answer; give AllocationSpec::output_capacity the most a function writes".into(),
+            );
+        }
+        if let Err(e) = self.inner.opts.provider.parse::<ProviderKind>() {
+            return invalid(format!("ClientOptions::provider: {e}"));
+        }
+        Ok(())
     }
 
     /// One endpoint per lane, in lane order.
@@ -345,10 +368,46 @@ mod tests {
     }
 
     #[test]
-    fn an_empty_function_list_is_refused_locally() {
+    fn specs_no_executor_takes_are_refused_before_connecting() {
+        // Port 1: connecting would fail with Connect, not InvalidArgument.
+        let refused = |provider: &str, spec: AllocationSpec, needle: &str| {
+            let client = Client::new(ClientOptions::with_provider(provider));
+            let err = client.allocate("127.0.0.1:1", "t", &spec).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+            assert!(err.to_string().contains(needle), "{needle:?} not in {err}");
+            assert_eq!(err.next(), crate::Next::Fix);
+        };
+        let lib = || AllocationSpec::new(b"\x7fELF".to_vec(), &["echo"]);
+        refused(
+            "tcp",
+            AllocationSpec::new(b"\x7fELF".to_vec(), &[]),
+            "this one names 0",
+        );
+        refused(
+            "tcp",
+            lib().input_capacity(31),
+            "the input capacity is 31 bytes, less than the 32-byte request header",
+        );
+        refused(
+            "tcp",
+            lib().output_capacity(0),
+            "the output capacity is 0 bytes",
+        );
+        refused(
+            "infiniband",
+            lib(),
+            "unknown fabric provider \"infiniband\"",
+        );
+        // The smallest input capacity that holds the header is fine: the
+        // connection is what fails.
         let client = Client::new(ClientOptions::with_provider("tcp"));
-        let spec = AllocationSpec::new(b"\x7fELF".to_vec(), &[]);
-        let err = client.allocate("127.0.0.1:1", "t", &spec).unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        let err = client
+            .allocate(
+                "127.0.0.1:1",
+                "t",
+                &lib().input_capacity(32).output_capacity(1),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::Connect { .. }), "{err:?}");
     }
 }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use rfaas_proto::control::{
     AllocateOk, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind, WorkerExited,
 };
+use rfaas_proto::InvocationStatus;
 
 use crate::error::{Error, Result};
 
@@ -38,6 +39,10 @@ pub(crate) enum FateState {
         /// The signal, when the answer carried it.
         signal: Option<i32>,
     },
+    /// A lane's worker answered a status after which it serves nothing
+    /// more ([`InvocationStatus::ends_worker`]: the deadline, the lease's
+    /// end, a drain).
+    Refusing(InvocationStatus),
     /// The executor reported the worker's end.
     Exited(WorkerExited),
     /// The control connection ended.
@@ -107,7 +112,8 @@ impl Fate {
         }
         match &*st {
             FateState::Crashed { signal } => Error::crashed_in_band(*signal),
-            FateState::Exited(exit) => Error::from_exit(exit),
+            FateState::Refusing(status) => Error::FunctionFailed(*status),
+            FateState::Exited(exit) => Error::from_exit(exit, &self.executor),
             FateState::ExecutorLost => Error::ExecutorLost {
                 executor: self.executor.clone(),
             },

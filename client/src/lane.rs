@@ -38,7 +38,7 @@ use rfaas_proto::{
 
 use crate::buffer::{header_offset, RegionShared};
 use crate::control::{lock, Fate, FateState};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, INVOCATION};
 
 /// wr_id of the request write.
 const SEND_WR: u64 = 1;
@@ -550,7 +550,7 @@ impl Lane {
             if let Some(d) = deadline.filter(|d| Instant::now() >= d.at) {
                 inner.expected = None;
                 return Some(Err(Error::Timeout {
-                    what: "the invocation",
+                    what: INVOCATION,
                     after: d.after,
                 }));
             }
@@ -590,10 +590,17 @@ fn outcome(index: usize, fate: &Fate, inner: &mut LaneInner, how: How) -> Option
     if inner.unreaped_sends == 0 || inner.broken.is_some() {
         if let Some(r) = inner.response.take() {
             inner.expected = None;
-            if let Err(Error::WorkerCrashed { signal, .. }) = &r {
-                // Answered in band: the worker is ending; every other call
-                // of the allocation fails at once from here on.
-                fate.set(FateState::Crashed { signal: *signal });
+            // Answered in band that the worker is ending (or will serve
+            // nothing more): every other call of the allocation fails at
+            // once from here on, with the same error.
+            match &r {
+                Err(Error::WorkerCrashed { signal, .. }) => {
+                    fate.set(FateState::Crashed { signal: *signal });
+                }
+                Err(Error::FunctionFailed(status)) if status.ends_worker() => {
+                    fate.set(FateState::Refusing(*status));
+                }
+                _ => {}
             }
             return Some(r);
         }
@@ -723,6 +730,32 @@ mod tests {
             outcome(0, &f, &mut l, How::Poll),
             Some(Err(Error::FunctionFailed(InvocationStatus::OutputTooLarge)))
         ));
+        assert!(!f.ended(), "the worker serves on after output_too_large");
+    }
+
+    #[test]
+    fn an_answer_after_which_the_worker_serves_nothing_ends_the_allocation() {
+        for status in [
+            InvocationStatus::DeadlineExceeded,
+            InvocationStatus::LeaseExpired,
+            InvocationStatus::ExecutorDraining,
+        ] {
+            let f = fate();
+            let mut l = in_flight();
+            l.absorb(sent(Status::Success));
+            l.absorb(answer(5, status, 0));
+            assert!(matches!(
+                outcome(0, &f, &mut l, How::Poll),
+                Some(Err(Error::FunctionFailed(s))) if s == status
+            ));
+            // The next call fails at once, with the same cause, without
+            // waiting for the worker's end or the executor's report.
+            assert!(f.ended(), "{status:?}");
+            assert!(
+                matches!(f.error(Duration::ZERO), Error::FunctionFailed(s) if s == status),
+                "{status:?}"
+            );
+        }
     }
 
     #[test]

@@ -43,7 +43,8 @@
 //!   may touch the queue, and how an abandoned invocation is drained.
 //! - `control`: the control connection, its reader thread, and each
 //!   allocation's fate (`WorkerExited`, connection loss).
-//! - [`error`]: [`Error`], with [`Error::is_retryable`].
+//! - [`error`]: [`Error`], with [`Error::is_retryable`],
+//!   [`Error::allocation_usable`] and [`Error::next`] ([`Next`]).
 
 pub mod allocation;
 pub mod buffer;
@@ -57,7 +58,7 @@ pub mod spec;
 pub use allocation::{Allocation, ColdStart, FunctionId};
 pub use buffer::{Buffer, Pod};
 pub use client::Client;
-pub use error::{Error, Result};
+pub use error::{Error, Next, Result};
 pub use invocation::Invocation;
 pub use rfaas_proto::control::{ErrorCode, ExitCause};
 pub use rfaas_proto::InvocationStatus;

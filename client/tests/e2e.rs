@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_client::{
     Allocation, AllocationSpec, Client, ClientOptions, Error, ErrorCode, ExitCause,
-    InvocationStatus, Mode,
+    InvocationStatus, Mode, Next,
 };
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
@@ -90,6 +90,27 @@ fn worker_pid(d: &Executord, allocation: u64) -> i32 {
         }
         other => panic!("unexpected status reply {other:?}"),
     }
+}
+
+/// Waits until a lane thread of worker `pid` sleeps in `nanosleep`: inside
+/// `sleep_ms`, so a call is under way in the function.
+fn wait_in_sleep_ms(pid: i32) {
+    let sleeping = |task: std::path::PathBuf| {
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        let syscall = std::fs::read_to_string(task.join("syscall")).unwrap_or_default();
+        let nr = syscall
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse::<i64>().ok());
+        comm.starts_with("rfaas-lane")
+            && nr.is_some_and(|n| n == libc::SYS_clock_nanosleep || n == libc::SYS_nanosleep)
+    };
+    let found = eventually(Duration::from_secs(10), || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| tasks.filter_map(Result::ok).any(|t| sleeping(t.path())))
+            .unwrap_or(false)
+    });
+    assert!(found, "no lane of worker {pid} entered sleep_ms");
 }
 
 fn kill(pid: i32, signal: i32) {
@@ -676,6 +697,30 @@ fn running_past_the_deadline(#[case] provider: &str) {
         "{err:?}\n{}",
         d.log()
     );
+    assert!(!err.allocation_usable());
+    assert_eq!(err.next(), Next::Fix);
+    // The answer ended the allocation: the next call fails at once, with
+    // the same cause, before anything is sent.
+    assert!(!alloc.is_alive());
+    let echo = alloc.function("echo").unwrap();
+    let err = alloc.invoke(echo, &input, 1, &mut output).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::FunctionFailed(InvocationStatus::DeadlineExceeded)
+        ),
+        "{err:?}"
+    );
+    // The executor saw the worker end itself for its deadline.
+    d.wait_status(
+        Duration::from_secs(10),
+        |s| matches!(s, LocalReply::Status { allocations, .. } if allocations.is_empty()),
+    );
+    assert!(
+        d.log().contains("a function ran past its deadline"),
+        "{}",
+        d.log()
+    );
 }
 
 #[rstest]
@@ -691,7 +736,7 @@ fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
     let input = u32_input(&alloc, 10_000);
     let mut output = alloc.buffer::<u32>(1).unwrap();
     let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    wait_in_sleep_ms(pid);
     kill(pid, libc::SIGKILL);
     let err = inv.get().unwrap_err();
     assert!(
@@ -719,7 +764,7 @@ fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
     let input = u32_input(&alloc, 10_000);
     let mut output = alloc.buffer::<u32>(1).unwrap();
     let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    wait_in_sleep_ms(worker_pid(&d, alloc.id()));
     kill(d.pid() as i32, libc::SIGKILL);
     let err = inv.get().unwrap_err();
     assert!(
@@ -727,6 +772,46 @@ fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
         "{err:?}"
     );
     assert!(err.is_retryable());
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn stopping_the_executor_is_executor_stopped(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(&d, provider, &spec());
+    let f = alloc.function("sleep_ms").unwrap();
+    let input = u32_input(&alloc, 10_000);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
+    wait_in_sleep_ms(worker_pid(&d, alloc.id()));
+    // What systemd does to stop the daemon.
+    kill(d.pid() as i32, libc::SIGTERM);
+    let err = inv.get().unwrap_err();
+    let executor = d.control_addr().to_string();
+    assert!(
+        matches!(err, Error::ExecutorStopped { executor: ref e } if *e == executor),
+        "{err:?}\n{}",
+        d.log()
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("is shutting down")
+            && text.contains("on another executor if it does not come back"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("retrieved"),
+        "a shutdown is no drain: {text}"
+    );
+    assert!(err.is_retryable());
+    assert!(!err.allocation_usable());
+    assert_eq!(err.next(), Next::Elsewhere);
+    // Later calls fail at once with the same news.
+    let err = alloc.invoke(f, &input, 1, &mut output).unwrap_err();
+    assert!(matches!(err, Error::ExecutorStopped { .. }), "{err:?}");
 }
 
 #[rstest]

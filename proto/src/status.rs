@@ -20,7 +20,7 @@ pub enum InvocationStatus {
     OutputTooLarge = 2,
     /// The function index is not in the allocation's function table.
     UnknownFunction = 3,
-    /// The node is being retrieved by Slurm; retry on another executor.
+    /// The node is being retrieved (drained); allocate on another executor.
     ExecutorDraining = 4,
     /// The function ran past the allocation's deadline.
     DeadlineExceeded = 5,
@@ -71,6 +71,22 @@ impl InvocationStatus {
     pub const fn is_retryable(self) -> bool {
         matches!(self, Self::ExecutorDraining | Self::InternalError)
     }
+
+    /// Whether the worker serves nothing more once it answered this: it is
+    /// dying ([`FunctionCrashed`](Self::FunctionCrashed),
+    /// [`DeadlineExceeded`](Self::DeadlineExceeded)) or refuses every
+    /// request from now on ([`LeaseExpired`](Self::LeaseExpired),
+    /// [`ExecutorDraining`](Self::ExecutorDraining)). A client ends the
+    /// allocation on the first such answer.
+    pub const fn ends_worker(self) -> bool {
+        matches!(
+            self,
+            Self::FunctionCrashed
+                | Self::DeadlineExceeded
+                | Self::LeaseExpired
+                | Self::ExecutorDraining
+        )
+    }
 }
 
 impl TryFrom<u16> for InvocationStatus {
@@ -100,12 +116,14 @@ impl fmt::Display for InvocationStatus {
                 "The function index is not in the allocation's function table."
             }
             Self::ExecutorDraining => {
-                "The executor is being retrieved by Slurm; retry on another executor."
+                "The executor's node is being retrieved (drained); allocate on another executor."
             }
             Self::DeadlineExceeded => "The function ran past the allocation's deadline.",
             Self::PayloadTooLarge => "The input is larger than the allocation permits.",
             Self::MalformedRequest => "The invocation header was malformed.",
-            Self::LeaseExpired => "The lease backing the allocation has expired.",
+            Self::LeaseExpired => {
+                "The lease backing the allocation has expired; get a new lease and allocate again."
+            }
             Self::InternalError => "The worker failed for a reason other than the function.",
         })
     }
@@ -165,6 +183,23 @@ mod tests {
             [
                 InvocationStatus::ExecutorDraining,
                 InvocationStatus::InternalError
+            ]
+        );
+    }
+
+    #[test]
+    fn the_statuses_after_which_a_worker_serves_nothing() {
+        let ending: Vec<_> = InvocationStatus::ALL
+            .into_iter()
+            .filter(|s| s.ends_worker())
+            .collect();
+        assert_eq!(
+            ending,
+            [
+                InvocationStatus::FunctionCrashed,
+                InvocationStatus::ExecutorDraining,
+                InvocationStatus::DeadlineExceeded,
+                InvocationStatus::LeaseExpired,
             ]
         );
     }
