@@ -190,6 +190,25 @@ impl Allocation {
         !self.fate.ended()
     }
 
+    /// Whether `buffer` was made for this allocation (or for the one it
+    /// replaced in [`invoke_retrying`](Self::invoke_retrying)): only those
+    /// can be an invocation's input or output.
+    pub fn owns<T: Pod>(&self, buffer: &Buffer<T>) -> bool {
+        buffer.domain_id() == self.domain_id
+    }
+
+    /// Adds another executor (control address) and a lease token for its
+    /// node, after those of [`AllocationSpec::fallback_executor`], for
+    /// [`invoke_retrying`](Self::invoke_retrying) to move to when the
+    /// current one is lost, stopped or full.
+    pub fn add_fallback_executor(&mut self, executor: &str, token: &str) {
+        let added = (executor.to_owned(), token.to_owned());
+        self.spec.fallback_executors.push(added.clone());
+        let mut executors = self.executors.to_vec();
+        executors.push(added);
+        self.executors = executors.into();
+    }
+
     /// A buffer of `len` zeroed elements registered for this allocation
     /// (and its re-allocations): page-aligned data with room for the
     /// request header in front.
@@ -386,7 +405,7 @@ impl Allocation {
                 elements(input.len(), std::mem::size_of::<I>())
             )));
         }
-        if input.domain_id() != self.domain_id || output.domain_id() != self.domain_id {
+        if !self.owns(input) || !self.owns(output) {
             return Err(Error::InvalidArgument(
                 "a buffer belongs to another allocation; make buffers with this allocation's buffer()".into(),
             ));

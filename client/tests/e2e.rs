@@ -13,7 +13,7 @@ use rfaas_client::{
 };
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
-use rfaas_testkit::functions::c_library_bytes;
+use rfaas_testkit::functions::{c_library_bytes, wait_in_sleep_ms};
 use rstest::rstest;
 
 const FUNCTIONS: &[&str] = &[
@@ -90,27 +90,6 @@ fn worker_pid(d: &Executord, allocation: u64) -> i32 {
         }
         other => panic!("unexpected status reply {other:?}"),
     }
-}
-
-/// Waits until a lane thread of worker `pid` sleeps in `nanosleep`: inside
-/// `sleep_ms`, so a call is under way in the function.
-fn wait_in_sleep_ms(pid: i32) {
-    let sleeping = |task: std::path::PathBuf| {
-        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
-        let syscall = std::fs::read_to_string(task.join("syscall")).unwrap_or_default();
-        let nr = syscall
-            .split(' ')
-            .next()
-            .and_then(|n| n.parse::<i64>().ok());
-        comm.starts_with("rfaas-lane")
-            && nr.is_some_and(|n| n == libc::SYS_clock_nanosleep || n == libc::SYS_nanosleep)
-    };
-    let found = eventually(Duration::from_secs(10), || {
-        std::fs::read_dir(format!("/proc/{pid}/task"))
-            .map(|tasks| tasks.filter_map(Result::ok).any(|t| sleeping(t.path())))
-            .unwrap_or(false)
-    });
-    assert!(found, "no lane of worker {pid} entered sleep_ms");
 }
 
 fn kill(pid: i32, signal: i32) {
@@ -736,7 +715,7 @@ fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
     let input = u32_input(&alloc, 10_000);
     let mut output = alloc.buffer::<u32>(1).unwrap();
     let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
-    wait_in_sleep_ms(pid);
+    wait_in_sleep_ms(pid as u32);
     kill(pid, libc::SIGKILL);
     let err = inv.get().unwrap_err();
     assert!(
@@ -764,7 +743,7 @@ fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
     let input = u32_input(&alloc, 10_000);
     let mut output = alloc.buffer::<u32>(1).unwrap();
     let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
-    wait_in_sleep_ms(worker_pid(&d, alloc.id()));
+    wait_in_sleep_ms(worker_pid(&d, alloc.id()) as u32);
     kill(d.pid() as i32, libc::SIGKILL);
     let err = inv.get().unwrap_err();
     assert!(
@@ -786,7 +765,7 @@ fn stopping_the_executor_is_executor_stopped(#[case] provider: &str) {
     let input = u32_input(&alloc, 10_000);
     let mut output = alloc.buffer::<u32>(1).unwrap();
     let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
-    wait_in_sleep_ms(worker_pid(&d, alloc.id()));
+    wait_in_sleep_ms(worker_pid(&d, alloc.id()) as u32);
     // What systemd does to stop the daemon.
     kill(d.pid() as i32, libc::SIGTERM);
     let err = inv.get().unwrap_err();

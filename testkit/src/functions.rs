@@ -8,6 +8,8 @@
 //!   builds with the workspace (and builds it when it is missing).
 //! - [`rfaas_compat_library`] compiles `examples/functions/rfaas-compat/
 //!   functions.cpp`, rFaaS's own example functions, with `c++`.
+//! - [`wait_in_sleep_ms`] waits until a worker runs `sleep_ms`, so a test
+//!   acts while a call is inside its function, not after a guessed delay.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -156,6 +158,35 @@ fn is_fresh(lib: &Path, sources: &[PathBuf]) -> bool {
         Err(_) => return false,
     };
     sources.iter().all(|s| mtime(s) <= built)
+}
+
+/// Waits (up to 10 s, else panics) until a lane thread of the worker
+/// process `pid` sleeps in `nanosleep`: it runs the C library's `sleep_ms`,
+/// so a call is under way inside its function. Reads
+/// `/proc/<pid>/task/*/syscall`, which needs the rights to trace the worker
+/// (root, as the tests that start executors run).
+pub fn wait_in_sleep_ms(pid: u32) {
+    let in_sleep = |task: std::path::PathBuf| {
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        let syscall = std::fs::read_to_string(task.join("syscall")).unwrap_or_default();
+        let nr = syscall
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse::<i64>().ok());
+        comm.starts_with("rfaas-lane")
+            && nr.is_some_and(|n| n == libc::SYS_clock_nanosleep || n == libc::SYS_nanosleep)
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < until {
+        let found = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| tasks.filter_map(Result::ok).any(|t| in_sleep(t.path())))
+            .unwrap_or(false);
+        if found {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    panic!("no lane of worker {pid} entered sleep_ms within 10 s");
 }
 
 #[cfg(test)]

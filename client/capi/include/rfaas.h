@@ -14,42 +14,21 @@
 #include <stdint.h>
 
 /**
- * How the worker's threads wait for requests.
- */
-enum rfaas_mode
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  /**
-   * Busy-poll: the lowest latency, one whole core per lane.
-   */
-  RFAAS_MODE_HOT = 0,
-  /**
-   * Sleep in the kernel until a request comes.
-   */
-  RFAAS_MODE_WARM = 1,
-  /**
-   * Busy-poll for `hot_timeout_us` after each invocation, then sleep.
-   */
-  RFAAS_MODE_HOT_THEN_WARM = 2,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum rfaas_mode rfaas_mode;
-#else
-typedef uint32_t rfaas_mode;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
  * What a call returned. `RFAAS_OK` (0) is success; `RFAAS_PENDING` is
  * `rfaas_test`'s "not yet"; every other value is a failure whose message
  * `rfaas_last_error()` gives.
  *
  * Codes are stable. 2..99 are failures of the client library or the
  * connection, 100 + n is the worker's invocation status n, and 200 + n
- * the executor's refusal of an allocation.
+ * the executor's refusal of an allocation. Each cause has one code,
+ * whether the worker answered it or the executor reported it: a worker
+ * that crashed is `RFAAS_ERR_WORKER_CRASHED` (101, once
+ * `RFAAS_ERR_FUNCTION_CRASHED`, is retired and never reused), one out of
+ * memory `RFAAS_ERR_OUT_OF_MEMORY`, a deadline
+ * `RFAAS_ERR_DEADLINE_EXCEEDED`, a lease's end `RFAAS_ERR_LEASE_EXPIRED`,
+ * a drain `RFAAS_ERR_EXECUTOR_DRAINING`, a shutdown
+ * `RFAAS_ERR_EXECUTOR_STOPPED`. `rfaas_last_error_info()` adds the signal
+ * and what to do next.
  */
 enum rfaas_status
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -108,8 +87,12 @@ enum rfaas_status
    */
   RFAAS_ERR_BUFFER_BUSY = 11,
   /**
-   * The worker process died under the invocation. Retryable with a new
-   * allocation (a function that crashes on this input crashes again).
+   * The worker process died under the invocation: a function crashed
+   * (the signal is in `rfaas_last_error_info()`: 11 for SIGSEGV, also for
+   * writing past the output capacity), something killed it (9), or it
+   * failed and exited (signal 0). The allocation has ended. Retryable
+   * with a new allocation (a function that crashes on this input crashes
+   * again).
    */
   RFAAS_ERR_WORKER_CRASHED = 12,
   /**
@@ -137,9 +120,17 @@ enum rfaas_status
    */
   RFAAS_ERR_FABRIC_TRANSIENT = 17,
   /**
-   * The function's process crashed (worker status 1).
+   * The worker used more memory than the allocation has (the kernel
+   * killed it at its cgroup limit; signal 9). The allocation has ended.
+   * Retryable; allocate with more memory.
    */
-  RFAAS_ERR_FUNCTION_CRASHED = 101,
+  RFAAS_ERR_OUT_OF_MEMORY = 18,
+  /**
+   * The executor is shutting down (it was stopped, e.g. by SIGTERM) and
+   * ended the allocation. Retryable: allocate again, on another executor
+   * if it does not come back.
+   */
+  RFAAS_ERR_EXECUTOR_STOPPED = 19,
   /**
    * The function returned more output than the output capacity.
    */
@@ -149,11 +140,14 @@ enum rfaas_status
    */
   RFAAS_ERR_FUNCTION_INDEX = 103,
   /**
-   * The executor is being drained by Slurm. Retryable elsewhere.
+   * The executor's node is being retrieved (drained, for a Slurm job);
+   * the allocation has ended. Retryable on another executor.
    */
   RFAAS_ERR_EXECUTOR_DRAINING = 104,
   /**
-   * The function ran past the allocation's deadline.
+   * The function ran past the allocation's deadline and its worker
+   * ended; the allocation has ended. Split the work or ask for a longer
+   * deadline, and allocate again.
    */
   RFAAS_ERR_DEADLINE_EXCEEDED = 105,
   /**
@@ -165,7 +159,8 @@ enum rfaas_status
    */
   RFAAS_ERR_MALFORMED_REQUEST = 107,
   /**
-   * The lease behind the allocation has expired.
+   * The lease behind the allocation has expired; the allocation has
+   * ended. Get a new lease and allocate again.
    */
   RFAAS_ERR_LEASE_EXPIRED = 108,
   /**
@@ -247,6 +242,84 @@ typedef uint32_t rfaas_status;
 #endif // __cplusplus
 
 /**
+ * What to do after a failure (`rfaas_error_info.next`).
+ */
+enum rfaas_next
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No failure: the thread has not failed yet.
+   */
+  RFAAS_NEXT_NONE = 0,
+  /**
+   * Make the same call again, on the same allocation: what stood in its
+   * way (a busy lane, a busy buffer, a slow answer) passes.
+   */
+  RFAAS_NEXT_RETRY = 1,
+  /**
+   * Allocate again (the same executor will do) and call again;
+   * `rfaas_invoke_retrying` does this.
+   */
+  RFAAS_NEXT_REALLOCATE = 2,
+  /**
+   * Allocate again on another executor.
+   */
+  RFAAS_NEXT_ELSEWHERE = 3,
+  /**
+   * Get a new lease for the node, then allocate again.
+   */
+  RFAAS_NEXT_NEW_LEASE = 4,
+  /**
+   * Change the call, the options or the function: the same call fails
+   * the same way again.
+   */
+  RFAAS_NEXT_FIX = 5,
+  /**
+   * Report it with the message: rfaas broke its own rules (a bug, or a
+   * library and an executor of different versions).
+   */
+  RFAAS_NEXT_REPORT = 6,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum rfaas_next rfaas_next;
+#else
+typedef uint32_t rfaas_next;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How the worker's threads wait for requests.
+ */
+enum rfaas_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Busy-poll: the lowest latency, one whole core per lane.
+   */
+  RFAAS_MODE_HOT = 0,
+  /**
+   * Sleep in the kernel until a request comes.
+   */
+  RFAAS_MODE_WARM = 1,
+  /**
+   * Busy-poll for `hot_timeout_us` after each invocation, then sleep.
+   */
+  RFAAS_MODE_HOT_THEN_WARM = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum rfaas_mode rfaas_mode;
+#else
+typedef uint32_t rfaas_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A worker on an executor and this process's connections to it.
  *
  * Thread-safe for `rfaas_function_index`, `rfaas_buffer_new`,
@@ -285,9 +358,39 @@ typedef struct rfaas_client rfaas_client;
 typedef struct rfaas_invocation rfaas_invocation;
 
 /**
+ * What a thread's last failure was, besides its message: what to do next,
+ * whether the allocation still takes calls, and the signal that ended its
+ * worker. From `rfaas_last_error_info()`.
+ */
+typedef struct rfaas_error_info {
+  /**
+   * The failure's status; `RFAAS_OK` when the thread has not failed yet.
+   */
+  rfaas_status status;
+  /**
+   * What to do next.
+   */
+  rfaas_next next;
+  /**
+   * Whether the allocation the call was made on still takes calls. False
+   * once its worker has ended (every later call on it fails at once with
+   * the same status), and for a failed `rfaas_client_new`,
+   * `rfaas_allocate*` or `rfaas_deallocate`, which leave no allocation.
+   */
+  bool allocation_usable;
+  /**
+   * The signal that ended the worker (`RFAAS_ERR_WORKER_CRASHED`,
+   * `RFAAS_ERR_OUT_OF_MEMORY`), e.g. 11 for SIGSEGV; 0 when no signal
+   * did.
+   */
+  int32_t signal;
+} rfaas_error_info;
+
+/**
  * The shape of an allocation. Start from `rfaas_alloc_options_default()`
- * and change the fields you need; the executor refuses what the lease or
- * its own limits do not allow.
+ * and change the fields you need. `rfaas_allocate*` refuses a value out of
+ * range (`RFAAS_ERR_INVALID_ARGUMENT`) before connecting; the executor
+ * refuses what the lease or its own limits do not allow.
  */
 typedef struct rfaas_alloc_options {
   /**
@@ -310,12 +413,12 @@ typedef struct rfaas_alloc_options {
   uint64_t hot_timeout_us;
   /**
    * Bytes of each lane's input buffer at the worker, a 32-byte header
-   * included; bigger inputs are pulled by the worker in chunks.
-   * Default 65536.
+   * included (so at least 32); bigger inputs are pulled by the worker in
+   * chunks. Default 65536.
    */
   uint32_t input_capacity;
   /**
-   * Bytes a function may write per invocation. Default 1 MiB.
+   * Bytes a function may write per invocation, at least 1. Default 1 MiB.
    */
   uint32_t output_capacity;
   /**
@@ -358,6 +461,16 @@ bool rfaas_status_is_retryable(uint32_t status);
 const char *rfaas_last_error(void);
 
 /**
+ * What the calling thread's last failure was, besides its message
+ * (`rfaas_last_error()`): its status, what to do next, whether the
+ * allocation still takes calls, and the signal that ended the worker.
+ * `status` is `RFAAS_OK` (and `next` `RFAAS_NEXT_NONE`) when the thread
+ * has not failed yet. Like the message, it is the thread's own and
+ * changes only with its next failure.
+ */
+struct rfaas_error_info rfaas_last_error_info(void);
+
+/**
  * The defaults: 1 core, 256 MiB, hot-then-warm with 5 ms of polling,
  * 64 KiB input capacity, 1 MiB output capacity, the executor's deadline.
  */
@@ -366,7 +479,8 @@ struct rfaas_alloc_options rfaas_alloc_options_default(void);
 /**
  * Creates a client for the fabric `provider` ("tcp", "shm",
  * "verbs:<device>"); NULL takes `RFAAS_PROVIDER` from the environment, or
- * "tcp". Connects nothing yet. Free it with `rfaas_client_free`.
+ * "tcp". Any other name is `RFAAS_ERR_INVALID_ARGUMENT` at once. Connects
+ * nothing yet. Free it with `rfaas_client_free`.
  *
  * # Safety
  *
@@ -452,6 +566,23 @@ rfaas_status rfaas_function_index(const struct rfaas_allocation *alloc,
  * `alloc` is NULL or a live allocation that no other thread is using.
  */
 rfaas_status rfaas_deallocate(struct rfaas_allocation *alloc);
+
+/**
+ * Adds another executor (its control address, "host:port") and a lease
+ * token for its node, for `rfaas_invoke_retrying` to move to when the
+ * allocation's executor is lost, stopped, draining or full. Tried in the
+ * order added, after the allocation's own executor.
+ *
+ * Not thread-safe: no other call may use the allocation meanwhile.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation no other thread uses; `executor`
+ * and `token` are NULL or C strings.
+ */
+rfaas_status rfaas_add_fallback_executor(struct rfaas_allocation *alloc,
+                                         const char *executor,
+                                         const char *token);
 
 /**
  * Makes a zeroed buffer of `bytes` bytes registered for `alloc` (usable
@@ -577,6 +708,39 @@ rfaas_status rfaas_invoke(const struct rfaas_allocation *alloc,
                           size_t in_bytes,
                           struct rfaas_buffer *out,
                           size_t *out_len);
+
+/**
+ * `rfaas_invoke`, and after a retryable failure (`rfaas_status_is_retryable`:
+ * the worker crashed or was lost, the executor was lost, stopped or is
+ * draining, it had no capacity, ...) allocates again with the same
+ * library, functions, options and token, and calls again; at most
+ * `retries` times in all (re-allocations that fail count too). A failure
+ * that is not retryable returns at once.
+ *
+ * After a worker's crash or loss it allocates on the same executor (a
+ * fresh worker); after an executor's loss, stop or drain, or a
+ * `RFAAS_ERR_REFUSED_NO_CAPACITY`, on the next executor added with
+ * `rfaas_add_fallback_executor`, wrapping around. The new allocation
+ * replaces the old one in `*alloc`: its buffers stay valid, nothing is
+ * copied, and function indices are the same. With `retries` 0 it is
+ * `rfaas_invoke`.
+ *
+ * Not thread-safe: no other call may use the allocation meanwhile, and it
+ * fails with `RFAAS_ERR_INVALID_ARGUMENT` while invocations of it are not
+ * freed (a re-allocation replaces the lanes they use).
+ *
+ * # Safety
+ *
+ * As for `rfaas_submit`, with `alloc` a live allocation no other thread
+ * uses; `out_len` is NULL or writable.
+ */
+rfaas_status rfaas_invoke_retrying(struct rfaas_allocation *alloc,
+                                   uint32_t function,
+                                   const struct rfaas_buffer *in,
+                                   size_t in_bytes,
+                                   struct rfaas_buffer *out,
+                                   size_t *out_len,
+                                   uint32_t retries);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -35,6 +35,13 @@ pub unsafe extern "C" fn rfaas_buffer_new(
         out_arg(CALL, "out", out)?;
         // SAFETY: the caller's promise.
         let alloc = unsafe { ref_arg(CALL, "alloc", alloc) }?;
+        let page = rfaas_fabric::page_size();
+        if bytes.saturating_add(page) > u32::MAX as usize {
+            return Err(Failure::invalid(
+                CALL,
+                format!("a buffer of {bytes} bytes does not fit in a registered region (at most 4 GiB, {page} bytes of it for the request header); make it smaller"),
+            ));
+        }
         let buf = alloc
             .alloc
             .buffer::<u8>(bytes)

@@ -7,9 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ::rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
+use rfaas_fabric::ProviderKind;
 
-use crate::ffi::{call, call_infallible, out_arg, ref_arg, str_arg, CallResult, Failure};
+use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, str_arg, CallResult, Failure};
 use crate::options::{self, rfaas_alloc_options};
+use crate::status::rfaas_next;
 use crate::status::rfaas_status::{self, RFAAS_OK};
 
 /// A client: the fabric provider and one control connection per executor,
@@ -34,7 +36,8 @@ pub struct rfaas_allocation {
 
 /// Creates a client for the fabric `provider` ("tcp", "shm",
 /// "verbs:<device>"); NULL takes `RFAAS_PROVIDER` from the environment, or
-/// "tcp". Connects nothing yet. Free it with `rfaas_client_free`.
+/// "tcp". Any other name is `RFAAS_ERR_INVALID_ARGUMENT` at once. Connects
+/// nothing yet. Free it with `rfaas_client_free`.
 ///
 /// # Safety
 ///
@@ -45,18 +48,34 @@ pub unsafe extern "C" fn rfaas_client_new(
     provider: *const c_char,
     out: *mut *mut rfaas_client,
 ) -> rfaas_status {
-    call("rfaas_client_new", || {
-        out_arg("rfaas_client_new", "out", out)?;
+    const CALL: &str = "rfaas_client_new";
+    call(CALL, || {
+        out_arg(CALL, "out", out).map_err(Failure::no_allocation)?;
         let opts = if provider.is_null() {
-            ClientOptions::default()
+            let opts = ClientOptions::default();
+            if opts.provider.parse::<ProviderKind>().is_err() {
+                return Err(Failure::invalid(
+                    CALL,
+                    format!("the environment's RFAAS_PROVIDER is {:?}, which is no fabric provider; set it to tcp, shm or verbs:<device>, or pass the provider", opts.provider),
+                )
+                .no_allocation());
+            }
+            opts
         } else {
             // SAFETY: non-null; the caller promises a C string.
-            let p = unsafe { str_arg("rfaas_client_new", "provider", provider) }?;
-            if p.is_empty() {
+            let p =
+                unsafe { str_arg(CALL, "provider", provider) }.map_err(Failure::no_allocation)?;
+            if p.parse::<ProviderKind>().is_err() {
+                let why = if p.is_empty() {
+                    "`provider` is empty".to_owned()
+                } else {
+                    format!("`provider` is {p:?}, which is no fabric provider")
+                };
                 return Err(Failure::invalid(
-                    "rfaas_client_new",
-                    "`provider` is empty; pass \"tcp\", \"shm\", \"verbs:<device>\" or NULL",
-                ));
+                    CALL,
+                    format!("{why}; pass \"tcp\", \"shm\", \"verbs:<device>\" or NULL"),
+                )
+                .no_allocation());
             }
             ClientOptions::with_provider(p)
         };
@@ -115,13 +134,47 @@ unsafe fn function_names<'a>(
 }
 
 /// Shared by rfaas_allocate and rfaas_allocate_file; the arguments are
-/// theirs.
+/// theirs. A failure leaves no allocation.
 ///
 /// # Safety
 ///
 /// As for `rfaas_allocate`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn allocate(
+    call: &str,
+    client: *const rfaas_client,
+    executor: *const c_char,
+    token: *const c_char,
+    opts: *const rfaas_alloc_options,
+    library: impl FnOnce() -> Result<(Vec<u8>, Option<String>), Failure>,
+    functions: *const *const c_char,
+    n_functions: usize,
+    out: *mut *mut rfaas_allocation,
+) -> CallResult {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        try_allocate(
+            call,
+            client,
+            executor,
+            token,
+            opts,
+            library,
+            functions,
+            n_functions,
+            out,
+        )
+    }
+    .map_err(Failure::no_allocation)
+}
+
+/// [`allocate`], whose failures may still say the allocation is usable.
+///
+/// # Safety
+///
+/// As for `rfaas_allocate`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn try_allocate(
     call: &str,
     client: *const rfaas_client,
     executor: *const c_char,
@@ -241,6 +294,9 @@ pub unsafe extern "C" fn rfaas_allocate_file(
             let bytes = std::fs::read(path).map_err(|e| Failure {
                 status: rfaas_status::RFAAS_ERR_IO,
                 message: format!("{CALL}: cannot read the function library {path}: {e}"),
+                next: rfaas_next::RFAAS_NEXT_FIX,
+                allocation_usable: false,
+                signal: 0,
             })?;
             let name = Path::new(path)
                 .file_name()
@@ -311,20 +367,61 @@ pub unsafe extern "C" fn rfaas_deallocate(alloc: *mut rfaas_allocation) -> rfaas
     call(CALL, || {
         // SAFETY: the caller's promise.
         let handle = unsafe { ref_arg(CALL, "alloc", alloc) }?;
-        let live = handle.live.load(Ordering::Acquire);
-        if live > 0 {
-            return Err(Failure::invalid(
-                CALL,
-                format!("{live} invocation(s) of this allocation are not freed; call rfaas_invocation_free on each first"),
-            ));
-        }
+        no_invocations(CALL, handle)?;
         // SAFETY: a Box from rfaas_allocate*, owned by the caller, with no
         // invocation borrowing it (checked above).
         let handle = unsafe { Box::from_raw(alloc) };
         handle
             .alloc
             .deallocate()
-            .map_err(|e| Failure::client(CALL, &e))?;
+            .map_err(|e| Failure::client(CALL, &e).no_allocation())?;
+        Ok(RFAAS_OK)
+    })
+}
+
+/// Refuses `call` while invocations of `handle` are not freed: they borrow
+/// its lanes, which the call ends or replaces.
+pub(crate) fn no_invocations(call: &str, handle: &rfaas_allocation) -> Result<(), Failure> {
+    match handle.live.load(Ordering::Acquire) {
+        0 => Ok(()),
+        1 => Err(Failure::invalid(
+            call,
+            "1 invocation of this allocation is not freed; call rfaas_invocation_free on it first",
+        )),
+        live => Err(Failure::invalid(
+            call,
+            format!("{live} invocations of this allocation are not freed; call rfaas_invocation_free on each first"),
+        )),
+    }
+}
+
+/// Adds another executor (its control address, "host:port") and a lease
+/// token for its node, for `rfaas_invoke_retrying` to move to when the
+/// allocation's executor is lost, stopped, draining or full. Tried in the
+/// order added, after the allocation's own executor.
+///
+/// Not thread-safe: no other call may use the allocation meanwhile.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation no other thread uses; `executor`
+/// and `token` are NULL or C strings.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_add_fallback_executor(
+    alloc: *mut rfaas_allocation,
+    executor: *const c_char,
+    token: *const c_char,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_add_fallback_executor";
+    call(CALL, || {
+        // SAFETY: NULL or a live allocation no one else uses (caller's
+        // promise).
+        let handle = unsafe { mut_arg(CALL, "alloc", alloc) }?;
+        // SAFETY: NULL or a C string (caller's promise).
+        let executor = unsafe { str_arg(CALL, "executor", executor) }?;
+        // SAFETY: NULL or a C string (caller's promise).
+        let token = unsafe { str_arg(CALL, "token", token) }?;
+        handle.alloc.add_fallback_executor(executor, token);
         Ok(RFAAS_OK)
     })
 }

@@ -1,32 +1,72 @@
 //! The plumbing every `extern "C"` function shares: the thread's last error
-//! message, panic containment, and checked conversions of C arguments.
+//! (message and [`rfaas_error_info`]), panic containment, checked
+//! conversions of C arguments, and the client's errors in C's words.
 
-use std::cell::RefCell;
+use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ::rfaas_client::Error;
 
-use crate::status::rfaas_status;
+use crate::status::{rfaas_next, rfaas_status};
+
+/// What a thread's last failure was, besides its message: what to do next,
+/// whether the allocation still takes calls, and the signal that ended its
+/// worker. From `rfaas_last_error_info()`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct rfaas_error_info {
+    /// The failure's status; `RFAAS_OK` when the thread has not failed yet.
+    pub status: rfaas_status,
+    /// What to do next.
+    pub next: rfaas_next,
+    /// Whether the allocation the call was made on still takes calls. False
+    /// once its worker has ended (every later call on it fails at once with
+    /// the same status), and for a failed `rfaas_client_new`,
+    /// `rfaas_allocate*` or `rfaas_deallocate`, which leave no allocation.
+    pub allocation_usable: bool,
+    /// The signal that ended the worker (`RFAAS_ERR_WORKER_CRASHED`,
+    /// `RFAAS_ERR_OUT_OF_MEMORY`), e.g. 11 for SIGSEGV; 0 when no signal
+    /// did.
+    pub signal: i32,
+}
+
+const NO_FAILURE: rfaas_error_info = rfaas_error_info {
+    status: rfaas_status::RFAAS_OK,
+    next: rfaas_next::RFAAS_NEXT_NONE,
+    allocation_usable: true,
+    signal: 0,
+};
 
 thread_local! {
     /// The message of this thread's last failed call.
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The rest of it.
+    static LAST_INFO: Cell<rfaas_error_info> = const { Cell::new(NO_FAILURE) };
 }
 
-/// A failed call: its status and the sentence `rfaas_last_error` returns.
-#[derive(Debug)]
+/// A failed call: its status, the sentence `rfaas_last_error` returns, and
+/// what `rfaas_last_error_info` adds.
+#[derive(Debug, Clone)]
 pub(crate) struct Failure {
     pub(crate) status: rfaas_status,
     pub(crate) message: String,
+    pub(crate) next: rfaas_next,
+    pub(crate) allocation_usable: bool,
+    pub(crate) signal: i32,
 }
 
 impl Failure {
-    /// A bad argument of the C call `call`.
+    /// A bad argument of the C call `call`: fix the call; the allocation
+    /// is as it was.
     pub(crate) fn invalid(call: &str, why: impl std::fmt::Display) -> Failure {
         Failure {
             status: rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
             message: format!("{call}: {why}"),
+            next: rfaas_next::RFAAS_NEXT_FIX,
+            allocation_usable: true,
+            signal: 0,
         }
     }
 
@@ -34,18 +74,58 @@ impl Failure {
     pub(crate) fn client(call: &str, e: &Error) -> Failure {
         Failure {
             status: rfaas_status::from_error(e),
-            message: format!("{call}: {e}"),
+            message: format!("{call}: {}", in_c_words(e)),
+            next: e.next().into(),
+            allocation_usable: e.allocation_usable(),
+            signal: e.signal().unwrap_or(0),
         }
+    }
+
+    /// The failure of a call that was to make (or end) an allocation: it
+    /// leaves none to use.
+    pub(crate) fn no_allocation(self) -> Failure {
+        Failure {
+            allocation_usable: false,
+            ..self
+        }
+    }
+
+    fn info(&self) -> rfaas_error_info {
+        rfaas_error_info {
+            status: self.status,
+            next: self.next,
+            allocation_usable: self.allocation_usable,
+            signal: self.signal,
+        }
+    }
+}
+
+/// The message of a client error, in C's words where the client's name
+/// Rust things (`submit_wait`, `AllocationSpec::new`, dropping).
+pub(crate) fn in_c_words(e: &Error) -> Cow<'static, str> {
+    match e {
+        Error::AllLanesBusy => "every lane of the allocation is busy; wait for an invocation to finish (rfaas_wait), or call rfaas_invoke, which waits for a lane".into(),
+        Error::BufferBusy => "the output buffer is still the target of an invocation freed before it finished; call again once its answer has come, or use another buffer".into(),
+        Error::UnknownFunction(name) if name.starts_with('#') => format!(
+            "function {name} is not in the allocation's function table; look a function's index up with rfaas_function_index"
+        )
+        .into(),
+        Error::UnknownFunction(name) => format!(
+            "function {name:?} is not in the allocation's function table; list it in the functions given to rfaas_allocate"
+        )
+        .into(),
+        e => e.to_string().into(),
     }
 }
 
 /// The result of a call's body.
 pub(crate) type CallResult = Result<rfaas_status, Failure>;
 
-/// Records `message` as the thread's last error.
-pub(crate) fn set_last_error(message: String) {
+/// Records `failure` as the thread's last error.
+pub(crate) fn set_last_failure(failure: Failure) {
+    LAST_INFO.with(|slot| slot.set(failure.info()));
     // Interior NULs would cut the C string short; show them instead.
-    let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    let c = CString::new(failure.message.replace('\0', "\\0")).unwrap_or_default();
     LAST_ERROR.with(|slot| *slot.borrow_mut() = c);
 }
 
@@ -56,8 +136,9 @@ pub(crate) fn call(name: &str, body: impl FnOnce() -> CallResult) -> rfaas_statu
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(status)) => status,
         Ok(Err(failure)) => {
-            set_last_error(failure.message);
-            failure.status
+            let status = failure.status;
+            set_last_failure(failure);
+            status
         }
         Err(panic) => {
             let what = panic
@@ -65,9 +146,15 @@ pub(crate) fn call(name: &str, body: impl FnOnce() -> CallResult) -> rfaas_statu
                 .map(|s| (*s).to_owned())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a panic without a message".into());
-            set_last_error(format!(
-                "{name}: internal error in librfaas ({what}); please report it with this message"
-            ));
+            set_last_failure(Failure {
+                status: rfaas_status::RFAAS_ERR_INTERNAL,
+                message: format!(
+                    "{name}: internal error in librfaas ({what}); please report it with this message"
+                ),
+                next: rfaas_next::RFAAS_NEXT_REPORT,
+                allocation_usable: false,
+                signal: 0,
+            });
             rfaas_status::RFAAS_ERR_INTERNAL
         }
     }
@@ -149,6 +236,17 @@ pub extern "C" fn rfaas_last_error() -> *const c_char {
     })
 }
 
+/// What the calling thread's last failure was, besides its message
+/// (`rfaas_last_error()`): its status, what to do next, whether the
+/// allocation still takes calls, and the signal that ended the worker.
+/// `status` is `RFAAS_OK` (and `next` `RFAAS_NEXT_NONE`) when the thread
+/// has not failed yet. Like the message, it is the thread's own and
+/// changes only with its next failure.
+#[no_mangle]
+pub extern "C" fn rfaas_last_error_info() -> rfaas_error_info {
+    call_infallible(NO_FAILURE, || LAST_INFO.with(Cell::get))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,8 +282,110 @@ mod tests {
 
     #[test]
     fn interior_nul_is_shown_not_cut() {
-        set_last_error("a\0b".into());
-        assert_eq!(last(), "a\\0b");
+        set_last_failure(Failure::invalid("a\0b", "c"));
+        assert_eq!(last(), "a\\0b: c");
+    }
+
+    #[test]
+    fn c_callers_read_c_words() {
+        use ::rfaas_client::{ExitCause, InvocationStatus};
+        use rfaas_proto::control::ErrorCode;
+        let mut errors: Vec<Error> = InvocationStatus::ALL
+            .into_iter()
+            .map(Error::FunctionFailed)
+            .collect();
+        errors.extend([
+            Error::AllLanesBusy,
+            Error::BufferBusy,
+            Error::UnknownFunction("matmul".into()),
+            Error::UnknownFunction("#4".into()),
+            Error::WorkerLost,
+            Error::ExecutorStopped {
+                executor: "127.0.0.1:7100".into(),
+            },
+            Error::ExecutorLost {
+                executor: "127.0.0.1:7100".into(),
+            },
+            Error::Refused {
+                code: ErrorCode::NoCapacity,
+                message: "no room".into(),
+            },
+            Error::Protocol("p".into()),
+            Error::Timeout {
+                what: "the invocation",
+                after: std::time::Duration::from_secs(1),
+            },
+        ]);
+        for cause in [
+            ExitCause::Crashed,
+            ExitCause::OutOfMemory,
+            ExitCause::Exited,
+        ] {
+            errors.push(Error::WorkerCrashed {
+                signal: Some(1),
+                cause,
+                message: "worker 7 killed by SIGHUP".into(),
+            });
+        }
+        // Rust's names, and a count with the wrong form.
+        let rust = [
+            "AllocationSpec",
+            "ClientOptions",
+            "submit",
+            "buffer()",
+            "get()",
+            "spin()",
+            "invoke_retrying",
+            "in_len",
+            "element",
+            "dropped",
+            "::",
+            "1 bytes",
+            "1 lanes",
+            "1 cores",
+        ];
+        for e in &errors {
+            let text = in_c_words(e);
+            for word in rust {
+                assert!(
+                    !text.contains(word),
+                    "{word:?} in the C message of {e:?}: {text}"
+                );
+            }
+        }
+        assert!(in_c_words(&Error::AllLanesBusy).contains("rfaas_invoke"));
+        assert!(in_c_words(&Error::UnknownFunction("f".into())).contains("rfaas_allocate"));
+        assert!(in_c_words(&Error::UnknownFunction("#4".into())).contains("rfaas_function_index"));
+    }
+
+    #[test]
+    fn the_info_follows_the_last_failure() {
+        std::thread::spawn(|| {
+            assert_eq!(rfaas_last_error_info(), NO_FAILURE, "no failure yet");
+            call("rfaas_x", || Err(Failure::invalid("rfaas_x", "bad")));
+            let info = rfaas_last_error_info();
+            assert_eq!(info.status, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT);
+            assert_eq!(info.next, rfaas_next::RFAAS_NEXT_FIX);
+            assert!(info.allocation_usable);
+            let crash = Error::WorkerCrashed {
+                signal: Some(11),
+                cause: ::rfaas_client::ExitCause::Crashed,
+                message: "worker 3 killed by SIGSEGV".into(),
+            };
+            call("rfaas_wait", || Err(Failure::client("rfaas_wait", &crash)));
+            let info = rfaas_last_error_info();
+            assert_eq!(info.status, rfaas_status::RFAAS_ERR_WORKER_CRASHED);
+            assert_eq!(info.next, rfaas_next::RFAAS_NEXT_REALLOCATE);
+            assert!(!info.allocation_usable);
+            assert_eq!(info.signal, 11);
+            // Success leaves it alone; so does a panic's report say report.
+            call("rfaas_ok", || Ok(rfaas_status::RFAAS_OK));
+            assert_eq!(rfaas_last_error_info(), info);
+            call("rfaas_boom", || panic!("boom"));
+            assert_eq!(rfaas_last_error_info().next, rfaas_next::RFAAS_NEXT_REPORT);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! [`rfaas_invocation`]: submitting a call and waiting for it (blocking,
-//! spinning or polling), and the synchronous `rfaas_invoke`.
+//! spinning or polling), the synchronous `rfaas_invoke`, and
+//! `rfaas_invoke_retrying`, which allocates again after a retryable
+//! failure.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::sync::Arc;
 use ::rfaas_client::{Allocation, Buffer, FunctionId, Invocation};
 
 use crate::buffer::rfaas_buffer;
-use crate::client::rfaas_allocation;
+use crate::client::{no_invocations, rfaas_allocation};
 use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, CallResult, Failure};
 use crate::status::rfaas_status::{self, RFAAS_OK, RFAAS_PENDING};
 
@@ -25,7 +27,7 @@ pub struct rfaas_invocation {
     /// In flight until a wait took its result.
     inv: Option<Invocation<'static>>,
     /// What the wait returned: the output length, or the failure.
-    result: Option<Result<usize, (rfaas_status, String)>>,
+    result: Option<Result<usize, Failure>>,
     /// The allocation's count of unfreed invocations.
     live: Arc<AtomicUsize>,
 }
@@ -54,16 +56,46 @@ unsafe fn args<'a>(
     alloc: *const rfaas_allocation,
     function: u32,
     input: *const rfaas_buffer,
+    in_bytes: usize,
     output: *mut rfaas_buffer,
 ) -> Result<(&'a rfaas_allocation, Args<'a>), Failure> {
+    // SAFETY: NULL or a live allocation (caller's promise).
+    let handle = unsafe { ref_arg(call, "alloc", alloc) }?;
+    // SAFETY: the caller's promises, passed on.
+    let (function, input, output) =
+        unsafe { buffers(call, &handle.alloc, function, input, in_bytes, output) }?;
+    Ok((
+        handle,
+        Args {
+            alloc: &handle.alloc,
+            function,
+            input,
+            output,
+        },
+    ))
+}
+
+/// Checks a call's function index and buffers against `alloc`, in C's
+/// words (bytes, `rfaas_buffer_new`), before the client library would.
+///
+/// # Safety
+///
+/// `input` is NULL or a live buffer; `output` is NULL or a live buffer
+/// that nothing else uses during the call.
+unsafe fn buffers<'a>(
+    call: &str,
+    alloc: &Allocation,
+    function: u32,
+    input: *const rfaas_buffer,
+    in_bytes: usize,
+    output: *mut rfaas_buffer,
+) -> Result<(FunctionId, &'a Buffer<u8>, &'a mut Buffer<u8>), Failure> {
     if !input.is_null() && std::ptr::eq(input, output) {
         return Err(Failure::invalid(
             call,
             "`in` and `out` are the same buffer; use two buffers",
         ));
     }
-    // SAFETY: NULL or a live allocation (caller's promise).
-    let handle = unsafe { ref_arg(call, "alloc", alloc) }?;
     // SAFETY: NULL or a live buffer (caller's promise).
     let input = unsafe { ref_arg(call, "in", input) }?;
     // SAFETY: NULL or a live buffer that nothing else uses during the
@@ -73,19 +105,40 @@ unsafe fn args<'a>(
     let index = u16::try_from(function).map_err(|_| {
         Failure::invalid(call, format!("function index {function} is out of range"))
     })?;
-    let f = handle
-        .alloc
+    let f = alloc
         .function_at(index)
         .map_err(|e| Failure::client(call, &e))?;
-    Ok((
-        handle,
-        Args {
-            alloc: &handle.alloc,
-            function: f,
-            input: &input.buf,
-            output: &mut output.buf,
-        },
-    ))
+    if in_bytes > input.buf.len() {
+        return Err(Failure::invalid(
+            call,
+            format!(
+                "in_bytes {in_bytes} is more than the input buffer holds ({}); pass at most rfaas_buffer_size(in)",
+                bytes(input.buf.len())
+            ),
+        ));
+    }
+    if !alloc.owns(&input.buf) || !alloc.owns(&output.buf) {
+        return Err(Failure::invalid(
+            call,
+            "a buffer was made for another allocation; make buffers with rfaas_buffer_new on this one",
+        ));
+    }
+    if u32::try_from(in_bytes).is_err() {
+        return Err(Failure::invalid(
+            call,
+            format!("in_bytes {in_bytes} is more than an invocation carries (4 GiB - 1)"),
+        ));
+    }
+    Ok((f, &input.buf, &mut output.buf))
+}
+
+/// `n` bytes, "1 byte" or "n bytes".
+pub(crate) fn bytes(n: usize) -> String {
+    if n == 1 {
+        "1 byte".into()
+    } else {
+        format!("{n} bytes")
+    }
 }
 
 /// Starts the function with table index `function` on the first
@@ -113,7 +166,7 @@ pub unsafe extern "C" fn rfaas_submit(
     call(CALL, || {
         out_arg(CALL, "inv", inv)?;
         // SAFETY: the caller's promises.
-        let (handle, a) = unsafe { args(CALL, alloc, function, r#in, out) }?;
+        let (handle, a) = unsafe { args(CALL, alloc, function, r#in, in_bytes, out) }?;
         let started = a
             .alloc
             .submit(a.function, a.input, in_bytes, a.output)
@@ -179,8 +232,7 @@ unsafe fn finish(
                     "the invocation has no result and is not in flight".into(),
                 ))
             });
-            handle.result =
-                Some(r.map_err(|e| (rfaas_status::from_error(&e), format!("{call_name}: {e}"))));
+            handle.result = Some(r.map_err(|e| Failure::client(call_name, &e)));
         }
         match handle.result.as_ref() {
             Some(Ok(len)) => {
@@ -190,10 +242,7 @@ unsafe fn finish(
                 }
                 Ok(RFAAS_OK)
             }
-            Some(Err((status, message))) => Err(Failure {
-                status: *status,
-                message: message.clone(),
-            }),
+            Some(Err(failure)) => Err(failure.clone()),
             None => unreachable!("the result was just set"),
         }
     })
@@ -286,10 +335,64 @@ pub unsafe extern "C" fn rfaas_invoke(
     const CALL: &str = "rfaas_invoke";
     call(CALL, || -> CallResult {
         // SAFETY: the caller's promises.
-        let (_, a) = unsafe { args(CALL, alloc, function, r#in, out) }?;
+        let (_, a) = unsafe { args(CALL, alloc, function, r#in, in_bytes, out) }?;
         let len = a
             .alloc
             .invoke(a.function, a.input, in_bytes, a.output)
+            .map_err(|e| Failure::client(CALL, &e))?;
+        if !out_len.is_null() {
+            // SAFETY: non-null and writable (caller's promise).
+            unsafe { out_len.write(len) };
+        }
+        Ok(RFAAS_OK)
+    })
+}
+
+/// `rfaas_invoke`, and after a retryable failure (`rfaas_status_is_retryable`:
+/// the worker crashed or was lost, the executor was lost, stopped or is
+/// draining, it had no capacity, ...) allocates again with the same
+/// library, functions, options and token, and calls again; at most
+/// `retries` times in all (re-allocations that fail count too). A failure
+/// that is not retryable returns at once.
+///
+/// After a worker's crash or loss it allocates on the same executor (a
+/// fresh worker); after an executor's loss, stop or drain, or a
+/// `RFAAS_ERR_REFUSED_NO_CAPACITY`, on the next executor added with
+/// `rfaas_add_fallback_executor`, wrapping around. The new allocation
+/// replaces the old one in `*alloc`: its buffers stay valid, nothing is
+/// copied, and function indices are the same. With `retries` 0 it is
+/// `rfaas_invoke`.
+///
+/// Not thread-safe: no other call may use the allocation meanwhile, and it
+/// fails with `RFAAS_ERR_INVALID_ARGUMENT` while invocations of it are not
+/// freed (a re-allocation replaces the lanes they use).
+///
+/// # Safety
+///
+/// As for `rfaas_submit`, with `alloc` a live allocation no other thread
+/// uses; `out_len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_invoke_retrying(
+    alloc: *mut rfaas_allocation,
+    function: u32,
+    r#in: *const rfaas_buffer,
+    in_bytes: usize,
+    out: *mut rfaas_buffer,
+    out_len: *mut usize,
+    retries: u32,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_invoke_retrying";
+    call(CALL, || -> CallResult {
+        // SAFETY: NULL or a live allocation no other thread uses (caller's
+        // promise).
+        let handle = unsafe { mut_arg(CALL, "alloc", alloc) }?;
+        no_invocations(CALL, handle)?;
+        // SAFETY: the caller's promises.
+        let (f, input, output) =
+            unsafe { buffers(CALL, &handle.alloc, function, r#in, in_bytes, out) }?;
+        let len = handle
+            .alloc
+            .invoke_retrying(f, input, in_bytes, output, retries)
             .map_err(|e| Failure::client(CALL, &e))?;
         if !out_len.is_null() {
             // SAFETY: non-null and writable (caller's promise).

@@ -12,11 +12,12 @@
 //!
 //! # Layout
 //!
-//! - [`status`]: `rfaas_status`, one code per way a call fails, mapped from
-//!   [`::rfaas_client::Error`]; `rfaas_status_name`,
-//!   `rfaas_status_is_retryable`.
-//! - [`ffi`]: the thread's last error, panic containment, checked
-//!   conversions of C pointers and strings.
+//! - [`status`]: `rfaas_status`, one code per way a call fails (one per
+//!   cause of a worker's end), mapped from [`::rfaas_client::Error`];
+//!   `rfaas_next`; `rfaas_status_name`, `rfaas_status_is_retryable`.
+//! - [`ffi`]: the thread's last error (`rfaas_last_error`,
+//!   `rfaas_last_error_info`), panic containment, checked conversions of C
+//!   pointers and strings, the client's errors in C's words.
 //! - [`options`]: `rfaas_alloc_options`, `rfaas_mode`.
 //! - [`client`]: `rfaas_client`, `rfaas_allocation`: allocate,
 //!   look functions up, deallocate.
@@ -40,7 +41,7 @@ pub mod invocation;
 
 pub use buffer::*;
 pub use client::*;
-pub use ffi::rfaas_last_error;
+pub use ffi::{rfaas_error_info, rfaas_last_error, rfaas_last_error_info};
 pub use invocation::*;
 pub use options::*;
 pub use status::*;

@@ -20,8 +20,9 @@ pub enum rfaas_mode {
 }
 
 /// The shape of an allocation. Start from `rfaas_alloc_options_default()`
-/// and change the fields you need; the executor refuses what the lease or
-/// its own limits do not allow.
+/// and change the fields you need. `rfaas_allocate*` refuses a value out of
+/// range (`RFAAS_ERR_INVALID_ARGUMENT`) before connecting; the executor
+/// refuses what the lease or its own limits do not allow.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct rfaas_alloc_options {
@@ -36,10 +37,10 @@ pub struct rfaas_alloc_options {
     /// invocation, microseconds. Default 5000.
     pub hot_timeout_us: u64,
     /// Bytes of each lane's input buffer at the worker, a 32-byte header
-    /// included; bigger inputs are pulled by the worker in chunks.
-    /// Default 65536.
+    /// included (so at least 32); bigger inputs are pulled by the worker in
+    /// chunks. Default 65536.
     pub input_capacity: u32,
-    /// Bytes a function may write per invocation. Default 1 MiB.
+    /// Bytes a function may write per invocation, at least 1. Default 1 MiB.
     pub output_capacity: u32,
     /// Longest a function may run, milliseconds; 0 takes the executor's
     /// default. Default 0.
@@ -136,6 +137,22 @@ pub(crate) unsafe fn apply(
                 format!("options.cores is {}; ask for 1 to 65535", raw.cores),
             )
         })?;
+    let header = rfaas_proto::InvocationHeader::LEN as u32;
+    if raw.input_capacity < header {
+        return Err(Failure::invalid(
+            call,
+            format!(
+                "options.input_capacity is {}; it holds the {header}-byte request header, so give it at least {header}",
+                raw.input_capacity
+            ),
+        ));
+    }
+    if raw.output_capacity == 0 {
+        return Err(Failure::invalid(
+            call,
+            "options.output_capacity is 0, so no function could answer; give it the most bytes a function writes",
+        ));
+    }
     let read_only_input = match raw.read_only_input {
         0 => false,
         1 => true,

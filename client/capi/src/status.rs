@@ -1,9 +1,11 @@
 //! [`rfaas_status`]: what every call returns, one code per way the client
-//! can fail, and the mapping from [`::rfaas_client::Error`].
+//! can fail (one per cause of a worker's end, whichever way the news came),
+//! and the mapping from [`::rfaas_client::Error`]; [`rfaas_next`], what to
+//! do after a failure.
 
 use std::ffi::{c_char, CStr};
 
-use ::rfaas_client::Error;
+use ::rfaas_client::{Error, ExitCause, Next};
 use rfaas_proto::control::{ControlError, ErrorCode};
 use rfaas_proto::InvocationStatus;
 
@@ -13,7 +15,15 @@ use rfaas_proto::InvocationStatus;
 ///
 /// Codes are stable. 2..99 are failures of the client library or the
 /// connection, 100 + n is the worker's invocation status n, and 200 + n
-/// the executor's refusal of an allocation.
+/// the executor's refusal of an allocation. Each cause has one code,
+/// whether the worker answered it or the executor reported it: a worker
+/// that crashed is `RFAAS_ERR_WORKER_CRASHED` (101, once
+/// `RFAAS_ERR_FUNCTION_CRASHED`, is retired and never reused), one out of
+/// memory `RFAAS_ERR_OUT_OF_MEMORY`, a deadline
+/// `RFAAS_ERR_DEADLINE_EXCEEDED`, a lease's end `RFAAS_ERR_LEASE_EXPIRED`,
+/// a drain `RFAAS_ERR_EXECUTOR_DRAINING`, a shutdown
+/// `RFAAS_ERR_EXECUTOR_STOPPED`. `rfaas_last_error_info()` adds the signal
+/// and what to do next.
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum rfaas_status {
@@ -44,8 +54,12 @@ pub enum rfaas_status {
     /// The output buffer is still the target of a freed, unfinished
     /// invocation. Retryable once its response arrives.
     RFAAS_ERR_BUFFER_BUSY = 11,
-    /// The worker process died under the invocation. Retryable with a new
-    /// allocation (a function that crashes on this input crashes again).
+    /// The worker process died under the invocation: a function crashed
+    /// (the signal is in `rfaas_last_error_info()`: 11 for SIGSEGV, also for
+    /// writing past the output capacity), something killed it (9), or it
+    /// failed and exited (signal 0). The allocation has ended. Retryable
+    /// with a new allocation (a function that crashes on this input crashes
+    /// again).
     RFAAS_ERR_WORKER_CRASHED = 12,
     /// The connection to the worker failed and the executor did not say
     /// why. Retryable with a new allocation.
@@ -61,21 +75,31 @@ pub enum rfaas_status {
     /// A local fabric call failed for a transient reason (connection
     /// refused, timeout, full queue). Retryable.
     RFAAS_ERR_FABRIC_TRANSIENT = 17,
-    /// The function's process crashed (worker status 1).
-    RFAAS_ERR_FUNCTION_CRASHED = 101,
+    /// The worker used more memory than the allocation has (the kernel
+    /// killed it at its cgroup limit; signal 9). The allocation has ended.
+    /// Retryable; allocate with more memory.
+    RFAAS_ERR_OUT_OF_MEMORY = 18,
+    /// The executor is shutting down (it was stopped, e.g. by SIGTERM) and
+    /// ended the allocation. Retryable: allocate again, on another executor
+    /// if it does not come back.
+    RFAAS_ERR_EXECUTOR_STOPPED = 19,
     /// The function returned more output than the output capacity.
     RFAAS_ERR_OUTPUT_TOO_LARGE = 102,
     /// The worker does not know the function index.
     RFAAS_ERR_FUNCTION_INDEX = 103,
-    /// The executor is being drained by Slurm. Retryable elsewhere.
+    /// The executor's node is being retrieved (drained, for a Slurm job);
+    /// the allocation has ended. Retryable on another executor.
     RFAAS_ERR_EXECUTOR_DRAINING = 104,
-    /// The function ran past the allocation's deadline.
+    /// The function ran past the allocation's deadline and its worker
+    /// ended; the allocation has ended. Split the work or ask for a longer
+    /// deadline, and allocate again.
     RFAAS_ERR_DEADLINE_EXCEEDED = 105,
     /// The input is larger than the allocation permits.
     RFAAS_ERR_PAYLOAD_TOO_LARGE = 106,
     /// The worker could not decode the request header.
     RFAAS_ERR_MALFORMED_REQUEST = 107,
-    /// The lease behind the allocation has expired.
+    /// The lease behind the allocation has expired; the allocation has
+    /// ended. Get a new lease and allocate again.
     RFAAS_ERR_LEASE_EXPIRED = 108,
     /// The worker failed for a reason other than the function. Retryable.
     RFAAS_ERR_WORKER_INTERNAL = 109,
@@ -117,7 +141,7 @@ pub enum rfaas_status {
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 43] = [
+const ALL: [rfaas_status; 44] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -136,7 +160,8 @@ const ALL: [rfaas_status; 43] = [
     RFAAS_ERR_TRANSPORT,
     RFAAS_ERR_FABRIC,
     RFAAS_ERR_FABRIC_TRANSIENT,
-    RFAAS_ERR_FUNCTION_CRASHED,
+    RFAAS_ERR_OUT_OF_MEMORY,
+    RFAAS_ERR_EXECUTOR_STOPPED,
     RFAAS_ERR_OUTPUT_TOO_LARGE,
     RFAAS_ERR_FUNCTION_INDEX,
     RFAAS_ERR_EXECUTOR_DRAINING,
@@ -168,7 +193,8 @@ impl rfaas_status {
     pub fn from_invocation(status: InvocationStatus) -> rfaas_status {
         match status {
             InvocationStatus::Ok => RFAAS_OK,
-            InvocationStatus::FunctionCrashed => RFAAS_ERR_FUNCTION_CRASHED,
+            // The same cause as a crash the executor reports.
+            InvocationStatus::FunctionCrashed => RFAAS_ERR_WORKER_CRASHED,
             InvocationStatus::OutputTooLarge => RFAAS_ERR_OUTPUT_TOO_LARGE,
             InvocationStatus::UnknownFunction => RFAAS_ERR_FUNCTION_INDEX,
             InvocationStatus::ExecutorDraining => RFAAS_ERR_EXECUTOR_DRAINING,
@@ -212,7 +238,12 @@ impl rfaas_status {
                 RFAAS_OK => RFAAS_ERR_PROTOCOL,
                 s => s,
             },
+            Error::WorkerCrashed {
+                cause: ExitCause::OutOfMemory,
+                ..
+            } => RFAAS_ERR_OUT_OF_MEMORY,
             Error::WorkerCrashed { .. } => RFAAS_ERR_WORKER_CRASHED,
+            Error::ExecutorStopped { .. } => RFAAS_ERR_EXECUTOR_STOPPED,
             Error::ExecutorLost { .. } => RFAAS_ERR_EXECUTOR_LOST,
             Error::WorkerLost => RFAAS_ERR_WORKER_LOST,
             Error::Transport { .. } => RFAAS_ERR_TRANSPORT,
@@ -242,6 +273,8 @@ impl rfaas_status {
                 | RFAAS_ERR_ALL_LANES_BUSY
                 | RFAAS_ERR_BUFFER_BUSY
                 | RFAAS_ERR_WORKER_CRASHED
+                | RFAAS_ERR_OUT_OF_MEMORY
+                | RFAAS_ERR_EXECUTOR_STOPPED
                 | RFAAS_ERR_WORKER_LOST
                 | RFAAS_ERR_EXECUTOR_LOST
                 | RFAAS_ERR_TRANSPORT
@@ -276,7 +309,8 @@ impl rfaas_status {
             RFAAS_ERR_TRANSPORT => c"RFAAS_ERR_TRANSPORT",
             RFAAS_ERR_FABRIC => c"RFAAS_ERR_FABRIC",
             RFAAS_ERR_FABRIC_TRANSIENT => c"RFAAS_ERR_FABRIC_TRANSIENT",
-            RFAAS_ERR_FUNCTION_CRASHED => c"RFAAS_ERR_FUNCTION_CRASHED",
+            RFAAS_ERR_OUT_OF_MEMORY => c"RFAAS_ERR_OUT_OF_MEMORY",
+            RFAAS_ERR_EXECUTOR_STOPPED => c"RFAAS_ERR_EXECUTOR_STOPPED",
             RFAAS_ERR_OUTPUT_TOO_LARGE => c"RFAAS_ERR_OUTPUT_TOO_LARGE",
             RFAAS_ERR_FUNCTION_INDEX => c"RFAAS_ERR_FUNCTION_INDEX",
             RFAAS_ERR_EXECUTOR_DRAINING => c"RFAAS_ERR_EXECUTOR_DRAINING",
@@ -307,6 +341,43 @@ impl rfaas_status {
     /// The status with code `code`, if there is one.
     pub fn from_code(code: u32) -> Option<rfaas_status> {
         ALL.into_iter().find(|s| *s as u32 == code)
+    }
+}
+
+/// What to do after a failure (`rfaas_error_info.next`).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum rfaas_next {
+    /// No failure: the thread has not failed yet.
+    RFAAS_NEXT_NONE = 0,
+    /// Make the same call again, on the same allocation: what stood in its
+    /// way (a busy lane, a busy buffer, a slow answer) passes.
+    RFAAS_NEXT_RETRY = 1,
+    /// Allocate again (the same executor will do) and call again;
+    /// `rfaas_invoke_retrying` does this.
+    RFAAS_NEXT_REALLOCATE = 2,
+    /// Allocate again on another executor.
+    RFAAS_NEXT_ELSEWHERE = 3,
+    /// Get a new lease for the node, then allocate again.
+    RFAAS_NEXT_NEW_LEASE = 4,
+    /// Change the call, the options or the function: the same call fails
+    /// the same way again.
+    RFAAS_NEXT_FIX = 5,
+    /// Report it with the message: rfaas broke its own rules (a bug, or a
+    /// library and an executor of different versions).
+    RFAAS_NEXT_REPORT = 6,
+}
+
+impl From<Next> for rfaas_next {
+    fn from(next: Next) -> rfaas_next {
+        match next {
+            Next::Retry => rfaas_next::RFAAS_NEXT_RETRY,
+            Next::Reallocate => rfaas_next::RFAAS_NEXT_REALLOCATE,
+            Next::Elsewhere => rfaas_next::RFAAS_NEXT_ELSEWHERE,
+            Next::NewLease => rfaas_next::RFAAS_NEXT_NEW_LEASE,
+            Next::Fix => rfaas_next::RFAAS_NEXT_FIX,
+            _ => rfaas_next::RFAAS_NEXT_REPORT,
+        }
     }
 }
 
@@ -344,7 +415,16 @@ mod tests {
 
     #[test]
     fn invocation_statuses_are_100_plus_their_code() {
-        for st in InvocationStatus::ALL.into_iter().skip(1) {
+        // But a crash: one code, whichever way the news came.
+        assert_eq!(rfaas_status::from_code(101), None, "101 is retired");
+        assert_eq!(
+            rfaas_status::from_invocation(InvocationStatus::FunctionCrashed),
+            RFAAS_ERR_WORKER_CRASHED
+        );
+        for st in InvocationStatus::ALL
+            .into_iter()
+            .filter(|s| !matches!(s, InvocationStatus::Ok | InvocationStatus::FunctionCrashed))
+        {
             assert_eq!(
                 rfaas_status::from_invocation(st) as u32,
                 100 + u32::from(st.code())
@@ -355,6 +435,47 @@ mod tests {
                 "{st:?}"
             );
         }
+    }
+
+    #[test]
+    fn each_cause_of_a_workers_end_has_one_code() {
+        let crashed = |cause| Error::WorkerCrashed {
+            signal: Some(11),
+            cause,
+            message: String::new(),
+        };
+        let failed = |s| rfaas_status::from_error(&Error::FunctionFailed(s));
+        // A crash: answered in band or reported by the executor.
+        assert_eq!(
+            failed(InvocationStatus::FunctionCrashed),
+            RFAAS_ERR_WORKER_CRASHED
+        );
+        assert_eq!(
+            rfaas_status::from_error(&crashed(ExitCause::Crashed)),
+            RFAAS_ERR_WORKER_CRASHED
+        );
+        assert_eq!(
+            rfaas_status::from_error(&crashed(ExitCause::OutOfMemory)),
+            RFAAS_ERR_OUT_OF_MEMORY
+        );
+        assert_eq!(
+            rfaas_status::from_error(&Error::ExecutorStopped {
+                executor: String::new()
+            }),
+            RFAAS_ERR_EXECUTOR_STOPPED
+        );
+        assert_eq!(
+            failed(InvocationStatus::DeadlineExceeded),
+            RFAAS_ERR_DEADLINE_EXCEEDED
+        );
+        assert_eq!(
+            failed(InvocationStatus::LeaseExpired),
+            RFAAS_ERR_LEASE_EXPIRED
+        );
+        assert_eq!(
+            failed(InvocationStatus::ExecutorDraining),
+            RFAAS_ERR_EXECUTOR_DRAINING
+        );
     }
 
     #[test]
@@ -398,6 +519,14 @@ mod tests {
             Error::FunctionFailed(InvocationStatus::InternalError),
             Error::Refused {
                 code: ErrorCode::NoCapacity,
+                message: String::new(),
+            },
+            Error::ExecutorStopped {
+                executor: "127.0.0.1:1".into(),
+            },
+            Error::WorkerCrashed {
+                signal: Some(9),
+                cause: ExitCause::OutOfMemory,
                 message: String::new(),
             },
         ];

@@ -1,8 +1,9 @@
 //! The C API against a real `rfaas-executord` and its workers (tcp): round
 //! trips through submit/wait/spin/test and invoke, and the failures that
 //! need an allocation: unknown function names and indices, refusals,
-//! argument checks on buffers, a crashing function, deallocating with an
-//! invocation alive. Needs the daemon built: `cargo build -p
+//! argument checks on buffers, a crashing function, a deadline, the
+//! executor's shutdown, deallocating with an invocation alive, and
+//! `rfaas_invoke_retrying`. Needs the daemon built: `cargo build -p
 //! rfaas-executor` first.
 
 use std::ffi::{CStr, CString};
@@ -10,8 +11,9 @@ use std::ptr::{null, null_mut};
 use std::time::Duration;
 
 use rfaas::*;
+use rfaas_proto::control::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
-use rfaas_testkit::functions::c_library;
+use rfaas_testkit::functions::{c_library, wait_in_sleep_ms};
 
 const FUNCTIONS: &[&str] = &["echo", "noop", "fault_segfault", "sleep_ms"];
 
@@ -44,6 +46,13 @@ struct Fixture {
 
 impl Fixture {
     fn new(cores: u32) -> Fixture {
+        let mut opts = rfaas_alloc_options_default();
+        opts.cores = cores;
+        Fixture::with(opts)
+    }
+
+    /// A fixture whose allocation has `opts` (warm, 4 KiB of output).
+    fn with(mut opts: rfaas_alloc_options) -> Fixture {
         let daemon = Executord::start(&daemon_binary(), ExecutordOptions::default());
         let mut client = null_mut();
         // SAFETY: valid out-pointer.
@@ -53,8 +62,6 @@ impl Fixture {
             alloc: null_mut(),
             daemon,
         };
-        let mut opts = rfaas_alloc_options_default();
-        opts.cores = cores;
         opts.mode = rfaas_mode::RFAAS_MODE_WARM;
         opts.output_capacity = 4096;
         let st = f.allocate(&opts, FUNCTIONS);
@@ -101,6 +108,26 @@ impl Fixture {
         }
     }
 
+    /// The pid of the daemon's only allocation's worker.
+    fn worker_pid(&self) -> u32 {
+        match self.daemon.status() {
+            LocalReply::Status { allocations, .. } if allocations.len() == 1 => allocations[0].pid,
+            other => panic!("not one allocation: {other:?}"),
+        }
+    }
+
+    /// Calls `function` on the 4 bytes of `value`.
+    fn invoke_u32(&self, function: &str, value: u32) -> rfaas_status {
+        let (st, f) = self.index(function);
+        ok(st);
+        let input = self.buffer(4);
+        let output = self.buffer(4);
+        input.bytes().copy_from_slice(&value.to_ne_bytes());
+        let mut len = 0usize;
+        // SAFETY: live handles.
+        unsafe { rfaas_invoke(self.alloc, f, input.0, 4, output.0, &mut len) }
+    }
+
     fn index(&self, name: &str) -> (rfaas_status, u32) {
         let name = CString::new(name).unwrap();
         let mut i = u32::MAX;
@@ -127,6 +154,29 @@ impl Drop for Fixture {
             }
             rfaas_client_free(self.client);
         }
+    }
+}
+
+/// Sends `signal` to `pid`, a process this test started (the daemon, or a
+/// worker through it).
+fn kill(pid: u32, signal: i32) {
+    // SAFETY: kill has no memory preconditions.
+    assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0, "kill {pid}");
+}
+
+/// Waits until process `pid` has ended (gone, or a zombie).
+fn wait_gone(pid: u32) {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].trim_start().chars().next());
+        if matches!(state, None | Some('Z' | 'X')) {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "process {pid} lives on");
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
@@ -247,7 +297,7 @@ fn buffer_arguments_are_checked() {
     // SAFETY: live handles; the misuse tested is in the arguments.
     unsafe {
         let st = rfaas_invoke(f.alloc, 0, input.0, 17, output.0, &mut len);
-        assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, "in_len 17");
+        assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, "in_bytes 17");
         let st = rfaas_invoke(f.alloc, 0, input.0, 16, input.0, &mut len);
         assert_failed(
             st,
@@ -316,6 +366,198 @@ fn a_crashing_function_is_reported_as_such() {
     let st = unsafe { rfaas_invoke(f.alloc, segv, input.0, 8, output.0, &mut len) };
     assert_failed(st, rfaas_status::RFAAS_ERR_WORKER_CRASHED, "signal 11");
     assert!(rfaas_status_is_retryable(st as u32));
+    // The cause as numbers: no text to parse.
+    let info = rfaas_last_error_info();
+    assert_eq!(info.status, rfaas_status::RFAAS_ERR_WORKER_CRASHED);
+    assert_eq!(info.signal, libc::SIGSEGV);
+    assert!(!info.allocation_usable);
+    assert_eq!(info.next, rfaas_next::RFAAS_NEXT_REALLOCATE);
+    // The allocation has ended: the next call fails at once, the same way.
+    let st = f.invoke_u32("echo", 1);
+    assert_failed(st, rfaas_status::RFAAS_ERR_WORKER_CRASHED, "allocate again");
+    assert_eq!(rfaas_last_error_info().signal, libc::SIGSEGV);
+}
+
+#[test]
+fn a_deadline_is_its_own_code_and_ends_the_allocation() {
+    let mut opts = rfaas_alloc_options_default();
+    opts.deadline_ms = 200;
+    let f = Fixture::with(opts);
+    let st = f.invoke_u32("sleep_ms", 5000);
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_DEADLINE_EXCEEDED,
+        "ran past the allocation's deadline",
+    );
+    let info = rfaas_last_error_info();
+    assert!(!info.allocation_usable);
+    assert_eq!(info.next, rfaas_next::RFAAS_NEXT_FIX);
+    assert_eq!(info.signal, 0);
+    let st = f.invoke_u32("echo", 1);
+    assert_failed(st, rfaas_status::RFAAS_ERR_DEADLINE_EXCEEDED, "deadline");
+}
+
+#[test]
+fn stopping_the_executor_is_executor_stopped() {
+    let f = Fixture::new(1);
+    let (st, sleep) = f.index("sleep_ms");
+    ok(st);
+    let input = f.buffer(4);
+    let output = f.buffer(4);
+    input.bytes().copy_from_slice(&10_000u32.to_ne_bytes());
+    let mut inv = null_mut();
+    // SAFETY: live handles.
+    ok(unsafe { rfaas_submit(f.alloc, sleep, input.0, 4, output.0, &mut inv) });
+    wait_in_sleep_ms(f.worker_pid());
+    kill(f.daemon.pid(), libc::SIGTERM);
+    let mut len = 0usize;
+    // SAFETY: a live invocation.
+    let st = unsafe { rfaas_wait(inv, &mut len) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_EXECUTOR_STOPPED,
+        "is shutting down and ended the allocation; allocate again, on another executor if it does not come back",
+    );
+    assert!(!last_error().contains("retrieved"), "{}", last_error());
+    let info = rfaas_last_error_info();
+    assert_eq!(info.next, rfaas_next::RFAAS_NEXT_ELSEWHERE);
+    assert!(!info.allocation_usable);
+    assert!(rfaas_status_is_retryable(st as u32));
+    // SAFETY: freed once.
+    unsafe { rfaas_invocation_free(inv) };
+}
+
+#[test]
+fn messages_name_c_things() {
+    let f = Fixture::new(1);
+    let other = Fixture::new(1);
+    let input = f.buffer(16);
+    let output = f.buffer(16);
+    let foreign = other.buffer(16);
+    let one = f.buffer(1);
+    let mut len = 0usize;
+    // SAFETY: live handles; the misuse tested is in the arguments.
+    unsafe {
+        let st = rfaas_invoke(f.alloc, 0, one.0, 2, output.0, &mut len);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "rfaas_invoke: in_bytes 2 is more than the input buffer holds (1 byte); pass at most rfaas_buffer_size(in)",
+        );
+        let st = rfaas_invoke(f.alloc, 0, foreign.0, 16, output.0, &mut len);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            "make buffers with rfaas_buffer_new on this one",
+        );
+        // Every lane busy: the advice is a C call.
+        let (st, sleep) = f.index("sleep_ms");
+        ok(st);
+        input.bytes()[..4].copy_from_slice(&300u32.to_ne_bytes());
+        let mut inv = null_mut();
+        ok(rfaas_submit(f.alloc, sleep, input.0, 4, output.0, &mut inv));
+        let spare = f.buffer(4);
+        let mut second = null_mut();
+        let st = rfaas_submit(f.alloc, sleep, input.0, 4, spare.0, &mut second);
+        assert_failed(st, rfaas_status::RFAAS_ERR_ALL_LANES_BUSY, "rfaas_invoke");
+        assert!(!last_error().contains("submit_wait"), "{}", last_error());
+        let info = rfaas_last_error_info();
+        assert!(info.allocation_usable);
+        assert_eq!(info.next, rfaas_next::RFAAS_NEXT_RETRY);
+        ok(rfaas_wait(inv, &mut len));
+        rfaas_invocation_free(inv);
+    }
+    let (st, _) = f.index("matmul_not_here");
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_UNKNOWN_FUNCTION,
+        "list it in the functions given to rfaas_allocate",
+    );
+}
+
+#[test]
+fn invoke_retrying_allocates_again_after_a_crash() {
+    let f = Fixture::new(1);
+    let (st, echo) = f.index("echo");
+    ok(st);
+    let input = f.buffer(4);
+    let output = f.buffer(4);
+    input.bytes().copy_from_slice(&0xabcdu32.to_ne_bytes());
+    let first = f.worker_pid();
+    kill(first, libc::SIGKILL);
+    let mut len = 0usize;
+    // SAFETY: live handles, no invocation unfreed.
+    ok(unsafe { rfaas_invoke_retrying(f.alloc, echo, input.0, 4, output.0, &mut len, 3) });
+    assert_eq!(len, 4);
+    assert_eq!(output.bytes(), &0xabcdu32.to_ne_bytes());
+    // A new worker, the same buffers.
+    f.daemon.wait_status(Duration::from_secs(10), |s| {
+        matches!(s, LocalReply::Status { allocations, .. } if allocations.len() == 1 && allocations[0].pid != first)
+    });
+
+    // A function that crashes crashes again: the retries run out.
+    let (st, segv) = f.index("fault_segfault");
+    ok(st);
+    // SAFETY: live handles.
+    let st = unsafe { rfaas_invoke_retrying(f.alloc, segv, input.0, 0, output.0, &mut len, 1) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_WORKER_CRASHED, "signal 11");
+
+    // The crash ended the allocation: one retry allocates again.
+    // SAFETY: live handles.
+    ok(unsafe { rfaas_invoke_retrying(f.alloc, echo, input.0, 4, output.0, &mut len, 1) });
+    // Not while an invocation of the allocation is unfreed.
+    let mut inv = null_mut();
+    // SAFETY: live handles.
+    ok(unsafe { rfaas_submit(f.alloc, echo, input.0, 4, output.0, &mut inv) });
+    let other = f.buffer(4);
+    // SAFETY: live handles; the refusal is what is tested.
+    let st = unsafe { rfaas_invoke_retrying(f.alloc, echo, input.0, 4, other.0, &mut len, 1) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "1 invocation of this allocation is not freed; call rfaas_invocation_free on it first",
+    );
+    // SAFETY: a live invocation, freed once.
+    unsafe {
+        ok(rfaas_wait(inv, &mut len));
+        rfaas_invocation_free(inv);
+    }
+}
+
+#[test]
+fn invoke_retrying_moves_to_a_fallback_executor() {
+    let f = Fixture::new(1);
+    let second = Executord::start(&daemon_binary(), ExecutordOptions::default());
+    let addr = CString::new(second.control_addr().to_string()).unwrap();
+    let token = CString::new(second.token("nobody", 4, 2048, Duration::from_secs(600))).unwrap();
+    // SAFETY: a live allocation no other thread uses; C strings.
+    ok(unsafe { rfaas_add_fallback_executor(f.alloc, addr.as_ptr(), token.as_ptr()) });
+    let (st, echo) = f.index("echo");
+    ok(st);
+    let input = f.buffer(4);
+    let output = f.buffer(4);
+    input.bytes().copy_from_slice(&99u32.to_ne_bytes());
+    let worker = f.worker_pid();
+    kill(f.daemon.pid(), libc::SIGKILL);
+    // Its worker dies with it (a parent-death signal); until then it could
+    // still answer.
+    wait_gone(worker);
+    let mut len = 0usize;
+    // SAFETY: live handles.
+    let st = unsafe { rfaas_invoke_retrying(f.alloc, echo, input.0, 4, output.0, &mut len, 2) };
+    assert_eq!(
+        st,
+        rfaas_status::RFAAS_OK,
+        "{}\n{}",
+        last_error(),
+        second.log()
+    );
+    assert_eq!(output.bytes(), &99u32.to_ne_bytes());
+    // The allocation now lives on the second executor.
+    second.wait_status(
+        Duration::from_secs(10),
+        |s| matches!(s, LocalReply::Status { allocations, .. } if allocations.len() == 1),
+    );
 }
 
 #[test]
@@ -343,7 +585,7 @@ fn deallocate_waits_for_invocations_to_be_freed() {
     assert_failed(
         st,
         rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
-        "1 invocation(s)",
+        "1 invocation of this allocation is not freed",
     );
 
     let mut len = 0usize;

@@ -86,6 +86,22 @@ fn client_new_checks_its_arguments() {
     );
     assert!(c.is_null());
 
+    // A provider no fabric has: refused here, not at the first allocation.
+    for bad in ["infiniband", "verbs:", "TCP"] {
+        let name = CString::new(bad).unwrap();
+        // SAFETY: valid pointers.
+        let st = unsafe { rfaas_client_new(name.as_ptr(), &mut c) };
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+            &format!("`provider` is {bad:?}, which is no fabric provider; pass \"tcp\""),
+        );
+        assert!(c.is_null());
+        let info = rfaas_last_error_info();
+        assert_eq!(info.next, rfaas_next::RFAAS_NEXT_FIX);
+        assert!(!info.allocation_usable, "no client, no allocation");
+    }
+
     let bad = b"tc\xffp\0";
     // SAFETY: a NUL-terminated byte string.
     let st = unsafe { rfaas_client_new(bad.as_ptr().cast(), &mut c) };
@@ -350,6 +366,41 @@ fn bad_options_are_refused_before_connecting() {
     let mut opts = rfaas_alloc_options_default();
     opts.read_only_input = 2;
     refused(&opts, "options.read_only_input is 2");
+
+    // Capacities no worker could use: refused here, not by the executor.
+    let mut opts = rfaas_alloc_options_default();
+    opts.input_capacity = 31;
+    refused(
+        &opts,
+        "options.input_capacity is 31; it holds the 32-byte request header, so give it at least 32",
+    );
+    let mut opts = rfaas_alloc_options_default();
+    opts.output_capacity = 0;
+    refused(&opts, "options.output_capacity is 0");
+    let info = rfaas_last_error_info();
+    assert_eq!(info.status, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT);
+    assert!(!info.allocation_usable, "a failed allocation leaves none");
+
+    // The smallest that fit go on to connect (and fail there).
+    let mut opts = rfaas_alloc_options_default();
+    opts.input_capacity = 32;
+    opts.output_capacity = 1;
+    let mut alloc = null_mut();
+    // SAFETY: valid pointers.
+    let st = unsafe {
+        rfaas_allocate(
+            c,
+            exec.as_ptr(),
+            token.as_ptr(),
+            &opts,
+            lib.as_ptr().cast(),
+            lib.len(),
+            names.as_ptr(),
+            1,
+            &mut alloc,
+        )
+    };
+    assert_failed(st, rfaas_status::RFAAS_ERR_CONNECT, "cannot connect");
     // SAFETY: from client(), freed once.
     unsafe { rfaas_client_free(c) };
 }
@@ -421,16 +472,23 @@ fn status_names_and_retryability() {
     assert!(!rfaas_status_is_retryable(
         rfaas_status::RFAAS_ERR_REFUSED_TOKEN_FORGED as u32
     ));
-}
-
-#[test]
-fn default_options_match_the_documentation() {
-    let o = rfaas_alloc_options_default();
-    assert_eq!(o.cores, 1);
-    assert_eq!(o.memory_mib, 256);
-    assert_eq!(o.mode, rfaas_mode::RFAAS_MODE_HOT_THEN_WARM);
-    assert_eq!(o.hot_timeout_us, 5000);
-    assert_eq!(o.input_capacity, 65536);
-    assert_eq!(o.output_capacity, 1 << 20);
-    assert_eq!(o.deadline_ms, 0);
+    // One code per cause of a worker's end; the crash code is 12 alone.
+    assert_eq!(name(101), "RFAAS_UNKNOWN_STATUS", "101 is retired");
+    for (status, expected) in [
+        (
+            rfaas_status::RFAAS_ERR_WORKER_CRASHED,
+            "RFAAS_ERR_WORKER_CRASHED",
+        ),
+        (
+            rfaas_status::RFAAS_ERR_OUT_OF_MEMORY,
+            "RFAAS_ERR_OUT_OF_MEMORY",
+        ),
+        (
+            rfaas_status::RFAAS_ERR_EXECUTOR_STOPPED,
+            "RFAAS_ERR_EXECUTOR_STOPPED",
+        ),
+    ] {
+        assert_eq!(name(status as u32), expected);
+        assert!(rfaas_status_is_retryable(status as u32), "{expected}");
+    }
 }
