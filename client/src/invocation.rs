@@ -72,6 +72,11 @@ impl<'a> Invocation<'a> {
     /// Waits for the result by busy-polling the lane's completion queue:
     /// the lowest latency, and a whole core while it waits. Returns the
     /// output length in bytes.
+    ///
+    /// Spinning pays only on a CPU of its own. A thread found sharing its
+    /// CPU with another busy thread while it spins (a hot worker on this
+    /// node, say) waits by sleeping from then on, like [`get`](Self::get),
+    /// and the library warns once ([`spin_sleeps`](crate::spin_sleeps)).
     pub fn spin(mut self) -> Result<usize> {
         self.wait(How::Spin)
     }

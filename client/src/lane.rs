@@ -39,6 +39,7 @@ use rfaas_proto::{
 use crate::buffer::{header_offset, RegionShared};
 use crate::control::{lock, Fate, FateState};
 use crate::error::{Error, Result, INVOCATION};
+use crate::spin::{spin_sleeps, Probe};
 
 /// wr_id of the request write.
 const SEND_WR: u64 = 1;
@@ -506,7 +507,28 @@ impl Lane {
 
     /// Drives the invocation in flight towards its end; `None` when `how`
     /// is [`How::Poll`] and it has not ended. The caller holds the lane.
+    ///
+    /// A spinning wait on a thread that shares its CPU with another busy
+    /// thread sleeps instead (see the `spin` module).
     pub(crate) fn complete(&self, how: How, deadline: Option<Deadline>) -> Option<Result<usize>> {
+        if how == How::Spin && spin_sleeps() {
+            return self.drive(How::Block, deadline, &mut Probe::default());
+        }
+        let mut probe = Probe::default();
+        let r = self.drive(how, deadline, &mut probe);
+        if how == How::Spin && !spin_sleeps() {
+            probe.finish();
+        }
+        r
+    }
+
+    /// [`complete`](Self::complete)'s loop.
+    fn drive(
+        &self,
+        mut how: How,
+        deadline: Option<Deadline>,
+        probe: &mut Probe,
+    ) -> Option<Result<usize>> {
         // SAFETY: the caller holds the lane (see the module docs).
         let inner = unsafe { self.inner() };
         let mut spins = 0u32;
@@ -533,7 +555,12 @@ impl Lane {
                     continue;
                 }
                 spins = 0;
-                if spinning_since.get_or_insert_with(Instant::now).elapsed() >= SPIN_BEFORE_YIELD {
+                if probe.check() {
+                    // Another busy thread has this CPU: sleep from now on.
+                    how = How::Block;
+                } else if spinning_since.get_or_insert_with(Instant::now).elapsed()
+                    >= SPIN_BEFORE_YIELD
+                {
                     std::thread::yield_now();
                 }
             }

@@ -43,6 +43,8 @@
 //!   may touch the queue, and how an abandoned invocation is drained.
 //! - `control`: the control connection, its reader thread, and each
 //!   allocation's fate (`WorkerExited`, connection loss).
+//! - `spin`: noticing that a spinning thread shares its CPU with another
+//!   busy thread ([`spin_sleeps`]), so `spin` sleeps instead.
 //! - [`error`]: [`Error`], with [`Error::is_retryable`],
 //!   [`Error::allocation_usable`] and [`Error::next`] ([`Next`]).
 
@@ -54,6 +56,7 @@ pub mod error;
 pub mod invocation;
 mod lane;
 pub mod spec;
+mod spin;
 
 pub use allocation::{Allocation, ColdStart, FunctionId};
 pub use buffer::{Buffer, Pod};
@@ -63,3 +66,4 @@ pub use invocation::Invocation;
 pub use rfaas_proto::control::{ErrorCode, ExitCause};
 pub use rfaas_proto::InvocationStatus;
 pub use spec::{AllocationSpec, ClientOptions, Mode};
+pub use spin::spin_sleeps;

@@ -12,6 +12,7 @@ use rfaas_client::{
     InvocationStatus, Mode, Next,
 };
 use rfaas_proto::control::LocalReply;
+use rfaas_testkit::cpus;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, wait_in_sleep_ms};
 use rstest::rstest;
@@ -869,6 +870,49 @@ fn invoke_retrying_moves_to_a_fallback_executor() {
     assert_eq!(output.as_slice(), &[99]);
     assert_eq!(alloc.executor(), fallback);
     alloc.deallocate().unwrap();
+}
+
+/// A client thread that spins on the CPU its hot worker is pinned to waits
+/// for the scheduler on every call; the library notices (the thread gets
+/// far less than its CPU while it spins) and sleeps instead.
+#[test]
+fn spinning_on_the_workers_cpu_turns_to_sleeping() {
+    let cpu = cpus::allowed()[0];
+    let opts = ExecutordOptions {
+        cpus: cpu.to_string(),
+        pin: true,
+        ..ExecutordOptions::default()
+    };
+    let d = Executord::start(&daemon_binary(), opts);
+    let token = d.token("nobody", 1, 512, Duration::from_secs(600));
+    let addr = d.control_addr().to_string();
+    std::thread::spawn(move || {
+        cpus::pin_this_thread(cpu);
+        let client = Client::new(ClientOptions::with_provider("tcp"));
+        let alloc = client
+            .allocate(&addr, &token, &spec().mode(Mode::Hot))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let echo = alloc.function("echo").unwrap();
+        let input = u32_input(&alloc, 7);
+        let mut output = alloc.buffer::<u32>(1).unwrap();
+        assert!(!rfaas_client::spin_sleeps());
+        let mut calls = 0;
+        while !rfaas_client::spin_sleeps() && calls < 500 {
+            let n = alloc.submit(echo, &input, 1, &mut output).unwrap().spin();
+            assert_eq!(n.unwrap(), 4);
+            calls += 1;
+        }
+        assert!(
+            rfaas_client::spin_sleeps(),
+            "{calls} spins on the worker's CPU went unnoticed"
+        );
+        // It answers on, sleeping.
+        output.as_mut_slice()[0] = 0;
+        let n = alloc.submit(echo, &input, 1, &mut output).unwrap().spin();
+        assert_eq!((n.unwrap(), output.as_slice()[0]), (4, 7));
+    })
+    .join()
+    .unwrap();
 }
 
 #[test]

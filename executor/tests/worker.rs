@@ -903,20 +903,6 @@ fn wait_until_asleep(pid: u32) {
     }
 }
 
-/// The CPUs this process may run on.
-fn allowed_cpus() -> Vec<u32> {
-    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; pid 0 is this thread.
-    let rc =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    assert_eq!(rc, 0);
-    (0..libc::CPU_SETSIZE as u32)
-        // SAFETY: i is below CPU_SETSIZE.
-        .filter(|&i| unsafe { libc::CPU_ISSET(i as usize, &set) })
-        .collect()
-}
-
 /// Parses a kernel CPU list such as `0-2,5`.
 fn cpu_list(s: &str) -> BTreeSet<u32> {
     let mut out = BTreeSet::new();
@@ -947,7 +933,7 @@ fn runs_as_the_user_pinned_and_limited(#[case] provider: &str) {
     let dir = TempDir::new();
     let worker = Worker::spawn();
     let mut a = assignment(provider, &dir);
-    let cpus = allowed_cpus();
+    let cpus = rfaas_testkit::cpus::allowed();
     let lane_cpus = vec![cpus[0], *cpus.last().unwrap()];
     a.cpus = lane_cpus.clone();
     a.memory_limit_bytes = 8 << 30;

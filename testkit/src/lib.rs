@@ -2,12 +2,14 @@
 //!
 //! # Layout
 //!
+//! - [`cpus`]: the CPUs a test may use, and pinning its thread to one.
 //! - [`executord`]: a real `rfaas-executord` in a private directory, with
 //!   token minting and the local socket, stopped by pid on drop.
 //! - [`functions`]: builds the example function libraries
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
 
+pub mod cpus;
 pub mod executord;
 pub mod functions;
 

@@ -662,13 +662,27 @@ rfaas_status rfaas_wait(struct rfaas_invocation *inv, size_t *out_len);
 
 /**
  * `rfaas_wait` by busy-polling: the lowest latency, and a whole core
- * while it waits.
+ * while it waits. Spinning pays only on a CPU of its own: a thread found
+ * sharing its CPU with another busy thread while it spins (a hot worker
+ * pinned to the same core, say) gets its results only when the scheduler
+ * switches, milliseconds instead of microseconds, so from then on
+ * `rfaas_spin` on that thread waits by sleeping, like `rfaas_wait`
+ * (`rfaas_spin_sleeps` tells).
  *
  * # Safety
  *
  * As for `rfaas_wait`.
  */
 rfaas_status rfaas_spin(struct rfaas_invocation *inv, size_t *out_len);
+
+/**
+ * Whether `rfaas_spin` on the calling thread waits by sleeping because it
+ * found the thread's CPU shared with another busy thread: it got less than
+ * half of its CPU over half a millisecond of spinning. Once true, it stays
+ * true for the thread's life. Pin a thread that spins to a core no worker
+ * and no other busy thread uses.
+ */
+bool rfaas_spin_sleeps(void);
 
 /**
  * Never waits: `RFAAS_PENDING` while the invocation is in flight (not a

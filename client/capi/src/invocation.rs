@@ -267,7 +267,12 @@ pub unsafe extern "C" fn rfaas_wait(
 }
 
 /// `rfaas_wait` by busy-polling: the lowest latency, and a whole core
-/// while it waits.
+/// while it waits. Spinning pays only on a CPU of its own: a thread found
+/// sharing its CPU with another busy thread while it spins (a hot worker
+/// pinned to the same core, say) gets its results only when the scheduler
+/// switches, milliseconds instead of microseconds, so from then on
+/// `rfaas_spin` on that thread waits by sleeping, like `rfaas_wait`
+/// (`rfaas_spin_sleeps` tells).
 ///
 /// # Safety
 ///
@@ -279,6 +284,16 @@ pub unsafe extern "C" fn rfaas_spin(
 ) -> rfaas_status {
     // SAFETY: the caller's promises, passed on.
     unsafe { finish("rfaas_spin", inv, out_len, Wait::Spin) }
+}
+
+/// Whether `rfaas_spin` on the calling thread waits by sleeping because it
+/// found the thread's CPU shared with another busy thread: it got less than
+/// half of its CPU over half a millisecond of spinning. Once true, it stays
+/// true for the thread's life. Pin a thread that spins to a core no worker
+/// and no other busy thread uses.
+#[no_mangle]
+pub extern "C" fn rfaas_spin_sleeps() -> bool {
+    call_infallible(false, ::rfaas_client::spin_sleeps)
 }
 
 /// Never waits: `RFAAS_PENDING` while the invocation is in flight (not a

@@ -46,14 +46,14 @@ struct Fixture {
 
 impl Fixture {
     fn new(cores: u32) -> Fixture {
-        let mut opts = rfaas_alloc_options_default();
+        let mut opts = warm();
         opts.cores = cores;
-        Fixture::with(opts)
+        Fixture::with(ExecutordOptions::default(), opts)
     }
 
-    /// A fixture whose allocation has `opts` (warm, 4 KiB of output).
-    fn with(mut opts: rfaas_alloc_options) -> Fixture {
-        let daemon = Executord::start(&daemon_binary(), ExecutordOptions::default());
+    /// A daemon with `daemon`, and an allocation with `opts`.
+    fn with(daemon: ExecutordOptions, opts: rfaas_alloc_options) -> Fixture {
+        let daemon = Executord::start(&daemon_binary(), daemon);
         let mut client = null_mut();
         // SAFETY: valid out-pointer.
         ok(unsafe { rfaas_client_new(null(), &mut client) });
@@ -62,8 +62,6 @@ impl Fixture {
             alloc: null_mut(),
             daemon,
         };
-        opts.mode = rfaas_mode::RFAAS_MODE_WARM;
-        opts.output_capacity = 4096;
         let st = f.allocate(&opts, FUNCTIONS);
         assert_eq!(
             st,
@@ -155,6 +153,14 @@ impl Drop for Fixture {
             rfaas_client_free(self.client);
         }
     }
+}
+
+/// The tests' allocation options: warm lanes, 4 KiB of output.
+fn warm() -> rfaas_alloc_options {
+    let mut opts = rfaas_alloc_options_default();
+    opts.mode = rfaas_mode::RFAAS_MODE_WARM;
+    opts.output_capacity = 4096;
+    opts
 }
 
 /// Sends `signal` to `pid`, a process this test started (the daemon, or a
@@ -380,9 +386,9 @@ fn a_crashing_function_is_reported_as_such() {
 
 #[test]
 fn a_deadline_is_its_own_code_and_ends_the_allocation() {
-    let mut opts = rfaas_alloc_options_default();
+    let mut opts = warm();
     opts.deadline_ms = 200;
-    let f = Fixture::with(opts);
+    let f = Fixture::with(ExecutordOptions::default(), opts);
     let st = f.invoke_u32("sleep_ms", 5000);
     assert_failed(
         st,
@@ -597,4 +603,47 @@ fn deallocate_waits_for_invocations_to_be_freed() {
     // SAFETY: the allocation is live and has no invocation left.
     ok(unsafe { rfaas_deallocate(f.alloc) });
     f.alloc = null_mut();
+}
+
+/// A thread whose `rfaas_spin` shares its CPU with its hot worker: the
+/// library notices and sleeps instead.
+#[test]
+fn spinning_on_the_workers_cpu_turns_to_sleeping() {
+    let cpu = rfaas_testkit::cpus::allowed()[0];
+    std::thread::spawn(move || {
+        rfaas_testkit::cpus::pin_this_thread(cpu);
+        assert!(!rfaas_spin_sleeps());
+        let daemon = ExecutordOptions {
+            cpus: cpu.to_string(),
+            pin: true,
+            ..ExecutordOptions::default()
+        };
+        let mut opts = warm();
+        opts.mode = rfaas_mode::RFAAS_MODE_HOT;
+        let f = Fixture::with(daemon, opts);
+        let (st, echo) = f.index("echo");
+        ok(st);
+        let input = f.buffer(4);
+        let output = f.buffer(4);
+        input.bytes().copy_from_slice(&7u32.to_ne_bytes());
+        let mut calls = 0;
+        while !rfaas_spin_sleeps() && calls < 500 {
+            let mut inv = null_mut();
+            let mut len = 0usize;
+            // SAFETY: live handles; the invocation is freed once.
+            unsafe {
+                ok(rfaas_submit(f.alloc, echo, input.0, 4, output.0, &mut inv));
+                ok(rfaas_spin(inv, &mut len));
+                rfaas_invocation_free(inv);
+            }
+            assert_eq!(len, 4);
+            calls += 1;
+        }
+        assert!(
+            rfaas_spin_sleeps(),
+            "{calls} spins on the worker's CPU went unnoticed"
+        );
+    })
+    .join()
+    .unwrap();
 }
