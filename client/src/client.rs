@@ -14,9 +14,10 @@ use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::allocation::{Allocation, ColdStart, Parts};
 use crate::control::{lock, ControlConn, Fate, Reply};
-use crate::error::{count, Error, Result};
+use crate::error::{Error, Result};
 use crate::lane::{Lane, CQ_DEPTH, ENDPOINT_DEPTH};
 use crate::spec::{AllocationSpec, ClientOptions};
+use rfaas_proto::text::count;
 
 /// The entry point: opens the fabric on first use and keeps one control
 /// connection per executor, shared by every allocation on it. Cheap to
@@ -211,8 +212,8 @@ impl Client {
         for (i, remote) in ok.lanes.iter().enumerate() {
             if (remote.len as usize) < InvocationHeader::LEN {
                 return Err(Error::Protocol(format!(
-                    "lane {i}'s input buffer is {} bytes, less than a request header",
-                    remote.len
+                    "lane {i}'s input buffer is {}, less than a request header",
+                    count(remote.len, "byte")
                 )));
             }
             let mut cq = fabric.completion_queue(CQ_DEPTH)?;

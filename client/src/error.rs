@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use rfaas_proto::control::{ControlError, ErrorCode, ExitCause, WorkerExited};
+use rfaas_proto::text::count;
 use rfaas_proto::InvocationStatus;
 
 /// What to do after an [`Error`] ([`Error::next`]).
@@ -285,16 +286,6 @@ impl Error {
                 message: exit.message.clone(),
             },
         }
-    }
-}
-
-/// `n` and its noun, singular or plural: "1 core", "2 cores".
-pub(crate) fn count(n: impl Into<u64>, noun: &str) -> String {
-    let n = n.into();
-    if n == 1 {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
     }
 }
 
@@ -598,10 +589,7 @@ mod tests {
     }
 
     #[test]
-    fn counts_are_singular_or_plural() {
-        assert_eq!(count(1u32, "core"), "1 core");
-        assert_eq!(count(0u32, "core"), "0 cores");
-        assert_eq!(count(2u32, "core"), "2 cores");
+    fn elements_are_bytes_for_bytes() {
         assert_eq!(elements(1, 1), "1 byte");
         assert_eq!(elements(16, 1), "16 bytes");
         assert_eq!(elements(1, 8), "1 element of 8 bytes");

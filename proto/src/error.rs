@@ -7,6 +7,7 @@
 
 use crate::imm::{MAX_FUNCTIONS, MAX_INVOCATION_ID};
 use crate::status::InvocationStatus;
+use crate::text::count;
 
 /// A value could not be encoded, or bytes could not be decoded, as one of the
 /// wire formats of this crate.
@@ -18,7 +19,7 @@ use crate::status::InvocationStatus;
 pub enum ProtoError {
     /// The buffer is shorter than the message it should hold. Not retryable:
     /// the sender (on decode) or the caller (on encode) sized it wrong.
-    #[error("the {what} is {needed} bytes, but the buffer given for it is only {len} bytes long")]
+    #[error("the {what} is {}, but the buffer given for it is only {} long", count(*needed as u64, "byte"), count(*len as u64, "byte"))]
     BufferTooShort {
         /// Which message, e.g. `"invocation header"`.
         what: &'static str,
@@ -44,8 +45,9 @@ pub enum ProtoError {
     /// that arrived after the header. Not retryable: the client wrote a
     /// header that does not describe its own write.
     #[error(
-        "invocation header declares an inline payload of {input_len} bytes, \
-         but {arrived} bytes arrived after the header"
+        "invocation header declares an inline payload of {}, but {} arrived after the header",
+        count(*input_len, "byte"),
+        count(*arrived, "byte")
     )]
     InlineLengthMismatch {
         /// `input_len` from the header.

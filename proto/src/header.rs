@@ -432,6 +432,15 @@ mod tests {
             "the invocation header is 32 bytes, but the buffer given for it is only 5 bytes long"
         );
         assert_eq!(
+            ProtoError::BufferTooShort {
+                what: "invocation header",
+                needed: 32,
+                len: 1
+            }
+            .to_string(),
+            "the invocation header is 32 bytes, but the buffer given for it is only 1 byte long"
+        );
+        assert_eq!(
             ProtoError::InlineWithAddress { input_addr: 0x1000 }.to_string(),
             "invocation header has input_rkey 0, which marks an inline payload, \
              but input_addr is 0x1000; an inline payload must have input_addr 0"

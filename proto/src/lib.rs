@@ -14,6 +14,8 @@
 //! - [`status`]: [`InvocationStatus`], the stable codes of how an invocation
 //!   ended.
 //! - [`error`]: [`ProtoError`], what can be wrong with bytes or values.
+//! - [`text`]: words of the messages people read (counts in the right
+//!   form).
 //! - [`control`]: the control channel (allocation between client and
 //!   executor, the daemon and its workers, node tools and the daemon):
 //!   JSON messages behind a 16-byte frame header.
@@ -126,6 +128,7 @@ pub mod lease;
 pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;
+pub mod text;
 
 pub use error::ProtoError;
 pub use header::{InvocationHeader, ReplyTo};

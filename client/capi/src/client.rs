@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use ::rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
 use rfaas_fabric::ProviderKind;
+use rfaas_proto::text::count;
 
 use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, str_arg, CallResult, Failure};
 use crate::options::{self, rfaas_alloc_options};
@@ -382,17 +383,22 @@ pub unsafe extern "C" fn rfaas_deallocate(alloc: *mut rfaas_allocation) -> rfaas
 /// Refuses `call` while invocations of `handle` are not freed: they borrow
 /// its lanes, which the call ends or replaces.
 pub(crate) fn no_invocations(call: &str, handle: &rfaas_allocation) -> Result<(), Failure> {
-    match handle.live.load(Ordering::Acquire) {
-        0 => Ok(()),
-        1 => Err(Failure::invalid(
-            call,
-            "1 invocation of this allocation is not freed; call rfaas_invocation_free on it first",
-        )),
-        live => Err(Failure::invalid(
-            call,
-            format!("{live} invocations of this allocation are not freed; call rfaas_invocation_free on each first"),
-        )),
+    let live = handle.live.load(Ordering::Acquire);
+    if live == 0 {
+        return Ok(());
     }
+    let (are, them) = if live == 1 {
+        ("is", "it")
+    } else {
+        ("are", "each")
+    };
+    Err(Failure::invalid(
+        call,
+        format!(
+            "{} of this allocation {are} not freed; call rfaas_invocation_free on {them} first",
+            count(live as u64, "invocation")
+        ),
+    ))
 }
 
 /// Adds another executor (its control address, "host:port") and a lease

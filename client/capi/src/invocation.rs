@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ::rfaas_client::{Allocation, Buffer, FunctionId, Invocation};
+use rfaas_proto::text::count;
 
 use crate::buffer::rfaas_buffer;
 use crate::client::{no_invocations, rfaas_allocation};
@@ -113,7 +114,7 @@ unsafe fn buffers<'a>(
             call,
             format!(
                 "in_bytes {in_bytes} is more than the input buffer holds ({}); pass at most rfaas_buffer_size(in)",
-                bytes(input.buf.len())
+                count(input.buf.len() as u64, "byte")
             ),
         ));
     }
@@ -130,15 +131,6 @@ unsafe fn buffers<'a>(
         ));
     }
     Ok((f, &input.buf, &mut output.buf))
-}
-
-/// `n` bytes, "1 byte" or "n bytes".
-pub(crate) fn bytes(n: usize) -> String {
-    if n == 1 {
-        "1 byte".into()
-    } else {
-        format!("{n} bytes")
-    }
 }
 
 /// Starts the function with table index `function` on the first

@@ -2,6 +2,7 @@
 //! The caller keeps one [`Capacity`] behind one lock, so two requests never
 //! take the same CPU.
 
+use rfaas_proto::text::count;
 use std::collections::{BTreeSet, HashMap};
 
 /// Why a grant was refused.
@@ -72,14 +73,18 @@ impl Capacity {
             || held_mem + u64::from(memory_mib) > u64::from(lease_memory_mib)
         {
             return Err(Refusal::ExceedsLease(format!(
-                "lease {lease_id} grants {lease_cores} cores and {lease_memory_mib} MiB; its allocations here already hold {held_cores} cores and {held_mem} MiB, so {cores} more cores and {memory_mib} MiB do not fit; deallocate first or request a bigger lease"
+                "lease {lease_id} grants {} and {lease_memory_mib} MiB; its allocations here already hold {} and {held_mem} MiB, so {} more and {memory_mib} MiB do not fit; deallocate first or request a bigger lease",
+                count(lease_cores, "core"),
+                count(held_cores, "core"),
+                count(cores, "core")
             )));
         }
         if self.free.len() < usize::from(cores) || self.free_memory_mib < memory_mib {
             return Err(Refusal::NoCapacity(format!(
-                "this executor has {} free cores and {} MiB free, the request needs {cores} cores and {memory_mib} MiB; retry later or on another node",
-                self.free.len(),
-                self.free_memory_mib
+                "this executor has {} and {} MiB free, the request needs {} and {memory_mib} MiB; retry later or on another node",
+                count(self.free.len() as u64, "free core"),
+                self.free_memory_mib,
+                count(cores, "core")
             )));
         }
         let taken: Vec<u32> = self.free.iter().copied().take(usize::from(cores)).collect();
@@ -124,7 +129,7 @@ mod tests {
         ));
         assert!(matches!(
             c.grant(2, 4, 4000, 2, 10),
-            Err(Refusal::NoCapacity(_))
+            Err(Refusal::NoCapacity(ref m)) if m.contains("has 1 free core and") && m.contains("needs 2 cores")
         ));
         assert!(matches!(
             c.grant(2, 4, 4000, 1, 701),

@@ -3,6 +3,7 @@
 
 use rfaas_proto::control::{AllocateRequest, ErrorCode};
 use rfaas_proto::lease::{self, LeaseClaims, TokenError};
+use rfaas_proto::text::count;
 
 use super::Refused;
 use crate::daemon::config::Settings;
@@ -28,8 +29,8 @@ pub(super) fn check(
         return Err((
             ErrorCode::ExceedsLease,
             format!(
-                "the request asks for {} cores and {} MiB, but lease {} grants {} cores and {} MiB; ask for less or get a bigger lease",
-                req.cores, req.memory_mib, claims.lease_id, claims.cores, claims.memory_mib
+                "the request asks for {} and {} MiB, but lease {} grants {} and {} MiB; ask for less or get a bigger lease",
+                count(req.cores, "core"), req.memory_mib, claims.lease_id, count(claims.cores, "core"), claims.memory_mib
             ),
         ));
     }
