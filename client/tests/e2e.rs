@@ -738,6 +738,18 @@ fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
 #[case::verbs(verbs())]
 fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
+    let (d, _, err) = signal_the_executor_under_a_call(provider, libc::SIGKILL);
+    assert!(
+        matches!(err, Error::ExecutorLost { ref executor } if *executor == d.control_addr().to_string()),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+}
+
+/// Sends `signal` to a fresh executor while a call of an allocation on it
+/// is inside its function; returns the executor, the allocation and the
+/// call's error.
+fn signal_the_executor_under_a_call(provider: &str, signal: i32) -> (Executord, Allocation, Error) {
     let d = daemon_for(provider);
     let alloc = allocate(&d, provider, &spec());
     let f = alloc.function("sleep_ms").unwrap();
@@ -745,13 +757,9 @@ fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
     let mut output = alloc.buffer::<u32>(1).unwrap();
     let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
     wait_in_sleep_ms(worker_pid(&d, alloc.id()) as u32);
-    kill(d.pid() as i32, libc::SIGKILL);
+    kill(d.pid() as i32, signal);
     let err = inv.get().unwrap_err();
-    assert!(
-        matches!(err, Error::ExecutorLost { ref executor } if *executor == d.control_addr().to_string()),
-        "{err:?}"
-    );
-    assert!(err.is_retryable());
+    (d, alloc, err)
 }
 
 #[rstest]
@@ -760,16 +768,8 @@ fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
 #[case::verbs(verbs())]
 fn stopping_the_executor_is_executor_stopped(#[case] provider: &str) {
-    let d = daemon_for(provider);
-    let alloc = allocate(&d, provider, &spec());
-    let f = alloc.function("sleep_ms").unwrap();
-    let input = u32_input(&alloc, 10_000);
-    let mut output = alloc.buffer::<u32>(1).unwrap();
-    let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
-    wait_in_sleep_ms(worker_pid(&d, alloc.id()) as u32);
     // What systemd does to stop the daemon.
-    kill(d.pid() as i32, libc::SIGTERM);
-    let err = inv.get().unwrap_err();
+    let (d, alloc, err) = signal_the_executor_under_a_call(provider, libc::SIGTERM);
     let executor = d.control_addr().to_string();
     assert!(
         matches!(err, Error::ExecutorStopped { executor: ref e } if *e == executor),
@@ -790,7 +790,10 @@ fn stopping_the_executor_is_executor_stopped(#[case] provider: &str) {
     assert!(!err.allocation_usable());
     assert_eq!(err.next(), Next::Elsewhere);
     // Later calls fail at once with the same news.
-    let err = alloc.invoke(f, &input, 1, &mut output).unwrap_err();
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 1);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    let err = alloc.invoke(echo, &input, 1, &mut output).unwrap_err();
     assert!(matches!(err, Error::ExecutorStopped { .. }), "{err:?}");
 }
 

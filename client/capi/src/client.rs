@@ -135,47 +135,13 @@ unsafe fn function_names<'a>(
 }
 
 /// Shared by rfaas_allocate and rfaas_allocate_file; the arguments are
-/// theirs. A failure leaves no allocation.
+/// theirs.
 ///
 /// # Safety
 ///
 /// As for `rfaas_allocate`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn allocate(
-    call: &str,
-    client: *const rfaas_client,
-    executor: *const c_char,
-    token: *const c_char,
-    opts: *const rfaas_alloc_options,
-    library: impl FnOnce() -> Result<(Vec<u8>, Option<String>), Failure>,
-    functions: *const *const c_char,
-    n_functions: usize,
-    out: *mut *mut rfaas_allocation,
-) -> CallResult {
-    // SAFETY: the caller's promises, passed on.
-    unsafe {
-        try_allocate(
-            call,
-            client,
-            executor,
-            token,
-            opts,
-            library,
-            functions,
-            n_functions,
-            out,
-        )
-    }
-    .map_err(Failure::no_allocation)
-}
-
-/// [`allocate`], whose failures may still say the allocation is usable.
-///
-/// # Safety
-///
-/// As for `rfaas_allocate`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn try_allocate(
     call: &str,
     client: *const rfaas_client,
     executor: *const c_char,
@@ -268,6 +234,8 @@ pub unsafe extern "C" fn rfaas_allocate(
                 out,
             )
         }
+        // A failed allocation leaves none to use.
+        .map_err(Failure::no_allocation)
     })
 }
 
@@ -318,6 +286,8 @@ pub unsafe extern "C" fn rfaas_allocate_file(
                 out,
             )
         }
+        // A failed allocation leaves none to use.
+        .map_err(Failure::no_allocation)
     })
 }
 
