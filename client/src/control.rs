@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::io::BufReader;
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -41,7 +41,8 @@ pub(crate) enum FateState {
     },
     /// A lane's worker answered a status after which it serves nothing
     /// more ([`InvocationStatus::ends_worker`]: the deadline, the lease's
-    /// end, a drain).
+    /// end, a drain). It may still finish calls under way on other lanes
+    /// (a drain lets them run for its grace period).
     Refusing(InvocationStatus),
     /// The executor reported the worker's end.
     Exited(WorkerExited),
@@ -56,29 +57,46 @@ pub(crate) enum FateState {
 #[derive(Debug)]
 pub(crate) struct Fate {
     executor: String,
-    /// Fast check for the hot path: the state is no longer `Running`.
-    ended: AtomicBool,
+    /// Fast checks for the hot path: [`RUNNING`], [`ENDED`] or [`GONE`].
+    level: AtomicU8,
     state: Mutex<FateState>,
     cond: Condvar,
 }
+
+/// [`Fate::level`]: the worker takes calls.
+const RUNNING: u8 = 0;
+/// The worker takes no more calls, but may finish those under way.
+const ENDED: u8 = 1;
+/// The worker is gone (or about to be): nothing more comes from it.
+const GONE: u8 = 2;
 
 impl Fate {
     pub(crate) fn new(executor: String) -> Fate {
         Fate {
             executor,
-            ended: AtomicBool::new(false),
+            level: AtomicU8::new(RUNNING),
             state: Mutex::new(FateState::Running),
             cond: Condvar::new(),
         }
     }
 
-    /// Whether the worker is known to be gone. Hot path: one atomic load.
+    /// Whether the allocation takes no more calls. Hot path: one atomic
+    /// load.
     #[inline]
     pub(crate) fn ended(&self) -> bool {
-        self.ended.load(Ordering::Acquire)
+        self.level.load(Ordering::Acquire) != RUNNING
     }
 
-    /// Records the end, unless an earlier one is recorded.
+    /// Whether the worker is known to be gone, so a call still waiting on
+    /// it will get no answer.
+    #[inline]
+    pub(crate) fn gone(&self) -> bool {
+        self.level.load(Ordering::Acquire) == GONE
+    }
+
+    /// Records the end, unless an earlier one is recorded (the first cause
+    /// is the one every call hears); news that the worker is gone is
+    /// recorded either way.
     pub(crate) fn set(&self, state: FateState) {
         let mut st = lock(&self.state);
         // The executor's report of a crash says more than the worker's.
@@ -86,10 +104,15 @@ impl Fate {
             (&*st, &state),
             (FateState::Running, _) | (FateState::Crashed { .. }, FateState::Exited(_))
         );
+        let level = match state {
+            FateState::Running => RUNNING,
+            FateState::Refusing(_) => ENDED,
+            _ => GONE,
+        };
         if replaces {
             *st = state;
-            self.ended.store(true, Ordering::Release);
         }
+        self.level.fetch_max(level, Ordering::AcqRel);
         drop(st);
         self.cond.notify_all();
     }
@@ -412,6 +435,31 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_worker_that_refuses_calls_may_still_finish_those_under_way() {
+        let f = Fate::new("127.0.0.1:9".into());
+        f.set(FateState::Refusing(InvocationStatus::ExecutorDraining));
+        assert!(f.ended(), "no more calls");
+        assert!(!f.gone(), "a drain lets calls under way finish");
+        // The worker's end, later, is news that it is gone; the cause every
+        // call hears stays the first.
+        f.set(FateState::Exited(WorkerExited {
+            allocation_id: 1,
+            cause: ExitCause::Drained,
+            signal: Some(9),
+            exit_code: None,
+            message: "worker 3 stopped: its node is being retrieved".into(),
+        }));
+        assert!(f.gone());
+        assert!(matches!(
+            f.error(Duration::ZERO),
+            Error::FunctionFailed(InvocationStatus::ExecutorDraining)
+        ));
+        let f = Fate::new("127.0.0.1:9".into());
+        f.set(FateState::Crashed { signal: Some(11) });
+        assert!(f.gone(), "a crashed worker is dying");
     }
 
     #[test]

@@ -565,7 +565,7 @@ impl Lane {
                 }
             }
             // Nothing came: look at the allocation's fate and the clock.
-            if self.fate.ended() && inner.broken.is_none() {
+            if self.fate.gone() && inner.broken.is_none() {
                 let since = *inner.trouble_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= LOST_GRACE {
                     inner.fail(Status::PeerLost);
