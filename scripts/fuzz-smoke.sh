@@ -73,6 +73,16 @@ write_seeds() {
 }
 
 cd "$fuzz_dir"
+# fuzz/ is its own workspace with its own committed Cargo.lock. When
+# rfaas-proto gains a dependency that lock misses it, and every build would
+# add it again in a fresh checkout (at whatever version is newest that day).
+# --locked turns that into this error instead of a changed checkout.
+if ! cargo +stable fetch --locked --quiet; then
+    echo "fuzz-smoke: fuzz/Cargo.lock is out of date with fuzz/Cargo.toml or proto/Cargo.toml." \
+        "Run \`cargo +stable update --workspace\` in fuzz/ (it adds what is missing and" \
+        "changes nothing else) and commit fuzz/Cargo.lock." >&2
+    exit 1
+fi
 write_seeds "corpus/$target"
 
 log="$fuzz_dir/target/fuzz-smoke-$target.log"

@@ -120,3 +120,44 @@ mint_token() {
     "$EXECUTORD_BIN/rfaas-token" mint --secret-file "$EXECUTORD_SECRET" --node "$EXECUTORD_NODE" \
         --user "$1" --account demo --cores "$2" --memory-mib "$3" --ttl-secs 3600
 }
+
+# Prints one line per file git reports as changed or new in this checkout:
+# its status, its path and a hash of its content. Prints nothing outside a
+# git checkout.
+checkout_changes() {
+    git rev-parse --is-inside-work-tree >/dev/null 2>&1 || return 0
+    local entry path hash
+    while IFS= read -r -d '' entry; do
+        path=${entry:3}
+        hash=deleted
+        [ -f "$path" ] && hash=$(git hash-object -- "$path")
+        printf '%s %s %s\n' "${entry:0:2}" "$hash" "$path"
+    done < <(git status --porcelain=v1 -z --untracked-files=all --no-renames)
+}
+
+# Fails, naming the files, when the checkout differs from what
+# checkout_changes printed before ($1): a test or build step wrote into the
+# repository. On a clean checkout (CI's fresh clone) this is `git status
+# --porcelain` staying empty.
+check_checkout_unchanged() {
+    local before=$1 after changed
+    git rev-parse --is-inside-work-tree >/dev/null 2>&1 || {
+        echo "not a git checkout: cannot check that the tests left the tree as they found it"
+        return 0
+    }
+    after=$(checkout_changes)
+    [ "$before" = "$after" ] && {
+        echo "checkout: unchanged by the run"
+        return 0
+    }
+    changed=$(diff <(printf '%s\n' "$before") <(printf '%s\n' "$after") |
+        sed -n 's/^[<>] .. [^ ]* //p' | sort -u)
+    loud "FAILED: the run changed the checkout; git status names:" \
+        "${changed//$'\n'/ }" \
+        "A step writes into the repository. If the file is generated and belongs" \
+        "in git (a lockfile, a header), commit it up to date; otherwise make the" \
+        "step write under target/ or list the file in .gitignore."
+    echo "git status now (with whatever was changed before the run):" >&2
+    git status --short --untracked-files=all >&2
+    return 1
+}

@@ -2,7 +2,9 @@
 # Runs every rfaas test: unit, conformance (tcp and shm), benchmarks' own
 # tests, doc tests, the verbs provider on Soft-RoCE in a VM and between two
 # VMs (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), and a short
-# fuzz run of the tcp frame decoder.
+# fuzz run of the tcp frame decoder. Fails at the end if the run changed the
+# git checkout (a stale lockfile or header, a stray output file), naming the
+# files.
 # Installs what it needs first (Debian packages, cargo tools, the VM image).
 #
 #   scripts/test.sh                      everything
@@ -17,6 +19,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$(repo_root)"
+checkout_before=$(checkout_changes)
 
 ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}"
 ensure_rust
@@ -60,3 +63,6 @@ if [ "${FUZZ_SECONDS:-60}" != 0 ]; then
     echo "== fuzz"
     bash scripts/fuzz-smoke.sh
 fi
+
+echo "== the checkout is as the run found it"
+check_checkout_unchanged "$checkout_before"
