@@ -34,9 +34,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step="building the C API (scripts/build-capi.sh)"
+# The debug build of the whole workspace, CI's one build (CI_BUILD in
+# lib.sh): after scripts/test.sh's first step there is nothing left to
+# compile, and the daemon below comes from the same build.
+step="building the C API (scripts/build-capi.sh --debug)"
 prefix="$target/capi-prefix"
-bash scripts/build-capi.sh "$prefix"
+bash scripts/build-capi.sh --debug "$prefix"
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 
 step="building the C example (examples/c)"
@@ -44,8 +47,7 @@ make -C examples/c clean all static
 step="building the MPI example (examples/mpi)"
 make -C examples/mpi clean all
 
-step="building rfaas-executord, rfaas-worker and rfaas-token"
-cargo build -p rfaas-executor
+# rfaas-executord, rfaas-worker and rfaas-token: built with the C API above.
 bin="$target/debug"
 
 step="building the function library (examples/functions/c)"

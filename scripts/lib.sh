@@ -26,6 +26,19 @@ BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang
 # shellcheck disable=SC2034
 TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev)
 
+# The one build CI makes, in scripts/test.sh's first step: the whole
+# workspace, every target, with the verbs provider, debug profile, cargo's
+# target directory. Every later stage asks cargo for exactly these units
+# (CI_BUILD for builds, CI_FEATURES for `cargo test`), so it finds them
+# fresh. A narrower command (`-p rfaas-executor`, `--features verbs` on one
+# package) resolves features for fewer packages, changes the features of
+# shared dependencies (syn, regex, bindgen) and compiles them, rdma-sys
+# included, a second time.
+# shellcheck disable=SC2034
+CI_FEATURES=(--workspace --features rfaas-fabric/verbs)
+# shellcheck disable=SC2034
+CI_BUILD=("${CI_FEATURES[@]}" --all-targets)
+
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
         [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"

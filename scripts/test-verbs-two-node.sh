@@ -111,10 +111,9 @@ ensure_packages "${BUILD_PACKAGES[@]}" jq
 ensure_rust
 start=$SECONDS
 bash scripts/rdma-vm.sh build
-# The debug build, as CI's earlier stages made it (all targets: building the
-# binaries alone resolves features without the dev-dependencies and rebuilds
-# them); these checks are functional.
-cargo build -q -p rfaas-fabric --features verbs --all-targets
+# CI's one build (CI_BUILD in lib.sh), as scripts/test.sh's first step made
+# it; these checks are functional.
+cargo build -q "${CI_BUILD[@]}"
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 probe=$target_dir/debug/rfaas-fabric-probe
 

@@ -54,28 +54,25 @@ ensure_rust
 start=$SECONDS
 bash scripts/rdma-vm.sh build
 
-echo "== verbs: building the test binaries"
-# The executables of the library's and the conformance suite's test targets.
-binaries=$(cargo test -p rfaas-fabric --features verbs --no-run \
-    --message-format=json-render-diagnostics |
+echo "== verbs: the test binaries"
+# CI's one build (CI_BUILD in lib.sh; nothing to compile after
+# scripts/test.sh's first step): the executables of the library's unit
+# tests, the conformance suite and the client's end-to-end tests, and next
+# to them in target/debug the daemon and worker those tests start, all with
+# verbs.
+binaries=$(cargo test "${CI_FEATURES[@]}" --no-run --message-format=json-render-diagnostics |
     jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test)
-           | "\(.target.kind[0]) \(.target.name) \(.executable)"')
-lib=$(awk '$1 == "lib" && $2 == "rfaas_fabric" { print $3 }' <<<"$binaries")
-conformance=$(awk '$1 == "test" && $2 == "conformance" { print $3 }' <<<"$binaries")
-if [ -z "$lib" ] || [ -z "$conformance" ]; then
-    echo "test-verbs: cargo built no library or conformance test binary:" >&2
+           | "\(.target.src_path) \(.executable)"')
+# Each by its source file (several packages have an `e2e` test).
+executable() {
+    awk -v rel="/$1" 'substr($1, length($1) - length(rel) + 1) == rel { print $2 }' <<<"$binaries"
+}
+lib=$(executable fabric/src/lib.rs)
+conformance=$(executable fabric/tests/conformance.rs)
+e2e=$(executable client/tests/e2e.rs)
+if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ]; then
+    echo "test-verbs: cargo built no fabric library, fabric conformance or client e2e test binary:" >&2
     echo "$binaries" >&2
-    exit 1
-fi
-# The daemon and worker the end-to-end tests start (next to each other in
-# target/debug), and the client's test binary, all with verbs.
-cargo build -p rfaas-executor --features rfaas-fabric/verbs
-e2e=$(cargo test -p rfaas-client --features rfaas-fabric/verbs --test e2e --no-run \
-    --message-format=json-render-diagnostics |
-    jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test)
-           | .executable')
-if [ -z "$e2e" ]; then
-    echo "test-verbs: cargo built no client e2e test binary" >&2
     exit 1
 fi
 # The guest has no C compiler: one tcp case on the host builds the example

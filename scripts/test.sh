@@ -24,20 +24,21 @@ checkout_before=$(checkout_changes)
 ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}"
 ensure_rust
 
+# Every later stage reuses this build (CI_BUILD in lib.sh says why).
 echo "== build (with the verbs provider)"
-cargo build --workspace --all-targets --features rfaas-fabric/verbs
+cargo build "${CI_BUILD[@]}"
 
 echo "== lint"
-cargo clippy --workspace --all-targets --features rfaas-fabric/verbs -- -D warnings
+cargo clippy "${CI_BUILD[@]}" -- -D warnings
 cargo fmt --all -- --check
 
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then
-    cargo nextest run --workspace --features rfaas-fabric/verbs --no-fail-fast
+    cargo nextest run "${CI_FEATURES[@]}" --no-fail-fast
 else
-    cargo test --workspace --features rfaas-fabric/verbs --no-fail-fast
+    cargo test "${CI_FEATURES[@]}" --no-fail-fast
 fi
-cargo test --workspace --features rfaas-fabric/verbs --doc
+cargo test "${CI_FEATURES[@]}" --doc
 
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh
