@@ -47,7 +47,7 @@ serve() {
         [ -s "$out" ] && break
         sleep 0.1
     done
-    grep -q '^ready ' "$out" || {
+    grep -q '^rfaas-fabric-probe ready ' "$out" || {
         echo "node a: the probe did not get ready"
         return 1
     }
@@ -61,10 +61,14 @@ check() {
     local ready=$1 cue=$2 out status=0
     shift 2
     await_file "$ready" 300
-    read -r _ addr raddr rkey len <"$ready"
+    # rfaas-fabric-probe ready provider=P listen=A addr=X rkey=K len=L
+    local line
+    line=$(cat "$ready")
+    field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$line"; }
     out=$(mktemp)
-    "$probe" --provider "verbs:$RDMA_DEVICE" check --connect "$addr" --addr "$raddr" \
-        --rkey "$rkey" --len "$len" "$@" > >(tee "$out") 2>&1 &
+    "$probe" --provider "verbs:$RDMA_DEVICE" check --connect "$(field listen)" \
+        --addr "$(field addr)" --rkey "$(field rkey)" --len "$(field len)" "$@" \
+        > >(tee "$out") 2>&1 &
     local pid=$!
     for _ in $(seq 600); do
         grep -q '^awaiting peer loss' "$out" && break

@@ -4,6 +4,7 @@
 //! on machines without one and run by `scripts/test-verbs.sh` under
 //! Soft-RoCE).
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write as _};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -448,7 +449,8 @@ fn fetch_add_from_threads_sums_exactly(#[case] provider: &str) {
 /// A child process running `rfaas-fabric-probe`.
 struct Probe {
     child: Child,
-    ready: Vec<String>,
+    /// The fields of its ready line.
+    ready: HashMap<String, String>,
 }
 
 impl Probe {
@@ -469,23 +471,32 @@ impl Probe {
         let line = rx
             .recv_timeout(TIMEOUT)
             .expect("the probe did not get ready");
-        let ready: Vec<String> = line.split_whitespace().map(String::from).collect();
-        assert_eq!(
-            ready.first().map(String::as_str),
-            Some("ready"),
-            "probe said {line:?}"
-        );
+        // `rfaas-fabric-probe ready provider=P listen=A addr=X rkey=K len=L`
+        let rest = line
+            .strip_prefix("rfaas-fabric-probe ready ")
+            .unwrap_or_else(|| panic!("probe said {line:?}"));
+        let ready = rest
+            .split_whitespace()
+            .filter_map(|field| field.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
         Probe { child, ready }
     }
 
+    fn field(&self, key: &str) -> &str {
+        self.ready
+            .get(key)
+            .unwrap_or_else(|| panic!("the probe's ready line has no {key}=: {:?}", self.ready))
+    }
+
     fn addr(&self) -> &str {
-        &self.ready[1]
+        self.field("listen")
     }
 
     fn remote(&self) -> RemoteAddr {
         RemoteAddr {
-            addr: self.ready[2].parse().unwrap(),
-            rkey: self.ready[3].parse().unwrap(),
+            addr: self.field("addr").parse().unwrap(),
+            rkey: self.field("rkey").parse().unwrap(),
         }
     }
 

@@ -2,8 +2,9 @@
 //!
 //! - `serve` exposes one region (all remote rights) and accepts connections
 //!   without ever polling its completion queue: a passive target, like a
-//!   NIC-backed region. It prints one line `ready <addr> <region-addr> <rkey>
-//!   <len>` and runs until killed.
+//!   NIC-backed region. It prints one line `rfaas-fabric-probe ready
+//!   provider=<p> listen=<addr> addr=<region-addr> rkey=<rkey> len=<len>` and
+//!   runs until killed.
 //! - `faa` connects to a `serve` and adds 1 to the word at the region's start
 //!   `--count` times, checking every completion.
 //! - `pingpong` runs a write-with-immediate ping-pong against `serve --echo`.
@@ -20,66 +21,89 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use rfaas_fabric::{Access, Completion, EndpointOptions, Fabric, Opcode, RemoteAddr};
 
+/// Checks the rfaas fabric between two processes or nodes.
+///
+/// Start `serve` on one side; it prints where it listens and the region it
+/// exposes. Give those to `check`, `pingpong` or `faa` on the other side.
+/// Exits 0 when every check passed, 1 with a sentence on stderr otherwise.
 #[derive(Parser)]
-#[command(
-    version,
-    about = "Checks the rfaas fabric between two processes or nodes"
-)]
+#[command(version)]
 struct Args {
-    /// Fabric provider: `tcp`, `shm` or `verbs:<device>`.
+    /// Fabric provider: `tcp`, `shm` (same machine) or `verbs:<device>`
+    /// (e.g. `verbs:mlx5_0`; `ibv_devices` lists them). Both sides must use
+    /// the same.
     #[arg(long, default_value = "tcp")]
     provider: String,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
+/// Where a client finds a `serve`: the values of its ready line.
+#[derive(clap::Args)]
+struct Target {
+    /// The address `serve` listens on: its ready line's `listen=` (host:port
+    /// for tcp and verbs, a socket name for shm).
+    #[arg(long, value_name = "ADDRESS")]
+    connect: String,
+    /// The served region's address: the ready line's `addr=`.
+    #[arg(long)]
+    addr: u64,
+    /// The served region's remote key: the ready line's `rkey=`.
+    #[arg(long)]
+    rkey: u32,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Expose a region and serve connections passively.
+    ///
+    /// Prints one line on stdout once it listens, `rfaas-fabric-probe ready
+    /// provider=<provider> listen=<address> addr=<region address>
+    /// rkey=<remote key> len=<bytes>`, then serves until killed. Without
+    /// --echo it never polls: remote operations complete without its help,
+    /// as on an RDMA NIC.
     Serve {
-        /// Address to listen on (port 0 picks one; empty for shm picks a name).
+        /// Address to listen on: host:port (port 0 picks a free one) for tcp
+        /// and verbs; for shm a socket name, empty to pick one.
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: String,
         /// Region size in bytes.
         #[arg(long, default_value_t = 4096)]
         len: usize,
-        /// Answer every write-with-immediate with one of the same length (actively polling).
+        /// Answer every write-with-immediate with one of the same length
+        /// (polling actively), as `check` and `pingpong` expect.
         #[arg(long)]
         echo: bool,
     },
-    /// Fetch-and-add 1 to the first word of a served region, `count` times.
+    /// Fetch-and-add 1 to the first word of a served region, --count times.
     Faa {
-        #[arg(long)]
-        connect: String,
-        #[arg(long)]
-        addr: u64,
-        #[arg(long)]
-        rkey: u32,
+        #[command(flatten)]
+        target: Target,
+        /// Fetch-and-adds to make.
         #[arg(long, default_value_t = 1000)]
         count: u64,
     },
-    /// Round trips of write-with-immediate against `serve --echo`.
+    /// Measure write-with-immediate round trips against `serve --echo`.
     Pingpong {
-        #[arg(long)]
-        connect: String,
-        #[arg(long)]
-        addr: u64,
-        #[arg(long)]
-        rkey: u32,
+        #[command(flatten)]
+        target: Target,
+        /// Bytes per message (at least 16: the first 12 tell the echo where
+        /// to answer).
         #[arg(long, default_value_t = 64)]
         size: usize,
+        /// Round trips to measure.
         #[arg(long, default_value_t = 10000)]
         iters: u64,
     },
-    /// Verify each operation against `serve --echo` (or `serve` with `--no-echo`).
+    /// Verify every operation against `serve --echo`, byte for byte.
+    ///
+    /// Write-with-immediate there and back, read, fetch-and-add and
+    /// compare-and-swap, one line each. Against a plain `serve`, give
+    /// --no-echo: a plain write then stands in for the write-with-immediate.
     Check {
-        #[arg(long)]
-        connect: String,
-        #[arg(long)]
-        addr: u64,
-        #[arg(long)]
-        rkey: u32,
-        /// Length of the served region (the one `serve` announced).
+        #[command(flatten)]
+        target: Target,
+        /// Length of the served region: the ready line's `len=`.
         #[arg(long, default_value_t = 4096)]
         len: usize,
         /// The peer is a plain `serve`: no write-with-immediate echo.
@@ -90,6 +114,15 @@ enum Cmd {
         #[arg(long, value_name = "SECONDS")]
         await_peer_loss: Option<u64>,
     },
+}
+
+impl Target {
+    fn remote(&self) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.addr,
+            rkey: self.rkey,
+        }
+    }
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -110,30 +143,21 @@ fn run(args: Args) -> Res<()> {
     let fabric = Fabric::open(&args.provider)?;
     match args.cmd {
         Cmd::Serve { listen, len, echo } => serve(&fabric, &listen, len, echo),
-        Cmd::Faa {
-            connect,
-            addr,
-            rkey,
-            count,
-        } => faa(&fabric, &connect, RemoteAddr { addr, rkey }, count),
+        Cmd::Faa { target, count } => faa(&fabric, &target.connect, target.remote(), count),
         Cmd::Pingpong {
-            connect,
-            addr,
-            rkey,
+            target,
             size,
             iters,
-        } => pingpong(&fabric, &connect, RemoteAddr { addr, rkey }, size, iters),
+        } => pingpong(&fabric, &target.connect, target.remote(), size, iters),
         Cmd::Check {
-            connect,
-            addr,
-            rkey,
+            target,
             len,
             no_echo,
             await_peer_loss,
         } => check(
             &fabric,
-            &connect,
-            RemoteAddr { addr, rkey },
+            &target.connect,
+            target.remote(),
             len,
             !no_echo,
             await_peer_loss.map(Duration::from_secs),
@@ -147,7 +171,8 @@ fn serve(fabric: &Fabric, listen: &str, len: usize, echo: bool) -> Res<()> {
     let listener = fabric.listen(listen)?;
     let d = region.descriptor();
     println!(
-        "ready {} {} {} {}",
+        "rfaas-fabric-probe ready provider={} listen={} addr={} rkey={} len={}",
+        fabric.provider(),
         listener.local_addr(),
         d.addr,
         d.rkey,

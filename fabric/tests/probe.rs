@@ -1,0 +1,99 @@
+//! `rfaas-fabric-probe` as a user runs it: `serve` announces itself in one
+//! labelled line and clients take its fields.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use rstest::rstest;
+
+const PROBE: &str = env!("CARGO_BIN_EXE_rfaas-fabric-probe");
+
+/// `serve --echo`, stopped by its pid when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn run(provider: &str, args: &[&str]) -> String {
+    let out = Command::new(PROBE)
+        .args(["--provider", provider])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("start rfaas-fabric-probe");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "rfaas-fabric-probe {args:?} failed ({}): {stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[rstest]
+#[case::tcp("tcp", "127.0.0.1:0")]
+#[case::shm("shm", "")]
+fn clients_take_the_ready_line(#[case] provider: &str, #[case] listen: &str) {
+    let mut server = Server(
+        Command::new(PROBE)
+            .args([
+                "--provider",
+                provider,
+                "serve",
+                "--echo",
+                "--listen",
+                listen,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start rfaas-fabric-probe serve"),
+    );
+    let stdout = server.0.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("serve printed no ready line");
+    let fields: HashMap<&str, &str> = line
+        .strip_prefix("rfaas-fabric-probe ready ")
+        .unwrap_or_else(|| panic!("serve's ready line is {line:?}"))
+        .split_whitespace()
+        .filter_map(|f| f.split_once('='))
+        .collect();
+    assert_eq!(fields.get("provider"), Some(&provider), "{line:?}");
+    for key in ["listen", "addr", "rkey", "len"] {
+        assert!(fields.contains_key(key), "no {key}= in {line:?}");
+    }
+    let target = [
+        "--connect",
+        fields["listen"],
+        "--addr",
+        fields["addr"],
+        "--rkey",
+        fields["rkey"],
+    ];
+
+    let pingpong = run(
+        provider,
+        &[&["pingpong"][..], &target, &["--iters", "200"]].concat(),
+    );
+    assert!(pingpong.contains("pingpong 64 B x 200"), "{pingpong}");
+    let check = run(
+        provider,
+        &[&["check"][..], &target, &["--len", fields["len"]]].concat(),
+    );
+    assert!(check.contains("compare-and-swap: ok"), "{check}");
+}
