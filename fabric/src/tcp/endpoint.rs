@@ -631,7 +631,7 @@ impl EpShared {
             }
             let drained = match self.read_some(st) {
                 Ok((0, _)) => {
-                    self.fail(st, "the peer closed the connection".into());
+                    self.peer_closed(st);
                     return;
                 }
                 Ok((_, drained)) => drained,
@@ -1001,6 +1001,31 @@ impl EpShared {
         progress.completed = true;
     }
 
+    /// The peer shut the connection down in order: between frames, that is
+    /// how a peer says goodbye, not a failure, and it is not logged as one.
+    /// Our operations it had not acknowledged yet (acknowledgements are
+    /// lazy, so often the last write of a session) complete with
+    /// `PeerLost`, which tells their owner.
+    fn peer_closed(&self, st: &mut EpState) {
+        if st.dead_reason.is_some() {
+            return;
+        }
+        if !matches!(st.rx, Rx::Header) || st.start != st.end {
+            self.fail(
+                st,
+                "the peer closed the connection in the middle of a frame".into(),
+            );
+            return;
+        }
+        let unanswered = st.outstanding.len();
+        if unanswered == 0 {
+            tracing::debug!(peer = %self.peer, "tcp peer closed the connection");
+        } else {
+            tracing::info!(peer = %self.peer, unanswered, "tcp peer closed the connection; operations it had not acknowledged complete with PeerLost");
+        }
+        self.mark_dead(st, "the peer closed the connection".into());
+    }
+
     /// Marks the connection failed, once, and says why.
     fn fail(&self, st: &mut EpState, reason: String) {
         if st.dead_reason.is_some() {
@@ -1010,6 +1035,15 @@ impl EpShared {
             tracing::debug!(peer = %self.peer, %reason, "tcp endpoint closed");
         } else {
             tracing::warn!(peer = %self.peer, %reason, "tcp connection failed; outstanding operations complete with PeerLost");
+        }
+        self.mark_dead(st, reason);
+    }
+
+    /// Ends the connection, once: everything outstanding completes with
+    /// `PeerLost` from now on.
+    fn mark_dead(&self, st: &mut EpState, reason: String) {
+        if st.dead_reason.is_some() {
+            return;
         }
         let _ = self.stream.shutdown(Shutdown::Both);
         st.dead_reason = Some(reason);
