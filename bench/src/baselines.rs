@@ -47,6 +47,7 @@ pub const SUITE: Suite = Suite {
     rows: &[
         RowSpec {
             name: TCP_PINGPONG,
+            help: "the same round trip by a plain program: TCP with TCP_NODELAY, both ends spinning on non-blocking reads",
             runner: Runner::PerProvider {
                 kind: Some(Kind::Tcp),
                 run: |ctx, _, out| tcp_pingpong(ctx, TCP_PINGPONG, Wait::Spin, out),
@@ -54,6 +55,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: TCP_PINGPONG_BLOCKING,
+            help: "raw_tcp_pingpong with both ends asleep in read(): the bar for warm invocations on tcp",
             runner: Runner::PerProvider {
                 kind: Some(Kind::Tcp),
                 run: |ctx, _, out| tcp_pingpong(ctx, TCP_PINGPONG_BLOCKING, Wait::Block, out),
@@ -61,6 +63,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: SHM_PINGPONG,
+            help: "two processes spinning on a shared cache line, the payload copied",
             runner: Runner::PerProvider {
                 kind: Some(Kind::Shm),
                 run: |ctx, _, out| shm_pingpong(ctx, SHM_PINGPONG, Wait::Spin, out),
@@ -68,6 +71,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: SHM_PINGPONG_BLOCKING,
+            help: "raw_shm_pingpong with both ends asleep on a futex: the bar for warm invocations on shm",
             runner: Runner::PerProvider {
                 kind: Some(Kind::Shm),
                 run: |ctx, _, out| shm_pingpong(ctx, SHM_PINGPONG_BLOCKING, Wait::Block, out),
@@ -75,6 +79,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: SOCKET_BANDWIDTH,
+            help: "one blocking TCP stream over loopback",
             runner: Runner::PerProvider {
                 kind: Some(Kind::Tcp),
                 run: socket_bandwidth,
@@ -82,6 +87,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: MEMCPY_BANDWIDTH,
+            help: "one process copying between two buffers (provider `mem`)",
             runner: Runner::Once(memcpy_bandwidth),
         },
     ],

@@ -46,12 +46,14 @@ pub struct Common {
     #[arg(long, default_value_t = 256 << 20)]
     pub bw_bytes: u64,
 
-    /// Measure every row this many times and report each row's best round
-    /// (see report.rs for why).
+    /// Measure every row this many times and report each row's best round:
+    /// on a shared machine a slow round says more about the neighbours than
+    /// about the code.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub rounds: u64,
 
-    /// Only these rows (comma-separated names); all when absent.
+    /// Only these rows (comma-separated names, listed by --help); all when
+    /// absent.
     #[arg(long, value_delimiter = ',')]
     pub rows: Option<Vec<String>>,
 
@@ -109,6 +111,66 @@ pub fn context(args: &Common, invoke: crate::invoke::Settings) -> Result<Ctx> {
     })
 }
 
+/// The end of a binary's `--help`: every row of `suites` with what it
+/// measures, then the `derived` rows (name, what), then how to read them.
+pub fn rows_help(suites: &[Suite], derived: &[(&str, &str)]) -> String {
+    let mut out = String::from("Rows (every one unless --rows names some):\n");
+    push_list(
+        &mut out,
+        suites.iter().flat_map(|s| s.rows).map(|r| (r.name, r.help)),
+    );
+    if !derived.is_empty() {
+        out.push_str("\nComputed at the end from the best round of two measured rows:\n");
+        push_list(&mut out, derived.iter().copied());
+    }
+    out.push('\n');
+    push_wrapped(
+        &mut out,
+        String::new(),
+        "Latency rows print the median and p99 round trip in µs, bandwidth rows bytes per \
+         second. Each row's peer runs as a child process of the bench (pinned to another CPU \
+         with --cpu-pin) and is stopped by its pid. Figures, targets and how to read them: \
+         docs/benchmarks.md in the rfaas repository.",
+        0,
+    );
+    out
+}
+
+/// Appends `rows` as an indented list of names and wrapped descriptions.
+fn push_list<'a>(out: &mut String, rows: impl Iterator<Item = (&'a str, &'a str)>) {
+    const NAME: usize = 28;
+    for (name, help) in rows {
+        let mut first = format!("  {name:<NAME$} ");
+        if first.len() > NAME + 3 {
+            out.push_str(first.trim_end());
+            out.push('\n');
+            first = " ".repeat(NAME + 3);
+        }
+        push_wrapped(out, first, help, NAME + 3);
+    }
+}
+
+/// Appends `text` to `line` word by word, starting a new line indented by
+/// `indent` spaces wherever the next word would pass column 100.
+fn push_wrapped(out: &mut String, mut line: String, text: &str, indent: usize) {
+    let mut empty = true;
+    for word in text.split(' ') {
+        if !empty && line.chars().count() + 1 + word.chars().count() > 100 {
+            out.push_str(&line);
+            out.push('\n');
+            line = " ".repeat(indent);
+            empty = true;
+        }
+        if !empty {
+            line.push(' ');
+        }
+        line.push_str(word);
+        empty = false;
+    }
+    out.push_str(&line);
+    out.push('\n');
+}
+
 /// Every peer entry point of `suites`.
 pub fn peers(suites: &[Suite]) -> Vec<child::PeerSpec> {
     suites
@@ -148,9 +210,12 @@ pub fn main(
     }
 }
 
-/// Checks that no two rows and no two peers of `suites` share a name (each
-/// binary's tests call it).
+/// Checks that no two rows and no two peers of `suites` share a name and
+/// that every row says what it measures (each binary's tests call it).
 pub fn check_unique_names(suites: &[Suite]) {
+    for row in suites.iter().flat_map(|s| s.rows) {
+        assert!(!row.help.is_empty(), "row {} has no --help line", row.name);
+    }
     let mut rows: Vec<&str> = suites.iter().flat_map(|s| s.rows).map(|r| r.name).collect();
     let mut peers: Vec<&str> = peers(suites).iter().map(|p| p.name).collect();
     for names in [&mut rows, &mut peers] {

@@ -24,6 +24,18 @@ const ECHO_TARGET_FROM: u64 = 1_000_000;
 const GRPC_MIN_RATIO: f64 = 5.0;
 const GRPC_TARGET_SIZE: u64 = 64;
 
+/// Every derived row and what it says, for `rfaas-bench --help`.
+pub const ROWS: &[(&str, &str)] = &[
+    ("hot_overhead", "hot_noop minus pingpong: what rfaas adds to the fabric's round trip (target: at most 300 ns on shm, 1 µs on tcp)"),
+    ("warm_overhead", "warm_noop minus raw_tcp_pingpong_blocking or raw_shm_pingpong_blocking (target: at most 5 µs)"),
+    ("<row>_vs_bandwidth", "transfer, echo, echo_pulled or echo_read_only over the fabric's bandwidth row (target: at least 0.9 from 1 MB)"),
+    ("pingpong_bandwidth_vs_bandwidth", "the fabric alone in an invocation's pattern over its streaming bandwidth"),
+    ("transfer_vs_pingpong_bandwidth", "the share of the fabric's own round trip the invocation path keeps"),
+    ("echo_copy_estimate", "what an echo that copies its input can reach, from the bandwidth and memcpy_bandwidth rows"),
+    ("hot_noop_rate_vs_pingpong_rate", "hot_noop_rate over the fabric's pingpong_rate with as many in flight"),
+    ("grpc_echo_over_hot_noop", "grpc_echo over hot_noop on tcp (target: at least 5 at 64 B)"),
+];
+
 /// The invocation rows reported as bandwidth.
 const PAYLOAD_ROWS: [&str; 4] = ["transfer", "echo", "echo_pulled", "echo_read_only"];
 

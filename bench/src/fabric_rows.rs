@@ -54,6 +54,7 @@ pub const SUITE: Suite = Suite {
     rows: &[
         RowSpec {
             name: PINGPONG,
+            help: "round trip of a write-with-immediate answered by one of the same size, both sides busy-polling (latency at --sizes)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: pingpong,
@@ -61,6 +62,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: BANDWIDTH,
+            help: "one-sided writes, 32 in flight, into a busy-polling peer, ended by a write-with-immediate it answers (at --bw-sizes)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: bandwidth,
@@ -68,6 +70,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: PINGPONG_BANDWIDTH,
+            help: "pingpong at --bw-sizes as bandwidth, both directions counted: one invocation's pattern with no rfaas in it",
             runner: Runner::PerProvider {
                 kind: None,
                 run: pingpong_bandwidth,
@@ -75,6 +78,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: BANDWIDTH_PASSIVE,
+            help: "bandwidth with the peer asleep in the kernel (shm and verbs place the data without it; tcp wakes it)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: bandwidth_passive,
@@ -82,6 +86,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: PINGPONG_RATE,
+            help: "the fabric's message rate: 64-byte writes-with-immediate the peer answers, 1, 4 and 16 outstanding on one endpoint",
             runner: Runner::PerProvider {
                 kind: None,
                 run: pingpong_rate,

@@ -33,6 +33,7 @@ const METHOD: &str = "/rfaas.bench.Echo/Echo";
 pub const SUITE: Suite = Suite {
     rows: &[RowSpec {
         name: GRPC_ECHO,
+        help: "a gRPC (tonic) unary echo over loopback, its server in its own process: what a job would otherwise use",
         runner: Runner::PerProvider {
             kind: Some(Kind::Tcp),
             run: grpc_echo,

@@ -71,6 +71,7 @@ pub const SUITE: Suite = Suite {
     rows: &[
         RowSpec {
             name: HOT_NOOP,
+            help: "an invocation of the `noop` function with an input of --sizes bytes on a hot worker, the client spinning",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop(ctx, p, HOT_NOOP, Mode::Hot, true, out),
@@ -78,6 +79,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: HOT_NOOP_RATE,
+            help: "noop calls per second from one client thread at 64 B, 1, 4 and 16 in flight, one per hot lane (next to pingpong_rate)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: noop_rate,
@@ -85,6 +87,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: WARM_NOOP,
+            help: "the same on a warm worker, the client asleep until the answer: both ends sleep in the kernel",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop(ctx, p, WARM_NOOP, Mode::Warm, false, out),
@@ -92,6 +95,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: WARM_NOOP_SPIN,
+            help: "noop on a warm worker with a client that busy-polls: only the worker sleeps",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop(ctx, p, WARM_NOOP_SPIN, Mode::Warm, true, out),
@@ -99,6 +103,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: ECHO,
+            help: "an invocation of `echo`, which copies its input to its output (bandwidth at --bw-sizes, both directions)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| payload(ctx, p, ECHO_ROW, out),
@@ -106,6 +111,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: ECHO_PULLED,
+            help: "echo with a 64 KiB input buffer: bigger payloads are pulled by the worker with one-sided reads",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| payload(ctx, p, ECHO_PULLED_ROW, out),
@@ -113,6 +119,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: ECHO_READ_ONLY,
+            help: "echo_pulled with read-only input: on shm the function reads the job's buffer in place",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| payload(ctx, p, ECHO_READ_ONLY_ROW, out),
@@ -120,6 +127,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: TRANSFER,
+            help: "an invocation of `empty`, which returns as many bytes as it got without touching them: the invocation path alone",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| payload(ctx, p, TRANSFER_ROW, out),
@@ -127,6 +135,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: COLD_START,
+            help: "a fresh client allocates one core, ships the library and waits for the first result, --cold-iters times",
             runner: Runner::PerProvider {
                 kind: None,
                 run: cold_start,

@@ -26,9 +26,16 @@ const SUITES: &[Suite] = &[
     grpc::SUITE,
 ];
 
-/// rfaas invocations next to the fabric, raw baselines and gRPC.
+/// Measures rfaas invocations (latency, bandwidth, cold start) through a
+/// real rfaas-executord on loopback, next to the fabric, raw baselines and a
+/// gRPC echo, in one run.
+///
+/// Starts its own rfaas-executord (from next to this binary, or
+/// --executord) and stops it by pid; run it as root, since the daemon runs
+/// the workers as the user `nobody`. Needs a C compiler for the example
+/// functions. Prints a table; with --json one JSON object per row.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version, after_long_help = cli::rows_help(SUITES, derived::ROWS))]
 struct Args {
     #[command(flatten)]
     common: Common,

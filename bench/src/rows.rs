@@ -24,6 +24,8 @@ pub struct Suite {
 pub struct RowSpec {
     /// As given to `--rows` and printed in the `name` column.
     pub name: &'static str,
+    /// What the row measures, in a user's words: one line of `--help`.
+    pub help: &'static str,
     pub runner: Runner,
 }
 

@@ -16,9 +16,12 @@ use rfaas_bench::{baselines, fabric_rows};
 /// Every measuring module, in the order its rows are run and printed.
 const SUITES: &[Suite] = &[fabric_rows::SUITE, baselines::SUITE];
 
-/// Latency and bandwidth of rfaas-fabric providers and raw baselines.
+/// Measures the rfaas fabric providers (round trips, bandwidth) next to the
+/// fastest plain programs doing the same on this machine, in one run.
+///
+/// Prints a table; with --json one JSON object per row.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version, after_long_help = cli::rows_help(SUITES, &[]))]
 struct Args {
     #[command(flatten)]
     common: Common,
