@@ -12,54 +12,73 @@ use rfaas_executor::daemon::{Config, Daemon, Sandbox};
 
 /// The rfaas node daemon: validates lease tokens, runs and supervises
 /// rfaas-worker processes on this node's configured cores.
+///
+/// Run it as root: it starts each worker as the lease's user. Not as root,
+/// it can run workers only as its own user and refuses leases for anyone
+/// else. Once it listens it prints one line on stdout, `rfaas-executord
+/// ready control=<address> local=<socket>`, then logs to stderr until
+/// SIGTERM or SIGINT, which stop every worker. Each flag overrides the key
+/// of the same name in --config (with `_` for `-`); docs/executor.md
+/// describes them all.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The configuration file (see rfaas-executord.example.toml); without
-    /// it every key takes its default.
+    /// The configuration file (TOML). Without it every key takes its
+    /// default; rfaas-executord.example.toml lists them.
     #[arg(long, short)]
     config: Option<PathBuf>,
-    /// This node's name as lease tokens name it.
+    /// This node's name, as lease tokens name it [default: the host name].
     #[arg(long)]
     node_name: Option<String>,
-    /// TCP address of the control listener, e.g. 0.0.0.0:7100.
-    #[arg(long)]
+    /// TCP address clients allocate on; port 0 picks a free one, which the
+    /// ready line says [default: 0.0.0.0:7100].
+    #[arg(long, value_name = "HOST:PORT")]
     control_listen: Option<String>,
-    /// Host workers listen on for the tcp provider.
-    #[arg(long)]
+    /// Address workers listen on for the tcp provider: this node's address
+    /// on the network clients reach it by [default: 127.0.0.1, this
+    /// machine only].
+    #[arg(long, value_name = "HOST")]
     fabric_host: Option<String>,
-    /// Fabric providers served, comma-separated.
+    /// Fabric providers served, comma-separated: tcp, shm (clients on this
+    /// node), verbs:<device> [default: tcp,shm].
     #[arg(long, value_delimiter = ',')]
     providers: Option<Vec<String>>,
-    /// CPUs granted to allocations, as a cpulist ("0-3,8").
-    #[arg(long)]
+    /// CPUs allocations may use, as a cpulist such as 0-3,8; keep the cores
+    /// the system and Slurm jobs need out of it [default: every online CPU].
+    #[arg(long, value_name = "CPULIST")]
     cpus: Option<String>,
-    /// Whether lanes are pinned to the granted CPUs.
+    /// Pin each lane to one granted CPU; with false, --cpus only bounds how
+    /// many lanes run [default: true].
     #[arg(long)]
     pin: Option<bool>,
-    /// Memory granted to allocations, MiB.
+    /// Memory all allocations together may hold, MiB [default: the
+    /// machine's memory].
     #[arg(long)]
     memory_mib: Option<u32>,
-    /// The cluster secret's file.
-    #[arg(long)]
+    /// The cluster secret lease tokens are signed with (`rfaas-token
+    /// gen-secret FILE` makes one) [default: /etc/rfaas/secret].
+    #[arg(long, value_name = "FILE")]
     secret_file: Option<PathBuf>,
-    /// The node tools' unix socket.
-    #[arg(long)]
+    /// Unix socket for this node's own tools: status, drain, resume
+    /// [default: /run/rfaas/executord.sock].
+    #[arg(long, value_name = "PATH")]
     local_socket: Option<PathBuf>,
-    /// Where per-allocation directories are made.
-    #[arg(long)]
+    /// Where per-allocation directories are made [default:
+    /// /run/rfaas/workers].
+    #[arg(long, value_name = "DIR")]
     runtime_dir: Option<PathBuf>,
-    /// Pre-spawned idle workers.
-    #[arg(long)]
+    /// Idle workers kept started ahead of allocations [default: 2].
+    #[arg(long, value_name = "N")]
     pool_size: Option<u32>,
-    /// The rfaas-worker binary.
-    #[arg(long)]
+    /// The rfaas-worker binary [default: the one next to rfaas-executord].
+    #[arg(long, value_name = "FILE")]
     worker_path: Option<PathBuf>,
-    /// Worker isolation.
+    /// How workers are isolated [default: none].
     #[arg(long, value_enum)]
     sandbox: Option<Sandbox>,
-    /// error, warn, info, debug or trace.
-    #[arg(long)]
+    /// How much the daemon logs on stderr: error, warn, info, debug or
+    /// trace [default: info].
+    #[arg(long, value_name = "LEVEL")]
     log_level: Option<String>,
 }
 

@@ -11,7 +11,12 @@ use clap::{Parser, Subcommand};
 use rfaas_executor::daemon::secret::{generate_secret, read_secret};
 use rfaas_proto::lease::{self, LeaseClaims};
 
-/// Lease tokens and the cluster secret.
+/// Makes the cluster secret, and mints or checks lease tokens by hand.
+///
+/// An rfaas-executord accepts an allocation only with a lease token for its
+/// node, signed with the secret in its --secret-file. Until the rfaas
+/// manager hands out leases, mint them here, on a machine that holds the
+/// secret, and give the token to the job.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -21,27 +26,29 @@ struct Args {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Prints a token for the given claims, signed with the secret.
+    /// Prints a lease token for the given claims, signed with the secret.
     Mint {
         /// The cluster secret's file.
         #[arg(long)]
         secret_file: PathBuf,
-        /// The node the lease is for.
+        /// The node the lease is for: its executor's node_name.
         #[arg(long)]
         node: String,
-        /// The user workers run as.
+        /// The user the workers run as: a user that exists on that node, not
+        /// root.
         #[arg(long)]
         user: String,
         /// The account charged.
         #[arg(long)]
         account: String,
-        /// Cores granted.
+        /// Cores granted: allocations under this lease hold at most as many
+        /// lanes in all.
         #[arg(long)]
         cores: u16,
-        /// Memory granted, MiB.
+        /// Memory granted, MiB, across the lease's allocations.
         #[arg(long)]
         memory_mib: u32,
-        /// Seconds from now until the lease ends.
+        /// Seconds from now until the lease ends (and its workers with it).
         #[arg(long)]
         ttl_secs: u64,
         /// The Slurm job the lease serves.
@@ -57,7 +64,7 @@ enum Command {
         /// The cluster secret's file.
         #[arg(long)]
         secret_file: PathBuf,
-        /// The node checking the token.
+        /// The node checking the token (as its executor's node_name).
         #[arg(long)]
         node: String,
         /// The token.

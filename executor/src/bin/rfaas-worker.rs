@@ -10,11 +10,18 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use rfaas_executor::worker;
 
-/// Serves one rfaas allocation (started by rfaas-executord, not by hand).
+/// Serves one rfaas allocation: loads the job's function library and
+/// answers its invocations. rfaas-executord starts it; there is no use in
+/// running it by hand.
+///
+/// The daemon keeps a few started ahead of allocations. On its assignment a
+/// worker pins itself to the granted cores, applies the memory limit, drops
+/// to the lease's user and only then loads the library. It logs to the
+/// daemon's stderr.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The inherited descriptor of the daemon's socket pair.
+    /// The descriptor of the socket pair rfaas-executord hands over.
     #[arg(long)]
     control_fd: RawFd,
 }
