@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # The rfaas demo on one machine: an executor daemon on loopback and a job
 # that offloads half of a matrix multiplication to it, over the tcp and the
-# shm provider, printing the latencies it measured.
+# shm provider. For each it prints the product's time computed by the job
+# alone and offloaded, the speedup or slowdown, the cold start and a noop's
+# round trip.
 #
 #   scripts/demo.sh            (N=512 REPS=20 by default: N=1024 scripts/demo.sh)
 #
-# Installs what it needs first. Every process it starts is stopped by PID.
+# Needs root, as rfaas-executord does: the daemon starts each worker as the
+# lease's user (here `nobody`). Installs what it needs first. Every process
+# it starts is stopped by PID.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 root=$(repo_root)
 cd "$root"
 
+if [ "$(id -u)" -ne 0 ]; then
+    echo "scripts/demo.sh: run it as root. rfaas-executord starts each worker as the" \
+        "lease's user, here \`nobody\`, and a daemon that is not root may run workers" \
+        "only as itself." >&2
+    exit 1
+fi
 ensure_packages "${BUILD_PACKAGES[@]}"
 ensure_rust
 echo "== building (release)"

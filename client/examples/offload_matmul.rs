@@ -3,17 +3,37 @@
 //! C = A·B with A and B n×n (f64). The worker computes the first half of
 //! C's rows with the `matmul` example function while this thread computes
 //! the second half; the result is checked against a local product. Prints
-//! the cold start, the remote call's latency, and a noop round trip.
-//!
-//! ```text
-//! offload_matmul --executor 127.0.0.1:7100 --token <lease token> \
-//!     --library target/release/librfaas_example_functions.so \
-//!     [--provider tcp|shm] [--n 512] [--reps 20]
-//! ```
+//! the time of the same product computed here alone next to the offloaded
+//! one and whether offloading paid off, then the cold start and a noop
+//! round trip. `offload_matmul --help` prints the usage.
 
 use std::time::{Duration, Instant};
 
 use rfaas_client::{AllocationSpec, Client, ClientOptions, Mode};
+
+const USAGE: &str = "\
+Usage: offload_matmul --executor HOST:PORT --token TOKEN --library FILE [OPTIONS]
+
+A job that multiplies two n x n matrices (f64) and has an rfaas worker
+compute half of the product's rows while it computes the other half. It
+times the same product computed here alone, prints both times and the
+speedup (or the slowdown), and checks the result.
+
+Options:
+  --executor HOST:PORT  the executor daemon's control address (the
+                        `control=` of rfaas-executord's ready line);
+                        default: $RFAAS_EXECUTOR
+  --token TOKEN         a lease token for that executor's node (rfaas-token
+                        mint); default: $RFAAS_TOKEN
+  --library FILE        the function library to ship to the worker; it must
+                        export `matmul` and `noop`, as
+                        target/release/librfaas_example_functions.so does
+  --provider NAME       fabric provider: tcp, shm (same machine only) or
+                        verbs:DEVICE [default: tcp]
+  --n N                 matrix size [default: 512]
+  --reps R              products timed, each way [default: 20]
+  -h, --help            print this help
+";
 
 struct Args {
     executor: String,
@@ -24,7 +44,8 @@ struct Args {
     reps: usize,
 }
 
-fn parse_args() -> Result<Args, String> {
+/// The arguments, or `None` for `--help`.
+fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
         executor: std::env::var("RFAAS_EXECUTOR").unwrap_or_default(),
         token: std::env::var("RFAAS_TOKEN").unwrap_or_default(),
@@ -37,6 +58,7 @@ fn parse_args() -> Result<Args, String> {
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
+            "-h" | "--help" => return Ok(None),
             "--executor" => args.executor = value()?,
             "--token" => args.token = value()?,
             "--library" => args.library = value()?,
@@ -49,7 +71,13 @@ fn parse_args() -> Result<Args, String> {
     if args.executor.is_empty() || args.token.is_empty() || args.library.is_empty() {
         return Err("--executor, --token and --library are required".into());
     }
-    Ok(args)
+    if args.n < 2 || args.reps == 0 {
+        return Err(format!(
+            "--n {} --reps {}: the matrices need at least 2 rows and the timing at least 1 repetition",
+            args.n, args.reps
+        ));
+    }
+    Ok(Some(args))
 }
 
 /// Rows `rows` of A·B, with A given from its first row on.
@@ -75,12 +103,67 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = parse_args().map_err(|e| format!("{e}\nsee the usage in the source's header"))?;
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn main() -> std::process::ExitCode {
+    let args = match parse_args() {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            print!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("offload_matmul: {e}\n(`offload_matmul --help` prints the usage)");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("offload_matmul: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Whether `executor` (HOST:PORT) names this machine, as far as its text says.
+fn is_this_machine(executor: &str, provider: &str) -> bool {
+    let host = executor
+        .rsplit_once(':')
+        .map_or(executor, |(host, _)| host)
+        .trim_matches(['[', ']']);
+    provider == "shm"
+        || host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let n = args.n;
     let half = n / 2;
     let library = std::fs::read(&args.library)
         .map_err(|e| format!("cannot read the library {}: {e}", args.library))?;
+
+    // A and B, deterministic and well-conditioned enough to compare exactly.
+    let a: Vec<f64> = (0..n * n)
+        .map(|i| ((i * 7 + 3) % 17) as f64 / 16.0)
+        .collect();
+    let b: Vec<f64> = (0..n * n)
+        .map(|i| ((i * 5 + 1) % 13) as f64 / 12.0)
+        .collect();
+
+    // The job without rfaas: the whole product on this thread, before any
+    // worker exists, the same number of times.
+    let mut expect = vec![0.0; n * n];
+    let mut local_only = Vec::with_capacity(args.reps);
+    for _ in 0..args.reps {
+        let t0 = Instant::now();
+        local_matmul(&a, &b, n, 0..n, &mut expect);
+        local_only.push(t0.elapsed());
+    }
 
     let started = Instant::now();
     let client = Client::new(ClientOptions::with_provider(&args.provider));
@@ -99,14 +182,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     alloc.submit(noop, &empty, 0, &mut nothing)?.spin()?;
     let cold = started.elapsed();
     let phases = alloc.cold_start();
-
-    // A and B, deterministic and well-conditioned enough to compare exactly.
-    let a: Vec<f64> = (0..n * n)
-        .map(|i| ((i * 7 + 3) % 17) as f64 / 16.0)
-        .collect();
-    let b: Vec<f64> = (0..n * n)
-        .map(|i| ((i * 5 + 1) % 13) as f64 / 12.0)
-        .collect();
 
     // The request: {rows, n, k, 0} then rows of A, then B.
     let mut input = alloc.buffer::<u8>(16 + 8 * (half * n + n * n))?;
@@ -135,8 +210,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     c[..half * n].copy_from_slice(output.as_slice());
 
-    let mut expect = vec![0.0; n * n];
-    local_matmul(&a, &b, n, 0..n, &mut expect);
     let max_err = c
         .iter()
         .zip(&expect)
@@ -153,10 +226,42 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         noops.push(t0.elapsed());
     }
     total.sort();
+    local_only.sort();
     noops.sort();
+    let (local_median, offloaded_median) = (percentile(&local_only, 0.5), percentile(&total, 0.5));
+    println!("{:<44} {:>12} {:>12}", "", "median ms", "p99 ms");
+    for (what, times) in [
+        (format!("matmul {n}x{n}, computed here alone"), &local_only),
+        (format!("matmul {n}x{n}, half offloaded"), &total),
+    ] {
+        println!(
+            "{what:<44} {:>12.2} {:>12.2}",
+            ms(percentile(times, 0.5)),
+            ms(percentile(times, 0.99))
+        );
+    }
+    let ratio = local_median.as_secs_f64() / offloaded_median.as_secs_f64();
+    if ratio >= 1.05 {
+        println!("speedup {ratio:.1}x: offloading half paid off");
+    } else if ratio > 1.0 / 1.05 {
+        println!("no gain: offloading took as long as computing here alone ({ratio:.2}x)");
+    } else {
+        println!(
+            "slowdown: offloading was {:.1}x slower than computing here alone",
+            1.0 / ratio
+        );
+    }
+    if is_this_machine(&args.executor, &args.provider) {
+        println!(
+            "  (executor and job on one machine: the worker computes on a core this job \
+             could have used itself, and the two compete for the memory bus)"
+        );
+    }
+    println!("result checked against the local product: max |error| {max_err:e}");
+    println!();
     println!(
         "cold start (allocate to first result): {:.2} ms, {} worker",
-        cold.as_secs_f64() * 1e3,
+        ms(cold),
         if phases.pooled { "pooled" } else { "spawned" },
     );
     println!(
@@ -171,20 +276,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         us(phases.connect_lanes),
         us(cold.saturating_sub(phases.total)),
     );
-    println!("{:<44} {:>12} {:>12}", "", "median µs", "p99 µs");
     println!(
-        "{:<44} {:>12.1} {:>12.1}",
-        format!("matmul {n}x{n}, half offloaded, per call"),
-        us(percentile(&total, 0.5)),
-        us(percentile(&total, 0.99))
-    );
-    println!(
-        "{:<44} {:>12.2} {:>12.2}",
-        "noop round trip (hot worker)",
+        "noop round trip (hot worker): median {:.2} µs, p99 {:.2} µs",
         us(percentile(&noops, 0.5)),
         us(percentile(&noops, 0.99))
     );
-    println!("result checked against a local product: max |error| {max_err:e}");
     alloc.deallocate()?;
     Ok(())
 }
