@@ -96,7 +96,7 @@ pub fn allow_pinning() {
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
         tracing::warn!(
             error = %io::Error::last_os_error(),
-            "cannot lift the locked-memory limit (the executor does not run as root); registering memory may fail on verbs"
+            "cannot lift the locked-memory limit: that takes root with CAP_SYS_RESOURCE, which this worker lacks (a daemon not run as root, or a container without the capability); registering memory may fail on verbs"
         );
     }
 }
