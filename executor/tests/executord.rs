@@ -744,6 +744,13 @@ fn the_example_configuration_parses() {
         "default_deadline_ms",
         "max_deadline_ms",
         "worker_ready_timeout_ms",
+        "max_connections",
+        "max_connections_per_address",
+        "request_timeout_ms",
+        "library_timeout_ms",
+        "idle_timeout_ms",
+        "library_memory_mib",
+        "request_threads",
         "log_level",
     ] {
         assert!(

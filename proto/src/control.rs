@@ -36,6 +36,10 @@
 //!    worker process ends for any reason but a deallocation.
 //! 5. client → executor: [`Deallocate`]; executor → client: [`Deallocated`].
 //!
+//! The executor checks an [`AllocateRequest`] (its token above all) before
+//! it reads the blob: a refused request's blob is read and dropped, so the
+//! refusal is answered and the connection goes on.
+//!
 //! Closing the control connection deallocates every allocation made on it.
 //! Requests carry a `request_id` the reply repeats, so one cached connection
 //! can serve several allocations.

@@ -19,7 +19,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use rfaas_proto::control::{ErrorReply, Frame, FrameLimits, Kind, LocalReply, LocalRequest};
+use rfaas_proto::control::{
+    AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind,
+    LocalReply, LocalRequest, Mode,
+};
 use rfaas_proto::lease::LeaseClaims;
 
 /// How to configure the daemon. `Default` gives a test node: 4 logical CPU
@@ -302,6 +305,57 @@ impl Executord {
             panic!("{req:?} refused: {e:?}");
         }
         frame.parse().expect("a LocalReply")
+    }
+
+    /// One allocation of one core on a fresh control connection (user
+    /// `nobody`, `library` with its function `echo`, the tcp provider) and
+    /// its deallocation, as a client library does them; `Err` says what
+    /// the daemon answered instead.
+    pub fn allocate_and_deallocate(&self, library: &[u8]) -> Result<(), String> {
+        let mut s = std::net::TcpStream::connect(self.control_addr)
+            .map_err(|e| format!("connect to {}: {e}", self.control_addr))?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))
+            .map_err(|e| e.to_string())?;
+        let _ = s.set_nodelay(true);
+        let req = AllocateRequest {
+            request_id: 1,
+            token: self.token("nobody", 1, 1024, Duration::from_secs(3600)),
+            cores: 1,
+            memory_mib: 1024,
+            mode: Mode::Warm,
+            hot_timeout_us: 0,
+            input_capacity: 4096,
+            output_capacity: 4096,
+            deadline_ms: 0,
+            functions: vec!["echo".into()],
+            library_name: "libfunctions.so".into(),
+            provider: "tcp".into(),
+            read_only_input: false,
+        };
+        let mut exchange = |frame: Frame| {
+            frame.write_to(&mut s).map_err(|e| format!("send: {e}"))?;
+            let reply = Frame::read_from(&mut s, FrameLimits::default())
+                .map_err(|e| format!("no answer: {e}"))?;
+            if reply.kind == Kind::Error {
+                let e: ErrorReply = reply.parse().map_err(|e| e.to_string())?;
+                return Err(format!("refused: {e:?}"));
+            }
+            Ok(reply)
+        };
+        let ok: AllocateOk = exchange(Frame::new(&req, library.to_vec()))?
+            .parse()
+            .map_err(|e| e.to_string())?;
+        let dealloc = Deallocate {
+            request_id: 2,
+            allocation_id: ok.allocation_id,
+        };
+        let done: Deallocated = exchange(Frame::new(&dealloc, Vec::new()))?
+            .parse()
+            .map_err(|e| e.to_string())?;
+        if done.allocation_id != ok.allocation_id {
+            return Err(format!("{done:?} answers another allocation than {ok:?}"));
+        }
+        Ok(())
     }
 
     /// `local(LocalRequest::Status)`.

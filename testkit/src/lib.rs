@@ -2,6 +2,9 @@
 //!
 //! # Layout
 //!
+//! - [`abuse`]: connections that misbehave on a control port (idle, slow,
+//!   stalled libraries) from chosen loopback addresses, and what a process
+//!   holds (`/proc`).
 //! - [`cpus`]: the CPUs a test may use, and pinning its thread to one.
 //! - [`executord`]: a real `rfaas-executord` in a private directory, with
 //!   token minting and the local socket, stopped by pid on drop.
@@ -9,6 +12,7 @@
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
 
+pub mod abuse;
 pub mod cpus;
 pub mod executord;
 pub mod functions;

@@ -53,6 +53,24 @@ pub struct Config {
     pub max_deadline_ms: Option<u64>,
     /// How long a worker may take to load a library and listen, ms.
     pub worker_ready_timeout_ms: Option<u64>,
+    /// Control connections open at once (default 1024).
+    pub max_connections: Option<u32>,
+    /// Control connections open at once from one address (default 256).
+    pub max_connections_per_address: Option<u32>,
+    /// How long a request's header and JSON may take to arrive, ms; the
+    /// first request's from the connection's accept (default 10000).
+    pub request_timeout_ms: Option<u64>,
+    /// How long a checked request's library may take to arrive, ms
+    /// (default 120000).
+    pub library_timeout_ms: Option<u64>,
+    /// How long a connection that never got an allocation may stay
+    /// without a request, ms (default 60000).
+    pub idle_timeout_ms: Option<u64>,
+    /// Memory for libraries being received, MiB, all connections together
+    /// (default 256; at least `max_library_mib`).
+    pub library_memory_mib: Option<u32>,
+    /// Threads that carry out allocations (default 8).
+    pub request_threads: Option<u32>,
     /// `error`, `warn`, `info`, `debug` or `trace`.
     pub log_level: Option<String>,
 }
@@ -147,6 +165,20 @@ pub struct Settings {
     pub max_deadline_ms: u64,
     /// Worker load-and-listen timeout, ms.
     pub worker_ready_timeout_ms: u64,
+    /// Control connections at once.
+    pub max_connections: u32,
+    /// Control connections at once from one address.
+    pub max_connections_per_address: u32,
+    /// A request's header and JSON, ms.
+    pub request_timeout_ms: u64,
+    /// A checked request's library, ms.
+    pub library_timeout_ms: u64,
+    /// A connection without an allocation and without a request, ms.
+    pub idle_timeout_ms: u64,
+    /// Libraries being received, MiB.
+    pub library_memory_mib: u32,
+    /// Allocation threads.
+    pub request_threads: u32,
     /// Log level.
     pub log_level: tracing::Level,
 }
@@ -272,6 +304,32 @@ impl Config {
                 )
             })?,
         };
+        let positive = |key: &'static str, value: Option<u64>, default: u64| match value {
+            Some(0) => Err(invalid(key, &0, "use a value of at least 1")),
+            Some(v) => Ok(v),
+            None => Ok(default),
+        };
+        let max_connections =
+            positive("max_connections", self.max_connections.map(u64::from), 1024)?;
+        let max_connections_per_address = positive(
+            "max_connections_per_address",
+            self.max_connections_per_address.map(u64::from),
+            256,
+        )?;
+        let request_timeout_ms = positive("request_timeout_ms", self.request_timeout_ms, 10_000)?;
+        let library_timeout_ms = positive("library_timeout_ms", self.library_timeout_ms, 120_000)?;
+        let idle_timeout_ms = positive("idle_timeout_ms", self.idle_timeout_ms, 60_000)?;
+        let request_threads = positive("request_threads", self.request_threads.map(u64::from), 8)?;
+        let library_memory_mib = self.library_memory_mib.unwrap_or(256.max(max_library_mib));
+        if library_memory_mib < max_library_mib {
+            return Err(invalid(
+                "library_memory_mib",
+                &library_memory_mib,
+                &format!(
+                    "it must hold at least one library of max_library_mib ({max_library_mib}) MiB"
+                ),
+            ));
+        }
         let level = self.log_level.as_deref().unwrap_or("info");
         let log_level: tracing::Level = level
             .parse()
@@ -313,6 +371,13 @@ impl Config {
             default_deadline_ms,
             max_deadline_ms,
             worker_ready_timeout_ms: self.worker_ready_timeout_ms.unwrap_or(10_000),
+            max_connections: max_connections as u32,
+            max_connections_per_address: max_connections_per_address as u32,
+            request_timeout_ms,
+            library_timeout_ms,
+            idle_timeout_ms,
+            library_memory_mib,
+            request_threads: request_threads as u32,
             log_level,
         })
     }
@@ -434,6 +499,25 @@ mod tests {
         assert_eq!(s.pool_size, 2);
         assert_eq!(s.local_socket, Path::new(DEFAULT_LOCAL_SOCKET));
         assert_eq!(s.worker_path.file_name().unwrap(), "rfaas-worker");
+
+        assert_eq!(
+            (
+                s.max_connections,
+                s.max_connections_per_address,
+                s.library_memory_mib
+            ),
+            (1024, 256, 256)
+        );
+        let err = Config::parse("max_library_mib = 100\nlibrary_memory_mib = 64")
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("max_library_mib (100)"), "{err}");
+        let err = Config::parse("max_connections = 0")
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("max_connections"), "{err}");
 
         let err = Config::parse("colour = 1").unwrap_err();
         assert!(err.contains("colour"), "{err}");

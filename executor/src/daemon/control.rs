@@ -1,112 +1,189 @@
-//! The TCP control protocol with clients: allocation, deallocation, and
-//! the end of a connection (which deallocates everything made on it).
+//! The clients' TCP protocol: what each request does, and the end of a
+//! connection (which deallocates everything made on it). The connection
+//! loop ([`super::server`]) reads the frames; the checks that need no state
+//! run on it, before an allocation's library is read, and the rest on
+//! request threads.
 
-use std::io::{BufReader, Read};
-use std::net::TcpStream;
+use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rfaas_proto::control::{
-    AllocateRequest, ControlError, Deallocate, Deallocated, ErrorCode, ErrorReply, Frame,
-    FrameLimits, Kind,
+    AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, Frame, Kind,
 };
 
-use super::allocate;
-use super::state::{ConnWriter, Shared, Stop};
+use super::allocate::{self, Checked};
+use super::pool::Job;
+use super::state::{DoneGuard, Shared, Stop};
 
-/// Serves one client connection until it closes, then deallocates what it
-/// allocated.
-pub(crate) fn serve(shared: Arc<Shared>, stream: TcpStream) {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "?".to_owned(), |a| a.to_string());
-    let _ = stream.set_nodelay(true);
-    // A client that stops reading must not hold a watcher forever.
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(10)));
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(%peer, error = %e, "cannot use a control connection");
-            return;
-        }
+/// A checked allocation request whose library is still to come.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    req: AllocateRequest,
+    checked: Checked,
+    library_len: u32,
+}
+
+impl Pending {
+    /// The library's size, from the frame header.
+    pub(crate) fn library_len(&self) -> u32 {
+        self.library_len
+    }
+
+    /// The request's id.
+    pub(crate) fn request_id(&self) -> u64 {
+        self.req.request_id
+    }
+}
+
+/// What the loop does with a control message whose JSON is in.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// Read the library (the blob) and then [`allocate`].
+    Library(Box<Pending>),
+    /// Send this answer and drop the blob.
+    Reply(Frame),
+    /// Drop the blob and run this on a request thread; it answers itself.
+    Job(JobFor),
+}
+
+/// A job and what it is, for logs.
+pub(crate) struct JobFor(pub Job);
+
+impl std::fmt::Debug for JobFor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobFor(..)")
+    }
+}
+
+/// Decides about one message of control connection `conn`. `stopping`: the
+/// daemon is shutting down, so an allocation is refused at once.
+pub(crate) fn message(
+    shared: &Arc<Shared>,
+    conn: u64,
+    kind: Kind,
+    json: Vec<u8>,
+    blob_len: u32,
+    stopping: bool,
+) -> Next {
+    let frame = Frame {
+        kind,
+        json,
+        blob: Vec::new(),
     };
-    let conn = Arc::new(ConnWriter::new(writer));
-    let conn_id = shared.next_id();
-    tracing::debug!(%peer, conn = conn_id, "control connection");
-    let limits = shared.client_limits();
-    let mut reader = BufReader::new(stream);
-    loop {
-        let frame = match Frame::read_from(&mut reader, limits) {
-            Ok(f) => f,
-            Err(ControlError::Io(e)) => {
-                tracing::debug!(%peer, error = %e, "control connection closed");
-                break;
+    match kind {
+        Kind::AllocateRequest => {
+            let req = match frame.parse::<AllocateRequest>() {
+                Ok(r) => r,
+                Err(e) => {
+                    return Next::Reply(refusal(
+                        request_id_of(&frame),
+                        ErrorCode::MalformedRequest,
+                        e.to_string(),
+                    ))
+                }
+            };
+            let rid = req.request_id;
+            if stopping {
+                return Next::Reply(refusal(
+                    rid,
+                    ErrorCode::Draining,
+                    format!(
+                        "executor {} is shutting down; allocate elsewhere",
+                        shared.settings.node_name
+                    ),
+                ));
             }
-            Err(e) => {
-                let code = match e {
-                    ControlError::TooLarge { what: "blob", .. } => ErrorCode::TooLarge,
-                    _ => ErrorCode::MalformedRequest,
-                };
-                conn.error(0, code, format!("{e}; closing the connection"));
-                linger(&conn, reader.get_mut(), limits);
-                break;
+            match allocate::check(shared, &req, blob_len) {
+                Ok(checked) => Next::Library(Box::new(Pending {
+                    req,
+                    checked,
+                    library_len: blob_len,
+                })),
+                Err((code, message)) => Next::Reply(refusal(rid, code, message)),
             }
-        };
-        match frame.kind {
-            Kind::AllocateRequest => {
-                let reply = allocate(&shared, &conn, conn_id, &frame);
-                conn.send(&reply);
-                // Only now: spawning the pooled worker's successor (fork,
-                // exec, dynamic linking) would compete for the CPU with the
-                // allocation it replaces.
-                shared.refill();
+        }
+        Kind::Deallocate => match frame.parse::<Deallocate>() {
+            Ok(d) => {
+                let shared = Arc::clone(shared);
+                Next::Job(JobFor(Box::new(move || {
+                    let _done = DoneGuard::new(&shared.outbox, conn, 0);
+                    let reply = deallocate(&shared, conn, d);
+                    shared.send(conn, &reply);
+                })))
             }
-            Kind::Deallocate => match frame.parse::<Deallocate>() {
-                Ok(d) => deallocate(&shared, &conn, conn_id, d),
-                Err(e) => conn.error(
-                    request_id_of(&frame),
-                    ErrorCode::MalformedRequest,
-                    e.to_string(),
-                ),
-            },
-            other => conn.error(
+            Err(e) => Next::Reply(refusal(
                 request_id_of(&frame),
                 ErrorCode::MalformedRequest,
-                format!("a {other:?} message is not a client request; send AllocateRequest or Deallocate"),
+                e.to_string(),
+            )),
+        },
+        other => Next::Reply(refusal(
+            request_id_of(&frame),
+            ErrorCode::MalformedRequest,
+            format!(
+                "a {other:?} message is not a client request; send AllocateRequest or Deallocate"
             ),
-        }
+        )),
     }
-    let ids: Vec<u64> = shared
-        .lock()
-        .allocations
-        .values()
-        .filter(|a| a.conn_id == conn_id)
-        .map(|a| a.id)
-        .collect();
-    if !ids.is_empty() {
+}
+
+/// The job that starts a checked allocation with its `library`; it
+/// answers, gives back `held` bytes of the library budget, and then tops
+/// the pool up.
+pub(crate) fn allocate(
+    shared: &Arc<Shared>,
+    conn: u64,
+    pending: Box<Pending>,
+    library: Vec<u8>,
+    held: u64,
+) -> Job {
+    let shared = Arc::clone(shared);
+    Box::new(move || {
+        let mut done = DoneGuard::new(&shared.outbox, conn, held);
+        let Pending { req, checked, .. } = *pending;
+        let rid = req.request_id;
+        let reply = match allocate::start(&shared, conn, &req, checked, &library) {
+            Ok(ok) => {
+                done.granted = true;
+                Frame::new(&ok, Vec::new())
+            }
+            Err((code, message)) => {
+                tracing::info!(request_id = rid, ?code, %message, "allocation refused");
+                refusal(rid, code, message)
+            }
+        };
+        drop(library);
+        shared.send(conn, &reply);
+        drop(done);
+        // Only now: spawning the pooled worker's successor (fork, exec,
+        // dynamic linking) would compete for the CPU with the allocation
+        // it replaces.
+        shared.refill();
+    })
+}
+
+/// The job that deallocates what control connection `conn` (from `peer`)
+/// made, once it has closed.
+pub(crate) fn end(shared: &Arc<Shared>, conn: u64, peer: IpAddr) -> Job {
+    let shared = Arc::clone(shared);
+    Box::new(move || {
+        let ids: Vec<u64> = shared
+            .lock()
+            .allocations
+            .values()
+            .filter(|a| a.conn_id == conn)
+            .map(|a| a.id)
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
         tracing::info!(%peer, allocations = ?ids, "control connection closed; deallocating");
         let left = shared.end_allocations(&ids, Stop::Deallocate, Duration::from_secs(10));
         if left > 0 {
             tracing::error!(%peer, left, "workers did not end after SIGKILL");
         }
-    }
-}
-
-/// After refusing a broken frame: stop writing, read (and drop) what the
-/// client still sends for a moment, so closing does not reset the
-/// connection before the client reads the refusal.
-fn linger(conn: &ConnWriter, stream: &mut TcpStream, limits: FrameLimits) {
-    conn.shutdown_write();
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-    let mut budget = u64::from(limits.max_blob) + (1 << 20);
-    let mut buf = [0u8; 64 * 1024];
-    let until = Instant::now() + Duration::from_secs(2);
-    while budget > 0 && Instant::now() < until {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => budget = budget.saturating_sub(n as u64),
-        }
-    }
+    })
 }
 
 /// The `request_id` of a frame whose message did not parse, or 0.
@@ -117,14 +194,18 @@ fn request_id_of(frame: &Frame) -> u64 {
         .unwrap_or(0)
 }
 
-fn deallocate(shared: &Shared, conn: &ConnWriter, conn_id: u64, d: Deallocate) {
+fn deallocate(shared: &Shared, conn: u64, d: Deallocate) -> Frame {
     let known = shared
         .lock()
         .allocations
         .get(&d.allocation_id)
-        .is_some_and(|a| a.conn_id == conn_id && a.ready);
+        .is_some_and(|a| a.conn_id == conn && a.ready);
     if !known {
-        conn.error(
+        tracing::debug!(
+            allocation = d.allocation_id,
+            "deallocation of an unknown allocation refused"
+        );
+        return refusal(
             d.request_id,
             ErrorCode::UnknownAllocation,
             format!(
@@ -132,7 +213,6 @@ fn deallocate(shared: &Shared, conn: &ConnWriter, conn_id: u64, d: Deallocate) {
                 d.allocation_id
             ),
         );
-        return;
     }
     let left = shared.end_allocations(
         &[d.allocation_id],
@@ -140,7 +220,7 @@ fn deallocate(shared: &Shared, conn: &ConnWriter, conn_id: u64, d: Deallocate) {
         Duration::from_secs(10),
     );
     if left > 0 {
-        conn.error(
+        return refusal(
             d.request_id,
             ErrorCode::Internal,
             format!(
@@ -148,42 +228,21 @@ fn deallocate(shared: &Shared, conn: &ConnWriter, conn_id: u64, d: Deallocate) {
                 d.allocation_id
             ),
         );
-        return;
     }
     tracing::info!(allocation = d.allocation_id, "deallocated");
-    conn.send(&Frame::new(
+    Frame::new(
         &Deallocated {
             request_id: d.request_id,
             allocation_id: d.allocation_id,
         },
         Vec::new(),
-    ));
+    )
 }
 
-/// Handles one `AllocateRequest` and returns the reply frame.
-fn allocate(shared: &Arc<Shared>, conn: &Arc<ConnWriter>, conn_id: u64, frame: &Frame) -> Frame {
-    let started = Instant::now();
-    let req = match frame.parse::<AllocateRequest>() {
-        Ok(r) => r,
-        Err(e) => {
-            return error_frame(
-                request_id_of(frame),
-                ErrorCode::MalformedRequest,
-                e.to_string(),
-            )
-        }
-    };
-    let rid = req.request_id;
-    match allocate::allocate(shared, conn, conn_id, &req, &frame.blob, started) {
-        Ok(ok) => Frame::new(&ok, Vec::new()),
-        Err((code, message)) => {
-            tracing::info!(request_id = rid, ?code, %message, "allocation refused");
-            error_frame(rid, code, message)
-        }
-    }
-}
-
-fn error_frame(request_id: u64, code: ErrorCode, message: String) -> Frame {
+/// An [`ErrorReply`] frame. Not logged here: refusals of requests not
+/// yet checked are counted in the loop's rate-limited summary instead, so
+/// a flood of them does not flood the log.
+pub(crate) fn refusal(request_id: u64, code: ErrorCode, message: String) -> Frame {
     Frame::new(
         &ErrorReply {
             request_id,

@@ -1,64 +1,59 @@
-//! The node tools' unix socket: status, drain, resume.
+//! The node tools' unix socket: status, drain, resume. The connection
+//! loop ([`super::server`]) reads the frames; each request runs on a
+//! request thread (a drain, which waits out its grace period, on a thread
+//! of its own).
 
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rfaas_proto::control::{
-    AllocationStatus, ErrorCode, ErrorReply, Frame, FrameLimits, LocalReply, LocalRequest,
+    AllocationStatus, ErrorCode, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
 };
 
+use super::control::refusal;
 use super::process;
-use super::state::{Shared, Stop};
+use super::state::{DoneGuard, Shared, Stop};
 
-/// Serves one node tool's connection: one reply per request, until it
-/// closes.
-pub(crate) fn serve(shared: Arc<Shared>, stream: UnixStream) {
-    let limits = FrameLimits {
-        max_json: 64 << 10,
-        max_blob: 0,
-    };
-    let mut reader = &stream;
-    loop {
-        let frame = match Frame::read_from(&mut reader, limits) {
-            Ok(f) => f,
-            Err(rfaas_proto::control::ControlError::Io(_)) => return,
-            Err(e) => {
-                reply_error(
-                    &stream,
-                    ErrorCode::MalformedRequest,
-                    format!("{e}; closing the connection"),
-                );
-                return;
-            }
-        };
-        let req = match frame.parse::<LocalRequest>() {
-            Ok(r) => r,
-            Err(e) => {
-                reply_error(&stream, ErrorCode::MalformedRequest, e.to_string());
-                continue;
-            }
-        };
-        tracing::info!(request = ?req, "local request");
-        let reply = handle(&shared, req);
-        let mut w = &stream;
-        if Frame::new(&reply, Vec::new()).write_to(&mut w).is_err() {
-            return;
-        }
-    }
+/// Limits for the node tools' frames: small JSON, no blob.
+pub(crate) const LIMITS: FrameLimits = FrameLimits {
+    max_json: 64 << 10,
+    max_blob: 0,
+};
+
+/// What the loop does with a node tool's message.
+pub(crate) enum LocalNext {
+    /// Send this answer.
+    Reply(Frame),
+    /// Run this on a request thread; it answers itself.
+    Job(super::pool::Job),
+    /// Run this on a thread of its own (it may take long).
+    Long(super::pool::Job),
 }
 
-fn reply_error(stream: &UnixStream, code: ErrorCode, message: String) {
-    let mut w = stream;
-    let _ = Frame::new(
-        &ErrorReply {
-            request_id: 0,
-            code,
-            message,
-        },
-        Vec::new(),
-    )
-    .write_to(&mut w);
+/// Decides about one message of local connection `conn`.
+pub(crate) fn message(shared: &Arc<Shared>, conn: u64, kind: Kind, json: Vec<u8>) -> LocalNext {
+    let frame = Frame {
+        kind,
+        json,
+        blob: Vec::new(),
+    };
+    let req = match frame.parse::<LocalRequest>() {
+        Ok(r) => r,
+        Err(e) => return LocalNext::Reply(refusal(0, ErrorCode::MalformedRequest, e.to_string())),
+    };
+    tracing::info!(request = ?req, "local request");
+    let long = matches!(req, LocalRequest::Drain { .. });
+    let shared = Arc::clone(shared);
+    let job: super::pool::Job = Box::new(move || {
+        let _done = DoneGuard::new(&shared.outbox, conn, 0);
+        let reply = handle(&shared, req);
+        shared.send(conn, &Frame::new(&reply, Vec::new()));
+    });
+    if long {
+        LocalNext::Long(job)
+    } else {
+        LocalNext::Job(job)
+    }
 }
 
 /// Carries out one request.

@@ -3,10 +3,11 @@
 //! processes, and tells clients when one ends. See `docs/executor.md`
 //! (operation) and `docs/invocation.md` (protocol).
 //!
-//! Threads, all plain std threads: one per control connection and per
-//! local connection, two accept loops, the spawner (every worker is forked
-//! from it), one watcher per worker, the lease ticker, and the main thread
-//! waiting for SIGTERM/SIGINT.
+//! Threads, all plain std threads: the connection loop (every control and
+//! local connection, one epoll set), a fixed pool of request threads for
+//! allocations and a smaller one for deallocations and node-tool requests,
+//! the spawner (every worker is forked from it), one watcher per worker,
+//! the lease ticker, and the main thread waiting for SIGTERM/SIGINT.
 //!
 //! # Layout
 //!
@@ -18,8 +19,12 @@
 //! - `process`: spawning (plain or bubblewrap), signalling, waiting.
 //! - `state`: the shared state behind one lock; ending allocations.
 //! - `supervise`: the spawner and pool, worker watchers, lease expiry.
-//! - `control`: the clients' TCP protocol: requests in, replies out,
-//!   and the end of a connection.
+//! - `server`: the connection loop: accepting within the caps, deadlines,
+//!   reading frames, handing requests out, writing replies.
+//! - `conn`: one connection: the frame reader and the outgoing buffer.
+//! - `epoll`, `pool`: the loop's epoll set and the request threads.
+//! - `control`: the clients' TCP protocol: what each request does, and the
+//!   end of a connection.
 //! - `allocate`: one allocation's steps in order (validation, the lease
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume).
@@ -29,10 +34,14 @@ pub mod secret;
 
 mod allocate;
 mod capacity;
+mod conn;
 mod control;
+mod epoll;
 mod local;
 mod memlimit;
+mod pool;
 mod process;
+mod server;
 mod state;
 mod supervise;
 mod users;
@@ -43,13 +52,14 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
 
 pub use config::{Config, ConfigError, Sandbox, Settings};
 pub use secret::SecretError;
 
+use epoll::Waker;
 use memlimit::MemoryLimiter;
-use state::Shared;
+use server::Server;
+use state::{LoopMsg, Outbox, Shared};
 use supervise::SpawnJob;
 
 /// Why the daemon cannot start.
@@ -83,6 +93,8 @@ pub struct Daemon {
     control: TcpListener,
     local: UnixListener,
     control_addr: SocketAddr,
+    inbox: mpsc::Receiver<LoopMsg>,
+    waker: Arc<Waker>,
 }
 
 impl Daemon {
@@ -130,14 +142,24 @@ impl Daemon {
                 "sandbox = bubblewrap: every worker starts per allocation, the pool is not used"
             );
         }
+        raise_descriptor_limit(&settings);
+        let waker = Arc::new(Waker::new().map_err(|source| StartError::Io {
+            what: "create",
+            path: "the connection loop's eventfd".into(),
+            source,
+        })?);
+        let (to_loop, inbox) = mpsc::channel();
+        let outbox = Outbox::new(to_loop, Arc::clone(&waker));
         let (tx, jobs) = mpsc::channel();
-        let shared = Arc::new(Shared::new(settings, secret, limiter, tx));
+        let shared = Arc::new(Shared::new(settings, secret, limiter, tx, outbox));
         Ok(Daemon {
             shared,
             jobs,
             control,
             local,
             control_addr,
+            inbox,
+            waker,
         })
     }
 
@@ -162,6 +184,8 @@ impl Daemon {
             jobs,
             control,
             local,
+            inbox,
+            waker,
             ..
         } = self;
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
@@ -171,39 +195,63 @@ impl Daemon {
         spawn("spawner", Box::new(move || supervise::spawner(s, jobs)))?;
         let s = Arc::clone(&shared);
         spawn("leases", Box::new(move || supervise::lease_ticker(s)))?;
-        let s = Arc::clone(&shared);
-        spawn(
-            "control-accept",
-            Box::new(move || {
-                accept_loop(control.incoming(), "control", |stream| {
-                    let s2 = Arc::clone(&s);
-                    std::thread::Builder::new()
-                        .name("control".into())
-                        .spawn(move || control::serve(s2, stream))
-                        .map(drop)
-                })
-            }),
-        )?;
-        let s = Arc::clone(&shared);
-        spawn(
-            "local-accept",
-            Box::new(move || {
-                accept_loop(local.incoming(), "local", |stream| {
-                    let s2 = Arc::clone(&s);
-                    std::thread::Builder::new()
-                        .name("local".into())
-                        .spawn(move || local::serve(s2, stream))
-                        .map(drop)
-                })
-            }),
-        )?;
+        let server = Server::new(Arc::clone(&shared), control, local, inbox, waker)?;
+        let connections = std::thread::Builder::new()
+            .name("connections".into())
+            .spawn(move || {
+                if let Err(e) = server.run() {
+                    // Without it nobody can reach the daemon: stop, so the
+                    // service manager starts it again.
+                    tracing::error!(error = %e, "the connection loop failed; stopping");
+                    // SAFETY: kill has no memory preconditions; the
+                    // signal is blocked in every thread but sigwait's.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+                }
+            })?;
         shared.refill();
 
         let sig = wait_signal(&set)?;
         tracing::info!(signal = %process::signal_name(sig), "stopping every worker and exiting");
         shared.shutdown();
+        // Requests in flight are answered (`draining`) and every queued
+        // reply and report is written before the connections close.
+        shared.outbox.post(LoopMsg::Stop);
+        if connections.join().is_err() {
+            tracing::error!("the connection loop panicked");
+        }
         let _ = std::fs::remove_file(&shared.settings.local_socket);
         Ok(())
+    }
+}
+
+/// Raises the soft descriptor limit to the hard one: every connection and
+/// every worker takes descriptors, and the service manager's soft default
+/// (often 1024) is below what `max_connections` asks for.
+fn raise_descriptor_limit(settings: &Settings) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        }
+    }
+    // Control and local connections, and room for the workers' sockets.
+    let wanted = u64::from(settings.max_connections) + 1024;
+    if lim.rlim_cur < wanted {
+        tracing::warn!(
+            limit = lim.rlim_cur,
+            wanted,
+            "the descriptor limit (RLIMIT_NOFILE) is below max_connections + 1024; \
+             raise it (systemd: LimitNOFILE=) or lower max_connections"
+        );
     }
 }
 
@@ -218,25 +266,6 @@ fn remove_stale_allocation_dirs(runtime_dir: &Path) {
             tracing::info!(dir = %e.path().display(), "removing a previous run's allocation directory");
             if let Err(err) = std::fs::remove_dir_all(e.path()) {
                 tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove a stale allocation directory");
-            }
-        }
-    }
-}
-
-fn accept_loop<S>(
-    incoming: impl Iterator<Item = io::Result<S>>,
-    what: &'static str,
-    mut serve: impl FnMut(S) -> io::Result<()>,
-) {
-    let mut backoff = Duration::from_millis(10);
-    for conn in incoming {
-        match conn.and_then(&mut serve) {
-            Ok(()) => backoff = Duration::from_millis(10),
-            Err(e) => {
-                // Out of descriptors or threads: wait instead of spinning.
-                tracing::warn!(listener = what, error = %e, "cannot accept a connection");
-                std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
     }

@@ -8,7 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::io;
-use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,10 +15,11 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits};
+use rfaas_proto::control::{Frame, FrameLimits};
 
 use super::capacity::Capacity;
 use super::config::Settings;
+use super::epoll::Waker;
 use super::memlimit::MemoryLimiter;
 use super::process::{self, Ended};
 use super::supervise::SpawnJob;
@@ -39,45 +39,73 @@ pub(crate) enum Stop {
     Shutdown,
 }
 
-/// The write side of a client's control connection, shared with the
-/// watchers that report worker ends on it.
+/// What other threads tell the connection loop ([`super::server`]).
 #[derive(Debug)]
-pub(crate) struct ConnWriter {
-    stream: Mutex<TcpStream>,
+pub(crate) enum LoopMsg {
+    /// Write these bytes (whole frames) to connection `conn`.
+    Send { conn: u64, bytes: Vec<u8> },
+    /// The request of connection `conn` is answered: read its next one.
+    /// `granted`: it was an allocation that succeeded; `release`: library
+    /// bytes of the shared budget it no longer holds.
+    Done {
+        conn: u64,
+        granted: bool,
+        release: u64,
+    },
+    /// The daemon is stopping: answer what is in flight, write what is
+    /// queued, and end.
+    Stop,
 }
 
-impl ConnWriter {
-    pub(crate) fn new(stream: TcpStream) -> ConnWriter {
-        ConnWriter {
-            stream: Mutex::new(stream),
+/// The loop's inbox: messages, and a wake-up for its epoll wait.
+#[derive(Debug)]
+pub(crate) struct Outbox {
+    tx: mpsc::Sender<LoopMsg>,
+    waker: Arc<Waker>,
+}
+
+impl Outbox {
+    pub(crate) fn new(tx: mpsc::Sender<LoopMsg>, waker: Arc<Waker>) -> Outbox {
+        Outbox { tx, waker }
+    }
+
+    /// Queues `msg` for the loop. Never blocks.
+    pub(crate) fn post(&self, msg: LoopMsg) {
+        // Only fails once the loop has ended, when nobody is left to tell.
+        if self.tx.send(msg).is_ok() {
+            self.waker.wake();
         }
     }
+}
 
-    /// Sends one frame; a failure means the client is gone, which its
-    /// reader notices.
-    pub(crate) fn send(&self, frame: &Frame) {
-        let mut s = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = frame.write_to(&mut *s) {
-            tracing::debug!(error = %e, "cannot write to a control connection");
+/// Reports a request as answered when dropped, so a request thread that
+/// panics still lets its connection go on.
+#[derive(Debug)]
+pub(crate) struct DoneGuard<'a> {
+    outbox: &'a Outbox,
+    conn: u64,
+    pub granted: bool,
+    release: u64,
+}
+
+impl<'a> DoneGuard<'a> {
+    pub(crate) fn new(outbox: &'a Outbox, conn: u64, release: u64) -> DoneGuard<'a> {
+        DoneGuard {
+            outbox,
+            conn,
+            granted: false,
+            release,
         }
     }
+}
 
-    /// Sends an [`ErrorReply`].
-    pub(crate) fn error(&self, request_id: u64, code: ErrorCode, message: String) {
-        tracing::info!(request_id, ?code, %message, "request refused");
-        self.send(&Frame::new(
-            &ErrorReply {
-                request_id,
-                code,
-                message,
-            },
-            Vec::new(),
-        ));
-    }
-
-    pub(crate) fn shutdown_write(&self) {
-        let s = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = s.shutdown(std::net::Shutdown::Write);
+impl Drop for DoneGuard<'_> {
+    fn drop(&mut self) {
+        self.outbox.post(LoopMsg::Done {
+            conn: self.conn,
+            granted: self.granted,
+            release: self.release,
+        });
     }
 }
 
@@ -87,8 +115,9 @@ pub(crate) struct Allocation {
     pub id: u64,
     pub lease_id: u64,
     pub user: String,
+    /// The control connection it was made on (its `WorkerExited` goes
+    /// there, and its end deallocates it).
     pub conn_id: u64,
-    pub conn: Arc<ConnWriter>,
     /// The worker, once one is attached; `None` again after it ended.
     pub pid: Option<u32>,
     /// Kept open for the worker's lifetime.
@@ -120,8 +149,8 @@ pub(crate) struct State {
     pub capacity: Capacity,
     pub allocations: BTreeMap<u64, Allocation>,
     pub pool: Vec<PoolWorker>,
-    /// `WorkerExited` reports decided but not yet written; shutdown waits
-    /// for them.
+    /// `WorkerExited` reports decided but not yet queued for the
+    /// connection loop; shutdown waits for them.
     pub reports_pending: usize,
 }
 
@@ -135,6 +164,8 @@ pub(crate) struct Shared {
     /// Notified whenever an allocation or a pool worker changes.
     pub changed: Condvar,
     pub spawner: mpsc::Sender<SpawnJob>,
+    /// The connection loop's inbox.
+    pub outbox: Outbox,
     next_id: AtomicU64,
 }
 
@@ -144,6 +175,7 @@ impl Shared {
         secret: Vec<u8>,
         limiter: MemoryLimiter,
         spawner: mpsc::Sender<SpawnJob>,
+        outbox: Outbox,
     ) -> Shared {
         let capacity = Capacity::new(&settings.cpus, settings.memory_mib);
         Shared {
@@ -160,8 +192,18 @@ impl Shared {
             }),
             changed: Condvar::new(),
             spawner,
+            outbox,
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// Queues `frame` for control connection `conn` (dropped if it has
+    /// closed). Never blocks.
+    pub(crate) fn send(&self, conn: u64, frame: &Frame) {
+        self.outbox.post(LoopMsg::Send {
+            conn,
+            bytes: frame.to_bytes(),
+        });
     }
 
     /// A fresh id for an allocation or a connection.

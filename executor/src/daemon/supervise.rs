@@ -188,7 +188,7 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
                         message,
                     };
                     st.reports_pending += 1;
-                    report = Some((a.conn, msg));
+                    report = Some((a.conn_id, msg));
                 }
             } else {
                 // Still starting: the allocating thread owns the cleanup.
@@ -200,7 +200,7 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
         shared.changed.notify_all();
     }
     if let Some((conn, msg)) = report {
-        conn.send(&Frame::new(&msg, Vec::new()));
+        shared.send(conn, &Frame::new(&msg, Vec::new()));
         shared.lock().reports_pending -= 1;
         shared.changed.notify_all();
     }

@@ -18,28 +18,60 @@ use std::time::Instant;
 
 use rfaas_proto::control::{AllocateOk, AllocatePhases, AllocateRequest, ErrorCode};
 use rfaas_proto::hello::LaneKey;
+use rfaas_proto::lease::LeaseClaims;
 
-use super::state::{ConnWriter, Shared};
+use super::state::Shared;
 
 /// A refusal: the code and the sentence for the client.
 pub(crate) type Refused = (ErrorCode, String);
 
-/// Checks `req` and starts its worker; the reply for the client either way.
-pub(crate) fn allocate(
-    shared: &Arc<Shared>,
-    conn: &Arc<ConnWriter>,
-    conn_id: u64,
+/// A request that passed every check that needs neither the library's
+/// bytes nor the node's state.
+#[derive(Debug)]
+pub(crate) struct Checked {
+    claims: LeaseClaims,
+    deadline_ms: u64,
+    check_ns: u64,
+}
+
+/// The checks made before the library is read (so a client without a
+/// valid lease never makes the daemon hold its library): the request's
+/// shape and provider, the token, the request against the lease, the
+/// executor's limits (the library's size from its frame header).
+pub(crate) fn check(
+    shared: &Shared,
     req: &AllocateRequest,
-    library: &[u8],
-    started: Instant,
-) -> Result<AllocateOk, Refused> {
+    library_len: u32,
+) -> Result<Checked, Refused> {
+    let started = Instant::now();
     let s = &shared.settings;
     validate::request(req, s)?;
     let claims = lease::check(req, &shared.secret, s)?;
-    let deadline_ms = validate::limits(req, library, s)?;
-    let reserved = reserve::reserve(shared, conn, conn_id, req, &claims, library)?;
-    let validate_ns = started.elapsed().as_nanos() as u64;
+    let deadline_ms = validate::limits(req, library_len, s)?;
+    Ok(Checked {
+        claims,
+        deadline_ms,
+        check_ns: started.elapsed().as_nanos() as u64,
+    })
+}
 
+/// Takes capacity for a [`check`]ed request and starts its worker with
+/// `library`; the reply for the client either way.
+pub(crate) fn start(
+    shared: &Arc<Shared>,
+    conn_id: u64,
+    req: &AllocateRequest,
+    checked: Checked,
+    library: &[u8],
+) -> Result<AllocateOk, Refused> {
+    let started = Instant::now();
+    let Checked {
+        claims,
+        deadline_ms,
+        check_ns,
+    } = checked;
+    let reserved = reserve::reserve(shared, conn_id, req, &claims, library)?;
+    let validate_ns = check_ns + started.elapsed().as_nanos() as u64;
     let started_worker = Instant::now();
     let lane_key = match LaneKey::random() {
         Ok(k) => k.to_hex(),

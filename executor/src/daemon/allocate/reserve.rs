@@ -8,7 +8,7 @@ use rfaas_proto::lease::LeaseClaims;
 
 use super::Refused;
 use crate::daemon::capacity::Refusal;
-use crate::daemon::state::{Allocation, ConnWriter, Shared, State};
+use crate::daemon::state::{Allocation, Shared, State};
 use crate::daemon::users::{self, User};
 
 /// A starting allocation: its id, the CPUs and memory it holds, and the
@@ -26,7 +26,6 @@ pub(super) struct Reserved {
 /// library's ELF magic (the order docs/invocation.md gives).
 pub(super) fn reserve(
     shared: &Arc<Shared>,
-    conn: &Arc<ConnWriter>,
     conn_id: u64,
     req: &AllocateRequest,
     claims: &LeaseClaims,
@@ -91,7 +90,6 @@ pub(super) fn reserve(
             lease_id: claims.lease_id,
             user: claims.user.clone(),
             conn_id,
-            conn: Arc::clone(conn),
             pid: None,
             worker_sock: None,
             cpus: cpus.clone(),

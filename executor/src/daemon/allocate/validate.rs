@@ -37,7 +37,11 @@ pub(super) fn request(req: &AllocateRequest, s: &Settings) -> Result<(), Refused
 
 /// The executor's limits on sizes, lanes and the deadline. Returns the
 /// deadline in force (the executor's default for 0).
-pub(super) fn limits(req: &AllocateRequest, library: &[u8], s: &Settings) -> Result<u64, Refused> {
+pub(super) fn limits(
+    req: &AllocateRequest,
+    library_len: u32,
+    s: &Settings,
+) -> Result<u64, Refused> {
     let deadline_ms = if req.deadline_ms == 0 {
         s.default_deadline_ms
     } else {
@@ -46,7 +50,7 @@ pub(super) fn limits(req: &AllocateRequest, library: &[u8], s: &Settings) -> Res
     let checks = [
         (
             "the library size in bytes",
-            library.len() as u64,
+            library_len.into(),
             u64::from(s.max_library_bytes),
         ),
         (
