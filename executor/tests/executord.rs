@@ -1049,3 +1049,18 @@ fn a_draining_worker_refuses_new_invocations() {
     });
     assert_eq!(c.worker_exited().cause, ExitCause::Drained);
 }
+
+#[test]
+fn a_long_multibyte_library_name_is_served() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    // 600 bytes, past the kernel's limit for a memfd's name.
+    let mut req = good_request(&d, 1);
+    req.library_name = "€".repeat(200);
+    let ok = c
+        .allocate(req, c_library_bytes())
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", d.log()));
+    c.deallocate(ok.allocation_id)
+        .parse::<Deallocated>()
+        .unwrap();
+}

@@ -272,11 +272,22 @@ fn ended_text(ended: Ended) -> String {
     }
 }
 
+/// Bytes of the library's name kept in its memfd's name. The kernel takes
+/// at most 249 bytes (`NAME_MAX` less its own `memfd:` prefix); a longer
+/// name would make every allocation with it fail.
+const MEMFD_NAME_BYTES: usize = 200;
+
+/// `rfaas:` and the library's name cut to [`MEMFD_NAME_BYTES`] bytes, at a
+/// character boundary.
 fn memfd_name(library_name: &str) -> String {
-    let mut name: String = library_name.chars().take(200).collect();
-    if name.is_empty() {
-        name = "library".into();
+    let mut end = library_name.len().min(MEMFD_NAME_BYTES);
+    while !library_name.is_char_boundary(end) {
+        end -= 1;
     }
+    let name = match &library_name[..end] {
+        "" => "library",
+        cut => cut,
+    };
     format!("rfaas:{name}")
 }
 
@@ -292,4 +303,26 @@ fn make_runtime_dir(dir: &Path, user: &User) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memfd_names_are_cut_at_bytes_within_the_kernels_limit() {
+        // 200 three-byte characters: 600 bytes, over the kernel's 249, and
+        // byte 200 is inside a character.
+        let long = "€".repeat(200);
+        let name = memfd_name(&long);
+        assert!(
+            name.len() <= "rfaas:".len() + MEMFD_NAME_BYTES,
+            "{}",
+            name.len()
+        );
+        assert!(long.starts_with(name.strip_prefix("rfaas:").unwrap()));
+        crate::ipc::sealed_memfd(&name, b"\x7fELF").expect("the kernel takes the name");
+        assert_eq!(memfd_name(""), "rfaas:library");
+        assert_eq!(memfd_name("libf.so"), "rfaas:libf.so");
+    }
 }
