@@ -1064,3 +1064,112 @@ fn a_long_multibyte_library_name_is_served() {
         .parse::<Deallocated>()
         .unwrap();
 }
+
+/// A library whose constructor never returns: its worker never answers
+/// `WorkerReady`, so its allocation stays in flight.
+fn never_loading_library() -> Vec<u8> {
+    let dir = std::env::temp_dir().join(format!("rfaas-never-loads-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("never.c");
+    std::fs::write(
+        &src,
+        "#include <unistd.h>\n\
+         __attribute__((constructor)) static void never_returns(void) { for (;;) pause(); }\n\
+         unsigned int echo(void *in, unsigned int len, void *out) { (void)in; (void)out; return len; }\n",
+    )
+    .unwrap();
+    let lib = dir.join("libnever.so");
+    let out = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .expect("run cc");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&lib).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    bytes
+}
+
+/// Sends SIGTERM to the daemon (its `Drop` waits for the exit).
+fn terminate(d: &Executord) {
+    // SAFETY: kill has no memory preconditions; the pid is the test's child.
+    unsafe { libc::kill(d.pid() as libc::pid_t, libc::SIGTERM) };
+}
+
+fn wait_log(d: &Executord, what: &str) {
+    let until = Instant::now() + MINUTE;
+    while !d.log().contains(what) {
+        assert!(
+            Instant::now() < until,
+            "no {what:?} in the log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn an_allocation_in_flight_at_shutdown_is_refused_draining() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let mut req = request(d.token("nobody", 1, 1024, MINUTE), 1, &["echo"]);
+    req.request_id = 9;
+    c.send(&Frame::new(&req, never_loading_library()));
+    // The worker has its assignment and hangs in the library's constructor.
+    wait_log(&d, "assignment sent");
+    terminate(&d);
+    let e: ErrorReply = c
+        .recv()
+        .parse()
+        .expect("a refusal, not a closed connection");
+    assert_eq!(
+        (e.request_id, e.code),
+        (9, ErrorCode::Draining),
+        "{}",
+        e.message
+    );
+    assert!(e.message.contains("shutting down"), "{}", e.message);
+    assert!(c.closed(), "then the daemon is gone");
+}
+
+#[test]
+fn allocations_sent_during_shutdown_are_refused_draining() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    // One client is in the middle of sending its library...
+    let mut sending = Control::connect(&d);
+    let mut req = good_request(&d, 1);
+    req.request_id = 1;
+    let bytes = Frame::new(&req, lib.clone()).to_bytes();
+    let half = bytes.len() - lib.len() / 2;
+    sending.stream.write_all(&bytes[..half]).unwrap();
+    // ...another is connected and idle.
+    let mut later = Control::connect(&d);
+    later
+        .allocate(good_request(&d, 1), lib.clone())
+        .expect("served before the shutdown");
+    // (Its allocation is stopped by the shutdown.)
+    terminate(&d);
+    let e: ErrorReply = sending.recv().parse().unwrap();
+    assert_eq!(
+        (e.request_id, e.code),
+        (1, ErrorCode::Draining),
+        "{}",
+        e.message
+    );
+    // The daemon is stopping now; a request sent meanwhile is refused too.
+    let exited = later.worker_exited();
+    assert_eq!(exited.cause, ExitCause::Stopped);
+    let e = later.allocate(good_request(&d, 1), lib).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Draining, "{}", e.message);
+    // The first finishes sending its library (the daemon drops it), and
+    // both connections end.
+    sending.stream.write_all(&bytes[half..]).unwrap();
+    assert!(sending.closed());
+    assert!(later.closed());
+}
