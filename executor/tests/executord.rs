@@ -271,6 +271,8 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // It says what is missing: root without the capability is still root.
+        assert!(d.log().contains("without CAP_SYS_RESOURCE"), "{}", d.log());
     }
 
     let reply = c.deallocate(ok.allocation_id);

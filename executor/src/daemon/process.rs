@@ -143,12 +143,13 @@ pub fn spawn_worker(
 }
 
 /// Sets the nice value of `pid`'s main thread (threads it starts later
-/// inherit it). Raising a priority needs root; a daemon that is not root
-/// says so, and its workers keep their nice value.
+/// inherit it). Raising a priority needs `CAP_SYS_NICE` (root has it unless
+/// a container or service manager dropped it); without it the daemon says
+/// so, and its workers keep their nice value.
 pub fn renice(pid: u32, nice: i32) {
     // SAFETY: setpriority has no memory preconditions.
     if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, nice) } != 0 {
-        tracing::warn!(pid, nice, error = %io::Error::last_os_error(), "cannot renice the worker (the executor does not run as root)");
+        tracing::warn!(pid, nice, error = %io::Error::last_os_error(), "cannot renice the worker (raising a priority needs CAP_SYS_NICE, which the executor lacks)");
     }
 }
 
