@@ -1175,3 +1175,78 @@ fn allocations_sent_during_shutdown_are_refused_draining() {
     assert!(sending.closed());
     assert!(later.closed());
 }
+
+#[test]
+fn too_little_memory_is_refused_with_the_figure_needed() {
+    let d = start(ExecutordOptions::default());
+    let mut c = Control::connect(&d);
+    let lib = c_library_bytes();
+    for provider in ["tcp", "shm"] {
+        let mut figure = None;
+        for mib in [1, 4, 8, 16] {
+            let mut req = good_request(&d, 1);
+            req.provider = provider.into();
+            req.memory_mib = mib;
+            let e = c.allocate(req, lib.clone()).unwrap_err();
+            assert_eq!(
+                e.code,
+                ErrorCode::MemoryTooSmall,
+                "{mib} MiB: {}",
+                e.message
+            );
+            assert!(!e.code.is_retryable());
+            for part in [
+                &format!("asks for {mib} MiB")[..],
+                "for the worker process itself",
+                "for the library's loaded segments",
+                "for its output buffer and guard page",
+            ] {
+                assert!(e.message.contains(part), "{part:?} not in {}", e.message);
+            }
+            let at = e.message.find("ask for memory_mib ").unwrap() + 19;
+            let n: u32 = e.message[at..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(figure.is_none_or(|f| f == n), "{}", e.message);
+            figure = Some(n);
+        }
+        // The figure is enough, and says what is left for a pulled input.
+        let mut req = good_request(&d, 1);
+        req.provider = provider.into();
+        req.memory_mib = figure.unwrap();
+        let ok = c
+            .allocate(req.clone(), lib.clone())
+            .unwrap_or_else(|e| panic!("{provider}: {e:?}\n{}", d.log()));
+        // What is left is what rounding up to a MiB left.
+        assert!(ok.max_input_bytes < 1 << 20, "{}", ok.max_input_bytes);
+        let mut lane = RawLane::connect(&ok, provider);
+        let (status, out) = lane.invoke(0, b"just enough", MINUTE).expect("a response");
+        assert_eq!(status, rfaas_proto::InvocationStatus::Ok);
+        assert_eq!(out, b"just enough");
+        // Before the lane closes: a worker whose clients all left ends
+        // itself, and the daemon would report that instead.
+        c.deallocate(ok.allocation_id)
+            .parse::<Deallocated>()
+            .unwrap();
+        drop(lane);
+        // 16 MiB more: 16 MiB of input on tcp, a third of it on shm.
+        req.memory_mib += 16;
+        let ok = c.allocate(req, lib.clone()).unwrap();
+        let expected = if provider == "shm" {
+            (16 << 20) / 3
+        } else {
+            16 << 20
+        };
+        assert!(
+            ok.max_input_bytes.abs_diff(expected) < 1 << 20,
+            "{provider}: {}",
+            ok.max_input_bytes
+        );
+        c.deallocate(ok.allocation_id)
+            .parse::<Deallocated>()
+            .unwrap();
+    }
+}

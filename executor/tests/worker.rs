@@ -112,6 +112,8 @@ fn assignment(provider: &str, dir: &TempDir) -> Assignment {
         cpus: vec![],
         lanes: 2,
         memory_limit_bytes: 0,
+        memory_mib: 0,
+        pull_limit_bytes: 0,
         mode: Mode::Hot,
         hot_timeout_us: 1000,
         input_capacity: 64 << 10,

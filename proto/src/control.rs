@@ -461,6 +461,11 @@ pub struct AllocateOk {
     pub pooled: bool,
     /// Where the executor spent its time.
     pub phases: AllocatePhases,
+    /// The largest input (bytes) one invocation may carry: what the
+    /// allocation's memory leaves for pulling a payload bigger than the
+    /// input buffer. 0 from an executor that does not say.
+    #[serde(default)]
+    pub max_input_bytes: u64,
 }
 
 /// Stable error codes of the control channel. Each says whether retrying
@@ -501,6 +506,10 @@ pub enum ErrorCode {
     UnknownAllocation,
     /// The executor failed. Retryable.
     Internal,
+    /// `memory_mib` is too small for the worker, the library and the
+    /// lanes' buffers; the message gives the MiB needed and what they are
+    /// made of. Not retryable (ask for more memory).
+    MemoryTooSmall,
 }
 
 impl ErrorCode {
@@ -610,6 +619,14 @@ pub struct Assignment {
     /// Address-space limit for the process in bytes (0: none), used when
     /// the daemon cannot apply a cgroup limit.
     pub memory_limit_bytes: u64,
+    /// The allocation's memory, MiB, as asked for (for messages; 0 from a
+    /// daemon that does not say).
+    #[serde(default)]
+    pub memory_mib: u32,
+    /// The largest bulk payload a lane pulls, bytes (0: the worker's own
+    /// rule, `memory_limit_bytes` or a default).
+    #[serde(default)]
+    pub pull_limit_bytes: u64,
     /// How lanes wait.
     pub mode: Mode,
     /// Hot period of [`Mode::HotThenWarm`], microseconds.
@@ -906,6 +923,12 @@ mod tests {
         );
         assert!(ErrorCode::NoCapacity.is_retryable());
         assert!(!ErrorCode::TokenForged.is_retryable());
+        assert_eq!(
+            serde_json::to_string(&ErrorCode::MemoryTooSmall).unwrap(),
+            r#""memory_too_small""#
+        );
+        // Asking again with the same memory cannot succeed.
+        assert!(!ErrorCode::MemoryTooSmall.is_retryable());
         assert_eq!(
             serde_json::to_string(&LocalRequest::Drain { grace_ms: 100 }).unwrap(),
             r#"{"command":"drain","grace_ms":100}"#

@@ -42,6 +42,21 @@ impl MemoryLimiter {
         }
     }
 
+    /// Environment for every worker. Under `RLIMIT_AS`, glibc's malloc is
+    /// kept to one arena: each further arena (one per thread that
+    /// allocates, up to eight per CPU) reserves 64 MiB of address space,
+    /// which the limit counts although almost none of it is used. With
+    /// them, whether a worker fits depended on which thread allocated
+    /// first, not on its memory; without, it needs what
+    /// `allocate::memory` says. (Under a cgroup, which counts resident
+    /// memory, the reservations cost nothing and lanes keep their own.)
+    pub fn worker_env(&self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            MemoryLimiter::Cgroup(_) => &[],
+            MemoryLimiter::Rlimit => &[("MALLOC_ARENA_MAX", "1")],
+        }
+    }
+
     /// Makes allocation `id`'s group with `memory.max` = `memory_mib` and
     /// returns its `cgroup.procs` path (a process joins by writing its pid
     /// there); `None` with the rlimit mechanism.

@@ -32,7 +32,8 @@ pub struct Bwrap {
 /// N, in its own process group (a terminal's Ctrl-C reaches the daemon,
 /// which stops workers itself), with SIGKILL as its parent-death signal.
 /// With `bwrap`, the worker runs inside a bubblewrap sandbox. With
-/// `cgroup_procs`, the child joins that cgroup before it execs.
+/// `cgroup_procs`, the child joins that cgroup before it execs. `env` is
+/// added to its environment.
 ///
 /// Call it from a thread that lives as long as the daemon: the
 /// parent-death signal fires when the spawning *thread* ends.
@@ -41,6 +42,7 @@ pub fn spawn_worker(
     bwrap: Option<&Bwrap>,
     cgroup_procs: Option<&Path>,
     nice: i32,
+    env: &[(&str, &str)],
 ) -> io::Result<Spawned> {
     let (ours, theirs) = UnixStream::pair()?;
     let fd = theirs.as_raw_fd();
@@ -84,6 +86,7 @@ pub fn spawn_worker(
         }
     };
     cmd.arg("--control-fd").arg(fd.to_string());
+    cmd.envs(env.iter().copied());
     cmd.stdin(Stdio::null()).stdout(Stdio::null());
     cmd.process_group(0);
     let procs = cgroup_procs
@@ -264,7 +267,7 @@ mod tests {
     #[test]
     fn spawn_wait_and_reap() {
         // `true` ignores its arguments, so it stands in for the worker.
-        let s = spawn_worker(Path::new("/bin/true"), None, None, 0).unwrap();
+        let s = spawn_worker(Path::new("/bin/true"), None, None, 0, &[]).unwrap();
         assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
         // Still a zombie: the pid is ours until reaped.
         assert!(Path::new(&format!("/proc/{}", s.pid)).exists());
@@ -275,7 +278,7 @@ mod tests {
 
     #[test]
     fn killed_children_report_the_signal() {
-        let s = spawn_worker(Path::new("/bin/sleep"), None, None, 0);
+        let s = spawn_worker(Path::new("/bin/sleep"), None, None, 0, &[]);
         // sleep refuses "--control-fd" and exits 1 at once.
         let s = s.unwrap();
         let ended = wait_exit(s.pid).unwrap();
@@ -298,7 +301,7 @@ mod tests {
         std::fs::write(&script, "#!/bin/sh\nnice > \"$(dirname \"$0\")/nice\"\n").unwrap();
         std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
-        let s = spawn_worker(&script, None, None, 7).unwrap();
+        let s = spawn_worker(&script, None, None, 7, &[]).unwrap();
         assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
         reap(s.pid);
         let nice = std::fs::read_to_string(dir.join("nice")).unwrap();
@@ -308,7 +311,8 @@ mod tests {
 
     #[test]
     fn missing_worker_binary_is_named() {
-        let err = spawn_worker(Path::new("/nonexistent/rfaas-worker"), None, None, 0).unwrap_err();
+        let err =
+            spawn_worker(Path::new("/nonexistent/rfaas-worker"), None, None, 0, &[]).unwrap_err();
         assert!(
             err.to_string().contains("/nonexistent/rfaas-worker"),
             "{err}"

@@ -39,6 +39,7 @@ pub(crate) enum SpawnJob {
 /// at a time while the pool is short.
 pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
     let worker = shared.settings.worker_path.clone();
+    let env = shared.limiter.worker_env();
     let mut backoff_until = None::<std::time::Instant>;
     loop {
         // Drain every pending job before (re)filling the pool.
@@ -49,8 +50,13 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
                     cgroup_procs,
                     reply,
                 }) => {
-                    let r =
-                        process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref(), 0);
+                    let r = process::spawn_worker(
+                        &worker,
+                        bwrap.as_ref(),
+                        cgroup_procs.as_deref(),
+                        0,
+                        env,
+                    );
                     let _ = reply.send(r);
                 }
                 Ok(SpawnJob::Refill) => {}
@@ -69,7 +75,7 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
         };
         let backing_off = backoff_until.is_some_and(|t| std::time::Instant::now() < t);
         if short && !backing_off {
-            match process::spawn_worker(&worker, None, None, POOL_NICE) {
+            match process::spawn_worker(&worker, None, None, POOL_NICE, env) {
                 Ok(s) => {
                     let pid = s.pid;
                     {
@@ -95,7 +101,8 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
                 cgroup_procs,
                 reply,
             }) => {
-                let r = process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref(), 0);
+                let r =
+                    process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref(), 0, env);
                 let _ = reply.send(r);
             }
             Ok(SpawnJob::Refill) | Err(mpsc::RecvTimeoutError::Timeout) => {}

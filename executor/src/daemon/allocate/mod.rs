@@ -3,12 +3,14 @@
 //!
 //! - [`validate`]: the request's own shape and the executor's limits.
 //! - [`lease`]: the token, and the request against what it grants.
+//! - [`memory`]: the least memory the worker needs, with the library.
 //! - [`reserve`]: cores and memory taken under the state lock, with the
 //!   checks that must see the same state (draining, the user, the library).
 //! - [`spawn`]: the worker: runtime directory, memory limit, pooled or fresh
 //!   process, its assignment and its answer.
 
 mod lease;
+mod memory;
 mod reserve;
 mod spawn;
 mod validate;
@@ -70,6 +72,7 @@ pub(crate) fn start(
         deadline_ms,
         check_ns,
     } = checked;
+    let max_pull = memory::check(req, library)?;
     let reserved = reserve::reserve(shared, conn_id, req, &claims, library)?;
     let validate_ns = check_ns + started.elapsed().as_nanos() as u64;
     let started_worker = Instant::now();
@@ -88,9 +91,12 @@ pub(crate) fn start(
         &reserved,
         req,
         library,
-        deadline_ms,
-        claims.expires_at,
-        &lane_key,
+        &spawn::Terms {
+            deadline_ms,
+            expires_at: claims.expires_at,
+            lane_key: &lane_key,
+            max_pull,
+        },
     )
     .map_err(|refused| spawn::abandon(shared, reserved.id, refused))?;
     let worker_ns = started_worker.elapsed().as_nanos() as u64;
@@ -112,5 +118,9 @@ pub(crate) fn start(
             load_ns: ready.load_ns,
             listen_ns: ready.listen_ns,
         },
+        // A payload that fits the input buffer is never pulled.
+        max_input_bytes: max_pull.max(
+            u64::from(req.input_capacity).saturating_sub(rfaas_proto::InvocationHeader::LEN as u64),
+        ),
     })
 }

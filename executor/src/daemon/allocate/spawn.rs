@@ -22,6 +22,19 @@ use crate::daemon::supervise;
 use crate::daemon::users::User;
 use crate::ipc;
 
+/// What the daemon settled for an allocation beyond its request.
+#[derive(Debug)]
+pub(super) struct Terms<'a> {
+    /// The function deadline in force, ms.
+    pub deadline_ms: u64,
+    /// The lease's end, Unix seconds.
+    pub expires_at: u64,
+    /// The allocation's lane key, hex.
+    pub lane_key: &'a str,
+    /// The largest payload a lane pulls, bytes.
+    pub max_pull: u64,
+}
+
 /// Prepares the runtime directory and memory limit, attaches a worker,
 /// sends it the assignment and waits for its answer. Returns the answer
 /// and whether the worker came from the pool.
@@ -30,10 +43,14 @@ pub(super) fn start_worker(
     reserved: &Reserved,
     req: &AllocateRequest,
     library: &[u8],
-    deadline_ms: u64,
-    expires_at: u64,
-    lane_key: &str,
+    terms: &Terms<'_>,
 ) -> Result<(WorkerReady, bool), Refused> {
+    let Terms {
+        deadline_ms,
+        expires_at,
+        lane_key,
+        max_pull,
+    } = *terms;
     let Reserved {
         id,
         cpus,
@@ -73,6 +90,9 @@ pub(super) fn start_worker(
         cpus: if s.pin { cpus.to_vec() } else { Vec::new() },
         lanes: req.cores,
         memory_limit_bytes: shared.limiter.rlimit_bytes(req.memory_mib),
+        memory_mib: req.memory_mib,
+        // 0 would mean the worker's own rule.
+        pull_limit_bytes: max_pull.max(1),
         mode: req.mode,
         hot_timeout_us: req.hot_timeout_us,
         input_capacity: req.input_capacity,
