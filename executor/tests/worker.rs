@@ -1022,6 +1022,43 @@ fn malformed_library_fails_the_assignment(#[case] provider: &str) {
     assert_eq!(reply.request_id, a.allocation_id);
 }
 
+/// Under an address-space limit too small for the library or the lanes'
+/// buffers, the worker says memory_too_small, never malformed_library or a
+/// retryable internal error. (The daemon refuses such allocations before
+/// they reach a worker; this is the worker's own word.)
+#[rstest]
+#[case::library_tcp("tcp", 4, 64 << 10, "map the function library")]
+#[case::library_shm("shm", 4, 64 << 10, "map the function library")]
+#[case::buffers_tcp("tcp", 16, 16 << 20, "input buffer")]
+#[case::buffers_shm("shm", 16, 16 << 20, "input buffer")]
+fn too_little_address_space_fails_the_assignment_memory_too_small(
+    #[case] provider: &str,
+    #[case] mib: u32,
+    #[case] input_capacity: u32,
+    #[case] what: &str,
+) {
+    let dir = TempDir::new();
+    let mut worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.input_capacity = input_capacity;
+    a.memory_limit_bytes = u64::from(mib) << 20;
+    a.memory_mib = mib;
+    let reply = failure(
+        &mut worker,
+        &a,
+        &rfaas_testkit::functions::c_library_bytes(),
+    );
+    assert_eq!(reply.code, ErrorCode::MemoryTooSmall, "{}", reply.message);
+    assert!(reply.message.contains(what), "{}", reply.message);
+    assert!(
+        reply
+            .message
+            .contains(&format!("within the allocation's {mib} MiB")),
+        "{}",
+        reply.message
+    );
+}
+
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]

@@ -273,11 +273,16 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
     privileges::drop_privileges(a.uid, a.gid)?;
 
     let t = Instant::now();
-    let library = Library::load(memfd, &a.functions)?;
+    let library = Library::load(memfd, &a.functions).map_err(|e| load_failure(a, e))?;
     let load_ns = t.elapsed().as_nanos() as u64;
 
     let t = Instant::now();
     let fabric_failed = |what: &str, e: rfaas_fabric::Error| {
+        let no_memory = matches!(&e, rfaas_fabric::Error::Io { source, .. }
+            if source.raw_os_error() == Some(libc::ENOMEM));
+        if no_memory && a.memory_limit_bytes > 0 {
+            return too_small(a, &format!("{what} ({e}: out of memory)"));
+        }
         WorkerError::failed(
             ErrorCode::Internal,
             format!("the worker cannot {what} on the {} fabric: {e}", a.provider),
@@ -297,18 +302,27 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
     );
     let opts = endpoint_options();
     let mut lanes = Vec::with_capacity(a.lanes.into());
-    for _ in 0..a.lanes {
+    for lane in 0..a.lanes {
         // Room for every connection on probation at once (accept_lane).
         let cq = fabric
             .completion_queue((opts.send_depth + opts.recv_depth) * MAX_CANDIDATES + 1)
             .map_err(|e| fabric_failed("create a completion queue", e))?;
         let input = domain
             .register(a.input_capacity as usize, Access::REMOTE_WRITE)
-            .map_err(|e| fabric_failed("register an input buffer", e))?;
+            .map_err(|e| {
+                let what = format!(
+                    "register lane {lane}'s {}-byte input buffer",
+                    a.input_capacity
+                );
+                fabric_failed(&what, e)
+            })?;
         let out_len = (a.output_capacity as usize).div_ceil(64) * 64;
         let output = domain
             .register_guarded(out_len, Access::LOCAL)
-            .map_err(|e| fabric_failed("register an output buffer", e))?;
+            .map_err(|e| {
+                let what = format!("register lane {lane}'s {out_len}-byte output buffer");
+                fabric_failed(&what, e)
+            })?;
         lanes.push(PreparedLane {
             cq,
             input,
@@ -329,6 +343,42 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
         listen_ns,
         key,
     })
+}
+
+/// A library that could not be mapped under the address-space limit is
+/// the allocation's memory, not a malformed library.
+fn load_failure(a: &Assignment, e: WorkerError) -> WorkerError {
+    match &e {
+        WorkerError::Failed {
+            code: ErrorCode::MalformedLibrary,
+            message,
+        } if a.memory_limit_bytes > 0
+            && [
+                "failed to map segment",
+                "cannot map zero-fill pages",
+                "Cannot allocate memory",
+            ]
+            .iter()
+            .any(|m| message.contains(m)) =>
+        {
+            too_small(a, "map the function library")
+        }
+        _ => e,
+    }
+}
+
+/// `memory_too_small`: the worker could not do `what` within the
+/// allocation's memory.
+fn too_small(a: &Assignment, what: &str) -> WorkerError {
+    WorkerError::failed(
+        ErrorCode::MemoryTooSmall,
+        format!(
+            "the worker could not {what} within the allocation's {} MiB (an address-space limit: \
+             the worker's own mappings, the library and every lane's buffers count); ask for \
+             more memory_mib (docs/executor.md, \"Memory\", says how it is spent)",
+            a.memory_mib
+        ),
+    )
 }
 
 /// Refuses assignments the worker cannot serve.
@@ -358,7 +408,9 @@ fn check(a: &Assignment) -> Result<(), WorkerError> {
 fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     let functions: Arc<[library::Function]> = p.library.functions().into();
     let opts = endpoint_options();
-    let pull_limit = if a.memory_limit_bytes > 0 {
+    let pull_limit = if a.pull_limit_bytes > 0 {
+        usize::try_from(a.pull_limit_bytes).unwrap_or(usize::MAX)
+    } else if a.memory_limit_bytes > 0 {
         (a.memory_limit_bytes as usize).min(u32::MAX as usize)
     } else {
         DEFAULT_PULL_LIMIT
