@@ -73,6 +73,9 @@ pub struct Allocation {
     lease_id: u64,
     functions: Vec<String>,
     output_capacity: u32,
+    /// The largest input one call may carry (the executor's word; 0 when
+    /// it did not say).
+    max_input: u64,
     deadline: Duration,
     expires_at: u64,
     fate: Arc<Fate>,
@@ -110,6 +113,7 @@ impl Allocation {
             lease_id: p.ok.lease_id,
             functions: p.ok.functions,
             output_capacity: p.ok.output_capacity,
+            max_input: p.ok.max_input_bytes,
             deadline: Duration::from_millis(p.ok.deadline_ms),
             expires_at: p.ok.expires_at,
             fate: p.fate,
@@ -416,11 +420,35 @@ impl Allocation {
                 in_len * std::mem::size_of::<I>()
             ))
         })?;
+        if self.max_input > 0 && u64::from(in_bytes) > self.max_input {
+            return Err(self.input_too_large(in_bytes));
+        }
         let out_bytes = u32::try_from(output.capacity_bytes()).unwrap_or(u32::MAX);
         if self.fate.ended() {
             return Err(self.fate.error(Duration::ZERO));
         }
         Ok((in_bytes, out_bytes))
+    }
+
+    /// An input bigger than the allocation's memory lets its worker pull.
+    #[cold]
+    fn input_too_large(&self, in_bytes: u32) -> Error {
+        // As the executor counts a pulled payload (docs/executor.md): its
+        // size, and on shm the client's buffer mapped twice besides.
+        let copies = match self.client.options().provider.as_str() {
+            "shm" if self.spec.read_only_input => 2,
+            "shm" => 3,
+            _ => 1,
+        };
+        let more = ((u64::from(in_bytes) - self.max_input) * copies).div_ceil(1 << 20);
+        Error::InvalidArgument(format!(
+            "the input is {in_bytes} bytes, but this allocation takes at most {} bytes per call \
+             (what its memory_mib {} leaves after the worker's own needs, for pulling a payload \
+             bigger than the input buffer); allocate with memory_mib {} or more, or send less",
+            self.max_input,
+            self.spec.memory_mib,
+            u64::from(self.spec.memory_mib) + more,
+        ))
     }
 
     fn claim_output<O: Pod>(&self, output: &Buffer<O>) -> Result<()> {

@@ -79,6 +79,7 @@ impl Client {
         let started = Instant::now();
         let (executor, token) = &executors[target];
         self.check(spec)?;
+        spec.check_memory()?;
         let fabric = self.fabric()?;
         let (conn, connect_control) = self.conn(executor)?;
         let request_id = conn.next_request_id();

@@ -167,4 +167,51 @@ impl AllocationSpec {
     pub fn functions(&self) -> &[String] {
         &self.functions
     }
+
+    /// Refuses a `memory_mib` that cannot hold even what the client knows
+    /// the worker will: every lane's input and output buffers, and the
+    /// library. (The executor adds the worker's own needs and refuses
+    /// `memory_too_small` with the whole figure; docs/executor.md.)
+    pub(crate) fn check_memory(&self) -> crate::Result<()> {
+        const MIB: u64 = 1 << 20;
+        let lanes = u64::from(self.cores.max(1));
+        let buffers = lanes * (u64::from(self.input_capacity) + u64::from(self.output_capacity));
+        let known = buffers + self.library.len() as u64;
+        if u64::from(self.memory_mib) * MIB >= known {
+            return Ok(());
+        }
+        Err(crate::Error::InvalidArgument(format!(
+            "memory_mib {} cannot hold even this allocation's buffers and library: {} lane{} × \
+             ({} B input + {} B output) + {} B of library = {} MiB, before the worker's own \
+             memory; ask for more (docs/executor.md, \"Memory\", says how the executor counts)",
+            self.memory_mib,
+            lanes,
+            if lanes == 1 { "" } else { "s" },
+            self.input_capacity,
+            self.output_capacity,
+            self.library.len(),
+            known.div_ceil(MIB),
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_below_the_buffers_and_library_is_refused_with_the_figure() {
+        let spec = AllocationSpec::new(vec![0u8; 100 << 10], &["f"]).cores(2);
+        // 2 × (64 KiB + 1 MiB) + 100 KiB: just over 2 MiB.
+        let err = spec.clone().memory_mib(2).check_memory().unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, crate::Error::InvalidArgument(_)), "{err:?}");
+        assert!(text.contains("memory_mib 2 "), "{text}");
+        assert!(
+            text.contains("2 lanes × (65536 B input + 1048576 B output)"),
+            "{text}"
+        );
+        assert!(text.contains("= 3 MiB"), "{text}");
+        assert!(spec.memory_mib(3).check_memory().is_ok());
+    }
 }

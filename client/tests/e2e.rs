@@ -918,6 +918,148 @@ fn spinning_on_the_workers_cpu_turns_to_sleeping() {
     .unwrap();
 }
 
+/// The memory figures that once came back as malformed_library, a
+/// retryable internal error, a crash or payload_too_large without numbers
+/// (1, 4 and 8 MiB with a 32 MiB input, 16 to 32 MiB): each is one clear
+/// refusal, from the client's own check or the executor, that gives the
+/// figure needed, and the figure is enough.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn too_little_memory_is_one_clear_refusal_with_the_figure(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let client = Client::new(ClientOptions::with_provider(provider));
+    let addr = d.control_addr().to_string();
+    let spec = |mib: u32| spec().memory_mib(mib);
+    let figure = |text: &str, before: &str| -> u32 {
+        let at = text
+            .find(before)
+            .unwrap_or_else(|| panic!("{before:?} not in {text:?}"));
+        let digits: String = text[at + before.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits
+            .parse()
+            .unwrap_or_else(|_| panic!("no figure after {before:?} in {text:?}"))
+    };
+
+    // 1 MiB cannot hold even the buffers: the client says so without asking.
+    let err = client.allocate(&addr, &token(&d), &spec(1)).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(
+        err.to_string().contains("memory_mib 1 cannot hold"),
+        "{err}"
+    );
+
+    // 4, 8 and 16 MiB: the executor refuses memory_too_small with the
+    // figure, the same for each.
+    let mut needed = 0;
+    for mib in [4, 8, 16] {
+        let err = client.allocate(&addr, &token(&d), &spec(mib)).unwrap_err();
+        let Error::Refused {
+            code: ErrorCode::MemoryTooSmall,
+            message,
+        } = &err
+        else {
+            panic!("{mib} MiB: {err:?}\n{}", d.log());
+        };
+        assert!(!err.is_retryable());
+        assert!(
+            message.contains("for the worker process itself"),
+            "{message}"
+        );
+        let n = figure(message, "ask for memory_mib ");
+        assert!(needed == 0 || n == needed, "{message}");
+        needed = n;
+    }
+    assert!(needed > 16, "{needed}");
+
+    // With the figure the worker serves...
+    let alloc = client
+        .allocate(&addr, &token(&d), &spec(needed))
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 7);
+    let mut out = alloc.buffer::<u8>(4).unwrap();
+    assert_eq!(alloc.invoke(echo, &input, 1, &mut out).unwrap(), 4);
+    drop(alloc);
+
+    // ...but a 32 MiB input does not fit what 24 or 32 MiB leave: the
+    // client says so before sending, with the figure that does.
+    let mut figures = Vec::new();
+    for mib in [24, 32] {
+        let alloc = client.allocate(&addr, &token(&d), &spec(mib)).unwrap();
+        let noop = alloc.function("noop").unwrap();
+        let big = alloc.buffer::<u8>(32 << 20).unwrap();
+        let mut out = alloc.buffer::<u8>(4).unwrap();
+        let err = alloc.invoke(noop, &big, 32 << 20, &mut out).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(_)),
+            "{mib} MiB: {err:?}"
+        );
+        figures.push(figure(&err.to_string(), "allocate with memory_mib "));
+    }
+    // The figure is enough for it.
+    let mib = figures[0];
+    assert_eq!(figures[0], figures[1], "{figures:?}");
+    let alloc = client
+        .allocate(&addr, &token(&d), &spec(mib))
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let noop = alloc.function("noop").unwrap();
+    let big = alloc.buffer::<u8>(32 << 20).unwrap();
+    let mut out = alloc.buffer::<u8>(4).unwrap();
+    alloc
+        .invoke(noop, &big, 32 << 20, &mut out)
+        .unwrap_or_else(|e| panic!("{mib} MiB with a 32 MiB input: {e}\n{}", d.log()));
+    alloc.deallocate().unwrap();
+}
+
+/// The executor's memory figure for four lanes is enough for all four to
+/// serve at once.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn the_memory_figure_serves_every_lane(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let client = Client::new(ClientOptions::with_provider(provider));
+    let addr = d.control_addr().to_string();
+    let spec = spec().cores(4).memory_mib(8);
+    let err = client.allocate(&addr, &token(&d), &spec).unwrap_err();
+    let Error::Refused {
+        code: ErrorCode::MemoryTooSmall,
+        message,
+    } = &err
+    else {
+        panic!("{err:?}")
+    };
+    let at = message.find("ask for memory_mib ").unwrap() + "ask for memory_mib ".len();
+    let needed: u32 = message[at..]
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{message}"));
+    let alloc = client
+        .allocate(&addr, &token(&d), &spec.memory_mib(needed))
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 9);
+    let mut outs: Vec<_> = (0..4)
+        .map(|_| alloc.buffer::<u8>(1 << 20).unwrap())
+        .collect();
+    let calls: Vec<_> = outs
+        .iter_mut()
+        .map(|o| alloc.submit(echo, &input, 1, o).unwrap())
+        .collect();
+    for c in calls {
+        assert_eq!(c.get().unwrap(), 4);
+    }
+}
+
 #[test]
 fn refusals_are_typed() {
     let d = daemon();

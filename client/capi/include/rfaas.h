@@ -232,6 +232,11 @@ enum rfaas_status
    * Refused: the executor failed. Retryable.
    */
   RFAAS_ERR_REFUSED_INTERNAL = 215,
+  /**
+   * Refused: `memory_mib` is too small for the worker, the library and
+   * the buffers; the message gives the MiB needed. Ask for more.
+   */
+  RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL = 216,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

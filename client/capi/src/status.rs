@@ -136,12 +136,15 @@ pub enum rfaas_status {
     RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION = 214,
     /// Refused: the executor failed. Retryable.
     RFAAS_ERR_REFUSED_INTERNAL = 215,
+    /// Refused: `memory_mib` is too small for the worker, the library and
+    /// the buffers; the message gives the MiB needed. Ask for more.
+    RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL = 216,
 }
 
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 44] = [
+const ALL: [rfaas_status; 45] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -186,6 +189,7 @@ const ALL: [rfaas_status; 44] = [
     RFAAS_ERR_REFUSED_DRAINING,
     RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
     RFAAS_ERR_REFUSED_INTERNAL,
+    RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
 ];
 
 impl rfaas_status {
@@ -224,6 +228,7 @@ impl rfaas_status {
             ErrorCode::Draining => RFAAS_ERR_REFUSED_DRAINING,
             ErrorCode::UnknownAllocation => RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
             ErrorCode::Internal => RFAAS_ERR_REFUSED_INTERNAL,
+            ErrorCode::MemoryTooSmall => RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
             _ => RFAAS_ERR_REFUSED,
         }
     }
@@ -335,6 +340,7 @@ impl rfaas_status {
             RFAAS_ERR_REFUSED_DRAINING => c"RFAAS_ERR_REFUSED_DRAINING",
             RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION => c"RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION",
             RFAAS_ERR_REFUSED_INTERNAL => c"RFAAS_ERR_REFUSED_INTERNAL",
+            RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL => c"RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL",
         }
     }
 
@@ -496,6 +502,7 @@ mod tests {
             ErrorCode::Draining,
             ErrorCode::UnknownAllocation,
             ErrorCode::Internal,
+            ErrorCode::MemoryTooSmall,
         ] {
             let s = rfaas_status::from_refusal(code);
             assert_ne!(s, RFAAS_ERR_REFUSED, "{code:?} has its own status");

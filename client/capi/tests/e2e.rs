@@ -360,6 +360,58 @@ fn the_executor_refuses_with_its_own_codes() {
     assert!(alloc.is_null());
 }
 
+/// The figures of a memory_mib too small (1, 4 and 8 MiB with a 32 MiB
+/// input, 16 to 32 MiB): the client's own check says
+/// RFAAS_ERR_INVALID_ARGUMENT, the executor
+/// RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL; each message gives the figure
+/// needed, and neither is retryable.
+#[test]
+fn too_little_memory_is_one_clear_status_with_the_figure() {
+    let mut f = Fixture::new(1);
+    let first = f.alloc;
+    let mut opts = rfaas_alloc_options_default();
+    opts.mode = rfaas_mode::RFAAS_MODE_WARM;
+
+    opts.memory_mib = 1;
+    let st = f.allocate(&opts, FUNCTIONS);
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "memory_mib 1 cannot hold",
+    );
+    assert!(!rfaas_status_is_retryable(st as u32));
+    for mib in [4, 8, 16] {
+        opts.memory_mib = mib;
+        let st = f.allocate(&opts, FUNCTIONS);
+        assert_failed(
+            st,
+            rfaas_status::RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
+            "ask for memory_mib ",
+        );
+        assert!(last_error().contains(&format!("asks for {mib} MiB")));
+        assert!(!rfaas_status_is_retryable(st as u32));
+    }
+    assert_eq!(f.alloc, first, "the out-pointer is untouched on failure");
+
+    // 24 MiB is enough for the worker, not for a 32 MiB input.
+    opts.memory_mib = 24;
+    ok(f.allocate(&opts, FUNCTIONS));
+    // SAFETY: the first allocation, no longer used.
+    ok(unsafe { rfaas_deallocate(first) });
+    let (st, noop) = f.index("noop");
+    ok(st);
+    let input = f.buffer(32 << 20);
+    let output = f.buffer(4096);
+    // SAFETY: a live allocation and its buffers.
+    let st = unsafe { rfaas_invoke(f.alloc, noop, input.0, 32 << 20, output.0, null_mut()) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "allocate with memory_mib ",
+    );
+    assert!(!rfaas_status_is_retryable(st as u32));
+}
+
 #[test]
 fn a_crashing_function_is_reported_as_such() {
     let f = Fixture::new(1);
