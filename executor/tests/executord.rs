@@ -11,7 +11,7 @@ use rfaas_proto::control::{
     AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, ExitCause, Frame,
     FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, Mode, WorkerExited,
 };
-use rfaas_testkit::executord::{Executord, ExecutordOptions};
+use rfaas_testkit::executord::{wait_for_exit, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
@@ -168,11 +168,7 @@ fn process_exists(pid: u32) -> bool {
 }
 
 fn wait_gone(pid: u32) {
-    let until = Instant::now() + MINUTE;
-    while process_exists(pid) {
-        assert!(Instant::now() < until, "process {pid} still exists");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(wait_for_exit(pid, MINUTE), "process {pid} still exists");
 }
 
 fn uid_of(pid: u32) -> u32 {
@@ -262,17 +258,15 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
             "{memlock}"
         );
     } else {
-        let until = Instant::now() + MINUTE;
-        while !d.log().contains("cannot lift the locked-memory limit") {
-            assert!(
-                Instant::now() < until,
-                "no word of the memlock limit:\n{}",
-                d.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // The worker logs it (to the daemon's stderr) before it loads the
+        // library, so before the AllocateOk above.
+        let log = d.log();
+        assert!(
+            log.contains("cannot lift the locked-memory limit"),
+            "no word of the memlock limit:\n{log}"
+        );
         // It says what is missing: root without the capability is still root.
-        assert!(d.log().contains("without CAP_SYS_RESOURCE"), "{}", d.log());
+        assert!(log.contains("without CAP_SYS_RESOURCE"), "{log}");
     }
 
     let reply = c.deallocate(ok.allocation_id);
@@ -1044,7 +1038,6 @@ fn a_draining_worker_refuses_new_invocations() {
             }
             assert_eq!(status, rfaas_proto::InvocationStatus::Ok);
             assert!(Instant::now() < until, "the worker never refused");
-            std::thread::sleep(Duration::from_millis(20));
         }
         let done = drain.join().unwrap();
         assert!(matches!(done, LocalReply::Done { .. }), "{done:?}");
@@ -1067,17 +1060,24 @@ fn a_long_multibyte_library_name_is_served() {
         .unwrap();
 }
 
-/// A library whose constructor never returns: its worker never answers
+/// A library whose constructor tells the test it runs (a byte into the
+/// FIFO `signal`) and never returns: its worker never answers
 /// `WorkerReady`, so its allocation stays in flight.
-fn never_loading_library() -> Vec<u8> {
-    let dir = std::env::temp_dir().join(format!("rfaas-never-loads-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn never_loading_library(signal: &Path) -> Vec<u8> {
+    let dir = signal.parent().unwrap();
     let src = dir.join("never.c");
     std::fs::write(
         &src,
-        "#include <unistd.h>\n\
-         __attribute__((constructor)) static void never_returns(void) { for (;;) pause(); }\n\
-         unsigned int echo(void *in, unsigned int len, void *out) { (void)in; (void)out; return len; }\n",
+        format!(
+            "#include <fcntl.h>\n\
+             #include <unistd.h>\n\
+             __attribute__((constructor)) static void never_returns(void) {{\n\
+             int fd = open({signal:?}, O_WRONLY);\n\
+             if (fd >= 0) {{ (void)write(fd, \"x\", 1); close(fd); }}\n\
+             for (;;) pause();\n\
+             }}\n\
+             unsigned int echo(void *in, unsigned int len, void *out) {{ (void)in; (void)out; return len; }}\n"
+        ),
     )
     .unwrap();
     let lib = dir.join("libnever.so");
@@ -1092,9 +1092,40 @@ fn never_loading_library() -> Vec<u8> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let bytes = std::fs::read(&lib).unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
-    bytes
+    std::fs::read(&lib).unwrap()
+}
+
+/// A FIFO the worker (user nobody) may write to, opened for reading
+/// without blocking.
+fn fifo(dir: &Path) -> (std::path::PathBuf, std::fs::File) {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.join("signal");
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&path)
+        .unwrap();
+    (path, reader)
+}
+
+/// Waits (in `poll`) until `f` has a byte to read.
+fn wait_readable(f: &std::fs::File, timeout: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: f.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    unsafe {
+        libc::poll(&mut p, 1, timeout.as_millis() as i32) == 1 && p.revents & libc::POLLIN != 0
+    }
 }
 
 /// Sends SIGTERM to the daemon (its `Drop` waits for the exit).
@@ -1103,27 +1134,21 @@ fn terminate(d: &Executord) {
     unsafe { libc::kill(d.pid() as libc::pid_t, libc::SIGTERM) };
 }
 
-fn wait_log(d: &Executord, what: &str) {
-    let until = Instant::now() + MINUTE;
-    while !d.log().contains(what) {
-        assert!(
-            Instant::now() < until,
-            "no {what:?} in the log:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[test]
 fn an_allocation_in_flight_at_shutdown_is_refused_draining() {
     let d = start(ExecutordOptions::default());
+    let dir = std::env::temp_dir().join(format!("rfaas-never-loads-{}", std::process::id()));
+    let (signal, reader) = fifo(&dir);
     let mut c = Control::connect(&d);
     let mut req = request(d.token("nobody", 1, 1024, MINUTE), 1, &["echo"]);
     req.request_id = 9;
-    c.send(&Frame::new(&req, never_loading_library()));
-    // The worker has its assignment and hangs in the library's constructor.
-    wait_log(&d, "assignment sent");
+    c.send(&Frame::new(&req, never_loading_library(&signal)));
+    // The worker is loading the library and hangs in its constructor.
+    assert!(
+        wait_readable(&reader, MINUTE),
+        "the library was never loaded\n{}",
+        d.log()
+    );
     terminate(&d);
     let e: ErrorReply = c
         .recv()
@@ -1137,6 +1162,8 @@ fn an_allocation_in_flight_at_shutdown_is_refused_draining() {
     );
     assert!(e.message.contains("shutting down"), "{}", e.message);
     assert!(c.closed(), "then the daemon is gone");
+    drop(reader);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -11,6 +11,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -401,16 +402,41 @@ fn stop_child(child: &mut Child, grace: Duration) {
     let pid = child.id() as libc::pid_t;
     // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
-    let until = Instant::now() + grace;
-    while Instant::now() < until {
-        if matches!(child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if !wait_for_exit(child.id(), grace) {
+        // SAFETY: as above (still unreaped: only `wait` below reaps it).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
     let _ = child.wait();
+}
+
+/// Waits up to `timeout` for process `pid` to end, sleeping in `poll` on its
+/// pidfd (readable once the process has exited, reaped or not); true when
+/// it has ended or was already gone.
+pub fn wait_for_exit(pid: u32, timeout: Duration) -> bool {
+    // SAFETY: a plain system call with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    // SAFETY: pidfd_open returned a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let until = Instant::now() + timeout;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&mut p, 1, ms) } {
+            1.. => return true,
+            0 => return false,
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return false,
+        }
+    }
 }
 
 fn parse_ready(line: &str) -> Option<(SocketAddr, PathBuf)> {
@@ -436,6 +462,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn waiting_for_an_exit_sees_it_end() {
+        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
+        assert!(!wait_for_exit(child.id(), Duration::from_millis(50)));
+        // SAFETY: kill has no memory preconditions; our unreaped child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+        assert!(wait_for_exit(child.id(), Duration::from_secs(60)));
+        child.wait().unwrap();
+    }
+
+    #[test]
     fn ready_line() {
         assert_eq!(
             parse_ready("rfaas-executord ready control=127.0.0.1:4000 local=/tmp/x y.sock"),
@@ -445,6 +481,5 @@ mod tests {
             ))
         );
         assert_eq!(parse_ready("hello"), None);
-        assert_eq!(random_secret().len(), 48);
     }
 }
