@@ -100,7 +100,17 @@ pub(crate) fn message(
                     checked,
                     library_len: blob_len,
                 })),
-                Err((code, message)) => Next::Reply(refusal(rid, code, message)),
+                Err((code, message)) => {
+                    // Past a valid token, a refusal is worth an operator's
+                    // line; before it, anyone can cause one per request
+                    // (the loop sums those up instead).
+                    if matches!(code, ErrorCode::ExceedsLease | ErrorCode::TooLarge) {
+                        tracing::info!(request_id = rid, ?code, %message, "allocation refused");
+                    } else {
+                        tracing::trace!(request_id = rid, ?code, %message, "allocation refused");
+                    }
+                    Next::Reply(refusal(rid, code, message))
+                }
             }
         }
         Kind::Deallocate => match frame.parse::<Deallocate>() {
