@@ -352,15 +352,11 @@ impl Server {
                     self.control.accepted();
                     self.admit_control(stream, addr.ip().to_canonical());
                 }
-                Err(e) => match classify(&e) {
-                    AcceptError::Done => return,
-                    AcceptError::Skip => {}
-                    why => {
-                        self.accept_failed(why, &e);
-                        self.control.pause(&self.epoll);
+                Err(e) => {
+                    if self.accept_failed(CONTROL, &e) {
                         return;
                     }
-                },
+                }
             }
         }
     }
@@ -385,26 +381,37 @@ impl Server {
                         self.local_count += 1;
                     }
                 }
-                Err(e) => match classify(&e) {
-                    AcceptError::Done => return,
-                    AcceptError::Skip => {}
-                    why => {
-                        self.accept_failed(why, &e);
-                        self.local.pause(&self.epoll);
+                Err(e) => {
+                    if self.accept_failed(LOCAL, &e) {
                         return;
                     }
-                },
+                }
             }
         }
     }
 
-    fn accept_failed(&mut self, why: AcceptError, e: &io::Error) {
-        if why == AcceptError::Starved {
-            self.tally
-                .note("accept pauses for lack of descriptors or memory");
-        } else {
-            tracing::warn!(error = %e, "cannot accept a connection; pausing the listener");
+    /// Handles a failed accept on listener `token`; true when this turn's
+    /// accepting is over. Out of descriptors or memory (or anything else
+    /// unexpected) the listener is paused with an exponential backoff
+    /// rather than retried at once.
+    fn accept_failed(&mut self, token: u64, e: &io::Error) -> bool {
+        let why = classify(e);
+        match why {
+            AcceptError::Done => return true,
+            AcceptError::Skip => return false,
+            AcceptError::Starved => self
+                .tally
+                .note("accept pauses for lack of descriptors or memory"),
+            AcceptError::Other => {
+                tracing::warn!(error = %e, "cannot accept a connection; pausing the listener");
+            }
         }
+        if token == CONTROL {
+            self.control.pause(&self.epoll);
+        } else {
+            self.local.pause(&self.epoll);
+        }
+        true
     }
 
     fn resume_listeners(&mut self, now: Instant) {
@@ -419,41 +426,23 @@ impl Server {
             .get(&ip)
             .is_some_and(|a| a.count >= self.limits.per_address);
         if over_address {
-            let victim = self.addresses[&ip]
-                .untrusted
-                .iter()
-                .copied()
-                .find(|id| self.conns.get(id).is_some_and(|c| !c.busy));
-            match victim {
-                Some(id) => {
-                    self.tally
-                        .note("untrusted connections closed for a newer one from the same address");
-                    self.close(id);
-                }
-                None => {
-                    self.tally
-                        .note("control connections refused (over max_connections_per_address)");
-                    return;
-                }
+            let victim = self.oldest_idle(&self.addresses[&ip].untrusted);
+            if !self.make_room(
+                victim,
+                "untrusted connections closed for a newer one from the same address",
+                "control connections refused (over max_connections_per_address)",
+            ) {
+                return;
             }
         }
         if self.control_count >= self.limits.max_connections {
-            let victim = self
-                .untrusted
-                .iter()
-                .copied()
-                .find(|id| self.conns.get(id).is_some_and(|c| !c.busy));
-            match victim {
-                Some(id) => {
-                    self.tally
-                        .note("untrusted connections closed for a newer one (at max_connections)");
-                    self.close(id);
-                }
-                None => {
-                    self.tally
-                        .note("control connections refused (over max_connections)");
-                    return;
-                }
+            let victim = self.oldest_idle(&self.untrusted);
+            if !self.make_room(
+                victim,
+                "untrusted connections closed for a newer one (at max_connections)",
+                "control connections refused (over max_connections)",
+            ) {
+                return;
             }
         }
         if stream.set_nonblocking(true).is_err() {
@@ -474,6 +463,35 @@ impl Server {
 
     /// Watches a new connection; `None` (the connection dropped) when epoll
     /// cannot take it.
+    /// The oldest of `untrusted` (ids only grow) with no request in flight.
+    fn oldest_idle(&self, untrusted: &BTreeSet<u64>) -> Option<u64> {
+        untrusted
+            .iter()
+            .copied()
+            .find(|id| self.conns.get(id).is_some_and(|c| !c.busy))
+    }
+
+    /// Closes `victim` for a newer connection; false (the newer one is to
+    /// be refused) without one. Counts either in the tally.
+    fn make_room(
+        &mut self,
+        victim: Option<u64>,
+        evicted: &'static str,
+        refused: &'static str,
+    ) -> bool {
+        match victim {
+            Some(id) => {
+                self.tally.note(evicted);
+                self.close(id);
+                true
+            }
+            None => {
+                self.tally.note(refused);
+                false
+            }
+        }
+    }
+
     fn register(&mut self, peer: Peer, stream: Stream, limits: FrameLimits) -> Option<u64> {
         let id = self.shared.next_id();
         if let Err(e) = self.epoll.add(stream.raw_fd(), epoll::IN, id) {
