@@ -12,7 +12,7 @@ use std::time::Duration;
 use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits, LocalReply};
 
 use rfaas_testkit::abuse::{self, Attack, Plan, Usage};
-use rfaas_testkit::executord::{Executord, ExecutordOptions};
+use rfaas_testkit::executord::{request, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
@@ -117,27 +117,11 @@ fn misbehaving_connections_cost_the_daemon_a_bounded_amount() {
     drop(attack);
 }
 
-/// A checked request whose library came (a valid token) and that claims
-/// `library_len` bytes of library: the frame without the library.
+/// A request with a valid token that announces `library_len` bytes of
+/// library: its frame without the library.
 fn checked_request(d: &Executord, library_len: u32) -> Vec<u8> {
-    let req = rfaas_proto::control::AllocateRequest {
-        request_id: 7,
-        token: d.token("nobody", 1, 1024, MINUTE),
-        cores: 1,
-        memory_mib: 1024,
-        mode: rfaas_proto::control::Mode::Warm,
-        hot_timeout_us: 0,
-        input_capacity: 4096,
-        output_capacity: 4096,
-        deadline_ms: 0,
-        functions: vec!["echo".into()],
-        library_name: "libzeros.so".into(),
-        provider: "tcp".into(),
-        read_only_input: false,
-    };
-    let mut bytes = rfaas_proto::control::Frame::new(&req, Vec::new()).to_bytes();
-    bytes[12..16].copy_from_slice(&library_len.to_le_bytes());
-    bytes
+    let req = request(d.token("nobody", 1, 1024, MINUTE), 1, &["echo"]);
+    abuse::request_without_library(&req, library_len)
 }
 
 /// Sends `n` zero bytes.

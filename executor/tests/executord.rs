@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use rfaas_executor::daemon::Config;
 use rfaas_proto::control::{
     AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, ExitCause, Frame,
-    FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, Mode, WorkerExited,
+    FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, WorkerExited,
 };
-use rfaas_testkit::executord::{wait_for_exit, Executord, ExecutordOptions};
+use rfaas_testkit::executord::{request, wait_for_exit, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
@@ -102,24 +102,6 @@ impl Control {
                 String::from_utf8_lossy(&f.json)
             )
         })
-    }
-}
-
-fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest {
-    AllocateRequest {
-        request_id: 0,
-        token,
-        cores,
-        memory_mib: 1024,
-        mode: Mode::Warm,
-        hot_timeout_us: 0,
-        input_capacity: 4096,
-        output_capacity: 4096,
-        deadline_ms: 0,
-        functions: functions.iter().map(|f| f.to_string()).collect(),
-        library_name: "libfunctions.so".into(),
-        provider: "tcp".into(),
-        read_only_input: false,
     }
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rfaas_proto::control::{AllocateRequest, Frame, FrameHeader, Kind, Mode};
+use rfaas_proto::control::{AllocateRequest, Frame, FrameHeader, Kind};
 
 /// Size of the library a stalled connection announces.
 pub const STALLED_LIBRARY: u32 = 64 << 20;
@@ -60,22 +60,16 @@ pub fn connect_from(from: Ipv4Addr, to: SocketAddr) -> io::Result<TcpStream> {
 /// An allocation request frame (without its library) with a token no
 /// executor accepts, announcing `library_len` bytes of library.
 pub fn bogus_request(library_len: u32) -> Vec<u8> {
-    let req = AllocateRequest {
-        request_id: 1,
-        token: "rfaas1.bogus.token".into(),
-        cores: 1,
-        memory_mib: 256,
-        mode: Mode::Warm,
-        hot_timeout_us: 0,
-        input_capacity: 4096,
-        output_capacity: 4096,
-        deadline_ms: 0,
-        functions: vec!["echo".into()],
-        library_name: "libattack.so".into(),
-        provider: "tcp".into(),
-        read_only_input: false,
-    };
-    let json = Frame::new(&req, Vec::new()).json;
+    request_without_library(
+        &crate::executord::request("rfaas1.bogus.token".into(), 1, &["echo"]),
+        library_len,
+    )
+}
+
+/// The frame of `req` announcing `library_len` bytes of library, without
+/// them.
+pub fn request_without_library(req: &AllocateRequest, library_len: u32) -> Vec<u8> {
+    let json = Frame::new(req, Vec::new()).json;
     let mut bytes = FrameHeader {
         kind: Kind::AllocateRequest,
         json_len: json.len() as u32,

@@ -318,21 +318,12 @@ impl Executord {
         s.set_read_timeout(Some(Duration::from_secs(60)))
             .map_err(|e| e.to_string())?;
         let _ = s.set_nodelay(true);
-        let req = AllocateRequest {
-            request_id: 1,
-            token: self.token("nobody", 1, 1024, Duration::from_secs(3600)),
-            cores: 1,
-            memory_mib: 1024,
-            mode: Mode::Warm,
-            hot_timeout_us: 0,
-            input_capacity: 4096,
-            output_capacity: 4096,
-            deadline_ms: 0,
-            functions: vec!["echo".into()],
-            library_name: "libfunctions.so".into(),
-            provider: "tcp".into(),
-            read_only_input: false,
-        };
+        let mut req = request(
+            self.token("nobody", 1, 1024, Duration::from_secs(3600)),
+            1,
+            &["echo"],
+        );
+        req.request_id = 1;
         let mut exchange = |frame: Frame| {
             frame.write_to(&mut s).map_err(|e| format!("send: {e}"))?;
             let reply = Frame::read_from(&mut s, FrameLimits::default())
@@ -391,6 +382,27 @@ impl Drop for Executord {
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+/// An allocation request under `token` for `cores` lanes and `functions`
+/// of `libfunctions.so` (request id 0): 1024 MiB, warm, 4 KiB buffers, the
+/// executor's deadline, tcp. Change fields to test the others.
+pub fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest {
+    AllocateRequest {
+        request_id: 0,
+        token,
+        cores,
+        memory_mib: 1024,
+        mode: Mode::Warm,
+        hot_timeout_us: 0,
+        input_capacity: 4096,
+        output_capacity: 4096,
+        deadline_ms: 0,
+        functions: functions.iter().map(|f| f.to_string()).collect(),
+        library_name: "libfunctions.so".into(),
+        provider: "tcp".into(),
+        read_only_input: false,
     }
 }
 
