@@ -918,6 +918,20 @@ fn spinning_on_the_workers_cpu_turns_to_sleeping() {
     .unwrap();
 }
 
+/// The number right after `before` in `text`.
+fn figure(text: &str, before: &str) -> u32 {
+    let at = text
+        .find(before)
+        .unwrap_or_else(|| panic!("{before:?} not in {text:?}"));
+    let digits: String = text[at + before.len()..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no figure after {before:?} in {text:?}"))
+}
+
 /// The memory figures that once came back as malformed_library, a
 /// retryable internal error, a crash or payload_too_large without numbers
 /// (1, 4 and 8 MiB with a 32 MiB input, 16 to 32 MiB): each is one clear
@@ -933,18 +947,6 @@ fn too_little_memory_is_one_clear_refusal_with_the_figure(#[case] provider: &str
     let client = Client::new(ClientOptions::with_provider(provider));
     let addr = d.control_addr().to_string();
     let spec = |mib: u32| spec().memory_mib(mib);
-    let figure = |text: &str, before: &str| -> u32 {
-        let at = text
-            .find(before)
-            .unwrap_or_else(|| panic!("{before:?} not in {text:?}"));
-        let digits: String = text[at + before.len()..]
-            .chars()
-            .take_while(char::is_ascii_digit)
-            .collect();
-        digits
-            .parse()
-            .unwrap_or_else(|_| panic!("no figure after {before:?} in {text:?}"))
-    };
 
     // 1 MiB cannot hold even the buffers: the client says so without asking.
     let err = client.allocate(&addr, &token(&d), &spec(1)).unwrap_err();
@@ -1037,12 +1039,7 @@ fn the_memory_figure_serves_every_lane(#[case] provider: &str) {
     else {
         panic!("{err:?}")
     };
-    let at = message.find("ask for memory_mib ").unwrap() + "ask for memory_mib ".len();
-    let needed: u32 = message[at..]
-        .split_whitespace()
-        .next()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("{message}"));
+    let needed = figure(message, "ask for memory_mib ");
     let alloc = client
         .allocate(&addr, &token(&d), &spec.memory_mib(needed))
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
