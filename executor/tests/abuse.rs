@@ -252,3 +252,53 @@ fn a_client_that_does_not_read_its_answers_is_dropped() {
     d.allocate_and_deallocate(&c_library_bytes())
         .expect("the daemon serves the next client");
 }
+
+#[test]
+fn large_unchecked_json_is_bounded_in_all() {
+    let d = Executord::start(Path::new(DAEMON), ExecutordOptions::default());
+    d.allocate_and_deallocate(&c_library_bytes()).unwrap();
+    let quiet = Usage::of(d.pid());
+    // 100 requests each announcing 1 MiB of JSON and sending all but its
+    // last byte: 100 MiB, if the daemon held it.
+    const JSON: usize = 1 << 20;
+    let header = rfaas_proto::control::FrameHeader {
+        kind: rfaas_proto::control::Kind::AllocateRequest,
+        json_len: JSON as u32,
+        blob_len: 0,
+    }
+    .encode();
+    let mut open = Vec::new();
+    for _ in 0..100 {
+        let mut s = TcpStream::connect(d.control_addr()).unwrap();
+        s.set_write_timeout(Some(MINUTE)).unwrap();
+        s.write_all(&header).unwrap();
+        // Past the shared allowance the daemon refuses and closes (so this
+        // may fail).
+        let _ = send_zeros(&mut s, JSON - 1);
+        open.push(s);
+    }
+    let held = Usage::of(d.pid());
+    assert!(
+        held.rss_kib <= quiet.rss_kib + (48 << 10),
+        "{held:?}, quiet {quiet:?}"
+    );
+    // Each was either held (its last byte makes JSON of zeros: malformed)
+    // or refused no_capacity for lack of room.
+    let mut refused = 0;
+    for mut s in open {
+        let _ = s.write_all(&[0]);
+        match read_refusal(&mut s).code {
+            ErrorCode::NoCapacity => refused += 1,
+            ErrorCode::MalformedRequest => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!((60..100).contains(&refused), "{refused} of 100 refused");
+    // The allowance comes back with the connections: a large request is
+    // read, and refused for its token.
+    let mut req = request("rfaas1.not.a.token".into(), 1, &["echo"]);
+    req.library_name = "x".repeat(JSON / 2);
+    let mut s = TcpStream::connect(d.control_addr()).unwrap();
+    Frame::new(&req, Vec::new()).write_to(&mut s).unwrap();
+    assert_eq!(read_refusal(&mut s).code, ErrorCode::TokenMalformed);
+}

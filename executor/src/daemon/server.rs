@@ -820,6 +820,8 @@ impl Server {
         };
         if conn.closing.is_none() {
             conn.closing = Some(Instant::now() + LINGER);
+            // JSON it held of the shared allowance (a refused one's).
+            self.json_room += conn.reader.charged();
             conn.reader.drain();
             if let Some(_pending) = conn.pending.take() {
                 self.library_room += std::mem::take(&mut conn.held);
