@@ -8,8 +8,8 @@
 //! build machine (docs/executor.md, "Memory"): the smallest `RLIMIT_AS`
 //! under which a worker loads, connects every lane and answers on each,
 //! for 1 to 8 lanes and buffers of 4 KiB to 16 MiB, on tcp and shm, with
-//! glibc kept to one malloc arena ([`MALLOC_ARENA_MAX`](super::super::memlimit));
-//! each carries a margin of about a quarter.
+//! glibc kept to one malloc arena ([`MALLOC_ARENA_MAX`](super::super::memlimit)),
+//! rounded up.
 
 use rfaas_proto::control::{AllocateRequest, ErrorCode};
 
