@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::shm_control::MSG_LEN;
 
-use super::endpoint::{self, Role, ShmEndpoint};
+use super::connect::{self, Role};
+use super::endpoint::ShmEndpoint;
 use super::sys;
 use super::{ShmCq, ShmDomain};
 use crate::error::{Error, Result};
@@ -65,7 +66,7 @@ impl ShmListener {
         opts: &EndpointOptions,
         timeout: Option<Duration>,
     ) -> Result<ShmEndpoint> {
-        endpoint::check_options(opts)?;
+        connect::check_options(opts)?;
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let listener = self.fd.as_raw_fd();
         let take = || loop {
@@ -94,7 +95,7 @@ impl ShmListener {
         let role = Role::Accept {
             listener: &self.addr,
         };
-        match endpoint::establish(peer.fd, role, &domain.state, cq, opts, hello_deadline) {
+        match connect::establish(peer.fd, role, &domain.state, cq, opts, hello_deadline) {
             Err(Error::Timeout(_)) => Err(Error::Connect {
                 addr: self.addr.clone(),
                 reason: format!(

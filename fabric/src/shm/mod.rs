@@ -117,14 +117,18 @@
 //! - the hello and grant messages are `rfaas_proto::shm_control`.
 //! - [`ring`]: the immediate ring and its doorbells.
 //! - [`cq`]: the completion queue, `poll` and the wake-up protocol of `wait`.
-//! - [`endpoint`]: connection set-up, the grant cache, the operations.
+//! - [`connect`]: connection set-up (dialling, the hello exchange).
+//! - [`endpoint`]: the data path: the one-sided operations.
+//! - [`grant`]: the peer's regions mapped here, fetched and cached.
 //! - [`link`]: per-connection state shared with the CQ and the progress thread.
 //! - [`progress`]: the progress thread.
 //! - [`listener`]: listening sockets and `accept`.
 //! - [`sys`]: system-call wrappers.
 
+mod connect;
 mod cq;
 mod endpoint;
+mod grant;
 mod link;
 mod listener;
 mod progress;
@@ -137,7 +141,6 @@ mod tests;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 pub(crate) use cq::ShmCq;
 pub(crate) use endpoint::ShmEndpoint;
@@ -271,47 +274,6 @@ impl ShmDomain {
         cq: &mut ShmCq,
         opts: &EndpointOptions,
     ) -> Result<ShmEndpoint> {
-        endpoint::check_options(opts)?;
-        let target = sys::UnixAddr::parse(addr)?;
-        let deadline = Instant::now()
-            .checked_add(opts.connect_timeout)
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
-        let sock = sys::stream_socket()?;
-        let mut backoff = Duration::from_millis(1);
-        loop {
-            match sys::connect(std::os::fd::AsRawFd::as_raw_fd(&sock), &target) {
-                Ok(()) => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                // A unix listener with a full backlog: retry until the deadline.
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(Error::Timeout("shm connect"));
-                    }
-                    std::thread::sleep(backoff.min(deadline - now));
-                    backoff = (backoff * 2).min(Duration::from_millis(50));
-                }
-                Err(e) => {
-                    let what = match e.kind() {
-                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
-                            "nothing listens at this address (is the peer up, is the path right?)"
-                        }
-                        std::io::ErrorKind::PermissionDenied => {
-                            "the socket's permissions do not let this user connect"
-                        }
-                        _ => "cannot reach the listener",
-                    };
-                    return Err(sys::connect_error(addr, what, &e));
-                }
-            }
-        }
-        endpoint::establish(
-            sock,
-            endpoint::Role::Connect { addr },
-            &self.state,
-            cq,
-            opts,
-            deadline,
-        )
+        connect::connect(addr, &self.state, cq, opts)
     }
 }

@@ -14,7 +14,7 @@ use rdma_sys::{
     ibv_wc, ibv_wc_flags, ibv_wc_opcode, ibv_wc_status,
 };
 
-use super::endpoint::Fate;
+use super::conn::Fate;
 use super::slots::{SlotData, SlotTable};
 use super::sys::{
     deadline_after, errno_of, last_errno_or, set_nonblocking, verb_error, wait_any_readable,

@@ -7,8 +7,9 @@ use rdma_sys::{
     ibv_access_flags, ibv_alloc_pd, ibv_dealloc_pd, ibv_dereg_mr, ibv_mr, ibv_pd, ibv_reg_mr,
 };
 
+use super::connect;
 use super::cq::VerbsCq;
-use super::endpoint::{self, VerbsEndpoint};
+use super::endpoint::VerbsEndpoint;
 use super::sys::{errno_of, last_errno_or, verb_error, verb_error_detail};
 use super::FabricInner;
 use crate::error::Result;
@@ -203,7 +204,7 @@ impl VerbsDomain {
         cq: &mut VerbsCq,
         opts: &EndpointOptions,
     ) -> Result<VerbsEndpoint> {
-        endpoint::connect(&self.inner, addr, cq, opts)
+        connect::connect(&self.inner, addr, cq, opts)
     }
 }
 

@@ -88,8 +88,23 @@
 //! two guest kernels. Not covered there: device removal,
 //! InfiniBand link layers, real NICs (which may purge a destroyed QP's
 //! completions and do keep the SL), and IPv6 rdma_cm addresses.
+//!
+//! # Files
+//!
+//! - [`connect`]: connection set-up over rdma_cm, both sides.
+//! - [`conn`]: an established connection and its fate.
+//! - [`endpoint`]: the data path: posting work requests.
+//! - [`cq`]: completion queues, `poll` and `wait`; [`slots`]: what each
+//!   outstanding work request needs at its completion.
+//! - [`domain`]: protection domains and memory registration.
+//! - [`qp`]: queue pair creation and state transitions; [`cm`]: rdma_cm
+//!   ids and event channels; [`monitor`]: the peer-loss monitor thread.
+//! - [`hello`], [`gid`], [`sys`]: the connection hello, GID checks, and
+//!   system-call helpers.
 
 mod cm;
+mod conn;
+mod connect;
 mod cq;
 mod domain;
 mod endpoint;
@@ -110,9 +125,10 @@ use rdma_sys::{
     ibv_port_attr, ibv_port_state, ibv_query_device, rdma_free_devices, rdma_get_devices,
 };
 
+pub(crate) use connect::VerbsListener;
 pub(crate) use cq::VerbsCq;
 pub(crate) use domain::{MrHandle, VerbsDomain};
-pub(crate) use endpoint::{VerbsEndpoint, VerbsListener};
+pub(crate) use endpoint::VerbsEndpoint;
 
 use crate::error::{Error, Result};
 use monitor::Monitor;

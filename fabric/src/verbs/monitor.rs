@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use super::endpoint::Conn;
+use super::conn::Conn;
 use super::sys::verb_error;
 use crate::error::Result;
 

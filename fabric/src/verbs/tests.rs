@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use crate::verbs::hello::{self, Hello};
-use crate::verbs::{endpoint, VerbsCq, VerbsEndpoint};
+use crate::verbs::{connect, VerbsCq, VerbsEndpoint};
 use crate::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric, Imp,
     Listener, MemoryRegion, Opcode, Status,
@@ -635,7 +635,7 @@ fn a_peer_without_the_hello_is_refused_on_both_sides() {
         let Imp::Verbs(vcq) = &mut ccq.imp else {
             unreachable!()
         };
-        let client = endpoint::connect_with_hello(vd.inner(), &addr, vcq, &opts, &wrong);
+        let client = connect::connect_with_hello(vd.inner(), &addr, vcq, &opts, &wrong);
         (server.join().unwrap(), client)
     });
     let server_err = server.unwrap_err().to_string();
