@@ -21,10 +21,13 @@
 //! - [`completion`]: [`Completion`], [`Opcode`], [`Status`]; remote failures
 //!   arrive as error completions.
 //! - [`memory`]: [`Buffer`], [`MemoryRegion`], [`Access`], [`RemoteDescriptor`].
+//! - `provider`: the contract every provider implements (traits for the
+//!   provider, its domains, completion queues, listeners and endpoints),
+//!   which the public types below call through.
 //! - `registry`: the lock-free region table of the software providers.
 //! - `os`: the epoll, eventfd and poll calls the software providers share.
-//! - `tcp`: the tcp provider (frames in `tcp::frame`, the passive-target
-//!   progress thread in `tcp::progress`).
+//! - `tcp`: the tcp provider (frames in `rfaas_proto::tcp_frame`, the
+//!   passive-target progress thread in `tcp::progress`).
 //! - `shm`: the shared-memory provider.
 //! - `verbs`: the verbs provider (feature `verbs`).
 //!
@@ -49,18 +52,26 @@ pub mod completion;
 pub mod error;
 pub mod memory;
 mod os;
+mod provider;
 mod registry;
 mod shm;
 mod tcp;
 #[cfg(feature = "verbs")]
 mod verbs;
 
+use std::cell::Cell;
 use std::fmt;
+use std::marker::PhantomData;
 use std::time::Duration;
 
 pub use completion::{Completion, Opcode, Status};
 pub use error::{Error, Result};
 pub use memory::{page_size, Access, Buffer, MemoryRegion, PeerView, RemoteAddr, RemoteDescriptor};
+
+use provider::{
+    CompletionQueue as _, Domain as _, Endpoint as _, Listener as _, Local, LocalWord,
+    Provider as _,
+};
 
 /// Which provider, parsed from its name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -129,7 +140,8 @@ impl Default for EndpointOptions {
     }
 }
 
-/// Forwards a call to whichever provider an object belongs to.
+/// Forwards a call to whichever provider an object belongs to: a `match`
+/// whose arms call the same `provider` trait method on each concrete type.
 macro_rules! dispatch {
     ($value:expr, $inner:ident => $body:expr) => {
         match $value {
@@ -166,27 +178,46 @@ enum Imp<T, S, V> {
     Verbs(V),
 }
 
+/// Each provider's object of kind `$kind` (an associated type of
+/// [`provider::Provider`]), one variant per provider.
+macro_rules! per_provider {
+    ($kind:ident) => {
+        Imp<
+            <tcp::TcpFabric as provider::Provider>::$kind,
+            <shm::ShmFabric as provider::Provider>::$kind,
+            verbs_objects::$kind,
+        >
+    };
+}
+
+#[cfg(feature = "verbs")]
+mod verbs_objects {
+    //! The verbs provider's objects.
+    use crate::provider::Provider;
+    pub(crate) type Fabric = crate::verbs::VerbsFabric;
+    pub(crate) type Domain = <crate::verbs::VerbsFabric as Provider>::Domain;
+    pub(crate) type Cq = <crate::verbs::VerbsFabric as Provider>::Cq;
+    pub(crate) type Listener = <crate::verbs::VerbsFabric as Provider>::Listener;
+    pub(crate) type Endpoint = <crate::verbs::VerbsFabric as Provider>::Endpoint;
+}
+
 #[cfg(not(feature = "verbs"))]
-mod verbs_absent {
+mod verbs_objects {
     //! Without the `verbs` feature the verbs variants hold a type with no values.
     #[derive(Debug)]
     pub(crate) enum Never {}
-    pub(crate) type VerbsFabric = Never;
-    pub(crate) type VerbsDomain = Never;
-    pub(crate) type VerbsCq = Never;
-    pub(crate) type VerbsListener = Never;
-    pub(crate) type VerbsEndpoint = Never;
+    pub(crate) type Fabric = Never;
+    pub(crate) type Domain = Never;
+    pub(crate) type Cq = Never;
+    pub(crate) type Listener = Never;
+    pub(crate) type Endpoint = Never;
 }
-#[cfg(feature = "verbs")]
-use verbs::{VerbsCq, VerbsDomain, VerbsEndpoint, VerbsFabric, VerbsListener};
-#[cfg(not(feature = "verbs"))]
-use verbs_absent::{VerbsCq, VerbsDomain, VerbsEndpoint, VerbsFabric, VerbsListener};
 
 /// An opened provider: the factory of domains, completion queues and listeners.
 #[derive(Debug)]
 pub struct Fabric {
     kind: ProviderKind,
-    imp: Imp<tcp::TcpFabric, shm::ShmFabric, VerbsFabric>,
+    imp: Imp<tcp::TcpFabric, shm::ShmFabric, verbs_objects::Fabric>,
 }
 
 impl Fabric {
@@ -246,7 +277,7 @@ impl Fabric {
 /// An rkey is valid only on endpoints of the domain that registered it.
 #[derive(Debug)]
 pub struct Domain {
-    imp: Imp<tcp::TcpDomain, shm::ShmDomain, VerbsDomain>,
+    imp: per_provider!(Domain),
 }
 
 impl Domain {
@@ -279,10 +310,7 @@ impl Domain {
             (Imp::Verbs(d), Imp::Verbs(cq)) => Imp::Verbs(d.connect(addr, cq, opts)?),
             _ => return Err(Error::DomainMismatch(PROVIDER_MISMATCH)),
         };
-        Ok(Endpoint {
-            domain_id: self.id(),
-            imp,
-        })
+        Ok(Endpoint::new(self.id(), imp))
     }
 
     /// The domain's id, unique in the process.
@@ -297,7 +325,7 @@ const PROVIDER_MISMATCH: &str =
 /// A passive endpoint waiting for connections.
 #[derive(Debug)]
 pub struct Listener {
-    imp: Imp<tcp::TcpListener, shm::ShmListener, VerbsListener>,
+    imp: per_provider!(Listener),
 }
 
 impl Listener {
@@ -319,10 +347,7 @@ impl Listener {
             }
             _ => return Err(Error::DomainMismatch(PROVIDER_MISMATCH)),
         };
-        Ok(Endpoint {
-            domain_id: domain.id(),
-            imp,
-        })
+        Ok(Endpoint::new(domain.id(), imp))
     }
 
     /// The address peers connect to (with the actual port when 0 was asked).
@@ -338,30 +363,30 @@ impl Listener {
 /// Every operation's local range must lie in a region of the endpoint's
 /// domain; such mistakes are returned as errors at once. Everything that
 /// happens at or on the way to the peer comes back as a completion.
+///
+/// An endpoint is `Send` but not `Sync`: it may move between threads, and
+/// one thread at a time posts on it (rfaas gives each worker thread its
+/// own). The completion queue may be polled on another thread.
+///
+/// ```compile_fail,E0277
+/// fn shared_between_threads<T: Sync>() {}
+/// shared_between_threads::<rfaas_fabric::Endpoint>();
+/// ```
 #[derive(Debug)]
 pub struct Endpoint {
     domain_id: u64,
-    imp: Imp<tcp::TcpEndpoint, shm::ShmEndpoint, VerbsEndpoint>,
+    imp: per_provider!(Endpoint),
+    /// Not `Sync`, whatever the provider: providers may rely on one poster.
+    _one_poster: PhantomData<Cell<()>>,
 }
 
 impl Endpoint {
-    fn check_local(&self, local: &MemoryRegion, offset: usize, len: usize) -> Result<()> {
-        if local.domain_id != self.domain_id {
-            return Err(Error::DomainMismatch(
-                "the local region belongs to another protection domain than the endpoint",
-            ));
+    fn new(domain_id: u64, imp: per_provider!(Endpoint)) -> Endpoint {
+        Endpoint {
+            domain_id,
+            imp,
+            _one_poster: PhantomData,
         }
-        local.check_range(offset, len)
-    }
-
-    fn check_atomic(&self, local: &MemoryRegion, offset: usize) -> Result<()> {
-        self.check_local(local, offset, 8)?;
-        if offset % 8 != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "the local result word of an atomic must be 8-byte aligned, offset {offset} is not"
-            )));
-        }
-        Ok(())
     }
 
     /// Writes `local[offset..offset+len]` to `remote`. Hot path.
@@ -373,8 +398,8 @@ impl Endpoint {
         len: usize,
         remote: RemoteAddr,
     ) -> Result<()> {
-        self.check_local(local, offset, len)?;
-        dispatch!(&self.imp, e => e.write(wr_id, local, offset, len, remote, None))
+        let local = Local::check(local, offset, len, self.domain_id)?;
+        dispatch!(&self.imp, e => e.write(wr_id, local, remote, None))
     }
 
     /// Writes like [`Endpoint::write`], then consumes one receive posted at
@@ -388,8 +413,8 @@ impl Endpoint {
         remote: RemoteAddr,
         imm: u32,
     ) -> Result<()> {
-        self.check_local(local, offset, len)?;
-        dispatch!(&self.imp, e => e.write(wr_id, local, offset, len, remote, Some(imm)))
+        let local = Local::check(local, offset, len, self.domain_id)?;
+        dispatch!(&self.imp, e => e.write(wr_id, local, remote, Some(imm)))
     }
 
     /// In-place, read-only access to `len` bytes of the peer's memory at
@@ -421,8 +446,8 @@ impl Endpoint {
         len: usize,
         remote: RemoteAddr,
     ) -> Result<()> {
-        self.check_local(local, offset, len)?;
-        dispatch!(&self.imp, e => e.read(wr_id, local, offset, len, remote))
+        let local = Local::check(local, offset, len, self.domain_id)?;
+        dispatch!(&self.imp, e => e.read(wr_id, local, remote))
     }
 
     /// Atomically adds `add` to the 8-byte word at `remote` (which must be
@@ -435,8 +460,8 @@ impl Endpoint {
         remote: RemoteAddr,
         add: u64,
     ) -> Result<()> {
-        self.check_atomic(local, offset)?;
-        dispatch!(&self.imp, e => e.fetch_add(wr_id, local, offset, remote, add))
+        let local = LocalWord::check(local, offset, self.domain_id)?;
+        dispatch!(&self.imp, e => e.fetch_add(wr_id, local, remote, add))
     }
 
     /// Atomically replaces the word at `remote` with `swap` if it equals
@@ -450,8 +475,8 @@ impl Endpoint {
         compare: u64,
         swap: u64,
     ) -> Result<()> {
-        self.check_atomic(local, offset)?;
-        dispatch!(&self.imp, e => e.compare_swap(wr_id, local, offset, remote, compare, swap))
+        let local = LocalWord::check(local, offset, self.domain_id)?;
+        dispatch!(&self.imp, e => e.compare_swap(wr_id, local, remote, compare, swap))
     }
 
     /// Posts a receive; the peer's next write-with-immediate consumes it and
@@ -469,7 +494,7 @@ impl Endpoint {
 /// A completion queue shared by one or more endpoints.
 #[derive(Debug)]
 pub struct CompletionQueue {
-    imp: Imp<tcp::TcpCq, shm::ShmCq, VerbsCq>,
+    imp: per_provider!(Cq),
 }
 
 impl CompletionQueue {

@@ -14,6 +14,7 @@ use super::sys::{self, FutexWaitv, Waited, FUTEX_WAITV_MAX};
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
 use crate::os;
+use crate::provider;
 
 /// Epoll token of the queue's own eventfd; attached endpoint `i` uses `i + 1`.
 const OWN_EVENT: u64 = 0;
@@ -292,11 +293,71 @@ impl ShmCq {
         }
     }
 
+    /// How many words a `futex_waitv` would watch: ours and every live ring's.
+    fn sleepers(&self) -> usize {
+        1 + self.links.iter().flatten().filter(|a| !a.done).count()
+    }
+
+    /// Announces that we sleep, and how, in our flag and every live ring;
+    /// for [`SLEEP_FUTEX`], fills `waiters` with each futex word and its
+    /// value now (before the caller's fence and last poll).
+    fn announce(&mut self, how: u32) {
+        let shared = &*self.shared;
+        shared.sleeping.store(how, Ordering::Relaxed);
+        self.waiters.clear();
+        let futex = how == SLEEP_FUTEX;
+        if futex {
+            // Acquire: if a waker's bump is already visible, so is what it
+            // published, and the last poll finds it.
+            let seen = shared.futex.load(Ordering::Acquire);
+            self.waiters
+                .push(FutexWaitv::new(&shared.futex, seen, true));
+        }
+        for a in self.links.iter().flatten() {
+            if !a.done {
+                let inbound = &a.link.inbound;
+                inbound.set_sleeping(how);
+                if futex {
+                    let word = inbound.futex();
+                    let seen = word.load(Ordering::Acquire);
+                    self.waiters.push(FutexWaitv::new(word, seen, false));
+                }
+            }
+        }
+    }
+
+    fn set_sleeping(&self, how: u32) {
+        self.shared.sleeping.store(how, Ordering::Relaxed);
+        for a in self.links.iter().flatten() {
+            if !a.done {
+                a.link.inbound.set_sleeping(how);
+            }
+        }
+    }
+
+    fn on_event(&mut self, token: u64) {
+        if token == OWN_EVENT {
+            os::eventfd_drain(self.shared.event.as_raw_fd());
+            return;
+        }
+        let epoll = self.epoll.as_raw_fd();
+        if let Some(Some(a)) = self.links.get_mut((token - 1) as usize) {
+            if a.watching && !sys::drain_socket(a.wake.as_raw_fd()) {
+                // The peer's end is closed: stop watching, or epoll would
+                // report the hang-up forever. The control socket reports the loss.
+                os::epoll_del(epoll, a.wake.as_raw_fd());
+                a.watching = false;
+            }
+        }
+    }
+}
+
+impl provider::CompletionQueue for ShmCq {
     /// Moves up to `out.len()` completions into `out`.
     ///
     /// Hot path: atomics only; no syscall, lock or allocation.
     #[inline]
-    pub(crate) fn poll(&mut self, out: &mut [Completion]) -> usize {
+    fn poll(&mut self, out: &mut [Completion]) -> usize {
         let mut n = 0;
         while n < out.len() {
             let Some((completion, slot)) = self.shared.queue.pop() else {
@@ -348,7 +409,7 @@ impl ShmCq {
     /// endpoints than one call can watch, we announce the socket path and
     /// sleep in `epoll_wait` on the eventfd and the wake-up sockets instead
     /// (its timeout is rounded up to whole milliseconds).
-    pub(crate) fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
+    fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
@@ -415,64 +476,6 @@ impl ShmCq {
                     let token = event.u64;
                     self.on_event(token);
                 }
-            }
-        }
-    }
-
-    /// How many words a `futex_waitv` would watch: ours and every live ring's.
-    fn sleepers(&self) -> usize {
-        1 + self.links.iter().flatten().filter(|a| !a.done).count()
-    }
-
-    /// Announces that we sleep, and how, in our flag and every live ring;
-    /// for [`SLEEP_FUTEX`], fills `waiters` with each futex word and its
-    /// value now (before the caller's fence and last poll).
-    fn announce(&mut self, how: u32) {
-        let shared = &*self.shared;
-        shared.sleeping.store(how, Ordering::Relaxed);
-        self.waiters.clear();
-        let futex = how == SLEEP_FUTEX;
-        if futex {
-            // Acquire: if a waker's bump is already visible, so is what it
-            // published, and the last poll finds it.
-            let seen = shared.futex.load(Ordering::Acquire);
-            self.waiters
-                .push(FutexWaitv::new(&shared.futex, seen, true));
-        }
-        for a in self.links.iter().flatten() {
-            if !a.done {
-                let inbound = &a.link.inbound;
-                inbound.set_sleeping(how);
-                if futex {
-                    let word = inbound.futex();
-                    let seen = word.load(Ordering::Acquire);
-                    self.waiters.push(FutexWaitv::new(word, seen, false));
-                }
-            }
-        }
-    }
-
-    fn set_sleeping(&self, how: u32) {
-        self.shared.sleeping.store(how, Ordering::Relaxed);
-        for a in self.links.iter().flatten() {
-            if !a.done {
-                a.link.inbound.set_sleeping(how);
-            }
-        }
-    }
-
-    fn on_event(&mut self, token: u64) {
-        if token == OWN_EVENT {
-            os::eventfd_drain(self.shared.event.as_raw_fd());
-            return;
-        }
-        let epoll = self.epoll.as_raw_fd();
-        if let Some(Some(a)) = self.links.get_mut((token - 1) as usize) {
-            if a.watching && !sys::drain_socket(a.wake.as_raw_fd()) {
-                // The peer's end is closed: stop watching, or epoll would
-                // report the hang-up forever. The control socket reports the loss.
-                os::epoll_del(epoll, a.wake.as_raw_fd());
-                a.watching = false;
             }
         }
     }

@@ -16,7 +16,8 @@ use super::sys::{self, Mapping};
 use super::validity_word;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
-use crate::memory::{Access, MemoryRegion, PeerView, RemoteAddr};
+use crate::memory::{Access, PeerView, RemoteAddr};
+use crate::provider::{self, Local, LocalWord};
 use crate::EndpointOptions;
 /// A connected endpoint of the shm provider. `Send`, not `Sync`.
 pub(crate) struct ShmEndpoint {
@@ -76,95 +77,6 @@ impl ShmEndpoint {
         }
     }
 
-    /// Writes `local[offset..offset+len]` to `remote`, then, with `imm`,
-    /// publishes a notification in the peer's ring. Hot path.
-    ///
-    /// A full ring returns [`Error::QueueFull`] before anything is copied.
-    pub(crate) fn write(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: RemoteAddr,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let opcode = if imm.is_some() {
-            Opcode::WriteWithImm
-        } else {
-            Opcode::Write
-        };
-        self.reserve()?;
-        if self.link.is_lost() {
-            return self.finish(Completion::error(wr_id, opcode, Status::PeerLost));
-        }
-        // Like a NIC, a zero-length write names no memory and checks no rkey.
-        let dst = if len == 0 {
-            None
-        } else {
-            match self.resolve(remote, len as u64, Access::REMOTE_WRITE) {
-                Ok(dst) => Some(dst),
-                Err(status) => return self.finish(Completion::error(wr_id, opcode, status)),
-            }
-        };
-        if imm.is_some() && !self.out.has_room() {
-            self.unreserve();
-            return Err(Error::QueueFull {
-                what: "the peer's immediate ring (the peer posts too few receives)",
-                depth: self.out.cap(),
-            });
-        }
-        if let Some(dst) = dst {
-            // SAFETY: lib.rs checked offset + len against the local region;
-            // resolve checked the remote range against the granted, writable
-            // mapping, which the grant cache keeps alive. The peer may touch
-            // those bytes concurrently, as with a NIC; we only copy raw bytes.
-            unsafe { std::ptr::copy(local.as_ptr().add(offset), dst, len) };
-        }
-        if let Some(imm) = imm {
-            match self.out.push(imm, len as u32) {
-                Wake::No => {}
-                Wake::Futex => self.out.wake_futex(),
-                Wake::Socket => sys::kick(self.peer_wake.as_raw_fd()),
-            }
-        }
-        self.finish(Completion::ok(wr_id, opcode, len as u32))
-    }
-
-    /// Reads `len` bytes at `remote` into `local[offset..]`. Hot path once
-    /// the region's grant is cached.
-    pub(crate) fn read(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: RemoteAddr,
-    ) -> Result<()> {
-        self.reserve()?;
-        if self.link.is_lost() {
-            return self.finish(Completion::error(wr_id, Opcode::Read, Status::PeerLost));
-        }
-        if len > 0 {
-            match self.resolve(remote, len as u64, Access::REMOTE_READ) {
-                // SAFETY: as in `write`, with the roles of the two ranges swapped.
-                Ok(src) => unsafe { std::ptr::copy(src, local.as_ptr().add(offset), len) },
-                Err(status) => return self.finish(Completion::error(wr_id, Opcode::Read, status)),
-            }
-        }
-        self.finish(Completion::ok(wr_id, Opcode::Read, len as u32))
-    }
-
-    /// See [`crate::Endpoint::peer_view`]. Hot path once the region's grant
-    /// is cached.
-    pub(crate) fn peer_view(
-        &self,
-        remote: RemoteAddr,
-        len: usize,
-    ) -> Option<std::result::Result<PeerView, Status>> {
-        Some(self.view(remote, len))
-    }
-
     fn view(&self, remote: RemoteAddr, len: usize) -> std::result::Result<PeerView, Status> {
         if self.link.is_lost() {
             return Err(Status::PeerLost);
@@ -180,44 +92,6 @@ impl ShmEndpoint {
             .map(|p| PeerView::new(p, len))
     }
 
-    /// Fetch-and-add on the peer's word at `remote`. Hot path once the
-    /// region's grant is cached.
-    pub(crate) fn fetch_add(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        remote: RemoteAddr,
-        add: u64,
-    ) -> Result<()> {
-        self.atomic(wr_id, Opcode::FetchAdd, local, offset, remote, |word| {
-            word.fetch_add(add, Ordering::SeqCst)
-        })
-    }
-
-    /// Compare-and-swap on the peer's word at `remote`. Hot path once the
-    /// region's grant is cached.
-    pub(crate) fn compare_swap(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        remote: RemoteAddr,
-        compare: u64,
-        swap: u64,
-    ) -> Result<()> {
-        self.atomic(
-            wr_id,
-            Opcode::CompareSwap,
-            local,
-            offset,
-            remote,
-            |word| match word.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
-                Ok(old) | Err(old) => old,
-            },
-        )
-    }
-
     /// The common part of the atomics: the alignment is checked before the
     /// grant, as a NIC rejects a malformed request before looking at keys.
     /// Hot path once the region's grant is cached.
@@ -225,8 +99,7 @@ impl ShmEndpoint {
         &self,
         wr_id: u64,
         opcode: Opcode,
-        local: &MemoryRegion,
-        offset: usize,
+        local: LocalWord<'_>,
         remote: RemoteAddr,
         op: impl FnOnce(&AtomicU64) -> u64,
     ) -> Result<()> {
@@ -246,27 +119,9 @@ impl ShmEndpoint {
         // page-aligned in both address spaces, so the word is 8-byte aligned
         // like `remote.addr`. Every process updates it with atomics only.
         let old = op(unsafe { &*word.cast::<AtomicU64>() });
-        // SAFETY: lib.rs checked that local[offset..offset+8] is inside the
-        // region and offset is 8-byte aligned (the buffer is page-aligned).
-        unsafe { std::ptr::write_volatile(local.as_ptr().add(offset).cast::<u64>(), old) };
+        // SAFETY: `LocalWord` is 8 bytes inside our region, 8-byte aligned.
+        unsafe { std::ptr::write_volatile(local.ptr(), old) };
         self.finish(Completion::ok(wr_id, opcode, 8))
-    }
-
-    /// Posts a receive for the peer's next write-with-immediate. Hot path.
-    pub(crate) fn post_recv(&self, wr_id: u64) -> Result<()> {
-        self.link.recvs.push(wr_id).map_err(|_| Error::QueueFull {
-            what: "the receive queue",
-            depth: self.recv_depth,
-        })?;
-        // A sleeping CQ may now pair a waiting notification, or flush this
-        // receive if the peer is gone.
-        self.link.cq.wake_if_sleeping();
-        Ok(())
-    }
-
-    /// The peer, for logs and errors.
-    pub(crate) fn peer_addr(&self) -> String {
-        self.link.peer.clone()
     }
 
     /// How many of the peer's regions this endpoint has mapped.
@@ -362,6 +217,143 @@ impl ShmEndpoint {
             None => None,
         };
         located.ok_or(Status::RemoteAccess)
+    }
+}
+
+impl provider::Endpoint for ShmEndpoint {
+    /// Writes `local[offset..offset+len]` to `remote`, then, with `imm`,
+    /// publishes a notification in the peer's ring. Hot path.
+    ///
+    /// A full ring returns [`Error::QueueFull`] before anything is copied.
+    fn write(
+        &self,
+        wr_id: u64,
+        local: Local<'_>,
+        remote: RemoteAddr,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let len = local.len();
+        let opcode = if imm.is_some() {
+            Opcode::WriteWithImm
+        } else {
+            Opcode::Write
+        };
+        self.reserve()?;
+        if self.link.is_lost() {
+            return self.finish(Completion::error(wr_id, opcode, Status::PeerLost));
+        }
+        // Like a NIC, a zero-length write names no memory and checks no rkey.
+        let dst = if len == 0 {
+            None
+        } else {
+            match self.resolve(remote, len as u64, Access::REMOTE_WRITE) {
+                Ok(dst) => Some(dst),
+                Err(status) => return self.finish(Completion::error(wr_id, opcode, status)),
+            }
+        };
+        if imm.is_some() && !self.out.has_room() {
+            self.unreserve();
+            return Err(Error::QueueFull {
+                what: "the peer's immediate ring (the peer posts too few receives)",
+                depth: self.out.cap(),
+            });
+        }
+        if let Some(dst) = dst {
+            // SAFETY: `local` holds len bytes of our region (checked by
+            // `Local`); resolve checked the remote range against the granted,
+            // writable mapping, which the grant cache keeps alive. The peer
+            // may touch those bytes concurrently, as with a NIC; we only copy
+            // raw bytes.
+            unsafe { std::ptr::copy(local.ptr(), dst, len) };
+        }
+        if let Some(imm) = imm {
+            match self.out.push(imm, len as u32) {
+                Wake::No => {}
+                Wake::Futex => self.out.wake_futex(),
+                Wake::Socket => sys::kick(self.peer_wake.as_raw_fd()),
+            }
+        }
+        self.finish(Completion::ok(wr_id, opcode, len as u32))
+    }
+
+    /// Reads `len` bytes at `remote` into `local[offset..]`. Hot path once
+    /// the region's grant is cached.
+    fn read(&self, wr_id: u64, local: Local<'_>, remote: RemoteAddr) -> Result<()> {
+        let len = local.len();
+        self.reserve()?;
+        if self.link.is_lost() {
+            return self.finish(Completion::error(wr_id, Opcode::Read, Status::PeerLost));
+        }
+        if len > 0 {
+            match self.resolve(remote, len as u64, Access::REMOTE_READ) {
+                // SAFETY: as in `write`, with the roles of the two ranges swapped.
+                Ok(src) => unsafe { std::ptr::copy(src, local.ptr(), len) },
+                Err(status) => return self.finish(Completion::error(wr_id, Opcode::Read, status)),
+            }
+        }
+        self.finish(Completion::ok(wr_id, Opcode::Read, len as u32))
+    }
+
+    /// Fetch-and-add on the peer's word at `remote`. Hot path once the
+    /// region's grant is cached.
+    fn fetch_add(
+        &self,
+        wr_id: u64,
+        local: LocalWord<'_>,
+        remote: RemoteAddr,
+        add: u64,
+    ) -> Result<()> {
+        self.atomic(wr_id, Opcode::FetchAdd, local, remote, |word| {
+            word.fetch_add(add, Ordering::SeqCst)
+        })
+    }
+
+    /// Compare-and-swap on the peer's word at `remote`. Hot path once the
+    /// region's grant is cached.
+    fn compare_swap(
+        &self,
+        wr_id: u64,
+        local: LocalWord<'_>,
+        remote: RemoteAddr,
+        compare: u64,
+        swap: u64,
+    ) -> Result<()> {
+        self.atomic(
+            wr_id,
+            Opcode::CompareSwap,
+            local,
+            remote,
+            |word| match word.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(old) | Err(old) => old,
+            },
+        )
+    }
+
+    /// Posts a receive for the peer's next write-with-immediate. Hot path.
+    fn post_recv(&self, wr_id: u64) -> Result<()> {
+        self.link.recvs.push(wr_id).map_err(|_| Error::QueueFull {
+            what: "the receive queue",
+            depth: self.recv_depth,
+        })?;
+        // A sleeping CQ may now pair a waiting notification, or flush this
+        // receive if the peer is gone.
+        self.link.cq.wake_if_sleeping();
+        Ok(())
+    }
+
+    /// See [`crate::Endpoint::peer_view`]. Hot path once the region's grant
+    /// is cached.
+    fn peer_view(
+        &self,
+        remote: RemoteAddr,
+        len: usize,
+    ) -> Option<std::result::Result<PeerView, Status>> {
+        Some(self.view(remote, len))
+    }
+
+    /// The peer, for logs and errors.
+    fn peer_addr(&self) -> String {
+        self.link.peer.clone()
     }
 }
 

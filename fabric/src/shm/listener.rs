@@ -10,8 +10,9 @@ use rfaas_proto::shm_control::MSG_LEN;
 use super::connect::{self, Role};
 use super::endpoint::ShmEndpoint;
 use super::sys;
-use super::{ShmCq, ShmDomain};
+use super::{ShmCq, ShmDomain, ShmFabric};
 use crate::error::{Error, Result};
+use crate::provider;
 use crate::{os, EndpointOptions};
 
 static NEXT_NAME: AtomicU64 = AtomicU64::new(0);
@@ -57,9 +58,11 @@ impl ShmListener {
             pending: os::Pending::default(),
         })
     }
+}
 
+impl provider::Listener<ShmFabric> for ShmListener {
     /// Accepts one connection, waiting at most `timeout` (forever with `None`).
-    pub(crate) fn accept(
+    fn accept(
         &self,
         domain: &ShmDomain,
         cq: &mut ShmCq,
@@ -108,7 +111,7 @@ impl ShmListener {
     }
 
     /// The address peers connect to.
-    pub(crate) fn local_addr(&self) -> String {
+    fn local_addr(&self) -> String {
         self.addr.clone()
     }
 }

@@ -148,6 +148,7 @@ pub(crate) use listener::ShmListener;
 
 use crate::error::{Error, Result};
 use crate::memory::{Access, Buffer, MemoryRegion, Registration};
+use crate::provider;
 use crate::registry::{Registry, SLOTS};
 use crate::EndpointOptions;
 
@@ -159,18 +160,25 @@ impl ShmFabric {
     pub(crate) fn open() -> Result<Self> {
         Ok(ShmFabric)
     }
+}
 
-    pub(crate) fn domain(&self) -> Result<ShmDomain> {
+impl provider::Provider for ShmFabric {
+    type Domain = ShmDomain;
+    type Cq = ShmCq;
+    type Listener = ShmListener;
+    type Endpoint = ShmEndpoint;
+
+    fn domain(&self) -> Result<ShmDomain> {
         Ok(ShmDomain {
             state: DomainState::new()?,
         })
     }
 
-    pub(crate) fn completion_queue(&self, depth: usize) -> Result<ShmCq> {
+    fn completion_queue(&self, depth: usize) -> Result<ShmCq> {
         ShmCq::new(depth)
     }
 
-    pub(crate) fn listen(&self, addr: &str) -> Result<ShmListener> {
+    fn listen(&self, addr: &str) -> Result<ShmListener> {
         ShmListener::bind(addr)
     }
 }
@@ -240,12 +248,12 @@ pub(crate) struct ShmDomain {
     state: Arc<DomainState>,
 }
 
-impl ShmDomain {
-    pub(crate) fn id(&self) -> u64 {
+impl provider::Domain<ShmFabric> for ShmDomain {
+    fn id(&self) -> u64 {
         self.state.registry.id()
     }
 
-    pub(crate) fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
+    fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
         let buf = Arc::new(buf);
         let (rkey, guard) = self.state.registry.insert(buf.clone(), access)?;
         let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
@@ -268,12 +276,7 @@ impl ShmDomain {
         })
     }
 
-    pub(crate) fn connect(
-        &self,
-        addr: &str,
-        cq: &mut ShmCq,
-        opts: &EndpointOptions,
-    ) -> Result<ShmEndpoint> {
+    fn connect(&self, addr: &str, cq: &mut ShmCq, opts: &EndpointOptions) -> Result<ShmEndpoint> {
         connect::connect(addr, &self.state, cq, opts)
     }
 }

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, HEADER_LEN};
 
-use super::{sys, TcpCq, TcpDomain, TcpEndpoint};
+use super::{sys, TcpCq, TcpDomain, TcpEndpoint, TcpFabric};
 use crate::error::{Error, Result};
 use crate::os;
+use crate::provider;
 use crate::registry::Registry;
 use crate::EndpointOptions;
 
@@ -64,8 +65,8 @@ pub(crate) struct TcpListener {
     pending: os::Pending,
 }
 
-impl TcpListener {
-    pub(crate) fn accept(
+impl provider::Listener<TcpFabric> for TcpListener {
+    fn accept(
         &self,
         domain: &TcpDomain,
         cq: &mut TcpCq,
@@ -108,7 +109,7 @@ impl TcpListener {
         establish(stream, &peer.label, &domain.registry, cq, opts)
     }
 
-    pub(crate) fn local_addr(&self) -> String {
+    fn local_addr(&self) -> String {
         self.local.to_string()
     }
 }

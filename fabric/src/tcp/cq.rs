@@ -11,6 +11,7 @@ use super::endpoint::EpShared;
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 use crate::os;
+use crate::provider;
 use crate::EndpointOptions;
 
 /// The part of a completion queue that endpoints and the progress thread see.
@@ -150,14 +151,6 @@ impl TcpCq {
         }
     }
 
-    /// Hot path: drives the endpoints (each only if nobody else is), then
-    /// drains completions. No blocking, no allocation, no waiting for locks.
-    #[inline]
-    pub(crate) fn poll(&mut self, out: &mut [Completion]) -> usize {
-        self.drive(false);
-        self.drain(out)
-    }
-
     fn drive(&mut self, eager: bool) {
         self.polls = self.polls.wrapping_add(1);
         self.shared.polls.store(self.polls, Ordering::Relaxed);
@@ -180,9 +173,36 @@ impl TcpCq {
         n
     }
 
+    /// Watches sockets with queued output for writability while waiting.
+    fn watch_writability(&mut self) -> Result<()> {
+        let epfd = self.shared.epfd.as_raw_fd();
+        for (ep, watching, _) in &mut self.endpoints {
+            let pending = ep.tx_pending.load(Ordering::Acquire) && !ep.is_dead();
+            if pending != *watching {
+                let mut events = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+                if pending {
+                    events |= libc::EPOLLOUT as u32;
+                }
+                os::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, ep.fd(), events, ep.id)?;
+                *watching = pending;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl provider::CompletionQueue for TcpCq {
+    /// Hot path: drives the endpoints (each only if nobody else is), then
+    /// drains completions. No blocking, no allocation, no waiting for locks.
+    #[inline]
+    fn poll(&mut self, out: &mut [Completion]) -> usize {
+        self.drive(false);
+        self.drain(out)
+    }
+
     /// Warm path: sleeps in `epoll_wait` on the endpoints' sockets until a
     /// completion is ready or `timeout` passes.
-    pub(crate) fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
+    fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
         let deadline = Instant::now() + timeout;
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
         loop {
@@ -217,22 +237,5 @@ impl TcpCq {
                 os::eventfd_drain(self.shared.eventfd.as_raw_fd());
             }
         }
-    }
-
-    /// Watches sockets with queued output for writability while waiting.
-    fn watch_writability(&mut self) -> Result<()> {
-        let epfd = self.shared.epfd.as_raw_fd();
-        for (ep, watching, _) in &mut self.endpoints {
-            let pending = ep.tx_pending.load(Ordering::Acquire) && !ep.is_dead();
-            if pending != *watching {
-                let mut events = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-                if pending {
-                    events |= libc::EPOLLOUT as u32;
-                }
-                os::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, ep.fd(), events, ep.id)?;
-                *watching = pending;
-            }
-        }
-        Ok(())
     }
 }

@@ -30,7 +30,8 @@ use super::cq::{CqShared, TcpCq};
 use super::progress;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
-use crate::memory::{Buffer, MemoryRegion, RemoteAddr};
+use crate::memory::{Buffer, PeerView, RemoteAddr};
+use crate::provider::{self, Local, LocalWord};
 use crate::registry::Registry;
 use crate::EndpointOptions;
 
@@ -187,21 +188,18 @@ impl TcpEndpoint {
         progress::register(shared.clone());
         TcpEndpoint { shared }
     }
+}
 
-    pub(crate) fn peer_addr(&self) -> String {
-        self.shared.peer.clone()
-    }
-
+impl provider::Endpoint for TcpEndpoint {
     /// Hot path (write-with-immediate is the invocation request and response).
-    pub(crate) fn write(
+    fn write(
         &self,
         wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
+        local: Local<'_>,
         remote: RemoteAddr,
         imm: Option<u32>,
     ) -> Result<()> {
+        let len = local.len();
         let (kind, opcode, arg1) = match imm {
             Some(imm) => (FrameKind::WriteImm, Opcode::WriteWithImm, u64::from(imm)),
             None => (FrameKind::Write, Opcode::Write, 0),
@@ -213,45 +211,27 @@ impl TcpEndpoint {
             arg1,
             ..FrameHeader::new(kind)
         };
-        let payload = (len > 0).then_some((&local.buf, offset, len));
+        let payload = (len > 0).then_some((local.buf(), local.offset(), len));
         self.shared
             .post(header, payload, wr_id, opcode, len as u32, None)
     }
 
-    /// See [`crate::Endpoint::peer_view`]: the peer's memory is not mapped
-    /// here, so there is no view; callers read.
-    pub(crate) fn peer_view(
-        &self,
-        _remote: RemoteAddr,
-        _len: usize,
-    ) -> Option<std::result::Result<crate::PeerView, crate::Status>> {
-        None
-    }
-
-    pub(crate) fn read(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: RemoteAddr,
-    ) -> Result<()> {
+    fn read(&self, wr_id: u64, local: Local<'_>, remote: RemoteAddr) -> Result<()> {
         let header = FrameHeader {
             rkey: remote.rkey,
             addr: remote.addr,
-            arg0: len as u64,
+            arg0: local.len() as u64,
             ..FrameHeader::new(FrameKind::ReadReq)
         };
-        let dst = Some((local.buf.clone(), offset));
+        let dst = Some((local.buf().clone(), local.offset()));
         self.shared
-            .post(header, None, wr_id, Opcode::Read, len as u32, dst)
+            .post(header, None, wr_id, Opcode::Read, local.len() as u32, dst)
     }
 
-    pub(crate) fn fetch_add(
+    fn fetch_add(
         &self,
         wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
+        local: LocalWord<'_>,
         remote: RemoteAddr,
         add: u64,
     ) -> Result<()> {
@@ -261,16 +241,16 @@ impl TcpEndpoint {
             arg0: add,
             ..FrameHeader::new(FrameKind::FetchAdd)
         };
-        let dst = Some((local.buf.clone(), offset));
+        let word = local.bytes();
+        let dst = Some((word.buf().clone(), word.offset()));
         self.shared
             .post(header, None, wr_id, Opcode::FetchAdd, 8, dst)
     }
 
-    pub(crate) fn compare_swap(
+    fn compare_swap(
         &self,
         wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
+        local: LocalWord<'_>,
         remote: RemoteAddr,
         compare: u64,
         swap: u64,
@@ -282,13 +262,14 @@ impl TcpEndpoint {
             arg1: swap,
             ..FrameHeader::new(FrameKind::CompareSwap)
         };
-        let dst = Some((local.buf.clone(), offset));
+        let word = local.bytes();
+        let dst = Some((word.buf().clone(), word.offset()));
         self.shared
             .post(header, None, wr_id, Opcode::CompareSwap, 8, dst)
     }
 
     /// Hot path: a lock-free push.
-    pub(crate) fn post_recv(&self, wr_id: u64) -> Result<()> {
+    fn post_recv(&self, wr_id: u64) -> Result<()> {
         let shared = &self.shared;
         if shared.recvs.push(wr_id).is_err() {
             return Err(Error::QueueFull {
@@ -300,6 +281,20 @@ impl TcpEndpoint {
             shared.flush_recvs();
         }
         Ok(())
+    }
+
+    /// See [`crate::Endpoint::peer_view`]: the peer's memory is not mapped
+    /// here, so there is no view; callers read.
+    fn peer_view(
+        &self,
+        _remote: RemoteAddr,
+        _len: usize,
+    ) -> Option<std::result::Result<PeerView, Status>> {
+        None
+    }
+
+    fn peer_addr(&self) -> String {
+        self.shared.peer.clone()
     }
 }
 

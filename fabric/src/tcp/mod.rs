@@ -43,6 +43,7 @@ pub(crate) use endpoint::TcpEndpoint;
 
 use crate::error::Result;
 use crate::memory::{Access, MemoryRegion};
+use crate::provider;
 use crate::registry::{register_soft, Registry};
 use crate::EndpointOptions;
 
@@ -54,18 +55,25 @@ impl TcpFabric {
     pub(crate) fn open() -> Result<Self> {
         Ok(TcpFabric)
     }
+}
 
-    pub(crate) fn domain(&self) -> Result<TcpDomain> {
+impl provider::Provider for TcpFabric {
+    type Domain = TcpDomain;
+    type Cq = TcpCq;
+    type Listener = TcpListener;
+    type Endpoint = TcpEndpoint;
+
+    fn domain(&self) -> Result<TcpDomain> {
         Ok(TcpDomain {
             registry: Registry::new(),
         })
     }
 
-    pub(crate) fn completion_queue(&self, depth: usize) -> Result<TcpCq> {
+    fn completion_queue(&self, depth: usize) -> Result<TcpCq> {
         TcpCq::new(depth)
     }
 
-    pub(crate) fn listen(&self, addr: &str) -> Result<TcpListener> {
+    fn listen(&self, addr: &str) -> Result<TcpListener> {
         connect::listen(addr)
     }
 }
@@ -76,25 +84,16 @@ pub(crate) struct TcpDomain {
     registry: Arc<Registry>,
 }
 
-impl TcpDomain {
-    pub(crate) fn id(&self) -> u64 {
+impl provider::Domain<TcpFabric> for TcpDomain {
+    fn id(&self) -> u64 {
         self.registry.id()
     }
 
-    pub(crate) fn register_buffer(
-        &self,
-        buf: crate::Buffer,
-        access: Access,
-    ) -> Result<MemoryRegion> {
+    fn register_buffer(&self, buf: crate::Buffer, access: Access) -> Result<MemoryRegion> {
         register_soft(&self.registry, buf, access)
     }
 
-    pub(crate) fn connect(
-        &self,
-        addr: &str,
-        cq: &mut TcpCq,
-        opts: &EndpointOptions,
-    ) -> Result<TcpEndpoint> {
+    fn connect(&self, addr: &str, cq: &mut TcpCq, opts: &EndpointOptions) -> Result<TcpEndpoint> {
         connect::connect(addr, &self.registry, cq, opts)
     }
 }

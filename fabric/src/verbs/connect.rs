@@ -22,8 +22,9 @@ use super::endpoint::VerbsEndpoint;
 use super::hello::{self, Hello, HelloError, RejectReason};
 use super::qp::{Qp, RETRY_COUNT, RNR_RETRY};
 use super::sys::{deadline_after, last_errno_or, remaining_ms, resolve, to_sockaddr, verb_error};
-use super::FabricInner;
+use super::{FabricInner, VerbsFabric};
 use crate::error::{Error, Result};
+use crate::provider;
 use crate::EndpointOptions;
 
 /// Read/atomic depths for a connection: ours capped by what the peer's CM
@@ -253,6 +254,58 @@ pub(crate) fn connect_with_hello(
     ))
 }
 
+impl provider::Listener<VerbsFabric> for VerbsListener {
+    fn local_addr(&self) -> String {
+        self.local.clone()
+    }
+
+    /// Waits for one connection request and establishes it (see the module
+    /// doc for the sequence).
+    fn accept(
+        &self,
+        domain: &VerbsDomain,
+        cq: &mut VerbsCq,
+        opts: &EndpointOptions,
+        timeout: Option<Duration>,
+    ) -> Result<VerbsEndpoint> {
+        let fabric = &*self.fabric;
+        let device = fabric.device.as_str();
+        if domain.inner().fabric.ctx != fabric.ctx {
+            return Err(Error::DomainMismatch(
+                "the domain belongs to another RDMA device than the listener",
+            ));
+        }
+        same_fabric(fabric, cq)?;
+        let _one_at_a_time = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = timeout.and_then(deadline_after);
+        let request = loop {
+            let event = next_event(
+                &self.channel,
+                deadline,
+                device,
+                "accepting a verbs connection",
+            )?;
+            match event.kind {
+                rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST => break event,
+                rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL if event.id == self.id.raw() => {
+                    return Err(Error::ProviderUnavailable {
+                        provider: format!("verbs:{device}"),
+                        reason: format!(
+                            "RDMA device {device} was removed (RDMA_CM_EVENT_DEVICE_REMOVAL)"
+                        ),
+                    });
+                }
+                _ => {
+                    // Late events of a request that failed before it got its
+                    // own channel; nothing waits for them.
+                    tracing::debug!(event = %event.name(), "rdma_cm event on the listener ignored");
+                }
+            }
+        };
+        self.establish(request, domain, cq, opts)
+    }
+}
+
 fn unexpected(event: &CmEvent, wanted: &str) -> String {
     format!(
         "rdma_cm reported {} ({}) while waiting for {wanted}",
@@ -331,56 +384,6 @@ impl VerbsListener {
             local,
             accepting: Mutex::new(()),
         })
-    }
-
-    pub(crate) fn local_addr(&self) -> String {
-        self.local.clone()
-    }
-
-    /// Waits for one connection request and establishes it (see the module
-    /// doc for the sequence).
-    pub(crate) fn accept(
-        &self,
-        domain: &VerbsDomain,
-        cq: &mut VerbsCq,
-        opts: &EndpointOptions,
-        timeout: Option<Duration>,
-    ) -> Result<VerbsEndpoint> {
-        let fabric = &*self.fabric;
-        let device = fabric.device.as_str();
-        if domain.inner().fabric.ctx != fabric.ctx {
-            return Err(Error::DomainMismatch(
-                "the domain belongs to another RDMA device than the listener",
-            ));
-        }
-        same_fabric(fabric, cq)?;
-        let _one_at_a_time = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
-        let deadline = timeout.and_then(deadline_after);
-        let request = loop {
-            let event = next_event(
-                &self.channel,
-                deadline,
-                device,
-                "accepting a verbs connection",
-            )?;
-            match event.kind {
-                rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST => break event,
-                rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL if event.id == self.id.raw() => {
-                    return Err(Error::ProviderUnavailable {
-                        provider: format!("verbs:{device}"),
-                        reason: format!(
-                            "RDMA device {device} was removed (RDMA_CM_EVENT_DEVICE_REMOVAL)"
-                        ),
-                    });
-                }
-                _ => {
-                    // Late events of a request that failed before it got its
-                    // own channel; nothing waits for them.
-                    tracing::debug!(event = %event.name(), "rdma_cm event on the listener ignored");
-                }
-            }
-        };
-        self.establish(request, domain, cq, opts)
     }
 
     fn establish(

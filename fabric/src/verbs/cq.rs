@@ -22,6 +22,7 @@ use super::sys::{
 use super::FabricInner;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
+use crate::provider;
 
 /// Work completions read per `ibv_poll_cq` call.
 const BATCH: usize = 32;
@@ -210,13 +211,15 @@ impl VerbsCq {
     pub(crate) fn shared(&self) -> &Arc<CqShared> {
         &self.shared
     }
+}
 
+impl provider::CompletionQueue for VerbsCq {
     /// Moves up to `out.len()` completions into `out`.
     ///
     /// Hot path: no allocation, no lock, no log (dropping the last reference
     /// to a region's buffer, after its owner dropped the region, unmaps it).
     #[inline]
-    pub(crate) fn poll(&mut self, out: &mut [Completion]) -> usize {
+    fn poll(&mut self, out: &mut [Completion]) -> usize {
         let mut filled = 0;
         while filled < out.len() {
             let Some((raw_id, status)) = self.shared.synthetic.pop() else {
@@ -262,7 +265,7 @@ impl VerbsCq {
 
     /// Polls; sleeps on the completion channel until something arrives or
     /// `timeout` passes (then `Ok(0)`).
-    pub(crate) fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
+    fn wait(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }

@@ -11,9 +11,10 @@ use super::connect;
 use super::cq::VerbsCq;
 use super::endpoint::VerbsEndpoint;
 use super::sys::{errno_of, last_errno_or, verb_error, verb_error_detail};
-use super::FabricInner;
+use super::{FabricInner, VerbsFabric};
 use crate::error::Result;
 use crate::memory::{Access, Buffer, MemoryRegion, Registration};
+use crate::provider;
 use crate::registry::next_domain_id;
 use crate::EndpointOptions;
 
@@ -138,16 +139,18 @@ impl VerbsDomain {
         })
     }
 
-    pub(crate) fn id(&self) -> u64 {
-        self.inner.id
-    }
-
     pub(crate) fn inner(&self) -> &Arc<DomainInner> {
         &self.inner
     }
+}
+
+impl provider::Domain<VerbsFabric> for VerbsDomain {
+    fn id(&self) -> u64 {
+        self.inner.id
+    }
 
     /// Registers `buf` with `access`.
-    pub(crate) fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
+    fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
         let len = buf.len();
         let buf = Arc::new(buf);
         // ibv_reg_mr refuses zero lengths; an empty region registers one byte
@@ -198,7 +201,7 @@ impl VerbsDomain {
     }
 
     /// Connects to a listener at `addr`.
-    pub(crate) fn connect(
+    fn connect(
         &self,
         addr: &str,
         cq: &mut VerbsCq,

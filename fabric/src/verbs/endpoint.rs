@@ -16,7 +16,8 @@ use super::slots::SlotData;
 use super::sys::{errno_of, verb_error};
 use crate::completion::{Opcode, Status};
 use crate::error::{Error, Result};
-use crate::memory::{MemoryRegion, Registration, RemoteAddr};
+use crate::memory::{PeerView, Registration, RemoteAddr};
+use crate::provider::{self, Local, LocalWord};
 
 /// A connected RC endpoint of the verbs provider.
 pub(crate) struct VerbsEndpoint {
@@ -76,11 +77,10 @@ impl VerbsEndpoint {
         &self,
         wr_id: u64,
         op: SendOp,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
+        local: Local<'_>,
         remote: RemoteAddr,
     ) -> Result<()> {
+        let len = local.len();
         let conn = &*self.conn;
         let fate = conn.shared.fate();
         if fate != Fate::Alive {
@@ -88,7 +88,7 @@ impl VerbsEndpoint {
         }
         let qp = &conn.qp;
         debug_assert!(
-            matches!(&local._registration, Registration::Verbs(mr) if mr.is_in(&qp.domain)),
+            matches!(&local.region()._registration, Registration::Verbs(mr) if mr.is_in(&qp.domain)),
             "the region is not registered in the endpoint's protection domain"
         );
         let len32 = len as u32; // regions hold at most u32::MAX bytes
@@ -107,7 +107,7 @@ impl VerbsEndpoint {
                     buf: if inline {
                         None
                     } else {
-                        Some(local.buf.clone())
+                        Some(local.buf().clone())
                     },
                     conn: Some(conn.shared.clone()),
                 },
@@ -125,9 +125,9 @@ impl VerbsEndpoint {
             return Ok(());
         }
         let mut sge = ibv_sge {
-            addr: local.as_ptr() as u64 + offset as u64,
+            addr: local.ptr() as u64,
             length: len32,
-            lkey: local.lkey,
+            lkey: local.region().lkey,
         };
         let mut flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         if inline {
@@ -177,119 +177,6 @@ impl VerbsEndpoint {
                 conn.send_depth,
                 wr_id,
                 op.opcode(),
-            );
-        }
-        Ok(())
-    }
-
-    pub(crate) fn write(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: RemoteAddr,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let op = imm.map_or(SendOp::Write, SendOp::WriteImm);
-        self.post_send(wr_id, op, local, offset, len, remote)
-    }
-
-    /// See [`crate::Endpoint::peer_view`]: the peer's memory is not mapped
-    /// here, so there is no view; callers read.
-    pub(crate) fn peer_view(
-        &self,
-        _remote: RemoteAddr,
-        _len: usize,
-    ) -> Option<std::result::Result<crate::PeerView, crate::Status>> {
-        None
-    }
-
-    pub(crate) fn read(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: RemoteAddr,
-    ) -> Result<()> {
-        self.post_send(wr_id, SendOp::Read, local, offset, len, remote)
-    }
-
-    pub(crate) fn fetch_add(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        remote: RemoteAddr,
-        add: u64,
-    ) -> Result<()> {
-        self.post_send(wr_id, SendOp::FetchAdd(add), local, offset, 8, remote)
-    }
-
-    pub(crate) fn compare_swap(
-        &self,
-        wr_id: u64,
-        local: &MemoryRegion,
-        offset: usize,
-        remote: RemoteAddr,
-        compare: u64,
-        swap: u64,
-    ) -> Result<()> {
-        self.post_send(
-            wr_id,
-            SendOp::CompareSwap { compare, swap },
-            local,
-            offset,
-            8,
-            remote,
-        )
-    }
-
-    /// Posts a receive without buffers: a write-with-immediate consumes it
-    /// and its data lands where the writer said. Hot path.
-    pub(crate) fn post_recv(&self, wr_id: u64) -> Result<()> {
-        let conn = &*self.conn;
-        let fate = conn.shared.fate();
-        if fate != Fate::Alive {
-            return self.post_after_loss(fate, wr_id, Opcode::RecvWithImm);
-        }
-        let qp = &conn.qp;
-        let slots = &qp.cq.slots;
-        let raw_id = slots
-            .acquire(
-                qp.owner,
-                SlotData {
-                    wr_id,
-                    opcode: Opcode::RecvWithImm,
-                    len: 0,
-                    buf: None,
-                    conn: Some(conn.shared.clone()),
-                },
-            )
-            .ok_or(Error::QueueFull {
-                what: "completion queue",
-                depth: slots.capacity(),
-            })?;
-        let mut recv = ibv_recv_wr {
-            wr_id: raw_id,
-            next: std::ptr::null_mut(),
-            sg_list: std::ptr::null_mut(),
-            num_sge: 0,
-        };
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: the QP is valid while conn lives; `recv` is valid for the
-        // call and names no memory.
-        let rc = unsafe { rdma_sys::ibv_post_recv(qp.raw, &mut recv, &mut bad) };
-        if rc != 0 {
-            let _ = slots.release(raw_id);
-            return self.post_failed(
-                rc,
-                "ibv_post_recv",
-                "receive queue",
-                conn.recv_depth,
-                wr_id,
-                Opcode::RecvWithImm,
             );
         }
         Ok(())
@@ -353,10 +240,6 @@ impl VerbsEndpoint {
         Ok(())
     }
 
-    pub(crate) fn peer_addr(&self) -> String {
-        self.conn.shared.peer.clone()
-    }
-
     /// The queue pair's attributes as the device reports them (ibv_query_qp):
     /// state, service level, P_Key index, source GID, timeouts, depths.
     #[cfg_attr(not(test), allow(dead_code))]
@@ -376,6 +259,108 @@ impl VerbsEndpoint {
     pub(crate) fn qos(&self) -> Result<(u8, u16)> {
         let info = self.qp_attributes()?;
         Ok((info.sl, info.pkey_index))
+    }
+}
+
+impl provider::Endpoint for VerbsEndpoint {
+    fn write(
+        &self,
+        wr_id: u64,
+        local: Local<'_>,
+        remote: RemoteAddr,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let op = imm.map_or(SendOp::Write, SendOp::WriteImm);
+        self.post_send(wr_id, op, local, remote)
+    }
+
+    fn read(&self, wr_id: u64, local: Local<'_>, remote: RemoteAddr) -> Result<()> {
+        self.post_send(wr_id, SendOp::Read, local, remote)
+    }
+
+    fn fetch_add(
+        &self,
+        wr_id: u64,
+        local: LocalWord<'_>,
+        remote: RemoteAddr,
+        add: u64,
+    ) -> Result<()> {
+        self.post_send(wr_id, SendOp::FetchAdd(add), local.bytes(), remote)
+    }
+
+    fn compare_swap(
+        &self,
+        wr_id: u64,
+        local: LocalWord<'_>,
+        remote: RemoteAddr,
+        compare: u64,
+        swap: u64,
+    ) -> Result<()> {
+        let op = SendOp::CompareSwap { compare, swap };
+        self.post_send(wr_id, op, local.bytes(), remote)
+    }
+
+    /// Posts a receive without buffers: a write-with-immediate consumes it
+    /// and its data lands where the writer said. Hot path.
+    fn post_recv(&self, wr_id: u64) -> Result<()> {
+        let conn = &*self.conn;
+        let fate = conn.shared.fate();
+        if fate != Fate::Alive {
+            return self.post_after_loss(fate, wr_id, Opcode::RecvWithImm);
+        }
+        let qp = &conn.qp;
+        let slots = &qp.cq.slots;
+        let raw_id = slots
+            .acquire(
+                qp.owner,
+                SlotData {
+                    wr_id,
+                    opcode: Opcode::RecvWithImm,
+                    len: 0,
+                    buf: None,
+                    conn: Some(conn.shared.clone()),
+                },
+            )
+            .ok_or(Error::QueueFull {
+                what: "completion queue",
+                depth: slots.capacity(),
+            })?;
+        let mut recv = ibv_recv_wr {
+            wr_id: raw_id,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        };
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: the QP is valid while conn lives; `recv` is valid for the
+        // call and names no memory.
+        let rc = unsafe { rdma_sys::ibv_post_recv(qp.raw, &mut recv, &mut bad) };
+        if rc != 0 {
+            let _ = slots.release(raw_id);
+            return self.post_failed(
+                rc,
+                "ibv_post_recv",
+                "receive queue",
+                conn.recv_depth,
+                wr_id,
+                Opcode::RecvWithImm,
+            );
+        }
+        Ok(())
+    }
+
+    /// See [`crate::Endpoint::peer_view`]: the peer's memory is not mapped
+    /// here, so there is no view; callers read.
+    fn peer_view(
+        &self,
+        _remote: RemoteAddr,
+        _len: usize,
+    ) -> Option<std::result::Result<PeerView, Status>> {
+        None
+    }
+
+    fn peer_addr(&self) -> String {
+        self.conn.shared.peer.clone()
     }
 }
 

@@ -131,6 +131,7 @@ pub(crate) use domain::{MrHandle, VerbsDomain};
 pub(crate) use endpoint::VerbsEndpoint;
 
 use crate::error::{Error, Result};
+use crate::provider;
 use monitor::Monitor;
 use sys::{c_str, errno_of, verb_error};
 
@@ -431,19 +432,24 @@ impl VerbsFabric {
             }),
         })
     }
+}
 
-    /// A new protection domain.
-    pub(crate) fn domain(&self) -> Result<VerbsDomain> {
+impl provider::Provider for VerbsFabric {
+    type Domain = VerbsDomain;
+    type Cq = VerbsCq;
+    type Listener = VerbsListener;
+    type Endpoint = VerbsEndpoint;
+
+    fn domain(&self) -> Result<VerbsDomain> {
         VerbsDomain::new(self.inner.clone())
     }
 
-    /// A new completion queue of `depth` entries.
-    pub(crate) fn completion_queue(&self, depth: usize) -> Result<VerbsCq> {
+    fn completion_queue(&self, depth: usize) -> Result<VerbsCq> {
         VerbsCq::new(self.inner.clone(), depth)
     }
 
     /// Listens on `addr` (`ip:port`, port 0 picks one).
-    pub(crate) fn listen(&self, addr: &str) -> Result<VerbsListener> {
+    fn listen(&self, addr: &str) -> Result<VerbsListener> {
         VerbsListener::new(self.inner.clone(), addr)
     }
 }

@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::provider::{Endpoint as _, Local, LocalWord};
 use crate::verbs::hello::{self, Hello};
 use crate::verbs::{connect, VerbsCq, VerbsEndpoint};
 use crate::{
@@ -385,8 +386,9 @@ fn an_unaligned_atomic_is_an_error_completion() {
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(100));
+            let word = LocalWord::check(&local, 0, p.client_domain.id()).unwrap();
             client
-                .fetch_add(4, &local, 0, target.descriptor().at(1), 1)
+                .fetch_add(4, word, target.descriptor().at(1), 1)
                 .unwrap();
         });
         let c = one(&mut p.client_cq);
@@ -425,7 +427,8 @@ fn wait_times_out_then_wakes_for_a_completion() {
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(200));
-            client.write(2, &local, 0, 8, remote, Some(3)).unwrap();
+            let bytes = Local::check(&local, 0, 8, p.client_domain.id()).unwrap();
+            client.write(2, bytes, remote, Some(3)).unwrap();
         });
         let n = p.server_cq.wait(&mut out, WAIT).unwrap();
         assert_eq!(n, 1);
@@ -853,11 +856,13 @@ fn a_completion_between_poll_and_arm_still_wakes_the_waiter() {
         std::thread::sleep(Duration::from_millis(300));
     }));
     let client = verbs_ep(&p.client);
+    let client_domain = p.client_domain.id();
     let mut out = [Completion::EMPTY; 4];
     std::thread::scope(|s| {
         s.spawn(move || {
             go_rx.recv().unwrap();
-            client.write(1, &local, 0, 8, remote, Some(9)).unwrap();
+            let bytes = Local::check(&local, 0, 8, client_domain).unwrap();
+            client.write(1, bytes, remote, Some(9)).unwrap();
             posted_tx.send(()).unwrap();
         });
         let start = Instant::now();
