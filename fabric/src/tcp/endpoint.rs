@@ -3,10 +3,17 @@
 //! progress and carries out the peer's requests. Connection set-up is in
 //! `super::connect`.
 //!
-//! All mutable state sits behind one mutex, [`EpShared::state`]. Posting
-//! takes it (held only for a non-blocking send); progress from `poll` and
-//! from the progress thread only *tries* it and skips the endpoint when it
-//! is busy, so `poll` never waits for a lock.
+//! The connection's mutable state, [`EpShared::state`], is driven by one
+//! thread at a time: whoever claims it without waiting ([`Claimable`]),
+//! be it the application posting, a poller of the completion queue, or the
+//! progress thread. Nobody waits for it. `poll` skips an endpoint another
+//! thread drives. A post that finds the state taken hands its request over
+//! ([`EpShared::handover`]) and returns; the holder sends handed-over
+//! requests before it lets go, and after letting go looks once more, so a
+//! request handed over while it was letting go is not left behind (the
+//! poster, for its part, tries to claim the state after handing over).
+//! Requests keep their order: the holder takes earlier hand-overs before a
+//! post of its own.
 //!
 //! Requests are numbered per direction. The target carries them out in
 //! order and acknowledges cumulatively: the `ack` field of every frame it
@@ -20,12 +27,13 @@ mod transmit;
 use std::collections::VecDeque;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use crossbeam_queue::ArrayQueue;
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, HEADER_LEN};
 
+use super::claim::{Claim, Claimable};
 use super::cq::{CqShared, TcpCq};
 use super::progress;
 use crate::completion::{Completion, Opcode, Status};
@@ -59,6 +67,12 @@ pub(crate) struct EpShared {
     pub(super) cq: Arc<CqShared>,
     recvs: ArrayQueue<u64>,
     send_depth: usize,
+    /// Requests posted and not yet completed (handed over or outstanding);
+    /// never above `send_depth`.
+    in_flight: AtomicUsize,
+    /// Requests posted while another thread held `state`, in posting
+    /// order; that thread sends them. Never fuller than `in_flight`.
+    handover: ArrayQueue<Request>,
     /// Acknowledge on our own once this many requests are unacknowledged.
     ack_threshold: u32,
     /// The connection failed; everything completes with `PeerLost`.
@@ -70,7 +84,13 @@ pub(crate) struct EpShared {
     /// Requests were carried out and no acknowledgement has left yet; the
     /// progress thread sends one if the application stops polling.
     pub(super) ack_owed: AtomicBool,
-    state: Mutex<EpState>,
+    /// A post left bytes in the transmit queue: the progress thread should
+    /// watch the socket for room (see `progress::kick`).
+    pub(super) kicked: AtomicBool,
+    state: Claimable<EpState>,
+    /// Requests handed over so far, so tests can tell the path was taken.
+    #[cfg(test)]
+    handed_over: AtomicU64,
 }
 
 impl std::fmt::Debug for EpShared {
@@ -105,6 +125,23 @@ enum AfterPayload {
     Refused { seq: u32 },
     /// Read data arrived: complete the read.
     ReadDone { wr_id: u64, len: u32, ack: u32 },
+}
+
+/// A request frame and what its completion needs, as posted.
+struct Op {
+    header: FrameHeader,
+    wr_id: u64,
+    opcode: Opcode,
+    len: u32,
+    /// Where read data or an atomic's old value goes.
+    dst: Option<(Arc<Buffer>, usize)>,
+}
+
+/// A request posted while another thread held the connection state.
+struct Request {
+    op: Op,
+    /// The bytes a write sends: `(buffer, offset, len)`.
+    payload: Option<(Arc<Buffer>, usize, usize)>,
 }
 
 /// An operation posted and not yet completed.
@@ -165,12 +202,17 @@ impl TcpEndpoint {
             cq: cq.shared().clone(),
             recvs: ArrayQueue::new(opts.recv_depth),
             send_depth: opts.send_depth,
+            in_flight: AtomicUsize::new(0),
+            handover: ArrayQueue::new(opts.send_depth),
             ack_threshold: (peer_send_depth / 2).clamp(1, ACK_EVERY) as u32,
             dead: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             tx_pending: AtomicBool::new(false),
             ack_owed: AtomicBool::new(false),
-            state: Mutex::new(EpState {
+            kicked: AtomicBool::new(false),
+            #[cfg(test)]
+            handed_over: AtomicU64::new(0),
+            state: Claimable::new(EpState {
                 staging: vec![0u8; STAGING].into_boxed_slice(),
                 start: 0,
                 end: 0,
@@ -187,6 +229,27 @@ impl TcpEndpoint {
         cq.attach(shared.clone(), opts);
         progress::register(shared.clone());
         TcpEndpoint { shared }
+    }
+}
+
+impl TcpEndpoint {
+    /// How many of this endpoint's posts were handed to another thread.
+    #[cfg(test)]
+    pub(super) fn handed_over(&self) -> u64 {
+        self.shared.handed_over.load(Ordering::Relaxed)
+    }
+
+    /// Claims the connection state as a poller would (waiting while the
+    /// progress thread has it), so posts find it held until the claim is
+    /// dropped. Dropping it, unlike a poller's release, sends nothing.
+    #[cfg(test)]
+    pub(super) fn hold_state(&self) -> impl Sized + '_ {
+        loop {
+            match self.shared.state.try_claim() {
+                Some(claim) => return claim,
+                None => std::thread::yield_now(),
+            }
+        }
     }
 }
 
@@ -311,49 +374,152 @@ impl EpShared {
         self.stream.as_raw_fd()
     }
 
-    /// Queues one request frame. Hot path for writes.
+    /// Posts one request frame. Hot path for writes: never waits. The
+    /// frame leaves from this thread when it can claim the connection
+    /// state, and otherwise from the thread holding it, which takes the
+    /// hand-over before it lets go (see the module doc).
     fn post(
         &self,
-        mut header: FrameHeader,
+        header: FrameHeader,
         payload: Option<(&Arc<Buffer>, usize, usize)>,
         wr_id: u64,
         opcode: Opcode,
         len: u32,
         dst: Option<(Arc<Buffer>, usize)>,
     ) -> Result<()> {
-        let mut st = lock(&self.state);
-        if st.dead_reason.is_some() {
-            drop(st);
+        if self.dead.load(Ordering::Acquire) {
             return self.fail_now(wr_id, opcode);
         }
-        if st.outstanding.len() >= self.send_depth {
+        if self.in_flight.fetch_add(1, Ordering::AcqRel) >= self.send_depth {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(Error::QueueFull {
                 what: "the send queue",
                 depth: self.send_depth,
             });
         }
-        let seq = st.next_seq;
-        st.next_seq = next_seq(seq);
-        header.seq = seq;
-        st.outstanding.push_back(Outstanding {
-            seq,
+        let op = Op {
+            header,
             wr_id,
             opcode,
             len,
             dst,
-        });
-        self.send(&mut st, header, payload);
-        let pending = !st.txq.is_empty();
-        if st.dead_reason.is_some() {
-            self.flush_dead(&mut st);
+        };
+        if let Some(mut st) = self.state.try_claim() {
+            // Requests handed over earlier go first.
+            let queued = self.take_handed_over(&mut st) | self.start(&mut st, op, payload);
+            self.release(st, queued);
+            return Ok(());
         }
-        drop(st);
-        if pending {
-            // The socket is full: make sure someone keeps sending if the
-            // application stops polling. Slow path only.
-            progress::kick(self.id);
+        let request = Request {
+            op,
+            payload: payload.map(|(buf, off, len)| (buf.clone(), off, len)),
+        };
+        if self.handover.push(request).is_err() {
+            // Cannot happen: in_flight bounds the hand-over to its capacity.
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::QueueFull {
+                what: "the send queue",
+                depth: self.send_depth,
+            });
+        }
+        #[cfg(test)]
+        self.handed_over.fetch_add(1, Ordering::Relaxed);
+        // Pairs with the fence in `release`: either the holder, letting go,
+        // sees the request, or this claim sees the state free.
+        fence(Ordering::SeqCst);
+        match self.state.try_claim() {
+            Some(mut st) => {
+                let queued = self.take_handed_over(&mut st);
+                self.release(st, queued);
+            }
+            // The holder may be the progress thread, preempted on this very
+            // core (a pinned process shares its core with it): let it run
+            // and send the request now rather than after this thread's time
+            // slice. Only when posts meet; a yield, not a wait.
+            None => std::thread::yield_now(),
         }
         Ok(())
+    }
+
+    /// Numbers a request, makes it outstanding and sends it (what the
+    /// socket does not take waits in the transmit queue). Returns whether
+    /// bytes wait there.
+    fn start(
+        &self,
+        st: &mut EpState,
+        op: Op,
+        payload: Option<(&Arc<Buffer>, usize, usize)>,
+    ) -> bool {
+        let seq = st.next_seq;
+        st.next_seq = next_seq(seq);
+        let mut header = op.header;
+        header.seq = seq;
+        st.outstanding.push_back(Outstanding {
+            seq,
+            wr_id: op.wr_id,
+            opcode: op.opcode,
+            len: op.len,
+            dst: op.dst,
+        });
+        if st.dead_reason.is_none() {
+            self.send(st, header, payload);
+        }
+        if st.dead_reason.is_some() {
+            self.flush_dead(st);
+            return false;
+        }
+        !st.txq.is_empty()
+    }
+
+    /// Starts the requests other threads handed over, in their order.
+    /// Returns whether bytes wait in the transmit queue. Hot path (an empty
+    /// hand-over costs two loads).
+    #[inline]
+    fn take_handed_over(&self, st: &mut EpState) -> bool {
+        let mut queued = false;
+        if self.handover.is_empty() {
+            return false;
+        }
+        while let Some(Request { op, payload }) = self.handover.pop() {
+            let payload = payload.as_ref().map(|(buf, off, len)| (buf, *off, *len));
+            queued |= self.start(st, op, payload);
+        }
+        queued
+    }
+
+    /// Lets go of the connection state. A request handed over after the
+    /// holder last looked is taken by claiming the state again; when
+    /// another thread has claimed it by then, that thread takes it. With
+    /// `queued`, bytes of a post wait in the transmit queue: the progress
+    /// thread is told to watch for room, in case nobody polls.
+    #[inline]
+    fn release<'a>(&'a self, mut st: Claim<'a, EpState>, mut queued: bool) {
+        loop {
+            drop(st);
+            // Pairs with the fence in `post`.
+            fence(Ordering::SeqCst);
+            if self.handover.is_empty() {
+                break;
+            }
+            match self.state.try_claim() {
+                Some(mut again) => {
+                    queued |= self.take_handed_over(&mut again);
+                    st = again;
+                }
+                None => break,
+            }
+        }
+        if queued {
+            // The socket is full: slow path only.
+            progress::kick(self);
+        }
+    }
+
+    /// Takes the oldest outstanding operation off the send queue.
+    fn retire(&self, st: &mut EpState) -> Option<Outstanding> {
+        let head = st.outstanding.pop_front()?;
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        Some(head)
     }
 
     /// An operation posted on a dead connection completes with `PeerLost`.
@@ -374,8 +540,4 @@ impl EpShared {
     pub(super) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Relaxed)
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }

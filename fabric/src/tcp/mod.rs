@@ -25,15 +25,21 @@
 //! - `endpoint`: the data path: a connection's state and posting;
 //!   `endpoint::transmit` sends frames, `endpoint::receive` drives progress
 //!   and carries out the peer's requests.
+//! - `claim`: the atomic claim on a connection's state that lets posting,
+//!   polling and the progress thread share it without a lock.
 //! - `cq`: completion queues, `poll` and `wait`.
 //! - `progress`: the passive-target progress thread.
 //! - `sys`: the few socket and epoll calls std does not offer.
 
+mod claim;
 mod connect;
 mod cq;
 mod endpoint;
 mod progress;
 mod sys;
+
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 

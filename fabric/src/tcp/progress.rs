@@ -28,16 +28,11 @@ const MIN_TICK: Duration = Duration::from_millis(1);
 const MAX_TICK: Duration = Duration::from_millis(16);
 const WAKE_TOKEN: u64 = 0;
 
-enum Cmd {
-    Add(Arc<EpShared>),
-    /// The endpoint has output queued: watch for writability.
-    Kick(u64),
-}
-
 struct Thread {
     epfd: OwnedFd,
     wake: OwnedFd,
-    inbox: Mutex<Vec<Cmd>>,
+    /// New endpoints, to be watched (connection set-up only).
+    added: Mutex<Vec<Arc<EpShared>>>,
 }
 
 static THREAD: OnceLock<Option<Arc<Thread>>> = OnceLock::new();
@@ -67,7 +62,7 @@ fn start() -> crate::Result<Arc<Thread>> {
     let t = Arc::new(Thread {
         epfd,
         wake,
-        inbox: Mutex::new(Vec::new()),
+        added: Mutex::new(Vec::new()),
     });
     let run = t.clone();
     std::thread::Builder::new()
@@ -77,21 +72,22 @@ fn start() -> crate::Result<Arc<Thread>> {
     Ok(t)
 }
 
-fn send(cmd: Cmd) {
+/// Hands a new endpoint to the progress thread.
+pub(super) fn register(ep: Arc<EpShared>) {
     if let Some(t) = thread() {
-        t.inbox.lock().unwrap_or_else(|p| p.into_inner()).push(cmd);
+        t.added.lock().unwrap_or_else(|p| p.into_inner()).push(ep);
         os::eventfd_signal(t.wake.as_raw_fd());
     }
 }
 
-/// Hands a new endpoint to the progress thread.
-pub(super) fn register(ep: Arc<EpShared>) {
-    send(Cmd::Add(ep));
-}
-
-/// Tells the progress thread that an endpoint has output queued.
-pub(super) fn kick(id: u64) {
-    send(Cmd::Kick(id));
+/// Tells the progress thread that a post left output queued on `ep`, so it
+/// watches the socket for room. Lock-free: it flags the endpoint and
+/// signals the thread's eventfd.
+pub(super) fn kick(ep: &EpShared) {
+    ep.kicked.store(true, Ordering::Release);
+    if let Some(t) = thread() {
+        os::eventfd_signal(t.wake.as_raw_fd());
+    }
 }
 
 struct Entry {
@@ -136,7 +132,8 @@ impl Thread {
             for event in &events[..ready] {
                 if event.u64 == WAKE_TOKEN {
                     os::eventfd_drain(self.wake.as_raw_fd());
-                    self.take_inbox(&mut entries);
+                    self.take_added(&mut entries);
+                    self.take_kicks(&mut entries);
                     continue;
                 }
                 let id = event.u64;
@@ -175,29 +172,33 @@ impl Thread {
         }
     }
 
-    fn take_inbox(&self, entries: &mut HashMap<u64, Entry>) {
-        let cmds = std::mem::take(&mut *self.inbox.lock().unwrap_or_else(|p| p.into_inner()));
-        for cmd in cmds {
-            match cmd {
-                Cmd::Add(ep) => {
-                    let id = ep.id;
-                    let last_polls = ep.cq.polls.load(Ordering::Relaxed);
-                    entries.insert(
-                        id,
-                        Entry {
-                            ep,
-                            armed: false,
-                            last_polls,
-                        },
-                    );
-                    self.arm(entries, id, libc::EPOLL_CTL_ADD);
-                }
-                Cmd::Kick(id) => {
-                    if entries.get(&id).is_some_and(|e| e.armed) {
-                        self.arm(entries, id, libc::EPOLL_CTL_MOD);
-                    }
-                }
-            }
+    fn take_added(&self, entries: &mut HashMap<u64, Entry>) {
+        let added = std::mem::take(&mut *self.added.lock().unwrap_or_else(|p| p.into_inner()));
+        for ep in added {
+            let id = ep.id;
+            let last_polls = ep.cq.polls.load(Ordering::Relaxed);
+            entries.insert(
+                id,
+                Entry {
+                    ep,
+                    armed: false,
+                    last_polls,
+                },
+            );
+            self.arm(entries, id, libc::EPOLL_CTL_ADD);
+        }
+    }
+
+    /// Watches the sockets of kicked endpoints for room as well. A disarmed
+    /// endpoint is re-armed, watching for room, when it is next served.
+    fn take_kicks(&self, entries: &mut HashMap<u64, Entry>) {
+        let kicked: Vec<u64> = entries
+            .iter()
+            .filter(|(_, e)| e.ep.kicked.swap(false, Ordering::AcqRel) && e.armed)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in kicked {
+            self.arm(entries, id, libc::EPOLL_CTL_MOD);
         }
     }
 
@@ -207,7 +208,7 @@ impl Thread {
             return;
         };
         let Some(progress) = entry.ep.try_progress(true) else {
-            // The application holds it (posting): look again at the next tick.
+            // Another thread drives it: look again at the next tick.
             return;
         };
         if progress.completed {

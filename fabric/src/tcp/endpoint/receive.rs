@@ -4,7 +4,7 @@
 
 use std::net::Shutdown;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, TryLockError};
+use std::sync::Arc;
 
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, FrameStatus, HEADER_LEN};
 
@@ -41,16 +41,17 @@ fn seq_le(a: u32, b: u32) -> bool {
 }
 
 impl EpShared {
-    /// Tries to make progress without waiting for the lock (poll and the
-    /// progress thread). `eager` acknowledges at once instead of waiting for
-    /// a frame to ride on. Hot path.
+    /// Drives the connection unless another thread does (poll and the
+    /// progress thread): sends the requests handed over, then reads and
+    /// carries out what arrived. `None` when another thread holds the
+    /// state; never waits. `eager` acknowledges at once instead of waiting
+    /// for a frame to ride on. Hot path.
     pub(in crate::tcp) fn try_progress(&self, eager: bool) -> Option<Progress> {
-        let mut st = match self.state.try_lock() {
-            Ok(st) => st,
-            Err(TryLockError::WouldBlock) => return None,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        };
-        Some(self.progress(&mut st, eager))
+        let mut st = self.state.try_claim()?;
+        let queued = self.take_handed_over(&mut st);
+        let progress = self.progress(&mut st, eager);
+        self.release(st, queued);
+        Some(progress)
     }
 
     fn progress(&self, st: &mut EpState, eager: bool) -> Progress {
@@ -316,7 +317,7 @@ impl EpShared {
                         h.seq, head.seq, head.opcode
                     ));
                 }
-                let head = st.outstanding.pop_front().unwrap_or_else(|| unreachable!());
+                let head = self.retire(st).unwrap_or_else(|| unreachable!());
                 let status = match h.status {
                     FrameStatus::Ok => Status::Success,
                     FrameStatus::RemoteAccess => Status::RemoteAccess,
@@ -453,7 +454,7 @@ impl EpShared {
             {
                 break;
             }
-            let head = st.outstanding.pop_front().unwrap_or_else(|| unreachable!());
+            let head = self.retire(st).unwrap_or_else(|| unreachable!());
             self.push(Completion::ok(head.wr_id, head.opcode, head.len), progress);
         }
     }
@@ -528,7 +529,7 @@ impl EpShared {
             {
                 return any;
             }
-            st.outstanding.pop_front();
+            self.retire(st);
             any = true;
         }
         any | self.flush_recvs()
