@@ -175,8 +175,8 @@ impl Session {
             .register(region_len, Access::REMOTE_WRITE)
             .ctx(|| "registering".into())?;
         let d = reply.descriptor();
-        src.as_mut_slice()[..8].copy_from_slice(&d.addr.to_le_bytes());
-        src.as_mut_slice()[8..12].copy_from_slice(&d.rkey.to_le_bytes());
+        src.write_from(0, &d.addr.to_le_bytes());
+        src.write_from(8, &d.rkey.to_le_bytes());
         for i in 0..RECVS {
             ep.post_recv(i).ctx(|| "posting a receive".into())?;
         }
@@ -393,7 +393,7 @@ fn serve_echo(args: &[String], ready: Ready) -> Result<()> {
     };
     let fabric = Fabric::open(&spec).ctx(|| format!("opening {spec}"))?;
     let domain = fabric.domain().ctx(|| "creating a domain".into())?;
-    let mut region = domain
+    let region = domain
         .register(len, Access::REMOTE_WRITE)
         .ctx(|| "registering the echo region".into())?;
     let listener = fabric
@@ -424,7 +424,8 @@ fn serve_echo(args: &[String], ready: Ready) -> Result<()> {
                 (Opcode::RecvWithImm, true) => {
                     ep.post_recv(c.wr_id).ctx(|| "posting a receive".into())?;
                     if c.imm == SETUP {
-                        let b = region.as_mut_slice();
+                        let mut b = [0; 12];
+                        region.read_into(0, &mut b);
                         reply = RemoteAddr {
                             addr: u64::from_le_bytes(b[..8].try_into().unwrap_or_default()),
                             rkey: u32::from_le_bytes(b[8..12].try_into().unwrap_or_default()),

@@ -248,7 +248,7 @@ mod tests {
             input_len: 16,
         };
         b.shared.write_header(&header);
-        let region = b.shared.region.as_slice();
+        let region = b.shared.region.read_to_vec(..);
         let at = header_offset();
         assert_eq!(&region[at..at + 32], &header.to_bytes());
         // The request is header and payload, contiguous.

@@ -251,9 +251,11 @@ impl Client {
         hello: LaneHello,
     ) -> Result<()> {
         const HELLO_WR: u64 = u64::MAX - 1;
+        let mut bytes = [0; LaneHello::LEN];
         hello
-            .encode(staging.as_mut_slice())
+            .encode(&mut bytes)
             .map_err(|e| Error::Protocol(e.to_string()))?;
+        staging.write_from(0, &bytes);
         let to = RemoteAddr {
             addr: remote.addr,
             rkey: remote.rkey,

@@ -466,9 +466,8 @@ impl Lane {
                 (&input.region, header_offset(), InvocationHeader::LEN)
             }
             Plan::BulkFromLane => {
-                header
-                    .encode(inner.header.as_mut_slice())
-                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                // The lane's header region holds exactly one header.
+                inner.header.write_from(0, &header.to_bytes());
                 (&inner.header, 0, InvocationHeader::LEN)
             }
         };

@@ -841,9 +841,9 @@ impl RawLane {
         // The lane hello first (rfaas_proto::hello), waited for.
         use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
         let key = LaneKey::from_hex(&ok.lane_key).unwrap();
-        LaneHello { lane: 0, key }
-            .encode(input.as_mut_slice())
-            .unwrap();
+        let mut hello = [0; LaneHello::LEN];
+        LaneHello { lane: 0, key }.encode(&mut hello).unwrap();
+        input.write_from(0, &hello);
         let remote = rfaas_fabric::RemoteAddr {
             addr: ok.lanes[0].addr,
             rkey: ok.lanes[0].rkey,
@@ -895,9 +895,8 @@ impl RawLane {
             input_rkey: 0,
             input_len: payload.len() as u32,
         };
-        let buf = self.input.as_mut_slice();
-        buf[..InvocationHeader::LEN].copy_from_slice(&header.to_bytes());
-        buf[InvocationHeader::LEN..InvocationHeader::LEN + payload.len()].copy_from_slice(payload);
+        self.input.write_from(0, &header.to_bytes());
+        self.input.write_from(InvocationHeader::LEN, payload);
         self.ep.post_recv(u64::from(id)).unwrap();
         let imm = RequestImm {
             invocation_id: id,
@@ -931,7 +930,7 @@ impl RawLane {
                     let r = ResponseImm::decode(c.imm).unwrap();
                     assert_eq!(r.invocation_id, id);
                     let len = c.byte_len as usize;
-                    return Some((r.status, self.output.as_slice()[..len].to_vec()));
+                    return Some((r.status, self.output.read_to_vec(..len)));
                 }
             }
         }

@@ -301,9 +301,9 @@ impl ClientLane {
     /// The lane hello, as the client library sends it first. Returns
     /// whether the worker answered it within two seconds.
     fn hello(&mut self, lane: u32, key: &LaneKey) -> bool {
-        LaneHello { lane, key: *key }
-            .encode(self.input.as_mut_slice())
-            .unwrap();
+        let mut hello = [0; LaneHello::LEN];
+        LaneHello { lane, key: *key }.encode(&mut hello).unwrap();
+        self.input.write_from(0, &hello);
         self.ep
             .write_with_imm(
                 999,
@@ -370,8 +370,7 @@ impl ClientLane {
         if InvocationHeader::LEN + payload.len() <= self.remote.len as usize {
             self.call(function, self.inline_header(len), payload)
         } else {
-            self.input.as_mut_slice()[InvocationHeader::LEN..][..payload.len()]
-                .copy_from_slice(payload);
+            self.input.write_from(InvocationHeader::LEN, payload);
             self.call(function, self.bulk_header(len), &[])
         }
     }
@@ -403,9 +402,8 @@ impl ClientLane {
     /// the header claims, and does not wait for the response. Returns the
     /// invocation id.
     fn send(&mut self, function: u16, header: InvocationHeader, inline: &[u8]) -> u32 {
-        let staging = self.input.as_mut_slice();
-        header.encode(staging).unwrap();
-        staging[InvocationHeader::LEN..][..inline.len()].copy_from_slice(inline);
+        self.input.write_from(0, &header.to_bytes());
+        self.input.write_from(InvocationHeader::LEN, inline);
         let id = self.next_id;
         self.next_id = rfaas_proto::next_invocation_id(id);
         let imm = RequestImm {
@@ -443,7 +441,7 @@ impl ClientLane {
         self.ep.post_recv(c.wr_id).unwrap();
         let resp = ResponseImm::decode(c.imm).unwrap();
         assert_eq!(resp.invocation_id, id, "the response names the request");
-        let out = self.output.as_slice()[..c.byte_len as usize].to_vec();
+        let out = self.output.read_to_vec(..c.byte_len as usize);
         match resp.status {
             InvocationStatus::Ok => {}
             InvocationStatus::FunctionCrashed => {

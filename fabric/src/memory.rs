@@ -2,6 +2,7 @@
 //! descriptors peers use to name them.
 
 use std::fmt;
+use std::ops::{Bound, RangeBounds};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -290,9 +291,17 @@ pub(crate) fn map_shared(fd: RawFd, len: usize, writable: bool) -> Result<NonNul
 /// protection domain. Deregistered when dropped; operations already posted
 /// keep the memory alive until they complete.
 ///
-/// Remote peers with the right access may change the bytes at any time, as a
-/// NIC would. Read the region after the completion that tells you a peer has
-/// written it, and do not hand out slices across such writes.
+/// Peers with the right access may change the bytes at any time, as a NIC
+/// would, and the fabric itself writes them when a read or an atomic posted
+/// with the region completes. So the safe accessors copy
+/// ([`read_into`](Self::read_into), [`read_to_vec`](Self::read_to_vec),
+/// [`read_u64`](Self::read_u64), [`write_from`](Self::write_from),
+/// [`fill`](Self::fill), [`write_u64`](Self::write_u64)) with volatile
+/// accesses and never hold a reference to the bytes; a copy racing with a
+/// peer's write may see any mix of old and new bytes. In-place slices
+/// ([`as_slice`](Self::as_slice), [`as_mut_slice`](Self::as_mut_slice))
+/// are `unsafe`: the caller promises that nothing else touches the bytes
+/// while the slice lives.
 pub struct MemoryRegion {
     pub(crate) buf: Arc<Buffer>,
     pub(crate) rkey: u32,
@@ -347,35 +356,134 @@ impl MemoryRegion {
         self.access
     }
 
-    /// The bytes, for reading. See the type's note on remote writers.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the buffer is valid for len bytes while self lives.
+    /// The bytes, read in place.
+    ///
+    /// # Safety
+    ///
+    /// Nothing may write the region's bytes while the returned slice lives:
+    ///
+    /// - no operation that lands data in this region may be outstanding: the
+    ///   completion of every read or atomic posted with it as the local side
+    ///   must have been polled;
+    /// - no peer may write it: every peer given the region's descriptor with
+    ///   [`Access::REMOTE_WRITE`] or [`Access::REMOTE_ATOMIC`] must be done
+    ///   with it, as the application's protocol tells (for example: the
+    ///   completion of the peer's write-with-immediate into it has been
+    ///   polled, and the peer writes again only when asked);
+    /// - no other thread writes it through this region ([`write_from`],
+    ///   [`fill`], [`write_u64`], or [`as_ptr`](Self::as_ptr)).
+    ///
+    /// Where that cannot be known, copy with [`read_into`] instead.
+    ///
+    /// [`write_from`]: Self::write_from
+    /// [`fill`]: Self::fill
+    /// [`write_u64`]: Self::write_u64
+    /// [`read_into`]: Self::read_into
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the buffer is valid for len bytes while self lives; the
+        // caller promises no write to them while the slice lives.
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr(), self.buf.len()) }
     }
 
-    /// The bytes, for writing. See the type's note on remote writers.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: the buffer is valid for len bytes and &mut self excludes
-        // other local references.
+    /// The bytes, written in place.
+    ///
+    /// # Safety
+    ///
+    /// As for [`as_slice`](Self::as_slice), and nothing may read the bytes
+    /// either while the returned slice lives: no write posted with this
+    /// region as its source may be outstanding (its completion must have
+    /// been polled), and no peer given the descriptor with
+    /// [`Access::REMOTE_READ`] may read it (on shm a peer may also hold a
+    /// [`PeerView`] of it). Where that cannot be known, copy with
+    /// [`write_from`](Self::write_from) instead.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the buffer is valid for len bytes; &mut self excludes other
+        // references through this region, and the caller promises that no
+        // operation or peer touches the bytes while the slice lives.
         unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr(), self.buf.len()) }
     }
 
-    /// Reads the 8-byte word at `offset` (for results of atomics).
+    /// Copies the bytes at `offset..offset + dst.len()` into `dst`. Safe
+    /// whatever peers do meanwhile: bytes written during the copy may show
+    /// their old or new value. Panics when the range is outside the region.
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) {
+        self.assert_range(offset, dst.len());
+        // SAFETY: the range lies in the region (checked above), which stays
+        // mapped while self lives; dst is ours and does not overlap it.
+        unsafe { copy_out(self.buf.as_ptr().add(offset), dst) }
+    }
+
+    /// The bytes of `range` (all of them with `..`), copied like
+    /// [`read_into`](Self::read_into).
+    pub fn read_to_vec(&self, range: impl RangeBounds<usize>) -> Vec<u8> {
+        let (offset, len) = self.range(range);
+        let mut out = vec![0; len];
+        self.read_into(offset, &mut out);
+        out
+    }
+
+    /// Copies `src` into the region at `offset`. Safe whatever peers do
+    /// meanwhile (a peer reading during the copy may see old or new
+    /// bytes). Panics when the range is outside the region.
+    pub fn write_from(&mut self, offset: usize, src: &[u8]) {
+        self.assert_range(offset, src.len());
+        // SAFETY: the range lies in the region (checked above), which stays
+        // mapped while self lives; src is ours and does not overlap it.
+        unsafe { copy_in(src, self.buf.as_ptr().add(offset)) }
+    }
+
+    /// Sets every byte of `range` (all of them with `..`) to `byte`, like
+    /// [`write_from`](Self::write_from).
+    pub fn fill(&mut self, range: impl RangeBounds<usize>, byte: u8) {
+        let (offset, len) = self.range(range);
+        let base = self.buf.as_ptr();
+        for i in offset..offset + len {
+            // SAFETY: offset + len <= self.len() (checked by `range`).
+            unsafe { std::ptr::write_volatile(base.add(i), byte) };
+        }
+    }
+
+    /// Reads the 8-byte word at `offset` (for results of atomics), native
+    /// endianness, like [`read_into`](Self::read_into).
     pub fn read_u64(&self, offset: usize) -> u64 {
-        assert!(
-            offset + 8 <= self.len(),
-            "offset {offset} is outside the region"
-        );
-        // SAFETY: in bounds (checked above); the array read has alignment 1;
-        // a remote writer racing with this read is the caller's documented concern.
-        let bytes =
-            unsafe { std::ptr::read_volatile(self.buf.as_ptr().add(offset).cast::<[u8; 8]>()) };
+        let mut bytes = [0; 8];
+        self.read_into(offset, &mut bytes);
         u64::from_ne_bytes(bytes)
     }
 
-    /// Writes the 8-byte word at `offset` (native endianness).
+    /// Writes the 8-byte word at `offset`, native endianness, like
+    /// [`write_from`](Self::write_from).
     pub fn write_u64(&mut self, offset: usize, value: u64) {
-        self.as_mut_slice()[offset..offset + 8].copy_from_slice(&value.to_ne_bytes());
+        self.write_from(offset, &value.to_ne_bytes());
+    }
+
+    /// Panics unless `offset..offset+len` lies inside the region.
+    fn assert_range(&self, offset: usize, len: usize) {
+        if let Err(e) = self.check_range(offset, len) {
+            panic!("{e}");
+        }
+    }
+
+    /// `range` as `(offset, len)`, checked against the region (panics).
+    fn range(&self, range: impl RangeBounds<usize>) -> (usize, usize) {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.saturating_add(1),
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.saturating_add(1),
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => self.len(),
+        };
+        let len = end.checked_sub(start).unwrap_or_else(|| {
+            panic!(
+                "range {start}..{end} of the {}-byte region ends before it starts",
+                self.len()
+            )
+        });
+        self.assert_range(start, len);
+        (start, len)
     }
 
     /// Checks that `offset..offset+len` lies inside the region.
@@ -398,6 +506,63 @@ impl fmt::Debug for MemoryRegion {
             .field("access", &self.access)
             .field("domain", &self.domain_id)
             .finish()
+    }
+}
+
+/// Copies `dst.len()` bytes from `src` into `dst` with volatile reads, a
+/// word at a time where `src` is aligned: `src` is registered memory that
+/// peers, the NIC or the fabric may write meanwhile, so the compiler must
+/// neither assume the bytes stay put nor read them twice.
+///
+/// # Safety
+///
+/// `src` must be valid for reads of `dst.len()` bytes and not overlap `dst`.
+unsafe fn copy_out(src: *const u8, dst: &mut [u8]) {
+    let len = dst.len();
+    let mut i = 0;
+    while i < len && (src as usize + i) % 8 != 0 {
+        // SAFETY: i < len: inside the source range (caller's contract).
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+    while i + 8 <= len {
+        // SAFETY: 8 bytes inside the source range, at an 8-byte aligned address.
+        let word = unsafe { std::ptr::read_volatile(src.add(i).cast::<u64>()) };
+        dst[i..i + 8].copy_from_slice(&word.to_ne_bytes());
+        i += 8;
+    }
+    while i < len {
+        // SAFETY: i < len: inside the source range.
+        dst[i] = unsafe { std::ptr::read_volatile(src.add(i)) };
+        i += 1;
+    }
+}
+
+/// Copies `src` to `dst` with volatile writes, a word at a time where `dst`
+/// is aligned (see [`copy_out`] for why).
+///
+/// # Safety
+///
+/// `dst` must be valid for writes of `src.len()` bytes and not overlap `src`.
+unsafe fn copy_in(src: &[u8], dst: *mut u8) {
+    let len = src.len();
+    let mut i = 0;
+    while i < len && (dst as usize + i) % 8 != 0 {
+        // SAFETY: i < len: inside the destination range (caller's contract).
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
+    }
+    while i + 8 <= len {
+        let mut word = [0; 8];
+        word.copy_from_slice(&src[i..i + 8]);
+        // SAFETY: 8 bytes inside the destination range, 8-byte aligned.
+        unsafe { std::ptr::write_volatile(dst.add(i).cast::<u64>(), u64::from_ne_bytes(word)) };
+        i += 8;
+    }
+    while i < len {
+        // SAFETY: i < len: inside the destination range.
+        unsafe { std::ptr::write_volatile(dst.add(i), src[i]) };
+        i += 1;
     }
 }
 
@@ -442,6 +607,50 @@ mod tests {
         // A plain buffer has no such guarantee, but a guarded one unmaps
         // cleanly with its guard.
         drop(buf);
+    }
+
+    fn region(len: usize) -> MemoryRegion {
+        crate::Fabric::open("tcp")
+            .unwrap()
+            .domain()
+            .unwrap()
+            .register(len, Access::LOCAL)
+            .unwrap()
+    }
+
+    #[test]
+    fn copies_in_and_out_are_byte_exact_at_any_alignment() {
+        let mut r = region(256);
+        let data: Vec<u8> = (1..=100).collect();
+        for offset in [0, 1, 7, 8, 13, 100] {
+            for len in [0, 1, 7, 8, 9, 31, 100] {
+                r.fill(.., 0);
+                r.write_from(offset, &data[..len]);
+                let back = r.read_to_vec(..);
+                assert_eq!(&back[offset..offset + len], &data[..len], "{offset}+{len}");
+                assert!(
+                    back[..offset].iter().all(|&b| b == 0),
+                    "{offset}+{len}: before"
+                );
+                assert!(
+                    back[offset + len..].iter().all(|&b| b == 0),
+                    "{offset}+{len}: after"
+                );
+                let mut out = vec![0xff; len];
+                r.read_into(offset, &mut out);
+                assert_eq!(out, &data[..len]);
+            }
+        }
+        r.fill(10..20, 7);
+        assert_eq!(r.read_to_vec(9..=20), [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 0]);
+        r.write_u64(16, u64::MAX - 1);
+        assert_eq!(r.read_u64(16), u64::MAX - 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "local range 250..258 is outside the 256-byte region")]
+    fn a_copy_past_the_end_panics_naming_the_range() {
+        region(256).read_into(250, &mut [0; 8]);
     }
 }
 

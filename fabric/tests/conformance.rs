@@ -226,7 +226,7 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
         let src_off = [0, 3, 13, 1][i % 4];
         let dst_off = [5, 0, 1, 11][i % 4];
         let data = pattern(len, i as u8);
-        src.as_mut_slice()[src_off..src_off + len].copy_from_slice(&data);
+        src.write_from(src_off, &data);
         p.ep.write(i as u64, &src, src_off, len, remote.at(dst_off as u64))
             .unwrap();
         let c = one(&mut p.cq);
@@ -235,7 +235,7 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
             (i as u64, Opcode::Write, Status::Success, len as u32)
         );
         assert!(
-            target.as_slice()[dst_off..dst_off + len] == data[..],
+            target.read_to_vec(dst_off..dst_off + len) == data,
             "write of {len} B at offset {dst_off} differs"
         );
         p.ep.read(
@@ -252,7 +252,7 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
             (100 + i as u64, Opcode::Read, Status::Success, len as u32)
         );
         assert!(
-            dst.as_slice()[src_off..src_off + len] == data[..],
+            dst.read_to_vec(src_off..src_off + len) == data,
             "read of {len} B differs"
         );
     }
@@ -269,7 +269,7 @@ fn peer_views_are_checked_like_reads(#[case] provider: &str) {
     let p = pair(provider);
     let mut readable = p.target_domain.register(8192, Access::REMOTE_READ).unwrap();
     let data = pattern(8192, 7);
-    readable.as_mut_slice().copy_from_slice(&data);
+    readable.write_from(0, &data);
     let writable_only = p
         .target_domain
         .register(4096, Access::REMOTE_WRITE)
@@ -286,7 +286,7 @@ fn peer_views_are_checked_like_reads(#[case] provider: &str) {
     let bytes = unsafe { std::slice::from_raw_parts(view.as_ptr(), view.len()) };
     assert!(bytes == &data[100..5100], "the view shows the peer's bytes");
     // The peer's later writes show through: it is the same memory.
-    readable.as_mut_slice()[100] ^= 0xff;
+    readable.write_from(100, &[data[100] ^ 0xff]);
     // SAFETY: as above.
     assert_eq!(unsafe { *view.as_ptr() }, data[100] ^ 0xff);
     // Refused like reads: past the end, a wrong rkey, no read right.
@@ -647,13 +647,13 @@ fn one_sided_operations_need_no_target_thread(#[case] provider: &str, #[case] co
     });
     let mut src = domain.register(1 << 20, Access::LOCAL).unwrap();
     let data = pattern(1 << 20, 9);
-    src.as_mut_slice().copy_from_slice(&data);
+    src.write_from(0, &data);
     ep.write(1, &src, 0, 1 << 20, remote.at(0)).unwrap();
     assert_eq!(one(&mut cq).status, Status::Success);
     let dst = domain.register(1 << 20, Access::LOCAL).unwrap();
     ep.read(2, &dst, 0, 1 << 20, remote.at(0)).unwrap();
     assert_eq!(one(&mut cq).status, Status::Success);
-    assert!(dst.as_slice() == &data[..]);
+    assert!(dst.read_to_vec(..) == data);
     ep.fetch_add(3, &dst, 0, remote.at(64), 5).unwrap();
     assert_eq!(one(&mut cq).status, Status::Success);
     stop_tx.send(()).unwrap();
@@ -685,7 +685,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     let other_target_domain = p.fabric.domain().unwrap();
     let other = other_target_domain.register(4096, Access::ALL).unwrap();
     let mut src = p.domain.register(8192, Access::LOCAL).unwrap();
-    src.as_mut_slice().fill(0xEE);
+    src.fill(.., 0xEE);
     let d = full.descriptor();
     let cases: Vec<(&str, RemoteAddr, usize)> = vec![
         (
@@ -806,7 +806,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
         ("other", &other),
     ] {
         assert!(
-            region.as_slice().iter().all(|&b| b == 0),
+            region.read_to_vec(..).iter().all(|&b| b == 0),
             "{name} region was touched"
         );
     }
@@ -827,7 +827,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     assert_eq!(one(&mut p.cq).status, Status::Success);
     let c = one(&mut p.target_cq);
     assert_eq!((c.wr_id, c.imm, c.status), (99, 8, Status::Success));
-    assert_eq!(full.as_slice()[..8], [0xEE; 8]);
+    assert_eq!(full.read_to_vec(..8), [0xEE; 8]);
 }
 
 /// Zero-length operations name no memory: like a NIC, no rkey is checked,
@@ -1137,7 +1137,7 @@ fn tcp_malformed_bytes_close_only_that_connection() {
         logged.contains("protocol violation: malformed frame: unknown frame kind 255"),
         "the reason was not logged: {logged:?}"
     );
-    assert!(region.as_slice().iter().all(|&b| b == 0));
+    assert!(region.read_to_vec(..).iter().all(|&b| b == 0));
 
     // The good connection carries on.
     let local = good_domain.register(8, Access::LOCAL).unwrap();

@@ -228,7 +228,8 @@ fn echo_session(
             }
             if c.opcode == Opcode::RecvWithImm {
                 ep.post_recv(c.wr_id)?;
-                let bytes = region.as_slice();
+                let mut bytes = [0; 12];
+                region.read_into(0, &mut bytes);
                 let addr = u64::from_le_bytes(bytes[..8].try_into()?);
                 let rkey = u32::from_le_bytes(bytes[8..12].try_into()?);
                 ep.write_with_imm(
@@ -288,8 +289,8 @@ fn pingpong(
     let ep = domain.connect(connect, &mut cq, &EndpointOptions::default())?;
     let mut local = domain.register(size.max(16), Access::REMOTE_WRITE)?;
     let d = local.descriptor();
-    local.as_mut_slice()[..8].copy_from_slice(&d.addr.to_le_bytes());
-    local.as_mut_slice()[8..12].copy_from_slice(&d.rkey.to_le_bytes());
+    local.write_from(0, &d.addr.to_le_bytes());
+    local.write_from(8, &d.rkey.to_le_bytes());
     let mut samples = Vec::with_capacity(iters as usize);
     for i in 0..iters {
         ep.post_recv(i)?;
@@ -376,11 +377,12 @@ fn check(
     let readback = domain.register(half, Access::LOCAL)?;
     // What `serve --echo` expects first: where to write its answer.
     let d = echoed.descriptor();
-    sent.as_mut_slice()[..8].copy_from_slice(&d.addr.to_le_bytes());
-    sent.as_mut_slice()[8..12].copy_from_slice(&d.rkey.to_le_bytes());
-    for (i, b) in sent.as_mut_slice()[12..].iter_mut().enumerate() {
-        *b = (i as u8).wrapping_mul(29).wrapping_add(7);
-    }
+    let mut pattern: Vec<u8> = (0..half)
+        .map(|i| (i.wrapping_sub(12) as u8).wrapping_mul(29).wrapping_add(7))
+        .collect();
+    pattern[..8].copy_from_slice(&d.addr.to_le_bytes());
+    pattern[8..12].copy_from_slice(&d.rkey.to_le_bytes());
+    sent.write_from(0, &pattern);
 
     if echo {
         ep.post_recv(1)?;
@@ -404,7 +406,7 @@ fn check(
             )
             .into());
         }
-        if echoed.as_slice() != sent.as_slice() {
+        if echoed.read_to_vec(..) != pattern {
             return Err("the echoed bytes differ from the bytes written".into());
         }
         println!("write-with-immediate: ok, {half} B and immediate {imm:#x} there and back");
@@ -416,7 +418,7 @@ fn check(
 
     ep.read(3, &readback, 0, half, at(0))?;
     let c = expect(&mut cq, "read", 3, Opcode::Read)?;
-    if c.byte_len as usize != half || readback.as_slice() != sent.as_slice() {
+    if c.byte_len as usize != half || readback.read_to_vec(..) != pattern {
         return Err("the bytes read back differ from the bytes written".into());
     }
     println!("read: ok, {half} B read back byte-exact");

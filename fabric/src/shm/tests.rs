@@ -103,7 +103,7 @@ fn write_then_read_is_byte_exact(
         .register(size, Access::REMOTE_WRITE | Access::REMOTE_READ)
         .unwrap();
     let data = pattern(len, 7);
-    src.as_mut_slice()[local_off..local_off + len].copy_from_slice(&data);
+    src.write_from(local_off, &data);
 
     p.a.write(1, &src, local_off, len, at(&target, remote_off as u64))
         .unwrap();
@@ -111,7 +111,7 @@ fn write_then_read_is_byte_exact(
         next(&mut p.a_cq),
         Completion::ok(1, Opcode::Write, len as u32)
     );
-    let t = target.as_slice();
+    let t = target.read_to_vec(..);
     assert_eq!(&t[remote_off..remote_off + len], &data[..]);
     assert!(
         t[..remote_off].iter().all(|&b| b == 0),
@@ -129,7 +129,7 @@ fn write_then_read_is_byte_exact(
         next(&mut p.a_cq),
         Completion::ok(2, Opcode::Read, len as u32)
     );
-    assert_eq!(&sink.as_slice()[back..back + len], &data[..]);
+    assert_eq!(sink.read_to_vec(back..back + len), data);
     nothing_pending(&mut p.b_cq);
 }
 
@@ -181,7 +181,7 @@ fn immediates_wait_for_receives_and_a_full_ring_refuses_before_copying() {
     };
     let mut p = connect_pair(&opts, 256);
     let mut src = p.a_dom.register(4096, Access::LOCAL).unwrap();
-    src.as_mut_slice().fill(0xAB);
+    src.fill(.., 0xAB);
     let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
     for i in 0..16u32 {
         p.a.write_with_imm(u64::from(i), &src, 0, 8, at(&target, 0), i)
@@ -193,7 +193,7 @@ fn immediates_wait_for_receives_and_a_full_ring_refuses_before_copying() {
             .unwrap_err();
     assert!(matches!(err, Error::QueueFull { depth: 16, .. }), "{err}");
     assert!(
-        target.as_slice()[1000..1100].iter().all(|&b| b == 0),
+        target.read_to_vec(1000..1100).iter().all(|&b| b == 0),
         "a refused write copied bytes"
     );
     nothing_pending(&mut p.b_cq);
@@ -322,11 +322,11 @@ enum Bad {
 fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
     let mut p = pair();
     let mut local = p.a_dom.register(8192, Access::LOCAL).unwrap();
-    local.as_mut_slice().fill(0x5A);
+    local.fill(.., 0x5A);
     // The byte pattern the target starts with and must keep.
     let init = pattern(4096, 3);
     let fill = |mut r: MemoryRegion| {
-        r.as_mut_slice().copy_from_slice(&init);
+        r.write_from(0, &init);
         r
     };
     let rw = fill(
@@ -381,13 +381,13 @@ fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
         "{bad:?}"
     );
     assert_eq!(
-        region.as_slice(),
+        region.read_to_vec(..),
         &init[..],
         "{bad:?}: the target's memory changed"
     );
     if opcode == Opcode::Read {
         assert!(
-            local.as_slice().iter().all(|&b| b == 0x5A),
+            local.read_to_vec(..).iter().all(|&b| b == 0x5A),
             "a refused read wrote locally"
         );
     }
@@ -411,7 +411,7 @@ fn unaligned_atomic_is_a_remote_operation_error() {
         next(&mut p.a_cq),
         Completion::error(2, Opcode::CompareSwap, Status::RemoteOperation)
     );
-    assert!(word.as_slice().iter().all(|&b| b == 0));
+    assert!(word.read_to_vec(..).iter().all(|&b| b == 0));
 }
 
 #[test]
@@ -474,14 +474,14 @@ fn full_queues_refuse_posts_without_doing_them() {
     };
     let mut p = connect_pair(&opts, 256);
     let mut src = p.a_dom.register(64, Access::LOCAL).unwrap();
-    src.as_mut_slice().fill(1);
+    src.fill(.., 1);
     let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
     for i in 0..3 {
         p.a.write(i, &src, 0, 8, at(&target, i * 8)).unwrap();
     }
     let err = p.a.write(3, &src, 0, 8, at(&target, 24)).unwrap_err();
     assert!(matches!(err, Error::QueueFull { depth: 3, .. }), "{err}");
-    assert!(target.as_slice()[24..32].iter().all(|&b| b == 0));
+    assert!(target.read_to_vec(24..32).iter().all(|&b| b == 0));
     let mut out = [Completion::EMPTY; 8];
     assert_eq!(p.a_cq.poll(&mut out), 3);
     p.a.write(3, &src, 0, 8, at(&target, 24)).unwrap();
@@ -906,7 +906,7 @@ fn child_peer() {
         ep.fetch_add(i, &local, 0, remote(0), 1).unwrap();
         assert_eq!(next(&mut cq).status, Status::Success);
     }
-    local.as_mut_slice()[64..128].fill(0xC5);
+    local.fill(64..128, 0xC5);
     // Late enough that the parent sleeps in `wait`: our wake-up must cross
     // processes.
     std::thread::sleep(Duration::from_millis(100));
@@ -1004,7 +1004,7 @@ fn a_killed_peer_process_is_peer_lost(#[case] how: Sleep) {
         3 * ADDS,
         "atomics from three processes' endpoints must sum exactly"
     );
-    assert!(target.as_slice()[64..128].iter().all(|&b| b == 0xC5));
+    assert!(target.read_to_vec(64..128).iter().all(|&b| b == 0xC5));
 
     // Kill the first child: its endpoint's receive fails within a second.
     let pid = format!("pid {} ", first.0.id());

@@ -140,7 +140,7 @@ fn pair() -> Pair {
 }
 
 fn fill(region: &mut MemoryRegion, bytes: &[u8]) {
-    region.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+    region.write_from(0, bytes);
 }
 
 #[test]
@@ -192,14 +192,13 @@ fn write_with_immediate_read_and_atomics_round_trip() {
         (got.wr_id, got.opcode, got.status, got.imm, got.byte_len),
         (500, Opcode::RecvWithImm, Status::Success, 0xfeed_beef, 11)
     );
-    assert_eq!(&target.as_slice()[..11], b"hello, rdma");
+    assert_eq!(target.read_to_vec(..11), b"hello, rdma");
 
     // A plain write, large enough not to be sent inline.
     let big = 64 * 1024;
     let mut src = p.client_domain.register(big, Access::LOCAL).unwrap();
-    for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
-        *b = (i % 251) as u8;
-    }
+    let bytes: Vec<u8> = (0..big).map(|i| (i % 251) as u8).collect();
+    src.write_from(0, &bytes);
     let mut dst = p
         .server_domain
         .register(big, Access::REMOTE_WRITE | Access::REMOTE_READ)
@@ -212,7 +211,7 @@ fn write_with_immediate_read_and_atomics_round_trip() {
         (c.wr_id, c.opcode, c.status, c.byte_len),
         (2, Opcode::Write, Status::Success, big as u32)
     );
-    assert_eq!(dst.as_slice(), src.as_slice());
+    assert_eq!(dst.read_to_vec(..), bytes);
 
     // Read it back into another local buffer.
     fill(&mut dst, b"read me");
@@ -225,7 +224,7 @@ fn write_with_immediate_read_and_atomics_round_trip() {
         (c.wr_id, c.opcode, c.status, c.byte_len),
         (3, Opcode::Read, Status::Success, 7)
     );
-    assert_eq!(&sink.as_slice()[..7], b"read me");
+    assert_eq!(sink.read_to_vec(..7), b"read me");
 
     // Fetch-and-add, then compare-and-swap, on the word at offset 64.
     p.client.fetch_add(4, &local, 0, remote.at(64), 2).unwrap();
@@ -294,7 +293,7 @@ fn a_bad_rkey_is_refused_with_the_target_untouched() {
         (c.wr_id, c.opcode, c.status),
         (1, Opcode::Write, Status::RemoteAccess)
     );
-    assert!(target.as_slice().iter().all(|&b| b == 0));
+    assert!(target.read_to_vec(..).iter().all(|&b| b == 0));
     // An RC queue pair stops at its first error, on both sides.
     assert_eq!(verbs_ep(&p.client).qp_attributes().unwrap().state, "ERR");
     let err = p
@@ -331,7 +330,7 @@ fn out_of_bounds_and_missing_rights_are_remote_access_errors() {
         let c = one(&mut p.client_cq);
         assert_eq!(c.status, Status::RemoteAccess, "{what}");
         assert!(
-            target.as_slice().iter().all(|&b| b == 0),
+            target.read_to_vec(..).iter().all(|&b| b == 0),
             "{what}: target untouched"
         );
     }
@@ -349,7 +348,7 @@ fn an_rkey_of_another_domain_is_refused() {
         .write(1, &local, 0, 8, foreign.descriptor().at(0))
         .unwrap();
     assert_eq!(one(&mut p.client_cq).status, Status::RemoteAccess);
-    assert!(foreign.as_slice().iter().all(|&b| b == 0));
+    assert!(foreign.read_to_vec(..).iter().all(|&b| b == 0));
 }
 
 #[test]
@@ -374,7 +373,7 @@ fn an_unaligned_atomic_is_an_error_completion() {
             (2, Opcode::CompareSwap, Status::RemoteOperation)
         ]
     );
-    assert!(target.as_slice().iter().all(|&b| b == 0));
+    assert!(target.read_to_vec(..).iter().all(|&b| b == 0));
     // Caught before the NIC: the endpoint is still usable.
     p.client
         .fetch_add(3, &local, 0, target.descriptor().at(8), 5)
@@ -695,12 +694,12 @@ fn registered_memory_survives_a_fork() {
         .write(1, &local, 0, 10, target.descriptor().at(0))
         .unwrap();
     assert_eq!(one(&mut p.client_cq).status, Status::Success);
-    assert_eq!(&target.as_slice()[..10], b"after fork");
+    assert_eq!(target.read_to_vec(..10), b"after fork");
     p.client
         .read(2, &local, 100, 10, target.descriptor().at(0))
         .unwrap();
     assert_eq!(one(&mut p.client_cq).status, Status::Success);
-    assert_eq!(&local.as_slice()[100..110], b"after fork");
+    assert_eq!(local.read_to_vec(100..110), b"after fork");
 }
 
 #[test]
