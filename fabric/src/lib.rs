@@ -30,6 +30,8 @@
 //!   passive-target progress thread in `tcp::progress`).
 //! - `shm`: the shared-memory provider.
 //! - `verbs`: the verbs provider (feature `verbs`).
+//! - `testing`: fixtures the fabric's unit and conformance tests share
+//!   (tests, and feature `testing`).
 //!
 //! # Usage
 //!
@@ -56,6 +58,9 @@ mod provider;
 mod registry;
 mod shm;
 mod tcp;
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
+pub mod testing;
 #[cfg(feature = "verbs")]
 mod verbs;
 

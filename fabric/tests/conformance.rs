@@ -1,111 +1,24 @@
 //! The fabric conformance suite: one body per behaviour, run for every
-//! provider. `tcp` and `shm` run everywhere; `verbs` runs only where an RDMA
-//! device exists (see the `verbs` module at the end: those cases are ignored
-//! on machines without one and run by `scripts/test-verbs.sh` under
-//! Soft-RoCE).
+//! provider. `tcp` and `shm` run everywhere; the cases named `verbs` need
+//! an RDMA device: they are ignored elsewhere and run by
+//! `scripts/test-verbs.sh` under Soft-RoCE. The fixtures (pairs of
+//! endpoints, waiting for completions and events) are the ones the
+//! providers' unit tests use, in `rfaas_fabric::testing`.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write as _};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use rfaas_fabric::testing::{
+    connect_pair, listen_addr, pattern, poll_n, poll_one, thread_id, verbs, wait_until_asleep,
+    KillOnDrop, Pair, TIMEOUT,
+};
 use rfaas_fabric::{
-    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric,
-    Listener, Opcode, RemoteAddr, Status,
+    Access, Completion, EndpointOptions, Error, Fabric, Opcode, RemoteAddr, Status,
 };
 use rstest::rstest;
-
-const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// The verbs provider on `$RDMA_DEVICE` (default `rxe0`, as in the test VM).
-fn verbs() -> &'static str {
-    let device = std::env::var("RDMA_DEVICE").unwrap_or_else(|_| "rxe0".into());
-    Box::leak(format!("verbs:{device}").into_boxed_str())
-}
-
-/// Where a provider listens.
-fn listen_addr(provider: &str) -> String {
-    match provider {
-        "shm" => String::new(),
-        p if p.starts_with("verbs:") => {
-            format!(
-                "{}:0",
-                std::env::var("RDMA_VM_IP").unwrap_or_else(|_| "192.0.2.1".into())
-            )
-        }
-        _ => "127.0.0.1:0".into(),
-    }
-}
-
-/// Two connected endpoints of one provider, in one process: an initiator and
-/// a target, each with its own domain and completion queue.
-struct Pair {
-    fabric: Fabric,
-    listener: Listener,
-    target_domain: Domain,
-    target_cq: CompletionQueue,
-    target: Endpoint,
-    domain: Domain,
-    cq: CompletionQueue,
-    ep: Endpoint,
-}
-
-fn pair(provider: &str) -> Pair {
-    let fabric = Fabric::open(provider).expect("open the provider");
-    let listener = fabric.listen(&listen_addr(provider)).expect("listen");
-    let target_domain = fabric.domain().expect("target domain");
-    let mut target_cq = fabric.completion_queue(1024).expect("target cq");
-    let domain = fabric.domain().expect("domain");
-    let mut cq = fabric.completion_queue(1024).expect("cq");
-    let (target, ep) = connect(&listener, &target_domain, &mut target_cq, &domain, &mut cq);
-    Pair {
-        fabric,
-        listener,
-        target_domain,
-        target_cq,
-        target,
-        domain,
-        cq,
-        ep,
-    }
-}
-
-/// Connects an initiator in `domain` to a target in `target_domain`.
-fn connect(
-    listener: &Listener,
-    target_domain: &Domain,
-    target_cq: &mut CompletionQueue,
-    domain: &Domain,
-    cq: &mut CompletionQueue,
-) -> (Endpoint, Endpoint) {
-    let addr = listener.local_addr();
-    let opts = EndpointOptions::default();
-    std::thread::scope(|s| {
-        let connector = s.spawn(|| domain.connect(&addr, cq, &opts).expect("connect"));
-        let target = listener
-            .accept(target_domain, target_cq, &opts, Some(TIMEOUT))
-            .expect("accept");
-        let ep = connector.join().expect("connector thread");
-        (target, ep)
-    })
-}
-
-impl Pair {
-    /// Replaces both endpoints with a fresh connection between the same
-    /// domains and completion queues.
-    fn reconnect(&mut self) {
-        let (target, ep) = connect(
-            &self.listener,
-            &self.target_domain,
-            &mut self.target_cq,
-            &self.domain,
-            &mut self.cq,
-        );
-        self.target = target;
-        self.ep = ep;
-    }
-}
 
 /// A raw connection below the fabric: a TCP stream, or a unix stream for
 /// shm (`@name`: the abstract namespace).
@@ -176,36 +89,6 @@ fn survives_refusals(provider: &str) -> bool {
     !provider.starts_with("verbs:")
 }
 
-/// Polls until `n` completions arrived (or fails the test after TIMEOUT).
-fn completions(cq: &mut CompletionQueue, n: usize) -> Vec<Completion> {
-    let mut out = Vec::with_capacity(n);
-    let mut buf = [Completion::EMPTY; 32];
-    let deadline = Instant::now() + TIMEOUT;
-    while out.len() < n {
-        let got = cq.poll(&mut buf[..(n - out.len()).min(32)]);
-        out.extend_from_slice(&buf[..got]);
-        assert!(
-            Instant::now() < deadline,
-            "only {} of {n} completions within {TIMEOUT:?}: {out:?}",
-            out.len()
-        );
-        if got == 0 {
-            std::thread::yield_now();
-        }
-    }
-    out
-}
-
-fn one(cq: &mut CompletionQueue) -> Completion {
-    completions(cq, 1)[0]
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
-}
-
 /// Byte-exact writes and reads, 0 B to 5 MB, at unaligned offsets.
 #[rstest]
 #[case::tcp("tcp")]
@@ -213,7 +96,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn write_and_read_are_byte_exact(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let max = 5 << 20;
     let target = p.target_domain.register(max + 64, Access::ALL).unwrap();
     let mut src = p.domain.register(max + 64, Access::LOCAL).unwrap();
@@ -229,7 +112,7 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
         src.write_from(src_off, &data);
         p.ep.write(i as u64, &src, src_off, len, remote.at(dst_off as u64))
             .unwrap();
-        let c = one(&mut p.cq);
+        let c = poll_one(&mut p.cq);
         assert_eq!(
             (c.wr_id, c.opcode, c.status, c.byte_len),
             (i as u64, Opcode::Write, Status::Success, len as u32)
@@ -246,7 +129,7 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
             remote.at(dst_off as u64),
         )
         .unwrap();
-        let c = one(&mut p.cq);
+        let c = poll_one(&mut p.cq);
         assert_eq!(
             (c.wr_id, c.opcode, c.status, c.byte_len),
             (100 + i as u64, Opcode::Read, Status::Success, len as u32)
@@ -266,7 +149,7 @@ fn write_and_read_are_byte_exact(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn peer_views_are_checked_like_reads(#[case] provider: &str) {
-    let p = pair(provider);
+    let p = Pair::new(provider);
     let mut readable = p.target_domain.register(8192, Access::REMOTE_READ).unwrap();
     let data = pattern(8192, 7);
     readable.write_from(0, &data);
@@ -315,7 +198,7 @@ fn peer_views_are_checked_like_reads(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn immediates_arrive_in_order(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let target = p
         .target_domain
         .register(4096, Access::REMOTE_WRITE)
@@ -338,7 +221,7 @@ fn immediates_arrive_in_order(#[case] provider: &str) {
         )
         .unwrap();
         if i % 16 == 15 {
-            completions(&mut p.cq, 16);
+            poll_n(&mut p.cq, 16);
         }
         let mut buf = [Completion::EMPTY; 8];
         let n = p.target_cq.poll(&mut buf);
@@ -351,7 +234,7 @@ fn immediates_arrive_in_order(#[case] provider: &str) {
         }
     }
     while received.len() < N as usize {
-        let c = one(&mut p.target_cq);
+        let c = poll_one(&mut p.target_cq);
         received.push(c);
         if posted < N {
             p.target.post_recv(1000 + u64::from(posted) % 100).unwrap();
@@ -404,7 +287,7 @@ fn fetch_add_from_threads_sums_exactly(#[case] provider: &str) {
                     let mut olds = Vec::new();
                     for i in 0..ADDS {
                         ep.fetch_add(i, &local, 0, remote, t + 1).unwrap();
-                        let c = one(&mut cq);
+                        let c = poll_one(&mut cq);
                         assert_eq!(
                             (c.opcode, c.status, c.byte_len),
                             (Opcode::FetchAdd, Status::Success, 8)
@@ -448,7 +331,7 @@ fn fetch_add_from_threads_sums_exactly(#[case] provider: &str) {
 
 /// A child process running `rfaas-fabric-probe`.
 struct Probe {
-    child: Child,
+    child: KillOnDrop,
     /// The fields of its ready line.
     ready: HashMap<String, String>,
 }
@@ -480,7 +363,10 @@ impl Probe {
             .filter_map(|field| field.split_once('='))
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
             .collect();
-        Probe { child, ready }
+        Probe {
+            child: KillOnDrop(child),
+            ready,
+        }
     }
 
     fn field(&self, key: &str) -> &str {
@@ -501,8 +387,8 @@ impl Probe {
     }
 
     fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.child.0.kill();
+        let _ = self.child.0.wait();
     }
 }
 
@@ -527,9 +413,9 @@ fn fetch_add_from_processes_on_a_passive_target(#[case] provider: &str) {
     let d = counter.descriptor();
     const PROCS: usize = 3;
     const ADDS: u64 = 300;
-    let children: Vec<Child> = (0..PROCS)
+    let children: Vec<KillOnDrop> = (0..PROCS)
         .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_rfaas-fabric-probe"))
+            let child = Command::new(env!("CARGO_BIN_EXE_rfaas-fabric-probe"))
                 .args([
                     "--provider",
                     provider,
@@ -547,7 +433,8 @@ fn fetch_add_from_processes_on_a_passive_target(#[case] provider: &str) {
                 ])
                 .stdout(Stdio::null())
                 .spawn()
-                .expect("start rfaas-fabric-probe")
+                .expect("start rfaas-fabric-probe");
+            KillOnDrop(child)
         })
         .collect();
     let mut cqs = Vec::new();
@@ -563,7 +450,7 @@ fn fetch_add_from_processes_on_a_passive_target(#[case] provider: &str) {
     }
     // The target's application thread now only sleeps in waitpid.
     for mut child in children {
-        let status = child.wait().unwrap();
+        let status = child.0.wait().unwrap();
         assert!(status.success(), "a fetch-and-add process failed: {status}");
     }
     assert_eq!(counter.read_u64(0), PROCS as u64 * ADDS);
@@ -576,13 +463,13 @@ fn fetch_add_from_processes_on_a_passive_target(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn compare_and_swap_semantics(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let mut word = p.target_domain.register(64, Access::REMOTE_ATOMIC).unwrap();
     word.write_u64(16, 7);
     let local = p.domain.register(64, Access::LOCAL).unwrap();
     let remote = word.descriptor().at(16);
     p.ep.compare_swap(1, &local, 8, remote, 5, 9).unwrap();
-    assert_eq!(one(&mut p.cq).status, Status::Success);
+    assert_eq!(poll_one(&mut p.cq).status, Status::Success);
     assert_eq!(
         (local.read_u64(8), word.read_u64(16)),
         (7, 7),
@@ -590,14 +477,14 @@ fn compare_and_swap_semantics(#[case] provider: &str) {
     );
     p.ep.compare_swap(2, &local, 8, remote, 7, u64::MAX)
         .unwrap();
-    let c = one(&mut p.cq);
+    let c = poll_one(&mut p.cq);
     assert_eq!(
         (c.wr_id, c.opcode, c.status),
         (2, Opcode::CompareSwap, Status::Success)
     );
     assert_eq!((local.read_u64(8), word.read_u64(16)), (7, u64::MAX));
     p.ep.fetch_add(3, &local, 0, remote, 2).unwrap();
-    assert_eq!(one(&mut p.cq).status, Status::Success);
+    assert_eq!(poll_one(&mut p.cq).status, Status::Success);
     assert_eq!(
         (local.read_u64(0), word.read_u64(16)),
         (u64::MAX, 1),
@@ -618,15 +505,16 @@ fn compare_and_swap_semantics(#[case] provider: &str) {
 #[case::verbs_computing(verbs(), true)]
 fn one_sided_operations_need_no_target_thread(#[case] provider: &str, #[case] computing: bool) {
     let Pair {
-        fabric: _fabric,
-        listener: _listener,
         target_domain,
         target_cq,
         target,
         domain,
         mut cq,
         ep,
-    } = pair(provider);
+        listener: _listener,
+        fabric: _fabric,
+        ..
+    } = Pair::new(provider);
     let region = target_domain.register(1 << 20, Access::ALL).unwrap();
     let remote = region.descriptor();
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
@@ -649,13 +537,13 @@ fn one_sided_operations_need_no_target_thread(#[case] provider: &str, #[case] co
     let data = pattern(1 << 20, 9);
     src.write_from(0, &data);
     ep.write(1, &src, 0, 1 << 20, remote.at(0)).unwrap();
-    assert_eq!(one(&mut cq).status, Status::Success);
+    assert_eq!(poll_one(&mut cq).status, Status::Success);
     let dst = domain.register(1 << 20, Access::LOCAL).unwrap();
     ep.read(2, &dst, 0, 1 << 20, remote.at(0)).unwrap();
-    assert_eq!(one(&mut cq).status, Status::Success);
+    assert_eq!(poll_one(&mut cq).status, Status::Success);
     assert!(dst.read_to_vec(..) == data);
     ep.fetch_add(3, &dst, 0, remote.at(64), 5).unwrap();
-    assert_eq!(one(&mut cq).status, Status::Success);
+    assert_eq!(poll_one(&mut cq).status, Status::Success);
     stop_tx.send(()).unwrap();
     let region = target_thread.join().unwrap();
     assert_eq!(
@@ -672,7 +560,7 @@ fn one_sided_operations_need_no_target_thread(#[case] provider: &str, #[case] co
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let full = p.target_domain.register(4096, Access::ALL).unwrap();
     let read_only = p.target_domain.register(4096, Access::REMOTE_READ).unwrap();
     let write_only = p
@@ -741,7 +629,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     for (i, (what, remote, len)) in cases.iter().enumerate() {
         fresh(&mut p);
         p.ep.write(i as u64, &src, 0, *len, *remote).unwrap();
-        let c = one(&mut p.cq);
+        let c = poll_one(&mut p.cq);
         assert_eq!(
             (c.wr_id, c.status),
             (i as u64, Status::RemoteAccess),
@@ -754,7 +642,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     p.ep.read(50, &dst, 0, 8, write_only.descriptor().at(0))
         .unwrap();
     assert_eq!(
-        one(&mut p.cq).status,
+        poll_one(&mut p.cq).status,
         Status::RemoteAccess,
         "read without REMOTE_READ"
     );
@@ -762,7 +650,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     p.ep.fetch_add(51, &dst, 0, write_only.descriptor().at(0), 1)
         .unwrap();
     assert_eq!(
-        one(&mut p.cq).status,
+        poll_one(&mut p.cq).status,
         Status::RemoteAccess,
         "atomic without REMOTE_ATOMIC"
     );
@@ -771,7 +659,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     p.ep.write_with_imm(52, &src, 0, 8, read_only.descriptor().at(0), 7)
         .unwrap();
     assert_eq!(
-        one(&mut p.cq).status,
+        poll_one(&mut p.cq).status,
         Status::RemoteAccess,
         "write-with-immediate without REMOTE_WRITE"
     );
@@ -793,7 +681,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
     p.ep.fetch_add(53, &dst, 0, d.at(4), 1).unwrap();
     assert!(
         matches!(
-            one(&mut p.cq).status,
+            poll_one(&mut p.cq).status,
             Status::RemoteOperation | Status::RemoteAccess
         ),
         "a misaligned atomic must fail"
@@ -824,8 +712,8 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
         p.target.post_recv(99).unwrap();
     }
     p.ep.write_with_imm(60, &src, 0, 8, d.at(0), 8).unwrap();
-    assert_eq!(one(&mut p.cq).status, Status::Success);
-    let c = one(&mut p.target_cq);
+    assert_eq!(poll_one(&mut p.cq).status, Status::Success);
+    let c = poll_one(&mut p.target_cq);
     assert_eq!((c.wr_id, c.imm, c.status), (99, 8, Status::Success));
     assert_eq!(full.read_to_vec(..8), [0xEE; 8]);
 }
@@ -838,7 +726,7 @@ fn refused_accesses_leave_the_target_untouched(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn zero_length_operations_check_no_rkey(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let region = p.target_domain.register(4096, Access::ALL).unwrap();
     let src = p.domain.register(64, Access::LOCAL).unwrap();
     let bogus = RemoteAddr {
@@ -850,10 +738,10 @@ fn zero_length_operations_check_no_rkey(#[case] provider: &str) {
     p.target.post_recv(3).unwrap();
     p.ep.write_with_imm(4, &src, 0, 0, region.descriptor().at(0), 99)
         .unwrap();
-    for c in completions(&mut p.cq, 3) {
+    for c in poll_n(&mut p.cq, 3) {
         assert_eq!((c.status, c.byte_len), (Status::Success, 0), "{c:?}");
     }
-    let c = one(&mut p.target_cq);
+    let c = poll_one(&mut p.target_cq);
     assert_eq!((c.wr_id, c.imm, c.byte_len), (3, 99, 0));
 }
 
@@ -864,7 +752,7 @@ fn zero_length_operations_check_no_rkey(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn local_mistakes_are_errors(#[case] provider: &str) {
-    let p = pair(provider);
+    let p = Pair::new(provider);
     let target = p.target_domain.register(4096, Access::ALL).unwrap();
     let src = p.domain.register(4096, Access::LOCAL).unwrap();
     let other = p
@@ -890,7 +778,6 @@ fn local_mistakes_are_errors(#[case] provider: &str) {
         p.ep.fetch_add(1, &src, 4, remote, 1),
         Err(Error::InvalidArgument(_))
     ));
-    let _ = (&p.target, &p.target_cq, &p.cq);
 }
 
 /// `wait` sleeps until a completion comes, and times out when none does.
@@ -901,15 +788,16 @@ fn local_mistakes_are_errors(#[case] provider: &str) {
 #[case::verbs(verbs())]
 fn wait_wakes_on_a_completion_and_times_out(#[case] provider: &str) {
     let Pair {
-        fabric: _fabric,
-        listener: _listener,
         target_domain,
         mut target_cq,
         target,
         domain,
         mut cq,
         ep,
-    } = pair(provider);
+        listener: _listener,
+        fabric: _fabric,
+        ..
+    } = Pair::new(provider);
     let region = target_domain.register(4096, Access::REMOTE_WRITE).unwrap();
     let mut out = [Completion::EMPTY; 4];
     let start = Instant::now();
@@ -925,11 +813,13 @@ fn wait_wakes_on_a_completion_and_times_out(#[case] provider: &str) {
 
     target.post_recv(77).unwrap();
     let remote = region.descriptor().at(0);
+    let waiter = thread_id();
     let writer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(100));
         let src = domain.register(64, Access::LOCAL).unwrap();
+        // Written while the target sleeps in `wait`: it must be woken.
+        wait_until_asleep(std::process::id(), waiter);
         ep.write_with_imm(1, &src, 0, 64, remote, 0xABCD).unwrap();
-        assert_eq!(one(&mut cq).status, Status::Success);
+        assert_eq!(poll_one(&mut cq).status, Status::Success);
         (ep, cq)
     });
     let start = Instant::now();
@@ -951,7 +841,7 @@ fn wait_wakes_on_a_completion_and_times_out(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn writes_complete_after_the_target_stops_polling(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let region = p
         .target_domain
         .register(4096, Access::REMOTE_WRITE)
@@ -961,10 +851,10 @@ fn writes_complete_after_the_target_stops_polling(#[case] provider: &str) {
     p.ep.write_with_imm(2, &src, 0, 64, region.descriptor().at(0), 3)
         .unwrap();
     // The target polls hot until the request is in, then turns away.
-    let c = one(&mut p.target_cq);
+    let c = poll_one(&mut p.target_cq);
     assert_eq!((c.wr_id, c.imm), (1, 3));
     let start = Instant::now();
-    let c = one(&mut p.cq);
+    let c = poll_one(&mut p.cq);
     assert_eq!(
         (c.wr_id, c.opcode, c.status),
         (2, Opcode::WriteWithImm, Status::Success)
@@ -984,13 +874,13 @@ fn writes_complete_after_the_target_stops_polling(#[case] provider: &str) {
 #[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 #[case::verbs(verbs())]
 fn closed_peer_fails_operations(#[case] provider: &str) {
-    let mut p = pair(provider);
+    let mut p = Pair::new(provider);
     let region = p.target_domain.register(4096, Access::ALL).unwrap();
     let src = p.domain.register(4096, Access::LOCAL).unwrap();
     p.ep.post_recv(5).unwrap();
     drop(p.target);
     let start = Instant::now();
-    let c = one(&mut p.cq);
+    let c = poll_one(&mut p.cq);
     assert_eq!(
         (c.wr_id, c.status),
         (5, Status::PeerLost),
@@ -998,7 +888,7 @@ fn closed_peer_fails_operations(#[case] provider: &str) {
     );
     p.ep.write(6, &src, 0, 8, region.descriptor().at(0))
         .unwrap();
-    let c = one(&mut p.cq);
+    let c = poll_one(&mut p.cq);
     assert_eq!(
         (c.wr_id, c.status),
         (6, Status::PeerLost),
@@ -1029,14 +919,14 @@ fn killed_peer_process_fails_operations(#[case] provider: &str) {
     let local = domain.register(4096, Access::LOCAL).unwrap();
     ep.fetch_add(1, &local, 0, probe.remote(), 1).unwrap();
     assert_eq!(
-        one(&mut cq).status,
+        poll_one(&mut cq).status,
         Status::Success,
         "the probe works before it is killed"
     );
     ep.post_recv(2).unwrap();
     probe.kill();
     let start = Instant::now();
-    let c = one(&mut cq);
+    let c = poll_one(&mut cq);
     assert_eq!(
         (c.wr_id, c.status),
         (2, Status::PeerLost),
@@ -1044,7 +934,7 @@ fn killed_peer_process_fails_operations(#[case] provider: &str) {
     );
     for i in 0..3 {
         ep.read(10 + i, &local, 0, 64, probe.remote()).unwrap();
-        let c = one(&mut cq);
+        let c = poll_one(&mut cq);
         assert_eq!((c.wr_id, c.opcode), (10 + i, Opcode::Read));
         assert!(!c.status.is_ok(), "an operation on a dead peer succeeded");
     }
@@ -1106,13 +996,14 @@ fn tcp_malformed_bytes_close_only_that_connection() {
     // A good connection first.
     let good_domain = fabric.domain().unwrap();
     let mut good_cq = fabric.completion_queue(1024).unwrap();
-    let (good, _good_target) = std::thread::scope(|s| {
-        let c = s.spawn(|| good_domain.connect(&addr, &mut good_cq, &opts).unwrap());
-        let t = listener
-            .accept(&domain, &mut target_cq, &opts, Some(TIMEOUT))
-            .unwrap();
-        (c.join().unwrap(), t)
-    });
+    let (_good_target, good) = connect_pair(
+        &listener,
+        &domain,
+        &mut target_cq,
+        &good_domain,
+        &mut good_cq,
+        &opts,
+    );
 
     // A rogue peer: a valid hello, then garbage.
     let mut rogue = std::net::TcpStream::connect(&addr).unwrap();
@@ -1143,7 +1034,7 @@ fn tcp_malformed_bytes_close_only_that_connection() {
     let local = good_domain.register(8, Access::LOCAL).unwrap();
     good.fetch_add(1, &local, 0, region.descriptor().at(0), 3)
         .unwrap();
-    assert_eq!(one(&mut good_cq).status, Status::Success);
+    assert_eq!(poll_one(&mut good_cq).status, Status::Success);
     assert_eq!(region.read_u64(0), 3);
 }
 

@@ -2,83 +2,28 @@
 //! cross-provider conformance suite lives in `fabric/tests/`.
 
 use std::io::Write as _;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rstest::rstest;
 
-use crate::{
-    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Error, Fabric,
-    Listener, MemoryRegion, Opcode, RemoteAddr, Status,
+use crate::testing::{
+    assert_no_completion, at, connect_pair, pattern, rerun_test, thread_id, wait_one,
+    wait_until_asleep, KillOnDrop, Pair, TIMEOUT,
 };
-
-const LONG: Duration = Duration::from_secs(10);
+use crate::{
+    Access, Completion, CompletionQueue, Endpoint, EndpointOptions, Error, Fabric, Listener,
+    MemoryRegion, Opcode, RemoteAddr, Status,
+};
 
 fn fabric() -> Fabric {
     Fabric::open("shm").expect("the shm provider opens")
 }
 
-/// Two connected endpoints in one process: `a` dialled `b`'s listener.
-struct Pair {
-    a_dom: Domain,
-    b_dom: Domain,
-    a_cq: CompletionQueue,
-    b_cq: CompletionQueue,
-    a: Endpoint,
-    b: Endpoint,
-    _fabric: Fabric,
-}
-
-fn connect_pair(opts: &EndpointOptions, cq_depth: usize) -> Pair {
-    let fabric = fabric();
-    let listener = fabric.listen("").unwrap();
-    let (a_dom, b_dom) = (fabric.domain().unwrap(), fabric.domain().unwrap());
-    let mut a_cq = fabric.completion_queue(cq_depth).unwrap();
-    let mut b_cq = fabric.completion_queue(cq_depth).unwrap();
-    let (a, b) = std::thread::scope(|s| {
-        let accepted = s.spawn(|| listener.accept(&b_dom, &mut b_cq, opts, Some(LONG)));
-        let a = a_dom
-            .connect(&listener.local_addr(), &mut a_cq, opts)
-            .unwrap();
-        (a, accepted.join().unwrap().unwrap())
-    });
-    Pair {
-        a_dom,
-        b_dom,
-        a_cq,
-        b_cq,
-        a,
-        b,
-        _fabric: fabric,
-    }
-}
-
 fn pair() -> Pair {
-    connect_pair(&EndpointOptions::default(), 256)
-}
-
-/// The next completion, sleeping (not spinning) up to 10 s for it.
-fn next(cq: &mut CompletionQueue) -> Completion {
-    let mut out = [Completion::EMPTY; 1];
-    let n = cq.wait(&mut out, LONG).unwrap();
-    assert_eq!(n, 1, "no completion within {LONG:?}");
-    out[0]
-}
-
-fn nothing_pending(cq: &mut CompletionQueue) {
-    let mut out = [Completion::EMPTY; 4];
-    assert_eq!(cq.poll(&mut out), 0, "unexpected completions: {:?}", &out);
-}
-
-fn at(region: &MemoryRegion, offset: u64) -> RemoteAddr {
-    region.descriptor().at(offset)
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
-        .collect()
+    Pair::with("shm", &EndpointOptions::default(), 256)
 }
 
 #[rstest]
@@ -96,19 +41,19 @@ fn write_then_read_is_byte_exact(
 ) {
     let mut p = pair();
     let size = 80 * 1024;
-    let mut src = p.a_dom.register(size, Access::LOCAL).unwrap();
-    let sink = p.a_dom.register(size, Access::LOCAL).unwrap();
+    let mut src = p.domain.register(size, Access::LOCAL).unwrap();
+    let sink = p.domain.register(size, Access::LOCAL).unwrap();
     let target = p
-        .b_dom
+        .target_domain
         .register(size, Access::REMOTE_WRITE | Access::REMOTE_READ)
         .unwrap();
     let data = pattern(len, 7);
     src.write_from(local_off, &data);
 
-    p.a.write(1, &src, local_off, len, at(&target, remote_off as u64))
+    p.ep.write(1, &src, local_off, len, at(&target, remote_off as u64))
         .unwrap();
     assert_eq!(
-        next(&mut p.a_cq),
+        wait_one(&mut p.cq),
         Completion::ok(1, Opcode::Write, len as u32)
     );
     let t = target.read_to_vec(..);
@@ -123,32 +68,35 @@ fn write_then_read_is_byte_exact(
     );
 
     let back = 11;
-    p.a.read(2, &sink, back, len, at(&target, remote_off as u64))
+    p.ep.read(2, &sink, back, len, at(&target, remote_off as u64))
         .unwrap();
     assert_eq!(
-        next(&mut p.a_cq),
+        wait_one(&mut p.cq),
         Completion::ok(2, Opcode::Read, len as u32)
     );
     assert_eq!(sink.read_to_vec(back..back + len), data);
-    nothing_pending(&mut p.b_cq);
+    assert_no_completion(&mut p.target_cq);
 }
 
 #[test]
 fn immediates_arrive_in_order_with_their_lengths() {
     let mut p = pair();
-    let src = p.a_dom.register(4096, Access::LOCAL).unwrap();
-    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    let src = p.domain.register(4096, Access::LOCAL).unwrap();
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
     for i in 0..64u64 {
-        p.b.post_recv(1000 + i).unwrap();
+        p.target.post_recv(1000 + i).unwrap();
     }
     for i in 0..64u32 {
-        p.a.write_with_imm(u64::from(i), &src, 0, i as usize + 1, at(&target, 0), i * 3)
+        p.ep.write_with_imm(u64::from(i), &src, 0, i as usize + 1, at(&target, 0), i * 3)
             .unwrap();
     }
     let mut out = [Completion::EMPTY; 100];
     let mut got = Vec::new();
     while got.len() < 64 {
-        let n = p.b_cq.wait(&mut out, LONG).unwrap();
+        let n = p.target_cq.wait(&mut out, TIMEOUT).unwrap();
         assert!(n > 0, "receives missing");
         got.extend_from_slice(&out[..n]);
     }
@@ -167,7 +115,7 @@ fn immediates_arrive_in_order_with_their_lengths() {
     }
     for i in 0..64u32 {
         assert_eq!(
-            next(&mut p.a_cq),
+            wait_one(&mut p.cq),
             Completion::ok(u64::from(i), Opcode::WriteWithImm, i + 1)
         );
     }
@@ -179,39 +127,42 @@ fn immediates_wait_for_receives_and_a_full_ring_refuses_before_copying() {
         recv_depth: 16,
         ..EndpointOptions::default()
     };
-    let mut p = connect_pair(&opts, 256);
-    let mut src = p.a_dom.register(4096, Access::LOCAL).unwrap();
+    let mut p = Pair::with("shm", &opts, 256);
+    let mut src = p.domain.register(4096, Access::LOCAL).unwrap();
     src.fill(.., 0xAB);
-    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
     for i in 0..16u32 {
-        p.a.write_with_imm(u64::from(i), &src, 0, 8, at(&target, 0), i)
+        p.ep.write_with_imm(u64::from(i), &src, 0, 8, at(&target, 0), i)
             .unwrap();
     }
     // Nothing is posted at b: the notifications wait, the 17th does not fit.
     let err =
-        p.a.write_with_imm(99, &src, 0, 100, at(&target, 1000), 99)
+        p.ep.write_with_imm(99, &src, 0, 100, at(&target, 1000), 99)
             .unwrap_err();
     assert!(matches!(err, Error::QueueFull { depth: 16, .. }), "{err}");
     assert!(
         target.read_to_vec(1000..1100).iter().all(|&b| b == 0),
         "a refused write copied bytes"
     );
-    nothing_pending(&mut p.b_cq);
+    assert_no_completion(&mut p.target_cq);
 
     for i in 0..16u64 {
-        p.b.post_recv(i).unwrap();
+        p.target.post_recv(i).unwrap();
     }
     for i in 0..16u32 {
-        let c = next(&mut p.b_cq);
+        let c = wait_one(&mut p.target_cq);
         assert_eq!(
             (c.wr_id, c.imm, c.status),
             (u64::from(i), i, Status::Success)
         );
     }
-    p.a.write_with_imm(99, &src, 0, 100, at(&target, 1000), 99)
+    p.ep.write_with_imm(99, &src, 0, 100, at(&target, 1000), 99)
         .unwrap();
-    p.b.post_recv(16).unwrap();
-    let c = next(&mut p.b_cq);
+    p.target.post_recv(16).unwrap();
+    let c = wait_one(&mut p.target_cq);
     assert_eq!((c.wr_id, c.imm, c.byte_len), (16, 99, 100));
 }
 
@@ -240,7 +191,7 @@ fn fetch_add_from_four_threads_sums_exactly() {
                     let mut olds = Vec::with_capacity(ADDS as usize);
                     for i in 0..ADDS {
                         ep.fetch_add(i, &result, 0, remote, 1).unwrap();
-                        assert_eq!(next(&mut cq), Completion::ok(i, Opcode::FetchAdd, 8));
+                        assert_eq!(wait_one(&mut cq), Completion::ok(i, Opcode::FetchAdd, 8));
                         olds.push(result.read_u64(0));
                     }
                     olds
@@ -251,7 +202,7 @@ fn fetch_add_from_four_threads_sums_exactly() {
         let _accepted: Vec<_> = (0..THREADS)
             .map(|_| {
                 listener
-                    .accept(&dom, &mut cq, &EndpointOptions::default(), Some(LONG))
+                    .accept(&dom, &mut cq, &EndpointOptions::default(), Some(TIMEOUT))
                     .unwrap()
             })
             .collect();
@@ -273,24 +224,30 @@ fn fetch_add_from_four_threads_sums_exactly() {
 #[test]
 fn compare_swap_swaps_only_on_equality() {
     let mut p = pair();
-    let result = p.a_dom.register(16, Access::LOCAL).unwrap();
-    let mut word = p.b_dom.register(64, Access::REMOTE_ATOMIC).unwrap();
+    let result = p.domain.register(16, Access::LOCAL).unwrap();
+    let mut word = p.target_domain.register(64, Access::REMOTE_ATOMIC).unwrap();
     word.write_u64(16, 5);
-    p.a.compare_swap(1, &result, 8, at(&word, 16), 5, 9)
+    p.ep.compare_swap(1, &result, 8, at(&word, 16), 5, 9)
         .unwrap();
-    assert_eq!(next(&mut p.a_cq), Completion::ok(1, Opcode::CompareSwap, 8));
+    assert_eq!(
+        wait_one(&mut p.cq),
+        Completion::ok(1, Opcode::CompareSwap, 8)
+    );
     assert_eq!((result.read_u64(8), word.read_u64(16)), (5, 9));
-    p.a.compare_swap(2, &result, 0, at(&word, 16), 5, 11)
+    p.ep.compare_swap(2, &result, 0, at(&word, 16), 5, 11)
         .unwrap();
-    assert_eq!(next(&mut p.a_cq), Completion::ok(2, Opcode::CompareSwap, 8));
+    assert_eq!(
+        wait_one(&mut p.cq),
+        Completion::ok(2, Opcode::CompareSwap, 8)
+    );
     assert_eq!(
         (result.read_u64(0), word.read_u64(16)),
         (9, 9),
         "a failed compare must not swap"
     );
-    p.a.fetch_add(3, &result, 0, at(&word, 16), u64::MAX)
+    p.ep.fetch_add(3, &result, 0, at(&word, 16), u64::MAX)
         .unwrap();
-    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    assert_eq!(wait_one(&mut p.cq).status, Status::Success);
     assert_eq!(
         (result.read_u64(0), word.read_u64(16)),
         (9, 8),
@@ -321,7 +278,7 @@ enum Bad {
 #[case(Bad::LocalOnlyRegion)]
 fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
     let mut p = pair();
-    let mut local = p.a_dom.register(8192, Access::LOCAL).unwrap();
+    let mut local = p.domain.register(8192, Access::LOCAL).unwrap();
     local.fill(.., 0x5A);
     // The byte pattern the target starts with and must keep.
     let init = pattern(4096, 3);
@@ -330,13 +287,17 @@ fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
         r
     };
     let rw = fill(
-        p.b_dom
+        p.target_domain
             .register(4096, Access::REMOTE_WRITE | Access::REMOTE_READ)
             .unwrap(),
     );
-    let read_only = fill(p.b_dom.register(4096, Access::REMOTE_READ).unwrap());
-    let write_only = fill(p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap());
-    let local_only = fill(p.b_dom.register(4096, Access::LOCAL).unwrap());
+    let read_only = fill(p.target_domain.register(4096, Access::REMOTE_READ).unwrap());
+    let write_only = fill(
+        p.target_domain
+            .register(4096, Access::REMOTE_WRITE)
+            .unwrap(),
+    );
+    let local_only = fill(p.target_domain.register(4096, Access::LOCAL).unwrap());
     let other_dom = fabric().domain().unwrap();
     let foreign = fill(other_dom.register(4096, Access::ALL).unwrap());
 
@@ -371,12 +332,12 @@ fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
         Bad::LocalOnlyRegion => (&local_only, at(&local_only, 0)),
     };
     match opcode {
-        Opcode::Read => p.a.read(wr_id, &local, 0, 200, remote).unwrap(),
-        Opcode::FetchAdd => p.a.fetch_add(wr_id, &local, 0, remote, 1).unwrap(),
-        _ => p.a.write(wr_id, &local, 0, 200, remote).unwrap(),
+        Opcode::Read => p.ep.read(wr_id, &local, 0, 200, remote).unwrap(),
+        Opcode::FetchAdd => p.ep.fetch_add(wr_id, &local, 0, remote, 1).unwrap(),
+        _ => p.ep.write(wr_id, &local, 0, 200, remote).unwrap(),
     }
     assert_eq!(
-        next(&mut p.a_cq),
+        wait_one(&mut p.cq),
         Completion::error(wr_id, opcode, Status::RemoteAccess),
         "{bad:?}"
     );
@@ -392,23 +353,24 @@ fn bad_accesses_are_remote_access_errors_and_touch_nothing(#[case] bad: Bad) {
         );
     }
     // The endpoint still works afterwards.
-    p.a.write(8, &local, 0, 16, at(&rw, 0)).unwrap();
-    assert_eq!(next(&mut p.a_cq), Completion::ok(8, Opcode::Write, 16));
+    p.ep.write(8, &local, 0, 16, at(&rw, 0)).unwrap();
+    assert_eq!(wait_one(&mut p.cq), Completion::ok(8, Opcode::Write, 16));
 }
 
 #[test]
 fn unaligned_atomic_is_a_remote_operation_error() {
     let mut p = pair();
-    let result = p.a_dom.register(8, Access::LOCAL).unwrap();
-    let word = p.b_dom.register(64, Access::REMOTE_ATOMIC).unwrap();
-    p.a.fetch_add(1, &result, 0, at(&word, 4), 1).unwrap();
+    let result = p.domain.register(8, Access::LOCAL).unwrap();
+    let word = p.target_domain.register(64, Access::REMOTE_ATOMIC).unwrap();
+    p.ep.fetch_add(1, &result, 0, at(&word, 4), 1).unwrap();
     assert_eq!(
-        next(&mut p.a_cq),
+        wait_one(&mut p.cq),
         Completion::error(1, Opcode::FetchAdd, Status::RemoteOperation)
     );
-    p.a.compare_swap(2, &result, 0, at(&word, 9), 0, 1).unwrap();
+    p.ep.compare_swap(2, &result, 0, at(&word, 9), 0, 1)
+        .unwrap();
     assert_eq!(
-        next(&mut p.a_cq),
+        wait_one(&mut p.cq),
         Completion::error(2, Opcode::CompareSwap, Status::RemoteOperation)
     );
     assert!(word.read_to_vec(..).iter().all(|&b| b == 0));
@@ -417,23 +379,23 @@ fn unaligned_atomic_is_a_remote_operation_error() {
 #[test]
 fn a_deregistered_region_is_refused_even_when_cached() {
     let mut p = pair();
-    let local = p.a_dom.register(64, Access::LOCAL).unwrap();
-    let target = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
+    let local = p.domain.register(64, Access::LOCAL).unwrap();
+    let target = p.target_domain.register(4096, Access::REMOTE_READ).unwrap();
     let remote = at(&target, 0);
-    p.a.read(1, &local, 0, 64, remote).unwrap();
-    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    p.ep.read(1, &local, 0, 64, remote).unwrap();
+    assert_eq!(wait_one(&mut p.cq).status, Status::Success);
     drop(target);
-    p.a.read(2, &local, 0, 64, remote).unwrap();
+    p.ep.read(2, &local, 0, 64, remote).unwrap();
     assert_eq!(
-        next(&mut p.a_cq),
+        wait_one(&mut p.cq),
         Completion::error(2, Opcode::Read, Status::RemoteAccess)
     );
     // A new region (likely in the same registry slot) is granted afresh.
-    let again = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
-    p.a.read(3, &local, 0, 64, at(&again, 0)).unwrap();
-    assert_eq!(next(&mut p.a_cq).status, Status::Success);
-    p.a.read(4, &local, 0, 64, remote).unwrap();
-    assert_eq!(next(&mut p.a_cq).status, Status::RemoteAccess);
+    let again = p.target_domain.register(4096, Access::REMOTE_READ).unwrap();
+    p.ep.read(3, &local, 0, 64, at(&again, 0)).unwrap();
+    assert_eq!(wait_one(&mut p.cq).status, Status::Success);
+    p.ep.read(4, &local, 0, 64, remote).unwrap();
+    assert_eq!(wait_one(&mut p.cq).status, Status::RemoteAccess);
 }
 
 /// The shm endpoint behind a fabric endpoint.
@@ -447,23 +409,23 @@ fn shm(ep: &Endpoint) -> &super::ShmEndpoint {
 #[test]
 fn revoked_grants_do_not_accumulate() {
     let mut p = pair();
-    let local = p.a_dom.register(64, Access::LOCAL).unwrap();
-    let keep = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
-    p.a.read(0, &local, 0, 8, at(&keep, 0)).unwrap();
-    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    let local = p.domain.register(64, Access::LOCAL).unwrap();
+    let keep = p.target_domain.register(4096, Access::REMOTE_READ).unwrap();
+    p.ep.read(0, &local, 0, 8, at(&keep, 0)).unwrap();
+    assert_eq!(wait_one(&mut p.cq).status, Status::Success);
     // A client that registers a fresh buffer per invocation.
     for i in 1..=200 {
-        let fresh = p.b_dom.register(4096, Access::REMOTE_READ).unwrap();
-        p.a.read(i, &local, 0, 8, at(&fresh, 0)).unwrap();
-        assert_eq!(next(&mut p.a_cq).status, Status::Success);
+        let fresh = p.target_domain.register(4096, Access::REMOTE_READ).unwrap();
+        p.ep.read(i, &local, 0, 8, at(&fresh, 0)).unwrap();
+        assert_eq!(wait_one(&mut p.cq).status, Status::Success);
     }
     assert_eq!(
-        shm(&p.a).cached_grants(),
+        shm(&p.ep).cached_grants(),
         2,
         "the live region and the last fresh one"
     );
-    p.a.read(999, &local, 0, 8, at(&keep, 0)).unwrap();
-    assert_eq!(next(&mut p.a_cq).status, Status::Success);
+    p.ep.read(999, &local, 0, 8, at(&keep, 0)).unwrap();
+    assert_eq!(wait_one(&mut p.cq).status, Status::Success);
 }
 
 #[test]
@@ -472,30 +434,36 @@ fn full_queues_refuse_posts_without_doing_them() {
         send_depth: 3,
         ..EndpointOptions::default()
     };
-    let mut p = connect_pair(&opts, 256);
-    let mut src = p.a_dom.register(64, Access::LOCAL).unwrap();
+    let mut p = Pair::with("shm", &opts, 256);
+    let mut src = p.domain.register(64, Access::LOCAL).unwrap();
     src.fill(.., 1);
-    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
     for i in 0..3 {
-        p.a.write(i, &src, 0, 8, at(&target, i * 8)).unwrap();
+        p.ep.write(i, &src, 0, 8, at(&target, i * 8)).unwrap();
     }
-    let err = p.a.write(3, &src, 0, 8, at(&target, 24)).unwrap_err();
+    let err = p.ep.write(3, &src, 0, 8, at(&target, 24)).unwrap_err();
     assert!(matches!(err, Error::QueueFull { depth: 3, .. }), "{err}");
     assert!(target.read_to_vec(24..32).iter().all(|&b| b == 0));
     let mut out = [Completion::EMPTY; 8];
-    assert_eq!(p.a_cq.poll(&mut out), 3);
-    p.a.write(3, &src, 0, 8, at(&target, 24)).unwrap();
-    assert_eq!(next(&mut p.a_cq).wr_id, 3);
+    assert_eq!(p.cq.poll(&mut out), 3);
+    p.ep.write(3, &src, 0, 8, at(&target, 24)).unwrap();
+    assert_eq!(wait_one(&mut p.cq).wr_id, 3);
 
     // A completion queue of 2 shared by a default endpoint.
-    let mut p = connect_pair(&EndpointOptions::default(), 2);
-    let src = p.a_dom.register(64, Access::LOCAL).unwrap();
-    let target = p.b_dom.register(4096, Access::REMOTE_WRITE).unwrap();
-    p.a.write(0, &src, 0, 8, at(&target, 0)).unwrap();
-    p.a.write(1, &src, 0, 8, at(&target, 8)).unwrap();
-    let err = p.a.write(2, &src, 0, 8, at(&target, 16)).unwrap_err();
+    let mut p = Pair::with("shm", &EndpointOptions::default(), 2);
+    let src = p.domain.register(64, Access::LOCAL).unwrap();
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    p.ep.write(0, &src, 0, 8, at(&target, 0)).unwrap();
+    p.ep.write(1, &src, 0, 8, at(&target, 8)).unwrap();
+    let err = p.ep.write(2, &src, 0, 8, at(&target, 16)).unwrap_err();
     assert!(matches!(err, Error::QueueFull { depth: 2, .. }), "{err}");
-    assert_eq!(p.a_cq.poll(&mut out), 2);
+    assert_eq!(p.cq.poll(&mut out), 2);
 }
 
 /// Which kernel sleep a completion queue's `wait` uses.
@@ -545,38 +513,45 @@ fn assert_woken(cq: &mut CompletionQueue, how: Sleep) {
 #[case::epoll(Sleep::Epoll)]
 fn wait_wakes_on_a_remote_immediate_and_on_a_local_completion(#[case] how: Sleep) {
     let mut p = pair();
-    sleep_with(&mut p.a_cq, how);
-    sleep_with(&mut p.b_cq, how);
+    sleep_with(&mut p.cq, how);
+    sleep_with(&mut p.target_cq, how);
     let Pair {
-        a,
-        b,
-        a_dom,
-        b_dom,
-        mut a_cq,
-        mut b_cq,
+        ep,
+        target,
+        domain,
+        target_domain,
+        mut cq,
+        mut target_cq,
         ..
     } = p;
-    let src = a_dom.register(64, Access::LOCAL).unwrap();
-    let target = b_dom.register(64, Access::REMOTE_WRITE).unwrap();
-    let remote = at(&target, 0);
-    b.post_recv(5).unwrap();
+    let src = domain.register(64, Access::LOCAL).unwrap();
+    let region = target_domain.register(64, Access::REMOTE_WRITE).unwrap();
+    let remote = at(&region, 0);
+    target.post_recv(5).unwrap();
+    // Each post waits until this thread has said it is about to wait, and
+    // sleeps: the post must wake it.
+    let (waiting, about_to_wait) = mpsc::channel::<()>();
+    let waiter = thread_id();
     let writer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(100));
-        a.write_with_imm(1, &src, 0, 4, remote, 42).unwrap();
-        std::thread::sleep(Duration::from_millis(100));
-        a.write(2, &src, 0, 4, remote).unwrap();
-        (a, src)
+        about_to_wait.recv().unwrap();
+        wait_until_asleep(std::process::id(), waiter);
+        ep.write_with_imm(1, &src, 0, 4, remote, 42).unwrap();
+        about_to_wait.recv().unwrap();
+        wait_until_asleep(std::process::id(), waiter);
+        ep.write(2, &src, 0, 4, remote).unwrap();
+        (ep, src)
     });
-    let start = Instant::now();
-    let c = next(&mut b_cq);
+    waiting.send(()).unwrap();
+    let c = wait_one(&mut target_cq);
     assert_eq!((c.wr_id, c.imm, c.opcode), (5, 42, Opcode::RecvWithImm));
-    assert!(start.elapsed() >= Duration::from_millis(90));
-    // a's two completions, pushed from the writer thread while we sleep.
-    assert_eq!(next(&mut a_cq).wr_id, 1);
-    assert_eq!(next(&mut a_cq).wr_id, 2);
+    // The first write completed when it was posted, before we woke.
+    assert_eq!(wait_one(&mut cq).wr_id, 1);
+    // The second completes from the writer thread while we sleep.
+    waiting.send(()).unwrap();
+    assert_eq!(wait_one(&mut cq).wr_id, 2);
     let _keep = writer.join().unwrap();
-    assert_woken(&mut b_cq, how);
-    assert_eq!(shm_cq(&mut a_cq).sleeps().timeouts, 0);
+    assert_woken(&mut target_cq, how);
+    assert_woken(&mut cq, how);
 }
 
 #[rstest]
@@ -584,17 +559,22 @@ fn wait_wakes_on_a_remote_immediate_and_on_a_local_completion(#[case] how: Sleep
 #[case::epoll(Sleep::Epoll)]
 fn wait_times_out_with_zero(#[case] how: Sleep) {
     let mut p = pair();
-    sleep_with(&mut p.b_cq, how);
+    sleep_with(&mut p.target_cq, how);
     let mut out = [Completion::EMPTY; 4];
     let start = Instant::now();
-    assert_eq!(p.b_cq.wait(&mut out, Duration::from_millis(50)).unwrap(), 0);
+    assert_eq!(
+        p.target_cq
+            .wait(&mut out, Duration::from_millis(50))
+            .unwrap(),
+        0
+    );
     let took = start.elapsed();
     assert!(
         took >= Duration::from_millis(50) && took < Duration::from_secs(2),
         "{took:?}"
     );
-    assert_eq!(p.a_cq.wait(&mut out, Duration::ZERO).unwrap(), 0);
-    assert_slept(&mut p.b_cq, how);
+    assert_eq!(p.cq.wait(&mut out, Duration::ZERO).unwrap(), 0);
+    assert_slept(&mut p.target_cq, how);
 }
 
 #[test]
@@ -605,7 +585,7 @@ fn a_short_timeout_is_not_rounded_up_to_a_millisecond() {
     let mut fastest = Duration::MAX;
     for _ in 0..20 {
         let start = Instant::now();
-        assert_eq!(p.b_cq.wait(&mut out, asked).unwrap(), 0);
+        assert_eq!(p.target_cq.wait(&mut out, asked).unwrap(), 0);
         let took = start.elapsed();
         assert!(took >= asked, "returned after {took:?}, before {asked:?}");
         fastest = fastest.min(took);
@@ -615,7 +595,7 @@ fn a_short_timeout_is_not_rounded_up_to_a_millisecond() {
         fastest < Duration::from_micros(900),
         "the fastest 200 µs wait took {fastest:?}"
     );
-    assert_slept(&mut p.b_cq, Sleep::Futex);
+    assert_slept(&mut p.target_cq, Sleep::Futex);
 }
 
 #[rstest]
@@ -623,25 +603,28 @@ fn a_short_timeout_is_not_rounded_up_to_a_millisecond() {
 #[case::epoll(Sleep::Epoll)]
 fn a_sleeping_waiter_is_woken_by_peer_loss(#[case] how: Sleep) {
     let mut p = pair();
-    sleep_with(&mut p.b_cq, how);
-    let Pair { a, b, mut b_cq, .. } = p;
-    b.post_recv(1).unwrap();
+    sleep_with(&mut p.target_cq, how);
+    let Pair {
+        ep,
+        target,
+        mut target_cq,
+        ..
+    } = p;
+    target.post_recv(1).unwrap();
+    let waiter = thread_id();
     let dropper = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(100));
-        drop(a);
+        wait_until_asleep(std::process::id(), waiter);
+        drop(ep);
     });
     let start = Instant::now();
     assert_eq!(
-        next(&mut b_cq),
+        wait_one(&mut target_cq),
         Completion::error(1, Opcode::RecvWithImm, Status::PeerLost)
     );
     let took = start.elapsed();
-    assert!(
-        took >= Duration::from_millis(90) && took < Duration::from_secs(1),
-        "woken after {took:?}"
-    );
+    assert!(took < Duration::from_secs(1), "woken after {took:?}");
     dropper.join().unwrap();
-    assert_woken(&mut b_cq, how);
+    assert_woken(&mut target_cq, how);
 }
 
 /// Raises the soft limit on open files to at least `want` if the hard
@@ -664,76 +647,70 @@ fn a_queue_with_more_endpoints_than_futex_waitv_takes_falls_back_to_epoll() {
     allow_open_files(4096);
     let fabric = fabric();
     let listener = fabric.listen("").unwrap();
-    let (a_dom, b_dom) = (fabric.domain().unwrap(), fabric.domain().unwrap());
-    let mut a_cq = fabric.completion_queue(4 * MANY).unwrap();
-    let mut b_cq = fabric.completion_queue(4 * MANY).unwrap();
+    let (domain, target_domain) = (fabric.domain().unwrap(), fabric.domain().unwrap());
+    let mut cq = fabric.completion_queue(4 * MANY).unwrap();
+    let mut target_cq = fabric.completion_queue(4 * MANY).unwrap();
     let opts = EndpointOptions {
         send_depth: 2,
         recv_depth: 2,
         ..EndpointOptions::default()
     };
-    let (mut dialled, mut accepted): (Vec<Option<Endpoint>>, Vec<Endpoint>) =
-        std::thread::scope(|s| {
-            let accepted = s.spawn(|| {
-                (0..MANY)
-                    .map(|_| {
-                        listener
-                            .accept(&b_dom, &mut b_cq, &opts, Some(LONG))
-                            .unwrap()
-                    })
-                    .collect::<Vec<_>>()
-            });
-            let dialled = (0..MANY)
-                .map(|_| {
-                    Some(
-                        a_dom
-                            .connect(&listener.local_addr(), &mut a_cq, &opts)
-                            .unwrap(),
-                    )
-                })
-                .collect();
-            (dialled, accepted.join().unwrap())
-        });
-    let src = std::sync::Arc::new(a_dom.register(64, Access::LOCAL).unwrap());
-    let target = b_dom.register(64, Access::REMOTE_WRITE).unwrap();
-    let remote = at(&target, 0);
+    let (mut accepted, mut dialled): (Vec<Endpoint>, Vec<Option<Endpoint>>) = (0..MANY)
+        .map(|_| {
+            let (target, ep) = connect_pair(
+                &listener,
+                &target_domain,
+                &mut target_cq,
+                &domain,
+                &mut cq,
+                &opts,
+            );
+            (target, Some(ep))
+        })
+        .unzip();
+    let src = std::sync::Arc::new(domain.register(64, Access::LOCAL).unwrap());
+    let region = target_domain.register(64, Access::REMOTE_WRITE).unwrap();
+    let remote = at(&region, 0);
 
-    // One sleep of b's queue, woken from another thread by an immediate on
-    // the `which`-th connection. Returns b's sleep counts.
+    // One sleep of the target's queue, woken from another thread by an
+    // immediate on the `which`-th connection. Returns its sleep counts.
+    let waiter = thread_id();
     let mut round = |dialled: &mut [Option<Endpoint>],
                      accepted: &[Endpoint],
                      which: usize,
-                     b_cq: &mut CompletionQueue| {
+                     target_cq: &mut CompletionQueue| {
         accepted[which].post_recv(which as u64).unwrap();
-        let a = dialled[which].take().unwrap();
+        let ep = dialled[which].take().unwrap();
         let src = src.clone();
         let writer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            a.write_with_imm(0, &src, 0, 8, remote, which as u32)
+            wait_until_asleep(std::process::id(), waiter);
+            ep.write_with_imm(0, &src, 0, 8, remote, which as u32)
                 .unwrap();
-            a
+            ep
         });
-        let start = Instant::now();
-        let c = next(b_cq);
+        let c = wait_one(target_cq);
         assert_eq!(
             (c.wr_id, c.imm, c.status),
             (which as u64, which as u32, Status::Success)
         );
-        assert!(start.elapsed() >= Duration::from_millis(40));
-        assert_eq!(shm_cq(b_cq).sleeps().timeouts, 0, "b's sleep was not woken");
+        assert_eq!(
+            shm_cq(target_cq).sleeps().timeouts,
+            0,
+            "the target's sleep was not woken"
+        );
         dialled[which] = Some(writer.join().unwrap());
-        assert_eq!(next(&mut a_cq).status, Status::Success);
-        shm_cq(b_cq).sleeps()
+        assert_eq!(wait_one(&mut cq).status, Status::Success);
+        shm_cq(target_cq).sleeps()
     };
     // 128 rings and the queue's own word: one too many for futex_waitv.
-    let s = round(&mut dialled, &accepted, MANY - 1, &mut b_cq);
+    let s = round(&mut dialled, &accepted, MANY - 1, &mut target_cq);
     assert!(s.epoll > 0 && s.futex == 0, "{s:?}");
-    // Close one connection; once b's queue has polled its end, 127 rings
-    // and its own word fit.
+    // Close one connection; once the target's queue has polled its end,
+    // 127 rings and its own word fit.
     drop((dialled.pop(), accepted.pop()));
     let mut out = [Completion::EMPTY; 8];
-    let _ = b_cq.poll(&mut out);
-    let s = round(&mut dialled, &accepted, MANY / 2, &mut b_cq);
+    let _ = target_cq.poll(&mut out);
+    let s = round(&mut dialled, &accepted, MANY / 2, &mut target_cq);
     assert!(s.futex > 0, "{s:?}");
 }
 
@@ -741,25 +718,25 @@ fn a_queue_with_more_endpoints_than_futex_waitv_takes_falls_back_to_epoll() {
 fn dropping_an_endpoint_is_peer_loss_for_the_other_side() {
     let p = pair();
     let Pair {
-        a,
-        b,
-        a_dom,
-        b_dom,
-        mut a_cq,
-        mut b_cq,
+        ep,
+        target,
+        domain,
+        target_domain,
+        mut cq,
+        mut target_cq,
         ..
     } = p;
-    let local = b_dom.register(64, Access::LOCAL).unwrap();
-    let a_target = a_dom.register(64, Access::ALL).unwrap();
+    let local = target_domain.register(64, Access::LOCAL).unwrap();
+    let ep_region = domain.register(64, Access::ALL).unwrap();
     for i in 0..3 {
-        b.post_recv(i).unwrap();
+        target.post_recv(i).unwrap();
     }
-    a.post_recv(100).unwrap();
+    ep.post_recv(100).unwrap();
     let start = Instant::now();
-    drop(a);
+    drop(ep);
     for i in 0..3 {
         assert_eq!(
-            next(&mut b_cq),
+            wait_one(&mut target_cq),
             Completion::error(i, Opcode::RecvWithImm, Status::PeerLost)
         );
     }
@@ -769,27 +746,29 @@ fn dropping_an_endpoint_is_peer_loss_for_the_other_side() {
         start.elapsed()
     );
     // Later operations and receives fail the same way, as completions.
-    b.write(10, &local, 0, 8, at(&a_target, 0)).unwrap();
+    target.write(10, &local, 0, 8, at(&ep_region, 0)).unwrap();
     assert_eq!(
-        next(&mut b_cq),
+        wait_one(&mut target_cq),
         Completion::error(10, Opcode::Write, Status::PeerLost)
     );
-    b.fetch_add(11, &local, 0, at(&a_target, 0), 1).unwrap();
+    target
+        .fetch_add(11, &local, 0, at(&ep_region, 0), 1)
+        .unwrap();
     assert_eq!(
-        next(&mut b_cq),
+        wait_one(&mut target_cq),
         Completion::error(11, Opcode::FetchAdd, Status::PeerLost)
     );
-    b.post_recv(12).unwrap();
+    target.post_recv(12).unwrap();
     assert_eq!(
-        next(&mut b_cq),
+        wait_one(&mut target_cq),
         Completion::error(12, Opcode::RecvWithImm, Status::PeerLost)
     );
     // The dropped side's own receive is flushed.
     assert_eq!(
-        next(&mut a_cq),
+        wait_one(&mut cq),
         Completion::error(100, Opcode::RecvWithImm, Status::Flushed)
     );
-    nothing_pending(&mut a_cq);
+    assert_no_completion(&mut cq);
 }
 
 #[test]
@@ -808,7 +787,7 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
     let mut junk = std::os::unix::net::UnixStream::connect(&path).unwrap();
     junk.write_all(&[0x47; 64]).unwrap();
     let err = listener
-        .accept(&dom, &mut cq, &opts, Some(LONG))
+        .accept(&dom, &mut cq, &opts, Some(TIMEOUT))
         .unwrap_err();
     assert!(
         matches!(&err, Error::Connect { reason, .. } if reason.contains("magic")),
@@ -819,7 +798,7 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
     half.write_all(b"RFAASSHM").unwrap();
     drop(half);
     let err = listener
-        .accept(&dom, &mut cq, &opts, Some(LONG))
+        .accept(&dom, &mut cq, &opts, Some(TIMEOUT))
         .unwrap_err();
     assert!(matches!(err, Error::Connect { .. }), "{err}");
 
@@ -830,7 +809,9 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
             let mut cq = fabric.completion_queue(4).unwrap();
             dom.connect(&path, &mut cq, &opts).map(|_| ())
         });
-        listener.accept(&dom, &mut cq, &opts, Some(LONG)).unwrap();
+        listener
+            .accept(&dom, &mut cq, &opts, Some(TIMEOUT))
+            .unwrap();
         client.join().unwrap().unwrap();
     });
     drop(listener);
@@ -841,11 +822,13 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
 
     // A server speaking garbage, then one that never answers.
     let server = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let (timed_out, until_timed_out) = mpsc::channel::<()>();
     let replier = std::thread::spawn(move || {
         let (mut conn, _) = server.accept().unwrap();
         conn.write_all(&[0x13; 64]).unwrap();
+        // Held open, silent, until the client has given up on it.
         let (silent, _) = server.accept().unwrap();
-        std::thread::sleep(Duration::from_millis(500));
+        let _ = until_timed_out.recv();
         drop((conn, silent));
     });
     let err = dom.connect(&path, &mut cq, &opts).unwrap_err();
@@ -859,6 +842,7 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
     };
     let err = dom.connect(&path, &mut cq, &quick).unwrap_err();
     assert!(matches!(err, Error::Timeout(_)), "{err}");
+    timed_out.send(()).unwrap();
     replier.join().unwrap();
     std::fs::remove_file(&path).unwrap();
 
@@ -879,8 +863,9 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
 const CHILD_ENV: &str = "RFAAS_SHM_TEST_CHILD";
 
 /// Not a test: the peer process of `a_killed_peer_process_is_peer_lost`
-/// (run by re-executing this test binary). Adds to the parent's counter,
-/// writes 64 bytes with immediate 77 100 ms later, then waits to be killed.
+/// (run by re-executing this test binary). Adds to the parent's counter;
+/// once the parent says on stdin that it waits, and its waiting thread
+/// sleeps, writes 64 bytes with immediate 77; then waits to be killed.
 #[test]
 #[ignore = "helper process, started by a_killed_peer_process_is_peer_lost"]
 fn child_peer() {
@@ -888,7 +873,7 @@ fn child_peer() {
         return;
     };
     let fields: Vec<&str> = spec.split(' ').collect();
-    let [addr, rkey, base, adds] = fields[..] else {
+    let [addr, rkey, base, adds, parent, waiter] = fields[..] else {
         panic!("bad {CHILD_ENV}: {spec}")
     };
     let remote = |offset: u64| RemoteAddr {
@@ -904,24 +889,18 @@ fn child_peer() {
     let mut local = dom.register(4096, Access::LOCAL).unwrap();
     for i in 0..adds.parse::<u64>().unwrap() {
         ep.fetch_add(i, &local, 0, remote(0), 1).unwrap();
-        assert_eq!(next(&mut cq).status, Status::Success);
+        assert_eq!(wait_one(&mut cq).status, Status::Success);
     }
     local.fill(64..128, 0xC5);
-    // Late enough that the parent sleeps in `wait`: our wake-up must cross
-    // processes.
-    std::thread::sleep(Duration::from_millis(100));
+    // While the parent sleeps in `wait`: our wake-up must cross processes.
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+    wait_until_asleep(parent.parse().unwrap(), waiter.parse().unwrap());
     ep.write_with_imm(1, &local, 64, 64, remote(64), 77)
         .unwrap();
-    assert_eq!(next(&mut cq).status, Status::Success);
-    std::thread::sleep(Duration::from_secs(30));
-}
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+    assert_eq!(wait_one(&mut cq).status, Status::Success);
+    loop {
+        std::thread::park();
     }
 }
 
@@ -937,27 +916,23 @@ fn a_killed_peer_process_is_peer_lost(#[case] how: Sleep) {
     sleep_with(&mut cq, how);
     let target = dom.register(4096, Access::ALL).unwrap();
     let spec = format!(
-        "{} {} {} {ADDS}",
+        "{} {} {} {ADDS} {} {}",
         listener.local_addr(),
         target.rkey(),
-        target.descriptor().addr
+        target.descriptor().addr,
+        std::process::id(),
+        thread_id(),
     );
     let spawn = || {
-        let exe = std::env::current_exe().unwrap();
-        let child = Command::new(exe)
-            .args([
-                "shm::tests::child_peer",
-                "--exact",
-                "--ignored",
-                "--test-threads=1",
-            ])
+        let child = rerun_test("shm::tests::child_peer")
             .env(CHILD_ENV, &spec)
+            .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
         KillOnDrop(child)
     };
-    let (mut first, _second) = (spawn(), spawn());
+    let (mut first, mut second) = (spawn(), spawn());
     let opts = EndpointOptions::default();
     let eps: Vec<Endpoint> = (0..2)
         .map(|_| {
@@ -976,18 +951,24 @@ fn a_killed_peer_process_is_peer_lost(#[case] how: Sleep) {
             let result = dom.register(8, Access::LOCAL).unwrap();
             for i in 0..ADDS {
                 ep.fetch_add(i, &result, 0, at(&target, 0), 1).unwrap();
-                assert_eq!(next(&mut cq).status, Status::Success);
+                assert_eq!(wait_one(&mut cq).status, Status::Success);
                 local_adds.fetch_add(1, Ordering::Relaxed);
             }
         });
-        let _loopback = listener.accept(&dom, &mut cq, &opts, Some(LONG)).unwrap();
+        let _loopback = listener
+            .accept(&dom, &mut cq, &opts, Some(TIMEOUT))
+            .unwrap();
         for (i, ep) in eps.iter().enumerate() {
             ep.post_recv(i as u64).unwrap();
+        }
+        for child in [&mut first, &mut second] {
+            let stdin = child.0.stdin.as_mut().unwrap();
+            stdin.write_all(b"waiting\n").unwrap();
         }
         // Sleeps in wait: the children's kicks cross processes.
         let mut from = Vec::new();
         while from.len() < 2 {
-            let c = next(&mut cq);
+            let c = wait_one(&mut cq);
             assert_eq!(
                 (c.opcode, c.status, c.imm, c.byte_len),
                 (Opcode::RecvWithImm, Status::Success, 77, 64)
@@ -1021,7 +1002,7 @@ fn a_killed_peer_process_is_peer_lost(#[case] how: Sleep) {
     alive.post_recv(200).unwrap();
     let start = Instant::now();
     first.0.kill().unwrap();
-    let c = next(&mut cq);
+    let c = wait_one(&mut cq);
     assert_eq!(
         c,
         Completion::error(100, Opcode::RecvWithImm, Status::PeerLost)
@@ -1044,12 +1025,12 @@ fn a_killed_peer_process_is_peer_lost(#[case] how: Sleep) {
     )
     .unwrap();
     assert_eq!(
-        next(&mut cq),
+        wait_one(&mut cq),
         Completion::error(101, Opcode::Write, Status::PeerLost)
     );
     assert_woken(&mut cq, how);
     // The other child's connection is unaffected.
-    nothing_pending(&mut cq);
+    assert_no_completion(&mut cq);
 }
 
 #[test]

@@ -2,11 +2,10 @@
 //! The cross-provider conformance suite lives in `fabric/tests/`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use crate::{Access, Completion, EndpointOptions, Error, Fabric, Imp, Opcode, Status};
-
-const LONG: Duration = Duration::from_secs(20);
+use crate::testing::{Pair, TIMEOUT};
+use crate::{Access, Completion, EndpointOptions, Error, Imp, Opcode, Status};
 
 /// Posts while another thread polls the endpoint's completion queue, so the
 /// poller (or the progress thread) holds the connection state for some of
@@ -17,24 +16,20 @@ const LONG: Duration = Duration::from_secs(20);
 #[test]
 fn posting_while_another_thread_polls_keeps_order() {
     const N: u32 = 3000;
-    let fabric = Fabric::open("tcp").unwrap();
-    let listener = fabric.listen("127.0.0.1:0").unwrap();
     let opts = EndpointOptions {
         send_depth: 16,
         recv_depth: 64,
         ..EndpointOptions::default()
     };
-    let (domain, target_domain) = (fabric.domain().unwrap(), fabric.domain().unwrap());
-    let mut cq = fabric.completion_queue(256).unwrap();
-    let mut target_cq = fabric.completion_queue(256).unwrap();
-    let (ep, target) = std::thread::scope(|s| {
-        let accepted =
-            s.spawn(|| listener.accept(&target_domain, &mut target_cq, &opts, Some(LONG)));
-        let ep = domain
-            .connect(&listener.local_addr(), &mut cq, &opts)
-            .unwrap();
-        (ep, accepted.join().unwrap().unwrap())
-    });
+    let Pair {
+        ep,
+        target,
+        mut cq,
+        mut target_cq,
+        domain,
+        target_domain,
+        ..
+    } = Pair::with("tcp", &opts, 256);
     let region = target_domain.register(4096, Access::REMOTE_WRITE).unwrap();
     let src = domain.register(64, Access::LOCAL).unwrap();
     for i in 0..64u64 {
@@ -46,7 +41,7 @@ fn posting_while_another_thread_polls_keeps_order() {
         let poller = s.spawn(|| {
             let mut out = [Completion::EMPTY; 16];
             let mut next = 0u64;
-            let deadline = Instant::now() + LONG;
+            let deadline = Instant::now() + TIMEOUT;
             while next < u64::from(N) {
                 assert!(Instant::now() < deadline, "{next} of {N} completions");
                 let n = cq.poll(&mut out);
@@ -69,7 +64,7 @@ fn posting_while_another_thread_polls_keeps_order() {
         let receiver = s.spawn(move || {
             let mut out = [Completion::EMPTY; 16];
             let mut next = 0u32;
-            let deadline = Instant::now() + LONG;
+            let deadline = Instant::now() + TIMEOUT;
             while next < N {
                 assert!(Instant::now() < deadline, "{next} of {N} immediates");
                 let n = target_cq.poll(&mut out);
@@ -85,7 +80,7 @@ fn posting_while_another_thread_polls_keeps_order() {
             // Kept open until the initiator has its last completions.
             target
         });
-        let deadline = Instant::now() + LONG;
+        let deadline = Instant::now() + TIMEOUT;
         let mut i = 0;
         while i < N {
             match ep.write_with_imm(u64::from(i), &src, 0, 8, region.descriptor().at(0), i) {
@@ -107,20 +102,15 @@ fn posting_while_another_thread_polls_keeps_order() {
 /// the holder's own.
 #[test]
 fn a_post_finding_the_state_held_is_sent_by_its_holder() {
-    let fabric = Fabric::open("tcp").unwrap();
-    let listener = fabric.listen("127.0.0.1:0").unwrap();
-    let opts = EndpointOptions::default();
-    let (domain, target_domain) = (fabric.domain().unwrap(), fabric.domain().unwrap());
-    let mut cq = fabric.completion_queue(1024).unwrap();
-    let mut target_cq = fabric.completion_queue(1024).unwrap();
-    let (ep, target) = std::thread::scope(|s| {
-        let accepted =
-            s.spawn(|| listener.accept(&target_domain, &mut target_cq, &opts, Some(LONG)));
-        let ep = domain
-            .connect(&listener.local_addr(), &mut cq, &opts)
-            .unwrap();
-        (ep, accepted.join().unwrap().unwrap())
-    });
+    let Pair {
+        ep,
+        target,
+        mut cq,
+        mut target_cq,
+        domain,
+        target_domain,
+        ..
+    } = Pair::new("tcp");
     let Imp::Tcp(tcp) = &ep.imp else {
         unreachable!("a tcp endpoint")
     };
@@ -142,7 +132,7 @@ fn a_post_finding_the_state_held_is_sent_by_its_holder() {
     // sends the two handed over first.
     write(2);
     let mut got = Vec::new();
-    let deadline = Instant::now() + LONG;
+    let deadline = Instant::now() + TIMEOUT;
     let mut out = [Completion::EMPTY; 4];
     while got.len() < 3 {
         assert!(Instant::now() < deadline, "immediates: {got:?}");
