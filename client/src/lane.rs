@@ -39,7 +39,7 @@ use rfaas_proto::{
 use crate::buffer::{header_offset, RegionShared};
 use crate::control::{lock, Fate, FateState};
 use crate::error::{Error, Result, INVOCATION};
-use crate::spin::{spin_sleeps, Probe};
+use crate::spin::{slept_once, spin_sleeps, Probe};
 
 /// wr_id of the request write.
 const SEND_WR: u64 = 1;
@@ -511,6 +511,7 @@ impl Lane {
     /// thread sleeps instead (see the `spin` module).
     pub(crate) fn complete(&self, how: How, deadline: Option<Deadline>) -> Option<Result<usize>> {
         if how == How::Spin && spin_sleeps() {
+            slept_once();
             return self.drive(How::Block, deadline, &mut Probe::default());
         }
         let mut probe = Probe::default();

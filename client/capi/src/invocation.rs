@@ -262,9 +262,9 @@ pub unsafe extern "C" fn rfaas_wait(
 /// while it waits. Spinning pays only on a CPU of its own: a thread found
 /// sharing its CPU with another busy thread while it spins (a hot worker
 /// pinned to the same core, say) gets its results only when the scheduler
-/// switches, milliseconds instead of microseconds, so from then on
-/// `rfaas_spin` on that thread waits by sleeping, like `rfaas_wait`
-/// (`rfaas_spin_sleeps` tells).
+/// switches, milliseconds instead of microseconds, so for its next 1000
+/// waits `rfaas_spin` on that thread sleeps, like `rfaas_wait`, then spins
+/// and measures again (`rfaas_spin_sleeps` tells).
 ///
 /// # Safety
 ///
@@ -280,9 +280,10 @@ pub unsafe extern "C" fn rfaas_spin(
 
 /// Whether `rfaas_spin` on the calling thread waits by sleeping because it
 /// found the thread's CPU shared with another busy thread: it got less than
-/// half of its CPU over half a millisecond of spinning. Once true, it stays
-/// true for the thread's life. Pin a thread that spins to a core no worker
-/// and no other busy thread uses.
+/// half of its CPU over half a millisecond of spinning, and the kernel ran
+/// another task on it meanwhile. It stays true for the thread's next 1000
+/// waits, then the thread spins and measures again. Pin a thread that
+/// spins to a core no worker and no other busy thread uses.
 #[no_mangle]
 pub extern "C" fn rfaas_spin_sleeps() -> bool {
     call_infallible(false, ::rfaas_client::spin_sleeps)
