@@ -170,6 +170,7 @@ impl<T> ClientContext<T> for rfaas_client::Result<T> {
 /// A daemon started for one row, and its place in the signal handler.
 struct Daemon {
     executord: Executord,
+    pool_size: u32,
     _registered: cleanup::Registered,
 }
 
@@ -218,6 +219,7 @@ impl Daemon {
         let registered = cleanup::register(executord.pid());
         Ok(Daemon {
             executord,
+            pool_size: ctx.invoke.pool_size,
             _registered: registered,
         })
     }
@@ -239,6 +241,49 @@ impl Daemon {
         self.executord.control_addr().to_string()
     }
 
+    /// Waits until the daemon is at rest but for the allocations' hot
+    /// workers: its pool is full again and no other process of it has used
+    /// the CPU for [`SETTLED`]. An allocation starts the pool's refill (a
+    /// fork, an exec, a runtime's start) on the CPU its worker shares;
+    /// measuring while that runs would time the refill too.
+    fn settle(&self) -> Result<()> {
+        let full = self.pool_size;
+        catch_unwind(AssertUnwindSafe(|| {
+            self.executord.wait_status(Duration::from_secs(30), |s| {
+                matches!(s, rfaas_proto::control::LocalReply::Status {
+                    pool_idle, ..
+                } if *pool_idle >= full)
+            })
+        }))
+        .map_err(|_| {
+            Error::new(format!(
+                "the daemon's pool did not refill within 30 s; its log:\n{}",
+                self.executord.log()
+            ))
+        })?;
+        let busy: Vec<u32> = match self.executord.status() {
+            rfaas_proto::control::LocalReply::Status { allocations, .. } => {
+                allocations.iter().map(|a| a.pid).collect()
+            }
+            _ => Vec::new(),
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut last = cpu_ns_of_tree(self.executord.pid(), &busy);
+        loop {
+            std::thread::sleep(SETTLED);
+            let now = cpu_ns_of_tree(self.executord.pid(), &busy);
+            // A few µs of bookkeeping is rest; a starting process is not.
+            if now.saturating_sub(last) < SETTLED.as_nanos() as u64 / 100 {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                eprintln!("note: the daemon did not come to rest within 10 s; measuring anyway");
+                return Ok(());
+            }
+            last = now;
+        }
+    }
+
     /// Waits until the pool holds a worker and no allocation is left, so
     /// each cold start begins from the same state.
     fn wait_idle(&self) -> Result<()> {
@@ -257,6 +302,39 @@ impl Daemon {
             ))
         })
     }
+}
+
+/// How long the daemon's other processes must stay off the CPU before a row
+/// starts timing (see [`Daemon::settle`]).
+const SETTLED: Duration = Duration::from_millis(50);
+
+/// CPU time in ns used so far by the threads of `pid` and of its
+/// descendants, except the processes in `skip` (and theirs).
+fn cpu_ns_of_tree(pid: u32, skip: &[u32]) -> u64 {
+    if skip.contains(&pid) {
+        return 0;
+    }
+    let mut total = 0;
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    for task in tasks.flatten() {
+        let path = task.path();
+        // schedstat: ns on the CPU, ns waiting, timeslices.
+        if let Ok(s) = std::fs::read_to_string(path.join("schedstat")) {
+            total += s
+                .split_whitespace()
+                .next()
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+        if let Ok(children) = std::fs::read_to_string(path.join("children")) {
+            for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+                total += cpu_ns_of_tree(child, skip);
+            }
+        }
+    }
+    total
 }
 
 /// The C example functions, as a client ships them.
@@ -289,6 +367,7 @@ fn noop(
         .allocate(&daemon.addr(), &daemon.token(), &spec)
         .ctx(|| format!("{name}: allocating on {}", daemon.addr()))?;
     let f = alloc.function("noop").ctx(|| "finding noop".into())?;
+    daemon.settle()?;
     let mut input = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
     input.as_mut_slice().fill(0xa5);
     let mut output = alloc.buffer::<u8>(64).ctx(|| "registering".into())?;
@@ -331,6 +410,7 @@ fn noop_rate(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
             .map(|_| alloc.buffer::<u8>(64))
             .collect::<rfaas_client::Result<Vec<_>>>()
             .ctx(|| "registering".into())?;
+        daemon.settle()?;
         calls_in_flight(name, &alloc, f, &input, &mut outputs, ctx.warmup as u64)?;
         let calls = ctx.rate_calls();
         let start = Instant::now();
@@ -481,6 +561,7 @@ fn payload(ctx: &Ctx, provider: &Provider, row: Payload, out: &mut Report) -> Re
     let f = alloc
         .function(row.function)
         .ctx(|| format!("finding {}", row.function))?;
+    daemon.settle()?;
     let mut input = alloc.buffer::<u8>(max).ctx(|| "registering".into())?;
     for (i, b) in input.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8;
