@@ -2,7 +2,7 @@
 //! on them.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rfaas_fabric::Domain;
 use rfaas_proto::control::{Deallocate, ErrorCode, Frame};
@@ -276,6 +276,33 @@ impl Allocation {
                     return Err(e);
                 }
             }
+        }
+    }
+
+    /// Waits until `buffer` is no longer the output of a dropped,
+    /// unfinished invocation ([`Buffer::is_busy`]): until its late answer
+    /// has arrived (or the allocation has ended, after which nothing lands
+    /// in it), at most `timeout`. Then the buffer can be read, written and
+    /// used again. Returns at once for a buffer at rest.
+    pub fn reclaim<T: Pod>(&self, buffer: &Buffer<T>, timeout: Duration) -> Result<()> {
+        let until = Instant::now() + timeout;
+        loop {
+            if !buffer.is_busy() {
+                return Ok(());
+            }
+            for lane in self.lanes.iter() {
+                lane.drain_if_idle();
+            }
+            if !buffer.is_busy() {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                return Err(Error::Timeout {
+                    what: "the answer of a dropped invocation",
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 

@@ -13,7 +13,7 @@
 //! buffer is an input: header and payload then leave in one write.
 
 use std::marker::PhantomData;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rfaas_fabric::{Access, Domain, MemoryRegion};
@@ -163,12 +163,42 @@ impl<T: Pod> Buffer<T> {
         self.len * std::mem::size_of::<T>()
     }
 
+    /// Whether the buffer is the output of a dropped, unfinished
+    /// invocation: its late answer may still land in it, so it cannot be
+    /// read or written until [`Allocation::reclaim`](crate::Allocation::reclaim)
+    /// (or a submission that drains the lane) has seen that answer.
+    pub fn is_busy(&self) -> bool {
+        self.shared.output_busy.load(Ordering::Acquire)
+    }
+
+    /// Panics when a late answer may still land in the buffer.
+    #[track_caller]
+    fn check_at_rest(&self) {
+        if self.is_busy() {
+            panic!(
+                "this buffer is the output of a dropped, unfinished invocation, whose answer may \
+                 land in it at any moment; call Allocation::reclaim(&buffer) before reading or \
+                 writing it (or keep an invocation until it ends)"
+            );
+        }
+    }
+
     /// The data.
+    ///
+    /// # Panics
+    ///
+    /// When the buffer [`is_busy`](Self::is_busy): the late answer of a
+    /// dropped invocation may still be written into it.
+    #[track_caller]
     pub fn as_slice(&self) -> &[T] {
+        self.check_at_rest();
         // SAFETY: the region holds data_offset() + len * size_of::<T>()
         // bytes, mapped while self.shared lives; the data starts at a page
         // boundary, which satisfies T's alignment; T is Pod, so any bytes
         // (zeroed at registration, or written by a function) are valid.
+        // Nothing writes them meanwhile: an invocation in flight borrows
+        // its output mutably, and one dropped unfinished leaves the buffer
+        // busy (checked above; the Acquire load orders its answer before).
         unsafe {
             std::slice::from_raw_parts(
                 self.shared.region.as_ptr().add(data_offset()).cast::<T>(),
@@ -179,10 +209,13 @@ impl<T: Pod> Buffer<T> {
 
     /// The data, to fill an input or reuse an output.
     ///
-    /// After dropping an unfinished invocation whose output this was, the
-    /// late response may still land here until the lane has drained it
-    /// ([`Error::BufferBusy`] tells when a submission finds it so).
+    /// # Panics
+    ///
+    /// When the buffer [`is_busy`](Self::is_busy), as
+    /// [`as_slice`](Self::as_slice).
+    #[track_caller]
     pub fn as_mut_slice(&mut self) -> &mut [T] {
+        self.check_at_rest();
         // SAFETY: as in as_slice; &mut self makes this the only reference
         // handed out.
         unsafe {
@@ -193,7 +226,20 @@ impl<T: Pod> Buffer<T> {
         }
     }
 
+    /// The data's first byte, for the C API, which hands it out as a
+    /// pointer and leaves the rules to its caller.
+    #[doc(hidden)]
+    pub fn data_ptr(&self) -> *mut T {
+        // SAFETY: data_offset() is inside the region (one page of it).
+        unsafe { self.shared.region.as_ptr().add(data_offset()).cast::<T>() }
+    }
+
     /// The data as bytes.
+    ///
+    /// # Panics
+    ///
+    /// As [`as_slice`](Self::as_slice).
+    #[track_caller]
     pub fn as_bytes(&self) -> &[u8] {
         let s = self.as_slice();
         // SAFETY: T is Pod: no padding, so every byte is initialised.

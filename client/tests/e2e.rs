@@ -438,6 +438,25 @@ fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
     drop(inv);
     assert_eq!(alloc.invoke(echo, &fast, 1, &mut other).unwrap(), 4);
     assert_eq!(other.as_slice(), &[7]);
+
+    // A buffer a late answer may still land in cannot be read until it
+    // is reclaimed; reclaim waits for that answer.
+    alloc.reclaim(&out, Duration::from_secs(60)).unwrap();
+    out.as_mut_slice()[0] = 0;
+    drop(alloc.submit_wait(sleep, &slow, 1, &mut out).unwrap());
+    assert!(out.is_busy());
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| out.as_slice()[0]));
+    let payload = read.unwrap_err();
+    let msg = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or(payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap();
+    assert!(msg.contains("Allocation::reclaim"), "{msg}");
+    alloc.reclaim(&out, Duration::from_secs(60)).unwrap();
+    assert!(!out.is_busy());
+    // Reclaimed once the late answer (sleep_ms echoes its input) is in.
+    assert_eq!(out.as_slice(), &[300]);
 }
 
 /// With read-only input promised, shm reads bulk payloads in place (a

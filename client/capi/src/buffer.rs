@@ -61,10 +61,10 @@ pub unsafe extern "C" fn rfaas_buffer_new(
 #[no_mangle]
 pub unsafe extern "C" fn rfaas_buffer_data(buf: *mut rfaas_buffer) -> *mut c_void {
     call_infallible(std::ptr::null_mut(), || {
-        // SAFETY: NULL or live (caller's promise); the &mut lives only for
-        // this call.
-        match unsafe { buf.as_mut() } {
-            Some(b) => b.buf.as_mut_slice().as_mut_ptr().cast(),
+        // SAFETY: NULL or live (caller's promise); the reference lives
+        // only for this call.
+        match unsafe { buf.as_ref() } {
+            Some(b) => b.buf.data_ptr().cast(),
             None => std::ptr::null_mut(),
         }
     })
