@@ -20,6 +20,8 @@
 //!   executor, the daemon and its workers, node tools and the daemon):
 //!   JSON messages behind a 16-byte frame header.
 //! - [`lease`]: lease tokens, claims signed with HMAC-SHA256.
+//! - [`manager`]: the resource manager's REST bodies (JSON), shared by the
+//!   manager, the executor daemon and the client library.
 //! - [`shm_control`]: the control messages of the fabric's `shm` provider
 //!   (hello and region grants over a unix socket).
 //! - [`tcp_frame`]: the frames of the fabric's `tcp` provider (software RDMA
@@ -125,6 +127,7 @@ pub mod header;
 pub mod hello;
 pub mod imm;
 pub mod lease;
+pub mod manager;
 pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;

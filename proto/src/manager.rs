@@ -1,0 +1,277 @@
+//! The resource manager's REST bodies: what executor daemons, clients and
+//! admin tools send to `rfaas-manager` and read back, as JSON.
+//!
+//! The manager serves them under `/v1` (see `docs/manager.md`); this module
+//! is their one definition, shared by the manager, `rfaas-executord` and
+//! the client library, so the three cannot drift apart. Field names are the
+//! JSON keys. Unknown keys are refused in requests (a misspelt option is an
+//! error, not a silent default) and ignored in replies (a newer manager may
+//! add fields).
+//!
+//! Every error reply, whatever the route, is an [`ApiError`]:
+//! `{"error": "<kind>", "message": "<what to do>", ...}`.
+
+use serde::{Deserialize, Serialize};
+
+/// A fabric provider a node serves, and where its workers listen.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeProvider {
+    /// `tcp`, `shm` or `verbs:<device>`.
+    pub name: String,
+    /// The host workers listen on for this provider (tcp and verbs); absent
+    /// for shm, which only serves clients on the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+/// `PUT /v1/nodes/{name}`: a daemon registers its node. Registering again
+/// with the same body changes nothing; with another body it updates the
+/// node's record (a restart with a new configuration).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterNode {
+    /// The daemon's control address clients allocate on, `host:port`.
+    pub control_addr: String,
+    /// The providers served.
+    pub providers: Vec<NodeProvider>,
+    /// Cores the daemon lends (its configured CPUs).
+    pub cores: u32,
+    /// Memory it lends, MiB.
+    pub memory_mib: u64,
+    /// The daemon's version, for admins.
+    #[serde(default)]
+    pub version: String,
+}
+
+/// The manager's answer to a registration: how often to heartbeat, and
+/// after how long without one the node is marked lost.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registered {
+    /// The node as the manager now sees it.
+    pub node: NodeView,
+    /// Send a heartbeat this often, ms.
+    pub heartbeat_interval_ms: u64,
+    /// The manager marks the node lost after this long without one, ms.
+    pub lost_after_ms: u64,
+}
+
+/// One allocation a daemon holds, as its heartbeat reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeldLease {
+    /// The lease the allocation runs under.
+    pub lease_id: u64,
+    /// Cores (lanes) in use under it.
+    pub cores: u32,
+    /// Memory in use under it, MiB.
+    pub memory_mib: u64,
+}
+
+/// `POST /v1/nodes/{name}/heartbeat`: the daemon's free capacity and what
+/// it holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    /// Cores not allocated now.
+    pub free_cores: u32,
+    /// Memory not allocated now, MiB.
+    pub free_memory_mib: u64,
+    /// Whether the node was drained locally (`rfaas-executord` tools).
+    #[serde(default)]
+    pub draining: bool,
+    /// The allocations it holds, one entry per lease.
+    pub allocations: Vec<HeldLease>,
+}
+
+/// The answer to a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    /// Leases the manager has ended (released, expired, revoked): the daemon
+    /// stops their workers.
+    #[serde(default)]
+    pub ended_leases: Vec<u64>,
+}
+
+/// A node's state in the manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    /// Heartbeating and offered.
+    Up,
+    /// Drained by an admin: not offered, its leases run to their end.
+    Drained,
+    /// Missed heartbeats for `lost_after`: not offered, its leases ended.
+    Lost,
+}
+
+/// A node as the manager reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeView {
+    /// The node's name, as lease tokens name it.
+    pub name: String,
+    /// Its state.
+    pub state: NodeState,
+    /// The daemon's control address.
+    pub control_addr: String,
+    /// The providers it serves.
+    pub providers: Vec<NodeProvider>,
+    /// Cores it lends.
+    pub cores: u32,
+    /// Memory it lends, MiB.
+    pub memory_mib: u64,
+    /// Cores under live leases.
+    pub leased_cores: u32,
+    /// Memory under live leases, MiB.
+    pub leased_memory_mib: u64,
+    /// The last heartbeat, Unix milliseconds (0: none yet).
+    pub last_heartbeat_ms: u64,
+}
+
+/// `POST /v1/leases`: a job asks for cores.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRequest {
+    /// Cores wanted, across nodes.
+    pub cores: u32,
+    /// Memory per node lease, MiB.
+    pub memory_mib: u64,
+    /// How long the lease lasts, seconds.
+    pub duration_s: u64,
+    /// The fewest cores worth having: the grant is all or nothing up to
+    /// this many (default: `cores`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_cores: Option<u32>,
+    /// Nodes to try first, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
+}
+
+/// One node's part of a grant, with its own token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeLease {
+    /// The node lease's id (the token's `lease_id`).
+    pub lease_id: u64,
+    /// The node.
+    pub node: String,
+    /// Its daemon's control address: allocate there.
+    pub control_addr: String,
+    /// The providers it serves.
+    pub providers: Vec<NodeProvider>,
+    /// Cores granted on it.
+    pub cores: u32,
+    /// Memory granted on it, MiB.
+    pub memory_mib: u64,
+    /// The signed lease token the daemon checks.
+    pub token: String,
+}
+
+/// A grant: one or more node leases under one id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    /// The grant's id: renew and release it with this.
+    pub id: u64,
+    /// When every node lease ends, Unix seconds.
+    pub expires_at: u64,
+    /// The node leases.
+    pub leases: Vec<NodeLease>,
+}
+
+/// `POST /v1/leases/{id}/renew`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    /// The new duration, seconds from now.
+    pub duration_s: u64,
+}
+
+/// Every error reply: a stable kind, a sentence for people, and the figures
+/// the kind names (quota cap and use, retry delay), flattened into the same
+/// object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// Stable, `snake_case`: `no_capacity`, `quota_exceeded`,
+    /// `unauthorized`, `forbidden`, `malformed_request`, `not_found`, ...
+    pub error: String,
+    /// What happened and what to do.
+    pub message: String,
+    /// Figures of this kind of error.
+    #[serde(flatten)]
+    pub details: serde_json::Map<String, serde_json::Value>,
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_body_is_the_documented_json() {
+        let body = RegisterNode {
+            control_addr: "10.0.0.1:7100".into(),
+            providers: vec![
+                NodeProvider {
+                    name: "tcp".into(),
+                    host: Some("10.0.0.1".into()),
+                },
+                NodeProvider {
+                    name: "shm".into(),
+                    host: None,
+                },
+            ],
+            cores: 2,
+            memory_mib: 4096,
+            version: "0.1.0".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&body).unwrap(),
+            r#"{"control_addr":"10.0.0.1:7100","providers":[{"name":"tcp","host":"10.0.0.1"},{"name":"shm"}],"cores":2,"memory_mib":4096,"version":"0.1.0"}"#
+        );
+    }
+
+    #[test]
+    fn requests_refuse_unknown_keys_and_replies_ignore_them() {
+        let typo = r#"{"cores":1,"memory_mib":64,"duration_s":60,"min_core":1}"#;
+        let err = serde_json::from_str::<LeaseRequest>(typo).unwrap_err();
+        assert!(err.to_string().contains("min_core"), "{err}");
+        let newer = r#"{"ended_leases":[3,4],"added_later":true}"#;
+        let reply: HeartbeatReply = serde_json::from_str(newer).unwrap();
+        assert_eq!(reply.ended_leases, vec![3, 4]);
+    }
+
+    #[test]
+    fn lease_request_defaults() {
+        let req: LeaseRequest =
+            serde_json::from_str(r#"{"cores":4,"memory_mib":512,"duration_s":600}"#).unwrap();
+        assert_eq!(req.min_cores, None);
+        assert!(req.nodes.is_empty());
+        assert_eq!(
+            serde_json::to_string(&req).unwrap(),
+            r#"{"cores":4,"memory_mib":512,"duration_s":600}"#
+        );
+    }
+
+    #[test]
+    fn api_error_flattens_its_figures() {
+        let text = r#"{"error":"quota_exceeded","message":"over","cap":8,"in_use":6}"#;
+        let err: ApiError = serde_json::from_str(text).unwrap();
+        assert_eq!(err.error, "quota_exceeded");
+        assert_eq!(err.details["cap"], 8);
+        assert_eq!(serde_json::to_string(&err).unwrap(), text);
+    }
+
+    #[test]
+    fn node_state_is_snake_case() {
+        assert_eq!(
+            serde_json::to_string(&NodeState::Lost).unwrap(),
+            r#""lost""#
+        );
+        let up: NodeState = serde_json::from_str(r#""up""#).unwrap();
+        assert_eq!(up, NodeState::Up);
+    }
+}
