@@ -697,6 +697,9 @@ fn the_example_configuration_parses() {
     assert_eq!(s.node_name, "node001");
     assert_eq!(s.cpus, [0, 1]);
     assert_eq!(s.providers, ["tcp", "shm"]);
+    let m = s.manager.as_ref().unwrap();
+    assert_eq!(m.urls, ["http://manager1:7000", "http://manager2:7000"]);
+    assert_eq!(m.max_backoff_ms, 30_000);
     // Every key is documented (worker_path commented out: its default
     // depends on where the daemon is installed).
     let text = std::fs::read_to_string(&path).unwrap();
@@ -713,6 +716,10 @@ fn the_example_configuration_parses() {
         "runtime_dir",
         "pool_size",
         "worker_path",
+        "urls",
+        "credential_file",
+        "advertise",
+        "max_backoff_ms",
         "sandbox",
         "bwrap_path",
         "max_library_mib",

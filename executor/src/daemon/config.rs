@@ -73,6 +73,99 @@ pub struct Config {
     pub request_threads: Option<u32>,
     /// `error`, `warn`, `info`, `debug` or `trace`.
     pub log_level: Option<String>,
+    /// The resource managers this node registers with; without it the
+    /// daemon runs alone and serves hand-minted leases.
+    pub manager: Option<ManagerConfig>,
+}
+
+/// The `[manager]` table: where to register and heartbeat.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ManagerConfig {
+    /// Base URLs of the manager replicas (`http://host:port`), tried in
+    /// turn.
+    pub urls: Vec<String>,
+    /// The node's credential (minted by `rfaasctl credential node NAME`),
+    /// in a file only its owner may read.
+    pub credential_file: Option<PathBuf>,
+    /// The control address clients are told to allocate on (default: the
+    /// listener's address, with `fabric_host` when it listens on every
+    /// interface).
+    pub advertise: Option<String>,
+    /// The longest wait between two registration attempts while no
+    /// manager answers, ms (default 30000).
+    pub max_backoff_ms: Option<u64>,
+}
+
+/// The checked `[manager]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManagerSettings {
+    /// Manager base URLs, without a trailing slash.
+    pub urls: Vec<String>,
+    /// The node credential's file.
+    pub credential_file: PathBuf,
+    /// The advertised control address, when set.
+    pub advertise: Option<String>,
+    /// The longest backoff, ms.
+    pub max_backoff_ms: u64,
+}
+
+impl ManagerConfig {
+    fn resolve(&self) -> Result<ManagerSettings, ConfigError> {
+        let invalid =
+            |key: &'static str, value: &dyn std::fmt::Debug, why: &str| ConfigError::Invalid {
+                key,
+                value: format!("{value:?}"),
+                why: why.to_owned(),
+            };
+        if self.urls.is_empty() {
+            return Err(invalid(
+                "manager.urls",
+                &self.urls,
+                "name at least one manager, such as \"http://manager1:7000\"",
+            ));
+        }
+        let mut urls = Vec::with_capacity(self.urls.len());
+        for url in &self.urls {
+            let rest = url.strip_prefix("http://").ok_or_else(|| {
+                invalid(
+                    "manager.urls",
+                    url,
+                    "use http://host:port (TLS belongs to a proxy in front of the manager)",
+                )
+            })?;
+            if rest.trim_end_matches('/').is_empty() || rest.contains(char::is_whitespace) {
+                return Err(invalid(
+                    "manager.urls",
+                    url,
+                    "name a host, as in http://host:port",
+                ));
+            }
+            urls.push(url.trim_end_matches('/').to_owned());
+        }
+        if let Some(a) = &self.advertise {
+            if a.rsplit_once(':')
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .is_none()
+            {
+                return Err(invalid("manager.advertise", a, "use host:port"));
+            }
+        }
+        let max_backoff_ms = match self.max_backoff_ms {
+            Some(0) => return Err(invalid("manager.max_backoff_ms", &0, "use at least 1")),
+            Some(v) => v,
+            None => 30_000,
+        };
+        Ok(ManagerSettings {
+            urls,
+            credential_file: self
+                .credential_file
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("/etc/rfaas/node.credential")),
+            advertise: self.advertise.clone(),
+            max_backoff_ms,
+        })
+    }
 }
 
 /// How workers are isolated beyond their uid, pinning and memory limit.
@@ -181,6 +274,8 @@ pub struct Settings {
     pub request_threads: u32,
     /// Log level.
     pub log_level: tracing::Level,
+    /// Registration with the managers, when configured.
+    pub manager: Option<ManagerSettings>,
 }
 
 /// The default place of the node tools' socket.
@@ -379,6 +474,11 @@ impl Config {
             library_memory_mib,
             request_threads: request_threads as u32,
             log_level,
+            manager: self
+                .manager
+                .as_ref()
+                .map(ManagerConfig::resolve)
+                .transpose()?,
         })
     }
 }
@@ -534,5 +634,36 @@ mod tests {
             .resolve()
             .unwrap_err();
         assert!(err.to_string().contains("control_listen"), "{err}");
+    }
+
+    #[test]
+    fn manager_table_checks() {
+        let resolve = |t: &str| Config::parse(t).unwrap().resolve();
+        assert_eq!(resolve("").unwrap().manager, None);
+        let s = resolve("[manager]\nurls = [\"http://m1:7000/\"]\n").unwrap();
+        let m = s.manager.unwrap();
+        assert_eq!(m.urls, ["http://m1:7000"], "a trailing slash is dropped");
+        assert_eq!(m.credential_file, Path::new("/etc/rfaas/node.credential"));
+        for (text, key) in [
+            ("[manager]\nurls = []", "manager.urls"),
+            (
+                "[manager]\nurls = [\"https://m1:7000\"]",
+                "TLS belongs to a proxy",
+            ),
+            ("[manager]\nurls = [\"http://\"]", "name a host"),
+            (
+                "[manager]\nurls = [\"http://m\"]\nadvertise = \"nohost\"",
+                "manager.advertise",
+            ),
+            (
+                "[manager]\nurls = [\"http://m\"]\nmax_backoff_ms = 0",
+                "manager.max_backoff_ms",
+            ),
+        ] {
+            let err = resolve(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
+        let err = Config::parse("[manager]\nurls = [\"http://m\"]\nurl = 1").unwrap_err();
+        assert!(err.contains("url"), "{err}");
     }
 }

@@ -7,7 +7,7 @@
 //! local connection, one epoll set), a fixed pool of request threads for
 //! allocations and a smaller one for deallocations and node-tool requests,
 //! the spawner (every worker is forked from it), one watcher per worker,
-//! the lease ticker, and the main thread waiting for SIGTERM/SIGINT.
+//! the lease ticker, the manager link (when `[manager]` is set), and the main thread waiting for SIGTERM/SIGINT.
 //!
 //! # Layout
 //!
@@ -28,6 +28,7 @@
 //! - `allocate`: one allocation's steps in order (validation, the lease
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume).
+//! - `register`: registration and heartbeats with the resource managers.
 
 pub mod config;
 pub mod secret;
@@ -41,6 +42,7 @@ mod local;
 mod memlimit;
 mod pool;
 mod process;
+mod register;
 mod server;
 mod state;
 mod supervise;
@@ -53,7 +55,7 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 
-pub use config::{Config, ConfigError, Sandbox, Settings};
+pub use config::{Config, ConfigError, ManagerConfig, ManagerSettings, Sandbox, Settings};
 pub use secret::SecretError;
 
 use epoll::Waker;
@@ -80,6 +82,9 @@ pub enum StartError {
         #[source]
         source: io::Error,
     },
+    /// The node credential for the managers is unusable.
+    #[error("{0}")]
+    Credential(String),
     /// The worker binary is not there.
     #[error("the worker binary {0} does not exist; install rfaas-worker next to rfaas-executord or set worker_path")]
     NoWorker(PathBuf),
@@ -95,6 +100,8 @@ pub struct Daemon {
     control_addr: SocketAddr,
     inbox: mpsc::Receiver<LoopMsg>,
     waker: Arc<Waker>,
+    /// The node credential, when `[manager]` is configured.
+    credential: Option<String>,
 }
 
 impl Daemon {
@@ -106,6 +113,12 @@ impl Daemon {
             move |source| StartError::Io { what, path, source }
         };
         let secret = secret::read_secret(&settings.secret_file)?;
+        let credential = match &settings.manager {
+            Some(m) => Some(
+                register::read_credential(&m.credential_file).map_err(StartError::Credential)?,
+            ),
+            None => None,
+        };
         if !settings.worker_path.exists() {
             return Err(StartError::NoWorker(settings.worker_path.clone()));
         }
@@ -160,6 +173,7 @@ impl Daemon {
             control_addr,
             inbox,
             waker,
+            credential,
         })
     }
 
@@ -186,7 +200,8 @@ impl Daemon {
             local,
             inbox,
             waker,
-            ..
+            control_addr,
+            credential,
         } = self;
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.to_owned()).spawn(f)
@@ -195,6 +210,14 @@ impl Daemon {
         spawn("spawner", Box::new(move || supervise::spawner(s, jobs)))?;
         let s = Arc::clone(&shared);
         spawn("leases", Box::new(move || supervise::lease_ticker(s)))?;
+        if let Some(credential) = credential {
+            let s = Arc::clone(&shared);
+            let record = register::node_record(&s.settings, control_addr);
+            spawn(
+                "manager",
+                Box::new(move || register::run(s, record, credential)),
+            )?;
+        }
         let server = Server::new(Arc::clone(&shared), control, local, inbox, waker)?;
         let connections = std::thread::Builder::new()
             .name("connections".into())

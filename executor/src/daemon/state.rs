@@ -33,6 +33,9 @@ pub(crate) enum Stop {
     Failed,
     /// The lease ended.
     LeaseExpired,
+    /// The manager ended the lease before its expiry (released by its job,
+    /// or revoked).
+    LeaseEnded,
     /// The node is being retrieved (a drain).
     Drained,
     /// The daemon is shutting down (SIGTERM, SIGINT).
@@ -152,7 +155,18 @@ pub(crate) struct State {
     /// `WorkerExited` reports decided but not yet queued for the
     /// connection loop; shutdown waits for them.
     pub reports_pending: usize,
+    /// Leases the manager ended before their expiry, with when it said so
+    /// (Unix seconds): their tokens must not allocate again. Bounded by
+    /// [`ENDED_LEASES_KEPT`] entries and [`ENDED_LEASES_KEPT_S`].
+    pub ended_leases: BTreeMap<u64, u64>,
 }
+
+/// Most ended leases remembered (16 bytes each); the oldest go first.
+pub(crate) const ENDED_LEASES_KEPT: usize = 65_536;
+
+/// How long an ended lease is remembered, seconds: longer than any lease a
+/// manager grants by default (`max_lease_s`, one day).
+pub(crate) const ENDED_LEASES_KEPT_S: u64 = 7 * 24 * 3600;
 
 /// What every thread of the daemon shares.
 #[derive(Debug)]
@@ -189,6 +203,7 @@ impl Shared {
                 allocations: BTreeMap::new(),
                 pool: Vec::new(),
                 reports_pending: 0,
+                ended_leases: BTreeMap::new(),
             }),
             changed: Condvar::new(),
             spawner,
@@ -285,6 +300,35 @@ impl Shared {
             .count()
     }
 
+    /// Ends the leases in `ids` as the manager asked: their allocations'
+    /// workers are killed (clients hear `lease_expired`, "the manager ended
+    /// its lease"), and their tokens are refused from now on. Returns how
+    /// many workers were signalled. Does not wait: the watchers reap them.
+    pub(crate) fn end_leases(&self, ids: &[u64], now: u64) -> usize {
+        let mut st = self.lock();
+        let mut signalled = 0;
+        for &lease in ids {
+            st.ended_leases.insert(lease, now);
+        }
+        for a in st.allocations.values_mut() {
+            if a.stop.is_none() && ids.contains(&a.lease_id) {
+                a.stop = Some(Stop::LeaseEnded);
+                if let Some(pid) = a.pid {
+                    tracing::info!(
+                        allocation = a.id,
+                        lease = a.lease_id,
+                        pid,
+                        "the manager ended the lease; killing its worker"
+                    );
+                    process::signal(pid, libc::SIGKILL);
+                    signalled += 1;
+                }
+            }
+        }
+        prune_ended_leases(&mut st.ended_leases, now);
+        signalled
+    }
+
     /// Kills every idle pooled worker (their watchers reap them).
     pub(crate) fn empty_pool(&self, st: &mut State) {
         for w in &st.pool {
@@ -320,5 +364,42 @@ impl Shared {
                 "some workers were not reaped in time"
             );
         }
+    }
+}
+
+/// Forgets ended leases older than [`ENDED_LEASES_KEPT_S`], then the oldest
+/// beyond [`ENDED_LEASES_KEPT`].
+pub(crate) fn prune_ended_leases(ended: &mut BTreeMap<u64, u64>, now: u64) {
+    ended.retain(|_, at| now.saturating_sub(*at) < ENDED_LEASES_KEPT_S);
+    if ended.len() > ENDED_LEASES_KEPT {
+        let mut times: Vec<u64> = ended.values().copied().collect();
+        times.sort_unstable();
+        let cut = times[ended.len() - ENDED_LEASES_KEPT];
+        ended.retain(|_, at| *at >= cut);
+        while ended.len() > ENDED_LEASES_KEPT {
+            ended.pop_first();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ended_leases_stay_bounded_in_age_and_number() {
+        let mut ended = BTreeMap::new();
+        ended.insert(1, 0);
+        ended.insert(2, ENDED_LEASES_KEPT_S);
+        prune_ended_leases(&mut ended, ENDED_LEASES_KEPT_S + 10);
+        assert_eq!(ended.keys().copied().collect::<Vec<_>>(), vec![2]);
+
+        let mut many: BTreeMap<u64, u64> = (0..ENDED_LEASES_KEPT as u64 + 10)
+            .map(|i| (i, 100 + i))
+            .collect();
+        prune_ended_leases(&mut many, 200);
+        assert_eq!(many.len(), ENDED_LEASES_KEPT);
+        assert!(!many.contains_key(&0), "the oldest go first");
+        assert!(many.contains_key(&(ENDED_LEASES_KEPT as u64 + 9)));
     }
 }

@@ -233,6 +233,10 @@ pub(crate) fn describe(
             ExitCause::LeaseExpired,
             format!("worker {pid} stopped: the lease expired at {expires_at} (Unix seconds)"),
         ),
+        (Some(Stop::LeaseEnded), ..) => (
+            ExitCause::LeaseExpired,
+            format!("worker {pid} stopped: the manager ended its lease (released or revoked); request a new lease"),
+        ),
         (Some(Stop::Drained), ..) => (
             ExitCause::Drained,
             format!("worker {pid} stopped: its node is being retrieved (drained); allocate on another executor"),

@@ -57,6 +57,16 @@ pub(super) fn reserve(
         st.capacity.release(claims.lease_id, &cpus, req.memory_mib);
         Err((code, m))
     };
+    if st.ended_leases.contains_key(&claims.lease_id) {
+        return refuse(
+            &mut st,
+            ErrorCode::TokenExpired,
+            format!(
+                "lease {} was ended by the manager (released or revoked) before its expiry; request a new lease",
+                claims.lease_id
+            ),
+        );
+    }
     if st.draining {
         let why = if st.stopping {
             "is shutting down"
