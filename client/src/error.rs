@@ -135,6 +135,28 @@ pub enum Error {
         /// The limit.
         after: Duration,
     },
+    /// A resource manager refused a lease request (or its renewal or
+    /// release), or still answered "nothing fits" (`503`, kind
+    /// `no_capacity`) when the request's deadline came. Retryable for
+    /// `503` and other 5xx only.
+    #[error("the manager refused the request ({kind}, HTTP {status}): {message}")]
+    Manager {
+        /// The HTTP status.
+        status: u16,
+        /// The manager's stable error kind (`no_capacity`,
+        /// `quota_exceeded`, `unauthorized`, ...).
+        kind: String,
+        /// The manager's sentence: what failed and what to do.
+        message: String,
+    },
+    /// No manager answered before the request's deadline. Retryable.
+    #[error("no manager answered (last tried {url}: {why}); check that rfaas-manager runs there and the URL is right")]
+    ManagerUnreachable {
+        /// The last URL tried.
+        url: String,
+        /// Why it did not answer.
+        why: String,
+    },
     /// A local fabric call failed.
     #[error("fabric: {0}")]
     Fabric(#[from] rfaas_fabric::Error),
@@ -156,6 +178,8 @@ impl Error {
         match self {
             Error::Refused { code, .. } => code.is_retryable(),
             Error::FunctionFailed(status) => status.is_retryable(),
+            Error::Manager { status, .. } => *status >= 500,
+            Error::ManagerUnreachable { .. } => true,
             Error::WorkerCrashed { .. }
             | Error::ExecutorStopped { .. }
             | Error::ExecutorLost { .. }
@@ -190,6 +214,8 @@ impl Error {
             Error::Timeout { what, .. } => *what == INVOCATION,
             Error::Fabric(e) => e.is_retryable(),
             Error::Refused { .. }
+            | Error::Manager { .. }
+            | Error::ManagerUnreachable { .. }
             | Error::WorkerCrashed { .. }
             | Error::ExecutorStopped { .. }
             | Error::ExecutorLost { .. }
@@ -234,6 +260,9 @@ impl Error {
                 Next::Elsewhere
             }
             Error::AllLanesBusy | Error::BufferBusy | Error::Timeout { .. } => Next::Retry,
+            Error::Manager { status, .. } if *status >= 500 => Next::Retry,
+            Error::Manager { .. } => Next::Fix,
+            Error::ManagerUnreachable { .. } => Next::Retry,
             Error::UnknownFunction(_) | Error::InvalidArgument(_) => Next::Fix,
             Error::Fabric(e) if e.is_retryable() => Next::Retry,
             Error::Fabric(_) => Next::Fix,

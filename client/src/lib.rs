@@ -33,6 +33,8 @@
 //! - [`client`]: [`Client`], the fabric and the cached control
 //!   connections; allocation and its cold-start timings.
 //! - [`spec`]: [`ClientOptions`] and [`AllocationSpec`].
+//! - [`lease`]: [`Managers`] and [`Lease`]: leases from the resource
+//!   manager, with backoff, failover, renewal and release.
 //! - [`allocation`]: [`Allocation`] (submit, invoke, retry, deallocate),
 //!   [`FunctionId`], [`ColdStart`].
 //! - [`buffer`]: [`Buffer`], registered memory with the request header's
@@ -55,6 +57,7 @@ mod control;
 pub mod error;
 pub mod invocation;
 mod lane;
+pub mod lease;
 pub mod spec;
 mod spin;
 
@@ -63,6 +66,7 @@ pub use buffer::{Buffer, Pod};
 pub use client::Client;
 pub use error::{Error, Next, Result};
 pub use invocation::Invocation;
+pub use lease::{Lease, Managers};
 pub use rfaas_proto::control::{ErrorCode, ExitCause};
 pub use rfaas_proto::InvocationStatus;
 pub use spec::{AllocationSpec, ClientOptions, Mode};
