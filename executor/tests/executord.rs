@@ -716,6 +716,7 @@ fn the_example_configuration_parses() {
         "runtime_dir",
         "pool_size",
         "worker_path",
+        "metrics_listen",
         "urls",
         "credential_file",
         "advertise",

@@ -73,6 +73,8 @@ pub struct Config {
     pub request_threads: Option<u32>,
     /// `error`, `warn`, `info`, `debug` or `trace`.
     pub log_level: Option<String>,
+    /// Address of the `/metrics` and `/healthz` listener (default: none).
+    pub metrics_listen: Option<String>,
     /// The resource managers this node registers with; without it the
     /// daemon runs alone and serves hand-minted leases.
     pub manager: Option<ManagerConfig>,
@@ -274,6 +276,8 @@ pub struct Settings {
     pub request_threads: u32,
     /// Log level.
     pub log_level: tracing::Level,
+    /// The `/metrics` and `/healthz` listener, when configured.
+    pub metrics_listen: Option<SocketAddr>,
     /// Registration with the managers, when configured.
     pub manager: Option<ManagerSettings>,
 }
@@ -425,6 +429,16 @@ impl Config {
                 ),
             ));
         }
+        let metrics_listen = match &self.metrics_listen {
+            Some(a) => Some(a.parse::<SocketAddr>().map_err(|e| {
+                invalid(
+                    "metrics_listen",
+                    a,
+                    &format!("expected an IP address and port such as \"127.0.0.1:9108\" ({e})"),
+                )
+            })?),
+            None => None,
+        };
         let level = self.log_level.as_deref().unwrap_or("info");
         let log_level: tracing::Level = level
             .parse()
@@ -474,6 +488,7 @@ impl Config {
             library_memory_mib,
             request_threads: request_threads as u32,
             log_level,
+            metrics_listen,
             manager: self
                 .manager
                 .as_ref()

@@ -101,6 +101,7 @@ pub(crate) fn message(
                     library_len: blob_len,
                 })),
                 Err((code, message)) => {
+                    shared.metrics.refused(code);
                     // Past a valid token, a refusal is worth an operator's
                     // line; before it, anyone can cause one per request
                     // (the loop sums those up instead).
@@ -153,12 +154,15 @@ pub(crate) fn allocate(
         let mut done = DoneGuard::new(&shared.outbox, conn, held);
         let Pending { req, checked, .. } = *pending;
         let rid = req.request_id;
+        let started = std::time::Instant::now();
         let reply = match allocate::start(&shared, conn, &req, checked, &library) {
             Ok(ok) => {
                 done.granted = true;
+                shared.metrics.granted(started.elapsed().as_secs_f64());
                 Frame::new(&ok, Vec::new())
             }
             Err((code, message)) => {
+                shared.metrics.refused(code);
                 tracing::info!(request_id = rid, ?code, %message, "allocation refused");
                 refusal(rid, code, message)
             }

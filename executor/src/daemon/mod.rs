@@ -29,6 +29,7 @@
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume).
 //! - `register`: registration and heartbeats with the resource managers.
+//! - `metrics`: Prometheus metrics and the health check (`metrics_listen`).
 
 pub mod config;
 pub mod secret;
@@ -40,6 +41,7 @@ mod control;
 mod epoll;
 mod local;
 mod memlimit;
+mod metrics;
 mod pool;
 mod process;
 mod register;
@@ -102,6 +104,8 @@ pub struct Daemon {
     waker: Arc<Waker>,
     /// The node credential, when `[manager]` is configured.
     credential: Option<String>,
+    /// The `/metrics` listener, when configured.
+    metrics: Option<TcpListener>,
 }
 
 impl Daemon {
@@ -148,6 +152,14 @@ impl Daemon {
             source,
         })?;
         let local = bind_local(&settings.local_socket)?;
+        let metrics = match settings.metrics_listen {
+            Some(addr) => Some(TcpListener::bind(addr).map_err(|source| StartError::Io {
+                what: "listen on",
+                path: format!("{addr} (metrics_listen)"),
+                source,
+            })?),
+            None => None,
+        };
 
         let limiter = MemoryLimiter::detect();
         if settings.sandbox == Sandbox::Bubblewrap && settings.pool_size > 0 {
@@ -174,6 +186,7 @@ impl Daemon {
             inbox,
             waker,
             credential,
+            metrics,
         })
     }
 
@@ -202,6 +215,7 @@ impl Daemon {
             waker,
             control_addr,
             credential,
+            metrics,
         } = self;
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.to_owned()).spawn(f)
@@ -210,6 +224,10 @@ impl Daemon {
         spawn("spawner", Box::new(move || supervise::spawner(s, jobs)))?;
         let s = Arc::clone(&shared);
         spawn("leases", Box::new(move || supervise::lease_ticker(s)))?;
+        if let Some(listener) = metrics {
+            let s = Arc::clone(&shared);
+            spawn("metrics", Box::new(move || metrics::serve(s, listener)))?;
+        }
         if let Some(credential) = credential {
             let s = Arc::clone(&shared);
             let record = register::node_record(&s.settings, control_addr);

@@ -234,7 +234,9 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
     'register: loop {
         let mut failures = 0u32;
         let registered: Registered = loop {
-            match managers.call(true, &register_path, &record) {
+            let result = managers.call(true, &register_path, &record);
+            shared.metrics.manager_call("register", result.is_ok());
+            match result {
                 Ok(r) => break r,
                 Err(e) => {
                     // The first failure and every tenth are worth a line.
@@ -262,7 +264,9 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
                 return;
             }
             let beat = heartbeat(&shared);
-            match managers.call::<_, HeartbeatReply>(false, &heartbeat_path, &beat) {
+            let result = managers.call::<_, HeartbeatReply>(false, &heartbeat_path, &beat);
+            shared.metrics.manager_call("heartbeat", result.is_ok());
+            match result {
                 Ok(reply) => {
                     if outage {
                         tracing::info!(manager = managers.url(), "a manager answers again");

@@ -128,6 +128,8 @@ pub(crate) struct Allocation {
     pub cpus: Vec<u32>,
     pub memory_mib: u32,
     pub expires_at: u64,
+    /// Hot or warm lanes.
+    pub mode: rfaas_proto::control::Mode,
     /// The worker answered `WorkerReady` and the client was told.
     pub ready: bool,
     /// Set when the daemon decided to end the worker.
@@ -180,6 +182,8 @@ pub(crate) struct Shared {
     pub spawner: mpsc::Sender<SpawnJob>,
     /// The connection loop's inbox.
     pub outbox: Outbox,
+    /// Prometheus metrics.
+    pub metrics: super::metrics::Metrics,
     next_id: AtomicU64,
 }
 
@@ -208,6 +212,7 @@ impl Shared {
             changed: Condvar::new(),
             spawner,
             outbox,
+            metrics: super::metrics::Metrics::new(),
             next_id: AtomicU64::new(1),
         }
     }

@@ -105,6 +105,7 @@ pub(super) fn reserve(
             cpus: cpus.clone(),
             memory_mib: req.memory_mib,
             expires_at: claims.expires_at,
+            mode: req.mode,
             ready: false,
             stop: None,
             ended: None,

@@ -1,0 +1,307 @@
+//! Prometheus metrics and a health check, served on `metrics_listen`
+//! (`GET /metrics`, `GET /healthz`) by one small thread.
+//!
+//! Counters and the cold-start histogram are updated where things happen;
+//! gauges of the node's state (allocations, workers by state, lanes by
+//! mode, free capacity) are read from the shared state at each scrape, so
+//! they cannot drift from it.
+//!
+//! The server reads at most one request of 8 KiB per connection, with a
+//! short timeout, and answers only those two paths: a scrape is rare, and
+//! the port must not become a way to hold the daemon's resources.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounterVec, Opts, Registry, TextEncoder,
+};
+use rfaas_proto::control::{ErrorCode, Mode};
+
+use super::state::Shared;
+
+/// Longest request head read, bytes.
+const MAX_REQUEST: usize = 8192;
+/// How long a scraper may take to send its request.
+const READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The daemon's metrics.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    registry: Registry,
+    allocations: IntCounterVec,
+    cold_start: Histogram,
+    heartbeats: IntCounterVec,
+    registered: Gauge,
+    allocations_now: Gauge,
+    workers: GaugeVec,
+    lanes: GaugeVec,
+    cores: GaugeVec,
+    memory: GaugeVec,
+    /// Set once the manager link registered; cleared while it fails.
+    pub manager_ok: AtomicBool,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Metrics {
+        let registry =
+            Registry::new_custom(Some("rfaas_executord".into()), None).expect("a valid prefix");
+        let allocations = IntCounterVec::new(
+            Opts::new(
+                "allocations_total",
+                "Allocation requests answered, by result (granted, or the refusal's code)",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        let cold_start = Histogram::with_opts(
+            HistogramOpts::new(
+                "cold_start_seconds",
+                "From a checked allocation request to its worker's readiness (validation, worker, load, listen)",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+            ]),
+        )
+        .expect("valid metric");
+        let heartbeats = IntCounterVec::new(
+            Opts::new(
+                "manager_calls_total",
+                "Registrations and heartbeats sent to the managers, by outcome",
+            ),
+            &["call", "outcome"],
+        )
+        .expect("valid metric");
+        let registered = Gauge::new(
+            "manager_registered",
+            "1 while a manager accepts this node's heartbeats",
+        )
+        .expect("valid metric");
+        let allocations_now =
+            Gauge::new("allocations", "Allocations held now").expect("valid metric");
+        let workers = GaugeVec::new(
+            Opts::new(
+                "workers",
+                "Worker processes by state (pooled: idle and pre-spawned; starting; serving)",
+            ),
+            &["state"],
+        )
+        .expect("valid metric");
+        let lanes = GaugeVec::new(
+            Opts::new("lanes", "Lanes of live allocations by mode"),
+            &["mode"],
+        )
+        .expect("valid metric");
+        let cores = GaugeVec::new(
+            Opts::new("cores", "Cores lent, by state (free, allocated)"),
+            &["state"],
+        )
+        .expect("valid metric");
+        let memory = GaugeVec::new(
+            Opts::new("memory_mib", "Memory lent, MiB, by state (free, allocated)"),
+            &["state"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(allocations.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(cold_start.clone()),
+            Box::new(heartbeats.clone()),
+            Box::new(registered.clone()),
+            Box::new(allocations_now.clone()),
+            Box::new(workers.clone()),
+            Box::new(lanes.clone()),
+            Box::new(cores.clone()),
+            Box::new(memory.clone()),
+        ] {
+            registry.register(c).expect("distinct metric names");
+        }
+        Metrics {
+            registry,
+            allocations,
+            cold_start,
+            heartbeats,
+            registered,
+            allocations_now,
+            workers,
+            lanes,
+            cores,
+            memory,
+            manager_ok: AtomicBool::new(false),
+        }
+    }
+
+    /// An allocation was granted after `seconds` of starting its worker.
+    pub(crate) fn granted(&self, seconds: f64) {
+        self.allocations.with_label_values(&["granted"]).inc();
+        self.cold_start.observe(seconds);
+    }
+
+    /// An allocation was refused with `code`.
+    pub(crate) fn refused(&self, code: ErrorCode) {
+        let label = serde_json::to_value(code)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_else(|| "other".into());
+        self.allocations.with_label_values(&[label.as_str()]).inc();
+    }
+
+    /// A call to the managers (`register` or `heartbeat`) ended `ok` or
+    /// `failed`.
+    pub(crate) fn manager_call(&self, call: &str, ok: bool) {
+        self.heartbeats
+            .with_label_values(&[call, if ok { "ok" } else { "failed" }])
+            .inc();
+        self.manager_ok.store(ok, Ordering::Relaxed);
+    }
+
+    /// The text exposition, with the state's gauges read now.
+    pub(crate) fn render(&self, shared: &Shared) -> Vec<u8> {
+        {
+            let st = shared.lock();
+            self.allocations_now.set(st.allocations.len() as f64);
+            let serving = st
+                .allocations
+                .values()
+                .filter(|a| a.ready && a.pid.is_some())
+                .count();
+            let starting = st
+                .allocations
+                .values()
+                .filter(|a| !a.ready && a.pid.is_some())
+                .count();
+            self.workers
+                .with_label_values(&["pooled"])
+                .set(st.pool.len() as f64);
+            self.workers
+                .with_label_values(&["starting"])
+                .set(starting as f64);
+            self.workers
+                .with_label_values(&["serving"])
+                .set(serving as f64);
+            let (mut hot, mut warm) = (0usize, 0usize);
+            for a in st.allocations.values() {
+                match a.mode {
+                    Mode::Hot => hot += a.cpus.len(),
+                    _ => warm += a.cpus.len(),
+                }
+            }
+            self.lanes.with_label_values(&["hot"]).set(hot as f64);
+            self.lanes.with_label_values(&["warm"]).set(warm as f64);
+            let total = st.capacity.cpus().len();
+            let free = st.capacity.free_cpus().len();
+            self.cores.with_label_values(&["free"]).set(free as f64);
+            self.cores
+                .with_label_values(&["allocated"])
+                .set((total - free) as f64);
+            let mem = st.capacity.memory_mib();
+            let mem_free = st.capacity.free_memory_mib();
+            self.memory
+                .with_label_values(&["free"])
+                .set(f64::from(mem_free));
+            self.memory
+                .with_label_values(&["allocated"])
+                .set(f64::from(mem - mem_free));
+        }
+        self.registered
+            .set(if self.manager_ok.load(Ordering::Relaxed) {
+                1.0
+            } else {
+                0.0
+            });
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::warn!(error = %e, "cannot encode the metrics");
+        }
+        out
+    }
+}
+
+/// Serves `/metrics` and `/healthz` on `listener` until the daemon stops.
+pub(crate) fn serve(shared: Arc<Shared>, listener: TcpListener) {
+    for conn in listener.incoming() {
+        if shared.lock().stopping {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                if let Err(e) = answer(&shared, stream) {
+                    tracing::debug!(error = %e, "a metrics request failed");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot accept on the metrics port");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn answer(shared: &Shared, mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(READ_TIMEOUT))?;
+    stream.set_write_timeout(Some(READ_TIMEOUT))?;
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+        if head.len() > MAX_REQUEST {
+            return respond(
+                &mut stream,
+                "431 Request Header Fields Too Large",
+                "text/plain",
+                b"request too large\n",
+            );
+        }
+    }
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split(' ');
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    match (method, path) {
+        ("GET", "/metrics") => {
+            let body = shared.metrics.render(shared);
+            respond(&mut stream, "200 OK", "text/plain; version=0.0.4", &body)
+        }
+        ("GET", "/healthz") => {
+            let body = if shared.lock().stopping {
+                return respond(
+                    &mut stream,
+                    "503 Service Unavailable",
+                    "application/json",
+                    b"{\"status\":\"stopping\"}\n",
+                );
+            } else {
+                b"{\"status\":\"ok\"}\n".as_slice()
+            };
+            respond(&mut stream, "200 OK", "application/json", body)
+        }
+        ("GET", _) => respond(
+            &mut stream,
+            "404 Not Found",
+            "text/plain",
+            b"only /metrics and /healthz are served here\n",
+        ),
+        _ => respond(
+            &mut stream,
+            "405 Method Not Allowed",
+            "text/plain",
+            b"only GET is served here\n",
+        ),
+    }
+}
+
+fn respond(stream: &mut TcpStream, status: &str, kind: &str, body: &[u8]) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body)?;
+    stream.flush()
+}

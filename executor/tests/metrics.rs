@@ -1,0 +1,152 @@
+//! `metrics_listen`: the daemon's Prometheus metrics and health check, read
+//! over HTTP from a running daemon, and what the port does with requests
+//! that are not scrapes.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use rfaas_testkit::executord::{Executord, ExecutordOptions};
+use rfaas_testkit::functions::c_library_bytes;
+
+const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Sends `request` as is and returns the whole answer.
+fn http(addr: SocketAddr, request: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+fn get(addr: SocketAddr, path: &str) -> String {
+    http(
+        addr,
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+    )
+}
+
+/// The value of the sample named exactly `series` (name and labels).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+#[test]
+fn metrics_follow_allocations_and_refusals() {
+    let metrics = free_port();
+    let d = Executord::start(
+        Path::new(DAEMON),
+        ExecutordOptions {
+            cpus: "0-1".into(),
+            extra_config: format!("metrics_listen = \"{metrics}\""),
+            ..ExecutordOptions::default()
+        },
+    );
+    let before = get(metrics, "/metrics");
+    assert!(before.starts_with("HTTP/1.1 200"), "{before}");
+    assert_eq!(
+        sample(&before, "rfaas_executord_cores{state=\"free\"}"),
+        Some(2.0),
+        "{before}"
+    );
+    assert_eq!(
+        sample(&before, "rfaas_executord_allocations"),
+        Some(0.0),
+        "{before}"
+    );
+
+    d.allocate_and_deallocate(&c_library_bytes()).unwrap();
+    // A token from another cluster is refused, and counted as such.
+    let mut forged = rfaas_testkit::executord::request("rfaas1.e30.AAAA".into(), 1, &["echo"]);
+    forged.request_id = 9;
+    let mut s = TcpStream::connect(d.control_addr()).unwrap();
+    rfaas_proto::control::Frame::new(&forged, Vec::new())
+        .write_to(&mut s)
+        .unwrap();
+    let reply = rfaas_proto::control::Frame::read_from(&mut s, Default::default()).unwrap();
+    assert_eq!(reply.kind, rfaas_proto::control::Kind::Error);
+
+    let after = get(metrics, "/metrics");
+    assert_eq!(
+        sample(
+            &after,
+            "rfaas_executord_allocations_total{result=\"granted\"}"
+        ),
+        Some(1.0),
+        "{after}"
+    );
+    let refused: f64 = after
+        .lines()
+        .filter(|l| l.starts_with("rfaas_executord_allocations_total{result=\"token_"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(refused, 1.0, "{after}");
+    assert_eq!(
+        sample(&after, "rfaas_executord_cold_start_seconds_count"),
+        Some(1.0),
+        "{after}"
+    );
+    assert_eq!(
+        sample(&after, "rfaas_executord_cores{state=\"free\"}"),
+        Some(2.0),
+        "{after}"
+    );
+    assert!(
+        sample(&after, "rfaas_executord_workers{state=\"pooled\"}").is_some(),
+        "{after}"
+    );
+    assert_eq!(
+        sample(&after, "rfaas_executord_manager_registered"),
+        Some(0.0),
+        "{after}"
+    );
+    drop(d);
+}
+
+#[test]
+fn the_metrics_port_answers_only_scrapes_and_health() {
+    let metrics = free_port();
+    let d = Executord::start(
+        Path::new(DAEMON),
+        ExecutordOptions {
+            extra_config: format!("metrics_listen = \"{metrics}\""),
+            ..ExecutordOptions::default()
+        },
+    );
+    let health = get(metrics, "/healthz");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(health.ends_with("{\"status\":\"ok\"}\n"), "{health}");
+    assert!(get(metrics, "/nothing").starts_with("HTTP/1.1 404"));
+    let post = http(
+        metrics,
+        b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+    );
+    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    let mut huge = b"GET /metrics HTTP/1.1\r\nX-Pad: ".to_vec();
+    huge.extend(std::iter::repeat(b'a').take(16 * 1024));
+    huge.extend_from_slice(b"\r\n\r\n");
+    let big = http(metrics, &huge);
+    assert!(big.starts_with("HTTP/1.1 431"), "{big}");
+    // A scraper that connects and says nothing does not stop the next one.
+    let idle = TcpStream::connect(metrics).unwrap();
+    let again = get(metrics, "/healthz");
+    assert!(again.starts_with("HTTP/1.1 200"), "{again}");
+    drop(idle);
+    drop(d);
+}
