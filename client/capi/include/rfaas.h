@@ -237,6 +237,30 @@ enum rfaas_status
    * the buffers; the message gives the MiB needed. Ask for more.
    */
   RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL = 216,
+  /**
+   * The resource manager refused the request for another reason than
+   * those below (the message says which).
+   */
+  RFAAS_ERR_MANAGER = 300,
+  /**
+   * The managers had no cores to grant until the request's deadline
+   * (`503`, `no_capacity`). Retryable later.
+   */
+  RFAAS_ERR_MANAGER_NO_CAPACITY = 301,
+  /**
+   * The request is beyond the account's quota; the message gives the
+   * cap and the cores in use.
+   */
+  RFAAS_ERR_MANAGER_QUOTA = 302,
+  /**
+   * The manager refused the credential (missing, unknown, expired, or
+   * not allowed this request).
+   */
+  RFAAS_ERR_MANAGER_UNAUTHORIZED = 303,
+  /**
+   * No manager answered until the request's deadline. Retryable.
+   */
+  RFAAS_ERR_MANAGER_UNREACHABLE = 304,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -363,6 +387,19 @@ typedef struct rfaas_client rfaas_client;
 typedef struct rfaas_invocation rfaas_invocation;
 
 /**
+ * A granted lease: one node lease (an executor's address and a token) per
+ * node. Release it with `rfaas_lease_release`.
+ */
+typedef struct rfaas_lease rfaas_lease;
+
+/**
+ * The resource manager replicas a job asks for leases, and its
+ * credential. Thread-safe. Free it with `rfaas_managers_free`; leases
+ * keep what they need of it.
+ */
+typedef struct rfaas_managers rfaas_managers;
+
+/**
  * What a thread's last failure was, besides its message: what to do next,
  * whether the allocation still takes calls, and the signal that ended its
  * worker. From `rfaas_last_error_info()`.
@@ -480,6 +517,99 @@ struct rfaas_error_info rfaas_last_error_info(void);
  * 64 KiB input capacity, 1 MiB output capacity, the executor's deadline.
  */
 struct rfaas_alloc_options rfaas_alloc_options_default(void);
+
+/**
+ * Connects nothing yet: names the manager replicas, `urls` as
+ * `"http://host:port"` separated by commas (NULL: the environment's
+ * `RFAAS_MANAGERS`), and the job's `credential` (NULL: `RFAAS_CREDENTIAL`).
+ * A bad URL or an empty credential is `RFAAS_ERR_INVALID_ARGUMENT` at once.
+ *
+ * # Safety
+ *
+ * `urls` and `credential` are NULL or NUL-terminated strings; `out` is
+ * NULL or writable.
+ */
+rfaas_status rfaas_managers_new(const char *urls,
+                                const char *credential,
+                                struct rfaas_managers **out);
+
+/**
+ * Frees the replicas' handle. NULL is ignored. Leases stay usable.
+ *
+ * # Safety
+ *
+ * `managers` is NULL or from `rfaas_managers_new`, not freed before.
+ */
+void rfaas_managers_free(struct rfaas_managers *managers);
+
+/**
+ * Asks for `cores` cores (at least `min_cores` of them, all or nothing;
+ * 0 means `cores`) with `memory_mib` MiB per node, for `duration_s`
+ * seconds. While the managers answer that nothing fits, or do not answer,
+ * it retries with exponential backoff and jitter, failing over between
+ * the replicas, for up to `deadline_ms`; then it fails with
+ * `RFAAS_ERR_MANAGER_NO_CAPACITY` or `RFAAS_ERR_MANAGER_UNREACHABLE`.
+ *
+ * # Safety
+ *
+ * `managers` is NULL or from `rfaas_managers_new`; `out` is NULL or
+ * writable.
+ */
+rfaas_status rfaas_lease_request(const struct rfaas_managers *managers,
+                                 uint32_t cores,
+                                 uint32_t min_cores,
+                                 uint64_t memory_mib,
+                                 uint64_t duration_s,
+                                 uint64_t deadline_ms,
+                                 struct rfaas_lease **out);
+
+/**
+ * How many node leases `lease` holds (0 for NULL).
+ *
+ * # Safety
+ *
+ * `lease` is NULL or a live lease.
+ */
+size_t rfaas_lease_nodes(const struct rfaas_lease *lease);
+
+/**
+ * Node lease `index`: its executor's control address and its token, to
+ * pass to `rfaas_allocate`. The strings belong to the lease and stay
+ * valid until it is renewed or released.
+ *
+ * # Safety
+ *
+ * `lease` is NULL or a live lease; `executor` and `token` are NULL or
+ * writable.
+ */
+rfaas_status rfaas_lease_node(const struct rfaas_lease *lease,
+                              size_t index,
+                              const char **executor,
+                              const char **token);
+
+/**
+ * Extends the lease to `duration_s` seconds from now (retrying as
+ * `rfaas_lease_request` does, up to `deadline_ms`). The node leases get
+ * new tokens: earlier strings from `rfaas_lease_node` are freed.
+ *
+ * # Safety
+ *
+ * `lease` is NULL or a live lease, not used by another thread meanwhile.
+ */
+rfaas_status rfaas_lease_renew(struct rfaas_lease *lease,
+                               uint64_t duration_s,
+                               uint64_t deadline_ms);
+
+/**
+ * Releases the lease (its executors stop the workers under it) and frees
+ * it, also when the release fails: the lease then ends at its expiry, and
+ * the status says why. NULL is ignored.
+ *
+ * # Safety
+ *
+ * `lease` is NULL or a live lease, not freed before.
+ */
+rfaas_status rfaas_lease_release(struct rfaas_lease *lease);
 
 /**
  * Creates a client for the fabric `provider` ("tcp", "shm",

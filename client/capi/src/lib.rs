@@ -19,6 +19,8 @@
 //!   `rfaas_last_error_info`), panic containment, checked conversions of C
 //!   pointers and strings, the client's errors in C's words.
 //! - [`options`]: `rfaas_alloc_options`, `rfaas_mode`.
+//! - [`lease`]: `rfaas_managers`, `rfaas_lease`: leases from the resource
+//!   manager (backoff, failover, renewal, release).
 //! - [`client`]: `rfaas_client`, `rfaas_allocation`: allocate,
 //!   look functions up, deallocate.
 //! - [`buffer`]: `rfaas_buffer`, registered page-aligned bytes.
@@ -33,6 +35,8 @@ pub mod ffi;
 
 pub mod options;
 
+pub mod lease;
+
 pub mod client;
 
 pub mod buffer;
@@ -43,5 +47,6 @@ pub use buffer::*;
 pub use client::*;
 pub use ffi::{rfaas_error_info, rfaas_last_error, rfaas_last_error_info};
 pub use invocation::*;
+pub use lease::*;
 pub use options::*;
 pub use status::*;

@@ -139,12 +139,26 @@ pub enum rfaas_status {
     /// Refused: `memory_mib` is too small for the worker, the library and
     /// the buffers; the message gives the MiB needed. Ask for more.
     RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL = 216,
+    /// The resource manager refused the request for another reason than
+    /// those below (the message says which).
+    RFAAS_ERR_MANAGER = 300,
+    /// The managers had no cores to grant until the request's deadline
+    /// (`503`, `no_capacity`). Retryable later.
+    RFAAS_ERR_MANAGER_NO_CAPACITY = 301,
+    /// The request is beyond the account's quota; the message gives the
+    /// cap and the cores in use.
+    RFAAS_ERR_MANAGER_QUOTA = 302,
+    /// The manager refused the credential (missing, unknown, expired, or
+    /// not allowed this request).
+    RFAAS_ERR_MANAGER_UNAUTHORIZED = 303,
+    /// No manager answered until the request's deadline. Retryable.
+    RFAAS_ERR_MANAGER_UNREACHABLE = 304,
 }
 
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 45] = [
+const ALL: [rfaas_status; 50] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -190,6 +204,11 @@ const ALL: [rfaas_status; 45] = [
     RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
     RFAAS_ERR_REFUSED_INTERNAL,
     RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
+    RFAAS_ERR_MANAGER,
+    RFAAS_ERR_MANAGER_NO_CAPACITY,
+    RFAAS_ERR_MANAGER_QUOTA,
+    RFAAS_ERR_MANAGER_UNAUTHORIZED,
+    RFAAS_ERR_MANAGER_UNREACHABLE,
 ];
 
 impl rfaas_status {
@@ -259,6 +278,16 @@ impl rfaas_status {
             Error::Protocol(_) => RFAAS_ERR_PROTOCOL,
             Error::Connect { .. } => RFAAS_ERR_CONNECT,
             Error::Timeout { .. } => RFAAS_ERR_TIMEOUT,
+            Error::Manager { status: 503, .. } => RFAAS_ERR_MANAGER_NO_CAPACITY,
+            Error::Manager {
+                status: 401 | 403,
+                kind,
+                ..
+            } if kind != "quota_exceeded" => RFAAS_ERR_MANAGER_UNAUTHORIZED,
+            Error::Manager { kind, .. } if kind == "quota_exceeded" => RFAAS_ERR_MANAGER_QUOTA,
+            Error::Manager { status, .. } if *status >= 500 => RFAAS_ERR_MANAGER_UNREACHABLE,
+            Error::Manager { .. } => RFAAS_ERR_MANAGER,
+            Error::ManagerUnreachable { .. } => RFAAS_ERR_MANAGER_UNREACHABLE,
             Error::Fabric(f) if f.is_retryable() => RFAAS_ERR_FABRIC_TRANSIENT,
             Error::Fabric(_) => RFAAS_ERR_FABRIC,
             Error::Control(ControlError::Io(_)) => RFAAS_ERR_CONTROL_IO,
@@ -274,6 +303,8 @@ impl rfaas_status {
             self,
             RFAAS_ERR_CONNECT
                 | RFAAS_ERR_TIMEOUT
+                | RFAAS_ERR_MANAGER_NO_CAPACITY
+                | RFAAS_ERR_MANAGER_UNREACHABLE
                 | RFAAS_ERR_CONTROL_IO
                 | RFAAS_ERR_ALL_LANES_BUSY
                 | RFAAS_ERR_BUFFER_BUSY
@@ -341,6 +372,11 @@ impl rfaas_status {
             RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION => c"RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION",
             RFAAS_ERR_REFUSED_INTERNAL => c"RFAAS_ERR_REFUSED_INTERNAL",
             RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL => c"RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL",
+            RFAAS_ERR_MANAGER => c"RFAAS_ERR_MANAGER",
+            RFAAS_ERR_MANAGER_NO_CAPACITY => c"RFAAS_ERR_MANAGER_NO_CAPACITY",
+            RFAAS_ERR_MANAGER_QUOTA => c"RFAAS_ERR_MANAGER_QUOTA",
+            RFAAS_ERR_MANAGER_UNAUTHORIZED => c"RFAAS_ERR_MANAGER_UNAUTHORIZED",
+            RFAAS_ERR_MANAGER_UNREACHABLE => c"RFAAS_ERR_MANAGER_UNREACHABLE",
         }
     }
 
