@@ -22,9 +22,10 @@ ensure_packages() {
 BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
 
 # What the tests need besides the build: bubblewrap (the executor's sandbox
-# tests) and OpenMPI (the MPI example).
+# tests), OpenMPI (the MPI example) and Debian's Prometheus server (the
+# scrape tests; its package does not start it outside systemd).
 # shellcheck disable=SC2034
-TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev)
+TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus)
 
 # The one build CI makes, in scripts/test.sh's first step: the whole
 # workspace, every target, with the verbs provider, debug profile, cargo's

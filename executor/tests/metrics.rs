@@ -150,3 +150,31 @@ fn the_metrics_port_answers_only_scrapes_and_health() {
     drop(idle);
     drop(d);
 }
+
+/// Debian's Prometheus scrapes the daemon, and a value comes back through
+/// its query API: the exposition is one a real server accepts.
+#[test]
+fn prometheus_scrapes_the_daemon() {
+    let metrics = free_port();
+    let d = Executord::start(
+        Path::new(DAEMON),
+        ExecutordOptions {
+            cpus: "0-1".into(),
+            extra_config: format!("metrics_listen = \"{metrics}\""),
+            ..ExecutordOptions::default()
+        },
+    );
+    let prom = rfaas_testkit::prometheus::Prometheus::start(&[metrics.to_string()]).unwrap();
+    let free = prom
+        .wait_for(
+            "rfaas_executord_cores{state=\"free\"}",
+            Duration::from_secs(30),
+            |v| v == 2.0,
+        )
+        .unwrap();
+    assert_eq!(free, 2.0);
+    let up = prom.wait_for("up{job=\"rfaas\"}", Duration::from_secs(10), |v| v == 1.0);
+    assert_eq!(up, Ok(1.0));
+    drop(prom);
+    drop(d);
+}

@@ -11,11 +11,14 @@
 //! - [`functions`]: builds the example function libraries
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
+//! - [`prometheus`]: a real Prometheus server scraping given targets, and
+//!   queries through its HTTP API.
 
 pub mod abuse;
 pub mod cpus;
 pub mod executord;
 pub mod functions;
+pub mod prometheus;
 
 use std::path::PathBuf;
 
