@@ -135,6 +135,38 @@ fn send_zeros(s: &mut TcpStream, mut n: usize) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Whether the daemon has read everything sent on `s` (its socket's
+/// receive queue, as /proc/net/tcp shows it, is empty) or answered it (a
+/// refusal waiting to be read).
+fn settled(s: &TcpStream) -> bool {
+    let mut peek = [0u8; 1];
+    s.set_nonblocking(true).unwrap();
+    let answered = s.peek(&mut peek).is_ok();
+    s.set_nonblocking(false).unwrap();
+    if answered {
+        return true;
+    }
+    let (ours, theirs) = (
+        s.local_addr().unwrap().port(),
+        s.peer_addr().unwrap().port(),
+    );
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    // Columns: sl local_address rem_address st tx_queue:rx_queue ...
+    table.lines().skip(1).any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let port = |a: &str| {
+            a.rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok())
+        };
+        let rx = f[4]
+            .split(':')
+            .nth(1)
+            .and_then(|q| u64::from_str_radix(q, 16).ok());
+        port(f[1]) == Some(theirs) && port(f[2]) == Some(ours) && rx == Some(0)
+    })
+}
+
 fn read_refusal(s: &mut TcpStream) -> ErrorReply {
     s.set_read_timeout(Some(MINUTE)).unwrap();
     let f = Frame::read_from(s, FrameLimits::default()).expect("an answer");
@@ -276,6 +308,17 @@ fn large_unchecked_json_is_bounded_in_all() {
         // may fail).
         let _ = send_zeros(&mut s, JSON - 1);
         open.push(s);
+    }
+    // The daemon reads at its own pace: wait until it has read every byte
+    // sent (or refused the connection), so the count below does not depend
+    // on how busy the machine is.
+    let until = std::time::Instant::now() + MINUTE;
+    while !open.iter().all(settled) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the daemon stopped reading"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
     let held = Usage::of(d.pid());
     assert!(
