@@ -9,17 +9,28 @@
 
 use std::time::{Duration, Instant};
 
+use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, Mode};
 
 const USAGE: &str = "\
-Usage: offload_matmul --executor HOST:PORT --token TOKEN --library FILE [OPTIONS]
+Usage: offload_matmul --managers URLS --credential CRED --library FILE [OPTIONS]
+       offload_matmul --executor HOST:PORT --token TOKEN --library FILE [OPTIONS]
 
 A job that multiplies two n x n matrices (f64) and has an rfaas worker
 compute half of the product's rows while it computes the other half. It
 times the same product computed here alone, prints both times and the
 speedup (or the slowdown), and checks the result.
 
+With --managers, the job asks the resource manager for a lease of one
+core (retrying with backoff while none is free, for up to 60 s), allocates
+on the node it gets, and releases the lease at the end. With --executor and
+--token it uses a lease minted by hand (rfaas-token) on that executor.
+
 Options:
+  --managers URLS       the resource manager replicas, comma-separated
+                        (http://host:port); default: $RFAAS_MANAGERS
+  --credential CRED     the job's credential for the managers (rfaasctl
+                        credential user); default: $RFAAS_CREDENTIAL
   --executor HOST:PORT  the executor daemon's control address (the
                         `control=` of rfaas-executord's ready line);
                         default: $RFAAS_EXECUTOR
@@ -36,6 +47,8 @@ Options:
 ";
 
 struct Args {
+    managers: String,
+    credential: String,
     executor: String,
     token: String,
     library: String,
@@ -47,6 +60,8 @@ struct Args {
 /// The arguments, or `None` for `--help`.
 fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
+        managers: std::env::var("RFAAS_MANAGERS").unwrap_or_default(),
+        credential: std::env::var("RFAAS_CREDENTIAL").unwrap_or_default(),
         executor: std::env::var("RFAAS_EXECUTOR").unwrap_or_default(),
         token: std::env::var("RFAAS_TOKEN").unwrap_or_default(),
         library: String::new(),
@@ -59,6 +74,8 @@ fn parse_args() -> Result<Option<Args>, String> {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
             "-h" | "--help" => return Ok(None),
+            "--managers" => args.managers = value()?,
+            "--credential" => args.credential = value()?,
             "--executor" => args.executor = value()?,
             "--token" => args.token = value()?,
             "--library" => args.library = value()?,
@@ -68,8 +85,13 @@ fn parse_args() -> Result<Option<Args>, String> {
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    if args.executor.is_empty() || args.token.is_empty() || args.library.is_empty() {
-        return Err("--executor, --token and --library are required".into());
+    let leased = !args.managers.is_empty() && !args.credential.is_empty();
+    let minted = !args.executor.is_empty() && !args.token.is_empty();
+    if !(leased || minted) || args.library.is_empty() {
+        return Err(
+            "--library and either --managers with --credential or --executor with --token are required"
+                .into(),
+        );
     }
     if args.n < 2 || args.reps == 0 {
         return Err(format!(
@@ -173,7 +195,33 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         .mode(Mode::Hot)
         .input_capacity(((16 + 8 * (half * n + n * n)) as u32).next_multiple_of(4096) + 4096)
         .output_capacity((8 * half * n) as u32);
-    let alloc = client.allocate(&args.executor, &args.token, &spec)?;
+    // A lease from the manager, or the one given by hand.
+    let lease;
+    let (executor, token) = if !args.managers.is_empty() && !args.credential.is_empty() {
+        let managers = Managers::new(args.managers.split(','), &args.credential)?;
+        let want = LeaseRequest {
+            cores: 1,
+            memory_mib: 512,
+            duration_s: 600,
+            min_cores: None,
+            nodes: Vec::new(),
+        };
+        lease = Some(managers.request(&want, Duration::from_secs(60))?);
+        let node = lease.as_ref().expect("just granted").nodes().remove(0);
+        println!(
+            "lease {} from the manager: {} core on {} ({}), until {} (Unix s)",
+            lease.as_ref().expect("just granted").id(),
+            node.cores,
+            node.node,
+            node.control_addr,
+            lease.as_ref().expect("just granted").expires_at()
+        );
+        (node.control_addr, node.token)
+    } else {
+        lease = None;
+        (args.executor.clone(), args.token.clone())
+    };
+    let alloc = client.allocate(&executor, &token, &spec)?;
     let matmul = alloc.function("matmul")?;
     let noop = alloc.function("noop")?;
     let empty = alloc.buffer::<u8>(1)?;
@@ -251,7 +299,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             1.0 / ratio
         );
     }
-    if is_this_machine(&args.executor, &args.provider) {
+    if is_this_machine(&executor, &args.provider) {
         println!(
             "  (executor and job on one machine: the worker computes on a core this job \
              could have used itself, and the two compete for the memory bus)"
@@ -282,5 +330,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         us(percentile(&noops, 0.99))
     );
     alloc.deallocate()?;
+    if let Some(lease) = lease {
+        lease.release()?;
+    }
     Ok(())
 }

@@ -20,7 +20,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rfaas_proto::manager::{ApiError, LeaseGrant, LeaseRequest, NodeLease, RenewRequest};
+use rfaas_proto::manager::{ApiError, RenewRequest};
+pub use rfaas_proto::manager::{LeaseGrant, LeaseRequest, NodeLease};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
