@@ -22,10 +22,13 @@ ensure_packages() {
 BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
 
 # What the tests need besides the build: bubblewrap (the executor's sandbox
-# tests), OpenMPI (the MPI example) and Debian's Prometheus server (the
-# scrape tests; its package does not start it outside systemd).
+# tests), OpenMPI (the MPI example), Debian's Prometheus server (the
+# scrape tests; its package does not start it outside systemd) and
+# PostgreSQL 15 with psql (the tests' throwaway servers, scripts/pg.sh; the
+# package also creates and, under systemd, starts a `main` cluster on port
+# 5432, which the tests neither use nor touch).
 # shellcheck disable=SC2034
-TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus)
+TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 postgresql-client-15)
 
 # The one build CI makes, in scripts/test.sh's first step: the whole
 # workspace, every target, with the verbs provider, debug profile, cargo's
