@@ -11,6 +11,8 @@
 //! - [`functions`]: builds the example function libraries
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
+//! - [`postgres`]: a real PostgreSQL 15 server on loopback (through
+//!   `scripts/pg.sh`), stopped, crashed and started again with its data.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and
 //!   queries through its HTTP API.
 
@@ -18,6 +20,7 @@ pub mod abuse;
 pub mod cpus;
 pub mod executord;
 pub mod functions;
+pub mod postgres;
 pub mod prometheus;
 
 use std::path::PathBuf;
