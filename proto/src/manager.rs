@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 /// A fabric provider a node serves, and where its workers listen.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct NodeProvider {
     /// `tcp`, `shm` or `verbs:<device>`.
@@ -29,6 +30,7 @@ pub struct NodeProvider {
 /// with the same body changes nothing; with another body it updates the
 /// node's record (a restart with a new configuration).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RegisterNode {
     /// The daemon's control address clients allocate on, `host:port`.
@@ -47,6 +49,7 @@ pub struct RegisterNode {
 /// The manager's answer to a registration: how often to heartbeat, and
 /// after how long without one the node is marked lost.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Registered {
     /// The node as the manager now sees it.
     pub node: NodeView,
@@ -58,6 +61,7 @@ pub struct Registered {
 
 /// One allocation a daemon holds, as its heartbeat reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct HeldLease {
     /// The lease the allocation runs under.
@@ -71,6 +75,7 @@ pub struct HeldLease {
 /// `POST /v1/nodes/{name}/heartbeat`: the daemon's free capacity and what
 /// it holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Heartbeat {
     /// Cores not allocated now.
@@ -86,6 +91,7 @@ pub struct Heartbeat {
 
 /// The answer to a heartbeat.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HeartbeatReply {
     /// Leases the manager has ended (released, expired, revoked): the daemon
     /// stops their workers.
@@ -95,6 +101,7 @@ pub struct HeartbeatReply {
 
 /// A node's state in the manager.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum NodeState {
     /// Heartbeating and offered.
@@ -107,6 +114,7 @@ pub enum NodeState {
 
 /// A node as the manager reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeView {
     /// The node's name, as lease tokens name it.
     pub name: String,
@@ -130,6 +138,7 @@ pub struct NodeView {
 
 /// `POST /v1/leases`: a job asks for cores.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     /// Cores wanted, across nodes.
@@ -149,6 +158,7 @@ pub struct LeaseRequest {
 
 /// One node's part of a grant, with its own token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NodeLease {
     /// The node lease's id (the token's `lease_id`).
     pub lease_id: u64,
@@ -168,6 +178,7 @@ pub struct NodeLease {
 
 /// A grant: one or more node leases under one id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LeaseGrant {
     /// The grant's id: renew and release it with this.
     pub id: u64,
@@ -179,16 +190,111 @@ pub struct LeaseGrant {
 
 /// `POST /v1/leases/{id}/renew`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     /// The new duration, seconds from now.
     pub duration_s: u64,
 }
 
+/// Who a credential speaks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// An executor daemon: registers and heartbeats the node it names.
+    Node,
+    /// A user's jobs: asks for, renews and releases leases.
+    User,
+}
+
+/// `POST /v1/credentials` (admin): a credential for a node or a user.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CredentialRequest {
+    /// What the credential may do.
+    pub role: Role,
+    /// The node's name (role `node`) or the user's login name (role
+    /// `user`; workers run as this user).
+    pub subject: String,
+    /// The account a user's leases are charged to (default: the user's
+    /// name). Not used for nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub account: Option<String>,
+    /// Seconds until the credential expires (default: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+}
+
+/// A credential as the manager lists it. The secret `token` appears only
+/// in the answer to its creation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Credential {
+    /// The credential's id (not secret): revoke it with this.
+    pub id: String,
+    /// What it may do.
+    pub role: Role,
+    /// The node or user it speaks for.
+    pub subject: String,
+    /// The account charged (users only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub account: Option<String>,
+    /// When it expires, Unix seconds (absent: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<u64>,
+    /// The bearer token, shown once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+/// A node lease's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseState {
+    /// Granted and not yet ended.
+    Active,
+    /// Released by its holder.
+    Released,
+    /// Ran to its end without renewal.
+    Expired,
+    /// Its node was lost.
+    Lost,
+}
+
+/// A node lease as `GET /v1/leases` lists it (no token).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LeaseView {
+    /// The node lease's id.
+    pub lease_id: u64,
+    /// The grant it belongs to.
+    pub grant_id: u64,
+    /// The node.
+    pub node: String,
+    /// The user holding it.
+    pub user: String,
+    /// The account charged.
+    pub account: String,
+    /// Cores.
+    pub cores: u32,
+    /// Memory, MiB.
+    pub memory_mib: u64,
+    /// Granted at, Unix seconds.
+    pub issued_at: u64,
+    /// Ends at, Unix seconds.
+    pub expires_at: u64,
+    /// Its state.
+    pub state: LeaseState,
+}
+
 /// Every error reply: a stable kind, a sentence for people, and the figures
 /// the kind names (quota cap and use, retry delay), flattened into the same
 /// object.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     /// Stable, `snake_case`: `no_capacity`, `quota_exceeded`,
     /// `unauthorized`, `forbidden`, `malformed_request`, `not_found`, ...
@@ -197,6 +303,7 @@ pub struct ApiError {
     pub message: String,
     /// Figures of this kind of error.
     #[serde(flatten)]
+    #[cfg_attr(feature = "openapi", schema(ignore))]
     pub details: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -263,6 +370,28 @@ mod tests {
         assert_eq!(err.error, "quota_exceeded");
         assert_eq!(err.details["cap"], 8);
         assert_eq!(serde_json::to_string(&err).unwrap(), text);
+    }
+
+    #[test]
+    fn credential_request_is_the_documented_json() {
+        let req: CredentialRequest =
+            serde_json::from_str(r#"{"role":"user","subject":"alice","account":"physics"}"#)
+                .unwrap();
+        assert_eq!(req.role, Role::User);
+        assert_eq!(req.account.as_deref(), Some("physics"));
+        assert_eq!(req.ttl_s, None);
+        let shown = Credential {
+            id: "c1".into(),
+            role: Role::Node,
+            subject: "n1".into(),
+            account: None,
+            expires_at: None,
+            token: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&shown).unwrap(),
+            r#"{"id":"c1","role":"node","subject":"n1"}"#
+        );
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! - [`functions`]: builds the example function libraries
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
+//! - [`manager`]: a real `rfaas-manager` (one or several replicas) and a
+//!   small REST caller.
 //! - [`postgres`]: a real PostgreSQL 15 server on loopback (through
 //!   `scripts/pg.sh`), stopped, crashed and started again with its data.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and
@@ -20,6 +22,7 @@ pub mod abuse;
 pub mod cpus;
 pub mod executord;
 pub mod functions;
+pub mod manager;
 pub mod postgres;
 pub mod prometheus;
 

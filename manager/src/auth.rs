@@ -1,0 +1,304 @@
+//! Who is calling: the admin, a node, or a user, from the request's
+//! `Authorization: Bearer <token>`.
+//!
+//! - The admin token is one line in a file only root may read
+//!   ([`read_admin_token`]).
+//! - Node and user credentials are `rfaasc.<id>.<secret>`, minted by an
+//!   admin (`POST /v1/credentials`). The database keeps the secret's
+//!   SHA-256, never the secret. A replica caches a verified credential for
+//!   [`CACHE_TTL`], so a revocation takes effect everywhere within it.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+use rfaas_proto::manager::Role;
+use sha2::{Digest, Sha256};
+
+use crate::error::ApiFailure;
+use crate::store::{CredentialRow, Store};
+
+/// How long a replica trusts a credential it has checked.
+pub const CACHE_TTL: Duration = Duration::from_secs(5);
+
+/// The credentials' prefix.
+pub const CREDENTIAL_PREFIX: &str = "rfaasc";
+
+/// A caller, authenticated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// The admin token.
+    Admin,
+    /// A node credential, for the node named.
+    Node(String),
+    /// A user credential.
+    User {
+        /// The user.
+        user: String,
+        /// The account charged.
+        account: String,
+    },
+}
+
+impl Caller {
+    /// Who, for logs and lease ownership.
+    pub fn subject(&self) -> String {
+        match self {
+            Caller::Admin => "admin".into(),
+            Caller::Node(n) => format!("node:{n}"),
+            Caller::User { user, .. } => format!("user:{user}"),
+        }
+    }
+}
+
+/// Checks bearer tokens.
+#[derive(Debug)]
+pub struct Auth {
+    admin_token: String,
+    cache: Mutex<HashMap<String, (CredentialRow, Instant)>>,
+}
+
+fn unauthorized(kind: &str, message: String) -> ApiFailure {
+    ApiFailure::new(401, kind, message)
+}
+
+/// Compares two byte strings in time that depends only on their lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// SHA-256 of `secret`, hex.
+pub fn hash_secret(secret: &str) -> String {
+    Sha256::digest(secret.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `n` random bytes from the kernel.
+pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// A new credential: its stored row and its bearer token.
+pub fn new_credential(
+    role: Role,
+    subject: &str,
+    account: &str,
+    expires_at: u64,
+) -> std::io::Result<(CredentialRow, String)> {
+    let id: String = random_bytes(8)?
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let secret = URL_SAFE_NO_PAD.encode(random_bytes(32)?);
+    let row = CredentialRow {
+        id: id.clone(),
+        secret_hash: hash_secret(&secret),
+        role,
+        subject: subject.to_owned(),
+        account: account.to_owned(),
+        expires_at,
+        revoked: false,
+    };
+    Ok((row, format!("{CREDENTIAL_PREFIX}.{id}.{secret}")))
+}
+
+/// Reads the admin token: one line of at least 16 characters, in a file
+/// that group and others cannot access, owned by root when the manager
+/// runs as root.
+pub fn read_admin_token(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read the admin token file {}: {e}", path.display()))?;
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "the admin token file {} has mode {mode:04o}: others than its owner may access it; run `chmod 600 {}`",
+            path.display(),
+            path.display()
+        ));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 && meta.uid() != 0 {
+        return Err(format!(
+            "the admin token file {} is owned by uid {}, but the manager runs as root: it must be owned by root; run `chown root {}`",
+            path.display(),
+            meta.uid(),
+            path.display()
+        ));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the admin token file {}: {e}", path.display()))?;
+    let token = text.trim().to_owned();
+    if token.len() < 16 || token.contains(char::is_whitespace) {
+        return Err(format!(
+            "the admin token in {} must be one word of at least 16 characters (make one with `head -c 32 /dev/urandom | base64 > {}`)",
+            path.display(),
+            path.display()
+        ));
+    }
+    Ok(token)
+}
+
+impl Auth {
+    /// Checks tokens against `admin_token` and the stored credentials.
+    pub fn new(admin_token: String) -> Auth {
+        Auth {
+            admin_token,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Who sent `authorization` (the header's value, if any).
+    pub async fn caller(
+        &self,
+        store: &Store,
+        authorization: Option<&str>,
+        now_s: u64,
+    ) -> Result<Caller, ApiFailure> {
+        let Some(header) = authorization else {
+            return Err(unauthorized(
+                "unauthorized",
+                "send a credential: Authorization: Bearer <token>".into(),
+            ));
+        };
+        let Some(token) = header.strip_prefix("Bearer ").map(str::trim) else {
+            return Err(unauthorized(
+                "unauthorized",
+                "the Authorization header must be `Bearer <token>`".into(),
+            ));
+        };
+        if let Some(rest) = token
+            .strip_prefix(CREDENTIAL_PREFIX)
+            .and_then(|r| r.strip_prefix('.'))
+        {
+            let (id, secret) = rest.split_once('.').unwrap_or((rest, ""));
+            let row = self.lookup(store, id).await?;
+            let Some(row) = row else {
+                return Err(unauthorized(
+                    "unauthorized",
+                    "the credential is not known to this manager; ask an admin for one (`rfaasctl credential`)".into(),
+                ));
+            };
+            if !constant_time_eq(hash_secret(secret).as_bytes(), row.secret_hash.as_bytes()) {
+                return Err(unauthorized(
+                    "unauthorized",
+                    "the credential's secret does not match: it was altered or forged; use the token exactly as it was issued".into(),
+                ));
+            }
+            if row.revoked {
+                return Err(unauthorized(
+                    "credential_revoked",
+                    format!(
+                        "credential {} was revoked by an admin; ask for a new one",
+                        row.id
+                    ),
+                ));
+            }
+            if row.expires_at != 0 && now_s >= row.expires_at {
+                return Err(unauthorized(
+                    "credential_expired",
+                    format!(
+                        "credential {} expired at {} (Unix seconds); ask for a new one",
+                        row.id, row.expires_at
+                    ),
+                ));
+            }
+            return Ok(match row.role {
+                Role::Node => Caller::Node(row.subject),
+                Role::User => Caller::User {
+                    user: row.subject,
+                    account: row.account,
+                },
+            });
+        }
+        if constant_time_eq(token.as_bytes(), self.admin_token.as_bytes()) {
+            return Ok(Caller::Admin);
+        }
+        Err(unauthorized(
+            "unauthorized",
+            "the bearer token is neither a credential of this manager nor its admin token".into(),
+        ))
+    }
+
+    async fn lookup(&self, store: &Store, id: &str) -> Result<Option<CredentialRow>, ApiFailure> {
+        if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Ok(None);
+        }
+        {
+            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((row, at)) = cache.get(id) {
+                if at.elapsed() < CACHE_TTL {
+                    return Ok(Some(row.clone()));
+                }
+            }
+        }
+        let row = store.credential(id).await.map_err(ApiFailure::from)?;
+        if let Some(row) = &row {
+            let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() > 100_000 {
+                cache.clear();
+            }
+            cache.insert(id.to_owned(), (row.clone(), Instant::now()));
+        }
+        Ok(row)
+    }
+
+    /// Forgets a credential at once on this replica (after a revocation).
+    pub fn forget(&self, id: &str) {
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn credentials_hold_their_id_and_a_secret_stored_only_hashed() {
+        let (row, token) = new_credential(Role::User, "alice", "physics", 0).unwrap();
+        let parts: Vec<&str> = token.split('.').collect();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts[0], CREDENTIAL_PREFIX);
+        assert_eq!(parts[1], row.id);
+        assert_eq!(row.secret_hash, hash_secret(parts[2]));
+        assert!(!row.secret_hash.contains(parts[2]));
+    }
+
+    #[test]
+    fn constant_time_eq_compares() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+    }
+
+    #[test]
+    fn the_admin_token_file_must_be_private() {
+        let dir = std::env::temp_dir().join(format!("rfaas-admin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("admin.token");
+        std::fs::write(&path, "0123456789abcdef0123\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = read_admin_token(&path).unwrap_err();
+        assert!(err.contains("chmod 600"), "{err}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_admin_token(&path).unwrap(), "0123456789abcdef0123");
+        std::fs::write(&path, "short\n").unwrap();
+        assert!(read_admin_token(&path)
+            .unwrap_err()
+            .contains("16 characters"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,213 @@
+//! `manager.toml`: where the manager listens, its database, its keys and
+//! its policies. Unknown keys are refused, as `rfaas-executord` does: a
+//! misspelt option is an error, not a silent default.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The default configuration file.
+pub const DEFAULT_CONFIG: &str = "/etc/rfaas/manager.toml";
+
+/// The configuration file as written.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// `host:port` the REST API listens on.
+    pub listen: Option<String>,
+    /// `sqlite:///path/to/file.db` or `postgres://user@host:port/db`.
+    pub database: Option<String>,
+    /// The admin bearer token's file (root-only).
+    pub admin_token_file: Option<PathBuf>,
+    /// The Ed25519 secret key file that signs lease tokens.
+    pub lease_key_file: Option<PathBuf>,
+    /// How often nodes heartbeat, ms.
+    pub heartbeat_interval_ms: Option<u64>,
+    /// After how long without a heartbeat a node is lost, ms.
+    pub lost_after_ms: Option<u64>,
+    /// The longest lease (and renewal) granted, seconds.
+    pub max_lease_s: Option<u64>,
+    /// Database connections per replica.
+    pub max_connections: Option<u32>,
+    /// How often each replica reloads its whole view of the nodes and
+    /// reaps expired leases and lost nodes, ms.
+    pub refresh_ms: Option<u64>,
+    /// Per-account caps.
+    #[serde(default)]
+    pub quota: QuotaConfig,
+}
+
+/// `[quota]`: a cap on the cores an account holds at once.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaConfig {
+    /// The cap for accounts not listed (0: no cap).
+    #[serde(default)]
+    pub default_cores: u32,
+    /// Caps by account name (0: no cap).
+    #[serde(default)]
+    pub accounts: BTreeMap<String, u32>,
+}
+
+impl QuotaConfig {
+    /// The cap on `account`'s cores, if it has one.
+    pub fn cap(&self, account: &str) -> Option<u32> {
+        let cap = self
+            .accounts
+            .get(account)
+            .copied()
+            .unwrap_or(self.default_cores);
+        (cap > 0).then_some(cap)
+    }
+}
+
+/// The settings the manager runs with, defaults filled in.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `host:port` the REST API listens on.
+    pub listen: String,
+    /// The database URL.
+    pub database: String,
+    /// The admin token's file.
+    pub admin_token_file: PathBuf,
+    /// The lease signing key's file.
+    pub lease_key_file: PathBuf,
+    /// Heartbeat interval, ms.
+    pub heartbeat_interval_ms: u64,
+    /// Lost after, ms.
+    pub lost_after_ms: u64,
+    /// Longest lease, seconds.
+    pub max_lease_s: u64,
+    /// Database connections per replica.
+    pub max_connections: u32,
+    /// Full refresh and reaping period, ms.
+    pub refresh_ms: u64,
+    /// Quotas.
+    pub quota: QuotaConfig,
+}
+
+/// Why the configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read the configuration {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for the manager.
+    #[error("the configuration {path} is invalid: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (it names the key).
+        message: String,
+    },
+    /// A value is out of range.
+    #[error("the configuration is invalid: {0}")]
+    Invalid(String),
+}
+
+impl FileConfig {
+    /// Reads and parses `path`.
+    pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        })
+    }
+
+    /// Parses configuration text.
+    pub fn parse(text: &str) -> Result<FileConfig, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Fills in defaults and checks the values.
+    pub fn settings(self) -> Result<Settings, ConfigError> {
+        let s = Settings {
+            listen: self.listen.unwrap_or_else(|| "127.0.0.1:7300".into()),
+            database: self
+                .database
+                .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into()),
+            admin_token_file: self
+                .admin_token_file
+                .unwrap_or_else(|| "/etc/rfaas/admin.token".into()),
+            lease_key_file: self
+                .lease_key_file
+                .unwrap_or_else(|| "/etc/rfaas/lease-key.secret".into()),
+            heartbeat_interval_ms: self.heartbeat_interval_ms.unwrap_or(1000),
+            lost_after_ms: self.lost_after_ms.unwrap_or(10_000),
+            max_lease_s: self.max_lease_s.unwrap_or(86_400),
+            max_connections: self.max_connections.unwrap_or(16),
+            refresh_ms: self.refresh_ms.unwrap_or(1000),
+            quota: self.quota,
+        };
+        if s.heartbeat_interval_ms == 0 || s.refresh_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "heartbeat_interval_ms and refresh_ms must be above 0".into(),
+            ));
+        }
+        if s.lost_after_ms < 2 * s.heartbeat_interval_ms {
+            return Err(ConfigError::Invalid(format!(
+                "lost_after_ms ({}) must be at least twice heartbeat_interval_ms ({}), or one late heartbeat loses a node",
+                s.lost_after_ms, s.heartbeat_interval_ms
+            )));
+        }
+        if s.max_lease_s == 0 || s.max_connections == 0 {
+            return Err(ConfigError::Invalid(
+                "max_lease_s and max_connections must be above 0".into(),
+            ));
+        }
+        if !(s.database.starts_with("sqlite:") || s.database.starts_with("postgres")) {
+            return Err(ConfigError::Invalid(format!(
+                "database {:?} is neither sqlite:///path nor postgres://...",
+                s.database
+            )));
+        }
+        Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_file_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("manager.example.toml");
+        let s = FileConfig::load(&path).unwrap().settings().unwrap();
+        assert!(s.database.starts_with("sqlite:"));
+        assert_eq!(s.quota.cap("physics"), Some(64));
+        assert_eq!(s.quota.cap("anyone"), None);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let err = FileConfig::parse("listn = \"127.0.0.1:1\"\n").unwrap_err();
+        assert!(err.contains("listn"), "{err}");
+        let err = FileConfig::parse("[quota]\ndefault_core = 3\n").unwrap_err();
+        assert!(err.contains("default_core"), "{err}");
+    }
+
+    #[test]
+    fn a_node_is_not_lost_for_one_late_heartbeat() {
+        let c = FileConfig::parse("heartbeat_interval_ms = 1000\nlost_after_ms = 1500\n").unwrap();
+        let err = c.settings().unwrap_err().to_string();
+        assert!(err.contains("twice"), "{err}");
+    }
+
+    #[test]
+    fn quota_zero_means_no_cap() {
+        let c = FileConfig::parse("[quota]\ndefault_cores = 8\naccounts = { big = 0 }\n").unwrap();
+        assert_eq!(c.quota.cap("small"), Some(8));
+        assert_eq!(c.quota.cap("big"), None);
+    }
+}

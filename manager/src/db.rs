@@ -1,0 +1,262 @@
+//! The manager's state in SQL: one code path for PostgreSQL and SQLite,
+//! through sqlx's `Any` driver.
+//!
+//! Every statement is plain SQL both databases run as written: `$N`
+//! parameters, `BIGINT` and `TEXT` columns, `ON CONFLICT` upserts,
+//! `RETURNING`. Counters that must never overflow a node or a quota
+//! (`nodes.leased_cores`, `accounts.leased_cores`) are changed only by
+//! conditional updates (`... SET x = x + n WHERE x + n <= cap`) whose row
+//! count says whether they fit: PostgreSQL re-checks the condition after
+//! waiting for the row's lock, SQLite has one writer at a time, so no core
+//! is leased twice under any concurrency, without `SELECT ... FOR UPDATE`
+//! (which SQLite lacks).
+//!
+//! Lock order, to keep PostgreSQL free of deadlocks: a lease row, then its
+//! account, then its nodes by name. A transaction that still meets a
+//! deadlock or a serialization failure is retried ([`retrying`]).
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+
+/// Which database the URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// PostgreSQL: for replicas.
+    Postgres,
+    /// SQLite: the embedded default.
+    Sqlite,
+}
+
+impl Backend {
+    /// The backend of `url`.
+    pub fn of(url: &str) -> Backend {
+        if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else {
+            Backend::Postgres
+        }
+    }
+
+    /// Its name in metrics and benchmark rows.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Postgres => "postgres",
+            Backend::Sqlite => "sqlite",
+        }
+    }
+}
+
+/// A database failure, classified by what the caller can do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// The database cannot be reached now (down, restarting, pool
+    /// exhausted): try again shortly.
+    #[error("the database is unavailable: {0}")]
+    Unavailable(String),
+    /// A conflict between transactions (deadlock, serialization): retry the
+    /// transaction.
+    #[error("a transaction conflicted with another: {0}")]
+    Conflict(String),
+    /// Anything else: a bug or a damaged database.
+    #[error("database error: {0}")]
+    Other(String),
+}
+
+impl From<sqlx::Error> for DbError {
+    fn from(e: sqlx::Error) -> DbError {
+        match &e {
+            sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::WorkerCrashed => DbError::Unavailable(e.to_string()),
+            sqlx::Error::Database(d) => {
+                let code = d.code().map(|c| c.into_owned()).unwrap_or_default();
+                match code.as_str() {
+                    // PostgreSQL: serialization failure, deadlock.
+                    "40001" | "40P01" => DbError::Conflict(e.to_string()),
+                    // SQLite: busy, locked.
+                    "5" | "6" | "517" | "262" => DbError::Conflict(e.to_string()),
+                    // PostgreSQL: shutting down, cannot connect now,
+                    // connection exceptions.
+                    c if c.starts_with("57P") || c.starts_with("08") => {
+                        DbError::Unavailable(e.to_string())
+                    }
+                    _ => DbError::Other(e.to_string()),
+                }
+            }
+            _ => DbError::Other(e.to_string()),
+        }
+    }
+}
+
+/// Runs `f` until it succeeds or fails other than by a conflict, at most
+/// eight times, with a short random pause between tries.
+pub async fn retrying<T, F, Fut>(mut f: F) -> Result<T, DbError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, DbError>>,
+{
+    let mut tries = 0;
+    loop {
+        match f().await {
+            Err(DbError::Conflict(why)) => {
+                tries += 1;
+                if tries == 8 {
+                    return Err(DbError::Unavailable(format!(
+                        "gave up after {tries} conflicting tries: {why}"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_micros(fastrand::u64(100..2000 << tries))).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The schema, in order. Each step runs once, in a transaction, and is
+/// recorded in `rfaas_schema`. Never edit a step that has shipped: add one.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "nodes, leases, accounts, credentials",
+    "
+CREATE TABLE nodes (
+    name TEXT PRIMARY KEY,
+    admin_state TEXT NOT NULL,
+    lost BIGINT NOT NULL,
+    control_addr TEXT NOT NULL,
+    providers TEXT NOT NULL,
+    cores BIGINT NOT NULL,
+    memory_mib BIGINT NOT NULL,
+    leased_cores BIGINT NOT NULL,
+    leased_memory_mib BIGINT NOT NULL,
+    free_cores BIGINT NOT NULL,
+    free_memory_mib BIGINT NOT NULL,
+    version TEXT NOT NULL,
+    registered_ms BIGINT NOT NULL,
+    last_heartbeat_ms BIGINT NOT NULL
+);
+CREATE TABLE leases (
+    id BIGINT PRIMARY KEY,
+    grant_id BIGINT NOT NULL,
+    node TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    user_name TEXT NOT NULL,
+    account TEXT NOT NULL,
+    cores BIGINT NOT NULL,
+    memory_mib BIGINT NOT NULL,
+    issued_at BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    state TEXT NOT NULL,
+    ended_ms BIGINT NOT NULL
+);
+CREATE INDEX leases_by_grant ON leases (grant_id);
+CREATE INDEX leases_by_state ON leases (state, expires_at);
+CREATE INDEX leases_by_node ON leases (node, state);
+CREATE TABLE accounts (
+    name TEXT PRIMARY KEY,
+    leased_cores BIGINT NOT NULL
+);
+CREATE TABLE credentials (
+    id TEXT PRIMARY KEY,
+    secret_hash TEXT NOT NULL,
+    role TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    account TEXT NOT NULL,
+    created_ms BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    revoked BIGINT NOT NULL
+);
+",
+)];
+
+/// Opens a pool on `url` and brings the schema up to date.
+///
+/// SQLite files are created if missing. Replicas starting together on
+/// PostgreSQL take an advisory lock around the migrations, so exactly one
+/// applies each step.
+pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
+    sqlx::any::install_default_drivers();
+    let backend = Backend::of(url);
+    let url = match backend {
+        Backend::Sqlite if !url.contains("mode=") => {
+            let sep = if url.contains('?') { '&' } else { '?' };
+            format!("{url}{sep}mode=rwc")
+        }
+        _ => url.to_owned(),
+    };
+    let pool = AnyPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&url)
+        .await?;
+    migrate(&pool, backend).await?;
+    Ok(pool)
+}
+
+async fn migrate(pool: &AnyPool, backend: Backend) -> Result<(), DbError> {
+    let mut conn = pool.acquire().await?;
+    if backend == Backend::Postgres {
+        sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_advisory_lock(7300001)) AS locked")
+            .execute(&mut *conn)
+            .await?;
+    }
+    let result = async {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS rfaas_schema (version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_ms BIGINT NOT NULL)",
+        )
+        .execute(&mut *conn)
+        .await?;
+        let done: Vec<i64> = sqlx::query("SELECT version FROM rfaas_schema")
+            .fetch_all(&mut *conn)
+            .await?
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0))
+            .collect::<Result<_, _>>()?;
+        for (version, description, sql) in MIGRATIONS {
+            if done.contains(version) {
+                continue;
+            }
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            for stmt in sql.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                sqlx::query(stmt).execute(&mut *tx).await?;
+            }
+            sqlx::query("INSERT INTO rfaas_schema (version, description, applied_ms) VALUES ($1, $2, $3)")
+                .bind(*version)
+                .bind(*description)
+                .bind(crate::now_ms() as i64)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            tracing::info!(version, description, "applied schema step");
+        }
+        Ok::<(), sqlx::Error>(())
+    }
+    .await;
+    if backend == Backend::Postgres {
+        sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_advisory_unlock(7300001)) AS unlocked")
+            .execute(&mut *conn)
+            .await?;
+    }
+    result.map_err(DbError::from)
+}
+
+/// Reads column `name` as an unsigned number (the schema keeps every
+/// number in a `BIGINT`).
+pub fn u64_col(row: &AnyRow, name: &str) -> Result<u64, DbError> {
+    let v: i64 = row.try_get(name)?;
+    u64::try_from(v).map_err(|_| DbError::Other(format!("column {name} holds {v}")))
+}
+
+/// Reads text column `name`.
+pub fn text_col(row: &AnyRow, name: &str) -> Result<String, DbError> {
+    Ok(row.try_get(name)?)
+}
+
+/// Converts a count for a `BIGINT` parameter.
+pub fn i(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}

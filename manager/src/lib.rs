@@ -1,0 +1,261 @@
+//! `rfaas-manager`: the resource manager. Executor daemons register their
+//! nodes and heartbeat; jobs ask for cores and get lease tokens signed by
+//! the manager, which executors check without calling back. It is off the
+//! invocation path: a job talks to it to start, renew and release leases,
+//! never to invoke.
+//!
+//! Any number of stateless replicas share one database (PostgreSQL; SQLite
+//! for a single replica). Each replica serves any request:
+//!
+//! - [`api`]: the REST API under `/v1`, `/healthz`, `/metrics`, and the
+//!   OpenAPI document generated from the handlers.
+//! - [`store`] and [`db`]: every read and write, one transaction each, one
+//!   SQL text for both databases; grants by conditional updates, so no core
+//!   is leased twice under any concurrency.
+//! - [`view`]: each replica's in-memory view of the nodes, which placement
+//!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
+//! - [`auth`]: the admin token and node and user credentials.
+//! - [`signer`]: the key that signs lease tokens.
+//!
+//! Background work in each replica ([`start`]): reload the view, end
+//! expired leases, and mark nodes lost that stopped heartbeating (only
+//! once the replica itself has reached the database for `lost_after`, so a
+//! database outage never loses every node).
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod db;
+pub mod error;
+pub mod metrics;
+pub mod signer;
+pub mod store;
+pub mod view;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+
+use crate::auth::Auth;
+use crate::config::Settings;
+use crate::db::Backend;
+use crate::metrics::Metrics;
+use crate::signer::Signer;
+use crate::store::Store;
+use crate::view::View;
+
+/// Unix time, ms.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Unix time, seconds.
+pub fn now_s() -> u64 {
+    now_ms() / 1000
+}
+
+/// One replica's state, shared by its handlers and background tasks.
+#[derive(Debug)]
+pub struct App {
+    /// The settings.
+    pub settings: Settings,
+    /// The database.
+    pub store: Store,
+    /// The view of the nodes.
+    pub view: View,
+    /// Credential checks.
+    pub auth: Auth,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// The lease signing key.
+    pub signer: Signer,
+    /// Since when the database has answered without a break.
+    healthy_since: Mutex<Option<Instant>>,
+}
+
+/// A running replica.
+#[derive(Debug)]
+pub struct Running {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its state.
+    pub app: Arc<App>,
+    stop: tokio::sync::watch::Sender<bool>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Running {
+    /// Stops serving (in-flight requests finish) and waits.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        self.server.await.context("the server task")??;
+        Ok(())
+    }
+
+    /// Waits until the server stops (it stops on an error).
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.server.await.context("the server task")??;
+        Ok(())
+    }
+}
+
+/// Opens the database, loads the keys, starts the background tasks and
+/// serves the API on `settings.listen`.
+pub async fn start(settings: Settings) -> anyhow::Result<Running> {
+    let admin = auth::read_admin_token(&settings.admin_token_file).map_err(anyhow::Error::msg)?;
+    let signer = Signer::load(&settings.lease_key_file).map_err(anyhow::Error::msg)?;
+    let backend = Backend::of(&settings.database);
+    let pool = db::open(&settings.database, settings.max_connections)
+        .await
+        .with_context(|| format!("open the database ({})", backend.name()))?;
+    let store = Store::new(pool, backend);
+    let view = View::default();
+    view.replace_all(store.nodes().await?);
+    let listener = tokio::net::TcpListener::bind(&settings.listen)
+        .await
+        .with_context(|| format!("listen on {}", settings.listen))?;
+    let addr = listener.local_addr()?;
+    let app = Arc::new(App {
+        settings,
+        store,
+        view,
+        auth: Auth::new(admin),
+        metrics: Metrics::new(),
+        signer,
+        healthy_since: Mutex::new(Some(Instant::now())),
+    });
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(refresh_loop(app.clone(), stop.subscribe()));
+    if backend == Backend::Postgres {
+        tokio::spawn(listen_loop(app.clone(), stop.subscribe()));
+    }
+    let router = api::router(app.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    tracing::info!(%addr, backend = backend.name(), "rfaas-manager serving");
+    Ok(Running {
+        addr,
+        app,
+        stop,
+        server,
+    })
+}
+
+impl App {
+    fn healthy(&self, ok: bool) {
+        let mut h = self.healthy_since.lock().unwrap_or_else(|p| p.into_inner());
+        match (ok, h.is_some()) {
+            (true, false) => *h = Some(Instant::now()),
+            (false, true) => *h = None,
+            _ => {}
+        }
+    }
+
+    fn healthy_for(&self) -> Duration {
+        self.healthy_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// One round of background work: reload the view, end expired leases,
+    /// mark lost nodes.
+    pub async fn refresh(&self) -> Result<(), db::DbError> {
+        let nodes = self.store.nodes().await;
+        self.healthy(nodes.is_ok());
+        self.view.replace_all(nodes?);
+        let expired = self.store.reap_expired(now_s(), now_ms()).await?;
+        if !expired.is_empty() {
+            self.metrics.expiries.inc_by(expired.len() as u64);
+            tracing::info!(count = expired.len(), "leases expired");
+        }
+        let lost_after = Duration::from_millis(self.settings.lost_after_ms);
+        let mut changed = !expired.is_empty();
+        if self.healthy_for() >= lost_after {
+            let now = now_ms();
+            let (lost, ended) = self
+                .store
+                .reap_lost(now.saturating_sub(self.settings.lost_after_ms), now)
+                .await?;
+            for node in &lost {
+                tracing::warn!(%node, "node lost: no heartbeat for lost_after");
+            }
+            self.metrics.lost_nodes.inc_by(lost.len() as u64);
+            self.metrics.lost_leases.inc_by(ended.len() as u64);
+            changed |= !lost.is_empty() || !ended.is_empty();
+        }
+        if changed {
+            self.view.replace_all(self.store.nodes().await?);
+        }
+        Ok(())
+    }
+}
+
+async fn refresh_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let period = Duration::from_millis(app.settings.refresh_ms);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = stop.changed() => return,
+        }
+        if let Err(e) = app.refresh().await {
+            tracing::warn!(error = %e, "background refresh failed; retrying");
+        }
+    }
+}
+
+/// Reloads the nodes other replicas announce on `rfaas_nodes`.
+async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    use sqlx::postgres::PgListener;
+    loop {
+        let mut listener = match PgListener::connect(&app.settings.database).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(error = %e, "LISTEN connection failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    _ = stop.changed() => return,
+                }
+            }
+        };
+        if listener.listen("rfaas_nodes").await.is_err() {
+            continue;
+        }
+        // Whatever was announced while not listening: reload everything.
+        if let Ok(nodes) = app.store.nodes().await {
+            app.view.replace_all(nodes);
+        }
+        loop {
+            let got = tokio::select! {
+                got = listener.try_recv() => got,
+                _ = stop.changed() => return,
+            };
+            match got {
+                Ok(Some(n)) => {
+                    let names: Vec<&str> = n.payload().split(',').collect();
+                    match app.store.nodes_named(&names).await {
+                        Ok(nodes) => nodes.into_iter().for_each(|n| app.view.upsert(n)),
+                        Err(e) => tracing::debug!(error = %e, "reload of announced nodes failed"),
+                    }
+                }
+                // The connection dropped; the next call reconnects, and
+                // anything announced meanwhile is lost: reload everything.
+                Ok(None) => {
+                    if let Ok(nodes) = app.store.nodes().await {
+                        app.view.replace_all(nodes);
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+    }
+}

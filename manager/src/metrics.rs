@@ -1,0 +1,202 @@
+//! The manager's Prometheus metrics (`GET /metrics`).
+//!
+//! Counters are per replica (sum them across replicas in queries). Gauges
+//! of the pool (nodes by state, cores and memory free and leased, the
+//! oldest heartbeat) are read from this replica's view at each scrape, so
+//! every replica reports the same pool.
+
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
+};
+use rfaas_proto::manager::NodeState;
+
+use crate::view::View;
+
+/// The metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Grants made (one per grant, whatever its node count).
+    pub grants: IntCounter,
+    /// Lease requests refused, by reason.
+    pub denials: IntCounterVec,
+    /// Node leases ended by expiry.
+    pub expiries: IntCounter,
+    /// Node leases ended because their node was lost.
+    pub lost_leases: IntCounter,
+    /// Nodes marked lost.
+    pub lost_nodes: IntCounter,
+    requests: HistogramVec,
+    nodes: GaugeVec,
+    cores: GaugeVec,
+    memory: GaugeVec,
+    heartbeat_lag: GaugeVec,
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Metrics {
+        let registry =
+            Registry::new_custom(Some("rfaas_manager".into()), None).expect("a valid prefix");
+        let grants = IntCounter::new("grants_total", "Lease requests granted").expect("valid");
+        let denials = IntCounterVec::new(
+            Opts::new(
+                "denials_total",
+                "Lease requests refused, by reason (no_capacity, quota_exceeded, ...)",
+            ),
+            &["reason"],
+        )
+        .expect("valid");
+        let expiries = IntCounter::new(
+            "expiries_total",
+            "Node leases ended at their expiry by this replica",
+        )
+        .expect("valid");
+        let lost_leases = IntCounter::new(
+            "lost_leases_total",
+            "Node leases ended by this replica because their node was lost",
+        )
+        .expect("valid");
+        let lost_nodes = IntCounter::new(
+            "lost_nodes_total",
+            "Nodes this replica marked lost after missed heartbeats",
+        )
+        .expect("valid");
+        let requests = HistogramVec::new(
+            HistogramOpts::new(
+                "request_seconds",
+                "REST request latency, by route, method and status class",
+            )
+            .buckets(vec![
+                0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+                2.0, 5.0,
+            ]),
+            &["route", "method", "status"],
+        )
+        .expect("valid");
+        let nodes = GaugeVec::new(Opts::new("nodes", "Nodes by state"), &["state"]).expect("valid");
+        let cores = GaugeVec::new(
+            Opts::new("cores", "Cores of nodes that are up, free or leased"),
+            &["state"],
+        )
+        .expect("valid");
+        let memory = GaugeVec::new(
+            Opts::new(
+                "memory_mib",
+                "Memory of nodes that are up, free or leased, MiB",
+            ),
+            &["state"],
+        )
+        .expect("valid");
+        let heartbeat_lag = GaugeVec::new(
+            Opts::new(
+                "heartbeat_lag_seconds",
+                "Time since a node's last heartbeat, over the nodes that are not lost (max and mean)",
+            ),
+            &["stat"],
+        )
+        .expect("valid");
+        for m in [
+            Box::new(grants.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(denials.clone()),
+            Box::new(expiries.clone()),
+            Box::new(lost_leases.clone()),
+            Box::new(lost_nodes.clone()),
+            Box::new(requests.clone()),
+            Box::new(nodes.clone()),
+            Box::new(cores.clone()),
+            Box::new(memory.clone()),
+            Box::new(heartbeat_lag.clone()),
+        ] {
+            registry.register(m).expect("metric names are unique");
+        }
+        for reason in ["no_capacity", "quota_exceeded"] {
+            denials.with_label_values(&[reason]);
+        }
+        Metrics {
+            registry,
+            grants,
+            denials,
+            expiries,
+            lost_leases,
+            lost_nodes,
+            requests,
+            nodes,
+            cores,
+            memory,
+            heartbeat_lag,
+        }
+    }
+
+    /// Records one request.
+    pub fn observe(&self, route: &str, method: &str, status: u16, took: Duration) {
+        let class = match status {
+            200..=299 => "2xx",
+            400..=499 => "4xx",
+            500..=599 => "5xx",
+            _ => "other",
+        };
+        self.requests
+            .with_label_values(&[route, method, class])
+            .observe(took.as_secs_f64());
+    }
+
+    /// The text exposition, the pool's gauges read from `view` first.
+    pub fn render(&self, view: &View, now_ms: u64) -> String {
+        let all = view.all();
+        for (state, name) in [
+            (NodeState::Up, "up"),
+            (NodeState::Drained, "drained"),
+            (NodeState::Lost, "lost"),
+        ] {
+            self.nodes
+                .with_label_values(&[name])
+                .set(all.iter().filter(|n| n.state == state).count() as f64);
+        }
+        let up = all.iter().filter(|n| n.state == NodeState::Up);
+        let (mut cores, mut leased, mut mem, mut leased_mem) = (0u64, 0u64, 0u64, 0u64);
+        for n in up {
+            cores += u64::from(n.cores);
+            leased += u64::from(n.leased_cores.min(n.cores));
+            mem += n.memory_mib;
+            leased_mem += n.leased_memory_mib.min(n.memory_mib);
+        }
+        self.cores
+            .with_label_values(&["free"])
+            .set((cores - leased) as f64);
+        self.cores.with_label_values(&["leased"]).set(leased as f64);
+        self.memory
+            .with_label_values(&["free"])
+            .set((mem - leased_mem) as f64);
+        self.memory
+            .with_label_values(&["leased"])
+            .set(leased_mem as f64);
+        let lags: Vec<f64> = all
+            .iter()
+            .filter(|n| n.state != NodeState::Lost)
+            .map(|n| now_ms.saturating_sub(n.last_heartbeat_ms) as f64 / 1000.0)
+            .collect();
+        let max = lags.iter().copied().fold(0.0, f64::max);
+        let mean = if lags.is_empty() {
+            0.0
+        } else {
+            lags.iter().sum::<f64>() / lags.len() as f64
+        };
+        self.heartbeat_lag.with_label_values(&["max"]).set(max);
+        self.heartbeat_lag.with_label_values(&["mean"]).set(mean);
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding cannot fail");
+        String::from_utf8(out).expect("the text format is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}

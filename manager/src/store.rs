@@ -1,0 +1,770 @@
+//! Every read and write of the manager's state, each one transaction.
+//!
+//! See [`crate::db`] for the rules these statements follow (one SQL text
+//! for both databases, conditional updates for counters, lock order).
+
+use std::collections::{BTreeMap, HashMap};
+
+use rfaas_proto::manager::{
+    Heartbeat, LeaseState, LeaseView, NodeProvider, NodeState, NodeView, RegisterNode, Role,
+};
+use sqlx::any::AnyRow;
+use sqlx::{Any, AnyPool, Row, Transaction};
+
+use crate::db::{i, text_col, u64_col, Backend, DbError};
+
+/// The columns of a node, in the order [`node_from_row`] reads them.
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms";
+
+/// The columns of a lease, in the order [`lease_from_row`] reads them.
+const LEASE_COLS: &str =
+    "id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state";
+
+/// A node lease as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRow {
+    /// What the API shows.
+    pub view: LeaseView,
+    /// The credential subject that asked for it (renews and releases it).
+    pub owner: String,
+}
+
+/// What a grant asks the database for.
+#[derive(Debug, Clone)]
+pub struct GrantPlan {
+    /// The credential subject asking.
+    pub owner: String,
+    /// The user the workers run as.
+    pub user: String,
+    /// The account charged.
+    pub account: String,
+    /// The account's cap on cores held at once.
+    pub cap: Option<u32>,
+    /// Nodes to try, best first, with the free cores the replica's view
+    /// believes each has.
+    pub candidates: Vec<(String, u32)>,
+    /// Cores wanted.
+    pub cores: u32,
+    /// Fewest cores worth granting.
+    pub min_cores: u32,
+    /// Memory per node lease, MiB.
+    pub memory_mib: u64,
+    /// Unix seconds.
+    pub issued_at: u64,
+    /// Unix seconds.
+    pub expires_at: u64,
+}
+
+/// A grant's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrantOutcome {
+    /// Granted: the new node leases, under `grant_id`.
+    Granted {
+        /// The grant's id.
+        grant_id: u64,
+        /// Its node leases.
+        leases: Vec<LeaseRow>,
+    },
+    /// Not enough cores fit.
+    NoCapacity,
+    /// The account's cap would be passed.
+    Quota {
+        /// The cap.
+        cap: u32,
+        /// Cores the account holds now.
+        in_use: u64,
+    },
+}
+
+/// A credential as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredentialRow {
+    /// Its id.
+    pub id: String,
+    /// SHA-256 of its secret, hex.
+    pub secret_hash: String,
+    /// Its role.
+    pub role: Role,
+    /// The node or user.
+    pub subject: String,
+    /// The account (users).
+    pub account: String,
+    /// Unix seconds, 0 for never.
+    pub expires_at: u64,
+    /// Revoked by an admin.
+    pub revoked: bool,
+}
+
+/// The manager's database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
+    let admin: String = text_col(row, "admin_state")?;
+    let lost = u64_col(row, "lost")? != 0;
+    let state = if lost {
+        NodeState::Lost
+    } else if admin == "drained" {
+        NodeState::Drained
+    } else {
+        NodeState::Up
+    };
+    let providers: Vec<NodeProvider> = serde_json::from_str(&text_col(row, "providers")?)
+        .map_err(|e| DbError::Other(format!("stored providers: {e}")))?;
+    Ok(NodeView {
+        name: text_col(row, "name")?,
+        state,
+        control_addr: text_col(row, "control_addr")?,
+        providers,
+        cores: u64_col(row, "cores")? as u32,
+        memory_mib: u64_col(row, "memory_mib")?,
+        leased_cores: u64_col(row, "leased_cores")? as u32,
+        leased_memory_mib: u64_col(row, "leased_memory_mib")?,
+        last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
+    })
+}
+
+fn lease_state(s: &str) -> LeaseState {
+    match s {
+        "active" => LeaseState::Active,
+        "released" => LeaseState::Released,
+        "lost" => LeaseState::Lost,
+        _ => LeaseState::Expired,
+    }
+}
+
+/// The stored name of a lease state.
+pub fn lease_state_name(s: LeaseState) -> &'static str {
+    match s {
+        LeaseState::Active => "active",
+        LeaseState::Released => "released",
+        LeaseState::Expired => "expired",
+        LeaseState::Lost => "lost",
+    }
+}
+
+fn lease_from_row(row: &AnyRow) -> Result<LeaseRow, DbError> {
+    Ok(LeaseRow {
+        owner: text_col(row, "owner")?,
+        view: LeaseView {
+            lease_id: u64_col(row, "id")?,
+            grant_id: u64_col(row, "grant_id")?,
+            node: text_col(row, "node")?,
+            user: text_col(row, "user_name")?,
+            account: text_col(row, "account")?,
+            cores: u64_col(row, "cores")? as u32,
+            memory_mib: u64_col(row, "memory_mib")?,
+            issued_at: u64_col(row, "issued_at")?,
+            expires_at: u64_col(row, "expires_at")?,
+            state: lease_state(&text_col(row, "state")?),
+        },
+    })
+}
+
+/// A new random id: 53 bits, so that JSON readers that hold numbers as
+/// doubles read it exactly.
+pub fn new_id() -> u64 {
+    fastrand::u64(1..1 << 53)
+}
+
+impl Store {
+    /// Wraps an open, migrated pool.
+    pub fn new(pool: AnyPool, backend: Backend) -> Store {
+        Store { pool, backend }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The pool, for the PostgreSQL listener and benchmarks.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Tells every replica that these nodes changed (PostgreSQL; on SQLite
+    /// the periodic reload covers other processes). Delivered at commit.
+    async fn notify(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        nodes: &[&str],
+    ) -> Result<(), DbError> {
+        if self.backend == Backend::Postgres && !nodes.is_empty() {
+            sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_notify('rfaas_nodes', $1)) AS sent")
+                .bind(nodes.join(","))
+                .execute(&mut **tx)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Checks that the database answers.
+    pub async fn ping(&self) -> Result<(), DbError> {
+        sqlx::query("SELECT 1 AS one").fetch_one(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Registers `name`, or updates its record; a lost node comes back.
+    pub async fn register(
+        &self,
+        name: &str,
+        r: &RegisterNode,
+        now_ms: u64,
+    ) -> Result<NodeView, DbError> {
+        let providers = serde_json::to_string(&r.providers).expect("providers serialise");
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms)
+             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7)
+             ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, providers = excluded.providers,
+                cores = excluded.cores, memory_mib = excluded.memory_mib, version = excluded.version,
+                registered_ms = excluded.registered_ms, last_heartbeat_ms = excluded.last_heartbeat_ms
+             RETURNING {NODE_COLS}"
+        ))
+        .bind(name)
+        .bind(&r.control_addr)
+        .bind(providers)
+        .bind(i(r.cores.into()))
+        .bind(i(r.memory_mib))
+        .bind(&r.version)
+        .bind(i(now_ms))
+        .fetch_one(&mut *tx)
+        .await?;
+        let node = node_from_row(&row)?;
+        self.notify(&mut tx, &[name]).await?;
+        tx.commit().await?;
+        Ok(node)
+    }
+
+    /// Records a heartbeat. `None`: the node is unknown (it must register).
+    /// Otherwise the leases the node holds that have ended.
+    pub async fn heartbeat(
+        &self,
+        name: &str,
+        h: &Heartbeat,
+        now_ms: u64,
+    ) -> Result<Option<(NodeView, Vec<u64>)>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        // A lost node that heartbeats again is back: other replicas must
+        // hear of it, as of nothing else a heartbeat changes.
+        let was_lost = sqlx::query("UPDATE nodes SET lost = 0 WHERE name = $1 AND lost = 1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+            == 1;
+        let row = sqlx::query(&format!(
+            "UPDATE nodes SET last_heartbeat_ms = $2, free_cores = $3, free_memory_mib = $4
+             WHERE name = $1 RETURNING {NODE_COLS}"
+        ))
+        .bind(name)
+        .bind(i(now_ms))
+        .bind(i(h.free_cores.into()))
+        .bind(i(h.free_memory_mib))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let node = node_from_row(&row)?;
+        let mut ended = Vec::new();
+        for chunk in h.allocations.chunks(500) {
+            let marks: Vec<String> = (0..chunk.len()).map(|k| format!("${}", k + 2)).collect();
+            let sql = format!(
+                "SELECT id FROM leases WHERE node = $1 AND state <> 'active' AND id IN ({})",
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql).bind(name);
+            for held in chunk {
+                q = q.bind(i(held.lease_id));
+            }
+            for row in q.fetch_all(&mut *tx).await? {
+                ended.push(u64_col(&row, "id")?);
+            }
+        }
+        if was_lost {
+            self.notify(&mut tx, &[name]).await?;
+        }
+        tx.commit().await?;
+        Ok(Some((node, ended)))
+    }
+
+    /// Drains (`true`) or resumes a node. `None`: unknown.
+    pub async fn set_drained(
+        &self,
+        name: &str,
+        drained: bool,
+    ) -> Result<Option<NodeView>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "UPDATE nodes SET admin_state = $2 WHERE name = $1 RETURNING {NODE_COLS}"
+        ))
+        .bind(name)
+        .bind(if drained { "drained" } else { "up" })
+        .fetch_optional(&mut *tx)
+        .await?;
+        let node = row.as_ref().map(node_from_row).transpose()?;
+        if node.is_some() {
+            self.notify(&mut tx, &[name]).await?;
+        }
+        tx.commit().await?;
+        Ok(node)
+    }
+
+    /// Every node, by name.
+    pub async fn nodes(&self) -> Result<Vec<NodeView>, DbError> {
+        sqlx::query(&format!("SELECT {NODE_COLS} FROM nodes ORDER BY name"))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(node_from_row)
+            .collect()
+    }
+
+    /// Some nodes by name (missing ones left out).
+    pub async fn nodes_named(&self, names: &[&str]) -> Result<Vec<NodeView>, DbError> {
+        let mut out = Vec::new();
+        for name in names {
+            if let Some(row) =
+                sqlx::query(&format!("SELECT {NODE_COLS} FROM nodes WHERE name = $1"))
+                    .bind(*name)
+                    .fetch_optional(&self.pool)
+                    .await?
+            {
+                out.push(node_from_row(&row)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Grants what fits of `plan` in one transaction, all or nothing up to
+    /// `plan.min_cores`.
+    pub async fn grant(&self, plan: &GrantPlan) -> Result<GrantOutcome, DbError> {
+        let mut tx = self.pool.begin().await?;
+        // The account first (lock order), reserving what the cap allows.
+        sqlx::query("INSERT INTO accounts (name, leased_cores) VALUES ($1, 0) ON CONFLICT (name) DO NOTHING")
+            .bind(&plan.account)
+            .execute(&mut *tx)
+            .await?;
+        let mut want = plan.cores;
+        if let Some(cap) = plan.cap {
+            let in_use = u64_col(
+                &sqlx::query("SELECT leased_cores FROM accounts WHERE name = $1")
+                    .bind(&plan.account)
+                    .fetch_one(&mut *tx)
+                    .await?,
+                "leased_cores",
+            )?;
+            let room = u64::from(cap).saturating_sub(in_use);
+            if room < u64::from(plan.min_cores) {
+                return Ok(GrantOutcome::Quota { cap, in_use });
+            }
+            want = want.min(room as u32);
+        }
+        let done = sqlx::query(
+            "UPDATE accounts SET leased_cores = leased_cores + $2 WHERE name = $1 AND ($3 = 0 OR leased_cores + $2 <= $3)",
+        )
+        .bind(&plan.account)
+        .bind(i(want.into()))
+        .bind(i(plan.cap.unwrap_or(0).into()))
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() != 1 {
+            // Another grant took the room between the read and the update.
+            return Err(DbError::Conflict(
+                "the account's cap was reached meanwhile".into(),
+            ));
+        }
+
+        // The nodes, in name order, each by a conditional update.
+        let mut chosen: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut left = want;
+        for (name, free) in &plan.candidates {
+            if left == 0 {
+                break;
+            }
+            let take = (*free).min(left);
+            if take > 0 {
+                chosen.insert(name, take);
+                left -= take;
+            }
+        }
+        let mut got: Vec<(&str, u32)> = Vec::new();
+        let mut total = 0u32;
+        for (name, take) in &chosen {
+            if self.take(&mut tx, name, *take, plan.memory_mib).await? {
+                got.push((name, *take));
+                total += take;
+            }
+        }
+        // The view was stale for some: try the rest at what the database
+        // says they have.
+        if total < want {
+            for (name, _) in &plan.candidates {
+                if total >= want {
+                    break;
+                }
+                if got.iter().any(|(n, _)| n == name) {
+                    continue;
+                }
+                let row = sqlx::query(
+                    "SELECT cores - leased_cores AS free FROM nodes WHERE name = $1 AND admin_state = 'up' AND lost = 0 AND leased_memory_mib + $2 <= memory_mib",
+                )
+                .bind(name.as_str())
+                .bind(i(plan.memory_mib))
+                .fetch_optional(&mut *tx)
+                .await?;
+                let free = match row {
+                    Some(r) => r.try_get::<i64, _>("free")?.max(0) as u32,
+                    None => 0,
+                };
+                let take = free.min(want - total);
+                if take > 0 && self.take(&mut tx, name, take, plan.memory_mib).await? {
+                    got.push((name, take));
+                    total += take;
+                }
+            }
+        }
+        if total < plan.min_cores.max(1) {
+            tx.rollback().await?;
+            return Ok(GrantOutcome::NoCapacity);
+        }
+        if total < want {
+            sqlx::query("UPDATE accounts SET leased_cores = leased_cores - $2 WHERE name = $1")
+                .bind(&plan.account)
+                .bind(i((want - total).into()))
+                .execute(&mut *tx)
+                .await?;
+        }
+        let grant_id = new_id();
+        let mut leases = Vec::with_capacity(got.len());
+        for (node, cores) in &got {
+            let view = LeaseView {
+                lease_id: new_id(),
+                grant_id,
+                node: (*node).to_owned(),
+                user: plan.user.clone(),
+                account: plan.account.clone(),
+                cores: *cores,
+                memory_mib: plan.memory_mib,
+                issued_at: plan.issued_at,
+                expires_at: plan.expires_at,
+                state: LeaseState::Active,
+            };
+            sqlx::query(&format!(
+                "INSERT INTO leases ({LEASE_COLS}, ended_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'active', 0)"
+            ))
+            .bind(i(view.lease_id))
+            .bind(i(grant_id))
+            .bind(&view.node)
+            .bind(&plan.owner)
+            .bind(&view.user)
+            .bind(&view.account)
+            .bind(i(view.cores.into()))
+            .bind(i(view.memory_mib))
+            .bind(i(view.issued_at))
+            .bind(i(view.expires_at))
+            .execute(&mut *tx)
+            .await?;
+            leases.push(LeaseRow {
+                view,
+                owner: plan.owner.clone(),
+            });
+        }
+        let names: Vec<&str> = got.iter().map(|(n, _)| *n).collect();
+        self.notify(&mut tx, &names).await?;
+        tx.commit().await?;
+        Ok(GrantOutcome::Granted { grant_id, leases })
+    }
+
+    /// Leases `cores` and `memory_mib` on `node` if they fit.
+    async fn take(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        node: &str,
+        cores: u32,
+        memory_mib: u64,
+    ) -> Result<bool, DbError> {
+        let done = sqlx::query(
+            "UPDATE nodes SET leased_cores = leased_cores + $2, leased_memory_mib = leased_memory_mib + $3
+             WHERE name = $1 AND admin_state = 'up' AND lost = 0
+               AND leased_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib",
+        )
+        .bind(node)
+        .bind(i(cores.into()))
+        .bind(i(memory_mib))
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Gives back what ended leases held: accounts, then nodes by name.
+    async fn give_back(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        ended: &[LeaseRow],
+    ) -> Result<(), DbError> {
+        let mut accounts: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut nodes: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for l in ended {
+            *accounts.entry(&l.view.account).or_default() += u64::from(l.view.cores);
+            let n = nodes.entry(&l.view.node).or_default();
+            n.0 += u64::from(l.view.cores);
+            n.1 += l.view.memory_mib;
+        }
+        for (account, cores) in &accounts {
+            sqlx::query("UPDATE accounts SET leased_cores = leased_cores - $2 WHERE name = $1")
+                .bind(*account)
+                .bind(i(*cores))
+                .execute(&mut **tx)
+                .await?;
+        }
+        for (node, (cores, mem)) in &nodes {
+            sqlx::query(
+                "UPDATE nodes SET leased_cores = leased_cores - $2, leased_memory_mib = leased_memory_mib - $3 WHERE name = $1",
+            )
+            .bind(*node)
+            .bind(i(*cores))
+            .bind(i(*mem))
+            .execute(&mut **tx)
+            .await?;
+        }
+        let names: Vec<&str> = nodes.keys().copied().collect();
+        self.notify(tx, &names).await
+    }
+
+    /// Ends grant `grant_id`'s active leases as `state`. Returns what it
+    /// ended (empty if nothing was active).
+    pub async fn end_grant(
+        &self,
+        grant_id: u64,
+        state: LeaseState,
+        now_ms: u64,
+    ) -> Result<Vec<LeaseRow>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        let ended = sqlx::query(&format!(
+            "UPDATE leases SET state = $2, ended_ms = $3 WHERE grant_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
+        ))
+        .bind(i(grant_id))
+        .bind(lease_state_name(state))
+        .bind(i(now_ms))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(lease_from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+        self.give_back(&mut tx, &ended).await?;
+        tx.commit().await?;
+        Ok(ended)
+    }
+
+    /// Ends every active lease that has expired at `now_s`.
+    pub async fn reap_expired(&self, now_s: u64, now_ms: u64) -> Result<Vec<LeaseRow>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        let ended = sqlx::query(&format!(
+            "UPDATE leases SET state = 'expired', ended_ms = $2 WHERE state = 'active' AND expires_at <= $1 RETURNING {LEASE_COLS}"
+        ))
+        .bind(i(now_s))
+        .bind(i(now_ms))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(lease_from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+        self.give_back(&mut tx, &ended).await?;
+        tx.commit().await?;
+        Ok(ended)
+    }
+
+    /// Marks nodes silent since before `cut_ms` lost, then ends the leases
+    /// of every lost node. Returns the nodes newly lost and the leases
+    /// ended.
+    pub async fn reap_lost(
+        &self,
+        cut_ms: u64,
+        now_ms: u64,
+    ) -> Result<(Vec<String>, Vec<LeaseRow>), DbError> {
+        let mut tx = self.pool.begin().await?;
+        let lost: Vec<String> = sqlx::query(
+            "UPDATE nodes SET lost = 1 WHERE lost = 0 AND last_heartbeat_ms < $1 RETURNING name",
+        )
+        .bind(i(cut_ms))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(|r| text_col(r, "name"))
+        .collect::<Result<_, _>>()?;
+        let names: Vec<&str> = lost.iter().map(String::as_str).collect();
+        self.notify(&mut tx, &names).await?;
+        tx.commit().await?;
+
+        // Lease rows before node rows: a second transaction.
+        let mut tx = self.pool.begin().await?;
+        let ended = sqlx::query(&format!(
+            "UPDATE leases SET state = 'lost', ended_ms = $1 WHERE state = 'active'
+               AND node IN (SELECT name FROM nodes WHERE lost = 1) RETURNING {LEASE_COLS}"
+        ))
+        .bind(i(now_ms))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(lease_from_row)
+        .collect::<Result<Vec<_>, _>>()?;
+        self.give_back(&mut tx, &ended).await?;
+        tx.commit().await?;
+        Ok((lost, ended))
+    }
+
+    /// Moves grant `grant_id`'s active leases' expiry to `expires_at`,
+    /// never earlier than it was: an executor keeps the latest expiry it
+    /// was shown, so a shorter one would let the manager lease cores the
+    /// executor still serves. Returns them (empty: nothing active).
+    pub async fn renew(&self, grant_id: u64, expires_at: u64) -> Result<Vec<LeaseRow>, DbError> {
+        let rows = sqlx::query(&format!(
+            "UPDATE leases SET expires_at = CASE WHEN expires_at > $2 THEN expires_at ELSE $2 END
+             WHERE grant_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
+        ))
+        .bind(i(grant_id))
+        .bind(i(expires_at))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(lease_from_row).collect()
+    }
+
+    /// A grant's leases, whatever their state.
+    pub async fn grant_leases(&self, grant_id: u64) -> Result<Vec<LeaseRow>, DbError> {
+        sqlx::query(&format!(
+            "SELECT {LEASE_COLS} FROM leases WHERE grant_id = $1 ORDER BY node"
+        ))
+        .bind(i(grant_id))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(lease_from_row)
+        .collect()
+    }
+
+    /// Leases, newest first: active ones only unless `all`, of `owner`
+    /// only if given, at most `limit`.
+    pub async fn leases(
+        &self,
+        all: bool,
+        owner: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<LeaseRow>, DbError> {
+        let sql = format!(
+            "SELECT {LEASE_COLS} FROM leases WHERE ($1 = 1 OR state = 'active') AND ($2 = '' OR owner = $2)
+             ORDER BY issued_at DESC, id LIMIT $3"
+        );
+        sqlx::query(&sql)
+            .bind(i64::from(all))
+            .bind(owner.unwrap_or(""))
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(lease_from_row)
+            .collect()
+    }
+
+    /// When the soonest active lease ends, Unix seconds.
+    pub async fn soonest_expiry(&self) -> Result<Option<u64>, DbError> {
+        let row =
+            sqlx::query("SELECT MIN(expires_at) AS soonest FROM leases WHERE state = 'active'")
+                .fetch_one(&self.pool)
+                .await?;
+        let v: Option<i64> = row.try_get("soonest")?;
+        Ok(v.map(|v| v.max(0) as u64))
+    }
+
+    /// Cores each account holds now.
+    pub async fn account_use(&self) -> Result<HashMap<String, u64>, DbError> {
+        let mut out = HashMap::new();
+        for row in sqlx::query("SELECT name, leased_cores FROM accounts")
+            .fetch_all(&self.pool)
+            .await?
+        {
+            out.insert(text_col(&row, "name")?, u64_col(&row, "leased_cores")?);
+        }
+        Ok(out)
+    }
+
+    /// Stores a new credential.
+    pub async fn add_credential(&self, c: &CredentialRow, now_ms: u64) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO credentials (id, secret_hash, role, subject, account, created_ms, expires_at, revoked)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 0)",
+        )
+        .bind(&c.id)
+        .bind(&c.secret_hash)
+        .bind(role_name(c.role))
+        .bind(&c.subject)
+        .bind(&c.account)
+        .bind(i(now_ms))
+        .bind(i(c.expires_at))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// One credential by id.
+    pub async fn credential(&self, id: &str) -> Result<Option<CredentialRow>, DbError> {
+        let row = sqlx::query(
+            "SELECT id, secret_hash, role, subject, account, expires_at, revoked FROM credentials WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(credential_from_row).transpose()
+    }
+
+    /// Every credential not revoked.
+    pub async fn credentials(&self) -> Result<Vec<CredentialRow>, DbError> {
+        sqlx::query(
+            "SELECT id, secret_hash, role, subject, account, expires_at, revoked FROM credentials WHERE revoked = 0 ORDER BY subject, id",
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(credential_from_row)
+        .collect()
+    }
+
+    /// Revokes a credential. `false`: unknown.
+    pub async fn revoke_credential(&self, id: &str) -> Result<bool, DbError> {
+        let done = sqlx::query("UPDATE credentials SET revoked = 1 WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+/// The stored name of a role.
+pub fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Node => "node",
+        Role::User => "user",
+    }
+}
+
+fn credential_from_row(row: &AnyRow) -> Result<CredentialRow, DbError> {
+    let role = match text_col(row, "role")?.as_str() {
+        "node" => Role::Node,
+        "user" => Role::User,
+        other => return Err(DbError::Other(format!("stored credential role {other:?}"))),
+    };
+    Ok(CredentialRow {
+        id: text_col(row, "id")?,
+        secret_hash: text_col(row, "secret_hash")?,
+        role,
+        subject: text_col(row, "subject")?,
+        account: text_col(row, "account")?,
+        expires_at: u64_col(row, "expires_at")?,
+        revoked: u64_col(row, "revoked")? != 0,
+    })
+}

@@ -1,0 +1,440 @@
+//! The manager's REST API against a real `rfaas-manager`, each test on
+//! SQLite and on a real PostgreSQL server.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use rfaas_testkit::manager::Api;
+use serde_json::json;
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `secs`.
+fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let until = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn nodes_register_heartbeat_drain_resume(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let n1 = register(&m, "n1", 4, 4096);
+    // Registering again is idempotent.
+    let (s, again) = n1.call("PUT", "/v1/nodes/n1", Some(&node_body(7100, 4, 4096)));
+    assert_eq!(s, 200, "{again}");
+    assert_eq!(again["node"]["state"], "up");
+    assert_eq!(again["heartbeat_interval_ms"], 200);
+    let hb = json!({"free_cores": 4, "free_memory_mib": 4096, "allocations": []});
+    let (s, reply) = n1.call("POST", "/v1/nodes/n1/heartbeat", Some(&hb));
+    assert_eq!((s, reply["ended_leases"].clone()), (200, json!([])));
+    // A node credential speaks only for its node.
+    let (s, e) = n1.call("PUT", "/v1/nodes/n2", Some(&node_body(7101, 2, 1024)));
+    assert_eq!((s, e["error"].as_str()), (403, Some("forbidden")), "{e}");
+    // An unknown node's heartbeat is told to register.
+    let admin = m.admin();
+    let (s, e) = admin.call("POST", "/v1/nodes/ghost/heartbeat", Some(&hb));
+    assert_eq!((s, e["error"].as_str()), (404, Some("not_found")), "{e}");
+    // Drain and resume, seen in the listing.
+    let (s, v) = admin.call("POST", "/v1/nodes/n1/drain", None);
+    assert_eq!((s, v["state"].as_str()), (200, Some("drained")), "{v}");
+    let u = user(&m, "alice", "physics");
+    let (s, e) = lease(&u, 1, None, 64, 60);
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (503, Some("no_capacity")),
+        "a drained node is not offered: {e}"
+    );
+    let (s, v) = admin.call("POST", "/v1/nodes/n1/resume", None);
+    assert_eq!((s, v["state"].as_str()), (200, Some("up")), "{v}");
+    let (s, list) = u.call("GET", "/v1/nodes", None);
+    assert_eq!(s, 200);
+    assert_eq!(list[0]["name"], "n1");
+    assert_eq!(list[0]["providers"][0]["host"], "127.0.0.1");
+    // Users and nodes cannot drain.
+    let (s, _) = u.call("POST", "/v1/nodes/n1/drain", None);
+    assert_eq!(s, 403);
+    let (s, _) = n1.call("POST", "/v1/nodes/n1/drain", None);
+    assert_eq!(s, 403);
+}
+on_both!(nodes_register_heartbeat_drain_resume);
+
+fn leases_span_nodes_all_or_nothing(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    register(&m, "a", 2, 4096);
+    register(&m, "b", 2, 4096);
+    register(&m, "c", 2, 4096);
+    let u = user(&m, "alice", "physics");
+    // Five cores span three nodes, each with its own token.
+    let (s, g) = lease(&u, 5, None, 256, 60);
+    assert_eq!(s, 201, "{g}");
+    assert_eq!(granted_cores(&g), 5);
+    let leases = g["leases"].as_array().unwrap();
+    assert_eq!(leases.len(), 3, "{g}");
+    for l in leases {
+        assert!(l["token"].as_str().unwrap().starts_with("rfaas"), "{l}");
+        assert_eq!(l["control_addr"], "127.0.0.1:7100");
+    }
+    // One core is left: a request for 2 with min 2 gets nothing, with 1 it
+    // gets the one.
+    let (s, e) = lease(&u, 2, None, 256, 60);
+    assert_eq!(s, 503, "{e}");
+    let (s, g2) = lease(&u, 2, Some(1), 256, 60);
+    assert_eq!((s, granted_cores(&g2)), (201, 1), "{g2}");
+    assert_eq!(check_no_core_leased_twice(&m), 6);
+    // Release gives the cores back; releasing twice is fine.
+    let id = g["id"].as_u64().unwrap();
+    let (s, _) = u.call("DELETE", &format!("/v1/leases/{id}"), None);
+    assert_eq!(s, 204);
+    let (s, _) = u.call("DELETE", &format!("/v1/leases/{id}"), None);
+    assert_eq!(s, 204);
+    assert_eq!(check_no_core_leased_twice(&m), 1);
+    // Another user can neither see nor release alice's lease.
+    let bob = user(&m, "bob", "chem");
+    let id2 = g2["id"].as_u64().unwrap();
+    let (s, e) = bob.call("DELETE", &format!("/v1/leases/{id2}"), None);
+    assert_eq!((s, e["error"].as_str()), (403, Some("forbidden")), "{e}");
+    let (s, mine) = bob.call("GET", "/v1/leases", None);
+    assert_eq!((s, mine), (200, json!([])));
+    // Renewal moves the expiry, never back, with fresh tokens.
+    let before = g2["expires_at"].as_u64().unwrap();
+    let (s, r) = u.call(
+        "POST",
+        &format!("/v1/leases/{id2}/renew"),
+        Some(&json!({"duration_s": 600})),
+    );
+    assert_eq!(s, 200, "{r}");
+    assert!(r["expires_at"].as_u64().unwrap() >= before + 500, "{r}");
+    let (s, r2) = u.call(
+        "POST",
+        &format!("/v1/leases/{id2}/renew"),
+        Some(&json!({"duration_s": 5})),
+    );
+    assert_eq!(s, 200, "{r2}");
+    assert_eq!(
+        r2["expires_at"], r["expires_at"],
+        "a renewal never shortens a lease"
+    );
+    // A released lease cannot be renewed.
+    let (s, e) = u.call(
+        "POST",
+        &format!("/v1/leases/{id}/renew"),
+        Some(&json!({"duration_s": 60})),
+    );
+    assert_eq!((s, e["error"].as_str()), (409, Some("lease_ended")), "{e}");
+    // Preferences are honoured.
+    let (s, p) = u.call(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 60, "nodes": ["b"]})),
+    );
+    assert_eq!(s, 201, "{p}");
+    assert_eq!(p["leases"][0]["node"], "b");
+}
+on_both!(leases_span_nodes_all_or_nothing);
+
+fn no_capacity_says_when_to_retry(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    register(&m, "a", 1, 1024);
+    let u = user(&m, "alice", "physics");
+    let (s, _) = lease(&u, 1, None, 64, 30);
+    assert_eq!(s, 201);
+    let (s, retry, e) = u.call_full(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 30})),
+    );
+    assert_eq!((s, e["error"].as_str()), (503, Some("no_capacity")), "{e}");
+    let retry = retry.expect("a Retry-After header");
+    assert!(
+        (25..=30).contains(&retry),
+        "Retry-After {retry} is not the soonest expiry"
+    );
+    assert_eq!(e["retry_after_s"], retry);
+    // Memory counts too.
+    register(&m, "b", 4, 128);
+    let (s, e) = lease(&u, 1, None, 256, 30);
+    assert_eq!(s, 503, "{e}");
+}
+on_both!(no_capacity_says_when_to_retry);
+
+fn quotas_cap_an_account(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager_with(
+        "[quota]\ndefault_cores = 0\naccounts = { physics = 3 }\n",
+        None,
+    );
+    register(&m, "a", 8, 8192);
+    let u = user(&m, "alice", "physics");
+    let (s, g) = lease(&u, 2, None, 64, 60);
+    assert_eq!(s, 201, "{g}");
+    let (s, e) = lease(&u, 2, None, 64, 60);
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (403, Some("quota_exceeded")),
+        "{e}"
+    );
+    assert_eq!(
+        (e["cap"].as_u64(), e["in_use"].as_u64()),
+        (Some(3), Some(2)),
+        "{e}"
+    );
+    // Within the cap with min_cores, and other accounts are not capped.
+    let (s, g2) = lease(&u, 2, Some(1), 64, 60);
+    assert_eq!((s, granted_cores(&g2)), (201, 1), "{g2}");
+    let bob = user(&m, "bob", "chem");
+    let (s, _) = lease(&bob, 4, None, 64, 60);
+    assert_eq!(s, 201);
+    // Releasing frees quota.
+    let id = g["id"].as_u64().unwrap();
+    assert_eq!(u.call("DELETE", &format!("/v1/leases/{id}"), None).0, 204);
+    let (s, _) = lease(&u, 2, None, 64, 60);
+    assert_eq!(s, 201);
+}
+on_both!(quotas_cap_an_account);
+
+fn credentials_are_checked(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    register(&m, "a", 2, 1024);
+    let body = json!({"cores": 1, "memory_mib": 64, "duration_s": 60});
+    // No header, a wrong token, a forged secret for a real id.
+    let none = Api::new(m.url(), "");
+    let (s, e) = none.call("POST", "/v1/leases", Some(&body));
+    assert_eq!((s, e["error"].as_str()), (401, Some("unauthorized")), "{e}");
+    let wrong = Api::new(m.url(), "not-a-token");
+    assert_eq!(wrong.call("GET", "/v1/nodes", None).0, 401);
+    let real = m.credential("user", "alice", Some("physics"));
+    let (prefix, _) = real.rsplit_once('.').unwrap();
+    let forged = Api::new(
+        m.url(),
+        &format!("{prefix}.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"),
+    );
+    let (s, e) = forged.call("POST", "/v1/leases", Some(&body));
+    assert_eq!(s, 401, "{e}");
+    assert!(e["message"].as_str().unwrap().contains("forged"), "{e}");
+    // An expired credential.
+    let (s, c) = m.admin().call(
+        "POST",
+        "/v1/credentials",
+        Some(&json!({"role": "user", "subject": "eve", "ttl_s": 1})),
+    );
+    assert_eq!(s, 201, "{c}");
+    let eve = Api::new(m.url(), c["token"].as_str().unwrap());
+    let (s, e) = wait_for(5, "the credential to expire", || {
+        let r = eve.call("GET", "/v1/leases", None);
+        (r.0 != 200).then_some(r)
+    });
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (401, Some("credential_expired")),
+        "{e}"
+    );
+    // A revoked credential, on this replica at once.
+    let alice = Api::new(m.url(), &real);
+    assert_eq!(alice.call("GET", "/v1/leases", None).0, 200);
+    let id = real.split('.').nth(1).unwrap();
+    assert_eq!(
+        m.admin()
+            .call("DELETE", &format!("/v1/credentials/{id}"), None)
+            .0,
+        204
+    );
+    let (s, e) = alice.call("GET", "/v1/leases", None);
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (401, Some("credential_revoked")),
+        "{e}"
+    );
+    // Roles: the admin cannot lease, a user cannot mint.
+    let (s, _) = m.admin().call("POST", "/v1/leases", Some(&body));
+    assert_eq!(s, 403);
+    let bob = user(&m, "bob", "chem");
+    let (s, _) = bob.call(
+        "POST",
+        "/v1/credentials",
+        Some(&json!({"role": "user", "subject": "x"})),
+    );
+    assert_eq!(s, 403);
+}
+on_both!(credentials_are_checked);
+
+fn malformed_requests_get_json_errors(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let node = register(&m, "a", 2, 1024);
+    let u = user(&m, "alice", "physics");
+    let cases: Vec<(&Api, &str, &str, Option<String>, &str)> = vec![
+        (&u, "POST", "/v1/leases", Some("{".into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some("[]".into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":1}"#.into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":1,"memory_mib":64,"duration_s":60,"colour":1}"#.into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":-1,"memory_mib":64,"duration_s":60}"#.into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":0,"memory_mib":64,"duration_s":60}"#.into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":2,"min_cores":3,"memory_mib":64,"duration_s":60}"#.into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":1,"memory_mib":64,"duration_s":99999999}"#.into()), "application/json"),
+        (&u, "POST", "/v1/leases", Some(r#"{"cores":1,"memory_mib":64,"duration_s":60}"#.into()), "text/plain"),
+        (&u, "POST", "/v1/leases", Some(format!(r#"{{"cores":1,"memory_mib":64,"duration_s":60,"nodes":["{}"]}}"#, "x".repeat(400_000))), "application/json"),
+        (&u, "GET", "/v1/leases/notanumber", None, "application/json"),
+        (&u, "GET", "/v1/leases?limit=-3", None, "application/json"),
+        (&u, "DELETE", "/v1/leases/99999999999999999999999", None, "application/json"),
+        (&u, "PATCH", "/v1/leases", None, "application/json"),
+        (&u, "GET", "/v2/anything", None, "application/json"),
+        (&node, "PUT", "/v1/nodes/a", Some(r#"{"control_addr":"nohost","providers":[{"name":"tcp"}],"cores":1,"memory_mib":1}"#.into()), "application/json"),
+        (&node, "PUT", "/v1/nodes/a", Some(r#"{"control_addr":"h:1","providers":[{"name":"carrier-pigeon"}],"cores":1,"memory_mib":1}"#.into()), "application/json"),
+        (&node, "PUT", "/v1/nodes/a", Some(r#"{"control_addr":"h:1","providers":[{"name":"tcp"}],"cores":0,"memory_mib":1}"#.into()), "application/json"),
+        (&node, "POST", "/v1/nodes/a/heartbeat", Some(r#"{"free_cores":"x"}"#.into()), "application/json"),
+        (&u, "GET", "/v1/nodes/%ff%fe", None, "application/json"),
+    ];
+    for (api, method, path, body, ctype) in cases {
+        let (s, _, e) = api.raw(method, path, body.clone(), ctype);
+        assert!(
+            (400..500).contains(&s),
+            "{method} {path} {:?}: status {s}, {e}",
+            body.map(|b| b.chars().take(80).collect::<String>())
+        );
+        assert!(
+            e["error"].is_string() && e["message"].is_string(),
+            "{method} {path}: not an ApiError: {e}"
+        );
+    }
+    // Nothing was leased by any of it, and the manager still serves.
+    assert_eq!(check_no_core_leased_twice(&m), 0);
+    let (s, g) = lease(&u, 1, None, 64, 60);
+    assert_eq!(s, 201, "{g}");
+}
+on_both!(malformed_requests_get_json_errors);
+
+fn expired_leases_end_and_nodes_hear_of_it(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let node = register(&m, "a", 2, 1024);
+    let u = user(&m, "alice", "physics");
+    let (s, short) = lease(&u, 1, None, 64, 1);
+    assert_eq!(s, 201, "{short}");
+    let (s, long) = lease(&u, 1, None, 64, 600);
+    assert_eq!(s, 201, "{long}");
+    let (s, full) = lease(&u, 1, None, 64, 600);
+    assert_eq!(s, 503, "both cores are leased: {full}");
+    let short_id = short["leases"][0]["lease_id"].as_u64().unwrap();
+    let long_id = long["leases"][0]["lease_id"].as_u64().unwrap();
+    let hb = json!({"free_cores": 0, "free_memory_mib": 896, "allocations": [
+        {"lease_id": short_id, "cores": 1, "memory_mib": 64},
+        {"lease_id": long_id, "cores": 1, "memory_mib": 64},
+        {"lease_id": 12345, "cores": 1, "memory_mib": 64}
+    ]});
+    // The short lease expires; the node hears it ended, not the long one,
+    // nor the one the manager never granted.
+    let ended = wait_for(10, "the short lease to expire", || {
+        let (s, r) = node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+        assert_eq!(s, 200, "{r}");
+        (r["ended_leases"] != json!([])).then_some(r["ended_leases"].clone())
+    });
+    assert_eq!(ended, json!([short_id]));
+    let (s, all) = m.admin().call("GET", "/v1/leases?all=true", None);
+    assert_eq!(s, 200);
+    let states: Vec<(u64, String)> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (
+                l["lease_id"].as_u64().unwrap(),
+                l["state"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(states.contains(&(short_id, "expired".into())), "{states:?}");
+    assert!(states.contains(&(long_id, "active".into())), "{states:?}");
+    assert_eq!(check_no_core_leased_twice(&m), 1);
+    // The freed core is offered again.
+    let (s, g) = lease(&u, 1, None, 64, 60);
+    assert_eq!(s, 201, "{g}");
+}
+on_both!(expired_leases_end_and_nodes_hear_of_it);
+
+fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let node = register(&m, "a", 2, 1024);
+    let u = user(&m, "alice", "physics");
+    let (s, g) = lease(&u, 2, None, 64, 600);
+    assert_eq!(s, 201, "{g}");
+    let lease_id = g["leases"][0]["lease_id"].as_u64().unwrap();
+    // No heartbeats: lost after lost_after_ms (1 s here).
+    let admin = m.admin();
+    wait_for(10, "the node to be lost", || {
+        let (_, n) = admin.call("GET", "/v1/nodes/a", None);
+        (n["state"] == "lost").then_some(())
+    });
+    let (_, all) = admin.call("GET", "/v1/leases?all=true", None);
+    assert_eq!(all[0]["state"], "lost", "{all}");
+    assert_eq!(check_no_core_leased_twice(&m), 0);
+    let (s, _) = lease(&u, 1, None, 64, 60);
+    assert_eq!(s, 503, "a lost node is not offered");
+    // It comes back with a heartbeat, and hears its lease ended.
+    let hb = json!({"free_cores": 0, "free_memory_mib": 0, "allocations": [{"lease_id": lease_id, "cores": 2, "memory_mib": 64}]});
+    let (s, r) = node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+    assert_eq!(
+        (s, r["ended_leases"].clone()),
+        (200, json!([lease_id])),
+        "{r}"
+    );
+    let (s, g) = wait_for(5, "the node to be offered again", || {
+        let _ = node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+        let r = lease(&u, 1, None, 64, 60);
+        (r.0 == 201).then_some(r)
+    });
+    assert_eq!(s, 201, "{g}");
+}
+on_both!(silent_nodes_are_lost_and_their_leases_end);
+
+#[test]
+fn openapi_document_and_metrics() {
+    let mut db = Db::new("sqlite");
+    let m = db.manager();
+    register(&m, "a", 3, 1024);
+    let u = user(&m, "alice", "physics");
+    assert_eq!(lease(&u, 1, None, 64, 60).0, 201);
+    let open = Api::new(m.url(), "");
+    let (s, doc) = open.call("GET", "/v1/openapi.json", None);
+    assert_eq!(s, 200);
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."), "{doc}");
+    for path in [
+        "/v1/leases",
+        "/v1/nodes/{name}",
+        "/v1/nodes/{name}/heartbeat",
+        "/v1/credentials",
+    ] {
+        assert!(
+            doc["paths"][path].is_object(),
+            "{path} missing from the document"
+        );
+    }
+    assert!(doc["components"]["schemas"]["LeaseRequest"].is_object());
+    let (s, h) = open.call("GET", "/healthz", None);
+    assert_eq!((s, h["status"].as_str()), (200, Some("ok")));
+    let (s, text) = open.call("GET", "/metrics", None);
+    assert_eq!(s, 200);
+    let text = text.as_str().unwrap().to_owned();
+    for line in [
+        "rfaas_manager_grants_total 1",
+        "rfaas_manager_nodes{state=\"up\"} 1",
+        "rfaas_manager_cores{state=\"free\"} 2",
+        "rfaas_manager_cores{state=\"leased\"} 1",
+        "rfaas_manager_denials_total{reason=\"no_capacity\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
+    }
+    assert!(
+        text.contains("rfaas_manager_request_seconds_bucket{method=\"POST\",route=\"/v1/leases\""),
+        "{text}"
+    );
+}

@@ -1,0 +1,171 @@
+//! Shared by the manager's integration tests: a database of either kind,
+//! managers on it, and node and user callers.
+
+#![allow(dead_code)]
+
+use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use serde_json::{json, Value};
+
+pub use rfaas_testkit::postgres::Postgres;
+
+/// The database a test runs on: a SQLite file (made by the manager), or a
+/// throwaway PostgreSQL server of its own.
+#[derive(Debug)]
+pub enum Db {
+    /// SQLite: `None` until the first manager creates the file.
+    Sqlite(Option<String>),
+    /// PostgreSQL.
+    Postgres(Postgres),
+}
+
+impl Db {
+    /// A fresh database of `kind` ("sqlite" or "postgres").
+    pub fn new(kind: &str) -> Db {
+        match kind {
+            "sqlite" => Db::Sqlite(None),
+            "postgres" => Db::Postgres(Postgres::start().unwrap_or_else(|e| panic!("{e}"))),
+            other => panic!("no backend {other}"),
+        }
+    }
+
+    /// Starts a manager on this database with `extra` configuration.
+    pub fn manager_with(&mut self, extra: &str, key: Option<&Manager>) -> Manager {
+        let defaults = ManagerOptions::default();
+        // `extra` overrides the test defaults it names.
+        let kept: String = defaults
+            .extra_config
+            .lines()
+            .filter(|l| {
+                let key = l.split('=').next().unwrap_or("").trim();
+                !extra
+                    .lines()
+                    .any(|e| e.split('=').next().unwrap_or("").trim() == key)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let mut opts = ManagerOptions {
+            extra_config: format!("{kept}{extra}"),
+            ..defaults
+        };
+        if let Some(k) = key {
+            opts.lease_key = Some(k.lease_key().to_owned());
+            opts.admin_token = Some(k.admin_token().to_owned());
+        }
+        match self {
+            Db::Sqlite(url) => {
+                opts.database = url.clone();
+                let m = Manager::start(opts);
+                *url = Some(m.database().to_owned());
+                m
+            }
+            Db::Postgres(pg) => {
+                opts.database = Some(pg.url().to_owned());
+                Manager::start(opts)
+            }
+        }
+    }
+
+    /// Starts a manager with the test defaults.
+    pub fn manager(&mut self) -> Manager {
+        self.manager_with("", None)
+    }
+}
+
+/// Generates one test per backend from `fn $name(kind: &str)`.
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$name("sqlite");
+            }
+            #[test]
+            fn postgres() {
+                super::$name("postgres");
+            }
+        }
+    };
+}
+
+/// A registration body.
+pub fn node_body(port: u16, cores: u32, memory_mib: u64) -> Value {
+    json!({
+        "control_addr": format!("127.0.0.1:{port}"),
+        "providers": [{"name": "tcp", "host": "127.0.0.1"}, {"name": "shm"}],
+        "cores": cores,
+        "memory_mib": memory_mib,
+        "version": "test"
+    })
+}
+
+/// Registers node `name` with its own credential; returns its caller.
+pub fn register(m: &Manager, name: &str, cores: u32, memory_mib: u64) -> Api {
+    let cred = m.credential("node", name, None);
+    let api = Api::new(m.url(), &cred);
+    let (status, reply) = api.call(
+        "PUT",
+        &format!("/v1/nodes/{name}"),
+        Some(&node_body(7100, cores, memory_mib)),
+    );
+    assert_eq!(status, 200, "register {name}: {reply}");
+    api
+}
+
+/// A user's caller.
+pub fn user(m: &Manager, name: &str, account: &str) -> Api {
+    Api::new(m.url(), &m.credential("user", name, Some(account)))
+}
+
+/// `POST /v1/leases`.
+pub fn lease(api: &Api, cores: u32, min: Option<u32>, memory: u64, secs: u64) -> (u16, Value) {
+    let mut body = json!({"cores": cores, "memory_mib": memory, "duration_s": secs});
+    if let Some(min) = min {
+        body["min_cores"] = min.into();
+    }
+    api.call("POST", "/v1/leases", Some(&body))
+}
+
+/// Cores granted in a grant body.
+pub fn granted_cores(grant: &Value) -> u64 {
+    grant["leases"]
+        .as_array()
+        .expect("leases")
+        .iter()
+        .map(|l| l["cores"].as_u64().unwrap())
+        .sum()
+}
+
+/// Checks the pool's invariant through the admin API: on every node, the
+/// leased cores equal the sum of its active leases and stay within its
+/// cores; returns the total leased.
+pub fn check_no_core_leased_twice(m: &Manager) -> u64 {
+    let admin = m.admin();
+    let (s, leases) = admin.call("GET", "/v1/leases?limit=100000", None);
+    assert_eq!(s, 200, "{leases}");
+    let (s, nodes) = admin.call("GET", "/v1/nodes?fresh=true", None);
+    assert_eq!(s, 200, "{nodes}");
+    let mut total = 0;
+    for n in nodes.as_array().unwrap() {
+        let name = n["name"].as_str().unwrap();
+        let sum: u64 = leases
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["node"] == name && l["state"] == "active")
+            .map(|l| l["cores"].as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            n["leased_cores"].as_u64().unwrap(),
+            sum,
+            "node {name}: its counter and its leases disagree"
+        );
+        assert!(
+            sum <= n["cores"].as_u64().unwrap(),
+            "node {name} over-leased: {sum} > {}",
+            n["cores"]
+        );
+        total += sum;
+    }
+    total
+}

@@ -1,0 +1,251 @@
+//! Replicas on one database under a storm of concurrent requests: no core
+//! leased twice, no granted lease lost, through a replica's kill -9 and a
+//! PostgreSQL restart.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rfaas_testkit::manager::{Api, Manager};
+use serde_json::{json, Value};
+
+/// What one storm saw: the grants it holds (id → cores per node), and
+/// how many requests got each status.
+#[derive(Debug, Default)]
+struct Seen {
+    held: Vec<(u64, Vec<(String, u64)>)>,
+    statuses: std::collections::BTreeMap<u16, u32>,
+}
+
+/// `threads` clients, each sending `per_thread` lease requests round-robin
+/// over `urls`, releasing about a third of what they get.
+fn storm(urls: &[String], tokens: &[String], threads: usize, per_thread: usize, seed: u64) -> Seen {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let seen = seen.clone();
+            let token = tokens[t % tokens.len()].clone();
+            s.spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(seed + t as u64);
+                for k in 0..per_thread {
+                    let api = Api::new(&urls[(t + k) % urls.len()], &token);
+                    let cores = rng.u32(1..=4);
+                    let body = json!({"cores": cores, "min_cores": rng.u32(1..=cores), "memory_mib": 64, "duration_s": 600});
+                    let (status, g) = api.call("POST", "/v1/leases", Some(&body));
+                    let mut seen_now = seen.lock().unwrap();
+                    *seen_now.statuses.entry(status).or_default() += 1;
+                    if status != 201 {
+                        continue;
+                    }
+                    let id = g["id"].as_u64().unwrap();
+                    let parts: Vec<(String, u64)> = g["leases"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|l| (l["node"].as_str().unwrap().to_owned(), l["cores"].as_u64().unwrap()))
+                        .collect();
+                    drop(seen_now);
+                    if rng.u32(0..3) == 0 {
+                        let (s, e) = api.call("DELETE", &format!("/v1/leases/{id}"), None);
+                        if s == 204 {
+                            continue;
+                        }
+                        // The replica died under the release: the lease
+                        // may or may not be released; release it elsewhere.
+                        let other = Api::new(&urls[(t + k + 1) % urls.len()], &token);
+                        let (s2, e2) = other.call("DELETE", &format!("/v1/leases/{id}"), None);
+                        assert_eq!(s2, 204, "release: {s} {e}, then {s2} {e2}");
+                        continue;
+                    }
+                    seen.lock().unwrap().held.push((id, parts));
+                }
+            });
+        }
+    });
+    Arc::try_unwrap(seen).unwrap().into_inner().unwrap()
+}
+
+/// Every grant the storm holds is active in the database, with exactly
+/// the cores it was told, and the counters agree with the leases.
+fn check_held(m: &Manager, seen: &Seen) {
+    let (s, leases) = m.admin().call("GET", "/v1/leases?limit=100000", None);
+    assert_eq!(s, 200);
+    let active: Vec<&Value> = leases.as_array().unwrap().iter().collect();
+    let mut expected = 0u64;
+    for (id, parts) in &seen.held {
+        let mut got: Vec<(String, u64)> = active
+            .iter()
+            .filter(|l| l["grant_id"] == *id && l["state"] == "active")
+            .map(|l| {
+                (
+                    l["node"].as_str().unwrap().to_owned(),
+                    l["cores"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        got.sort();
+        let mut want = parts.clone();
+        want.sort();
+        assert_eq!(got, want, "grant {id} as granted and as stored");
+        expected += want.iter().map(|p| p.1).sum::<u64>();
+    }
+    assert_eq!(
+        check_no_core_leased_twice(m),
+        expected,
+        "active leases that no client holds, or held ones missing"
+    );
+}
+
+/// The storms' nodes do not heartbeat: keep them from being lost.
+const QUIET_NODES: &str = "lost_after_ms = 600000\n";
+
+fn three_replicas_never_lease_a_core_twice(kind: &str) {
+    let mut db = Db::new(kind);
+    let first = db.manager_with(QUIET_NODES, None);
+    let replicas = [
+        db.manager_with(QUIET_NODES, Some(&first)),
+        db.manager_with(QUIET_NODES, Some(&first)),
+    ];
+    // A few nodes, fewer cores than the storm asks for: grants compete
+    // for the last cores, and some are refused.
+    for k in 0..4 {
+        register(&first, &format!("n{k}"), 24, 8192);
+    }
+    let tokens: Vec<String> = (0..4)
+        .map(|k| first.credential("user", &format!("u{k}"), Some("physics")))
+        .collect();
+    let urls: Vec<String> = std::iter::once(&first)
+        .chain(replicas.iter())
+        .map(|m| m.url().to_owned())
+        .collect();
+    let seen = storm(&urls, &tokens, 24, 15, 7);
+    assert_eq!(seen.statuses.values().sum::<u32>(), 360);
+    let granted = seen.statuses.get(&201).copied().unwrap_or(0);
+    let refused = seen.statuses.get(&503).copied().unwrap_or(0);
+    assert!(
+        granted >= 40 && refused > 0,
+        "the storm must fill the pool: {:?}",
+        seen.statuses
+    );
+    for status in seen.statuses.keys() {
+        assert!(
+            *status == 201 || *status == 503,
+            "unexpected status {status}: {:?}",
+            seen.statuses
+        );
+    }
+    check_held(&first, &seen);
+}
+on_both!(three_replicas_never_lease_a_core_twice);
+
+fn kill_9_of_a_replica_loses_no_granted_lease(kind: &str) {
+    let mut db = Db::new(kind);
+    let first = db.manager_with(QUIET_NODES, None);
+    let mut victim = db.manager_with(QUIET_NODES, Some(&first));
+    for k in 0..3 {
+        register(&first, &format!("n{k}"), 64, 16384);
+    }
+    let tokens: Vec<String> = (0..3)
+        .map(|k| first.credential("user", &format!("u{k}"), Some("physics")))
+        .collect();
+    let urls = vec![first.url().to_owned(), victim.url().to_owned()];
+    let seen = std::thread::scope(|s| {
+        let storm = s.spawn(|| storm(&urls, &tokens, 16, 20, 11));
+        // Kill it once it has served part of the storm.
+        let until = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < until {
+            if victim.log().matches("lease granted").count() >= 20 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        victim.kill();
+        storm.join().unwrap()
+    });
+    assert!(
+        seen.statuses.get(&0).copied().unwrap_or(0) > 0,
+        "the kill hit no request: {:?}",
+        seen.statuses
+    );
+    check_held(&first, &seen);
+}
+on_both!(kill_9_of_a_replica_loses_no_granted_lease);
+
+#[test]
+fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
+    let mut db = Db::new("postgres");
+    let m = db.manager();
+    let nodes: Vec<Api> = (0..2)
+        .map(|k| register(&m, &format!("n{k}"), 64, 65536))
+        .collect();
+    // The nodes heartbeat throughout, as executord does.
+    let stop = AtomicBool::new(false);
+    let u = user(&m, "alice", "physics");
+    std::thread::scope(|s| {
+        for (k, node) in nodes.iter().enumerate() {
+            let stop = &stop;
+            s.spawn(move || {
+                let hb = json!({"free_cores": 64, "free_memory_mib": 65536, "allocations": []});
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = node.call("POST", &format!("/v1/nodes/n{k}/heartbeat"), Some(&hb));
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            });
+        }
+        let mut before = Vec::new();
+        for _ in 0..10 {
+            let (st, g) = lease(&u, 2, None, 64, 600);
+            assert_eq!(st, 201, "{g}");
+            before.push(g["id"].as_u64().unwrap());
+        }
+        let Db::Postgres(pg) = &mut db else {
+            unreachable!()
+        };
+        pg.stop().unwrap();
+        let (st, retry, e) = u.call_full(
+            "POST",
+            "/v1/leases",
+            Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 60})),
+        );
+        assert_eq!(
+            (st, e["error"].as_str()),
+            (503, Some("database_unavailable")),
+            "{e}"
+        );
+        assert!(retry.is_some(), "a 503 without Retry-After");
+        let (st, _) = Api::new(m.url(), "").call("GET", "/healthz", None);
+        assert_eq!(st, 503, "healthz while the database is down");
+        // Down for longer than lost_after (1 s): no node may be lost for it.
+        std::thread::sleep(Duration::from_millis(1500));
+        pg.start_again().unwrap();
+        let (st, g) = wait_for_grant(&u);
+        assert_eq!(st, 201, "{g}");
+        // Give the reaper several rounds after the outage.
+        std::thread::sleep(Duration::from_millis(1500));
+        for id in &before {
+            let (st, l) = u.call("GET", &format!("/v1/leases/{id}"), None);
+            assert_eq!(st, 200, "{l}");
+            assert_eq!(
+                l[0]["state"], "active",
+                "lease {id} ended by the outage: {l}"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(check_no_core_leased_twice(&m), 21);
+}
+
+fn wait_for_grant(u: &Api) -> (u16, Value) {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = lease(u, 1, None, 64, 600);
+        if r.0 == 201 || Instant::now() > until {
+            return r;
+        }
+        assert_eq!(r.0, 503, "{}", r.1);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

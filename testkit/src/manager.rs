@@ -1,0 +1,347 @@
+//! A real `rfaas-manager` for tests: [`Manager`] writes an admin token, a
+//! lease key and a configuration into a private directory, starts the
+//! binary on a free 127.0.0.1 port, and stops it by pid on drop. Several
+//! [`Manager`]s on one database are replicas.
+//!
+//! [`Api`] is a small blocking REST caller that returns the status and
+//! JSON body, whatever the status, so tests can check error bodies.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// `rfaas-manager` in the workspace's target directory (debug build).
+pub fn manager_binary() -> PathBuf {
+    crate::target_dir().join("debug").join("rfaas-manager")
+}
+
+/// How to start a manager.
+#[derive(Debug, Clone)]
+pub struct ManagerOptions {
+    /// The database URL; `None`: a fresh SQLite file in the manager's
+    /// directory.
+    pub database: Option<String>,
+    /// The admin token; `None`: a random one.
+    pub admin_token: Option<String>,
+    /// The lease key file to sign with; `None`: a new key in the
+    /// manager's directory (see [`Manager::lease_key`]).
+    pub lease_key: Option<PathBuf>,
+    /// More TOML for the configuration file.
+    pub extra_config: String,
+}
+
+impl Default for ManagerOptions {
+    fn default() -> ManagerOptions {
+        ManagerOptions {
+            database: None,
+            admin_token: None,
+            lease_key: None,
+            extra_config: "heartbeat_interval_ms = 200\nlost_after_ms = 1000\nrefresh_ms = 100\n"
+                .into(),
+        }
+    }
+}
+
+/// A running manager.
+#[derive(Debug)]
+pub struct Manager {
+    child: Option<Child>,
+    dir: PathBuf,
+    url: String,
+    admin_token: String,
+    lease_key: PathBuf,
+    database: String,
+    log: PathBuf,
+    binary: PathBuf,
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+fn random_bytes(n: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut buf = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .expect("/dev/urandom");
+    buf
+}
+
+fn random_text(n: usize) -> String {
+    const A: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    random_bytes(n)
+        .iter()
+        .map(|b| A[*b as usize % A.len()] as char)
+        .collect()
+}
+
+/// Writes a new lease signing key to `path` (mode 0600).
+pub fn write_lease_key(path: &Path) -> Result<(), String> {
+    std::fs::write(path, random_bytes(32)).map_err(|e| format!("write {path:?}: {e}"))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| e.to_string())
+}
+
+impl Manager {
+    /// Starts a manager with `opts`; panics with the reason if it cannot.
+    pub fn start(opts: ManagerOptions) -> Manager {
+        Manager::try_start(&manager_binary(), opts).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts a manager; `Err` says why it could not.
+    pub fn try_start(binary: &Path, opts: ManagerOptions) -> Result<Manager, String> {
+        let dir = std::env::temp_dir().join(format!(
+            "rfaas-manager-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("create {dir:?}: {e}"))?;
+        let admin_token = opts.admin_token.unwrap_or_else(|| random_text(32));
+        let token_file = dir.join("admin.token");
+        std::fs::write(&token_file, format!("{admin_token}\n")).map_err(|e| e.to_string())?;
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| e.to_string())?;
+        let lease_key = match opts.lease_key {
+            Some(k) => k,
+            None => {
+                let k = dir.join("lease-key.secret");
+                write_lease_key(&k)?;
+                k
+            }
+        };
+        let database = opts
+            .database
+            .unwrap_or_else(|| format!("sqlite://{}", dir.join("manager.db").display()));
+        let config = format!(
+            "listen = \"127.0.0.1:0\"\ndatabase = \"{database}\"\nadmin_token_file = \"{}\"\nlease_key_file = \"{}\"\n{}",
+            token_file.display(),
+            lease_key.display(),
+            opts.extra_config
+        );
+        std::fs::write(dir.join("manager.toml"), config).map_err(|e| e.to_string())?;
+        let mut m = Manager {
+            child: None,
+            url: String::new(),
+            admin_token,
+            lease_key,
+            database,
+            log: dir.join("manager.log"),
+            dir,
+            binary: binary.to_owned(),
+        };
+        m.spawn(None)?;
+        Ok(m)
+    }
+
+    /// Starts the process (again), on `listen` if given.
+    fn spawn(&mut self, listen: Option<&str>) -> Result<(), String> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--config").arg(self.dir.join("manager.toml"));
+        if let Some(l) = listen {
+            cmd.arg("--listen").arg(l);
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", self.binary.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let mut line = String::new();
+        let read = BufReader::new(stdout).read_line(&mut line);
+        let addr = line.trim().strip_prefix("rfaas-manager listening on ");
+        match (read, addr) {
+            (Ok(_), Some(addr)) => {
+                self.url = format!("http://{addr}");
+                self.child = Some(child);
+                Ok(())
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(format!(
+                    "rfaas-manager did not start; its log:\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                ))
+            }
+        }
+    }
+
+    /// Its base URL, `http://127.0.0.1:port`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The admin token.
+    pub fn admin_token(&self) -> &str {
+        &self.admin_token
+    }
+
+    /// The lease key file it signs with.
+    pub fn lease_key(&self) -> &Path {
+        &self.lease_key
+    }
+
+    /// The database URL.
+    pub fn database(&self) -> &str {
+        &self.database
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// What it logged.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// An API caller with the admin token.
+    pub fn admin(&self) -> Api {
+        Api::new(&self.url, &self.admin_token)
+    }
+
+    /// Mints a credential through the API and returns its token.
+    pub fn credential(&self, role: &str, subject: &str, account: Option<&str>) -> String {
+        let mut body = serde_json::json!({"role": role, "subject": subject});
+        if let Some(a) = account {
+            body["account"] = a.into();
+        }
+        let (status, reply) = self.admin().call("POST", "/v1/credentials", Some(&body));
+        assert_eq!(status, 201, "minting a credential: {reply}");
+        reply["token"].as_str().expect("a token").to_owned()
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait (SIGKILL after 10 s).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: kill has no memory preconditions; the pid is our child's.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port, same database and keys.
+    pub fn restart(&mut self) -> Result<(), String> {
+        self.stop();
+        let listen = self.url.trim_start_matches("http://").to_owned();
+        self.spawn(Some(&listen))
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A blocking REST caller with a bearer token.
+#[derive(Debug, Clone)]
+pub struct Api {
+    base: String,
+    token: String,
+    agent: ureq::Agent,
+}
+
+impl Api {
+    /// Calls `base` with `token`.
+    pub fn new(base: &str, token: &str) -> Api {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .new_agent();
+        Api {
+            base: base.to_owned(),
+            token: token.to_owned(),
+            agent,
+        }
+    }
+
+    /// `method path` with an optional JSON body: the status and the JSON
+    /// answer (`Null` for an empty one, a string for one that is not JSON).
+    pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let (status, _, v) = self.call_full(method, path, body);
+        (status, v)
+    }
+
+    /// As [`Api::call`], also returning `Retry-After`.
+    pub fn call_full(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> (u16, Option<u64>, Value) {
+        self.raw(
+            method,
+            path,
+            body.map(|b| b.to_string()),
+            "application/json",
+        )
+    }
+
+    /// Sends `body` as is, with `content_type`.
+    pub fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<String>,
+        content_type: &str,
+    ) -> (u16, Option<u64>, Value) {
+        let url = format!("{}{path}", self.base);
+        let auth = format!("Bearer {}", self.token);
+        let req = ureq::http::Request::builder()
+            .method(method)
+            .uri(&url)
+            .header("Authorization", auth)
+            .header("Content-Type", content_type);
+        let result = match body {
+            Some(b) => self.agent.run(req.body(b).expect("a request")),
+            None => self.agent.run(req.body(()).expect("a request")),
+        };
+        let mut resp = match result {
+            Ok(r) => r,
+            Err(e) => return (0, None, Value::String(e.to_string())),
+        };
+        let status = resp.status().as_u16();
+        let retry = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let text = resp.body_mut().read_to_string().unwrap_or_default();
+        let v = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or(Value::String(text))
+        };
+        (status, retry, v)
+    }
+}
