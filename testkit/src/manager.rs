@@ -17,7 +17,13 @@ use serde_json::Value;
 
 /// `rfaas-manager` in the workspace's target directory (debug build).
 pub fn manager_binary() -> PathBuf {
-    crate::target_dir().join("debug").join("rfaas-manager")
+    let p = crate::target_dir().join("debug").join("rfaas-manager");
+    assert!(
+        p.exists(),
+        "{} is not built; run `cargo build -p rfaas-manager` first",
+        p.display()
+    );
+    p
 }
 
 /// How to start a manager.

@@ -1,0 +1,272 @@
+//! Leases from a real `rfaas-manager`, with the retry schedule driven by
+//! an injected clock: the test's clock "sleeps" by moving its own time
+//! and running what the scenario does at that retry, so nothing waits.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rfaas_client::lease::{Backoff, Clock, Jitter, LeaseRequest, Managers};
+use rfaas_client::Error;
+use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use serde_json::json;
+
+type Hook = Box<dyn FnMut(u32) + Send>;
+
+/// Virtual time: `sleep` adds to it and calls the hook with the number of
+/// sleeps so far.
+struct TestClock {
+    start: Instant,
+    slept: Mutex<(Duration, Vec<Duration>)>,
+    hook: Mutex<Hook>,
+}
+
+impl std::fmt::Debug for TestClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestClock").finish_non_exhaustive()
+    }
+}
+
+impl TestClock {
+    fn new(hook: impl FnMut(u32) + Send + 'static) -> Arc<TestClock> {
+        Arc::new(TestClock {
+            start: Instant::now(),
+            slept: Mutex::new((Duration::ZERO, Vec::new())),
+            hook: Mutex::new(Box::new(hook)),
+        })
+    }
+
+    fn sleeps(&self) -> Vec<Duration> {
+        self.slept.lock().unwrap().1.clone()
+    }
+}
+
+impl Clock for TestClock {
+    fn now(&self) -> Instant {
+        self.start + self.slept.lock().unwrap().0
+    }
+    fn sleep(&self, d: Duration) {
+        let n = {
+            let mut s = self.slept.lock().unwrap();
+            s.0 += d;
+            s.1.push(d);
+            s.1.len() as u32
+        };
+        (self.hook.lock().unwrap())(n);
+    }
+}
+
+/// Always the top of the range: the schedule is deterministic.
+#[derive(Debug)]
+struct Top;
+impl Jitter for Top {
+    fn uniform(&self, max: u64) -> u64 {
+        max
+    }
+}
+
+const BACKOFF: Backoff = Backoff {
+    base: Duration::from_millis(100),
+    cap: Duration::from_secs(2),
+};
+
+fn node(m: &Manager, name: &str, cores: u32) {
+    let api = Api::new(m.url(), &m.credential("node", name, None));
+    let body = json!({"control_addr": "127.0.0.1:7100", "providers": [{"name": "tcp", "host": "127.0.0.1"}], "cores": cores, "memory_mib": 4096});
+    let (s, r) = api.call("PUT", &format!("/v1/nodes/{name}"), Some(&body));
+    assert_eq!(s, 200, "{r}");
+}
+
+fn request(cores: u32) -> LeaseRequest {
+    LeaseRequest {
+        cores,
+        memory_mib: 64,
+        duration_s: 600,
+        min_cores: None,
+        nodes: vec![],
+    }
+}
+
+/// Silent test nodes must not be lost while a test runs.
+fn manager() -> Manager {
+    Manager::start(ManagerOptions {
+        extra_config: "lost_after_ms = 600000\n".into(),
+        ..ManagerOptions::default()
+    })
+}
+
+#[test]
+fn no_capacity_three_times_then_a_grant() {
+    let m = manager();
+    node(&m, "a", 1);
+    let other = Managers::new([m.url()], &m.credential("user", "bob", None)).unwrap();
+    let held = Arc::new(Mutex::new(Some(
+        other.request(&request(1), Duration::ZERO).unwrap(),
+    )));
+    let held2 = held.clone();
+    // The third wait ends with bob's release.
+    let clock = TestClock::new(move |n| {
+        if n == 3 {
+            held2.lock().unwrap().take().unwrap().release().unwrap();
+        }
+    });
+    let alice = Managers::with(
+        [m.url()],
+        &m.credential("user", "alice", None),
+        clock.clone(),
+        Arc::new(Top),
+        BACKOFF,
+    )
+    .unwrap();
+    let lease = alice
+        .request(&request(1), Duration::from_secs(3600))
+        .unwrap();
+    assert_eq!(lease.cores(), 1);
+    assert_eq!(lease.nodes()[0].node, "a");
+    let sleeps = clock.sleeps();
+    assert_eq!(sleeps.len(), 3, "{sleeps:?}");
+    // Each wait honours Retry-After: bob's lease ends in 600 s, the manager
+    // says 60 (its cap), above the backoff's own 100, 200, 400 ms.
+    for s in &sleeps {
+        assert!(
+            *s >= Duration::from_secs(59),
+            "a wait shorter than Retry-After: {sleeps:?}"
+        );
+    }
+    lease.release().unwrap();
+}
+
+#[test]
+fn a_manager_down_then_up() {
+    let mut m = manager();
+    node(&m, "a", 2);
+    let cred = m.credential("user", "alice", None);
+    m.stop();
+    let m = Arc::new(Mutex::new(m));
+    let m2 = m.clone();
+    let clock = TestClock::new(move |n| {
+        if n == 4 {
+            m2.lock().unwrap().restart().unwrap();
+        }
+    });
+    let url = m.lock().unwrap().url().to_owned();
+    let managers =
+        Managers::with([url.as_str()], &cred, clock.clone(), Arc::new(Top), BACKOFF).unwrap();
+    let lease = managers
+        .request(&request(2), Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(lease.cores(), 2);
+    // Unreachable: the plain backoff, doubling from the base.
+    let ms: Vec<u128> = clock.sleeps().iter().map(|d| d.as_millis()).collect();
+    assert_eq!(ms, vec![100, 200, 400, 800]);
+}
+
+#[test]
+fn failover_to_the_second_url() {
+    let m = manager();
+    node(&m, "a", 1);
+    // Nothing listens on the first URL.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let clock = TestClock::new(|_| {});
+    let managers = Managers::with(
+        [dead_url.as_str(), m.url()],
+        &m.credential("user", "alice", None),
+        clock.clone(),
+        Arc::new(Top),
+        BACKOFF,
+    )
+    .unwrap();
+    let lease = managers
+        .request(&request(1), Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(lease.cores(), 1);
+    assert!(clock.sleeps().is_empty(), "failover needs no wait");
+    // The replica that answered is tried first next time: a release goes
+    // straight to it.
+    lease.release().unwrap();
+}
+
+#[test]
+fn the_deadline_ends_the_waiting_with_the_managers_reason() {
+    let m = manager();
+    node(&m, "a", 1);
+    let bob = Managers::new([m.url()], &m.credential("user", "bob", None)).unwrap();
+    let _held = bob.request(&request(1), Duration::ZERO).unwrap();
+    let clock = TestClock::new(|_| {});
+    let alice = Managers::with(
+        [m.url()],
+        &m.credential("user", "alice", None),
+        clock.clone(),
+        Arc::new(Top),
+        BACKOFF,
+    )
+    .unwrap();
+    let err = alice
+        .request(&request(1), Duration::from_secs(150))
+        .unwrap_err();
+    match &err {
+        Error::Manager { status, kind, .. } => {
+            assert_eq!((*status, kind.as_str()), (503, "no_capacity"), "{err}");
+        }
+        other => panic!("not the manager's refusal: {other}"),
+    }
+    // 60 s waits fit twice in 150 s, not three times.
+    assert_eq!(clock.sleeps().len(), 2, "{:?}", clock.sleeps());
+}
+
+#[test]
+fn refusals_that_waiting_cannot_change_come_back_at_once() {
+    let m = Manager::start(ManagerOptions {
+        extra_config: "lost_after_ms = 600000\n[quota]\ndefault_cores = 1\n".into(),
+        ..ManagerOptions::default()
+    });
+    node(&m, "a", 4);
+    let clock = TestClock::new(|_| {});
+    let alice = Managers::with(
+        [m.url()],
+        &m.credential("user", "alice", None),
+        clock.clone(),
+        Arc::new(Top),
+        BACKOFF,
+    )
+    .unwrap();
+    let err = alice
+        .request(&request(2), Duration::from_secs(3600))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Manager { status: 403, kind, .. } if kind == "quota_exceeded"),
+        "{err}"
+    );
+    let forged = Managers::with(
+        [m.url()],
+        "rfaasc.00.forged",
+        clock.clone(),
+        Arc::new(Top),
+        BACKOFF,
+    )
+    .unwrap();
+    let err = forged
+        .request(&request(1), Duration::from_secs(3600))
+        .unwrap_err();
+    assert!(matches!(&err, Error::Manager { status: 401, .. }), "{err}");
+    assert!(clock.sleeps().is_empty(), "{:?}", clock.sleeps());
+}
+
+#[test]
+fn a_lease_is_released_when_dropped_and_renewed_on_request() {
+    let m = manager();
+    node(&m, "a", 1);
+    let managers = Managers::new([m.url()], &m.credential("user", "alice", None)).unwrap();
+    let lease = managers.request(&request(1), Duration::ZERO).unwrap();
+    let before = lease.expires_at();
+    let renewed = lease
+        .renew(Duration::from_secs(3000), Duration::ZERO)
+        .unwrap();
+    assert_eq!(renewed.len(), 1);
+    assert!(lease.expires_at() >= before + 2000);
+    drop(lease);
+    // Released: the core is free for the next request at once.
+    let again = managers.request(&request(1), Duration::ZERO).unwrap();
+    assert_eq!(again.cores(), 1);
+}
