@@ -70,16 +70,18 @@ repo_root() {
 #   start_executord BIN_DIR WORK_DIR [EXTRA_TOML_LINES]
 # BIN_DIR holds rfaas-executord, rfaas-worker and rfaas-token. Sets
 # EXECUTORD_PID, EXECUTORD_CONTROL (host:port), EXECUTORD_NODE and
-# EXECUTORD_SECRET; the daemon's log is WORK_DIR/executord.log. Stop it with
+# EXECUTORD_KEY (the secret key tokens are minted with; the daemon holds
+# only its public half); the daemon's log is WORK_DIR/executord.log. Stop it with
 # stop_executord (by its pid).
 start_executord() {
     local bin=$1 work=$2 extra=${3:-}
     EXECUTORD_BIN=$bin
     # Workers run as the lease's user and reach their directories below it.
     chmod 0755 "$work"
-    EXECUTORD_SECRET="$work/secret"
+    EXECUTORD_KEY="$work/lease-key.secret"
     EXECUTORD_NODE=rfaas-local
-    "$bin/rfaas-token" gen-secret "$EXECUTORD_SECRET" >/dev/null 2>&1
+    "$bin/rfaas-token" keygen --key-id local --secret "$EXECUTORD_KEY" \
+        --public "$work/lease-keys.pub" >/dev/null 2>&1
     cat >"$work/executord.toml" <<TOML
 node_name = "$EXECUTORD_NODE"
 control_listen = "127.0.0.1:0"
@@ -88,7 +90,7 @@ providers = ["tcp", "shm"]
 cpus = "0-3"
 pin = false
 memory_mib = 4096
-secret_file = "$EXECUTORD_SECRET"
+lease_keys = ["$work/lease-keys.pub"]
 local_socket = "$work/executord.sock"
 runtime_dir = "$work/run"
 pool_size = 2
@@ -134,7 +136,7 @@ stop_executord() {
 
 # Prints a lease token for the local daemon: mint_token USER CORES MEMORY_MIB
 mint_token() {
-    "$EXECUTORD_BIN/rfaas-token" mint --secret-file "$EXECUTORD_SECRET" --node "$EXECUTORD_NODE" \
+    "$EXECUTORD_BIN/rfaas-token" mint --key "$EXECUTORD_KEY" --node "$EXECUTORD_NODE" \
         --user "$1" --account demo --cores "$2" --memory-mib "$3" --ttl-secs 3600
 }
 

@@ -339,7 +339,7 @@ fn large_unchecked_json_is_bounded_in_all() {
     assert!((60..100).contains(&refused), "{refused} of 100 refused");
     // The allowance comes back with the connections: a large request is
     // read, and refused for its token.
-    let mut req = request("rfaas1.not.a.token".into(), 1, &["echo"]);
+    let mut req = request("rfaas2.not.a.token".into(), 1, &["echo"]);
     req.library_name = "x".repeat(JSON / 2);
     let mut s = TcpStream::connect(d.control_addr()).unwrap();
     Frame::new(&req, Vec::new()).write_to(&mut s).unwrap();

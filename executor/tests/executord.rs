@@ -11,6 +11,7 @@ use rfaas_proto::control::{
     AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, ExitCause, Frame,
     FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, WorkerExited,
 };
+use rfaas_proto::lease::LeaseSigner;
 use rfaas_testkit::executord::{request, wait_for_exit, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
@@ -372,11 +373,7 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
 
     // Each case on a fresh connection, a good allocation after each.
     let token = |d: &Executord| d.token("nobody", 2, 2048, MINUTE);
-    let mut other_secret_claims = d.claims("nobody", 2, 2048, MINUTE);
-    other_secret_claims.account = "other".into();
-    let forged = other_secret_claims
-        .sign(b"another cluster's secret, 32+ bytes long")
-        .unwrap();
+    let forged = d.mint_with_another_key(&d.claims("nobody", 2, 2048, MINUTE));
     let mut expired = d.claims("nobody", 2, 2048, MINUTE);
     expired.issued_at -= 120;
     expired.expires_at = expired.issued_at + 60;
@@ -434,7 +431,7 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
         ),
         (
             "not a token",
-            request("rfaas1.nonsense".into(), 1, &["echo"]),
+            request("rfaas2.nonsense".into(), 1, &["echo"]),
             lib.clone(),
             ErrorCode::TokenMalformed,
         ),
@@ -676,17 +673,57 @@ fn stopping_the_daemon_stops_every_worker() {
 }
 
 #[test]
-fn a_secret_others_can_read_is_refused() {
+fn lease_keys_others_can_write_are_refused() {
     let err = Executord::try_start(
         Path::new(DAEMON),
         ExecutordOptions {
-            secret_mode: 0o644,
+            lease_keys_mode: 0o664,
             ..Default::default()
         },
     )
     .unwrap_err();
-    assert!(err.contains("mode 0644"), "{err}");
-    assert!(err.contains("chmod 600"), "{err}");
+    assert!(err.contains("mode 0664"), "{err}");
+    assert!(err.contains("chmod go-w"), "{err}");
+}
+
+/// The node holds public keys only: a token signed by anyone else, under
+/// the manager's key id or another, allocates nothing, and the daemon goes
+/// on serving good tokens on the same connection.
+#[test]
+fn a_token_signed_with_another_key_is_refused_as_forged() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let mut c = Control::connect(&d);
+    let claims = d.claims("nobody", 1, 2048, MINUTE);
+    let unknown_id = LeaseSigner::generate("not-the-managers").unwrap();
+    for (what, token, key_id) in [
+        (
+            "another key, the manager's id",
+            d.mint_with_another_key(&claims),
+            d.signer().key_id(),
+        ),
+        (
+            "another key id",
+            unknown_id.sign(&claims),
+            "not-the-managers",
+        ),
+    ] {
+        let e = c
+            .allocate(request(token, 1, &["echo"]), lib.clone())
+            .expect_err(what);
+        assert_eq!(e.code, ErrorCode::TokenForged, "{what}: {}", e.message);
+        assert!(
+            e.message.contains(&format!("{key_id:?}")) && e.message.contains("lease_keys"),
+            "{what}: {}",
+            e.message
+        );
+        assert_eq!(status(&d).4.len(), 0, "{what}: nothing was allocated");
+    }
+    // The same claims, signed with the key the node accepts, allocate.
+    let ok = c
+        .allocate(request(d.mint(&claims), 1, &["echo"]), lib)
+        .expect("the manager's token is accepted");
+    assert_eq!(ok.lease_id, claims.lease_id);
 }
 
 #[test]
@@ -711,7 +748,7 @@ fn the_example_configuration_parses() {
         "cpus",
         "pin",
         "memory_mib",
-        "secret_file",
+        "lease_keys",
         "local_socket",
         "runtime_dir",
         "pool_size",

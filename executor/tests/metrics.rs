@@ -72,8 +72,10 @@ fn metrics_follow_allocations_and_refusals() {
     );
 
     d.allocate_and_deallocate(&c_library_bytes()).unwrap();
-    // A token from another cluster is refused, and counted as such.
-    let mut forged = rfaas_testkit::executord::request("rfaas1.e30.AAAA".into(), 1, &["echo"]);
+    // A token signed with another key is refused, and counted as forged.
+    let claims = d.claims("nobody", 1, 1024, std::time::Duration::from_secs(60));
+    let mut forged =
+        rfaas_testkit::executord::request(d.mint_with_another_key(&claims), 1, &["echo"]);
     forged.request_id = 9;
     let mut s = TcpStream::connect(d.control_addr()).unwrap();
     rfaas_proto::control::Frame::new(&forged, Vec::new())
@@ -93,7 +95,7 @@ fn metrics_follow_allocations_and_refusals() {
     );
     let refused: f64 = after
         .lines()
-        .filter(|l| l.starts_with("rfaas_executord_allocations_total{result=\"token_"))
+        .filter(|l| l.starts_with("rfaas_executord_allocations_total{result=\"token_forged\"}"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(refused, 1.0, "{after}");

@@ -380,6 +380,7 @@ fn check_lease_request(app: &App, r: &LeaseRequest) -> ApiResult<u32> {
 fn node_lease(app: &App, l: &LeaseRow) -> NodeLease {
     let node = app.view.get(&l.view.node);
     let claims = LeaseClaims {
+        key_id: app.signer.key_id().to_owned(),
         lease_id: l.view.lease_id,
         node: l.view.node.clone(),
         user: l.view.user.clone(),

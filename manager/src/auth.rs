@@ -111,16 +111,16 @@ pub fn new_credential(
     Ok((row, format!("{CREDENTIAL_PREFIX}.{id}.{secret}")))
 }
 
-/// Reads the admin token: one line of at least 16 characters, in a file
-/// that group and others cannot access, owned by root when the manager
-/// runs as root.
-pub fn read_admin_token(path: &Path) -> Result<String, String> {
+/// Checks that `path` is private to its owner: no access for group or
+/// others, and owned by root when this process runs as root. `what` names
+/// the file in the message.
+pub fn check_private_file(path: &Path, what: &str) -> Result<(), String> {
     let meta = std::fs::metadata(path)
-        .map_err(|e| format!("cannot read the admin token file {}: {e}", path.display()))?;
+        .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
         return Err(format!(
-            "the admin token file {} has mode {mode:04o}: others than its owner may access it; run `chmod 600 {}`",
+            "{what} {} has mode {mode:04o}: others than its owner may access it; run `chmod 600 {}`",
             path.display(),
             path.display()
         ));
@@ -129,12 +129,20 @@ pub fn read_admin_token(path: &Path) -> Result<String, String> {
     let euid = unsafe { libc::geteuid() };
     if euid == 0 && meta.uid() != 0 {
         return Err(format!(
-            "the admin token file {} is owned by uid {}, but the manager runs as root: it must be owned by root; run `chown root {}`",
+            "{what} {} is owned by uid {}, but the manager runs as root: it must be owned by root; run `chown root {}`",
             path.display(),
             meta.uid(),
             path.display()
         ));
     }
+    Ok(())
+}
+
+/// Reads the admin token: one line of at least 16 characters, in a file
+/// that group and others cannot access, owned by root when the manager
+/// runs as root.
+pub fn read_admin_token(path: &Path) -> Result<String, String> {
+    check_private_file(path, "the admin token file")?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the admin token file {}: {e}", path.display()))?;
     let token = text.trim().to_owned();

@@ -1,27 +1,41 @@
-//! The key that signs lease tokens.
+//! The key that signs lease tokens: an Ed25519 secret key file, as
+//! `rfaas-token keygen` writes it. Executors hold only its public half.
 
 use std::path::Path;
 
-use rfaas_proto::lease::LeaseClaims;
+use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
+
+use crate::auth::check_private_file;
 
 /// Signs lease claims into tokens executors check.
 #[derive(Debug)]
 pub struct Signer {
-    secret: Vec<u8>,
+    key: LeaseSigner,
 }
 
 impl Signer {
-    /// Loads the key in `path`.
+    /// Loads the secret key in `path`, which must be private to its owner
+    /// (and owned by root when the manager runs as root).
     pub fn load(path: &Path) -> Result<Signer, String> {
-        let secret = std::fs::read(path)
-            .map_err(|e| format!("cannot read the lease key {}: {e}", path.display()))?;
-        Ok(Signer { secret })
+        check_private_file(path, "the lease key file")?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the lease key file {}: {e}", path.display()))?;
+        let key = LeaseSigner::from_text(&text).map_err(|e| {
+            format!(
+                "the lease key file {} is not a secret key (make one with `rfaas-token keygen`): {e}",
+                path.display()
+            )
+        })?;
+        Ok(Signer { key })
     }
 
-    /// The token for `claims`.
+    /// The id of the signing key, as tokens name it.
+    pub fn key_id(&self) -> &str {
+        self.key.key_id()
+    }
+
+    /// The token for `claims` (their `key_id` is set to this key's).
     pub fn sign(&self, claims: &LeaseClaims) -> String {
-        claims
-            .sign(&self.secret)
-            .expect("the key was checked at load")
+        self.key.sign(claims)
     }
 }

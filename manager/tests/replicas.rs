@@ -181,10 +181,18 @@ fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
     let nodes: Vec<Api> = (0..2)
         .map(|k| register(&m, &format!("n{k}"), 64, 65536))
         .collect();
-    // The nodes heartbeat throughout, as executord does.
+    // The nodes heartbeat throughout, as executord does, until the test
+    // ends, by success or by a failed assertion (the guard).
     let stop = AtomicBool::new(false);
     let u = user(&m, "alice", "physics");
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     std::thread::scope(|s| {
+        let _stop = StopOnDrop(&stop);
         for (k, node) in nodes.iter().enumerate() {
             let stop = &stop;
             s.spawn(move || {

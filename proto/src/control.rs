@@ -812,7 +812,7 @@ mod tests {
     fn frame_round_trip_with_blob() {
         let req = AllocateRequest {
             request_id: 3,
-            token: "rfaas1.x.y".into(),
+            token: "rfaas2.x.y".into(),
             cores: 2,
             memory_mib: 256,
             mode: Mode::HotThenWarm,
@@ -833,7 +833,7 @@ mod tests {
         let json = std::str::from_utf8(&bytes[16..16 + json_len]).unwrap();
         assert_eq!(
             json,
-            r#"{"request_id":3,"token":"rfaas1.x.y","cores":2,"memory_mib":256,"mode":"hot_then_warm","hot_timeout_us":500,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["echo","noop"],"library_name":"libfunctions.so","provider":"tcp","read_only_input":true}"#
+            r#"{"request_id":3,"token":"rfaas2.x.y","cores":2,"memory_mib":256,"mode":"hot_then_warm","hot_timeout_us":500,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["echo","noop"],"library_name":"libfunctions.so","provider":"tcp","read_only_input":true}"#
         );
         let back = Frame::read_from(&mut &bytes[..], FrameLimits::default()).unwrap();
         assert_eq!(back, frame);

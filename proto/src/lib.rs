@@ -19,7 +19,8 @@
 //! - [`control`]: the control channel (allocation between client and
 //!   executor, the daemon and its workers, node tools and the daemon):
 //!   JSON messages behind a 16-byte frame header.
-//! - [`lease`]: lease tokens, claims signed with HMAC-SHA256.
+//! - [`lease`]: lease tokens, claims signed with Ed25519, and their key
+//!   files.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the
 //!   manager, the executor daemon and the client library.
 //! - [`shm_control`]: the control messages of the fabric's `shm` provider

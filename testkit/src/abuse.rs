@@ -61,7 +61,7 @@ pub fn connect_from(from: Ipv4Addr, to: SocketAddr) -> io::Result<TcpStream> {
 /// executor accepts, announcing `library_len` bytes of library.
 pub fn bogus_request(library_len: u32) -> Vec<u8> {
     request_without_library(
-        &crate::executord::request("rfaas1.bogus.token".into(), 1, &["echo"]),
+        &crate::executord::request("rfaas2.bogus.token".into(), 1, &["echo"]),
         library_len,
     )
 }

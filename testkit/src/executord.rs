@@ -1,8 +1,9 @@
-//! A real `rfaas-executord` for tests: [`Executord`] writes a secret (mode
-//! 0600) and a configuration into a private temporary directory, starts the
-//! daemon binary, waits for its ready line, mints tokens for it, speaks to
-//! its local socket, and stops it (and so every worker) by pid when
-//! dropped.
+//! A real `rfaas-executord` for tests: [`Executord`] makes a lease key
+//! pair, writes the public key and a configuration into a private
+//! temporary directory, starts the daemon binary, waits for its ready line,
+//! mints tokens for it with the secret key (which it keeps in memory, as a
+//! manager would), speaks to its local socket, and stops it (and so every
+//! worker) by pid when dropped.
 //!
 //! The daemon's binary path comes from the caller: only the executor
 //! crate's tests know `CARGO_BIN_EXE_rfaas-executord`; elsewhere use
@@ -24,7 +25,7 @@ use rfaas_proto::control::{
     AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind,
     LocalReply, LocalRequest, Mode,
 };
-use rfaas_proto::lease::LeaseClaims;
+use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
 
 /// How to configure the daemon. `Default` gives a test node: 4 logical CPU
 /// slots (no pinning), 4096 MiB, one pooled worker, tcp and shm, no
@@ -52,9 +53,12 @@ pub struct ExecutordOptions {
     pub default_deadline_ms: u64,
     /// `max_deadline_ms`.
     pub max_deadline_ms: u64,
-    /// Mode of the secret file (the daemon refuses anything group or
-    /// others can access).
-    pub secret_mode: u32,
+    /// Mode of the public key file (the daemon refuses one group or others
+    /// can write).
+    pub lease_keys_mode: u32,
+    /// More public key lines (`rfaas-ed25519-public ...`) the daemon
+    /// accepts besides its own test key: a manager's, say.
+    pub accept_keys: Vec<String>,
     /// More TOML lines appended to the configuration as they are.
     pub extra_config: String,
 }
@@ -72,7 +76,8 @@ impl Default for ExecutordOptions {
             sandbox: "none".into(),
             default_deadline_ms: 10_000,
             max_deadline_ms: 60_000,
-            secret_mode: 0o600,
+            lease_keys_mode: 0o644,
+            accept_keys: Vec::new(),
             extra_config: String::new(),
         }
     }
@@ -83,11 +88,14 @@ impl Default for ExecutordOptions {
 pub struct Executord {
     child: Child,
     dir: PathBuf,
-    secret: Vec<u8>,
+    signer: LeaseSigner,
     node_name: String,
     control_addr: SocketAddr,
     local_socket: PathBuf,
 }
+
+/// The key id of the lease key every test daemon accepts.
+pub const TEST_KEY_ID: &str = "rfaas-test";
 
 static INSTANCE: AtomicU64 = AtomicU64::new(0);
 static LEASE: AtomicU64 = AtomicU64::new(1);
@@ -127,14 +135,18 @@ impl Executord {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("chmod {}: {e}", dir.display()))?;
 
-        let secret = random_secret();
-        let secret_file = dir.join("secret");
-        std::fs::write(&secret_file, &secret).map_err(|e| format!("write the secret: {e}"))?;
+        let signer =
+            LeaseSigner::generate(TEST_KEY_ID).map_err(|e| format!("make a lease key: {e}"))?;
+        let keys_file = dir.join("lease-keys.pub");
+        let mut lines = vec![signer.public_key().to_line()];
+        lines.extend(opts.accept_keys.iter().cloned());
+        std::fs::write(&keys_file, lines.join("\n") + "\n")
+            .map_err(|e| format!("write the public key: {e}"))?;
         std::fs::set_permissions(
-            &secret_file,
-            std::fs::Permissions::from_mode(opts.secret_mode),
+            &keys_file,
+            std::fs::Permissions::from_mode(opts.lease_keys_mode),
         )
-        .map_err(|e| format!("chmod the secret: {e}"))?;
+        .map_err(|e| format!("chmod the public key: {e}"))?;
 
         let local_socket = dir.join("executord.sock");
         let providers: Vec<String> = opts.providers.iter().map(|p| format!("{p:?}")).collect();
@@ -146,7 +158,7 @@ impl Executord {
              cpus = {cpus:?}\n\
              pin = {pin}\n\
              memory_mib = {mem}\n\
-             secret_file = {secret:?}\n\
+             lease_keys = [{keys:?}]\n\
              local_socket = {local:?}\n\
              runtime_dir = {run:?}\n\
              pool_size = {pool}\n\
@@ -161,7 +173,7 @@ impl Executord {
             cpus = opts.cpus,
             pin = opts.pin,
             mem = opts.memory_mib,
-            secret = secret_file.display().to_string(),
+            keys = keys_file.display().to_string(),
             local = local_socket.display().to_string(),
             run = dir.join("run").display().to_string(),
             pool = opts.pool_size,
@@ -214,7 +226,7 @@ impl Executord {
         Ok(Executord {
             child,
             dir,
-            secret,
+            signer,
             node_name: opts.node_name,
             control_addr,
             local_socket: local,
@@ -236,9 +248,10 @@ impl Executord {
         &self.node_name
     }
 
-    /// The cluster secret the daemon checks tokens with.
-    pub fn secret(&self) -> &[u8] {
-        &self.secret
+    /// The key whose public half the daemon accepts (key id
+    /// [`TEST_KEY_ID`]).
+    pub fn signer(&self) -> &LeaseSigner {
+        &self.signer
     }
 
     /// The daemon's pid.
@@ -246,7 +259,7 @@ impl Executord {
         self.child.id()
     }
 
-    /// The daemon's private directory (config, secret, log, `run/`).
+    /// The daemon's private directory (config, public key, log, `run/`).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -265,6 +278,7 @@ impl Executord {
             .expect("clock after 1970")
             .as_secs();
         LeaseClaims {
+            key_id: TEST_KEY_ID.into(),
             lease_id: (u64::from(std::process::id()) << 32) | LEASE.fetch_add(1, Ordering::Relaxed),
             node: self.node_name.clone(),
             user: user.to_owned(),
@@ -277,11 +291,18 @@ impl Executord {
         }
     }
 
-    /// Signs `claims` with the daemon's secret.
+    /// Signs `claims` with the key the daemon accepts.
     pub fn mint(&self, claims: &LeaseClaims) -> String {
-        claims
-            .sign(&self.secret)
-            .expect("the test secret is long enough")
+        self.signer.sign(claims)
+    }
+
+    /// Signs `claims` with a fresh key under the daemon's key id, as a
+    /// forger who knows the id but not the key would: the daemon must
+    /// refuse it as forged.
+    pub fn mint_with_another_key(&self, claims: &LeaseClaims) -> String {
+        LeaseSigner::generate(TEST_KEY_ID)
+            .expect("/dev/urandom is readable")
+            .sign(claims)
     }
 
     /// A valid token for this node.
@@ -455,18 +476,6 @@ fn parse_ready(line: &str) -> Option<(SocketAddr, PathBuf)> {
     let rest = line.strip_prefix("rfaas-executord ready control=")?;
     let (addr, local) = rest.split_once(" local=")?;
     Some((addr.parse().ok()?, PathBuf::from(local)))
-}
-
-/// 48 random printable bytes (so the file reads well in a failed test's
-/// directory).
-fn random_secret() -> Vec<u8> {
-    let mut raw = [0u8; 24];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut raw);
-    }
-    raw.iter()
-        .flat_map(|b| format!("{b:02x}").into_bytes())
-        .collect()
 }
 
 #[cfg(test)]

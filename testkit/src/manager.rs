@@ -85,11 +85,26 @@ fn random_text(n: usize) -> String {
         .collect()
 }
 
-/// Writes a new lease signing key to `path` (mode 0600).
-pub fn write_lease_key(path: &Path) -> Result<(), String> {
-    std::fs::write(path, random_bytes(32)).map_err(|e| format!("write {path:?}: {e}"))?;
+/// The key id of the test managers' lease keys.
+pub const MANAGER_KEY_ID: &str = "manager-test";
+
+/// Writes a new lease signing key to `path` (mode 0600) and returns its
+/// public key line, for the executors that are to accept its tokens.
+pub fn write_lease_key(path: &Path) -> Result<String, String> {
+    let key = rfaas_proto::lease::LeaseSigner::generate(MANAGER_KEY_ID)
+        .map_err(|e| format!("make a lease key: {e}"))?;
+    std::fs::write(path, key.to_secret_line() + "\n")
+        .map_err(|e| format!("write {path:?}: {e}"))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(key.public_key().to_line())
+}
+
+/// The public key line of the secret key file at `path`.
+pub fn public_key_line(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("read {path:?}: {e}"))?;
+    let key = rfaas_proto::lease::LeaseSigner::from_text(&text).map_err(|e| e.to_string())?;
+    Ok(key.public_key().to_line())
 }
 
 impl Manager {
@@ -195,6 +210,11 @@ impl Manager {
     /// The lease key file it signs with.
     pub fn lease_key(&self) -> &Path {
         &self.lease_key
+    }
+
+    /// The public key line executors need to accept its tokens.
+    pub fn public_key_line(&self) -> String {
+        public_key_line(&self.lease_key).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The database URL.

@@ -55,10 +55,11 @@ struct Args {
     /// machine's memory].
     #[arg(long)]
     memory_mib: Option<u32>,
-    /// The cluster secret lease tokens are signed with (`rfaas-token
-    /// gen-secret FILE` makes one) [default: /etc/rfaas/secret].
-    #[arg(long, value_name = "FILE")]
-    secret_file: Option<PathBuf>,
+    /// A file of public keys lease tokens are checked with: the managers'
+    /// (`rfaas-token keygen` makes a pair). Give it again for more files
+    /// [default: /etc/rfaas/lease-keys.pub].
+    #[arg(long = "lease-keys", value_name = "FILE")]
+    lease_keys: Option<Vec<PathBuf>>,
     /// Unix socket for this node's own tools: status, drain, resume
     /// [default: /run/rfaas/executord.sock].
     #[arg(long, value_name = "PATH")]
@@ -101,7 +102,7 @@ fn main() -> anyhow::Result<()> {
         cpus,
         pin,
         memory_mib,
-        secret_file,
+        lease_keys,
         local_socket,
         runtime_dir,
         pool_size,

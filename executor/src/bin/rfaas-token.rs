@@ -1,4 +1,4 @@
-//! `rfaas-token`: makes the cluster secret and mints or checks lease tokens
+//! `rfaas-token`: makes lease signing keys and mints or checks lease tokens
 //! by hand (for tests, demos and debugging; the manager mints them in
 //! production).
 
@@ -8,15 +8,17 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use rfaas_executor::daemon::secret::{generate_secret, read_secret};
-use rfaas_proto::lease::{self, LeaseClaims};
+use rfaas_executor::daemon::keys::{read_lease_keys, read_secret_key, write_key_pair};
+use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
 
-/// Makes the cluster secret, and mints or checks lease tokens by hand.
+/// Makes lease signing keys, and mints or checks lease tokens by hand.
 ///
-/// An rfaas-executord accepts an allocation only with a lease token for its
-/// node, signed with the secret in its --secret-file. Until the rfaas
-/// manager hands out leases, mint them here, on a machine that holds the
-/// secret, and give the token to the job.
+/// An rfaas-executord runs a function only for a job that shows a lease
+/// token: a lease for that node, signed with a key whose public half is in
+/// the executor's lease_keys files. The rfaas manager signs them. Without a
+/// manager, make a key pair once with `keygen`, keep the secret file on one
+/// trusted machine, copy the public file to every node, and mint tokens
+/// there with `mint`.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -26,11 +28,27 @@ struct Args {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Prints a lease token for the given claims, signed with the secret.
-    Mint {
-        /// The cluster secret's file.
+    /// Makes a new signing key: a secret file (mode 0600: whoever reads it
+    /// can mint leases) and a public file for the executors' lease_keys.
+    Keygen {
+        /// A name for the key, written into every token it signs: use a new
+        /// one for each new key (e.g. site-2025-01), so executors can accept
+        /// the old and the new key for a while.
         #[arg(long)]
-        secret_file: PathBuf,
+        key_id: String,
+        /// Where to write the secret key; an existing file is never
+        /// overwritten.
+        #[arg(long, value_name = "FILE")]
+        secret: PathBuf,
+        /// Where to write the public key; copy it to every node.
+        #[arg(long, value_name = "FILE")]
+        public: PathBuf,
+    },
+    /// Prints a lease token for the given claims, signed with a secret key.
+    Mint {
+        /// The secret key file (from `keygen`).
+        #[arg(long, value_name = "FILE")]
+        key: PathBuf,
         /// The node the lease is for: its executor's node_name.
         #[arg(long)]
         node: String,
@@ -54,26 +72,23 @@ enum Command {
         /// The Slurm job the lease serves.
         #[arg(long)]
         job_id: Option<u64>,
-        /// The lease's id (default: derived from the clock).
+        /// The lease's id (default: derived from the clock). Give the same
+        /// id again to mint a renewal of a running lease with a later end.
         #[arg(long)]
         lease_id: Option<u64>,
     },
-    /// Checks a token's signature, expiry and node; prints its claims as
-    /// JSON, or the reason it is refused (exit code 1).
+    /// Checks a token as an executor would: signature, expiry and node.
+    /// Prints its claims as JSON, or why it is refused (exit code 1).
     Verify {
-        /// The cluster secret's file.
-        #[arg(long)]
-        secret_file: PathBuf,
+        /// A public key file, as in the executor's lease_keys; give it again
+        /// for more files.
+        #[arg(long, value_name = "FILE", required = true)]
+        keys: Vec<PathBuf>,
         /// The node checking the token (as its executor's node_name).
         #[arg(long)]
         node: String,
         /// The token.
         token: String,
-    },
-    /// Writes 48 random bytes to a new file with mode 0600.
-    GenSecret {
-        /// The file to create; an existing file is never overwritten.
-        file: PathBuf,
     },
 }
 
@@ -86,8 +101,22 @@ fn now() -> anyhow::Result<u64> {
 
 fn main() -> anyhow::Result<ExitCode> {
     match Args::parse().command {
+        Command::Keygen {
+            key_id,
+            secret,
+            public,
+        } => {
+            let signer = LeaseSigner::generate(&key_id)?;
+            write_key_pair(&signer, &secret, &public)?;
+            eprintln!(
+                "wrote the secret key {key_id:?} to {} (mode 0600; keep it private) and its public key to {} (copy it to every node's lease_keys)",
+                secret.display(),
+                public.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Mint {
-            secret_file,
+            key,
             node,
             user,
             account,
@@ -97,7 +126,7 @@ fn main() -> anyhow::Result<ExitCode> {
             job_id,
             lease_id,
         } => {
-            let secret = read_secret(&secret_file)?;
+            let signer = read_secret_key(&key)?;
             let now = now()?;
             let lease_id = match lease_id {
                 Some(id) => id,
@@ -107,6 +136,7 @@ fn main() -> anyhow::Result<ExitCode> {
                     .as_nanos() as u64,
             };
             let claims = LeaseClaims {
+                key_id: signer.key_id().to_owned(),
                 lease_id,
                 node,
                 user,
@@ -117,16 +147,12 @@ fn main() -> anyhow::Result<ExitCode> {
                 issued_at: now,
                 expires_at: now.saturating_add(ttl_secs),
             };
-            println!("{}", claims.sign(&secret)?);
+            println!("{}", signer.sign(&claims));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Verify {
-            secret_file,
-            node,
-            token,
-        } => {
-            let secret = read_secret(&secret_file)?;
-            match lease::verify(&token, &secret, now()?, &node) {
+        Command::Verify { keys, node, token } => {
+            let keys = read_lease_keys(&keys)?;
+            match keys.verify(&token, now()?, &node) {
                 Ok(claims) => {
                     println!("{}", serde_json::to_string_pretty(&claims)?);
                     Ok(ExitCode::SUCCESS)
@@ -136,12 +162,6 @@ fn main() -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::from(1))
                 }
             }
-        }
-        Command::GenSecret { file } => {
-            generate_secret(&file, 48)
-                .with_context(|| format!("cannot write a new secret to {}", file.display()))?;
-            eprintln!("wrote 48 random bytes to {} (mode 0600)", file.display());
-            Ok(ExitCode::SUCCESS)
         }
     }
 }

@@ -25,8 +25,9 @@ pub struct Config {
     pub pin: Option<bool>,
     /// Memory granted to allocations, MiB (default: the machine's memory).
     pub memory_mib: Option<u32>,
-    /// The cluster secret that signs lease tokens.
-    pub secret_file: Option<PathBuf>,
+    /// Files of the public keys lease tokens are checked with (default
+    /// `["/etc/rfaas/lease-keys.pub"]`).
+    pub lease_keys: Option<Vec<PathBuf>>,
     /// The node tools' unix socket.
     pub local_socket: Option<PathBuf>,
     /// Where per-allocation directories (shm sockets) are made.
@@ -232,8 +233,8 @@ pub struct Settings {
     pub pin: bool,
     /// Memory granted to allocations, MiB.
     pub memory_mib: u32,
-    /// The cluster secret's file.
-    pub secret_file: PathBuf,
+    /// Files of the public keys lease tokens are checked with.
+    pub lease_keys: Vec<PathBuf>,
     /// The node tools' unix socket.
     pub local_socket: PathBuf,
     /// Per-allocation directories go here.
@@ -284,6 +285,10 @@ pub struct Settings {
 
 /// The default place of the node tools' socket.
 pub const DEFAULT_LOCAL_SOCKET: &str = "/run/rfaas/executord.sock";
+
+/// The public key file lease tokens are checked with when `lease_keys` is
+/// not set.
+pub const DEFAULT_LEASE_KEYS: &str = "/etc/rfaas/lease-keys.pub";
 
 impl Config {
     /// Reads and parses `path`.
@@ -439,6 +444,17 @@ impl Config {
             })?),
             None => None,
         };
+        let lease_keys = self
+            .lease_keys
+            .clone()
+            .unwrap_or_else(|| vec![PathBuf::from(DEFAULT_LEASE_KEYS)]);
+        if lease_keys.is_empty() {
+            return Err(invalid(
+                "lease_keys",
+                &lease_keys,
+                "name at least one public key file (the manager's); with none every lease is refused",
+            ));
+        }
         let level = self.log_level.as_deref().unwrap_or("info");
         let log_level: tracing::Level = level
             .parse()
@@ -454,10 +470,7 @@ impl Config {
             cpus,
             pin: self.pin.unwrap_or(true),
             memory_mib,
-            secret_file: self
-                .secret_file
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("/etc/rfaas/secret")),
+            lease_keys,
             local_socket: self
                 .local_socket
                 .clone()
@@ -613,6 +626,12 @@ mod tests {
         assert_eq!(s.providers, ["tcp", "shm"]);
         assert_eq!(s.pool_size, 2);
         assert_eq!(s.local_socket, Path::new(DEFAULT_LOCAL_SOCKET));
+        assert_eq!(s.lease_keys, [Path::new("/etc/rfaas/lease-keys.pub")]);
+        let err = Config::parse("lease_keys = []")
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("lease_keys"), "{err}");
         assert_eq!(s.worker_path.file_name().unwrap(), "rfaas-worker");
 
         assert_eq!(

@@ -12,7 +12,8 @@
 //! # Layout
 //!
 //! - [`config`]: the TOML file, defaults, checked [`Settings`].
-//! - [`secret`]: reading (and making) the cluster secret.
+//! - [`keys`]: the lease key files: the public keys tokens are checked
+//!   with, and the secret key `rfaas-token` mints with.
 //! - `capacity`: free CPUs and memory, per-lease holdings.
 //! - `users`: the lease's user in the node's user database.
 //! - `memlimit`: cgroup v2 `memory.max` or `RLIMIT_AS`.
@@ -32,7 +33,7 @@
 //! - `metrics`: Prometheus metrics and the health check (`metrics_listen`).
 
 pub mod config;
-pub mod secret;
+pub mod keys;
 
 mod allocate;
 mod capacity;
@@ -58,7 +59,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 
 pub use config::{Config, ConfigError, ManagerConfig, ManagerSettings, Sandbox, Settings};
-pub use secret::SecretError;
+pub use keys::KeyFileError;
 
 use epoll::Waker;
 use memlimit::MemoryLimiter;
@@ -70,9 +71,9 @@ use supervise::SpawnJob;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
-    /// The secret file is unusable.
+    /// A lease key file is unusable.
     #[error(transparent)]
-    Secret(#[from] SecretError),
+    Keys(#[from] KeyFileError),
     /// A directory or socket could not be made.
     #[error("cannot {what} {path}: {source}")]
     Io {
@@ -109,14 +110,15 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Reads the secret, probes the memory-limit mechanism, makes the
+    /// Reads the lease keys, probes the memory-limit mechanism, makes the
     /// runtime directory and binds both listeners.
     pub fn bind(settings: Settings) -> Result<Daemon, StartError> {
         let io_err = |what, path: &Path| {
             let path = path.display().to_string();
             move |source| StartError::Io { what, path, source }
         };
-        let secret = secret::read_secret(&settings.secret_file)?;
+        let lease_keys = keys::read_lease_keys(&settings.lease_keys)?;
+        tracing::info!(key_ids = ?lease_keys.key_ids().collect::<Vec<_>>(), "lease keys read");
         let credential = match &settings.manager {
             Some(m) => Some(
                 register::read_credential(&m.credential_file).map_err(StartError::Credential)?,
@@ -176,7 +178,7 @@ impl Daemon {
         let (to_loop, inbox) = mpsc::channel();
         let outbox = Outbox::new(to_loop, Arc::clone(&waker));
         let (tx, jobs) = mpsc::channel();
-        let shared = Arc::new(Shared::new(settings, secret, limiter, tx, outbox));
+        let shared = Arc::new(Shared::new(settings, lease_keys, limiter, tx, outbox));
         Ok(Daemon {
             shared,
             jobs,

@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rfaas_proto::control::{Frame, FrameLimits};
+use rfaas_proto::lease::LeaseKeys;
 
 use super::capacity::Capacity;
 use super::config::Settings;
@@ -174,7 +175,8 @@ pub(crate) const ENDED_LEASES_KEPT_S: u64 = 7 * 24 * 3600;
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub settings: Settings,
-    pub secret: Vec<u8>,
+    /// The public keys lease tokens are checked with.
+    pub lease_keys: LeaseKeys,
     pub limiter: MemoryLimiter,
     pub state: Mutex<State>,
     /// Notified whenever an allocation or a pool worker changes.
@@ -190,7 +192,7 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(
         settings: Settings,
-        secret: Vec<u8>,
+        lease_keys: LeaseKeys,
         limiter: MemoryLimiter,
         spawner: mpsc::Sender<SpawnJob>,
         outbox: Outbox,
@@ -198,7 +200,7 @@ impl Shared {
         let capacity = Capacity::new(&settings.cpus, settings.memory_mib);
         Shared {
             settings,
-            secret,
+            lease_keys,
             limiter,
             state: Mutex::new(State {
                 draining: false,

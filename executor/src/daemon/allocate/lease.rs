@@ -2,7 +2,7 @@
 //! against what the lease grants.
 
 use rfaas_proto::control::{AllocateRequest, ErrorCode};
-use rfaas_proto::lease::{self, LeaseClaims, TokenError};
+use rfaas_proto::lease::{LeaseClaims, LeaseKeys, TokenError};
 use rfaas_proto::text::count;
 
 use super::Refused;
@@ -13,18 +13,12 @@ use crate::daemon::supervise::unix_now;
 /// request fits in what it grants.
 pub(super) fn check(
     req: &AllocateRequest,
-    secret: &[u8],
+    keys: &LeaseKeys,
     s: &Settings,
 ) -> Result<LeaseClaims, Refused> {
-    let claims = lease::verify(&req.token, secret, unix_now(), &s.node_name).map_err(|e| {
-        let code = match e {
-            TokenError::BadSignature => ErrorCode::TokenForged,
-            TokenError::Expired { .. } => ErrorCode::TokenExpired,
-            TokenError::WrongNode { .. } => ErrorCode::TokenWrongNode,
-            _ => ErrorCode::TokenMalformed,
-        };
-        (code, e.to_string())
-    })?;
+    let claims = keys
+        .verify(&req.token, unix_now(), &s.node_name)
+        .map_err(refusal)?;
     if req.cores > claims.cores || req.memory_mib > claims.memory_mib {
         return Err((
             ErrorCode::ExceedsLease,
@@ -35,4 +29,15 @@ pub(super) fn check(
         ));
     }
     Ok(claims)
+}
+
+/// The control channel's code and sentence for a refused token.
+pub(crate) fn refusal(e: TokenError) -> Refused {
+    let code = match e {
+        TokenError::Forged { .. } => ErrorCode::TokenForged,
+        TokenError::Expired { .. } => ErrorCode::TokenExpired,
+        TokenError::WrongNode { .. } => ErrorCode::TokenWrongNode,
+        _ => ErrorCode::TokenMalformed,
+    };
+    (code, e.to_string())
 }

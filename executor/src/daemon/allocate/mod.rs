@@ -48,7 +48,7 @@ pub(crate) fn check(
     let started = Instant::now();
     let s = &shared.settings;
     validate::request(req, s)?;
-    let claims = lease::check(req, &shared.secret, s)?;
+    let claims = lease::check(req, &shared.lease_keys, s)?;
     let deadline_ms = validate::limits(req, library_len, s)?;
     Ok(Checked {
         claims,
