@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::Domain;
-use rfaas_proto::control::{Deallocate, ErrorCode, Frame};
+use rfaas_proto::control::{Deallocate, ErrorCode, Frame, RenewLease};
 
 use crate::buffer::{Buffer, Pod};
 use crate::client::Client;
@@ -412,8 +412,54 @@ impl Allocation {
                 code: e.code,
                 message: e.message,
             }),
-            Reply::Allocated(..) => Err(Error::Protocol(
-                "the executor answered a Deallocate with AllocateOk".into(),
+            Reply::Allocated(..) | Reply::Renewed(_) => Err(Error::Protocol(
+                "the executor answered a Deallocate with another request's reply".into(),
+            )),
+        }
+    }
+
+    /// Moves the allocation's end to that of `token`, a new token for the
+    /// same lease (the manager renewed it), and returns the new end (Unix
+    /// seconds, as [`expires_at`](Self::expires_at) then says). The
+    /// executor checks the token as at allocation, and that it names this
+    /// allocation's lease and ends no earlier; it refuses otherwise
+    /// ([`Error::Refused`], `lease_mismatch`, `token_forged`, ...) and the
+    /// allocation goes on until its old end. A later re-allocation by
+    /// [`invoke_retrying`](Self::invoke_retrying) on this executor uses
+    /// `token`.
+    ///
+    /// Renew before the old end: an allocation whose lease has ended is
+    /// gone, and renewing it is refused (`unknown_allocation`).
+    pub fn renew(&mut self, token: &str) -> Result<u64> {
+        if self.fate.ended() {
+            return Err(self.fate.error(LOST_GRACE));
+        }
+        let request_id = self.conn.next_request_id();
+        let frame = Frame::new(
+            &RenewLease {
+                request_id,
+                allocation_id: self.id,
+                token: token.to_owned(),
+            },
+            Vec::new(),
+        );
+        let reply =
+            self.conn
+                .request(&frame, request_id, self.client.options().allocation_timeout)?;
+        match reply {
+            Reply::Renewed(expires_at) => {
+                self.expires_at = expires_at;
+                let mut executors = self.executors.to_vec();
+                executors[self.target].1 = token.to_owned();
+                self.executors = executors.into();
+                Ok(expires_at)
+            }
+            Reply::Refused(e) => Err(Error::Refused {
+                code: e.code,
+                message: e.message,
+            }),
+            Reply::Allocated(..) | Reply::Deallocated => Err(Error::Protocol(
+                "the executor answered a RenewLease with another request's reply".into(),
             )),
         }
     }

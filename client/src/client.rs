@@ -110,9 +110,9 @@ impl Client {
                     message: e.message,
                 })
             }
-            Reply::Deallocated => {
+            Reply::Deallocated | Reply::Renewed(_) => {
                 return Err(Error::Protocol(
-                    "the executor answered an AllocateRequest with Deallocated".into(),
+                    "the executor answered an AllocateRequest with another request's reply".into(),
                 ))
             }
         };

@@ -15,7 +15,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rfaas_proto::control::{
-    AllocateOk, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind, WorkerExited,
+    AllocateOk, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind, LeaseRenewed,
+    WorkerExited,
 };
 use rfaas_proto::InvocationStatus;
 
@@ -151,6 +152,8 @@ pub(crate) enum Reply {
     Allocated(Box<AllocateOk>, Arc<Fate>),
     Refused(ErrorReply),
     Deallocated,
+    /// The allocation's lease now ends at this time (Unix seconds).
+    Renewed(u64),
 }
 
 #[derive(Debug, Default)]
@@ -377,6 +380,13 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
             }
             if let Some(tx) = tx {
                 let _ = tx.send(Reply::Deallocated);
+            }
+        }
+        Kind::LeaseRenewed => {
+            let r: LeaseRenewed = frame.parse()?;
+            let tx = lock(&shared.state).waiters.remove(&r.request_id);
+            if let Some(tx) = tx {
+                let _ = tx.send(Reply::Renewed(r.expires_at));
             }
         }
         Kind::WorkerExited => {

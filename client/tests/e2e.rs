@@ -1146,3 +1146,109 @@ fn block_on<F: Future>(f: F) -> F::Output {
         std::thread::park_timeout(Duration::from_secs(1));
     }
 }
+
+/// Milliseconds from now until Unix second `at`.
+fn ms_until(at: u64) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    (Duration::from_secs(at).saturating_sub(now)).as_millis() as u64
+}
+
+/// A lease renewed before it ends keeps its allocation serving past the
+/// old end: the daemon does not stop the worker then, and the worker does
+/// not refuse calls (without the renewal both happen, as
+/// `an_expired_lease_stops_its_worker` in the executor's tests shows).
+#[test]
+fn a_renewed_lease_serves_past_its_old_end() {
+    let d = daemon();
+    let short = d.claims("nobody", 1, 2048, Duration::from_secs(3));
+    let client = Client::new(ClientOptions::with_provider("tcp"));
+    let mut alloc = client
+        .allocate(&d.control_addr().to_string(), &d.mint(&short), &spec())
+        .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()));
+    assert_eq!(alloc.expires_at(), short.expires_at);
+
+    let mut renewed = short.clone();
+    renewed.expires_at = short.expires_at + 600;
+    let new_end = alloc.renew(&d.mint(&renewed)).unwrap();
+    assert_eq!(new_end, renewed.expires_at);
+    assert_eq!(alloc.expires_at(), renewed.expires_at);
+
+    // One call that runs across the old end (the lease ticker looks every
+    // second), then calls that start after it.
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let across = u32_input(&alloc, (ms_until(short.expires_at) + 1200) as u32);
+    let mut out = alloc.buffer::<u32>(1).unwrap();
+    alloc
+        .invoke(sleep, &across, 1, &mut out)
+        .unwrap_or_else(|e| panic!("{e}\ndaemon log:\n{}", d.log()));
+    assert_eq!(ms_until(short.expires_at), 0, "the old end has passed");
+    let echo = alloc.function("echo").unwrap();
+    for v in 0..3 {
+        let input = u32_input(&alloc, v);
+        let n = alloc
+            .invoke(echo, &input, 1, &mut out)
+            .unwrap_or_else(|e| panic!("{e}\ndaemon log:\n{}", d.log()));
+        assert_eq!((n, out.as_slice()[0]), (4, v));
+    }
+    assert!(alloc.is_alive());
+    alloc.deallocate().unwrap();
+}
+
+/// A renewal the executor must refuse leaves the allocation as it was.
+#[test]
+fn a_renewal_for_another_lease_is_refused_and_the_allocation_goes_on() {
+    let d = daemon();
+    let claims = d.claims("nobody", 1, 2048, Duration::from_secs(600));
+    let client = Client::new(ClientOptions::with_provider("tcp"));
+    let mut alloc = client
+        .allocate(&d.control_addr().to_string(), &d.mint(&claims), &spec())
+        .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()));
+    let end = alloc.expires_at();
+
+    // Another lease (a fresh id), ending later.
+    let mut other = d.claims("nobody", 1, 2048, Duration::from_secs(1200));
+    assert_ne!(other.lease_id, claims.lease_id);
+    other.expires_at = end + 600;
+    let err = alloc.renew(&d.mint(&other)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused { code: ErrorCode::LeaseMismatch, message }
+            if message.contains(&other.lease_id.to_string())),
+        "{err:?}"
+    );
+    // This lease, but ending earlier.
+    let mut shorter = claims.clone();
+    shorter.expires_at = end - 60;
+    let err = alloc.renew(&d.mint(&shorter)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused { code: ErrorCode::LeaseMismatch, message }
+            if message.contains("cannot shorten")),
+        "{err:?}"
+    );
+    // This lease, later, but signed with another key.
+    let mut later = claims.clone();
+    later.expires_at = end + 600;
+    let err = alloc.renew(&d.mint_with_another_key(&later)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Refused {
+                code: ErrorCode::TokenForged,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    assert_eq!(alloc.expires_at(), end);
+    assert!(alloc.is_alive());
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 7);
+    let mut out = alloc.buffer::<u32>(1).unwrap();
+    assert_eq!(alloc.invoke(echo, &input, 1, &mut out).unwrap(), 4);
+    assert_eq!(out.as_slice()[0], 7);
+    // And the good renewal still goes through afterwards.
+    assert_eq!(alloc.renew(&d.mint(&later)).unwrap(), later.expires_at);
+    alloc.deallocate().unwrap();
+}

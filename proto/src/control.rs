@@ -36,6 +36,13 @@
 //!    worker process ends for any reason but a deallocation.
 //! 5. client → executor: [`Deallocate`]; executor → client: [`Deallocated`].
 //!
+//! At any time before the lease ends, client → executor: [`RenewLease`]
+//! with a new token for the same lease and node, ending no earlier;
+//! executor → client: [`LeaseRenewed`] with the allocation's new end (or
+//! [`ErrorReply`], the allocation untouched). The executor tells the worker
+//! first ([`ExpiryMoved`], which the worker echoes), so the worker serves
+//! until the new end as soon as the client hears of it.
+//!
 //! The executor checks an [`AllocateRequest`] (its token above all) before
 //! it reads the blob: a refused request's blob is read and dropped, so the
 //! refusal is answered and the connection goes on.
@@ -74,6 +81,10 @@ pub enum Kind {
     Deallocated = 5,
     /// [`WorkerExited`], executor → client, unsolicited.
     WorkerExited = 6,
+    /// [`RenewLease`], client → executor.
+    RenewLease = 7,
+    /// [`LeaseRenewed`], executor → client.
+    LeaseRenewed = 8,
     /// [`Assignment`], daemon → pooled worker, with the library's memfd
     /// passed alongside (SCM_RIGHTS).
     Assignment = 16,
@@ -81,6 +92,8 @@ pub enum Kind {
     WorkerReady = 17,
     /// [`WorkerFailed`], worker → daemon: the assignment failed.
     WorkerFailed = 18,
+    /// [`ExpiryMoved`], daemon → serving worker, and its echo back.
+    ExpiryMoved = 19,
     /// [`LocalRequest`], node tool → daemon (unix socket).
     LocalRequest = 32,
     /// [`LocalReply`], daemon → node tool.
@@ -89,16 +102,19 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in code order.
-    pub const ALL: [Kind; 11] = [
+    pub const ALL: [Kind; 14] = [
         Kind::AllocateRequest,
         Kind::AllocateOk,
         Kind::Error,
         Kind::Deallocate,
         Kind::Deallocated,
         Kind::WorkerExited,
+        Kind::RenewLease,
+        Kind::LeaseRenewed,
         Kind::Assignment,
         Kind::WorkerReady,
         Kind::WorkerFailed,
+        Kind::ExpiryMoved,
         Kind::LocalRequest,
         Kind::LocalReply,
     ];
@@ -136,9 +152,12 @@ message_kinds! {
     Deallocate => Deallocate,
     Deallocated => Deallocated,
     WorkerExited => WorkerExited,
+    RenewLease => RenewLease,
+    LeaseRenewed => LeaseRenewed,
     Assignment => Assignment,
     WorkerReady => WorkerReady,
     WorkerFailed => WorkerFailed,
+    ExpiryMoved => ExpiryMoved,
     LocalRequest => LocalRequest,
     LocalReply => LocalReply,
 }
@@ -510,6 +529,9 @@ pub enum ErrorCode {
     /// lanes' buffers; the message gives the MiB needed and what they are
     /// made of. Not retryable (ask for more memory).
     MemoryTooSmall,
+    /// A renewal's token is for another lease than the allocation's, or
+    /// ends before the allocation's lease. Not retryable with that token.
+    LeaseMismatch,
 }
 
 impl ErrorCode {
@@ -552,6 +574,40 @@ pub struct Deallocated {
     pub request_id: u64,
     /// Which allocation.
     pub allocation_id: u64,
+}
+
+/// Client → executor: move an allocation's end to that of a new token for
+/// its lease (the manager renewed the lease). The token must verify, name
+/// this node and the allocation's lease, and end no earlier than the
+/// allocation does now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewLease {
+    /// Repeated in the reply.
+    pub request_id: u64,
+    /// Which allocation (made on this connection).
+    pub allocation_id: u64,
+    /// The renewed lease's token ([`crate::lease`]).
+    pub token: String,
+}
+
+/// Executor → client: the allocation now ends at `expires_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRenewed {
+    /// The request's id.
+    pub request_id: u64,
+    /// Which allocation.
+    pub allocation_id: u64,
+    /// The allocation's new end, Unix seconds.
+    pub expires_at: u64,
+}
+
+/// Daemon → serving worker: refuse invocations from `expires_at` (Unix
+/// seconds) on, instead of the assignment's end. The worker answers with
+/// the same message once its lanes use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpiryMoved {
+    /// The lease's new end, Unix seconds.
+    pub expires_at: u64,
 }
 
 /// Why a worker process ended.
@@ -760,11 +816,12 @@ mod tests {
     #[test]
     fn kind_codes_are_stable() {
         let codes: Vec<u16> = Kind::ALL.iter().map(|k| k.code()).collect();
-        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 16, 17, 18, 32, 33]);
+        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18, 19, 32, 33]);
         for k in Kind::ALL {
             assert_eq!(Kind::from_code(k.code()), Some(k));
         }
-        assert_eq!(Kind::from_code(7), None);
+        assert_eq!(Kind::from_code(9), None);
+        assert_eq!(Kind::from_code(20), None);
     }
 
     #[test]
@@ -937,5 +994,102 @@ mod tests {
             serde_json::from_str::<LocalRequest>(r#"{"command":"status"}"#).unwrap(),
             LocalRequest::Status
         );
+    }
+
+    /// The renewal frames, byte for byte: header (kind 7, 8, 19) and JSON.
+    #[test]
+    fn renewal_frame_bytes() {
+        let renew = RenewLease {
+            request_id: 9,
+            allocation_id: 4,
+            token: "rfaas2.x.y".into(),
+        };
+        let json = br#"{"request_id":9,"allocation_id":4,"token":"rfaas2.x.y"}"#;
+        let mut want = vec![
+            b'R',
+            b'F',
+            b'A',
+            b'X',
+            2,
+            0,
+            7,
+            0,
+            json.len() as u8,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        want.extend_from_slice(json);
+        let frame = Frame::new(&renew, vec![]);
+        assert_eq!(frame.to_bytes(), want);
+        assert_eq!(frame.parse::<RenewLease>().unwrap(), renew);
+
+        let renewed = LeaseRenewed {
+            request_id: 9,
+            allocation_id: 4,
+            expires_at: 1_800_000_000,
+        };
+        let json = br#"{"request_id":9,"allocation_id":4,"expires_at":1800000000}"#;
+        let mut want = vec![
+            b'R',
+            b'F',
+            b'A',
+            b'X',
+            2,
+            0,
+            8,
+            0,
+            json.len() as u8,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        want.extend_from_slice(json);
+        assert_eq!(Frame::new(&renewed, vec![]).to_bytes(), want);
+
+        let moved = ExpiryMoved {
+            expires_at: 1_800_000_000,
+        };
+        let json = br#"{"expires_at":1800000000}"#;
+        let mut want = vec![
+            b'R',
+            b'F',
+            b'A',
+            b'X',
+            2,
+            0,
+            19,
+            0,
+            json.len() as u8,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ];
+        want.extend_from_slice(json);
+        let frame = Frame::new(&moved, vec![]);
+        assert_eq!(frame.to_bytes(), want);
+        let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
+        assert_eq!(back.parse::<ExpiryMoved>().unwrap(), moved);
+        assert!(matches!(
+            back.parse::<LeaseRenewed>(),
+            Err(ControlError::UnexpectedKind { .. })
+        ));
+        assert_eq!(
+            serde_json::to_string(&ErrorCode::LeaseMismatch).unwrap(),
+            r#""lease_mismatch""#
+        );
+        assert!(!ErrorCode::LeaseMismatch.is_retryable());
     }
 }

@@ -238,6 +238,11 @@ enum rfaas_status
    */
   RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL = 216,
   /**
+   * Refused: a renewal's token is for another lease than the
+   * allocation's, or ends before it; the allocation is unchanged.
+   */
+  RFAAS_ERR_REFUSED_LEASE_MISMATCH = 217,
+  /**
    * The resource manager refused the request for another reason than
    * those below (the message says which).
    */
@@ -701,6 +706,26 @@ rfaas_status rfaas_function_index(const struct rfaas_allocation *alloc,
  * `alloc` is NULL or a live allocation that no other thread is using.
  */
 rfaas_status rfaas_deallocate(struct rfaas_allocation *alloc);
+
+/**
+ * Moves the allocation's end to that of `token`, a new lease token for
+ * the same lease (the manager renewed it, e.g. with `rfaas_lease_renew`):
+ * the allocation goes on serving past its old end, until the token's.
+ * The executor checks the token as at allocation, and that it names the
+ * allocation's lease and ends no earlier; otherwise it refuses
+ * (`RFAAS_ERR_REFUSED_LEASE_MISMATCH`, `RFAAS_ERR_REFUSED_TOKEN_FORGED`,
+ * ...) and the allocation is unchanged, ending at its old end. A later
+ * re-allocation by `rfaas_invoke_retrying` on this executor uses `token`.
+ * Renew before the old end: an ended allocation cannot be renewed.
+ *
+ * Not thread-safe: no other call may use the allocation meanwhile.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation no other thread uses; `token` is
+ * NULL or a C string.
+ */
+rfaas_status rfaas_allocation_renew(struct rfaas_allocation *alloc, const char *token);
 
 /**
  * Adds another executor (its control address, "host:port") and a lease

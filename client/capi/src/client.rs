@@ -371,6 +371,43 @@ pub(crate) fn no_invocations(call: &str, handle: &rfaas_allocation) -> Result<()
     ))
 }
 
+/// Moves the allocation's end to that of `token`, a new lease token for
+/// the same lease (the manager renewed it, e.g. with `rfaas_lease_renew`):
+/// the allocation goes on serving past its old end, until the token's.
+/// The executor checks the token as at allocation, and that it names the
+/// allocation's lease and ends no earlier; otherwise it refuses
+/// (`RFAAS_ERR_REFUSED_LEASE_MISMATCH`, `RFAAS_ERR_REFUSED_TOKEN_FORGED`,
+/// ...) and the allocation is unchanged, ending at its old end. A later
+/// re-allocation by `rfaas_invoke_retrying` on this executor uses `token`.
+/// Renew before the old end: an ended allocation cannot be renewed.
+///
+/// Not thread-safe: no other call may use the allocation meanwhile.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation no other thread uses; `token` is
+/// NULL or a C string.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_allocation_renew(
+    alloc: *mut rfaas_allocation,
+    token: *const c_char,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_allocation_renew";
+    call(CALL, || {
+        // SAFETY: NULL or a live allocation no one else uses (caller's
+        // promise).
+        let handle = unsafe { mut_arg(CALL, "alloc", alloc) }?;
+        // SAFETY: NULL or a C string (caller's promise).
+        let token = unsafe { str_arg(CALL, "token", token) }?;
+        handle.alloc.renew(token).map_err(|e| Failure {
+            // A refused renewal leaves the allocation as it was.
+            allocation_usable: handle.alloc.is_alive(),
+            ..Failure::client(CALL, &e)
+        })?;
+        Ok(RFAAS_OK)
+    })
+}
+
 /// Adds another executor (its control address, "host:port") and a lease
 /// token for its node, for `rfaas_invoke_retrying` to move to when the
 /// allocation's executor is lost, stopped, draining or full. Tried in the

@@ -139,6 +139,9 @@ pub enum rfaas_status {
     /// Refused: `memory_mib` is too small for the worker, the library and
     /// the buffers; the message gives the MiB needed. Ask for more.
     RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL = 216,
+    /// Refused: a renewal's token is for another lease than the
+    /// allocation's, or ends before it; the allocation is unchanged.
+    RFAAS_ERR_REFUSED_LEASE_MISMATCH = 217,
     /// The resource manager refused the request for another reason than
     /// those below (the message says which).
     RFAAS_ERR_MANAGER = 300,
@@ -158,7 +161,7 @@ pub enum rfaas_status {
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 50] = [
+const ALL: [rfaas_status; 51] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -204,6 +207,7 @@ const ALL: [rfaas_status; 50] = [
     RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
     RFAAS_ERR_REFUSED_INTERNAL,
     RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
+    RFAAS_ERR_REFUSED_LEASE_MISMATCH,
     RFAAS_ERR_MANAGER,
     RFAAS_ERR_MANAGER_NO_CAPACITY,
     RFAAS_ERR_MANAGER_QUOTA,
@@ -248,6 +252,7 @@ impl rfaas_status {
             ErrorCode::UnknownAllocation => RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION,
             ErrorCode::Internal => RFAAS_ERR_REFUSED_INTERNAL,
             ErrorCode::MemoryTooSmall => RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
+            ErrorCode::LeaseMismatch => RFAAS_ERR_REFUSED_LEASE_MISMATCH,
             _ => RFAAS_ERR_REFUSED,
         }
     }
@@ -372,6 +377,7 @@ impl rfaas_status {
             RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION => c"RFAAS_ERR_REFUSED_UNKNOWN_ALLOCATION",
             RFAAS_ERR_REFUSED_INTERNAL => c"RFAAS_ERR_REFUSED_INTERNAL",
             RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL => c"RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL",
+            RFAAS_ERR_REFUSED_LEASE_MISMATCH => c"RFAAS_ERR_REFUSED_LEASE_MISMATCH",
             RFAAS_ERR_MANAGER => c"RFAAS_ERR_MANAGER",
             RFAAS_ERR_MANAGER_NO_CAPACITY => c"RFAAS_ERR_MANAGER_NO_CAPACITY",
             RFAAS_ERR_MANAGER_QUOTA => c"RFAAS_ERR_MANAGER_QUOTA",
@@ -539,6 +545,7 @@ mod tests {
             ErrorCode::UnknownAllocation,
             ErrorCode::Internal,
             ErrorCode::MemoryTooSmall,
+            ErrorCode::LeaseMismatch,
         ] {
             let s = rfaas_status::from_refusal(code);
             assert_ne!(s, RFAAS_ERR_REFUSED, "{code:?} has its own status");

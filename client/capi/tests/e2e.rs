@@ -699,3 +699,49 @@ fn spinning_on_the_workers_cpu_turns_to_sleeping() {
     .join()
     .unwrap();
 }
+
+/// `rfaas_allocation_renew`: a token of the allocation's lease ending later
+/// is taken; one of another lease is refused with its own status, and the
+/// allocation goes on either way.
+#[test]
+fn renewing_takes_the_leases_new_token_and_refuses_another_lease() {
+    let f = Fixture::new(1);
+    let lease_id = match f.daemon.status() {
+        LocalReply::Status { allocations, .. } if allocations.len() == 1 => allocations[0].lease_id,
+        other => panic!("not one allocation: {other:?}"),
+    };
+    let mint = |lease: u64, ttl: u64| {
+        let mut c = f.daemon.claims("nobody", 4, 2048, Duration::from_secs(ttl));
+        c.lease_id = lease;
+        CString::new(f.daemon.mint(&c)).unwrap()
+    };
+
+    let other = mint(lease_id + 1, 1200);
+    // SAFETY: a live allocation and a C string.
+    let st = unsafe { rfaas_allocation_renew(f.alloc, other.as_ptr()) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_REFUSED_LEASE_MISMATCH,
+        &format!("lease {}", lease_id + 1),
+    );
+    assert!(rfaas_last_error_info().allocation_usable);
+    ok(f.invoke_u32("echo", 5));
+
+    // SAFETY: a live allocation; NULL is checked.
+    let st = unsafe { rfaas_allocation_renew(f.alloc, null()) };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`token` is NULL",
+    );
+
+    let renewed = mint(lease_id, 1200);
+    // SAFETY: a live allocation and a C string.
+    ok(unsafe { rfaas_allocation_renew(f.alloc, renewed.as_ptr()) });
+    ok(f.invoke_u32("echo", 6));
+    assert!(
+        f.daemon.log().contains("lease renewed"),
+        "{}",
+        f.daemon.log()
+    );
+}

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rfaas_proto::control::{
-    AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, Frame, Kind,
+    AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, Frame, Kind, RenewLease,
 };
 
 use super::allocate::{self, Checked};
@@ -129,11 +129,26 @@ pub(crate) fn message(
                 e.to_string(),
             )),
         },
+        Kind::RenewLease => match frame.parse::<RenewLease>() {
+            Ok(r) => {
+                let shared = Arc::clone(shared);
+                Next::Job(JobFor(Box::new(move || {
+                    let _done = DoneGuard::new(&shared.outbox, conn, 0);
+                    let reply = super::renew::renew(&shared, conn, &r);
+                    shared.send(conn, &reply);
+                })))
+            }
+            Err(e) => Next::Reply(refusal(
+                request_id_of(&frame),
+                ErrorCode::MalformedRequest,
+                e.to_string(),
+            )),
+        },
         other => Next::Reply(refusal(
             request_id_of(&frame),
             ErrorCode::MalformedRequest,
             format!(
-                "a {other:?} message is not a client request; send AllocateRequest or Deallocate"
+                "a {other:?} message is not a client request; send AllocateRequest, RenewLease or Deallocate"
             ),
         )),
     }

@@ -30,6 +30,8 @@
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume).
 //! - `register`: registration and heartbeats with the resource managers.
+//! - `renew`: moving a running allocation's end with a renewed lease's
+//!   token.
 //! - `metrics`: Prometheus metrics and the health check (`metrics_listen`).
 
 pub mod config;
@@ -46,6 +48,7 @@ mod metrics;
 mod pool;
 mod process;
 mod register;
+mod renew;
 mod server;
 mod state;
 mod supervise;

@@ -11,7 +11,7 @@ use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 
 use super::library::Function;
 use super::watchdog::{LaneEndpoint, Running};
-use super::DRAINING;
+use super::{DRAINING, EXPIRES_AT};
 
 /// Receives kept posted per lane. One invocation is in flight per lane; the
 /// spares let a request that arrives while the previous response is being
@@ -68,8 +68,6 @@ pub struct LaneConfig {
     pub mode: Mode,
     /// Hot period of [`Mode::HotThenWarm`].
     pub hot_timeout: Duration,
-    /// The lease's end, Unix seconds (0: none).
-    pub expires_at: u64,
     /// The allocation's output capacity, bytes.
     pub output_capacity: usize,
     /// Largest bulk payload the lane pulls.
@@ -318,7 +316,8 @@ impl Lane {
         if usize::from(req.function_index) >= self.functions.len() {
             return Input::Refused(InvocationStatus::UnknownFunction);
         }
-        if self.cfg.expires_at != 0 && super::watchdog::coarse_unix_secs() >= self.cfg.expires_at {
+        let expires_at = EXPIRES_AT.load(Ordering::Relaxed);
+        if expires_at != 0 && super::watchdog::coarse_unix_secs() >= expires_at {
             return Input::Refused(InvocationStatus::LeaseExpired);
         }
         if DRAINING.load(Ordering::Relaxed) {

@@ -12,7 +12,9 @@
 //! [`WorkerReady`] (or [`WorkerFailed`], then
 //! exits with [`EXIT_SETUP_FAILED`]). It accepts one connection per lane,
 //! in order, and starts the lane threads (`rfaas-lane-<i>`). When every
-//! client has gone it exits 0; nothing more is read from the control socket.
+//! client has gone it exits 0. After `WorkerReady` the control socket
+//! carries only [`ExpiryMoved`] (a renewed lease's end), which a thread of
+//! its own (`rfaas-control`) applies and echoes.
 //! SIGUSR1 makes every later request answer `executor_draining`.
 //! `expires_at` 0 means no lease end and `deadline_ms` 0 no deadline (the
 //! daemon fills in its defaults); a bulk payload is bounded by
@@ -78,15 +80,15 @@ pub mod privileges;
 pub mod watchdog;
 
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::{Access, EndpointOptions, Fabric};
 use rfaas_proto::control::{
-    Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, WorkerFailed,
-    WorkerReady,
+    Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, ExpiryMoved, Frame, FrameLimits,
+    Kind, WorkerFailed, WorkerReady,
 };
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
@@ -111,6 +113,10 @@ pub const DEFAULT_PULL_LIMIT: usize = 1 << 30;
 
 /// Set by SIGUSR1: the executor is draining; requests are refused.
 pub static DRAINING: AtomicBool = AtomicBool::new(false);
+
+/// The lease's end, Unix seconds (0: none): the assignment's, later moved
+/// by [`ExpiryMoved`]. Requests are refused from then on.
+pub static EXPIRES_AT: AtomicU64 = AtomicU64::new(0);
 
 /// Why a worker stopped before serving.
 #[derive(Debug, thiserror::Error)]
@@ -219,8 +225,54 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         load_ns: prepared.load_ns,
         listen_ns: prepared.listen_ns,
     };
+    EXPIRES_AT.store(assignment.expires_at, Ordering::Relaxed);
     ipc::send_frame(&control, &Frame::new(&ready, vec![]), None).map_err(ControlError::Io)?;
+    thread::Builder::new()
+        .name("rfaas-control".into())
+        .spawn(move || follow_expiry(&control))
+        .map_err(|e| internal(format!("cannot start the control thread: {e}")))?;
     serve(&assignment, prepared)
+}
+
+/// Applies and echoes every [`ExpiryMoved`] from the daemon until the
+/// socket ends (the daemon is gone, and the parent-death signal follows)
+/// or carries something else.
+fn follow_expiry(control: &UnixStream) {
+    let limits = FrameLimits {
+        max_json: 4096,
+        max_blob: 0,
+    };
+    loop {
+        let moved = match ipc::recv_frame(control, limits) {
+            Ok((f, _)) if f.kind == Kind::ExpiryMoved => f.parse::<ExpiryMoved>(),
+            Ok((f, _)) => {
+                tracing::warn!(kind = ?f.kind, "unexpected message on the control socket; no more lease renewals");
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "the control socket ended");
+                return;
+            }
+        };
+        let moved = match moved {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "unreadable ExpiryMoved; no more lease renewals");
+                return;
+            }
+        };
+        // The daemon never moves an end earlier; a stray message cannot either.
+        let before = EXPIRES_AT.fetch_max(moved.expires_at, Ordering::Relaxed);
+        tracing::info!(
+            before,
+            expires_at = moved.expires_at,
+            "the lease was renewed"
+        );
+        if let Err(e) = ipc::send_frame(control, &Frame::new(&moved, vec![]), None) {
+            tracing::debug!(error = %e, "cannot acknowledge the renewal");
+            return;
+        }
+    }
 }
 
 /// One lane's resources before its client connected.
@@ -435,7 +487,6 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             cpu: (!a.cpus.is_empty()).then(|| a.cpus[index % a.cpus.len()]),
             mode: a.mode,
             hot_timeout: Duration::from_micros(a.hot_timeout_us),
-            expires_at: a.expires_at,
             output_capacity: a.output_capacity as usize,
             pull_limit,
             read_only_input: a.read_only_input,

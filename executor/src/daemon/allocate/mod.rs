@@ -10,6 +10,8 @@
 //!   process, its assignment and its answer.
 
 mod lease;
+
+pub(crate) use lease::refusal as lease_refusal;
 mod memory;
 mod reserve;
 mod spawn;
