@@ -140,6 +140,17 @@ fn check_name(what: &str, name: &str) -> ApiResult<()> {
     }
 }
 
+/// Refuses control characters (NUL above all: PostgreSQL cannot store it
+/// in text) in a free-text field.
+fn check_text(what: &str, text: &str) -> ApiResult<()> {
+    if text.chars().any(char::is_control) {
+        return Err(ApiFailure::malformed(format!(
+            "{what} {text:?} holds control characters; send printable text"
+        )));
+    }
+    Ok(())
+}
+
 fn admin_only(c: &Caller) -> ApiResult<()> {
     match c {
         Caller::Admin => Ok(()),
@@ -180,6 +191,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
         .control_addr
         .rsplit_once(':')
         .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    check_text("control_addr", &r.control_addr)?;
     if !addr_ok || r.control_addr.len() > 300 {
         return Err(ApiFailure::malformed(format!(
             "control_addr {:?} is not host:port",
@@ -192,6 +204,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
         ));
     }
     for p in &r.providers {
+        check_text("provider name", &p.name)?;
         let known = p.name == "tcp" || p.name == "shm" || p.name.starts_with("verbs:");
         if !known || p.name.len() > 64 || p.host.as_ref().is_some_and(|h| h.len() > 255) {
             return Err(ApiFailure::malformed(format!(
@@ -199,7 +212,11 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
                 p.name
             )));
         }
+        if let Some(h) = &p.host {
+            check_text("provider host", h)?;
+        }
     }
+    check_text("version", &r.version)?;
     if r.version.len() > 64 {
         return Err(ApiFailure::malformed(
             "version is longer than 64 characters",
@@ -305,6 +322,7 @@ async fn set_drained(
     drained: bool,
 ) -> ApiResult<Json<NodeView>> {
     admin_only(&caller(app, headers).await?)?;
+    check_name("node name", name)?;
     let node = app
         .store
         .set_drained(name, drained)
@@ -690,7 +708,10 @@ async fn revoke_credential(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     admin_only(&caller(&app, &headers).await?)?;
-    if !app.store.revoke_credential(&id).await? {
+    // Ids are hex (auth::new_credential); anything else names none, and
+    // must not reach the database (PostgreSQL refuses a NUL in text).
+    let well_formed = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit());
+    if !well_formed || !app.store.revoke_credential(&id).await? {
         return Err(ApiFailure::not_found(format!(
             "no credential has id {id:?}"
         )));
