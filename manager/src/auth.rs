@@ -112,8 +112,8 @@ pub fn new_credential(
 }
 
 /// Reads the admin token: one line of at least 16 characters, in a file
-/// that group and others cannot access, owned by root when the manager
-/// runs as root.
+/// that group and others cannot access, owned by root when read by root.
+/// The manager and `rfaasctl` both read it so.
 pub fn read_admin_token(path: &Path) -> Result<String, String> {
     let meta = std::fs::metadata(path)
         .map_err(|e| format!("cannot read the admin token file {}: {e}", path.display()))?;
@@ -129,7 +129,7 @@ pub fn read_admin_token(path: &Path) -> Result<String, String> {
     let euid = unsafe { libc::geteuid() };
     if euid == 0 && meta.uid() != 0 {
         return Err(format!(
-            "the admin token file {} is owned by uid {}, but the manager runs as root: it must be owned by root; run `chown root {}`",
+            "the admin token file {} is owned by uid {} and read by root: it must be owned by root; run `chown root {}`",
             path.display(),
             meta.uid(),
             path.display()
