@@ -227,7 +227,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
 
 /// Register a node, or update its record. Idempotent.
 #[utoipa::path(put, path = "/v1/nodes/{name}", request_body = RegisterNode,
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = Registered), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
 async fn register_node(
     State(app): AppState,
@@ -252,7 +252,7 @@ async fn register_node(
 /// A node's heartbeat: its free capacity and the leases it holds. The
 /// answer lists those that have ended. `404`: register again.
 #[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = HeartbeatReply), (status = 404, body = ApiError), (status = "4XX", body = ApiError)))]
 async fn heartbeat(
     State(app): AppState,
@@ -301,7 +301,7 @@ async fn list_nodes(
 
 /// One node.
 #[utoipa::path(get, path = "/v1/nodes/{name}",
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn show_node(
     State(app): AppState,
@@ -335,7 +335,7 @@ async fn set_drained(
 
 /// Drain a node (admin): it is no longer offered; its leases run to their end.
 #[utoipa::path(post, path = "/v1/nodes/{name}/drain",
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn drain_node(
     State(app): AppState,
@@ -347,7 +347,7 @@ async fn drain_node(
 
 /// Resume a drained node (admin).
 #[utoipa::path(post, path = "/v1/nodes/{name}/resume",
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn resume_node(
     State(app): AppState,
@@ -700,7 +700,7 @@ async fn list_credentials(
 
 /// Revoke a credential (admin). Every replica refuses it within seconds.
 #[utoipa::path(delete, path = "/v1/credentials/{id}",
-    params(("id" = String, Path, description = "The credential's id")),
+    params(("id" = String, Path, description = "The credential's id", pattern = r"^[0-9a-f]{16}$")),
     responses((status = 204, description = "Revoked"), (status = "4XX", body = ApiError)))]
 async fn revoke_credential(
     State(app): AppState,
