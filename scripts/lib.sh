@@ -26,9 +26,12 @@ BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang
 # scrape tests; its package does not start it outside systemd) and
 # PostgreSQL 15 with psql (the tests' throwaway servers, scripts/pg.sh; the
 # package also creates and, under systemd, starts a `main` cluster on port
-# 5432, which the tests neither use nor touch).
+# 5432, which the tests neither use nor touch), and python3 with venv and
+# curl (scripts/fuzz-manager-api.sh installs schemathesis into a virtualenv
+# and sets up the manager it fuzzes with curl).
 # shellcheck disable=SC2034
-TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 postgresql-client-15)
+TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 postgresql-client-15
+    python3 python3-venv curl)
 
 # The one build CI makes, in scripts/test.sh's first step: the whole
 # workspace, every target, with the verbs provider, debug profile, cargo's

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every rfaas test: unit, conformance (tcp and shm), benchmarks' own
 # tests, doc tests, the verbs provider on Soft-RoCE in a VM and between two
-# VMs (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), and a short
+# VMs (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
+# against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
 # fuzz run of the tcp frame decoder. Fails at the end if the run changed the
 # git checkout (a stale lockfile or header, a stray output file), naming the
 # files.
@@ -9,6 +10,7 @@
 #
 #   scripts/test.sh                      everything
 #   FUZZ_SECONDS=0 scripts/test.sh       skip the fuzz run
+#   FUZZ_API_EXAMPLES=0 scripts/test.sh  skip the manager API's fuzzing
 #   RFAAS_SKIP_RDMA_VM=1 scripts/test.sh skip the verbs stage, saying so loudly
 #                                        (for machines that cannot run qemu;
 #                                        the verbs provider is then untested)
@@ -39,6 +41,13 @@ else
     cargo test "${CI_FEATURES[@]}" --no-fail-fast
 fi
 cargo test "${CI_FEATURES[@]}" --doc
+
+if [ "${FUZZ_API_EXAMPLES:-100}" != 0 ]; then
+    echo "== the manager's REST API under schemathesis (scripts/fuzz-manager-api.sh)"
+    api_start=$SECONDS
+    bash scripts/fuzz-manager-api.sh
+    echo "manager API fuzz stage: $((SECONDS - api_start)) s"
+fi
 
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh

@@ -140,6 +140,17 @@ fn check_name(what: &str, name: &str) -> ApiResult<()> {
     }
 }
 
+/// Refuses control characters (NUL above all: PostgreSQL cannot store it
+/// in text) in a free-text field.
+fn check_text(what: &str, text: &str) -> ApiResult<()> {
+    if text.chars().any(char::is_control) {
+        return Err(ApiFailure::malformed(format!(
+            "{what} {text:?} holds control characters; send printable text"
+        )));
+    }
+    Ok(())
+}
+
 fn admin_only(c: &Caller) -> ApiResult<()> {
     match c {
         Caller::Admin => Ok(()),
@@ -180,6 +191,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
         .control_addr
         .rsplit_once(':')
         .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    check_text("control_addr", &r.control_addr)?;
     if !addr_ok || r.control_addr.len() > 300 {
         return Err(ApiFailure::malformed(format!(
             "control_addr {:?} is not host:port",
@@ -192,6 +204,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
         ));
     }
     for p in &r.providers {
+        check_text("provider name", &p.name)?;
         let known = p.name == "tcp" || p.name == "shm" || p.name.starts_with("verbs:");
         if !known || p.name.len() > 64 || p.host.as_ref().is_some_and(|h| h.len() > 255) {
             return Err(ApiFailure::malformed(format!(
@@ -199,7 +212,11 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
                 p.name
             )));
         }
+        if let Some(h) = &p.host {
+            check_text("provider host", h)?;
+        }
     }
+    check_text("version", &r.version)?;
     if r.version.len() > 64 {
         return Err(ApiFailure::malformed(
             "version is longer than 64 characters",
@@ -210,7 +227,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
 
 /// Register a node, or update its record. Idempotent.
 #[utoipa::path(put, path = "/v1/nodes/{name}", request_body = RegisterNode,
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = Registered), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
 async fn register_node(
     State(app): AppState,
@@ -235,7 +252,7 @@ async fn register_node(
 /// A node's heartbeat: its free capacity and the leases it holds. The
 /// answer lists those that have ended. `404`: register again.
 #[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = HeartbeatReply), (status = 404, body = ApiError), (status = "4XX", body = ApiError)))]
 async fn heartbeat(
     State(app): AppState,
@@ -284,7 +301,7 @@ async fn list_nodes(
 
 /// One node.
 #[utoipa::path(get, path = "/v1/nodes/{name}",
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn show_node(
     State(app): AppState,
@@ -305,6 +322,7 @@ async fn set_drained(
     drained: bool,
 ) -> ApiResult<Json<NodeView>> {
     admin_only(&caller(app, headers).await?)?;
+    check_name("node name", name)?;
     let node = app
         .store
         .set_drained(name, drained)
@@ -317,7 +335,7 @@ async fn set_drained(
 
 /// Drain a node (admin): it is no longer offered; its leases run to their end.
 #[utoipa::path(post, path = "/v1/nodes/{name}/drain",
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn drain_node(
     State(app): AppState,
@@ -329,7 +347,7 @@ async fn drain_node(
 
 /// Resume a drained node (admin).
 #[utoipa::path(post, path = "/v1/nodes/{name}/resume",
-    params(("name" = String, Path, description = "The node's name")),
+    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn resume_node(
     State(app): AppState,
@@ -683,7 +701,7 @@ async fn list_credentials(
 
 /// Revoke a credential (admin). Every replica refuses it within seconds.
 #[utoipa::path(delete, path = "/v1/credentials/{id}",
-    params(("id" = String, Path, description = "The credential's id")),
+    params(("id" = String, Path, description = "The credential's id", pattern = r"^[0-9a-f]{16}$")),
     responses((status = 204, description = "Revoked"), (status = "4XX", body = ApiError)))]
 async fn revoke_credential(
     State(app): AppState,
@@ -691,7 +709,10 @@ async fn revoke_credential(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     admin_only(&caller(&app, &headers).await?)?;
-    if !app.store.revoke_credential(&id).await? {
+    // Ids are hex (auth::new_credential); anything else names none, and
+    // must not reach the database (PostgreSQL refuses a NUL in text).
+    let well_formed = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit());
+    if !well_formed || !app.store.revoke_credential(&id).await? {
         return Err(ApiFailure::not_found(format!(
             "no credential has id {id:?}"
         )));

@@ -129,7 +129,7 @@ pub fn check_private_file(path: &Path, what: &str) -> Result<(), String> {
     let euid = unsafe { libc::geteuid() };
     if euid == 0 && meta.uid() != 0 {
         return Err(format!(
-            "{what} {} is owned by uid {}, but the manager runs as root: it must be owned by root; run `chown root {}`",
+            "{what} {} is owned by uid {} and read by root: it must be owned by root; run `chown root {}`",
             path.display(),
             meta.uid(),
             path.display()
@@ -139,8 +139,8 @@ pub fn check_private_file(path: &Path, what: &str) -> Result<(), String> {
 }
 
 /// Reads the admin token: one line of at least 16 characters, in a file
-/// that group and others cannot access, owned by root when the manager
-/// runs as root.
+/// that group and others cannot access, owned by root when read by root.
+/// The manager and `rfaasctl` both read it so.
 pub fn read_admin_token(path: &Path) -> Result<String, String> {
     check_private_file(path, "the admin token file")?;
     let text = std::fs::read_to_string(path)

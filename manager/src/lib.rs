@@ -16,6 +16,8 @@
 //!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
 //! - [`auth`]: the admin token and node and user credentials.
 //! - [`signer`]: the key that signs lease tokens.
+//! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
+//!   built on.
 //!
 //! Background work in each replica ([`start`]): reload the view, end
 //! expired leases, and mark nodes lost that stopped heartbeating (only
@@ -25,6 +27,7 @@
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod ctl;
 pub mod db;
 pub mod error;
 pub mod metrics;

@@ -19,10 +19,18 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct NodeProvider {
     /// `tcp`, `shm` or `verbs:<device>`.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^(tcp|shm|verbs:[^\x00-\x1f\x7f]+)$", max_length = 64)
+    )]
     pub name: String,
     /// The host workers listen on for this provider (tcp and verbs); absent
     /// for shm, which only serves clients on the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[^\x00-\x1f\x7f]*$", max_length = 255)
+    )]
     pub host: Option<String>,
 }
 
@@ -34,14 +42,25 @@ pub struct NodeProvider {
 #[serde(deny_unknown_fields)]
 pub struct RegisterNode {
     /// The daemon's control address clients allocate on, `host:port`.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[^\x00-\x1f\x7f]+:[0-9]{1,5}$", max_length = 300)
+    )]
     pub control_addr: String,
     /// The providers served.
+    #[cfg_attr(feature = "openapi", schema(min_items = 1, max_items = 16))]
     pub providers: Vec<NodeProvider>,
     /// Cores the daemon lends (its configured CPUs).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 65535))]
     pub cores: u32,
     /// Memory it lends, MiB.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 4294967295_u64))]
     pub memory_mib: u64,
     /// The daemon's version, for admins.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[^\x00-\x1f\x7f]*$", max_length = 64)
+    )]
     #[serde(default)]
     pub version: String,
 }
@@ -142,16 +161,21 @@ pub struct NodeView {
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     /// Cores wanted, across nodes.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1048576))]
     pub cores: u32,
     /// Memory per node lease, MiB.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 4294967295_u64))]
     pub memory_mib: u64,
     /// How long the lease lasts, seconds.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub duration_s: u64,
     /// The fewest cores worth having: the grant is all or nothing up to
     /// this many (default: `cores`).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1048576))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_cores: Option<u32>,
     /// Nodes to try first, in order.
+    #[cfg_attr(feature = "openapi", schema(max_items = 1024))]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nodes: Vec<String>,
 }
@@ -194,6 +218,7 @@ pub struct LeaseGrant {
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     /// The new duration, seconds from now.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub duration_s: u64,
 }
 
@@ -217,12 +242,15 @@ pub struct CredentialRequest {
     pub role: Role,
     /// The node's name (role `node`) or the user's login name (role
     /// `user`; workers run as this user).
+    #[cfg_attr(feature = "openapi", schema(pattern = r"^[A-Za-z0-9._@-]{1,253}$"))]
     pub subject: String,
     /// The account a user's leases are charged to (default: the user's
     /// name). Not used for nodes.
+    #[cfg_attr(feature = "openapi", schema(pattern = r"^[A-Za-z0-9._@-]{1,253}$"))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub account: Option<String>,
     /// Seconds until the credential expires (default: never).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 3153600000_u64))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_s: Option<u64>,
 }

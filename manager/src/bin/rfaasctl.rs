@@ -1,0 +1,290 @@
+//! `rfaasctl`: the rfaas admin's command line, over the managers' REST API.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use rfaas_manager::ctl::{self, Ctl, CtlError};
+use rfaas_proto::manager::{Credential, LeaseView, NodeView};
+use serde_json::{json, Value};
+
+/// Look after an rfaas pool: see its nodes and leases, drain and resume
+/// nodes, release leases, and give nodes and users their credentials.
+///
+/// rfaasctl talks to the rfaas managers over HTTP with the admin token.
+/// It exits 1 when the manager refuses (its message says why) or cannot be
+/// reached, and 2 when the command line is wrong.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// A manager's URL, http://host:port. Give several (repeat the option
+    /// or separate them by commas) and each is tried in turn until one can
+    /// be reached.
+    #[arg(
+        long = "manager",
+        value_name = "URL",
+        env = "RFAAS_MANAGERS",
+        value_delimiter = ',',
+        default_value = ctl::DEFAULT_MANAGER,
+        value_parser = ctl::parse_manager_url,
+        global = true
+    )]
+    managers: Vec<String>,
+    /// The file holding the admin token. It must be readable by its owner
+    /// only, as the manager's own copy.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "RFAAS_ADMIN_TOKEN_FILE",
+        default_value = ctl::DEFAULT_TOKEN_FILE,
+        global = true
+    )]
+    token_file: PathBuf,
+    /// Read the token from this environment variable instead of a file.
+    #[arg(long, value_name = "VAR", global = true)]
+    token_env: Option<String>,
+    /// Print the manager's answer as JSON instead of a table (nothing for
+    /// `release` and `revoke`, which answer nothing).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the nodes, their state and what is leased on each.
+    Nodes {
+        /// Ask the database, not the manager's view (which may be up to a
+        /// second old).
+        #[arg(long)]
+        fresh: bool,
+    },
+    /// Show one node.
+    Node {
+        /// The node's name.
+        name: String,
+    },
+    /// Stop offering a node; leases on it run to their end.
+    Drain {
+        /// The node's name.
+        name: String,
+    },
+    /// Offer a drained node again.
+    Resume {
+        /// The node's name.
+        name: String,
+    },
+    /// List the leases in force, newest first.
+    Leases {
+        /// Also the leases that have ended.
+        #[arg(long)]
+        all: bool,
+        /// Show at most this many.
+        #[arg(long, value_name = "N")]
+        limit: Option<u32>,
+    },
+    /// Release a grant (all its node leases) at once.
+    Release {
+        /// The grant's id (the GRANT column of `rfaasctl leases`).
+        grant_id: u64,
+    },
+    /// Make a credential; its token alone goes to standard output, so
+    /// `rfaasctl credential node n1 > n1.credential` saves it.
+    #[command(subcommand)]
+    Credential(NewCredential),
+    /// List the credentials not revoked (without their tokens).
+    Credentials,
+    /// Revoke a credential: every manager refuses it within seconds.
+    Revoke {
+        /// The credential's id (the ID column of `rfaasctl credentials`).
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum NewCredential {
+    /// For a user's jobs, to ask for leases.
+    User {
+        /// The user's login name; workers run as this user.
+        user: String,
+        /// The account the user's leases are charged to (default: the
+        /// user's name).
+        #[arg(long)]
+        account: Option<String>,
+        /// Let it expire after this long: 30d, 12h, 90m, 3600s (default:
+        /// never).
+        #[arg(long, value_parser = ctl::parse_duration)]
+        ttl: Option<u64>,
+    },
+    /// For a node's executor daemon, to register and heartbeat.
+    Node {
+        /// The node's name, as its daemon's `node_name`.
+        name: String,
+        /// Let it expire after this long: 30d, 12h, 90m, 3600s (default:
+        /// never).
+        #[arg(long, value_parser = ctl::parse_duration)]
+        ttl: Option<u64>,
+    },
+}
+
+fn token(args: &Args) -> Result<String, CtlError> {
+    let Some(var) = &args.token_env else {
+        return rfaas_manager::auth::read_admin_token(&args.token_file).map_err(CtlError::Token);
+    };
+    let value = std::env::var(var).map_err(|_| {
+        CtlError::Token(format!(
+            "the environment variable {var} (--token-env) is not set"
+        ))
+    })?;
+    let value = value.trim();
+    if value.is_empty() || value.contains(char::is_whitespace) {
+        return Err(CtlError::Token(format!(
+            "the environment variable {var} (--token-env) must hold one token"
+        )));
+    }
+    Ok(value.to_owned())
+}
+
+fn print_json(v: &Value) {
+    if !v.is_null() {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(v).unwrap_or_else(|_| v.to_string())
+        );
+    }
+}
+
+fn run(args: &Args) -> Result<(), CtlError> {
+    let urls = args.managers.clone();
+    let ctl = Ctl::new(urls.clone(), token(args)?);
+    let now_ms = rfaas_manager::now_ms();
+    let now = now_ms / 1000;
+    match &args.command {
+        Command::Nodes { fresh } => {
+            let path = if *fresh {
+                "/v1/nodes?fresh=true"
+            } else {
+                "/v1/nodes"
+            };
+            let (v, nodes): (_, Vec<NodeView>) = ctl.get(path)?;
+            if args.json {
+                print_json(&v);
+            } else {
+                print!("{}", ctl::nodes_table(&nodes, now_ms));
+            }
+        }
+        Command::Node { name } => {
+            let (v, node): (_, NodeView) =
+                ctl.get(&format!("/v1/nodes/{}", ctl::path_segment(name)))?;
+            if args.json {
+                print_json(&v);
+            } else {
+                print!("{}", ctl::node_detail(&node, now_ms));
+            }
+        }
+        Command::Drain { name } | Command::Resume { name } => {
+            let verb = if matches!(args.command, Command::Drain { .. }) {
+                "drain"
+            } else {
+                "resume"
+            };
+            let path = format!("/v1/nodes/{}/{verb}", ctl::path_segment(name));
+            let v = ctl.call("POST", &path, None)?;
+            let node: NodeView = ctl::typed(&urls, &v)?;
+            if args.json {
+                print_json(&v);
+            } else if verb == "drain" {
+                println!(
+                    "node {} is drained: no longer offered; its {} leased cores stay leased until their leases end",
+                    node.name, node.leased_cores
+                );
+            } else {
+                println!("node {} is offered again", node.name);
+            }
+        }
+        Command::Leases { all, limit } => {
+            let mut path = format!("/v1/leases?all={all}");
+            if let Some(n) = limit {
+                path.push_str(&format!("&limit={n}"));
+            }
+            let (v, leases): (_, Vec<LeaseView>) = ctl.get(&path)?;
+            if args.json {
+                print_json(&v);
+            } else {
+                print!("{}", ctl::leases_table(&leases, now));
+            }
+        }
+        Command::Release { grant_id } => {
+            ctl.call("DELETE", &format!("/v1/leases/{grant_id}"), None)?;
+            if !args.json {
+                println!("grant {grant_id} released");
+            }
+        }
+        Command::Credential(new) => {
+            let body = match new {
+                NewCredential::User { user, account, ttl } => {
+                    let mut b = json!({"role": "user", "subject": user});
+                    if let Some(a) = account {
+                        b["account"] = json!(a);
+                    }
+                    if let Some(t) = ttl {
+                        b["ttl_s"] = json!(t);
+                    }
+                    b
+                }
+                NewCredential::Node { name, ttl } => {
+                    let mut b = json!({"role": "node", "subject": name});
+                    if let Some(t) = ttl {
+                        b["ttl_s"] = json!(t);
+                    }
+                    b
+                }
+            };
+            let v = ctl.call("POST", "/v1/credentials", Some(&body))?;
+            let cred: Credential = ctl::typed(&urls, &v)?;
+            if args.json {
+                print_json(&v);
+            } else {
+                let Some(token) = &cred.token else {
+                    return Err(CtlError::Protocol {
+                        url: urls.join(","),
+                        why: "the new credential came without its token".into(),
+                    });
+                };
+                println!("{token}");
+                eprintln!("{}", ctl::credential_note(&cred, now));
+            }
+        }
+        Command::Credentials => {
+            let (v, creds): (_, Vec<Credential>) = ctl.get("/v1/credentials")?;
+            if args.json {
+                print_json(&v);
+            } else {
+                print!("{}", ctl::credentials_table(&creds, now));
+            }
+        }
+        Command::Revoke { id } => {
+            ctl.call(
+                "DELETE",
+                &format!("/v1/credentials/{}", ctl::path_segment(id)),
+                None,
+            )?;
+            if !args.json {
+                println!("credential {id} revoked");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rfaasctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,503 @@
+//! `rfaasctl`'s side of the REST API: [`Ctl`] calls the managers, failing
+//! over to the next replica when one cannot be reached, and the functions
+//! below turn the answers into the tables and lines it prints for people.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use rfaas_proto::manager::{ApiError, Credential, LeaseView, NodeView, Role};
+use serde_json::Value;
+
+/// Where `rfaasctl` looks for a manager when told nowhere else: the
+/// manager's default `listen`, on this host.
+pub const DEFAULT_MANAGER: &str = "http://127.0.0.1:7300";
+
+/// The admin token's file when none is named.
+pub const DEFAULT_TOKEN_FILE: &str = "/etc/rfaas/admin.token";
+
+/// Timeout of one request to one manager.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Timeout of connecting to one manager, before trying the next.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CtlError {
+    /// The manager answered with an error; its message says what to do.
+    #[error("{message} ({kind})")]
+    Api {
+        /// HTTP status.
+        status: u16,
+        /// The error's stable kind (`unauthorized`, `not_found`, ...).
+        kind: String,
+        /// The manager's sentence.
+        message: String,
+    },
+    /// No manager could be reached: each URL tried, and why.
+    #[error(
+        "no manager answered; tried {}. Check --manager (or RFAAS_MANAGERS) and that rfaas-manager runs there",
+        .0.iter().map(|(url, why)| format!("{url} ({why})")).collect::<Vec<_>>().join(", ")
+    )]
+    Unreachable(Vec<(String, String)>),
+    /// A manager answered something that is not its API's JSON.
+    #[error("the manager at {url} sent a reply rfaasctl cannot read ({why}); is it an rfaas-manager of this version?")]
+    Protocol {
+        /// The manager.
+        url: String,
+        /// What was wrong.
+        why: String,
+    },
+    /// The admin token could not be had.
+    #[error("{0}")]
+    Token(String),
+}
+
+/// Checks a manager URL given on the command line: `http://host:port`.
+pub fn parse_manager_url(url: &str) -> Result<String, String> {
+    let url = url.trim().trim_end_matches('/');
+    match url.strip_prefix("http://") {
+        Some(rest) if !rest.is_empty() && !rest.contains('/') => Ok(url.to_owned()),
+        _ => Err(format!(
+            "{url:?} is not a manager URL; write http://host:port, as in {DEFAULT_MANAGER}"
+        )),
+    }
+}
+
+/// Parses a duration such as `30d`, `12h`, `90m`, `3600s` or `3600`
+/// (seconds) into seconds.
+pub fn parse_duration(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, "s"),
+    };
+    let scale = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => 0,
+    };
+    let secs = digits
+        .parse::<u64>()
+        .ok()
+        .filter(|_| scale != 0)
+        .and_then(|n| n.checked_mul(scale));
+    match secs {
+        Some(0) => Err(format!("{text:?} is no time at all; give a positive duration")),
+        Some(s) => Ok(s),
+        None => Err(format!(
+            "{text:?} is not a duration; write a number with s, m, h or d, such as 30d, 12h or 3600s"
+        )),
+    }
+}
+
+/// Percent-encodes one path segment.
+pub fn path_segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~@".contains(&b) {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// Calls the managers with a bearer token.
+#[derive(Debug)]
+pub struct Ctl {
+    urls: Vec<String>,
+    token: String,
+    agent: ureq::Agent,
+}
+
+impl Ctl {
+    /// Calls the managers at `urls` (`http://host:port`, tried in order)
+    /// with `token`.
+    pub fn new(urls: Vec<String>, token: String) -> Ctl {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(REQUEST_TIMEOUT))
+            .timeout_connect(Some(CONNECT_TIMEOUT))
+            .build()
+            .new_agent();
+        Ctl { urls, token, agent }
+    }
+
+    /// `method path` with an optional JSON body, on the first manager that
+    /// can be reached. Its answer decides: a 2xx gives the JSON body
+    /// (`Null` when empty), anything else its [`ApiError`]. A manager
+    /// that cannot be reached is skipped, so a request is never sent twice.
+    pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Value, CtlError> {
+        let mut tried = Vec::new();
+        for base in &self.urls {
+            let url = format!("{base}{path}");
+            let req = ureq::http::Request::builder()
+                .method(method)
+                .uri(&url)
+                .header("Authorization", format!("Bearer {}", self.token));
+            let sent = match body {
+                Some(b) => {
+                    let req = req
+                        .header("Content-Type", "application/json")
+                        .body(b.to_string());
+                    req.map_err(|e| e.to_string())
+                        .and_then(|r| self.agent.run(r).map_err(|e| e.to_string()))
+                }
+                None => req
+                    .body(())
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| self.agent.run(r).map_err(|e| e.to_string())),
+            };
+            let mut resp = match sent {
+                Ok(r) => r,
+                Err(why) => {
+                    tried.push((base.clone(), why));
+                    continue;
+                }
+            };
+            let status = resp.status().as_u16();
+            let text = resp
+                .body_mut()
+                .read_to_string()
+                .map_err(|e| CtlError::Protocol {
+                    url: base.clone(),
+                    why: e.to_string(),
+                })?;
+            if (200..300).contains(&status) {
+                if text.trim().is_empty() {
+                    return Ok(Value::Null);
+                }
+                return serde_json::from_str(&text).map_err(|e| CtlError::Protocol {
+                    url: base.clone(),
+                    why: e.to_string(),
+                });
+            }
+            return Err(match serde_json::from_str::<ApiError>(&text) {
+                Ok(e) => CtlError::Api {
+                    status,
+                    kind: e.error,
+                    message: e.message,
+                },
+                Err(_) => CtlError::Protocol {
+                    url: base.clone(),
+                    why: format!("HTTP {status} with a body that is not an API error"),
+                },
+            });
+        }
+        Err(CtlError::Unreachable(tried))
+    }
+
+    /// As [`call`](Self::call), with the answer read as `T`.
+    pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<(Value, T), CtlError> {
+        let v = self.call("GET", path, None)?;
+        let t = typed(&self.urls, &v)?;
+        Ok((v, t))
+    }
+}
+
+/// Reads an answer as `T`.
+pub fn typed<T: serde::de::DeserializeOwned>(urls: &[String], v: &Value) -> Result<T, CtlError> {
+    serde_json::from_value(v.clone()).map_err(|e| CtlError::Protocol {
+        url: urls.join(","),
+        why: e.to_string(),
+    })
+}
+
+/// A span of seconds, short: `45s`, `12m`, `5h`, `3d`.
+pub fn span(secs: u64) -> String {
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 120 * 60 => format!("{}m", s / 60),
+        s if s < 48 * 3600 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+/// When `at` is, seen from `now` (both Unix seconds): `in 5m`, `2h ago`.
+pub fn relative(now: u64, at: u64) -> String {
+    if at >= now {
+        format!("in {}", span(at - now))
+    } else {
+        format!("{} ago", span(now - at))
+    }
+}
+
+/// A table for people: columns padded to their widest cell, numbers
+/// aligned right.
+#[derive(Debug)]
+pub struct Table {
+    headers: Vec<&'static str>,
+    right: Vec<bool>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// A table with these columns; `right[i]` aligns column `i` right.
+    pub fn new(headers: &[(&'static str, bool)]) -> Table {
+        Table {
+            headers: headers.iter().map(|h| h.0).collect(),
+            right: headers.iter().map(|h| h.1).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Adds a row.
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    /// The table's text, a line per row after the header.
+    pub fn render(&self) -> String {
+        let mut widths: Vec<usize> = self.headers.iter().map(|h| h.chars().count()).collect();
+        for row in &self.rows {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+        let header: Vec<String> = self.headers.iter().map(|h| h.to_string()).collect();
+        let mut out = String::new();
+        for row in std::iter::once(&header).chain(&self.rows) {
+            let mut line = String::new();
+            for (i, cell) in row.iter().enumerate() {
+                if i > 0 {
+                    line.push_str("  ");
+                }
+                let w = widths[i];
+                let _ = if self.right[i] {
+                    write!(line, "{cell:>w$}")
+                } else {
+                    write!(line, "{cell:<w$}")
+                };
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+fn state_name<T: serde::Serialize>(state: &T) -> String {
+    serde_json::to_value(state)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// The nodes, by name, as `rfaasctl nodes` prints them; `now_ms` is Unix
+/// milliseconds.
+pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
+    let mut nodes: Vec<&NodeView> = nodes.iter().collect();
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut t = Table::new(&[
+        ("NAME", false),
+        ("STATE", false),
+        ("CORES", true),
+        ("LEASED", true),
+        ("MEMORY(MiB)", true),
+        ("LEASED_MIB", true),
+        ("LAST_HEARTBEAT", false),
+        ("ADDRESS", false),
+    ]);
+    for n in nodes {
+        t.row(vec![
+            n.name.clone(),
+            state_name(&n.state),
+            n.cores.to_string(),
+            n.leased_cores.to_string(),
+            n.memory_mib.to_string(),
+            n.leased_memory_mib.to_string(),
+            heartbeat_age(n.last_heartbeat_ms, now_ms),
+            n.control_addr.clone(),
+        ]);
+    }
+    t.render()
+}
+
+fn heartbeat_age(last_ms: u64, now_ms: u64) -> String {
+    if last_ms == 0 {
+        "never".into()
+    } else {
+        relative(now_ms / 1000, last_ms / 1000)
+    }
+}
+
+/// One node, a line per field, as `rfaasctl node NAME` prints it.
+pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
+    let providers: Vec<String> = n
+        .providers
+        .iter()
+        .map(|p| match &p.host {
+            Some(h) => format!("{} ({h})", p.name),
+            None => p.name.clone(),
+        })
+        .collect();
+    let mut t = String::new();
+    let mut line = |k: &str, v: String| {
+        let _ = writeln!(t, "{k:<16}{v}");
+    };
+    line("name", n.name.clone());
+    line("state", state_name(&n.state));
+    line("address", n.control_addr.clone());
+    line("providers", providers.join(", "));
+    line("cores", format!("{} ({} leased)", n.cores, n.leased_cores));
+    line(
+        "memory",
+        format!("{} MiB ({} MiB leased)", n.memory_mib, n.leased_memory_mib),
+    );
+    line("last heartbeat", heartbeat_age(n.last_heartbeat_ms, now_ms));
+    t
+}
+
+/// Leases, as `rfaasctl leases` prints them; `now` is Unix seconds.
+pub fn leases_table(leases: &[LeaseView], now: u64) -> String {
+    let mut t = Table::new(&[
+        ("GRANT", true),
+        ("LEASE", true),
+        ("NODE", false),
+        ("USER", false),
+        ("ACCOUNT", false),
+        ("CORES", true),
+        ("MEMORY(MiB)", true),
+        ("EXPIRES", false),
+        ("STATE", false),
+    ]);
+    for l in leases {
+        t.row(vec![
+            l.grant_id.to_string(),
+            l.lease_id.to_string(),
+            l.node.clone(),
+            l.user.clone(),
+            l.account.clone(),
+            l.cores.to_string(),
+            l.memory_mib.to_string(),
+            relative(now, l.expires_at),
+            state_name(&l.state),
+        ]);
+    }
+    t.render()
+}
+
+/// Credentials, as `rfaasctl credentials` prints them; `now` is Unix
+/// seconds.
+pub fn credentials_table(creds: &[Credential], now: u64) -> String {
+    let mut t = Table::new(&[
+        ("ID", false),
+        ("ROLE", false),
+        ("SUBJECT", false),
+        ("ACCOUNT", false),
+        ("EXPIRES", false),
+    ]);
+    for c in creds {
+        t.row(vec![
+            c.id.clone(),
+            state_name(&c.role),
+            c.subject.clone(),
+            c.account.clone().unwrap_or_else(|| "-".into()),
+            c.expires_at
+                .map_or_else(|| "never".into(), |at| relative(now, at)),
+        ]);
+    }
+    t.render()
+}
+
+/// The line `rfaasctl credential` prints on stderr about a new credential.
+pub fn credential_note(c: &Credential, now: u64) -> String {
+    let who = match (c.role, &c.account) {
+        (Role::User, Some(a)) => format!("user {} (account {a})", c.subject),
+        (Role::User, None) => format!("user {}", c.subject),
+        (Role::Node, _) => format!("node {}", c.subject),
+    };
+    let expiry = c.expires_at.map_or_else(
+        || "never expires".into(),
+        |at| format!("expires {}", relative(now, at)),
+    );
+    format!(
+        "credential {} for {who}, {expiry}; revoke it with `rfaasctl revoke {}`",
+        c.id, c.id
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rfaas_proto::manager::{NodeProvider, NodeState};
+
+    #[test]
+    fn durations_in_a_users_words() {
+        assert_eq!(parse_duration("30d"), Ok(30 * 86_400));
+        assert_eq!(parse_duration("12h"), Ok(12 * 3600));
+        assert_eq!(parse_duration("90m"), Ok(5400));
+        assert_eq!(parse_duration("3600s"), Ok(3600));
+        assert_eq!(parse_duration("3600"), Ok(3600));
+        for bad in [
+            "",
+            "0",
+            "0d",
+            "d",
+            "12x",
+            "1.5h",
+            "-3s",
+            "99999999999999999999d",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn manager_urls_are_http_host_port() {
+        assert_eq!(
+            parse_manager_url("http://m1:7300/"),
+            Ok("http://m1:7300".into())
+        );
+        for bad in ["m1:7300", "https://m1:7300", "http://", "http://m1:7300/v1"] {
+            assert!(parse_manager_url(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn path_segments_are_encoded() {
+        assert_eq!(path_segment("node-1.a_b@c"), "node-1.a_b@c");
+        assert_eq!(path_segment("a/b c"), "a%2Fb%20c");
+    }
+
+    #[test]
+    fn spans_read_short() {
+        assert_eq!(span(45), "45s");
+        assert_eq!(span(600), "10m");
+        assert_eq!(span(5 * 3600), "5h");
+        assert_eq!(span(30 * 86_400), "30d");
+        assert_eq!(relative(100, 160), "in 60s");
+        assert_eq!(relative(7300, 100), "2h ago");
+    }
+
+    #[test]
+    fn tables_align_their_columns() {
+        let node = |name: &str, cores: u32| NodeView {
+            name: name.into(),
+            state: NodeState::Drained,
+            control_addr: "10.0.0.1:7100".into(),
+            providers: vec![NodeProvider {
+                name: "tcp".into(),
+                host: None,
+            }],
+            cores,
+            memory_mib: 4096,
+            leased_cores: 1,
+            leased_memory_mib: 64,
+            last_heartbeat_ms: 95_000,
+        };
+        let text = nodes_table(&[node("node10", 128), node("n1", 4)], 100_000);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "NAME    STATE    CORES  LEASED  MEMORY(MiB)  LEASED_MIB  LAST_HEARTBEAT  ADDRESS",
+                "n1      drained      4       1         4096          64  5s ago          10.0.0.1:7100",
+                "node10  drained    128       1         4096          64  5s ago          10.0.0.1:7100",
+            ]
+        );
+    }
+}

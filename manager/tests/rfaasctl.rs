@@ -1,0 +1,284 @@
+//! `rfaasctl`, the real binary, against a real `rfaas-manager` on SQLite.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use common::*;
+use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use serde_json::Value;
+
+/// A private directory with an admin token file, removed on drop.
+struct TokenDir(PathBuf);
+
+impl TokenDir {
+    fn new(token: &str, mode: u32) -> TokenDir {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "rfaasctl-test-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("admin.token");
+        std::fs::write(&file, format!("{token}\n")).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        TokenDir(dir)
+    }
+
+    fn file(&self) -> PathBuf {
+        self.0.join("admin.token")
+    }
+}
+
+impl Drop for TokenDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs rfaasctl with `managers` and `token_file`, then `args`.
+fn rfaasctl(managers: &str, token_file: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rfaasctl"))
+        .env_remove("RFAAS_MANAGERS")
+        .env_remove("RFAAS_ADMIN_TOKEN_FILE")
+        .arg("--manager")
+        .arg(managers)
+        .arg("--token-file")
+        .arg(token_file)
+        .args(args)
+        .output()
+        .expect("rfaasctl runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs rfaasctl as the admin of `m` and insists it succeeds; its stdout.
+fn ok(m: &Manager, admin: &TokenDir, args: &[&str]) -> String {
+    let o = rfaasctl(m.url(), &admin.file(), args);
+    assert!(
+        o.status.success(),
+        "rfaasctl {args:?}: {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+fn started() -> (Manager, TokenDir) {
+    let m = Manager::start(ManagerOptions::default());
+    let t = TokenDir::new(m.admin_token(), 0o600);
+    (m, t)
+}
+
+#[test]
+fn nodes_as_a_table_and_as_json() {
+    let (m, admin) = started();
+    register(&m, "n1", 4, 4096);
+    let table = ok(&m, &admin, &["nodes"]);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 2, "{table}");
+    assert!(lines[0].starts_with("NAME  STATE"), "{table}");
+    let cells: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(cells[..6], ["n1", "up", "4", "0", "4096", "0"], "{table}");
+    assert_eq!(cells.last(), Some(&"127.0.0.1:7100"), "{table}");
+    // Columns line up: each header starts where its cells start.
+    let at = lines[0].find("ADDRESS").unwrap();
+    assert_eq!(&lines[1][at..], "127.0.0.1:7100", "{table}");
+
+    let json: Value = serde_json::from_str(&ok(&m, &admin, &["--json", "nodes", "--fresh"]))
+        .expect("--json prints JSON");
+    assert_eq!(json[0]["name"], "n1", "{json}");
+    assert_eq!(json[0]["cores"], 4, "{json}");
+    let one: Value = serde_json::from_str(&ok(&m, &admin, &["node", "n1", "--json"])).unwrap();
+    assert_eq!(one["control_addr"], "127.0.0.1:7100", "{one}");
+    assert!(ok(&m, &admin, &["node", "n1"]).contains("tcp (127.0.0.1), shm"));
+}
+
+#[test]
+fn a_user_credential_it_prints_leases_cores() {
+    let (m, admin) = started();
+    register(&m, "n1", 4, 4096);
+    let out = ok(
+        &m,
+        &admin,
+        &[
+            "credential",
+            "user",
+            "alice",
+            "--account",
+            "physics",
+            "--ttl",
+            "1h",
+        ],
+    );
+    let token = out.strip_suffix('\n').expect("one line");
+    assert!(!token.contains(char::is_whitespace), "{out:?}");
+    let alice = Api::new(m.url(), token);
+    let (s, g) = lease(&alice, 2, None, 64, 60);
+    assert_eq!(s, 201, "{g}");
+
+    let leases = ok(&m, &admin, &["leases"]);
+    let row: Vec<&str> = leases
+        .lines()
+        .nth(1)
+        .expect("a lease")
+        .split_whitespace()
+        .collect();
+    assert_eq!(row[2..7], ["n1", "alice", "physics", "2", "64"], "{leases}");
+    // Expires in 60 s, less the seconds the test took since.
+    let left: u64 = row[8].strip_suffix('s').unwrap().parse().unwrap();
+    assert_eq!((row[7], row[9]), ("in", "active"), "{leases}");
+    assert!((1..=60).contains(&left), "{leases}");
+    let grant = g["id"].as_u64().unwrap().to_string();
+    assert_eq!(row[0], grant, "{leases}");
+    ok(&m, &admin, &["release", &grant]);
+    assert_eq!(
+        ok(&m, &admin, &["leases"]).lines().count(),
+        1,
+        "only the header"
+    );
+    assert!(ok(&m, &admin, &["leases", "--all"]).contains("released"));
+
+    // Listed, then revoked: the token stops working.
+    let creds = ok(&m, &admin, &["credentials"]);
+    let line = creds
+        .lines()
+        .find(|l| l.contains("alice"))
+        .expect("alice's");
+    assert!(
+        line.contains("physics") && (line.ends_with("in 59m") || line.ends_with("in 60m")),
+        "{creds}"
+    );
+    let id = line.split_whitespace().next().unwrap();
+    ok(&m, &admin, &["revoke", id]);
+    assert_eq!(lease(&alice, 1, None, 64, 60).0, 401);
+
+    // With --json, the whole credential.
+    let cred: Value =
+        serde_json::from_str(&ok(&m, &admin, &["--json", "credential", "node", "n2"])).unwrap();
+    assert_eq!(
+        (cred["role"].as_str(), cred["subject"].as_str()),
+        (Some("node"), Some("n2"))
+    );
+    assert!(
+        cred["token"].as_str().unwrap().starts_with("rfaasc."),
+        "{cred}"
+    );
+}
+
+#[test]
+fn a_drained_node_shows_drained() {
+    let (m, admin) = started();
+    register(&m, "n1", 2, 1024);
+    let said = ok(&m, &admin, &["drain", "n1"]);
+    assert!(said.contains("n1 is drained"), "{said}");
+    let state = |m: &Manager| {
+        let table = ok(m, &admin, &["nodes"]);
+        table
+            .lines()
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(state(&m), "drained");
+    ok(&m, &admin, &["resume", "n1"]);
+    assert_eq!(state(&m), "up");
+    // An unknown node: the manager's message and kind, exit 1.
+    let o = rfaasctl(m.url(), &admin.file(), &["drain", "ghost"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("no node is named \"ghost\" (not_found)"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_wrong_token_is_refused_with_the_managers_words() {
+    let (m, _admin) = started();
+    let wrong = TokenDir::new("0123456789abcdef0123456789abcdef", 0o600);
+    let o = rfaasctl(m.url(), &wrong.file(), &["nodes"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("neither a credential of this manager nor its admin token (unauthorized)"),
+        "{err}"
+    );
+    assert_eq!(stdout(&o), "");
+}
+
+#[test]
+fn the_token_file_must_be_private() {
+    let (m, _) = started();
+    let open = TokenDir::new(m.admin_token(), 0o644);
+    let o = rfaasctl(m.url(), &open.file(), &["nodes"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("mode 0644") && err.contains("chmod 600"),
+        "{err}"
+    );
+    // A token from the environment instead of a file.
+    let o = Command::new(env!("CARGO_BIN_EXE_rfaasctl"))
+        .env("RFAAS_MANAGERS", m.url())
+        .env("RFAASCTL_TEST_TOKEN", m.admin_token())
+        .args(["--token-env", "RFAASCTL_TEST_TOKEN", "credentials"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("ID "), "{}", stdout(&o));
+}
+
+#[test]
+fn unreachable_managers_are_named_and_the_next_is_tried() {
+    let (m, admin) = started();
+    register(&m, "n1", 2, 1024);
+    // Nothing listens on port 1 of the loopback.
+    let dead = "http://127.0.0.1:1";
+    let o = rfaasctl(dead, &admin.file(), &["nodes"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("no manager answered") && err.contains(dead),
+        "{err}"
+    );
+    // With a live one after it, the live one answers.
+    let both = format!("{dead},{}", m.url());
+    let o = rfaasctl(&both, &admin.file(), &["nodes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("n1"), "{}", stdout(&o));
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let (m, admin) = started();
+    for args in [
+        &["credential", "user", "alice", "--ttl", "3x"][..],
+        &["release", "not-a-number"],
+        &["frobnicate"],
+    ] {
+        let o = rfaasctl(m.url(), &admin.file(), args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+    }
+    let o = rfaasctl("m1:7300", &admin.file(), &["nodes"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("http://host:port"), "{}", stderr(&o));
+    // The manager refusing a request is not a usage error.
+    let o = rfaasctl(m.url(), &admin.file(), &["credential", "user", "bad name"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("(malformed_request)"), "{}", stderr(&o));
+}
