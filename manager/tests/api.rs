@@ -294,7 +294,8 @@ fn malformed_requests_get_json_errors(kind: &str) {
         (&u, "GET", "/v1/nodes/%ff%fe", None, "application/json"),
     ];
     for (api, method, path, body, ctype) in cases {
-        let (s, _, e) = api.raw(method, path, body.clone(), ctype);
+        // A fresh connection each: the server may close one it refused.
+        let (s, _, e) = api.fresh().raw(method, path, body.clone(), ctype);
         assert!(
             (400..500).contains(&s),
             "{method} {path} {:?}: status {s}, {e}",

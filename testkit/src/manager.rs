@@ -311,6 +311,12 @@ impl Api {
         }
     }
 
+    /// The same caller with a connection pool of its own: for requests the
+    /// server may answer by closing the connection (a body over its limit).
+    pub fn fresh(&self) -> Api {
+        Api::new(&self.base, &self.token)
+    }
+
     /// `method path` with an optional JSON body: the status and the JSON
     /// answer (`Null` for an empty one, a string for one that is not JSON).
     pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
