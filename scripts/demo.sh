@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The rfaas demo on one machine: an executor daemon on loopback and a job
-# that offloads half of a matrix multiplication to it, over the tcp and the
-# shm provider. For each it prints the product's time computed by the job
+# The rfaas demo on one machine: a whole local cluster. A resource manager
+# on SQLite, two executor daemons that register with it, and a job that
+# gets its lease from the manager (with the client library's backoff) and
+# offloads half of a matrix multiplication, over the tcp and the shm
+# provider. For each it prints the product's time computed by the job
 # alone and offloaded, the speedup or slowdown, the cold start and a noop's
-# round trip.
+# round trip; around the job, the manager's view of the nodes and leases.
 #
 #   scripts/demo.sh            (N=512 REPS=20 by default: N=1024 scripts/demo.sh)
 #
@@ -24,25 +26,48 @@ fi
 ensure_packages "${BUILD_PACKAGES[@]}"
 ensure_rust
 echo "== building (release)"
-cargo build --release -q -p rfaas-executor -p rfaas-example-functions
+cargo build --release -q -p rfaas-executor -p rfaas-manager -p rfaas-example-functions
 cargo build --release -q -p rfaas-client --example offload_matmul
 bin="${CARGO_TARGET_DIR:-$root/target}/release"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/rfaas-demo.XXXXXX")
+NODE_PIDS=()
 cleanup() {
-    stop_executord
+    stop_nodes
+    stop_manager
     rm -rf "$work"
 }
 trap cleanup EXIT
 
-echo "== starting rfaas-executord"
-start_executord "$bin" "$work"
-token=$(mint_token nobody 2 1024)
+echo "== starting rfaas-manager and two executor daemons that register with it"
+start_manager "$bin" "$work"
+start_node "$bin" "$work" node-1 0-1
+start_node "$bin" "$work" node-2 0-1
+for _i in $(seq 300); do
+    up=$("${RFAASCTL[@]}" nodes --json | grep -o '"state": *"up"' | wc -l || true)
+    [ "$up" -eq 2 ] && break
+    sleep 0.1
+done
+if [ "$up" -ne 2 ]; then
+    echo "the executor daemons did not register within 30 s; their logs:" >&2
+    tail -n 20 "$work"/node-*/executord.log >&2
+    exit 1
+fi
+echo
+"${RFAASCTL[@]}" nodes
+
+# The job's credential: workers run as `nobody`, billed to account `demo`.
+RFAAS_MANAGERS=$MANAGER_URL
+RFAAS_CREDENTIAL=$("${RFAASCTL[@]}" credential user nobody --account demo --ttl 1h)
+export RFAAS_MANAGERS RFAAS_CREDENTIAL
 
 for provider in tcp shm; do
     echo
-    echo "== a job offloads half of C = A x B (${N:-512}x${N:-512}, f64) over $provider"
-    "$bin/examples/offload_matmul" --executor "$EXECUTORD_CONTROL" --token "$token" \
-        --library "$bin/librfaas_example_functions.so" --provider "$provider" \
-        --n "${N:-512}" --reps "${REPS:-20}"
+    echo "== a job leases a core from the manager and offloads half of C = A x B (${N:-512}x${N:-512}, f64) over $provider"
+    "$bin/examples/offload_matmul" --library "$bin/librfaas_example_functions.so" \
+        --provider "$provider" --n "${N:-512}" --reps "${REPS:-20}"
 done
+
+echo
+echo "== the job's leases, as the manager recorded them"
+"${RFAASCTL[@]}" leases --all

@@ -137,6 +137,113 @@ stop_executord() {
     EXECUTORD_PID=""
 }
 
+# Starts rfaas-manager on loopback on SQLite, with its admin token and
+# lease key in WORK_DIR/manager.
+#   start_manager BIN_DIR WORK_DIR
+# Sets MANAGER_PID, MANAGER_URL, MANAGER_DIR, and RFAASCTL (rfaasctl with
+# the manager's URL and admin token). Stop it with stop_manager (by pid).
+start_manager() {
+    local bin=$1 work=$2
+    MANAGER_DIR="$work/manager"
+    mkdir -p "$MANAGER_DIR"
+    chmod 0700 "$MANAGER_DIR"
+    head -c 32 /dev/urandom | base64 | tr -d '\n=' >"$MANAGER_DIR/admin.token"
+    chmod 0600 "$MANAGER_DIR/admin.token"
+    "$bin/rfaas-token" keygen --key-id manager --secret "$MANAGER_DIR/lease-key.secret" \
+        --public "$MANAGER_DIR/lease-keys.pub" >"$MANAGER_DIR/keygen.log" 2>&1 ||
+        { cat "$MANAGER_DIR/keygen.log" >&2; return 1; }
+    chmod 0644 "$MANAGER_DIR/lease-keys.pub"
+    "$bin/rfaas-manager" --listen 127.0.0.1:0 --database "sqlite://$MANAGER_DIR/manager.db" \
+        --admin-token-file "$MANAGER_DIR/admin.token" \
+        --lease-key-file "$MANAGER_DIR/lease-key.secret" \
+        </dev/null >"$MANAGER_DIR/manager.out" 2>"$MANAGER_DIR/manager.log" &
+    MANAGER_PID=$!
+    MANAGER_URL=""
+    local _i addr
+    for _i in $(seq 300); do
+        addr=$(sed -n 's/^rfaas-manager listening on \(.*\)$/\1/p' "$MANAGER_DIR/manager.out")
+        [ -n "$addr" ] && break
+        kill -0 "$MANAGER_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if [ -z "$addr" ]; then
+        echo "rfaas-manager did not start within 30 s; its log:" >&2
+        tail -n 40 "$MANAGER_DIR/manager.log" >&2
+        return 1
+    fi
+    MANAGER_URL="http://$addr"
+    RFAASCTL=("$bin/rfaasctl" --manager "$MANAGER_URL" --token-file "$MANAGER_DIR/admin.token")
+    echo "rfaas-manager (pid $MANAGER_PID) serving $MANAGER_URL on SQLite"
+}
+
+# Stops the manager start_manager started, by its pid.
+stop_manager() {
+    stop_pid "${MANAGER_PID:-}"
+    MANAGER_PID=""
+}
+
+# Starts an executor daemon for node NAME that registers with the manager
+# of start_manager and accepts its lease tokens.
+#   start_node BIN_DIR WORK_DIR NAME CPUS
+# Its files are in WORK_DIR/NAME; its pid is appended to NODE_PIDS. Stop
+# them all with stop_nodes.
+start_node() {
+    local bin=$1 work=$2 name=$3 cpus=$4
+    local dir="$work/$name"
+    mkdir -p "$dir"
+    # Workers run as the lease's user and reach their directories below it.
+    chmod 0755 "$work" "$dir"
+    "${RFAASCTL[@]}" credential node "$name" >"$dir/node.credential" 2>/dev/null
+    chmod 0600 "$dir/node.credential"
+    cat >"$dir/executord.toml" <<TOML
+node_name = "$name"
+control_listen = "127.0.0.1:0"
+fabric_host = "127.0.0.1"
+providers = ["tcp", "shm"]
+cpus = "$cpus"
+pin = false
+memory_mib = 2048
+lease_keys = ["$MANAGER_DIR/lease-keys.pub"]
+local_socket = "$dir/executord.sock"
+runtime_dir = "$dir/run"
+pool_size = 1
+sandbox = "none"
+log_level = "info"
+
+[manager]
+urls = ["$MANAGER_URL"]
+credential_file = "$dir/node.credential"
+TOML
+    "$bin/rfaas-executord" --config "$dir/executord.toml" \
+        </dev/null >"$dir/executord.out" 2>"$dir/executord.log" &
+    NODE_PIDS+=("$!")
+}
+
+# Stops every daemon start_node started, by pid.
+stop_nodes() {
+    local pid
+    for pid in "${NODE_PIDS[@]}"; do
+        stop_pid "$pid"
+    done
+    NODE_PIDS=()
+}
+
+# SIGTERM to PID, SIGKILL after 5 s; waits for it.
+stop_pid() {
+    local pid=$1
+    [ -n "$pid" ] || return 0
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        local _i
+        for _i in $(seq 50); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+}
+
 # Prints a lease token for the local daemon: mint_token USER CORES MEMORY_MIB
 mint_token() {
     "$EXECUTORD_BIN/rfaas-token" mint --key "$EXECUTORD_KEY" --node "$EXECUTORD_NODE" \

@@ -203,7 +203,7 @@ impl Managers {
         }
         if list.is_empty() {
             return Err(Error::InvalidArgument(
-                "no manager URL given; name at least one, such as http://manager1:7000".into(),
+                "no manager URL given; name at least one, such as http://manager1:7300".into(),
             ));
         }
         let credential = credential.trim();
