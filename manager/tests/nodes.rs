@@ -140,3 +140,181 @@ fn prometheus_scrapes_the_manager_and_an_executord() {
     drop(prom);
     drop(d);
 }
+
+/// An executord for `name` that registers with every manager in `urls`
+/// and accepts `key` (a manager's public key line).
+fn leased_executord(name: &str, urls: &[String], cred: &Path, key: &str) -> Executord {
+    let list: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: name.into(),
+            cpus: "0-1".into(),
+            memory_mib: 4096,
+            accept_keys: vec![key.to_owned()],
+            extra_config: format!(
+                "[manager]\nurls = [{}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n",
+                list.join(", "),
+                cred.display().to_string()
+            ),
+            ..ExecutordOptions::default()
+        },
+    )
+}
+
+/// Hundreds of concurrent lease requests through three replicas on one
+/// PostgreSQL, onto three real executords, each grant allocated at once on
+/// its node with its manager-signed token. Then the database and every
+/// executord's own view are compared: each allocation runs under an
+/// active lease for its node, no CPU is held twice, and each node's leased
+/// cores are exactly its allocations'. Then PostgreSQL stops: invocations
+/// on the leases held go on.
+#[test]
+fn a_lease_storm_onto_executords_holds_no_core_twice_and_survives_the_database() {
+    use rfaas_client::lease::{LeaseRequest, Managers};
+    use rfaas_client::{AllocationSpec, Client, ClientOptions};
+
+    let mut db = Db::new("postgres");
+    let first = db.manager();
+    let others = [
+        db.manager_with("", Some(&first)),
+        db.manager_with("", Some(&first)),
+    ];
+    let urls: Vec<String> = std::iter::once(&first)
+        .chain(others.iter())
+        .map(|m| m.url().to_owned())
+        .collect();
+    let key = first.public_key_line();
+    let nodes: Vec<Executord> = (0..3)
+        .map(|k| {
+            let name = format!("storm-{k}");
+            let cred = credential_file(&first, &name);
+            leased_executord(&name, &urls, &cred, &key)
+        })
+        .collect();
+    let admin = first.admin();
+    wait_for(30, "three nodes up", || {
+        let (_, all) = admin.call("GET", "/v1/nodes", None);
+        (all.as_array()
+            .map(|a| a.iter().filter(|n| n["state"] == "up").count())
+            == Some(3))
+        .then_some(())
+    });
+    let creds: Vec<String> = (0..4)
+        .map(|k| first.credential("user", "nobody", Some(&format!("acct{k}"))))
+        .collect();
+    let library = rfaas_testkit::functions::c_library_bytes();
+    let spec = AllocationSpec::new(library, &["echo"])
+        .library_name("libfunctions.so")
+        .memory_mib(128);
+    let want = LeaseRequest {
+        cores: 1,
+        memory_mib: 256,
+        duration_s: 600,
+        min_cores: None,
+        nodes: vec![],
+    };
+    let held = std::sync::Mutex::new(Vec::new());
+    let refused = std::sync::atomic::AtomicU32::new(0);
+    std::thread::scope(|s| {
+        for t in 0..16usize {
+            let (urls, creds, spec, want, held, refused) =
+                (&urls, &creds, &spec, &want, &held, &refused);
+            s.spawn(move || {
+                let mut rotated = urls.clone();
+                rotated.rotate_left(t % urls.len());
+                let managers = Managers::new(rotated, &creds[t % creds.len()]).unwrap();
+                let client = Client::new(ClientOptions::with_provider("tcp"));
+                for k in 0..16 {
+                    let lease = match managers.request(want, Duration::ZERO) {
+                        Ok(l) => l,
+                        Err(rfaas_client::Error::Manager { status: 503, .. }) => {
+                            refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            continue;
+                        }
+                        Err(e) => panic!("lease request: {e}"),
+                    };
+                    let node = lease.nodes().remove(0);
+                    let alloc = client
+                        .allocate(&node.control_addr, &node.token, spec)
+                        .unwrap_or_else(|e| panic!("{} refused a granted lease: {e}", node.node));
+                    if (t + k) % 3 == 0 {
+                        alloc.deallocate().unwrap();
+                        lease.release().unwrap();
+                    } else {
+                        held.lock().unwrap().push((lease, alloc));
+                    }
+                }
+            });
+        }
+    });
+    let held = held.into_inner().unwrap();
+    assert_eq!(held.len(), 6, "every core should end up held");
+    assert!(
+        refused.into_inner() > 100,
+        "the storm must compete for the cores"
+    );
+
+    // The database and each executord's view.
+    let (_, leases) = admin.call("GET", "/v1/leases?limit=100000", None);
+    let (_, db_nodes) = admin.call("GET", "/v1/nodes?fresh=true", None);
+    for d in &nodes {
+        let rfaas_proto::control::LocalReply::Status { allocations, .. } = d.status() else {
+            panic!("no status from {}", d.node_name());
+        };
+        let mut cpus: Vec<u32> = allocations.iter().flat_map(|a| a.cpus.clone()).collect();
+        let n = cpus.len();
+        cpus.sort();
+        cpus.dedup();
+        assert_eq!(cpus.len(), n, "{}: a CPU held twice", d.node_name());
+        for a in &allocations {
+            assert!(
+                leases
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|l| l["lease_id"] == a.lease_id
+                        && l["node"] == d.node_name()
+                        && l["state"] == "active"),
+                "{}: allocation under lease {} that the database does not hold active",
+                d.node_name(),
+                a.lease_id
+            );
+        }
+        let record = db_nodes
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == d.node_name())
+            .unwrap();
+        assert_eq!(
+            record["leased_cores"].as_u64().unwrap(),
+            allocations.len() as u64,
+            "{}: the manager's leased cores and the executord's allocations",
+            d.node_name()
+        );
+    }
+
+    // The database goes away; the held leases keep serving.
+    let Db::Postgres(pg) = &mut db else {
+        unreachable!()
+    };
+    pg.stop().unwrap();
+    for (_, alloc) in &held {
+        let echo = alloc.function("echo").unwrap();
+        let mut input = alloc.buffer::<u8>(64).unwrap();
+        let mut output = alloc.buffer::<u8>(64).unwrap();
+        input.as_mut_slice().fill(7);
+        for _ in 0..50 {
+            let n = alloc.invoke(echo, &input, 64, &mut output).unwrap();
+            assert_eq!(n, 64);
+        }
+    }
+    let (s, _) = admin.call("POST", "/v1/nodes/storm-0/drain", None);
+    assert_eq!(s, 503, "the manager cannot work without its database");
+    pg.start_again().unwrap();
+    for (lease, alloc) in held {
+        alloc.deallocate().unwrap();
+        lease.release().unwrap();
+    }
+}
