@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions, LeasedAllocation, Mode};
+use rfaas_proto::control::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, wait_for_exit, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
@@ -99,6 +100,21 @@ fn states(api: &Api, id: u64) -> Vec<String> {
         .iter()
         .map(|l| l["state"].as_str().unwrap_or_default().to_owned())
         .collect()
+}
+
+/// Kills the daemon `d` with SIGKILL and waits until it and its one
+/// worker are gone (the worker dies of its parent's death, and could
+/// answer until then).
+fn kill_executor(d: &Executord) {
+    let worker = match d.status() {
+        LocalReply::Status { allocations, .. } => allocations[0].pid,
+        other => panic!("unexpected status reply {other:?}"),
+    };
+    // SAFETY: kill has no memory preconditions; the pid is the daemon this
+    // test started.
+    assert_eq!(unsafe { libc::kill(d.pid() as i32, libc::SIGKILL) }, 0);
+    assert!(wait_for_exit(d.pid(), Duration::from_secs(10)));
+    assert!(wait_for_exit(worker, Duration::from_secs(10)));
 }
 
 #[test]
@@ -192,10 +208,7 @@ fn a_dead_executor_is_left_for_another_node() {
     assert_eq!(echo(&mut la, 1).unwrap(), 1);
     let first = la.lease_grant_id().unwrap();
 
-    // SAFETY: kill has no memory preconditions; the pid is the daemon this
-    // test started.
-    assert_eq!(unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) }, 0);
-    assert!(wait_for_exit(a.pid(), Duration::from_secs(10)));
+    kill_executor(&a);
 
     assert_eq!(
         echo(&mut la, 2).unwrap_or_else(|e| panic!("{e}\n{}", b.log())),
@@ -226,9 +239,7 @@ fn without_retry_elsewhere_a_dead_executor_is_an_error() {
         )
         .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
     assert_eq!(echo(&mut la, 1).unwrap(), 1);
-    // SAFETY: as above.
-    assert_eq!(unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) }, 0);
-    assert!(wait_for_exit(a.pid(), Duration::from_secs(10)));
+    kill_executor(&a);
     let err = echo(&mut la, 2).unwrap_err();
     assert!(err.is_retryable(), "{err}");
     assert_eq!(la.node(), "node-a");
