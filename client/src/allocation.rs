@@ -1,7 +1,8 @@
 //! [`Allocation`]: a worker on an executor, its lanes, and the calls made
 //! on them.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::Domain;
@@ -9,7 +10,7 @@ use rfaas_proto::control::{Deallocate, ErrorCode, Frame, RenewLease};
 
 use crate::buffer::{Buffer, Pod};
 use crate::client::Client;
-use crate::control::{ControlConn, Fate, FateState, Reply};
+use crate::control::{lock, ControlConn, Fate, FateState, Reply};
 use crate::error::{elements, Error, Result};
 use crate::invocation::Invocation;
 use crate::lane::{Lane, Take, LOST_GRACE};
@@ -77,7 +78,8 @@ pub struct Allocation {
     /// it did not say).
     max_input: u64,
     deadline: Duration,
-    expires_at: u64,
+    /// Its end, and a renewed token, shared with its [`Renewer`]s.
+    renewal: Arc<Renewal>,
     fate: Arc<Fate>,
     lanes: Box<[Arc<Lane>]>,
     domain: Arc<Domain>,
@@ -115,7 +117,10 @@ impl Allocation {
             output_capacity: p.ok.output_capacity,
             max_input: p.ok.max_input_bytes,
             deadline: Duration::from_millis(p.ok.deadline_ms),
-            expires_at: p.ok.expires_at,
+            renewal: Arc::new(Renewal {
+                expires_at: AtomicU64::new(p.ok.expires_at),
+                token: Mutex::new(None),
+            }),
             fate: p.fate,
             lanes: p.lanes,
             domain_id: p.domain.id(),
@@ -163,6 +168,11 @@ impl Allocation {
         self.conn.executor()
     }
 
+    /// The protection domain its buffers are registered in.
+    pub(crate) fn domain(&self) -> &Arc<Domain> {
+        &self.domain
+    }
+
     /// Lanes: invocations that may be in flight at once.
     pub fn lanes(&self) -> usize {
         self.lanes.len()
@@ -180,7 +190,22 @@ impl Allocation {
 
     /// When the lease ends, Unix seconds.
     pub fn expires_at(&self) -> u64 {
-        self.expires_at
+        self.renewal.expires_at.load(Ordering::Relaxed)
+    }
+
+    /// A handle that renews this allocation from another thread (a
+    /// background renewal), while this one keeps invoking: renewing takes
+    /// no lock an invocation takes. It renews this allocation only, not
+    /// the one [`invoke_retrying`](Self::invoke_retrying) may replace it
+    /// by; take a new handle then.
+    pub fn renewer(&self) -> Renewer {
+        Renewer {
+            conn: Arc::clone(&self.conn),
+            id: self.id,
+            fate: Arc::clone(&self.fate),
+            timeout: self.client.options().allocation_timeout,
+            renewal: Arc::clone(&self.renewal),
+        }
     }
 
     /// Where the allocation's cold start spent its time.
@@ -365,7 +390,8 @@ impl Allocation {
 
     /// Replaces this allocation by a new one with the same spec, in the
     /// same domain.
-    fn reallocate(&mut self, elsewhere: bool) -> Result<()> {
+    pub(crate) fn reallocate(&mut self, elsewhere: bool) -> Result<()> {
+        self.take_renewed_token();
         let target = if elsewhere {
             (self.target + 1) % self.executors.len()
         } else {
@@ -431,37 +457,20 @@ impl Allocation {
     /// Renew before the old end: an allocation whose lease has ended is
     /// gone, and renewing it is refused (`unknown_allocation`).
     pub fn renew(&mut self, token: &str) -> Result<u64> {
-        if self.fate.ended() {
-            return Err(self.fate.error(LOST_GRACE));
-        }
-        let request_id = self.conn.next_request_id();
-        let frame = Frame::new(
-            &RenewLease {
-                request_id,
-                allocation_id: self.id,
-                token: token.to_owned(),
-            },
-            Vec::new(),
-        );
-        let reply =
-            self.conn
-                .request(&frame, request_id, self.client.options().allocation_timeout)?;
-        match reply {
-            Reply::Renewed(expires_at) => {
-                self.expires_at = expires_at;
-                let mut executors = self.executors.to_vec();
-                executors[self.target].1 = token.to_owned();
-                self.executors = executors.into();
-                Ok(expires_at)
-            }
-            Reply::Refused(e) => Err(Error::Refused {
-                code: e.code,
-                message: e.message,
-            }),
-            Reply::Allocated(..) | Reply::Deallocated => Err(Error::Protocol(
-                "the executor answered a RenewLease with another request's reply".into(),
-            )),
-        }
+        let expires_at = self.renewer().renew(token)?;
+        self.take_renewed_token();
+        Ok(expires_at)
+    }
+
+    /// Moves a token a [`Renewer`] got accepted into the executors list,
+    /// for re-allocations on this executor.
+    fn take_renewed_token(&mut self) {
+        let Some(token) = lock(&self.renewal.token).take() else {
+            return;
+        };
+        let mut executors = self.executors.to_vec();
+        executors[self.target].1 = token;
+        self.executors = executors.into();
     }
 
     /// Checks a submission's arguments; returns the input and output sizes
@@ -595,6 +604,66 @@ impl Allocation {
     }
 }
 
+/// What an allocation shares with its [`Renewer`]s.
+#[derive(Debug)]
+struct Renewal {
+    /// When the lease ends, Unix seconds, as the executor last said.
+    expires_at: AtomicU64,
+    /// A token the executor accepted by a renewal, not yet in the
+    /// allocation's executors list. Only renewal and re-allocation touch
+    /// it, never an invocation.
+    token: Mutex<Option<String>>,
+}
+
+/// Renews one [`Allocation`] from any thread: made by
+/// [`Allocation::renewer`]. The allocation's
+/// [`expires_at`](Allocation::expires_at) follows.
+#[derive(Debug, Clone)]
+pub struct Renewer {
+    conn: Arc<ControlConn>,
+    id: u64,
+    fate: Arc<Fate>,
+    timeout: Duration,
+    renewal: Arc<Renewal>,
+}
+
+impl Renewer {
+    /// The allocation it renews.
+    pub fn allocation_id(&self) -> u64 {
+        self.id
+    }
+
+    /// As [`Allocation::renew`].
+    pub fn renew(&self, token: &str) -> Result<u64> {
+        if self.fate.ended() {
+            return Err(self.fate.error(LOST_GRACE));
+        }
+        let request_id = self.conn.next_request_id();
+        let frame = Frame::new(
+            &RenewLease {
+                request_id,
+                allocation_id: self.id,
+                token: token.to_owned(),
+            },
+            Vec::new(),
+        );
+        match self.conn.request(&frame, request_id, self.timeout)? {
+            Reply::Renewed(expires_at) => {
+                self.renewal.expires_at.store(expires_at, Ordering::Relaxed);
+                *lock(&self.renewal.token) = Some(token.to_owned());
+                Ok(expires_at)
+            }
+            Reply::Refused(e) => Err(Error::Refused {
+                code: e.code,
+                message: e.message,
+            }),
+            Reply::Allocated(..) | Reply::Deallocated => Err(Error::Protocol(
+                "the executor answered a RenewLease with another request's reply".into(),
+            )),
+        }
+    }
+}
+
 /// Spins a little, then yields, while waiting for a lane.
 fn backoff(tries: &mut u32) {
     *tries = tries.saturating_add(1);
@@ -626,6 +695,7 @@ mod tests {
         assert_send_sync::<Allocation>();
         assert_send_sync::<Buffer<f64>>();
         assert_send_sync::<Client>();
+        assert_send_sync::<Renewer>();
         fn assert_send<T: Send>() {}
         assert_send::<Invocation<'static>>();
     }

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rfaas_proto::manager::{ApiError, RenewRequest};
-pub use rfaas_proto::manager::{LeaseGrant, LeaseRequest, NodeLease};
+pub use rfaas_proto::manager::{LeaseGrant, LeaseRequest, NodeLease, NodeState, NodeView};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -239,6 +239,20 @@ impl Managers {
     /// The replicas' URLs.
     pub fn urls(&self) -> &[String] {
         &self.inner.urls
+    }
+
+    /// The clock the retry schedule and background renewal run on.
+    pub(crate) fn clock(&self) -> &dyn Clock {
+        self.inner.clock.as_ref()
+    }
+
+    /// The nodes as a replica sees them, retrying while no manager answers
+    /// until `deadline`.
+    pub fn nodes(&self, deadline: Duration) -> Result<Vec<NodeView>> {
+        self.retrying(deadline, || {
+            self.inner
+                .send::<(), Vec<NodeView>>("GET", "/v1/nodes", None)
+        })
     }
 
     /// Asks for a lease, retrying while nothing fits or no manager answers,

@@ -35,8 +35,11 @@
 //! - [`spec`]: [`ClientOptions`] and [`AllocationSpec`].
 //! - [`lease`]: [`Managers`] and [`Lease`]: leases from the resource
 //!   manager, with backoff, failover, renewal and release.
-//! - [`allocation`]: [`Allocation`] (submit, invoke, retry, deallocate),
-//!   [`FunctionId`], [`ColdStart`].
+//! - [`leased`]: [`LeasedAllocation`], made by [`Managers::allocate`]: an
+//!   allocation holding its own lease, renewed in the background, released
+//!   on deallocation, moved to another node when its executor fails.
+//! - [`allocation`]: [`Allocation`] (submit, invoke, retry, renew,
+//!   deallocate), [`Renewer`], [`FunctionId`], [`ColdStart`].
 //! - [`buffer`]: [`Buffer`], registered memory with the request header's
 //!   slot in front of page-aligned data, and the [`Pod`] marker.
 //! - [`invocation`]: [`Invocation`], waited for by blocking, spinning,
@@ -58,15 +61,17 @@ pub mod error;
 pub mod invocation;
 mod lane;
 pub mod lease;
+pub mod leased;
 pub mod spec;
 mod spin;
 
-pub use allocation::{Allocation, ColdStart, FunctionId};
+pub use allocation::{Allocation, ColdStart, FunctionId, Renewer};
 pub use buffer::{Buffer, Pod};
 pub use client::Client;
 pub use error::{Error, Next, Result};
 pub use invocation::Invocation;
 pub use lease::{Lease, Managers};
+pub use leased::{LeaseOptions, LeasedAllocation};
 pub use rfaas_proto::control::{ErrorCode, ExitCause};
 pub use rfaas_proto::InvocationStatus;
 pub use spec::{AllocationSpec, ClientOptions, Mode};

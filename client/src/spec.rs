@@ -163,6 +163,18 @@ impl AllocationSpec {
         self
     }
 
+    /// A lease request that fits this spec: its cores on one node and its
+    /// memory, for `duration_s` seconds.
+    pub fn lease_request(&self, duration_s: u64) -> crate::lease::LeaseRequest {
+        crate::lease::LeaseRequest {
+            cores: u32::from(self.cores),
+            memory_mib: u64::from(self.memory_mib),
+            duration_s,
+            min_cores: None,
+            nodes: Vec::new(),
+        }
+    }
+
     /// The function names, in table order.
     pub fn functions(&self) -> &[String] {
         &self.functions

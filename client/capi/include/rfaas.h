@@ -617,6 +617,37 @@ rfaas_status rfaas_lease_renew(struct rfaas_lease *lease,
 rfaas_status rfaas_lease_release(struct rfaas_lease *lease);
 
 /**
+ * Leases what `opts` asks for (its cores on one node and its memory) for
+ * `duration_s` seconds (3 or more), waiting up to `deadline_ms` while no
+ * node is free, then allocates the library at `library_path` with
+ * `functions` on the granted node, as `rfaas_allocate_file` does. The
+ * allocation holds its lease: a background thread renews it at two
+ * thirds of `duration_s` and hands the new token to the executor, and
+ * `rfaas_deallocate` releases it.
+ *
+ * With `retry_elsewhere`, `rfaas_invoke_retrying` on it moves to another
+ * node when the executor refuses for want of room, drains, stops or dies:
+ * it releases the lease, leases again preferring every other node, and
+ * allocates there (buffers stay valid). Without it, it re-allocates on
+ * the same node only. `rfaas_add_fallback_executor` does not apply.
+ *
+ * # Safety
+ *
+ * `managers` is NULL or from `rfaas_managers_new`; the rest as for
+ * `rfaas_allocate_file`.
+ */
+rfaas_status rfaas_leased_allocate(const struct rfaas_managers *managers,
+                                   const struct rfaas_client *client,
+                                   uint64_t duration_s,
+                                   uint64_t deadline_ms,
+                                   bool retry_elsewhere,
+                                   const struct rfaas_alloc_options *opts,
+                                   const char *library_path,
+                                   const char *const *functions,
+                                   size_t n_functions,
+                                   struct rfaas_allocation **out);
+
+/**
  * Creates a client for the fabric `provider` ("tcp", "shm",
  * "verbs:<device>"); NULL takes `RFAAS_PROVIDER` from the environment, or
  * "tcp". Any other name is `RFAAS_ERR_INVALID_ARGUMENT` at once. Connects
@@ -694,7 +725,9 @@ rfaas_status rfaas_function_index(const struct rfaas_allocation *alloc,
 
 /**
  * Ends the allocation: the executor stops the worker and frees its cores;
- * waits for the executor's confirmation. The handle is freed whatever the
+ * waits for the executor's confirmation. An allocation made by
+ * `rfaas_leased_allocate` also stops its lease's renewal and releases the
+ * lease. The handle is freed whatever the
  * result, except when invocations of it are not freed yet: then it fails
  * with `RFAAS_ERR_INVALID_ARGUMENT` and the allocation stays valid. A
  * worker that already ended, or a lost executor, is not an error. Buffers

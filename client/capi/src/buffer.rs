@@ -43,7 +43,7 @@ pub unsafe extern "C" fn rfaas_buffer_new(
             ));
         }
         let buf = alloc
-            .alloc
+            .alloc()
             .buffer::<u8>(bytes)
             .map_err(|e| Failure::client(CALL, &e))?;
         // SAFETY: out is non-null (checked) and writable (caller's promise).

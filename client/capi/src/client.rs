@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use ::rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
+use ::rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions, Error, LeasedAllocation};
 use rfaas_fabric::ProviderKind;
 use rfaas_proto::text::count;
 
@@ -30,9 +30,28 @@ pub struct rfaas_client {
 /// `rfaas_deallocate` must not run concurrently with any other call on it.
 #[derive(Debug)]
 pub struct rfaas_allocation {
-    pub(crate) alloc: Allocation,
+    pub(crate) held: Held,
     /// Invocations not yet freed: they borrow the allocation's lanes.
     pub(crate) live: Arc<AtomicUsize>,
+}
+
+/// An allocation made on a given executor, or one holding its own lease
+/// (`rfaas_leased_allocate`).
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per handle, boxed in it already
+pub(crate) enum Held {
+    Plain(Allocation),
+    Leased(LeasedAllocation),
+}
+
+impl rfaas_allocation {
+    /// The allocation, for calls that do not replace it.
+    pub(crate) fn alloc(&self) -> &Allocation {
+        match &self.held {
+            Held::Plain(a) => a,
+            Held::Leased(l) => l,
+        }
+    }
 }
 
 /// Creates a client for the fabric `provider` ("tcp", "shm",
@@ -141,11 +160,10 @@ unsafe fn function_names<'a>(
 ///
 /// As for `rfaas_allocate`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn allocate(
+pub(crate) unsafe fn allocate(
     call: &str,
     client: *const rfaas_client,
-    executor: *const c_char,
-    token: *const c_char,
+    place: impl FnOnce(&Client, &AllocationSpec) -> Result<Held, Failure>,
     opts: *const rfaas_alloc_options,
     library: impl FnOnce() -> Result<(Vec<u8>, Option<String>), Failure>,
     functions: *const *const c_char,
@@ -155,10 +173,6 @@ unsafe fn allocate(
     out_arg(call, "out", out)?;
     // SAFETY: NULL or a live client (caller's promise).
     let client = unsafe { ref_arg(call, "client", client) }?;
-    // SAFETY: NULL or a C string (caller's promise).
-    let executor = unsafe { str_arg(call, "executor", executor) }?;
-    // SAFETY: NULL or a C string (caller's promise).
-    let token = unsafe { str_arg(call, "token", token) }?;
     // SAFETY: NULL or n_functions string pointers (caller's promise).
     let names = unsafe { function_names(call, functions, n_functions) }?;
     let (bytes, name) = library()?;
@@ -168,17 +182,36 @@ unsafe fn allocate(
     }
     // SAFETY: opts is NULL or readable (caller's promise).
     let spec = unsafe { options::apply(call, opts, spec) }?;
-    let alloc = client
-        .client
-        .allocate(executor, token, &spec)
-        .map_err(|e| Failure::client(call, &e))?;
+    let held = place(&client.client, &spec)?;
     let handle = Box::new(rfaas_allocation {
-        alloc,
+        held,
         live: Arc::new(AtomicUsize::new(0)),
     });
     // SAFETY: out is non-null (checked) and writable (caller's promise).
     unsafe { out.write(Box::into_raw(handle)) };
     Ok(RFAAS_OK)
+}
+
+/// Allocates `spec` on the executor at `executor` under `token`.
+///
+/// # Safety
+///
+/// `executor` and `token` are NULL or C strings.
+unsafe fn on_executor(
+    call: &str,
+    client: &Client,
+    spec: &AllocationSpec,
+    executor: *const c_char,
+    token: *const c_char,
+) -> Result<Held, Failure> {
+    // SAFETY: NULL or a C string (caller's promise).
+    let executor = unsafe { str_arg(call, "executor", executor) }?;
+    // SAFETY: NULL or a C string (caller's promise).
+    let token = unsafe { str_arg(call, "token", token) }?;
+    client
+        .allocate(executor, token, spec)
+        .map(Held::Plain)
+        .map_err(|e: Error| Failure::client(call, &e))
 }
 
 /// Allocates a worker on the executor at `executor` (its control address,
@@ -225,8 +258,7 @@ pub unsafe extern "C" fn rfaas_allocate(
             allocate(
                 CALL,
                 client,
-                executor,
-                token,
+                |c, spec| on_executor(CALL, c, spec, executor, token),
                 opts,
                 library,
                 functions,
@@ -277,8 +309,7 @@ pub unsafe extern "C" fn rfaas_allocate_file(
             allocate(
                 CALL,
                 client,
-                executor,
-                token,
+                |c, spec| on_executor(CALL, c, spec, executor, token),
                 opts,
                 library,
                 functions,
@@ -312,7 +343,7 @@ pub unsafe extern "C" fn rfaas_function_index(
         // SAFETY: NULL or a C string (caller's promise).
         let name = unsafe { str_arg(CALL, "name", name) }?;
         let f = alloc
-            .alloc
+            .alloc()
             .function(name)
             .map_err(|e| Failure::client(CALL, &e))?;
         // SAFETY: index is non-null (checked) and writable (caller's promise).
@@ -322,7 +353,9 @@ pub unsafe extern "C" fn rfaas_function_index(
 }
 
 /// Ends the allocation: the executor stops the worker and frees its cores;
-/// waits for the executor's confirmation. The handle is freed whatever the
+/// waits for the executor's confirmation. An allocation made by
+/// `rfaas_leased_allocate` also stops its lease's renewal and releases the
+/// lease. The handle is freed whatever the
 /// result, except when invocations of it are not freed yet: then it fails
 /// with `RFAAS_ERR_INVALID_ARGUMENT` and the allocation stays valid. A
 /// worker that already ended, or a lost executor, is not an error. Buffers
@@ -342,10 +375,11 @@ pub unsafe extern "C" fn rfaas_deallocate(alloc: *mut rfaas_allocation) -> rfaas
         // SAFETY: a Box from rfaas_allocate*, owned by the caller, with no
         // invocation borrowing it (checked above).
         let handle = unsafe { Box::from_raw(alloc) };
-        handle
-            .alloc
-            .deallocate()
-            .map_err(|e| Failure::client(CALL, &e).no_allocation())?;
+        match handle.held {
+            Held::Plain(a) => a.deallocate(),
+            Held::Leased(l) => l.deallocate(),
+        }
+        .map_err(|e| Failure::client(CALL, &e).no_allocation())?;
         Ok(RFAAS_OK)
     })
 }
@@ -399,9 +433,13 @@ pub unsafe extern "C" fn rfaas_allocation_renew(
         let handle = unsafe { mut_arg(CALL, "alloc", alloc) }?;
         // SAFETY: NULL or a C string (caller's promise).
         let token = unsafe { str_arg(CALL, "token", token) }?;
-        handle.alloc.renew(token).map_err(|e| Failure {
+        let renewed = match &mut handle.held {
+            Held::Plain(a) => a.renew(token),
+            Held::Leased(l) => l.renewer().renew(token),
+        };
+        renewed.map_err(|e| Failure {
             // A refused renewal leaves the allocation as it was.
-            allocation_usable: handle.alloc.is_alive(),
+            allocation_usable: handle.alloc().is_alive(),
             ..Failure::client(CALL, &e)
         })?;
         Ok(RFAAS_OK)
@@ -434,7 +472,16 @@ pub unsafe extern "C" fn rfaas_add_fallback_executor(
         let executor = unsafe { str_arg(CALL, "executor", executor) }?;
         // SAFETY: NULL or a C string (caller's promise).
         let token = unsafe { str_arg(CALL, "token", token) }?;
-        handle.alloc.add_fallback_executor(executor, token);
+        match &mut handle.held {
+            Held::Plain(a) => a.add_fallback_executor(executor, token),
+            Held::Leased(_) => {
+                return Err(Failure::invalid(
+                    CALL,
+                    "this allocation holds its own lease (rfaas_leased_allocate) and finds \
+                     other nodes through the managers; it takes no fallback executor",
+                ))
+            }
+        }
         Ok(RFAAS_OK)
     })
 }

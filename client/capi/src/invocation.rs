@@ -10,7 +10,7 @@ use ::rfaas_client::{Allocation, Buffer, FunctionId, Invocation};
 use rfaas_proto::text::count;
 
 use crate::buffer::rfaas_buffer;
-use crate::client::{no_invocations, rfaas_allocation};
+use crate::client::{no_invocations, rfaas_allocation, Held};
 use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, CallResult, Failure};
 use crate::status::rfaas_status::{self, RFAAS_OK, RFAAS_PENDING};
 
@@ -64,11 +64,11 @@ unsafe fn args<'a>(
     let handle = unsafe { ref_arg(call, "alloc", alloc) }?;
     // SAFETY: the caller's promises, passed on.
     let (function, input, output) =
-        unsafe { buffers(call, &handle.alloc, function, input, in_bytes, output) }?;
+        unsafe { buffers(call, handle.alloc(), function, input, in_bytes, output) }?;
     Ok((
         handle,
         Args {
-            alloc: &handle.alloc,
+            alloc: handle.alloc(),
             function,
             input,
             output,
@@ -397,11 +397,12 @@ pub unsafe extern "C" fn rfaas_invoke_retrying(
         no_invocations(CALL, handle)?;
         // SAFETY: the caller's promises.
         let (f, input, output) =
-            unsafe { buffers(CALL, &handle.alloc, function, r#in, in_bytes, out) }?;
-        let len = handle
-            .alloc
-            .invoke_retrying(f, input, in_bytes, output, retries)
-            .map_err(|e| Failure::client(CALL, &e))?;
+            unsafe { buffers(CALL, handle.alloc(), function, r#in, in_bytes, out) }?;
+        let len = match &mut handle.held {
+            Held::Plain(a) => a.invoke_retrying(f, input, in_bytes, output, retries),
+            Held::Leased(l) => l.invoke_retrying(f, input, in_bytes, output, retries),
+        }
+        .map_err(|e| Failure::client(CALL, &e))?;
         if !out_len.is_null() {
             // SAFETY: non-null and writable (caller's promise).
             unsafe { out_len.write(len) };

@@ -2,12 +2,17 @@
 //! manager, with the Rust library's backoff and failover.
 
 use std::ffi::{c_char, CString};
+use std::path::Path;
 use std::time::Duration;
 
 use ::rfaas_client::lease::{Lease, Managers};
+use ::rfaas_client::LeaseOptions;
 use rfaas_proto::manager::LeaseRequest;
 
+use crate::client::{allocate, rfaas_allocation, rfaas_client, Held};
 use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, str_arg, Failure};
+use crate::options::rfaas_alloc_options;
+use crate::status::rfaas_next;
 use crate::status::rfaas_status::{self, RFAAS_OK};
 
 /// The resource manager replicas a job asks for leases, and its
@@ -280,5 +285,83 @@ pub unsafe extern "C" fn rfaas_lease_release(lease: *mut rfaas_lease) -> rfaas_s
             .release()
             .map_err(|e| Failure::client(CALL, &e))?;
         Ok(RFAAS_OK)
+    })
+}
+
+/// Leases what `opts` asks for (its cores on one node and its memory) for
+/// `duration_s` seconds (3 or more), waiting up to `deadline_ms` while no
+/// node is free, then allocates the library at `library_path` with
+/// `functions` on the granted node, as `rfaas_allocate_file` does. The
+/// allocation holds its lease: a background thread renews it at two
+/// thirds of `duration_s` and hands the new token to the executor, and
+/// `rfaas_deallocate` releases it.
+///
+/// With `retry_elsewhere`, `rfaas_invoke_retrying` on it moves to another
+/// node when the executor refuses for want of room, drains, stops or dies:
+/// it releases the lease, leases again preferring every other node, and
+/// allocates there (buffers stay valid). Without it, it re-allocates on
+/// the same node only. `rfaas_add_fallback_executor` does not apply.
+///
+/// # Safety
+///
+/// `managers` is NULL or from `rfaas_managers_new`; the rest as for
+/// `rfaas_allocate_file`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn rfaas_leased_allocate(
+    managers: *const rfaas_managers,
+    client: *const rfaas_client,
+    duration_s: u64,
+    deadline_ms: u64,
+    retry_elsewhere: bool,
+    opts: *const rfaas_alloc_options,
+    library_path: *const c_char,
+    functions: *const *const c_char,
+    n_functions: usize,
+    out: *mut *mut rfaas_allocation,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_leased_allocate";
+    call(CALL, || {
+        // SAFETY: the caller promises a live handle or NULL.
+        let m = unsafe { ref_arg(CALL, "managers", managers) }.map_err(Failure::no_allocation)?;
+        let library = || {
+            // SAFETY: NULL or a C string (caller's promise).
+            let path = unsafe { str_arg(CALL, "library_path", library_path) }?;
+            let bytes = std::fs::read(path).map_err(|e| Failure {
+                status: rfaas_status::RFAAS_ERR_IO,
+                message: format!("{CALL}: cannot read the function library {path}: {e}"),
+                next: rfaas_next::RFAAS_NEXT_FIX,
+                allocation_usable: false,
+                signal: 0,
+            })?;
+            let name = Path::new(path)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            Ok((bytes, name))
+        };
+        let options = LeaseOptions::default()
+            .deadline(Duration::from_millis(deadline_ms))
+            .retry_elsewhere(retry_elsewhere);
+        let place = |c: &::rfaas_client::Client, spec: &::rfaas_client::AllocationSpec| {
+            m.managers
+                .allocate(c, &spec.lease_request(duration_s), spec, &options)
+                .map(Held::Leased)
+                .map_err(|e| Failure::client(CALL, &e))
+        };
+        // SAFETY: the caller's promises, passed on.
+        unsafe {
+            allocate(
+                CALL,
+                client,
+                place,
+                opts,
+                library,
+                functions,
+                n_functions,
+                out,
+            )
+        }
+        // A failed allocation leaves none to use.
+        .map_err(Failure::no_allocation)
     })
 }

@@ -1,0 +1,261 @@
+//! [`LeasedAllocation`] against a real `rfaas-manager` and real
+//! `rfaas-executord`s that accept the manager's tokens: background renewal
+//! past the first lease's end, release on deallocation and drop, and a move
+//! to another node when the executor dies. Needs the daemons built
+//! (`cargo build -p rfaas-executor -p rfaas-manager`).
+//!
+//! Renewal runs on real time here: the executor ends a worker at its
+//! token's expiry, and leases count in whole seconds.
+
+use std::time::{Duration, Instant};
+
+use rfaas_client::lease::{LeaseRequest, Managers};
+use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions, LeasedAllocation, Mode};
+use rfaas_proto::control::LocalReply;
+use rfaas_testkit::executord::{daemon_binary, wait_for_exit, Executord, ExecutordOptions};
+use rfaas_testkit::functions::c_library_bytes;
+use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use serde_json::{json, Value};
+
+/// The manager never loses the test's silent nodes while a test runs.
+fn manager() -> Manager {
+    Manager::start(ManagerOptions {
+        extra_config: "lost_after_ms = 600000\n".into(),
+        ..ManagerOptions::default()
+    })
+}
+
+/// An executor called `name` that accepts `m`'s tokens, registered with
+/// `m` under its control address.
+fn executor(m: &Manager, name: &str) -> Executord {
+    let d = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: name.into(),
+            accept_keys: vec![m.public_key_line()],
+            ..ExecutordOptions::default()
+        },
+    );
+    let api = Api::new(m.url(), &m.credential("node", name, None));
+    let body = json!({
+        "control_addr": d.control_addr().to_string(),
+        "providers": [{"name": "tcp", "host": "127.0.0.1"}],
+        "cores": 4,
+        "memory_mib": 4096,
+    });
+    let (s, r) = api.call("PUT", &format!("/v1/nodes/{name}"), Some(&body));
+    assert_eq!(s, 200, "{r}");
+    d
+}
+
+/// The job's side: managers with a user credential ("nobody": workers run
+/// as the lease's user, never root).
+fn managers(m: &Manager) -> (Managers, Api) {
+    let credential = m.credential("user", "nobody", None);
+    (
+        Managers::new([m.url()], &credential).unwrap(),
+        Api::new(m.url(), &credential),
+    )
+}
+
+fn request(duration_s: u64, nodes: &[&str]) -> LeaseRequest {
+    LeaseRequest {
+        cores: 1,
+        memory_mib: 256,
+        duration_s,
+        min_cores: None,
+        nodes: nodes.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+fn spec() -> AllocationSpec {
+    AllocationSpec::new(c_library_bytes(), &["echo"])
+        .library_name("libfunctions.so")
+        .mode(Mode::Warm)
+        .memory_mib(256)
+        .cores(1)
+}
+
+fn client() -> Client {
+    Client::new(ClientOptions::with_provider("tcp"))
+}
+
+/// Echoes `value` through `la`, retrying as `la` was told to.
+fn echo(la: &mut LeasedAllocation, value: u32) -> rfaas_client::Result<u32> {
+    let f = la.function("echo")?;
+    let mut input = la.buffer::<u32>(1)?;
+    let mut output = la.buffer::<u32>(1)?;
+    input.as_mut_slice()[0] = value;
+    let n = la.invoke_retrying(f, &input, 1, &mut output, 3)?;
+    assert_eq!(n, 4);
+    Ok(output.as_slice()[0])
+}
+
+/// The states of grant `id`'s node leases, as the manager shows them.
+fn states(api: &Api, id: u64) -> Vec<String> {
+    let (s, r) = api.call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(s, 200, "{r}");
+    r.as_array()
+        .unwrap_or_else(|| panic!("not a list: {r}"))
+        .iter()
+        .map(|l| l["state"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Kills the daemon `d` with SIGKILL and waits until it and its one
+/// worker are gone (the worker dies of its parent's death, and could
+/// answer until then).
+fn kill_executor(d: &Executord) {
+    let worker = match d.status() {
+        LocalReply::Status { allocations, .. } => allocations[0].pid,
+        other => panic!("unexpected status reply {other:?}"),
+    };
+    // SAFETY: kill has no memory preconditions; the pid is the daemon this
+    // test started.
+    assert_eq!(unsafe { libc::kill(d.pid() as i32, libc::SIGKILL) }, 0);
+    assert!(wait_for_exit(d.pid(), Duration::from_secs(10)));
+    assert!(wait_for_exit(worker, Duration::from_secs(10)));
+}
+
+#[test]
+fn a_short_lease_is_kept_renewed_past_its_end() {
+    let m = manager();
+    let d = executor(&m, "node-a");
+    let (managers, api) = managers(&m);
+    let la = managers
+        .allocate(
+            &client(),
+            &request(3, &[]),
+            &spec(),
+            &LeaseOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let first_end = la.expires_at();
+    let id = la.lease_grant_id().unwrap();
+    let started = Instant::now();
+    let mut i = 0;
+    // Past two full lease durations: without renewal the executor would
+    // have ended the worker at about 3 s.
+    while started.elapsed() < Duration::from_millis(6_500) {
+        i += 1;
+        let f = la.function("echo").unwrap();
+        let mut input = la.buffer::<u32>(1).unwrap();
+        let mut output = la.buffer::<u32>(1).unwrap();
+        input.as_mut_slice()[0] = i;
+        la.invoke(f, &input, 1, &mut output)
+            .unwrap_or_else(|e| panic!("call {i}: {e}\n{}", d.log()));
+        assert_eq!(output.as_slice()[0], i);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(la.renewals() >= 2, "renewals: {}", la.renewals());
+    assert!(
+        la.expires_at() > first_end,
+        "the allocation's end did not move"
+    );
+    assert_eq!(la.lease_grant_id(), Some(id), "the lease was replaced");
+    assert!(la.is_alive());
+    assert_eq!(states(&api, id), ["active"]);
+    la.deallocate().unwrap();
+    assert_eq!(states(&api, id), ["released"]);
+}
+
+#[test]
+fn deallocation_and_drop_release_the_lease() {
+    let m = manager();
+    let d = executor(&m, "node-a");
+    let (managers, api) = managers(&m);
+    let mut la = managers
+        .allocate(
+            &client(),
+            &request(60, &[]),
+            &spec(),
+            &LeaseOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(echo(&mut la, 7).unwrap(), 7);
+    let first = la.lease_grant_id().unwrap();
+    assert_eq!(states(&api, first), ["active"]);
+    la.deallocate().unwrap();
+    assert_eq!(states(&api, first), ["released"]);
+
+    let la = managers
+        .allocate(
+            &client(),
+            &request(60, &[]),
+            &spec(),
+            &LeaseOptions::default(),
+        )
+        .unwrap();
+    let second = la.lease_grant_id().unwrap();
+    assert_ne!(second, first);
+    drop(la);
+    assert_eq!(states(&api, second), ["released"]);
+    let (_, node) = api.call("GET", "/v1/nodes/node-a", None);
+    assert_eq!(node["leased_cores"], Value::from(0), "{node}");
+}
+
+#[test]
+fn a_dead_executor_is_left_for_another_node() {
+    let m = manager();
+    let a = executor(&m, "node-a");
+    let b = executor(&m, "node-b");
+    let (managers, api) = managers(&m);
+    let options = LeaseOptions::default().retry_elsewhere(true);
+    let mut la = managers
+        .allocate(&client(), &request(60, &["node-a"]), &spec(), &options)
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert_eq!(la.node(), "node-a");
+    assert_eq!(echo(&mut la, 1).unwrap(), 1);
+    let first = la.lease_grant_id().unwrap();
+
+    kill_executor(&a);
+
+    assert_eq!(
+        echo(&mut la, 2).unwrap_or_else(|e| panic!("{e}\n{}", b.log())),
+        2
+    );
+    assert_eq!(la.node(), "node-b");
+    assert_eq!(la.executor(), b.control_addr().to_string());
+    let second = la.lease_grant_id().unwrap();
+    assert_ne!(second, first);
+    assert_eq!(states(&api, first), ["released"]);
+    assert_eq!(states(&api, second), ["active"]);
+    la.deallocate().unwrap();
+    assert_eq!(states(&api, second), ["released"]);
+}
+
+#[test]
+fn without_retry_elsewhere_a_dead_executor_is_an_error() {
+    let m = manager();
+    let a = executor(&m, "node-a");
+    let _b = executor(&m, "node-b");
+    let (managers, _) = managers(&m);
+    let mut la = managers
+        .allocate(
+            &client(),
+            &request(60, &["node-a"]),
+            &spec(),
+            &LeaseOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert_eq!(echo(&mut la, 1).unwrap(), 1);
+    kill_executor(&a);
+    let err = echo(&mut la, 2).unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert_eq!(la.node(), "node-a");
+}
+
+#[test]
+fn a_lease_too_short_to_renew_is_refused() {
+    let m = manager();
+    let (managers, _) = managers(&m);
+    let err = managers
+        .allocate(
+            &client(),
+            &request(2, &[]),
+            &spec(),
+            &LeaseOptions::default(),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("duration_s of 3"), "{err}");
+}
