@@ -7,7 +7,7 @@
 //! | `lease_grant` | one grant of 1 core (`POST /v1/leases`) and its release (`DELETE /v1/leases/{id}`) over HTTP, from one of `concurrency` client threads, each with its own keep-alive agent, user and account; the pairs rotate over the replicas |
 //! | `lease_grant_paced` | the same, open loop: pairs start on a fixed schedule at half the best `lease_grant` rate of the round (same backend and replicas), whatever the earlier ones did; a sample runs from its scheduled start, so a queue behind a slow pair counts |
 //! | `raw_db_grant` | `Store::grant` and `Store::end_grant` of `rfaas_manager::store` on a pool of the same database, from `concurrency` tasks: the same transactions (row locks, inserts, notifications) without HTTP, authentication, the view and signing |
-//! | `node_visible` | a node's `PUT /v1/nodes/{name}` to one replica until every replica's `GET /v1/nodes` (its in-memory view, not `?fresh=true`) lists the node, each replica polled every millisecond |
+//! | `node_visible` | a node's `PUT /v1/nodes/{name}` to one replica until every replica's `GET /v1/nodes` (its in-memory view, not `?fresh=true`) lists the node, each replica polled every millisecond; registrations start at random points of the replicas' `refresh_ms` |
 //!
 //! Every replica is a real `rfaas-manager` process on 127.0.0.1 (release
 //! build, from next to the bench or `--manager-bin`), stopped by pid; all
@@ -489,7 +489,13 @@ fn run_backend(
         let r = *s.replicas.iter().max().unwrap_or(&1);
         let reps = Replicas::start(common, db, r)?;
         prepare(common, db, &reps, threads)?;
-        let latency = node_visible(&reps.urls, &common.admin_token, s.visible_iters, round)?;
+        let latency = node_visible(
+            &reps.urls,
+            &common.admin_token,
+            s.visible_iters,
+            round,
+            common.refresh_ms,
+        )?;
         report.push(&Row::service(
             NODE_VISIBLE,
             point(r, 1),
@@ -695,9 +701,18 @@ fn paced(
 }
 
 /// `iters` registrations of new nodes, each on the next replica; a
-/// sample ends when the last replica's view lists the node. The nodes
-/// are drained after, so later grants do not pick them.
-fn node_visible(urls: &[String], admin: &str, iters: usize, round: usize) -> Result<Summary> {
+/// sample ends when the last replica's view lists the node. Each waits a
+/// random part of `refresh_ms` first: otherwise every registration would
+/// start just after the slowest replica's reload, which is what ended the
+/// sample before, and SQLite's figure would always be a whole period. The
+/// nodes are drained after, so later grants do not pick them.
+fn node_visible(
+    urls: &[String],
+    admin: &str,
+    iters: usize,
+    round: usize,
+    refresh_ms: u64,
+) -> Result<Summary> {
     let a = agent();
     let pollers: Vec<ureq::Agent> = urls.iter().map(|_| agent()).collect();
     let mut samples = Vec::with_capacity(iters);
@@ -710,6 +725,7 @@ fn node_visible(urls: &[String], admin: &str, iters: usize, round: usize) -> Res
         let target = &urls[k % urls.len()];
         let needle = format!("\"name\":\"{name}\"");
         let go = Barrier::new(urls.len() + 1);
+        std::thread::sleep(Duration::from_millis(fastrand::u64(0..refresh_ms.max(1))));
         let (t0, seen) = std::thread::scope(|scope| {
             let handles: Vec<_> = urls
                 .iter()
