@@ -5,6 +5,10 @@
 //!   transfer and echo bandwidth, cold starts), a gRPC echo, and in the same run the fabric
 //!   rows and raw baselines they are judged against, with the differences
 //!   and ratios as derived rows.
+//! - `rfaas-bench --manager` measures the resource manager: lease grants
+//!   through real `rfaas-manager` replicas next to the same transactions
+//!   straight on the database, and how soon a registration reaches every
+//!   replica.
 //! - `rfaas-fabric-bench` measures the fabric providers against the raw
 //!   baselines only.
 //!
@@ -20,6 +24,8 @@
 //! - [`invoke`]: `hot_noop`, `warm_noop`, `transfer`, the `echo` rows and
 //!   `cold_start` through rfaas-client and a real executor daemon;
 //! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
+//! - [`manager`]: the `--manager` mode: `lease_grant`, `lease_grant_paced`,
+//!   `raw_db_grant`, `node_visible` and their ratio rows;
 //! - [`derived`]: overheads and ratios computed from the best rounds;
 //! - [`child`]: the peer process a two-sided row runs against, started by
 //!   re-executing the binary with the hidden `--serve <what>`;
@@ -44,6 +50,7 @@ pub mod error;
 pub mod fabric_rows;
 pub mod grpc;
 pub mod invoke;
+pub mod manager;
 pub mod report;
 pub mod rows;
 pub mod stats;

@@ -11,6 +11,10 @@
 //! best round stands for the others. Derived rows (differences and ratios
 //! of two rows, with their target) follow the measured ones, computed from
 //! those best rounds.
+//!
+//! Rows of the manager mode (`--manager`) name their database, replicas
+//! and client threads ([`ServicePoint`]) instead of a provider and a size,
+//! in the table and in the JSON (`backend`, `replicas`, `concurrency`).
 
 use std::io::{self, Write};
 
@@ -31,6 +35,31 @@ pub struct Row {
     pub measure: Measure,
     /// With several rounds: how far this row's rounds moved.
     pub spread: Option<Spread>,
+    /// Manager rows: where they were measured; `provider`, `size` and
+    /// `in_flight` are then unused.
+    pub service: Option<ServicePoint>,
+}
+
+/// Where a manager row was measured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServicePoint {
+    /// `postgres` or `sqlite`.
+    pub backend: String,
+    /// Manager replicas serving; 0 for rows with no manager in them.
+    pub replicas: u32,
+    /// Clients (threads or tasks) sending at once.
+    pub concurrency: u32,
+}
+
+/// Which figure of a [`Measure::Service`] row picks its best round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Best {
+    /// The most operations per second (closed-loop throughput rows).
+    MostOps,
+    /// The lowest median.
+    LowestMedian,
+    /// The lowest p99 (rows checked against a p99 target).
+    LowestP99,
 }
 
 /// How far the rounds of one row moved.
@@ -72,6 +101,16 @@ pub enum Measure {
         of: String,
         target_min: Option<f64>,
     },
+    /// A manager row: the latency of each operation, operations per second
+    /// where the row has a rate, an upper bound on its p99 where it has a
+    /// target, and more figures by name (e.g. `offered_per_s`).
+    Service {
+        latency: Summary,
+        ops_per_s: Option<u64>,
+        best: Best,
+        target_p99_max_ns: Option<u64>,
+        extra: Vec<(&'static str, u64)>,
+    },
 }
 
 impl Row {
@@ -83,6 +122,7 @@ impl Row {
             measure: Measure::Latency(summary),
             in_flight: 0,
             spread: None,
+            service: None,
         }
     }
 
@@ -101,6 +141,7 @@ impl Row {
             measure: Measure::Bandwidth { bytes_per_s, bytes },
             in_flight: 0,
             spread: None,
+            service: None,
         }
     }
 
@@ -122,6 +163,20 @@ impl Row {
             measure: Measure::Rate { per_s, calls },
             in_flight,
             spread: None,
+            service: None,
+        }
+    }
+
+    /// A manager row measured at `point`; see [`Measure::Service`].
+    pub fn service(name: &str, point: ServicePoint, measure: Measure) -> Self {
+        Self {
+            name: name.to_owned(),
+            provider: String::new(),
+            size: 0,
+            in_flight: 0,
+            measure,
+            spread: None,
+            service: Some(point),
         }
     }
 
@@ -136,6 +191,7 @@ impl Row {
         self.provider == other.provider
             && self.size == other.size
             && self.in_flight == other.in_flight
+            && self.service == other.service
     }
 
     /// The figure rounds are compared by: median ns, bytes/s or calls/s.
@@ -144,6 +200,16 @@ impl Row {
             Measure::Latency(l) => Some(l.median_ns as f64),
             Measure::Bandwidth { bytes_per_s, .. } => Some(*bytes_per_s as f64),
             Measure::Rate { per_s, .. } => Some(*per_s as f64),
+            Measure::Service {
+                latency,
+                ops_per_s,
+                best,
+                ..
+            } => match best {
+                Best::MostOps => ops_per_s.map(|o| o as f64),
+                Best::LowestMedian => Some(latency.median_ns as f64),
+                Best::LowestP99 => Some(latency.p99_ns as f64),
+            },
             _ => None,
         }
     }
@@ -168,6 +234,7 @@ impl Row {
             },
             in_flight: 0,
             spread: None,
+            service: None,
         }
     }
 
@@ -191,6 +258,7 @@ impl Row {
             },
             in_flight: 0,
             spread: None,
+            service: None,
         }
     }
 
@@ -208,18 +276,32 @@ impl Row {
                 target_min: Some(min),
                 ..
             } => Some(*ratio >= *min),
+            Measure::Service {
+                latency,
+                target_p99_max_ns: Some(max),
+                ..
+            } => Some(latency.p99_ns <= *max),
             _ => None,
         }
     }
 
     /// The row as one JSON object, keys in a fixed order.
     pub fn to_json(&self) -> String {
-        let mut s = format!(
-            "{{\"name\":{},\"provider\":{},\"size\":{}",
-            serde_json::Value::from(self.name.as_str()),
-            serde_json::Value::from(self.provider.as_str()),
-            self.size
-        );
+        let mut s = match &self.service {
+            Some(point) => format!(
+                "{{\"name\":{},\"backend\":{},\"replicas\":{},\"concurrency\":{}",
+                serde_json::Value::from(self.name.as_str()),
+                serde_json::Value::from(point.backend.as_str()),
+                point.replicas,
+                point.concurrency
+            ),
+            None => format!(
+                "{{\"name\":{},\"provider\":{},\"size\":{}",
+                serde_json::Value::from(self.name.as_str()),
+                serde_json::Value::from(self.provider.as_str()),
+                self.size
+            ),
+        };
         if self.in_flight > 0 {
             s.push_str(&format!(",\"in_flight\":{}", self.in_flight));
         }
@@ -256,6 +338,30 @@ impl Row {
                 serde_json::Value::from(*target_min),
                 serde_json::Value::from(met),
             )),
+            Measure::Service {
+                latency: l,
+                ops_per_s,
+                target_p99_max_ns,
+                extra,
+                ..
+            } => {
+                s.push_str(&format!(
+                    ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"ops\":{}",
+                    l.median_ns, l.p99_ns, l.min_ns, l.mean_ns, l.iters
+                ));
+                if let Some(o) = ops_per_s {
+                    s.push_str(&format!(",\"ops_per_s\":{o}"));
+                }
+                for (key, value) in extra {
+                    s.push_str(&format!(",{}:{value}", serde_json::Value::from(*key)));
+                }
+                if let Some(max) = target_p99_max_ns {
+                    s.push_str(&format!(
+                        ",\"target_p99_max_ns\":{max},\"meets_target\":{}",
+                        serde_json::Value::from(met)
+                    ));
+                }
+            }
         }
         if let Some(sp) = self.spread {
             s.push_str(&format!(
@@ -269,6 +375,9 @@ impl Row {
     }
 
     fn to_table_line(&self) -> String {
+        if let Some(point) = &self.service {
+            return self.to_service_line(point);
+        }
         let dash = || "-".to_owned();
         let (median, p99, bandwidth, note) = match &self.measure {
             Measure::Latency(l) => (micros(l.median_ns), micros(l.p99_ns), dash(), None),
@@ -292,6 +401,14 @@ impl Row {
                 let note = format!("{of}{}", target.unwrap_or_default());
                 (dash(), dash(), format!("x {ratio:.2}"), Some(note))
             }
+            Measure::Service {
+                latency, ops_per_s, ..
+            } => (
+                micros(latency.median_ns),
+                micros(latency.p99_ns),
+                ops_per_s.map_or_else(dash, calls_per_s),
+                None,
+            ),
         };
         let mut line = format!(
             "{:<28} {:<12} {:>9} {:>12} {:>12} {:>12}",
@@ -307,6 +424,55 @@ impl Row {
             (Some(f), Some(n)) => Some(format!("{f}; {n}")),
             (f, n) => f.or(n),
         };
+        self.push_note(&mut line, note);
+        line
+    }
+
+    /// A manager row: backend, replicas and clients instead of provider
+    /// and size, and operations per second instead of bandwidth.
+    fn to_service_line(&self, point: &ServicePoint) -> String {
+        let dash = || "-".to_owned();
+        let (median, p99, ops, note) = match &self.measure {
+            Measure::Service {
+                latency,
+                ops_per_s,
+                target_p99_max_ns,
+                extra,
+                ..
+            } => {
+                let mut notes: Vec<String> =
+                    extra.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                if let Some(max) = target_p99_max_ns {
+                    notes.push(format!("target p99 <= {} ms", millis(*max)));
+                }
+                (
+                    millis(latency.median_ns),
+                    millis(latency.p99_ns),
+                    ops_per_s.map_or_else(dash, |o| o.to_string()),
+                    (!notes.is_empty()).then(|| notes.join(", ")),
+                )
+            }
+            Measure::Ratio {
+                ratio,
+                of,
+                target_min,
+            } => {
+                let target = target_min.map(|t| format!(", target >= {t}"));
+                let note = format!("{of}{}", target.unwrap_or_default());
+                (dash(), dash(), format!("x {ratio:.2}"), Some(note))
+            }
+            _ => (dash(), dash(), dash(), None),
+        };
+        let mut line = format!(
+            "{:<28} {:<9} {:>8} {:>7} {:>11} {:>11} {:>10}",
+            self.name, point.backend, point.replicas, point.concurrency, median, p99, ops
+        );
+        self.push_note(&mut line, note);
+        line
+    }
+
+    /// Appends the note, the spread and the verdict on the target.
+    fn push_note(&self, line: &mut String, note: Option<String>) {
         let spread = self
             .spread
             .map(|sp| format!("{} rounds, worst/best {:.2}", sp.rounds, sp.worst_over_best));
@@ -322,8 +488,14 @@ impl Row {
             };
             line.push_str(&format!("  ({note}{verdict})"));
         }
-        line
     }
+}
+
+fn service_header() -> String {
+    format!(
+        "{:<28} {:<9} {:>8} {:>7} {:>11} {:>11} {:>10}",
+        "row", "backend", "replicas", "clients", "median ms", "p99 ms", "ops/s"
+    )
 }
 
 fn header() -> String {
@@ -378,6 +550,13 @@ impl Row {
                 Measure::Bandwidth { bytes_per_s: b, .. },
             ) => a > b,
             (Measure::Rate { per_s: a, .. }, Measure::Rate { per_s: b, .. }) => a > b,
+            (Measure::Service { best, .. }, Measure::Service { .. }) => {
+                match (self.figure(), other.figure()) {
+                    (Some(a), Some(b)) if *best == Best::MostOps => a > b,
+                    (Some(a), Some(b)) => a < b,
+                    _ => false,
+                }
+            }
             _ => false,
         }
     }
@@ -453,7 +632,11 @@ impl Report {
             Box::new(io::stdout().lock())
         };
         if !self.header_written {
-            writeln!(table, "{}", header())?;
+            let header = match row.service {
+                Some(_) => service_header(),
+                None => header(),
+            };
+            writeln!(table, "{header}")?;
             self.header_written = true;
         }
         writeln!(table, "{}", row.to_table_line())?;
@@ -469,6 +652,10 @@ impl Report {
 
 fn micros(ns: u64) -> String {
     format!("{:.2}", ns as f64 / 1000.0)
+}
+
+fn millis(ns: u64) -> String {
+    format!("{:.3}", ns as f64 / 1e6)
 }
 
 fn signed_micros(ns: i64) -> String {
@@ -601,6 +788,68 @@ mod tests {
         assert_eq!((rows[0].in_flight, rows[1].in_flight), (1, 4));
         assert!(matches!(rows[0].measure, Measure::Rate { per_s: 400, .. }));
         assert!((rows[1].spread.unwrap().worst_over_best - 4.0 / 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn service_rows_name_their_database_and_keep_the_best_by_their_figure() {
+        let row = |name: &str, median: u64, p99: u64, ops: Option<u64>, best| {
+            let mut samples = vec![median, median, p99];
+            let latency = Summary::of(&mut samples).unwrap();
+            Row::service(
+                name,
+                ServicePoint {
+                    backend: "postgres".into(),
+                    replicas: 3,
+                    concurrency: 4,
+                },
+                Measure::Service {
+                    latency,
+                    ops_per_s: ops,
+                    best,
+                    target_p99_max_ns: (best == Best::LowestP99).then_some(5_000_000),
+                    extra: vec![("offered_per_s", 100)],
+                },
+            )
+        };
+        assert_eq!(
+            row(
+                "lease_grant_paced",
+                1_000_000,
+                4_000_000,
+                Some(99),
+                Best::LowestP99
+            )
+            .to_json(),
+            r#"{"name":"lease_grant_paced","backend":"postgres","replicas":3,"concurrency":4,"median_ns":1000000,"p99_ns":4000000,"min_ns":1000000,"mean_ns":2000000,"ops":3,"ops_per_s":99,"offered_per_s":100,"target_p99_max_ns":5000000,"meets_target":true}"#
+        );
+        let mut report = Report::new(true, 3);
+        for (median, p99, ops) in [(3, 9, 100), (1, 20, 300), (2, 7, 200)] {
+            report
+                .push(&row("lease_grant", median, p99, Some(ops), Best::MostOps))
+                .unwrap();
+            report
+                .push(&row(
+                    "lease_grant_paced",
+                    median,
+                    p99,
+                    Some(ops),
+                    Best::LowestP99,
+                ))
+                .unwrap();
+        }
+        let rows = report.rows();
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        let ops = |r: &Row| match &r.measure {
+            Measure::Service {
+                ops_per_s, latency, ..
+            } => (ops_per_s.unwrap(), latency.p99_ns),
+            _ => unreachable!(),
+        };
+        assert_eq!(ops(&rows[0]), (300, 20));
+        assert_eq!(ops(&rows[1]), (200, 7));
+        assert!((rows[0].spread.unwrap().worst_over_best - 3.0).abs() < 1e-9);
+        assert!((rows[1].spread.unwrap().worst_over_best - 20.0 / 7.0).abs() < 1e-9);
+        assert_eq!(rows[1].meets_target(), Some(true));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Both binaries run a few rows end to end and print the JSON lines the
 //! docs and scripts rely on. Few iterations: these check that every path
-//! works (peers, the executor daemon, derived rows), not how fast it is.
+//! works (peers, the executor daemon, the manager's replicas and databases,
+//! derived rows), not how fast it is.
 
 use std::process::Command;
 
@@ -128,4 +129,85 @@ fn invocation_rows_against_a_real_daemon() {
     let ratio = find(&rows, "grpc_echo_over_hot_noop", "tcp", 64);
     assert_eq!(ratio["target_min"], 5.0);
     assert!(ratio["ratio"].as_f64().unwrap() > 0.0);
+}
+
+/// The manager rows (rfaas-manager's debug build, PostgreSQL through
+/// scripts/pg.sh and a SQLite file), a few grants each: every row of every
+/// point is printed with the keys docs/benchmarks.md describes.
+#[test]
+fn manager_rows_on_both_databases() {
+    let manager = rfaas_testkit::manager::manager_binary();
+    assert!(
+        manager.exists(),
+        "{} is not built; run `cargo build -p rfaas-manager` first",
+        manager.display()
+    );
+    let rows = json_rows(
+        env!("CARGO_BIN_EXE_rfaas-bench"),
+        &[
+            "--manager",
+            "--grants",
+            "20",
+            "--visible-iters",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--replicas",
+            "1,2",
+            "--refresh-ms",
+            "100",
+            "--manager-bin",
+            manager.to_str().expect("a UTF-8 path"),
+        ],
+    );
+    let find = |name: &str, backend: &str, replicas: u64, concurrency: u64| -> &Value {
+        rows.iter()
+            .find(|r| {
+                r["name"] == name
+                    && r["backend"] == backend
+                    && r["replicas"] == replicas
+                    && r["concurrency"] == concurrency
+            })
+            .unwrap_or_else(|| panic!("no {name}/{backend}/{replicas}/{concurrency} in {rows:#?}"))
+    };
+    let timed = |row: &Value, ops: u64| {
+        let median = row["median_ns"].as_u64().unwrap();
+        assert!(median > 0, "{row}");
+        assert!(row["p99_ns"].as_u64().unwrap() >= median, "{row}");
+        assert_eq!(row["ops"], ops, "{row}");
+    };
+    for backend in ["postgres", "sqlite"] {
+        for concurrency in [1, 2] {
+            let raw = find("raw_db_grant", backend, 0, concurrency);
+            timed(raw, 20);
+            assert!(raw["ops_per_s"].as_u64().unwrap() > 0, "{raw}");
+            for replicas in [1, 2] {
+                let grant = find("lease_grant", backend, replicas, concurrency);
+                timed(grant, 20);
+                assert!(grant["ops_per_s"].as_u64().unwrap() > 0, "{grant}");
+                let ratio = find(
+                    "lease_grant_vs_raw_db_grant",
+                    backend,
+                    replicas,
+                    concurrency,
+                );
+                assert!(ratio["ratio"].as_f64().unwrap() > 0.0, "{ratio}");
+                assert_eq!(ratio["target_min"], 0.5);
+                assert!(ratio["meets_target"].is_boolean());
+            }
+        }
+        for replicas in [1, 2] {
+            let paced = find("lease_grant_paced", backend, replicas, 2);
+            timed(paced, 20);
+            assert!(paced["offered_per_s"].as_u64().unwrap() > 0, "{paced}");
+            assert_eq!(paced["target_p99_max_ns"], 5_000_000);
+            assert!(paced["meets_target"].is_boolean());
+        }
+        let visible = find("node_visible", backend, 2, 1);
+        timed(visible, 2);
+        assert_eq!(visible["refresh_ms"], 100);
+        assert_eq!(visible["target_p99_max_ns"], 100_000_000);
+        assert!(visible.get("ops_per_s").is_none(), "{visible}");
+    }
+    assert_eq!(rows.len(), 2 * (2 * 2 + 2 + 1 + 2 + 2 * 2), "{rows:#?}");
 }

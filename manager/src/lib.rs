@@ -35,6 +35,7 @@ pub mod signer;
 pub mod store;
 pub mod view;
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -216,7 +217,10 @@ async fn refresh_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool
     }
 }
 
-/// Reloads the nodes other replicas announce on `rfaas_nodes`.
+/// Reloads the nodes other replicas announce on `rfaas_nodes`: this
+/// replica's own notices are skipped (it applied those changes to its view
+/// when it made them), and the notices that queued up while it reloaded
+/// are reloaded together, in one query.
 async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
     use sqlx::postgres::PgListener;
     loop {
@@ -244,7 +248,21 @@ async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>
             };
             match got {
                 Ok(Some(n)) => {
-                    let names: Vec<&str> = n.payload().split(',').collect();
+                    let mut names = BTreeSet::new();
+                    let mut take = |payload: &str| {
+                        let (origin, nodes) = store::notice(payload);
+                        if origin != Some(app.store.origin()) {
+                            names.extend(nodes.into_iter().map(str::to_owned));
+                        }
+                    };
+                    take(n.payload());
+                    while let Some(n) = listener.next_buffered() {
+                        take(n.payload());
+                    }
+                    if names.is_empty() {
+                        continue;
+                    }
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
                     match app.store.nodes_named(&names).await {
                         Ok(nodes) => nodes.into_iter().for_each(|n| app.view.upsert(n)),
                         Err(e) => tracing::debug!(error = %e, "reload of announced nodes failed"),

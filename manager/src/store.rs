@@ -100,6 +100,19 @@ pub struct CredentialRow {
 pub struct Store {
     pool: AnyPool,
     backend: Backend,
+    /// This replica's name in its notices: random per process.
+    origin: String,
+}
+
+/// A notice on `rfaas_nodes`, `<origin>:<node>,<node>...`: the replica
+/// that sent it (`None` from a replica that did not say) and the nodes
+/// that changed.
+pub fn notice(payload: &str) -> (Option<&str>, Vec<&str>) {
+    let (origin, nodes) = match payload.split_once(':') {
+        Some((origin, nodes)) => (Some(origin), nodes),
+        None => (None, payload),
+    };
+    (origin, nodes.split(',').filter(|n| !n.is_empty()).collect())
 }
 
 fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
@@ -173,7 +186,16 @@ pub fn new_id() -> u64 {
 impl Store {
     /// Wraps an open, migrated pool.
     pub fn new(pool: AnyPool, backend: Backend) -> Store {
-        Store { pool, backend }
+        Store {
+            pool,
+            backend,
+            origin: format!("{:016x}", fastrand::u64(..)),
+        }
+    }
+
+    /// The origin this replica's notices carry (see [`notice`]).
+    pub fn origin(&self) -> &str {
+        &self.origin
     }
 
     /// The backend.
@@ -187,7 +209,9 @@ impl Store {
     }
 
     /// Tells every replica that these nodes changed (PostgreSQL; on SQLite
-    /// the periodic reload covers other processes). Delivered at commit.
+    /// the periodic reload covers other processes). Delivered at commit;
+    /// the notice names this replica, which applies its own changes to its
+    /// view and need not reload them.
     async fn notify(
         &self,
         tx: &mut Transaction<'static, Any>,
@@ -195,7 +219,7 @@ impl Store {
     ) -> Result<(), DbError> {
         if self.backend == Backend::Postgres && !nodes.is_empty() {
             sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_notify('rfaas_nodes', $1)) AS sent")
-                .bind(nodes.join(","))
+                .bind(format!("{}:{}", self.origin, nodes.join(",")))
                 .execute(&mut **tx)
                 .await?;
         }
@@ -325,16 +349,20 @@ impl Store {
             .collect()
     }
 
-    /// Some nodes by name (missing ones left out).
+    /// Some nodes by name (missing ones left out), 500 to a query.
     pub async fn nodes_named(&self, names: &[&str]) -> Result<Vec<NodeView>, DbError> {
         let mut out = Vec::new();
-        for name in names {
-            if let Some(row) =
-                sqlx::query(&format!("SELECT {NODE_COLS} FROM nodes WHERE name = $1"))
-                    .bind(*name)
-                    .fetch_optional(&self.pool)
-                    .await?
-            {
+        for chunk in names.chunks(500) {
+            let marks: Vec<String> = (1..=chunk.len()).map(|k| format!("${k}")).collect();
+            let sql = format!(
+                "SELECT {NODE_COLS} FROM nodes WHERE name IN ({})",
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for name in chunk {
+                q = q.bind(*name);
+            }
+            for row in q.fetch_all(&self.pool).await? {
                 out.push(node_from_row(&row)?);
             }
         }
@@ -767,4 +795,20 @@ fn credential_from_row(row: &AnyRow) -> Result<CredentialRow, DbError> {
         expires_at: u64_col(row, "expires_at")?,
         revoked: u64_col(row, "revoked")? != 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notices_name_their_replica_and_nodes() {
+        assert_eq!(
+            notice("00ab:n1,n-2.x@y"),
+            (Some("00ab"), vec!["n1", "n-2.x@y"])
+        );
+        // From a replica that did not say who it is: reloaded by every one.
+        assert_eq!(notice("n1,n2"), (None, vec!["n1", "n2"]));
+        assert_eq!(notice("00ab:"), (Some("00ab"), vec![]));
+    }
 }

@@ -4,8 +4,8 @@
 //! The view is a cache, never the truth: a grant's conditional updates in
 //! the database decide. It is kept fresh three ways: this replica applies
 //! its own changes at once; on PostgreSQL every change is announced on the
-//! `rfaas_nodes` channel (`LISTEN/NOTIFY`) and each replica reloads the
-//! nodes named; and every `refresh_ms` each replica reloads all nodes,
+//! `rfaas_nodes` channel (`LISTEN/NOTIFY`) and each other replica reloads
+//! the nodes named; and every `refresh_ms` each replica reloads all nodes,
 //! which also covers notifications lost while a connection was down.
 
 use std::collections::HashMap;
