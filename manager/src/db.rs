@@ -191,8 +191,29 @@ pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
     let pool = AnyPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(2))
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                if backend == Backend::Sqlite {
+                    // With the write-ahead log, a commit is one append and no
+                    // fsync (synchronous=NORMAL): a killed manager loses
+                    // nothing committed; a power cut may lose the last
+                    // commits since a checkpoint, never the file's
+                    // consistency. Readers no longer wait for the writer.
+                    sqlx::query("PRAGMA synchronous = NORMAL")
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                Ok(())
+            })
+        })
         .connect(&url)
         .await?;
+    if backend == Backend::Sqlite {
+        // Recorded in the file: every connection, of every replica, uses it.
+        sqlx::query("PRAGMA journal_mode = WAL")
+            .fetch_all(&pool)
+            .await?;
+    }
     migrate(&pool, backend).await?;
     Ok(pool)
 }
