@@ -621,8 +621,20 @@ async fn release_lease(
     Path(id): Path<u64>,
 ) -> ApiResult<StatusCode> {
     let c = caller(&app, &headers).await?;
-    owned_grant(&app, &c, id).await?;
-    let ended = retrying(|| app.store.end_grant(id, LeaseState::Released, now_ms())).await?;
+    let owner = match &c {
+        Caller::Admin => None,
+        other => Some(other.subject()),
+    };
+    let ended = retrying(|| {
+        app.store
+            .end_grant_of(id, owner.as_deref(), LeaseState::Released, now_ms())
+    })
+    .await?;
+    if ended.is_empty() {
+        // Nothing of the caller's was active: say whether the grant is
+        // unknown, someone else's, or already over (not an error).
+        owned_grant(&app, &c, id).await?;
+    }
     app.view.apply(&ended, false);
     if !ended.is_empty() {
         tracing::info!(grant_id = id, by = %c.subject(), "lease released");

@@ -573,13 +573,28 @@ impl Store {
         state: LeaseState,
         now_ms: u64,
     ) -> Result<Vec<LeaseRow>, DbError> {
+        self.end_grant_of(grant_id, None, state, now_ms).await
+    }
+
+    /// As [`end_grant`](Self::end_grant), only if `owner` (when given)
+    /// holds it: a release needs no separate ownership query when it
+    /// succeeds.
+    pub async fn end_grant_of(
+        &self,
+        grant_id: u64,
+        owner: Option<&str>,
+        state: LeaseState,
+        now_ms: u64,
+    ) -> Result<Vec<LeaseRow>, DbError> {
         let mut tx = self.pool.begin().await?;
         let ended = sqlx::query(&format!(
-            "UPDATE leases SET state = $2, ended_ms = $3 WHERE grant_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
+            "UPDATE leases SET state = $2, ended_ms = $3 WHERE grant_id = $1 AND state = 'active'
+               AND ($4 = '' OR owner = $4) RETURNING {LEASE_COLS}"
         ))
         .bind(i(grant_id))
         .bind(lease_state_name(state))
         .bind(i(now_ms))
+        .bind(owner.unwrap_or(""))
         .fetch_all(&mut *tx)
         .await?
         .iter()
