@@ -123,17 +123,7 @@ TOML
 # Stops the daemon start_executord started (SIGTERM: it stops its workers;
 # SIGKILL after 5 s), by its pid.
 stop_executord() {
-    [ -n "${EXECUTORD_PID:-}" ] || return 0
-    if kill -0 "$EXECUTORD_PID" 2>/dev/null; then
-        kill -TERM "$EXECUTORD_PID" 2>/dev/null || true
-        local _i
-        for _i in $(seq 50); do
-            kill -0 "$EXECUTORD_PID" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$EXECUTORD_PID" 2>/dev/null || true
-    fi
-    wait "$EXECUTORD_PID" 2>/dev/null || true
+    stop_pid "${EXECUTORD_PID:-}"
     EXECUTORD_PID=""
 }
 

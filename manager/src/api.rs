@@ -173,6 +173,16 @@ fn node_or_admin(c: &Caller, name: &str) -> ApiResult<()> {
     }
 }
 
+fn check_memory(memory_mib: u64) -> ApiResult<()> {
+    if memory_mib == 0 || memory_mib > u64::from(u32::MAX) {
+        return Err(ApiFailure::malformed(format!(
+            "memory_mib is {memory_mib}; it must be 1 to {}",
+            u32::MAX
+        )));
+    }
+    Ok(())
+}
+
 fn check_register(r: &RegisterNode) -> ApiResult<()> {
     if r.cores == 0 || r.cores > u32::from(u16::MAX) {
         return Err(ApiFailure::malformed(format!(
@@ -180,13 +190,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
             r.cores
         )));
     }
-    if r.memory_mib == 0 || r.memory_mib > u64::from(u32::MAX) {
-        return Err(ApiFailure::malformed(format!(
-            "memory_mib is {}; it must be 1 to {}",
-            r.memory_mib,
-            u32::MAX
-        )));
-    }
+    check_memory(r.memory_mib)?;
     let addr_ok = r
         .control_addr
         .rsplit_once(':')
@@ -372,13 +376,7 @@ fn check_lease_request(app: &App, r: &LeaseRequest) -> ApiResult<u32> {
             r.cores
         )));
     }
-    if r.memory_mib == 0 || r.memory_mib > u64::from(u32::MAX) {
-        return Err(ApiFailure::malformed(format!(
-            "memory_mib is {}; it must be 1 to {}",
-            r.memory_mib,
-            u32::MAX
-        )));
-    }
+    check_memory(r.memory_mib)?;
     if r.duration_s == 0 || r.duration_s > app.settings.max_lease_s {
         return Err(ApiFailure::malformed(format!(
             "duration_s is {}; it must be 1 to {} (max_lease_s); renew a lease to keep it longer",
