@@ -565,6 +565,26 @@ impl Store {
         self.notify(tx, &names).await
     }
 
+    /// Ends the leases `update` (an `UPDATE leases ... RETURNING
+    /// {LEASE_COLS}`) marks, and gives back what they held, in one
+    /// transaction: lease rows first, then accounts and nodes (the lock
+    /// order of [`crate::db`]).
+    async fn end_leases<'q>(
+        &self,
+        update: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>,
+    ) -> Result<Vec<LeaseRow>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        let ended = update
+            .fetch_all(&mut *tx)
+            .await?
+            .iter()
+            .map(lease_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        self.give_back(&mut tx, &ended).await?;
+        tx.commit().await?;
+        Ok(ended)
+    }
+
     /// Ends grant `grant_id`'s active leases as `state`. Returns what it
     /// ended (empty if nothing was active).
     pub async fn end_grant(
@@ -586,41 +606,27 @@ impl Store {
         state: LeaseState,
         now_ms: u64,
     ) -> Result<Vec<LeaseRow>, DbError> {
-        let mut tx = self.pool.begin().await?;
-        let ended = sqlx::query(&format!(
+        let sql = format!(
             "UPDATE leases SET state = $2, ended_ms = $3 WHERE grant_id = $1 AND state = 'active'
                AND ($4 = '' OR owner = $4) RETURNING {LEASE_COLS}"
-        ))
-        .bind(i(grant_id))
-        .bind(lease_state_name(state))
-        .bind(i(now_ms))
-        .bind(owner.unwrap_or(""))
-        .fetch_all(&mut *tx)
-        .await?
-        .iter()
-        .map(lease_from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-        self.give_back(&mut tx, &ended).await?;
-        tx.commit().await?;
-        Ok(ended)
+        );
+        self.end_leases(
+            sqlx::query(&sql)
+                .bind(i(grant_id))
+                .bind(lease_state_name(state))
+                .bind(i(now_ms))
+                .bind(owner.unwrap_or("")),
+        )
+        .await
     }
 
     /// Ends every active lease that has expired at `now_s`.
     pub async fn reap_expired(&self, now_s: u64, now_ms: u64) -> Result<Vec<LeaseRow>, DbError> {
-        let mut tx = self.pool.begin().await?;
-        let ended = sqlx::query(&format!(
+        let sql = format!(
             "UPDATE leases SET state = 'expired', ended_ms = $2 WHERE state = 'active' AND expires_at <= $1 RETURNING {LEASE_COLS}"
-        ))
-        .bind(i(now_s))
-        .bind(i(now_ms))
-        .fetch_all(&mut *tx)
-        .await?
-        .iter()
-        .map(lease_from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-        self.give_back(&mut tx, &ended).await?;
-        tx.commit().await?;
-        Ok(ended)
+        );
+        self.end_leases(sqlx::query(&sql).bind(i(now_s)).bind(i(now_ms)))
+            .await
     }
 
     /// Marks nodes silent since before `cut_ms` lost, then ends the leases
@@ -646,19 +652,11 @@ impl Store {
         tx.commit().await?;
 
         // Lease rows before node rows: a second transaction.
-        let mut tx = self.pool.begin().await?;
-        let ended = sqlx::query(&format!(
+        let sql = format!(
             "UPDATE leases SET state = 'lost', ended_ms = $1 WHERE state = 'active'
                AND node IN (SELECT name FROM nodes WHERE lost = 1) RETURNING {LEASE_COLS}"
-        ))
-        .bind(i(now_ms))
-        .fetch_all(&mut *tx)
-        .await?
-        .iter()
-        .map(lease_from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-        self.give_back(&mut tx, &ended).await?;
-        tx.commit().await?;
+        );
+        let ended = self.end_leases(sqlx::query(&sql).bind(i(now_ms))).await?;
         Ok((lost, ended))
     }
 
