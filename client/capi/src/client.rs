@@ -291,18 +291,7 @@ pub unsafe extern "C" fn rfaas_allocate_file(
     call(CALL, || {
         let library = || {
             // SAFETY: NULL or a C string (caller's promise).
-            let path = unsafe { str_arg(CALL, "library_path", library_path) }?;
-            let bytes = std::fs::read(path).map_err(|e| Failure {
-                status: rfaas_status::RFAAS_ERR_IO,
-                message: format!("{CALL}: cannot read the function library {path}: {e}"),
-                next: rfaas_next::RFAAS_NEXT_FIX,
-                allocation_usable: false,
-                signal: 0,
-            })?;
-            let name = Path::new(path)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned());
-            Ok((bytes, name))
+            unsafe { read_library_file(CALL, library_path) }
         };
         // SAFETY: the caller's promises, passed on.
         unsafe {
@@ -320,6 +309,31 @@ pub unsafe extern "C" fn rfaas_allocate_file(
         // A failed allocation leaves none to use.
         .map_err(Failure::no_allocation)
     })
+}
+
+/// Reads the function library at `library_path`: its bytes and its file
+/// name (which the executor shows in its logs).
+///
+/// # Safety
+///
+/// `library_path` is NULL or a C string.
+pub(crate) unsafe fn read_library_file(
+    call: &str,
+    library_path: *const c_char,
+) -> Result<(Vec<u8>, Option<String>), Failure> {
+    // SAFETY: the caller's promise, passed on.
+    let path = unsafe { str_arg(call, "library_path", library_path) }?;
+    let bytes = std::fs::read(path).map_err(|e| Failure {
+        status: rfaas_status::RFAAS_ERR_IO,
+        message: format!("{call}: cannot read the function library {path}: {e}"),
+        next: rfaas_next::RFAAS_NEXT_FIX,
+        allocation_usable: false,
+        signal: 0,
+    })?;
+    let name = Path::new(path)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned());
+    Ok((bytes, name))
 }
 
 /// Sets `*index` to the function table index of `name`; fails with

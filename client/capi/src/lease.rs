@@ -2,7 +2,6 @@
 //! manager, with the Rust library's backoff and failover.
 
 use std::ffi::{c_char, CString};
-use std::path::Path;
 use std::time::Duration;
 
 use ::rfaas_client::lease::{Lease, Managers};
@@ -12,7 +11,6 @@ use rfaas_proto::manager::LeaseRequest;
 use crate::client::{allocate, rfaas_allocation, rfaas_client, Held};
 use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, str_arg, Failure};
 use crate::options::rfaas_alloc_options;
-use crate::status::rfaas_next;
 use crate::status::rfaas_status::{self, RFAAS_OK};
 
 /// The resource manager replicas a job asks for leases, and its
@@ -326,18 +324,7 @@ pub unsafe extern "C" fn rfaas_leased_allocate(
         let m = unsafe { ref_arg(CALL, "managers", managers) }.map_err(Failure::no_allocation)?;
         let library = || {
             // SAFETY: NULL or a C string (caller's promise).
-            let path = unsafe { str_arg(CALL, "library_path", library_path) }?;
-            let bytes = std::fs::read(path).map_err(|e| Failure {
-                status: rfaas_status::RFAAS_ERR_IO,
-                message: format!("{CALL}: cannot read the function library {path}: {e}"),
-                next: rfaas_next::RFAAS_NEXT_FIX,
-                allocation_usable: false,
-                signal: 0,
-            })?;
-            let name = Path::new(path)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned());
-            Ok((bytes, name))
+            unsafe { crate::client::read_library_file(CALL, library_path) }
         };
         let options = LeaseOptions::default()
             .deadline(Duration::from_millis(deadline_ms))
