@@ -33,6 +33,7 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$repo/scripts/lib.sh"
 schemathesis_version=4.32.5
 examples=${FUZZ_API_EXAMPLES:-100}
 seed=${FUZZ_API_SEED:-20240611}
@@ -61,12 +62,9 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/rfaas-fuzz-api.XXXXXX")
 chmod 0755 "$work"
 manager_pid=""
 pg_dir=""
-stop_manager() {
-    if [ -n "$manager_pid" ]; then
-        kill -TERM "$manager_pid" 2>/dev/null || true
-        wait "$manager_pid" 2>/dev/null || true
-        manager_pid=""
-    fi
+stop_fuzzed_manager() {
+    stop_pid "$manager_pid"
+    manager_pid=""
 }
 stop_postgres() {
     if [ -n "$pg_dir" ]; then
@@ -75,7 +73,7 @@ stop_postgres() {
     fi
 }
 cleanup() {
-    stop_manager
+    stop_fuzzed_manager
     stop_postgres
     rm -rf "$work"
 }
@@ -138,13 +136,8 @@ TOML
     "$bin/rfaas-manager" --config "$dir/manager.toml" </dev/null \
         >"$dir/manager.out" 2>"$dir/manager.log" &
     manager_pid=$!
-    url=""
-    for _ in $(seq 300); do
-        url=$(sed -n 's/^rfaas-manager listening on \(.*\)$/http:\/\/\1/p' "$dir/manager.out")
-        [ -n "$url" ] && break
-        kill -0 "$manager_pid" 2>/dev/null || break
-        sleep 0.1
-    done
+    url=$(await_line "$manager_pid" "$dir/manager.out" \
+        's/^rfaas-manager listening on \(.*\)$/http:\/\/\1/p')
     if [ -z "$url" ]; then
         echo "fuzz-manager-api: rfaas-manager did not start on $backend; its log:" >&2
         cat "$dir/manager.log" >&2
@@ -187,7 +180,7 @@ TOML
         echo "fuzz-manager-api: the manager's log tail ($backend):" >&2
         tail -n 40 "$dir/manager.log" >&2
     fi
-    stop_manager
+    stop_fuzzed_manager
     stop_postgres
     return "$status"
 }

@@ -69,6 +69,20 @@ repo_root() {
     cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd
 }
 
+# Prints what the sed expression EXPR extracts from the first line of FILE
+# it matches, once process PID has written it: waits up to 30 s, and prints
+# nothing if PID ends or the time passes first.
+#   await_line PID FILE EXPR
+await_line() {
+    local pid=$1 file=$2 expr=$3 got _i
+    for _i in $(seq 300); do
+        got=$(sed -n "$expr" "$file" | head -n 1)
+        [ -n "$got" ] && { printf '%s\n' "$got"; return 0; }
+        kill -0 "$pid" 2>/dev/null || return 0
+        sleep 0.1
+    done
+}
+
 # Starts rfaas-executord on loopback with its files in a work directory.
 #   start_executord BIN_DIR WORK_DIR [EXTRA_TOML_LINES]
 # BIN_DIR holds rfaas-executord, rfaas-worker and rfaas-token. Sets
@@ -104,14 +118,8 @@ TOML
     "$bin/rfaas-executord" --config "$work/executord.toml" \
         </dev/null >"$work/executord.out" 2>"$work/executord.log" &
     EXECUTORD_PID=$!
-    EXECUTORD_CONTROL=""
-    local _i
-    for _i in $(seq 300); do
-        EXECUTORD_CONTROL=$(sed -n 's/^rfaas-executord ready control=\([^ ]*\) .*/\1/p' "$work/executord.out")
-        [ -n "$EXECUTORD_CONTROL" ] && break
-        kill -0 "$EXECUTORD_PID" 2>/dev/null || break
-        sleep 0.1
-    done
+    EXECUTORD_CONTROL=$(await_line "$EXECUTORD_PID" "$work/executord.out" \
+        's/^rfaas-executord ready control=\([^ ]*\) .*/\1/p')
     if [ -z "$EXECUTORD_CONTROL" ]; then
         echo "rfaas-executord did not print its ready line within 30 s; its log:" >&2
         tail -n 40 "$work/executord.log" >&2
@@ -149,13 +157,9 @@ start_manager() {
         </dev/null >"$MANAGER_DIR/manager.out" 2>"$MANAGER_DIR/manager.log" &
     MANAGER_PID=$!
     MANAGER_URL=""
-    local _i addr
-    for _i in $(seq 300); do
-        addr=$(sed -n 's/^rfaas-manager listening on \(.*\)$/\1/p' "$MANAGER_DIR/manager.out")
-        [ -n "$addr" ] && break
-        kill -0 "$MANAGER_PID" 2>/dev/null || break
-        sleep 0.1
-    done
+    local addr
+    addr=$(await_line "$MANAGER_PID" "$MANAGER_DIR/manager.out" \
+        's/^rfaas-manager listening on \(.*\)$/\1/p')
     if [ -z "$addr" ]; then
         echo "rfaas-manager did not start within 30 s; its log:" >&2
         tail -n 40 "$MANAGER_DIR/manager.log" >&2
