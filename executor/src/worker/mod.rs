@@ -227,12 +227,18 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
     };
     EXPIRES_AT.store(assignment.expires_at, Ordering::Relaxed);
     ipc::send_frame(&control, &Frame::new(&ready, vec![]), None).map_err(ControlError::Io)?;
+    // It only reads and echoes small frames: a small stack, which counts
+    // against the allocation's memory under RLIMIT_AS like any mapping.
     thread::Builder::new()
         .name("rfaas-control".into())
+        .stack_size(CONTROL_STACK)
         .spawn(move || follow_expiry(&control))
         .map_err(|e| internal(format!("cannot start the control thread: {e}")))?;
     serve(&assignment, prepared)
 }
+
+/// The stack of the thread that follows lease renewals.
+const CONTROL_STACK: usize = 128 << 10;
 
 /// Applies and echoes every [`ExpiryMoved`] from the daemon until the
 /// socket ends (the daemon is gone, and the parent-death signal follows)
