@@ -396,11 +396,7 @@ impl Row {
                 ratio,
                 of,
                 target_min,
-            } => {
-                let target = target_min.map(|t| format!(", target >= {t}"));
-                let note = format!("{of}{}", target.unwrap_or_default());
-                (dash(), dash(), format!("x {ratio:.2}"), Some(note))
-            }
+            } => ratio_cells(*ratio, of, *target_min),
             Measure::Service {
                 latency, ops_per_s, ..
             } => (
@@ -456,11 +452,7 @@ impl Row {
                 ratio,
                 of,
                 target_min,
-            } => {
-                let target = target_min.map(|t| format!(", target >= {t}"));
-                let note = format!("{of}{}", target.unwrap_or_default());
-                (dash(), dash(), format!("x {ratio:.2}"), Some(note))
-            }
+            } => ratio_cells(*ratio, of, *target_min),
             _ => (dash(), dash(), dash(), None),
         };
         let mut line = format!(
@@ -688,6 +680,23 @@ fn size(bytes: u64) -> String {
         b if b >= KIB && b % KIB == 0 => format!("{} KiB", b / KIB),
         b => format!("{b} B"),
     }
+}
+
+/// A ratio row's cells in a table: no latency, the ratio, and what it is
+/// of with its target.
+fn ratio_cells(
+    ratio: f64,
+    of: &str,
+    target_min: Option<f64>,
+) -> (String, String, String, Option<String>) {
+    let target = target_min.map(|t| format!(", target >= {t}"));
+    let note = format!("{of}{}", target.unwrap_or_default());
+    (
+        "-".to_owned(),
+        "-".to_owned(),
+        format!("x {ratio:.2}"),
+        Some(note),
+    )
 }
 
 #[cfg(test)]
