@@ -406,6 +406,7 @@ fn node_lease(app: &App, l: &LeaseRow) -> NodeLease {
         memory_mib: l.view.memory_mib.min(u64::from(u32::MAX)) as u32,
         issued_at: l.view.issued_at,
         expires_at: l.view.expires_at,
+        billing: None,
     };
     NodeLease {
         lease_id: l.view.lease_id,
@@ -418,6 +419,7 @@ fn node_lease(app: &App, l: &LeaseRow) -> NodeLease {
         cores: l.view.cores,
         memory_mib: l.view.memory_mib,
         token: app.signer.sign(&claims),
+        billing: claims.billing.clone(),
     }
 }
 

@@ -93,6 +93,10 @@ pub struct LeaseClaims {
     pub issued_at: u64,
     /// When the lease ends, Unix seconds; the token is refused from then on.
     pub expires_at: u64,
+    /// Where the executor adds the lease's usage; none for a lease nobody
+    /// bills (minted by hand, or no accounting service was up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub billing: Option<crate::accounting::BillingSlot>,
 }
 
 /// Why a token was refused. Every variant's message says what to do.
@@ -563,6 +567,7 @@ mod tests {
             memory_mib: 512,
             issued_at: 1_000,
             expires_at: 2_000,
+            billing: None,
         }
     }
 

@@ -19,6 +19,8 @@
 //! - [`control`]: the control channel (allocation between client and
 //!   executor, the daemon and its workers, node tools and the daemon):
 //!   JSON messages behind a 16-byte frame header.
+//! - [`accounting`]: the counter region of an accounting service, the slot
+//!   a lease's usage is added into, and the hello executors say to it.
 //! - [`lease`]: lease tokens, claims signed with Ed25519, and their key
 //!   files.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the
@@ -122,6 +124,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod accounting;
 pub mod control;
 pub mod error;
 pub mod header;

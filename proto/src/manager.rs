@@ -198,6 +198,9 @@ pub struct NodeLease {
     pub memory_mib: u64,
     /// The signed lease token the daemon checks.
     pub token: String,
+    /// Where its usage is counted (also inside the token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub billing: Option<crate::accounting::BillingSlot>,
 }
 
 /// A grant: one or more node leases under one id.

@@ -288,6 +288,7 @@ impl Executord {
             memory_mib,
             issued_at: now,
             expires_at: now + ttl.as_secs(),
+            billing: None,
         }
     }
 

@@ -146,6 +146,7 @@ fn main() -> anyhow::Result<ExitCode> {
                 memory_mib,
                 issued_at: now,
                 expires_at: now.saturating_add(ttl_secs),
+                billing: None,
             };
             println!("{}", signer.sign(&claims));
             Ok(ExitCode::SUCCESS)
