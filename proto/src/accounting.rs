@@ -55,12 +55,16 @@
 //! # Hello
 //!
 //! An accounting service's fabric listener takes connections from anyone
-//! who can reach it. A daemon's first operation on a connection is a
-//! write-with-immediate of an [`AccountingHello`] ([`AccountingHello::LEN`]
-//! bytes) to offset 0 of the service's hello buffer, with the immediate
-//! [`HELLO_IMM`]. It carries the node's credential (the one it registers
-//! with the manager under) and where the answer goes. The service answers
-//! with a write-with-immediate of an [`AccountingReply`]
+//! who can reach it, and a daemon knows nothing of the service's memory
+//! before the hello, so the hello travels in immediates: a daemon's first
+//! [`HELLO_IMMS`] operations on a connection are zero-length
+//! writes-with-immediate (to no address) whose immediates carry the
+//! [`AccountingHello`]'s [`AccountingHello::LEN`] bytes, four at a time,
+//! little-endian, in order ([`AccountingHello::to_imms`],
+//! [`AccountingHello::from_imms`]). The first immediate is [`HELLO_IMM`]
+//! (the magic). The hello carries the node's credential (the one it
+//! registers with the manager under) and where the answer goes. The service
+//! answers with a write-with-immediate of an [`AccountingReply`]
 //! ([`AccountingReply::LEN`] bytes, immediate [`REPLY_IMM`]) to that
 //! address; only an accepted reply names the region's address and rkey,
 //! which the service gives to nobody else. The service drops a connection
@@ -99,11 +103,14 @@ const REGION_MAGIC: [u8; 8] = *b"RFAACCT1";
 const HELLO_MAGIC: [u8; 4] = *b"RFAH";
 const REPLY_MAGIC: [u8; 4] = *b"RFAR";
 
-/// The immediate of an [`AccountingHello`].
+/// The first immediate of an [`AccountingHello`] (its magic).
 pub const HELLO_IMM: u32 = u32::from_le_bytes(HELLO_MAGIC);
 
 /// The immediate of an [`AccountingReply`].
 pub const REPLY_IMM: u32 = u32::from_le_bytes(REPLY_MAGIC);
+
+/// Immediates that carry one [`AccountingHello`].
+pub const HELLO_IMMS: usize = AccountingHello::LEN / 4;
 
 /// The longest credential a hello carries, in bytes.
 pub const MAX_CREDENTIAL_LEN: usize = AccountingHello::LEN - 24;
@@ -456,6 +463,34 @@ impl AccountingHello {
         Ok(())
     }
 
+    /// The hello as the [`HELLO_IMMS`] immediates that carry it.
+    ///
+    /// # Errors
+    ///
+    /// As [`encode`](Self::encode).
+    pub fn to_imms(&self) -> Result<[u32; HELLO_IMMS], AccountingFormatError> {
+        let mut b = [0u8; Self::LEN];
+        self.encode(&mut b)?;
+        let mut imms = [0u32; HELLO_IMMS];
+        for (imm, four) in imms.iter_mut().zip(b.chunks_exact(4)) {
+            *imm = u32::from_le_bytes(four.try_into().expect("4 bytes"));
+        }
+        Ok(imms)
+    }
+
+    /// Reads a hello from the immediates that carried it.
+    ///
+    /// # Errors
+    ///
+    /// As [`decode`](Self::decode).
+    pub fn from_imms(imms: &[u32; HELLO_IMMS]) -> Result<AccountingHello, AccountingFormatError> {
+        let mut b = [0u8; Self::LEN];
+        for (four, imm) in b.chunks_exact_mut(4).zip(imms) {
+            four.copy_from_slice(&imm.to_le_bytes());
+        }
+        Self::decode(&b)
+    }
+
     /// Reads a hello.
     ///
     /// # Errors
@@ -756,6 +791,13 @@ mod tests {
         assert!(b[40..].iter().all(|&x| x == 0));
         assert_eq!(AccountingHello::decode(&b).unwrap(), h);
         assert_eq!(HELLO_IMM, u32::from_le_bytes(*b"RFAH"));
+        let imms = h.to_imms().unwrap();
+        assert_eq!(imms.len(), 64);
+        assert_eq!(imms[0], HELLO_IMM);
+        assert_eq!(imms[1], 1);
+        assert_eq!(imms[2], 0x5566_7788);
+        assert_eq!(imms[6], u32::from_le_bytes(*b"rfaa"));
+        assert_eq!(AccountingHello::from_imms(&imms).unwrap(), h);
         assert!(!format!("{h:?}").contains("s3cret"));
 
         let mut bad = b;
