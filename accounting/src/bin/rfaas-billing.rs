@@ -1,0 +1,353 @@
+//! `rfaas-billing`: what rfaas leases used and cost, in the style of
+//! `sacct` and `sreport`, and the accounts' budgets.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use rfaas_accounting::rates::{self, BillingConfig};
+use rfaas_accounting::report::format::{self, Output, Sheet, MONEY_DECIMALS};
+use rfaas_accounting::report::{budgets, group, query, time, BillingError, Filters, Key, Period};
+use serde_json::{json, Map};
+
+/// Report the usage and cost of rfaas leases per user, account, job, node
+/// or lease over a period, and set the budgets the manager enforces.
+///
+/// Times are local, as in sacct: YYYY-MM-DD, YYYY-MM-DDTHH:MM[:SS], today,
+/// now, now-N[seconds|minutes|hours|days|weeks]. The period runs from
+/// --starttime (default: 00:00 today; with --jobs, the beginning) to
+/// --endtime (default: now), and its edges are as fine as the accounting
+/// service's snapshot interval.
+///
+/// Exit status: 0 done, 1 a query failed, 2 a wrong command line (a time,
+/// a field, an amount), 3 a bad configuration, 4 an unknown user, account
+/// or job, 5 the database cannot be reached.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// The period's start (included).
+    #[arg(long, short = 'S', value_name = "TIME")]
+    starttime: Option<String>,
+    /// The period's end (excluded).
+    #[arg(long, short = 'E', value_name = "TIME")]
+    endtime: Option<String>,
+    /// Only these users' leases (comma list).
+    #[arg(long, short, value_name = "USER", value_delimiter = ',')]
+    user: Vec<String>,
+    /// Only these accounts' leases (comma list).
+    #[arg(long, short = 'A', value_name = "ACCOUNT", value_delimiter = ',')]
+    account: Vec<String>,
+    /// Only leases of these batch jobs (comma list of job ids).
+    #[arg(long, short, value_name = "JOB", value_delimiter = ',')]
+    jobs: Vec<u64>,
+    /// Rows are totals by user, account, job, node or lease, or by a comma
+    /// list of them (account,user: a row per user in each account).
+    /// Default: account.
+    #[arg(long, value_name = "KEYS")]
+    by: Option<String>,
+    /// The fields to print (comma list, any case): User, Account, JobID,
+    /// Node, Lease, Harvested, Leases, AllocGiBSec, ComputeSec, HotPollSec,
+    /// WarmSec, Invocations, BytesIn, BytesOut, Cost. Default: the --by
+    /// keys, then AllocGiBSec to Cost without Leases and WarmSec.
+    #[arg(long, short = 'o', value_name = "FIELDS")]
+    format: Option<String>,
+    /// The database: sqlite:///path/file.db or postgres://user@host/db.
+    /// Default: `database` in the billing configuration, else the
+    /// manager's (/etc/rfaas/manager.toml, else its default).
+    #[arg(long, value_name = "URL", global = true)]
+    database: Option<String>,
+    /// The billing configuration (currency, rates, budgets).
+    #[arg(long, value_name = "FILE", global = true, default_value = rates::DEFAULT_CONFIG)]
+    config: PathBuf,
+    /// `|` between fields, none at the end of a line.
+    #[arg(long, short = 'P', global = true, conflicts_with_all = ["csv", "json"])]
+    parsable2: bool,
+    /// Comma-separated values.
+    #[arg(long, global = true, conflicts_with = "json")]
+    csv: bool,
+    /// One JSON document.
+    #[arg(long, global = true)]
+    json: bool,
+    /// No title and no header line.
+    #[arg(long, short = 'n', global = true)]
+    noheader: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// The budgets the manager enforces: an account whose spend has
+    /// reached its budget gets no new lease.
+    Budget {
+        #[command(subcommand)]
+        op: BudgetOp,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BudgetOp {
+    /// Set an account's budget.
+    Set {
+        /// The account.
+        account: String,
+        /// The budget, in the configuration's currency.
+        amount: f64,
+    },
+    /// List budgets, spend and what remains.
+    List {
+        /// Only these accounts (comma list).
+        #[arg(long, short = 'A', value_name = "ACCOUNT", value_delimiter = ',')]
+        account: Vec<String>,
+    },
+    /// Remove an account's budget: its leases are no longer refused for
+    /// spend.
+    Clear {
+        /// The account.
+        account: String,
+    },
+    /// Write the configuration's [budgets] into the database (budgets it
+    /// does not name stay as they are).
+    Sync,
+}
+
+impl Args {
+    /// Refuses the report's options with a budget command, which would
+    /// silently ignore them.
+    fn check_report_options(&self) -> Result<(), BillingError> {
+        let given = [
+            ("--starttime", self.starttime.is_some()),
+            ("--endtime", self.endtime.is_some()),
+            ("--user", !self.user.is_empty()),
+            ("--account", !self.account.is_empty()),
+            ("--jobs", !self.jobs.is_empty()),
+            ("--by", self.by.is_some()),
+            ("--format", self.format.is_some()),
+        ];
+        match given.iter().find(|g| g.1) {
+            Some((flag, _)) if self.command.is_some() => Err(BillingError::Usage(format!(
+                "{flag} is an option of reports, not of budget commands"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn output(&self) -> Output {
+        if self.parsable2 {
+            Output::Parsable2
+        } else if self.csv {
+            Output::Csv
+        } else if self.json {
+            Output::Json
+        } else {
+            Output::Table
+        }
+    }
+
+    /// The billing configuration.
+    fn billing(&self) -> Result<BillingConfig, BillingError> {
+        Ok(BillingConfig::load(&self.config)?)
+    }
+
+    /// The billing configuration if given or present: a command that only
+    /// prints its currency does without the default file.
+    fn billing_if_any(&self) -> Result<Option<BillingConfig>, BillingError> {
+        if self.config == Path::new(rates::DEFAULT_CONFIG) && !self.config.exists() {
+            return Ok(None);
+        }
+        self.billing().map(Some)
+    }
+
+    /// The database URL: `--database`, else billing.toml's, else the
+    /// manager's.
+    fn database(&self, billing: Option<&BillingConfig>) -> Result<String, BillingError> {
+        if let Some(url) = &self.database {
+            return Ok(url.clone());
+        }
+        if let Some(url) = billing.and_then(|b| b.database.clone()) {
+            return Ok(url);
+        }
+        use rfaas_manager::config::{FileConfig, DEFAULT_CONFIG};
+        let manager = Path::new(DEFAULT_CONFIG);
+        let file = if manager.exists() {
+            FileConfig::load(manager).map_err(|e| {
+                BillingError::ManagerConfig(format!(
+                    "{e}; it is read for its database, which --database overrides"
+                ))
+            })?
+        } else {
+            FileConfig::default()
+        };
+        file.settings()
+            .map(|s| s.database)
+            .map_err(|e| BillingError::ManagerConfig(format!("{DEFAULT_CONFIG}: {e}")))
+    }
+}
+
+async fn report(args: &Args) -> Result<String, BillingError> {
+    let billing = args.billing()?;
+    let now_ms = rfaas_manager::now_ms();
+    let at = |flag: &str, input: &str| {
+        time::parse(input, now_ms).map_err(|e| BillingError::Usage(format!("{flag}: {e}")))
+    };
+    let start_ms = match &args.starttime {
+        Some(s) => at("--starttime", s)?,
+        // As sacct: jobs are looked up over all time.
+        None if !args.jobs.is_empty() => 0,
+        None => time::start_of_day(now_ms).unwrap_or(0),
+    };
+    let end_ms = match &args.endtime {
+        Some(e) => at("--endtime", e)?,
+        None => now_ms,
+    };
+    if start_ms >= end_ms {
+        return Err(BillingError::Usage(format!(
+            "the period is empty: --starttime {} is not before --endtime {}",
+            time::local(start_ms),
+            time::local(end_ms)
+        )));
+    }
+    let by = Key::parse_list(args.by.as_deref().unwrap_or("account"))?;
+    let fields = match &args.format {
+        Some(list) => format::parse_fields(list, &by)?,
+        None => format::default_fields(&by),
+    };
+    let filters = Filters {
+        users: args.user.clone(),
+        accounts: args.account.clone(),
+        jobs: args.jobs.clone(),
+    };
+    let pool = query::connect(&args.database(Some(&billing))?).await?;
+    query::check_known(&pool, &filters).await?;
+    let period = Period { start_ms, end_ms };
+    let leases = query::lease_usage(&pool, period, &filters, now_ms).await?;
+    let rows = group(&leases, &by, &billing.rates);
+    let by_names: Vec<&str> = by.iter().map(|k| k.name()).collect();
+    let title = format!(
+        "Usage by {}, {} - {} ({} s), costs in {}",
+        by_names.join(","),
+        time::local(start_ms),
+        time::local(end_ms),
+        (end_ms - start_ms) / 1000,
+        billing.currency
+    );
+    let mut meta = Map::new();
+    meta.insert("start".into(), json!(time::rfc3339(start_ms)));
+    meta.insert("end".into(), json!(time::rfc3339(end_ms)));
+    meta.insert("currency".into(), json!(billing.currency));
+    meta.insert("by".into(), json!(by_names));
+    Ok(Sheet::report(title, &fields, &rows, meta).render(args.output(), !args.noheader))
+}
+
+fn money(v: f64, currency: Option<&str>) -> String {
+    match currency {
+        Some(c) => format!("{v:.MONEY_DECIMALS$} {c}"),
+        None => format!("{v:.MONEY_DECIMALS$}"),
+    }
+}
+
+async fn budget(args: &Args, op: &BudgetOp) -> Result<String, BillingError> {
+    let billing = match op {
+        BudgetOp::Sync => Some(args.billing()?),
+        _ => args.billing_if_any()?,
+    };
+    let currency = billing.as_ref().map(|b| b.currency.as_str());
+    if let BudgetOp::Set { amount, .. } = op {
+        if !rates::valid_budget(*amount) {
+            return Err(BillingError::Usage(format!(
+                "budget set: {amount} is not a budget; give a number of 0 or more"
+            )));
+        }
+    }
+    let pool = query::connect(&args.database(billing.as_ref())?).await?;
+    let now_ms = rfaas_manager::now_ms();
+    Ok(match op {
+        BudgetOp::Set { account, amount } => {
+            let was = budgets::set(&pool, account, *amount, now_ms).await?;
+            let known = Filters {
+                accounts: vec![account.clone()],
+                ..Filters::default()
+            };
+            match query::check_known(&pool, &known).await {
+                Err(BillingError::Unknown(_)) => eprintln!(
+                    "rfaas-billing: note: no lease was charged to account {account:?} yet; check the name if one should have been"
+                ),
+                other => other?,
+            }
+            format!(
+                "account {account}: budget {} (was {})\n",
+                money(*amount, currency),
+                was.map_or("none".into(), |w| money(w, currency))
+            )
+        }
+        BudgetOp::Clear { account } => {
+            let was = budgets::clear(&pool, account).await?;
+            format!(
+                "account {account}: no budget (was {})\n",
+                money(was, currency)
+            )
+        }
+        BudgetOp::List { account } => {
+            budgets::sheet(&budgets::list(&pool, account).await?, currency)
+                .render(args.output(), !args.noheader)
+        }
+        BudgetOp::Sync => {
+            let budgets = billing
+                .as_ref()
+                .map(|b| b.budgets.clone())
+                .unwrap_or_default();
+            let mut text = String::new();
+            for (account, amount, was) in budgets::sync(&pool, &budgets, now_ms).await? {
+                let was = match was {
+                    Some(w) if w == amount => "unchanged".into(),
+                    Some(w) => format!("was {}", money(w, currency)),
+                    None => "was none".into(),
+                };
+                text.push_str(&format!(
+                    "account {account}: budget {} ({was})\n",
+                    money(amount, currency)
+                ));
+            }
+            if text.is_empty() {
+                text = format!(
+                    "{} has no [budgets]; nothing to write\n",
+                    args.config.display()
+                );
+            }
+            text
+        }
+    })
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("rfaas-billing: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let done = runtime.block_on(async {
+        match &args.command {
+            None => report(&args).await,
+            Some(Command::Budget { op }) => match args.check_report_options() {
+                Ok(()) => budget(&args, op).await,
+                Err(e) => Err(e),
+            },
+        }
+    });
+    match done {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("rfaas-billing: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
