@@ -866,6 +866,7 @@ async fn raw_phase(
                     memory_mib: GRANT_MEMORY_MIB,
                     issued_at: now,
                     expires_at: now + GRANT_DURATION_S,
+                    job_id: None,
                 };
                 let t0 = Instant::now();
                 let grant_id = match retrying(|| store.grant(&plan)).await.map_err(raw_err)? {

@@ -463,6 +463,7 @@ async fn request_lease(
         memory_mib: body.memory_mib,
         issued_at: now,
         expires_at: now + body.duration_s,
+        job_id: None,
     };
     let mut outcome = retrying(|| app.store.grant(&plan)).await?;
     if outcome == GrantOutcome::NoCapacity {

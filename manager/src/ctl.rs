@@ -299,6 +299,7 @@ pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
         ("MEMORY(MiB)", true),
         ("LEASED_MIB", true),
         ("LAST_HEARTBEAT", false),
+        ("HARVESTED", false),
         ("ADDRESS", false),
     ]);
     for n in nodes {
@@ -310,10 +311,15 @@ pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
             n.memory_mib.to_string(),
             n.leased_memory_mib.to_string(),
             heartbeat_age(n.last_heartbeat_ms, now_ms),
+            yes_no(n.harvested),
             n.control_addr.clone(),
         ]);
     }
     t.render()
+}
+
+fn yes_no(v: bool) -> String {
+    if v { "yes" } else { "no" }.into()
 }
 
 fn heartbeat_age(last_ms: u64, now_ms: u64) -> String {
@@ -349,6 +355,7 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
         format!("{} MiB ({} MiB leased)", n.memory_mib, n.leased_memory_mib),
     );
     line("last heartbeat", heartbeat_age(n.last_heartbeat_ms, now_ms));
+    line("harvested", yes_no(n.harvested));
     t
 }
 
@@ -489,15 +496,16 @@ mod tests {
             leased_cores: 1,
             leased_memory_mib: 64,
             last_heartbeat_ms: 95_000,
+            harvested: cores > 64,
         };
         let text = nodes_table(&[node("node10", 128), node("n1", 4)], 100_000);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines,
             [
-                "NAME    STATE    CORES  LEASED  MEMORY(MiB)  LEASED_MIB  LAST_HEARTBEAT  ADDRESS",
-                "n1      drained      4       1         4096          64  5s ago          10.0.0.1:7100",
-                "node10  drained    128       1         4096          64  5s ago          10.0.0.1:7100",
+                "NAME    STATE    CORES  LEASED  MEMORY(MiB)  LEASED_MIB  LAST_HEARTBEAT  HARVESTED  ADDRESS",
+                "n1      drained      4       1         4096          64  5s ago          no         10.0.0.1:7100",
+                "node10  drained    128       1         4096          64  5s ago          yes        10.0.0.1:7100",
             ]
         );
     }

@@ -14,7 +14,7 @@ use sqlx::{Any, AnyPool, Row, Transaction};
 use crate::db::{i, text_col, u64_col, Backend, DbError};
 
 /// The columns of a node, in the order [`node_from_row`] reads them.
-const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms";
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested";
 
 /// The columns of a lease, in the order [`lease_from_row`] reads them.
 const LEASE_COLS: &str =
@@ -53,6 +53,8 @@ pub struct GrantPlan {
     pub issued_at: u64,
     /// Unix seconds.
     pub expires_at: u64,
+    /// The batch job the leases serve, if known.
+    pub job_id: Option<u64>,
 }
 
 /// A grant's outcome.
@@ -137,6 +139,7 @@ fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
         leased_cores: u64_col(row, "leased_cores")? as u32,
         leased_memory_mib: u64_col(row, "leased_memory_mib")?,
         last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
+        harvested: u64_col(row, "harvested")? != 0,
     })
 }
 
@@ -242,11 +245,12 @@ impl Store {
         let providers = serde_json::to_string(&r.providers).expect("providers serialise");
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
-            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms)
-             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7)
+            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested)
+             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8)
              ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, providers = excluded.providers,
                 cores = excluded.cores, memory_mib = excluded.memory_mib, version = excluded.version,
-                registered_ms = excluded.registered_ms, last_heartbeat_ms = excluded.last_heartbeat_ms
+                registered_ms = excluded.registered_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
+                harvested = excluded.harvested
              RETURNING {NODE_COLS}"
         ))
         .bind(name)
@@ -256,6 +260,7 @@ impl Store {
         .bind(i(r.memory_mib))
         .bind(&r.version)
         .bind(i(now_ms))
+        .bind(i64::from(r.harvested))
         .fetch_one(&mut *tx)
         .await?;
         let node = node_from_row(&row)?;
@@ -483,8 +488,12 @@ impl Store {
                 expires_at: plan.expires_at,
                 state: LeaseState::Active,
             };
+            // `harvested` is the node's, for the accounting service's
+            // discount.
             sqlx::query(&format!(
-                "INSERT INTO leases ({LEASE_COLS}, ended_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'active', 0)"
+                "INSERT INTO leases ({LEASE_COLS}, ended_ms, job_id, harvested)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'active', 0, $11,
+                    (SELECT harvested FROM nodes WHERE name = $3))"
             ))
             .bind(i(view.lease_id))
             .bind(i(grant_id))
@@ -496,6 +505,7 @@ impl Store {
             .bind(i(view.memory_mib))
             .bind(i(view.issued_at))
             .bind(i(view.expires_at))
+            .bind(plan.job_id.map(i))
             .execute(&mut *tx)
             .await?;
             leases.push(LeaseRow {

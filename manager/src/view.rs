@@ -117,6 +117,7 @@ mod tests {
             leased_cores: leased,
             leased_memory_mib: 0,
             last_heartbeat_ms: 0,
+            harvested: false,
         }
     }
 

@@ -489,6 +489,10 @@ fn openapi_document_and_metrics() {
         );
     }
     assert!(doc["components"]["schemas"]["LeaseRequest"].is_object());
+    assert!(
+        doc["components"]["schemas"]["RegisterNode"]["properties"]["harvested"].is_object(),
+        "{doc}"
+    );
     let (s, h) = open.call("GET", "/healthz", None);
     assert_eq!((s, h["status"].as_str()), (200, Some("ok")));
     let (s, text) = open.call("GET", "/metrics", None);

@@ -29,8 +29,17 @@ fn credential_file(m: &Manager, name: &str) -> PathBuf {
     path
 }
 
-/// An executord named `name` on `cpus`, registering with `managers`.
-fn executord(name: &str, cpus: &str, managers: &[&Manager], cred: &Path, extra: &str) -> Executord {
+/// An executord named `name` on `cpus`, registering with `managers`;
+/// `extra` is top-level configuration, `manager_extra` more of its
+/// `[manager]` table.
+fn executord(
+    name: &str,
+    cpus: &str,
+    managers: &[&Manager],
+    cred: &Path,
+    extra: &str,
+    manager_extra: &str,
+) -> Executord {
     let urls: Vec<String> = managers.iter().map(|m| format!("{:?}", m.url())).collect();
     Executord::start(
         &daemon_binary(),
@@ -38,7 +47,7 @@ fn executord(name: &str, cpus: &str, managers: &[&Manager], cred: &Path, extra: 
             node_name: name.into(),
             cpus: cpus.into(),
             extra_config: format!(
-                "{extra}\n[manager]\nurls = [{}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n",
+                "{extra}\n[manager]\nurls = [{}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n{manager_extra}\n",
                 urls.join(", "),
                 cred.display().to_string()
             ),
@@ -63,13 +72,14 @@ fn executord_registers_heartbeats_and_serves_through_a_manager_outage() {
     let mut db = Db::new("sqlite");
     let mut m = db.manager();
     let cred = credential_file(&m, "node-a");
-    let d = executord("node-a", "0-1", &[&m], &cred, "");
+    let d = executord("node-a", "0-1", &[&m], &cred, "", "harvested = true");
     let admin = m.admin();
     let node = wait_for(20, "the node to register", || {
         let (_, n) = admin.call("GET", "/v1/nodes/node-a", None);
         (n["state"] == "up").then_some(n)
     });
     assert_eq!(node["cores"], 2);
+    assert_eq!(node["harvested"], true, "{node}");
     assert_eq!(node["control_addr"], d.control_addr().to_string());
     // Heartbeats move last_heartbeat_ms.
     let heartbeat_after = |t: u64| {
@@ -109,6 +119,7 @@ fn prometheus_scrapes_the_manager_and_an_executord() {
         &[&m],
         &cred,
         &format!("metrics_listen = \"{metrics}\""),
+        "",
     );
     let manager_addr = m.url().trim_start_matches("http://").to_owned();
     let prom =

@@ -91,6 +91,8 @@ fn nodes_as_a_table_and_as_json() {
     assert!(lines[0].starts_with("NAME  STATE"), "{table}");
     let cells: Vec<&str> = lines[1].split_whitespace().collect();
     assert_eq!(cells[..6], ["n1", "up", "4", "0", "4096", "0"], "{table}");
+    let at = lines[0].find("HARVESTED").unwrap();
+    assert!(lines[1][at..].starts_with("no "), "{table}");
     assert_eq!(cells.last(), Some(&"127.0.0.1:7100"), "{table}");
     // Columns line up: each header starts where its cells start.
     let at = lines[0].find("ADDRESS").unwrap();

@@ -63,6 +63,10 @@ pub struct RegisterNode {
     )]
     #[serde(default)]
     pub version: String,
+    /// The node lends capacity a batch system left idle (a Slurm node
+    /// between jobs): its leases are priced at the harvested discount.
+    #[serde(default)]
+    pub harvested: bool,
 }
 
 /// The manager's answer to a registration: how often to heartbeat, and
@@ -153,6 +157,9 @@ pub struct NodeView {
     pub leased_memory_mib: u64,
     /// The last heartbeat, Unix milliseconds (0: none yet).
     pub last_heartbeat_ms: u64,
+    /// It lends harvested (batch-idle) capacity.
+    #[serde(default)]
+    pub harvested: bool,
 }
 
 /// `POST /v1/leases`: a job asks for cores.
@@ -365,11 +372,18 @@ mod tests {
             cores: 2,
             memory_mib: 4096,
             version: "0.1.0".into(),
+            harvested: true,
         };
         assert_eq!(
             serde_json::to_string(&body).unwrap(),
-            r#"{"control_addr":"10.0.0.1:7100","providers":[{"name":"tcp","host":"10.0.0.1"},{"name":"shm"}],"cores":2,"memory_mib":4096,"version":"0.1.0"}"#
+            r#"{"control_addr":"10.0.0.1:7100","providers":[{"name":"tcp","host":"10.0.0.1"},{"name":"shm"}],"cores":2,"memory_mib":4096,"version":"0.1.0","harvested":true}"#
         );
+        // A daemon that does not say lends capacity of its own.
+        let older: RegisterNode = serde_json::from_str(
+            r#"{"control_addr":"10.0.0.1:7100","providers":[{"name":"shm"}],"cores":2,"memory_mib":4096}"#,
+        )
+        .unwrap();
+        assert!(!older.harvested);
     }
 
     #[test]

@@ -98,6 +98,10 @@ pub struct ManagerConfig {
     /// The longest wait between two registration attempts while no
     /// manager answers, ms (default 30000).
     pub max_backoff_ms: Option<u64>,
+    /// The node lends capacity a batch system left idle, billed at the
+    /// harvested discount (default false).
+    #[serde(default)]
+    pub harvested: bool,
 }
 
 /// The checked `[manager]` table.
@@ -111,6 +115,8 @@ pub struct ManagerSettings {
     pub advertise: Option<String>,
     /// The longest backoff, ms.
     pub max_backoff_ms: u64,
+    /// Lends harvested capacity.
+    pub harvested: bool,
 }
 
 impl ManagerConfig {
@@ -167,6 +173,7 @@ impl ManagerConfig {
                 .unwrap_or_else(|| PathBuf::from("/etc/rfaas/node.credential")),
             advertise: self.advertise.clone(),
             max_backoff_ms,
+            harvested: self.harvested,
         })
     }
 }
@@ -678,6 +685,9 @@ mod tests {
         let m = s.manager.unwrap();
         assert_eq!(m.urls, ["http://m1:7000"], "a trailing slash is dropped");
         assert_eq!(m.credential_file, Path::new("/etc/rfaas/node.credential"));
+        assert!(!m.harvested, "a node lends its own capacity unless told");
+        let s = resolve("[manager]\nurls = [\"http://m1:7000\"]\nharvested = true\n").unwrap();
+        assert!(s.manager.unwrap().harvested);
         for (text, key) in [
             ("[manager]\nurls = []", "manager.urls"),
             (

@@ -69,6 +69,47 @@ impl Db {
     pub fn manager(&mut self) -> Manager {
         self.manager_with("", None)
     }
+
+    /// The database's URL (SQLite: once a manager has made the file).
+    pub fn url(&self) -> String {
+        match self {
+            Db::Sqlite(Some(url)) => url.clone(),
+            Db::Sqlite(None) => panic!("no manager has made the SQLite file yet"),
+            Db::Postgres(pg) => pg.url().to_owned(),
+        }
+    }
+
+    /// Runs `statements` (one per item) straight on the database, in one
+    /// transaction, as another service sharing it would; returns the rows
+    /// of the last, each column read as a number.
+    pub fn sql(&self, statements: &[&str]) -> Vec<Vec<i64>> {
+        use sqlx::Row;
+        let url = self.url();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
+            let mut tx = pool.begin().await.unwrap();
+            let mut rows = Vec::new();
+            for stmt in statements {
+                rows = sqlx::query(stmt)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .unwrap_or_else(|e| panic!("{stmt}: {e}"));
+            }
+            tx.commit().await.unwrap();
+            pool.close().await;
+            rows.iter()
+                .map(|r| {
+                    (0..r.len())
+                        .map(|k| r.try_get::<i64, _>(k).unwrap())
+                        .collect()
+                })
+                .collect()
+        })
+    }
 }
 
 /// Generates one test per backend from `fn $name(kind: &str)`.
