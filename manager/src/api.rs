@@ -12,13 +12,13 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::manager::{
-    ApiError, Credential, CredentialRequest, Heartbeat, HeartbeatReply, LeaseGrant, LeaseRequest,
-    LeaseState, LeaseView, NodeLease, NodeProvider, NodeState, NodeView, RegisterNode, Registered,
-    RenewRequest, Role,
+    ApiError, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply, LeaseGrant,
+    LeaseRequest, LeaseState, LeaseView, NodeLease, NodeProvider, NodeState, NodeView,
+    RegisterNode, Registered, RenewRequest, Role, SetBudget,
 };
 use serde::Deserialize;
 use utoipa::OpenApi;
@@ -36,6 +36,10 @@ pub const MAX_BODY: usize = 256 * 1024;
 /// Longest node, user or account name.
 const MAX_NAME: usize = 253;
 
+/// Largest budget: far above any real one, and exact to a cent in a
+/// double.
+const MAX_BUDGET: f64 = 1e15;
+
 type AppState = State<Arc<App>>;
 type ApiResult<T> = Result<T, ApiFailure>;
 
@@ -50,12 +54,13 @@ type ApiResult<T> = Result<T, ApiFailure>;
     paths(
         register_node, heartbeat, list_nodes, show_node, drain_node, resume_node,
         request_lease, list_leases, show_lease, renew_lease, release_lease,
-        create_credential, list_credentials, revoke_credential, healthz
+        create_credential, list_credentials, revoke_credential,
+        list_budgets, set_budget, clear_budget, healthz
     ),
     components(schemas(
         ApiError, RegisterNode, Registered, Heartbeat, HeartbeatReply, NodeView, NodeState,
         NodeProvider, LeaseRequest, LeaseGrant, NodeLease, RenewRequest, LeaseView, LeaseState,
-        CredentialRequest, Credential, Role
+        CredentialRequest, Credential, Role, SetBudget, BudgetView
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
@@ -90,10 +95,9 @@ pub fn router(app: Arc<App>) -> Router {
             "/v1/credentials",
             post(create_credential).get(list_credentials),
         )
-        .route(
-            "/v1/credentials/:id",
-            axum::routing::delete(revoke_credential),
-        )
+        .route("/v1/credentials/:id", delete(revoke_credential))
+        .route("/v1/budgets", get(list_budgets))
+        .route("/v1/budgets/:account", put(set_budget).delete(clear_budget))
         .route("/v1/openapi.json", get(openapi))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
@@ -436,7 +440,7 @@ fn grant_body(app: &App, grant_id: u64, leases: &[LeaseRow]) -> LeaseGrant {
 #[utoipa::path(post, path = "/v1/leases", request_body = LeaseRequest,
     responses((status = 201, body = LeaseGrant),
         (status = 503, description = "Nothing fits now; Retry-After says when the soonest lease ends", body = ApiError),
-        (status = 403, description = "forbidden, or quota_exceeded with cap and in_use", body = ApiError),
+        (status = 403, description = "forbidden; quota_exceeded with cap and in_use; budget_exhausted with budget and spend", body = ApiError),
         (status = "4XX", body = ApiError)))]
 async fn request_lease(
     State(app): AppState,
@@ -518,6 +522,22 @@ async fn request_lease(
             .with("cap", cap)
             .with("in_use", in_use))
         }
+        GrantOutcome::BudgetExhausted { budget, spend } => {
+            app.metrics
+                .denials
+                .with_label_values(&["budget_exhausted"])
+                .inc();
+            Err(ApiFailure::new(
+                403,
+                "budget_exhausted",
+                format!(
+                    "account {account:?} has spent {spend} of its budget of {budget}; leases it holds run on, but new ones need a larger budget (rfaasctl budget set)"
+                ),
+            )
+            .with("account", account.clone())
+            .with("budget", budget)
+            .with("spend", spend))
+        }
     }
 }
 
@@ -581,6 +601,8 @@ async fn show_lease(
 
 /// Renew a grant (owner): its active node leases now end `duration_s` from
 /// now (never sooner than before), with new tokens to hand the executors.
+/// A spent budget does not refuse a renewal: leases granted run to their
+/// end.
 #[utoipa::path(post, path = "/v1/leases/{id}/renew", request_body = RenewRequest,
     params(("id" = u64, Path, description = "The grant's id")),
     responses((status = 200, body = LeaseGrant), (status = 409, description = "The lease has ended", body = ApiError), (status = "4XX", body = ApiError)))]
@@ -731,6 +753,63 @@ async fn revoke_credential(
         )));
     }
     app.auth.forget(&id);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Budgets and what each account has spent (admin).
+#[utoipa::path(get, path = "/v1/budgets",
+    responses((status = 200, body = Vec<BudgetView>), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
+async fn list_budgets(
+    State(app): AppState,
+    headers: HeaderMap,
+) -> ApiResult<Json<Vec<BudgetView>>> {
+    admin_only(&caller(&app, &headers).await?)?;
+    Ok(Json(app.store.budgets().await?))
+}
+
+/// Set an account's budget (admin). Once its spend reaches the budget, the
+/// account's new leases are refused `403 budget_exhausted`; leases it holds
+/// run on, and renew.
+#[utoipa::path(put, path = "/v1/budgets/{account}", request_body = SetBudget,
+    params(("account" = String, Path, description = "The account", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    responses((status = 200, body = BudgetView), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
+async fn set_budget(
+    State(app): AppState,
+    headers: HeaderMap,
+    Path(account): Path<String>,
+    Json(body): Json<SetBudget>,
+) -> ApiResult<Json<BudgetView>> {
+    admin_only(&caller(&app, &headers).await?)?;
+    check_name("account", &account)?;
+    if !(body.budget.is_finite() && (0.0..=MAX_BUDGET).contains(&body.budget)) {
+        return Err(ApiFailure::malformed(format!(
+            "budget is {}; give a number from 0 to {MAX_BUDGET:e}",
+            body.budget
+        )));
+    }
+    let view = retrying(|| app.store.set_budget(&account, body.budget, now_ms())).await?;
+    tracing::info!(%account, budget = body.budget, "budget set by an admin");
+    Ok(Json(view))
+}
+
+/// Remove an account's budget (admin): its leases are no longer refused
+/// for spend.
+#[utoipa::path(delete, path = "/v1/budgets/{account}",
+    params(("account" = String, Path, description = "The account", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    responses((status = 204, description = "Removed"), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
+async fn clear_budget(
+    State(app): AppState,
+    headers: HeaderMap,
+    Path(account): Path<String>,
+) -> ApiResult<StatusCode> {
+    admin_only(&caller(&app, &headers).await?)?;
+    check_name("account", &account)?;
+    if !app.store.clear_budget(&account).await? {
+        return Err(ApiFailure::not_found(format!(
+            "account {account:?} has no budget"
+        )));
+    }
+    tracing::info!(%account, "budget removed by an admin");
     Ok(StatusCode::NO_CONTENT)
 }
 

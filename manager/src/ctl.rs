@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use rfaas_proto::manager::{ApiError, Credential, LeaseView, NodeView, Role};
+use rfaas_proto::manager::{ApiError, BudgetView, Credential, LeaseView, NodeView, Role};
 use serde_json::Value;
 
 /// Where `rfaasctl` looks for a manager when told nowhere else: the
@@ -359,6 +359,48 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
     t
 }
 
+/// Budgets, as `rfaasctl budget list` prints them: what each account may
+/// spend, has spent, and has left.
+pub fn budgets_table(budgets: &[BudgetView]) -> String {
+    let mut t = Table::new(&[
+        ("ACCOUNT", false),
+        ("BUDGET", true),
+        ("SPENT", true),
+        ("LEFT", true),
+        ("STATE", false),
+    ]);
+    for b in budgets {
+        t.row(vec![
+            b.account.clone(),
+            money(b.budget),
+            money(b.spend),
+            money((b.budget - b.spend).max(0.0)),
+            if b.spend >= b.budget {
+                "exhausted"
+            } else {
+                "ok"
+            }
+            .into(),
+        ]);
+    }
+    t.render()
+}
+
+/// An amount with two decimals.
+pub fn money(v: f64) -> String {
+    format!("{v:.2}")
+}
+
+/// Parses a budget given on the command line: a number from 0.
+pub fn parse_budget(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "{text:?} is not a budget; give a number from 0, such as 100 or 12.50"
+        )),
+    }
+}
+
 /// Leases, as `rfaasctl leases` prints them; `now` is Unix seconds.
 pub fn leases_table(leases: &[LeaseView], now: u64) -> String {
     let mut t = Table::new(&[
@@ -508,5 +550,29 @@ mod tests {
                 "node10  drained    128       1         4096          64  5s ago          yes        10.0.0.1:7100",
             ]
         );
+    }
+
+    #[test]
+    fn budgets_show_what_is_left() {
+        let b = |account: &str, budget: f64, spend: f64| BudgetView {
+            account: account.into(),
+            budget,
+            spend,
+            updated_ms: 0,
+        };
+        let text = budgets_table(&[b("chem", 10.0, 12.5), b("physics", 100.0, 2.126)]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "ACCOUNT  BUDGET  SPENT   LEFT  STATE",
+                "chem      10.00  12.50   0.00  exhausted",
+                "physics  100.00   2.13  97.87  ok",
+            ]
+        );
+        assert_eq!(parse_budget(" 12.5"), Ok(12.5));
+        for bad in ["", "-1", "NaN", "inf", "1e400", "ten"] {
+            assert!(parse_budget(bad).is_err(), "{bad:?} parsed");
+        }
     }
 }

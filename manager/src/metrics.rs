@@ -113,7 +113,7 @@ impl Metrics {
         ] {
             registry.register(m).expect("metric names are unique");
         }
-        for reason in ["no_capacity", "quota_exceeded"] {
+        for reason in ["no_capacity", "quota_exceeded", "budget_exhausted"] {
             denials.with_label_values(&[reason]);
         }
         Metrics {

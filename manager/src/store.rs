@@ -6,7 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use rfaas_proto::manager::{
-    Heartbeat, LeaseState, LeaseView, NodeProvider, NodeState, NodeView, RegisterNode, Role,
+    BudgetView, Heartbeat, LeaseState, LeaseView, NodeProvider, NodeState, NodeView, RegisterNode,
+    Role,
 };
 use sqlx::any::AnyRow;
 use sqlx::{Any, AnyPool, Row, Transaction};
@@ -58,7 +59,7 @@ pub struct GrantPlan {
 }
 
 /// A grant's outcome.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum GrantOutcome {
     /// Granted: the new node leases, under `grant_id`.
     Granted {
@@ -75,6 +76,13 @@ pub enum GrantOutcome {
         cap: u32,
         /// Cores the account holds now.
         in_use: u64,
+    },
+    /// The account has spent its budget.
+    BudgetExhausted {
+        /// Its budget.
+        budget: f64,
+        /// What it has spent.
+        spend: f64,
     },
 }
 
@@ -375,7 +383,8 @@ impl Store {
     }
 
     /// Grants what fits of `plan` in one transaction, all or nothing up to
-    /// `plan.min_cores`.
+    /// `plan.min_cores`: the account (its budget, then its cap), the
+    /// nodes, then the lease rows.
     pub async fn grant(&self, plan: &GrantPlan) -> Result<GrantOutcome, DbError> {
         let mut tx = self.pool.begin().await?;
         // The account first (lock order), reserving what the cap allows.
@@ -383,6 +392,18 @@ impl Store {
             .bind(&plan.account)
             .execute(&mut *tx)
             .await?;
+        // The budget, read after a write: on SQLite the transaction then
+        // holds the write lock, so this read cannot go stale before the
+        // writes that follow (which SQLite would refuse, busy).
+        if let Some(b) = budget_of(&mut tx, &plan.account).await? {
+            if b.spend >= b.budget {
+                tx.rollback().await?;
+                return Ok(GrantOutcome::BudgetExhausted {
+                    budget: b.budget,
+                    spend: b.spend,
+                });
+            }
+        }
         let mut want = plan.cores;
         if let Some(cap) = plan.cap {
             let in_use = u64_col(
@@ -686,6 +707,49 @@ impl Store {
         rows.iter().map(lease_from_row).collect()
     }
 
+    /// Every budget with its account's spend, by account.
+    pub async fn budgets(&self) -> Result<Vec<BudgetView>, DbError> {
+        sqlx::query(&format!("{BUDGET_SELECT} ORDER BY b.account"))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(budget_from_row)
+            .collect()
+    }
+
+    /// Sets `account`'s budget; returns it with the spend so far.
+    pub async fn set_budget(
+        &self,
+        account: &str,
+        budget: f64,
+        now_ms: u64,
+    ) -> Result<BudgetView, DbError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO budgets (account, budget, updated_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (account) DO UPDATE SET budget = excluded.budget, updated_ms = excluded.updated_ms",
+        )
+        .bind(account)
+        .bind(budget)
+        .bind(i(now_ms))
+        .execute(&mut *tx)
+        .await?;
+        let view = budget_of(&mut tx, account)
+            .await?
+            .ok_or_else(|| DbError::Other(format!("the budget of {account:?} vanished")))?;
+        tx.commit().await?;
+        Ok(view)
+    }
+
+    /// Removes `account`'s budget. `false`: it had none.
+    pub async fn clear_budget(&self, account: &str) -> Result<bool, DbError> {
+        let done = sqlx::query("DELETE FROM budgets WHERE account = $1")
+            .bind(account)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     /// A grant's leases, whatever their state.
     pub async fn grant_leases(&self, grant_id: u64) -> Result<Vec<LeaseRow>, DbError> {
         sqlx::query(&format!(
@@ -793,6 +857,36 @@ impl Store {
             .await?;
         Ok(done.rows_affected() == 1)
     }
+}
+
+/// Budgets with their accounts' spend; an account the accounting
+/// services have not priced yet has spent 0.
+const BUDGET_SELECT: &str =
+    "SELECT b.account, b.budget, COALESCE(s.spend, 0.0) AS spend, b.updated_ms
+     FROM budgets b LEFT JOIN account_spend s ON s.account = b.account";
+
+fn budget_from_row(row: &AnyRow) -> Result<BudgetView, DbError> {
+    Ok(BudgetView {
+        account: text_col(row, "account")?,
+        budget: row.try_get("budget")?,
+        spend: row.try_get("spend")?,
+        updated_ms: u64_col(row, "updated_ms")?,
+    })
+}
+
+/// `account`'s budget and spend, if it has a budget: one lookup by
+/// primary key in each table.
+async fn budget_of(
+    tx: &mut Transaction<'static, Any>,
+    account: &str,
+) -> Result<Option<BudgetView>, DbError> {
+    sqlx::query(&format!("{BUDGET_SELECT} WHERE b.account = $1"))
+        .bind(account)
+        .fetch_optional(&mut **tx)
+        .await?
+        .as_ref()
+        .map(budget_from_row)
+        .transpose()
 }
 
 /// The stored name of a role.

@@ -482,6 +482,8 @@ fn openapi_document_and_metrics() {
         "/v1/nodes/{name}",
         "/v1/nodes/{name}/heartbeat",
         "/v1/credentials",
+        "/v1/budgets",
+        "/v1/budgets/{account}",
     ] {
         assert!(
             doc["paths"][path].is_object(),
@@ -504,6 +506,7 @@ fn openapi_document_and_metrics() {
         "rfaas_manager_cores{state=\"free\"} 2",
         "rfaas_manager_cores{state=\"leased\"} 1",
         "rfaas_manager_denials_total{reason=\"no_capacity\"} 0",
+        "rfaas_manager_denials_total{reason=\"budget_exhausted\"} 0",
     ] {
         assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
     }

@@ -210,6 +210,46 @@ fn a_drained_node_shows_drained() {
 }
 
 #[test]
+fn budgets_are_set_listed_and_cleared() {
+    let (m, admin) = started();
+    let said = ok(&m, &admin, &["budget", "set", "physics", "100"]);
+    assert_eq!(
+        said,
+        "account physics may spend 100.00; it has spent 0.00\n"
+    );
+    ok(&m, &admin, &["budget", "set", "chem", "12.5"]);
+    let table = ok(&m, &admin, &["budget", "list"]);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "ACCOUNT  BUDGET  SPENT    LEFT  STATE",
+            "chem      12.50   0.00   12.50  ok",
+            "physics  100.00   0.00  100.00  ok",
+        ],
+        "{table}"
+    );
+    let json: Value = serde_json::from_str(&ok(&m, &admin, &["budget", "list", "--json"])).unwrap();
+    assert_eq!(json[1]["account"], "physics", "{json}");
+    assert_eq!(json[1]["budget"], 100.0, "{json}");
+    let said = ok(&m, &admin, &["budget", "clear", "chem"]);
+    assert_eq!(said, "account chem has no budget now\n");
+    let table = ok(&m, &admin, &["budget", "list"]);
+    assert_eq!(table.lines().count(), 2, "{table}");
+    // No budget to clear: the manager's words, exit 1; a bad amount: exit 2.
+    let o = rfaasctl(m.url(), &admin.file(), &["budget", "clear", "chem"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("account \"chem\" has no budget (not_found)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = rfaasctl(m.url(), &admin.file(), &["budget", "set", "chem", "ten"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("not a budget"), "{}", stderr(&o));
+}
+
+#[test]
 fn a_wrong_token_is_refused_with_the_managers_words() {
     let (m, _admin) = started();
     let wrong = TokenDir::new("0123456789abcdef0123456789abcdef", 0o600);

@@ -328,14 +328,43 @@ pub struct LeaseView {
     pub state: LeaseState,
 }
 
+/// `PUT /v1/budgets/{account}` (admin): what the account may spend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SetBudget {
+    /// The budget, in the currency of the accounting service's rates; 0
+    /// refuses every new lease.
+    #[cfg_attr(feature = "openapi", schema(minimum = 0.0, maximum = 1e15))]
+    pub budget: f64,
+}
+
+/// An account's budget and what it has spent, as `GET /v1/budgets` lists
+/// it. Once `spend >= budget` the manager refuses the account new leases
+/// (`403 budget_exhausted`); leases already granted run on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BudgetView {
+    /// The account.
+    pub account: String,
+    /// What it may spend.
+    pub budget: f64,
+    /// What it has spent so far, as the accounting services have priced
+    /// it (0 before their first flush).
+    pub spend: f64,
+    /// When the budget was last set, Unix milliseconds.
+    pub updated_ms: u64,
+}
+
 /// Every error reply: a stable kind, a sentence for people, and the figures
-/// the kind names (quota cap and use, retry delay), flattened into the same
-/// object.
+/// the kind names (quota cap and use, budget and spend, retry delay),
+/// flattened into the same object.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     /// Stable, `snake_case`: `no_capacity`, `quota_exceeded`,
-    /// `unauthorized`, `forbidden`, `malformed_request`, `not_found`, ...
+    /// `budget_exhausted`, `unauthorized`, `forbidden`,
+    /// `malformed_request`, `not_found`, ...
     pub error: String,
     /// What happened and what to do.
     pub message: String,

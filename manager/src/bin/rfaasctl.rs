@@ -5,11 +5,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use rfaas_manager::ctl::{self, Ctl, CtlError};
-use rfaas_proto::manager::{Credential, LeaseView, NodeView};
+use rfaas_proto::manager::{BudgetView, Credential, LeaseView, NodeView};
 use serde_json::{json, Value};
 
 /// Look after an rfaas pool: see its nodes and leases, drain and resume
-/// nodes, release leases, and give nodes and users their credentials.
+/// nodes, release leases, give nodes and users their credentials, and set
+/// accounts' budgets.
 ///
 /// rfaasctl talks to the rfaas managers over HTTP with the admin token.
 /// It exits 1 when the manager refuses (its message says why) or cannot be
@@ -44,7 +45,7 @@ struct Args {
     #[arg(long, value_name = "VAR", global = true)]
     token_env: Option<String>,
     /// Print the manager's answer as JSON instead of a table (nothing for
-    /// `release` and `revoke`, which answer nothing).
+    /// `release`, `revoke` and `budget clear`, which answer nothing).
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
@@ -99,6 +100,30 @@ enum Command {
     Revoke {
         /// The credential's id (the ID column of `rfaasctl credentials`).
         id: String,
+    },
+    /// Accounts' budgets: once an account has spent its budget, its new
+    /// leases are refused; the leases it holds run on.
+    #[command(subcommand)]
+    Budget(BudgetCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BudgetCommand {
+    /// Set what an account may spend (in the accounting rates' currency).
+    Set {
+        /// The account.
+        account: String,
+        /// The budget: a number from 0, such as 100 or 12.50.
+        #[arg(value_parser = ctl::parse_budget)]
+        budget: f64,
+    },
+    /// List the budgets, with what each account has spent.
+    List,
+    /// Remove an account's budget: its leases are no longer refused for
+    /// spend.
+    Clear {
+        /// The account.
+        account: String,
     },
 }
 
@@ -272,6 +297,36 @@ fn run(args: &Args) -> Result<(), CtlError> {
             )?;
             if !args.json {
                 println!("credential {id} revoked");
+            }
+        }
+        Command::Budget(BudgetCommand::Set { account, budget }) => {
+            let path = format!("/v1/budgets/{}", ctl::path_segment(account));
+            let v = ctl.call("PUT", &path, Some(&json!({ "budget": budget })))?;
+            let b: BudgetView = ctl::typed(&urls, &v)?;
+            if args.json {
+                print_json(&v);
+            } else {
+                println!(
+                    "account {} may spend {}; it has spent {}",
+                    b.account,
+                    ctl::money(b.budget),
+                    ctl::money(b.spend)
+                );
+            }
+        }
+        Command::Budget(BudgetCommand::List) => {
+            let (v, budgets): (_, Vec<BudgetView>) = ctl.get("/v1/budgets")?;
+            if args.json {
+                print_json(&v);
+            } else {
+                print!("{}", ctl::budgets_table(&budgets));
+            }
+        }
+        Command::Budget(BudgetCommand::Clear { account }) => {
+            let path = format!("/v1/budgets/{}", ctl::path_segment(account));
+            ctl.call("DELETE", &path, None)?;
+            if !args.json {
+                println!("account {account} has no budget now");
             }
         }
     }

@@ -112,6 +112,15 @@ impl Db {
     }
 }
 
+/// A counter's value in `m`'s metrics.
+pub fn metric(m: &Manager, line_start: &str) -> f64 {
+    let (_, text) = Api::new(m.url(), "").call("GET", "/metrics", None);
+    let text = text.as_str().unwrap_or("").to_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{line_start} not in\n{text}"))
+}
+
 /// Generates one test per backend from `fn $name(kind: &str)`.
 #[macro_export]
 macro_rules! on_both {
