@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `lease_grant` | one grant of 1 core (`POST /v1/leases`) and its release (`DELETE /v1/leases/{id}`) over HTTP, from one of `concurrency` client threads, each with its own keep-alive agent, user and account; the pairs rotate over the replicas |
 //! | `lease_grant_paced` | the same, open loop: pairs start on a fixed schedule at half the best `lease_grant` rate of the round (same backend and replicas), whatever the earlier ones did; a sample runs from its scheduled start, so a queue behind a slow pair counts |
-//! | `raw_db_grant` | `Store::grant` and `Store::end_grant` of `rfaas_manager::store` on a pool of the same database, from `concurrency` tasks: the same transactions (row locks, inserts, notifications) without HTTP, authentication, the view and signing |
+//! | `raw_db_grant` | `Store::grant` and `Store::end_grant` of `rfaas_manager::store` on a pool of the same database, from `concurrency` tasks: the same transactions (budget check, row locks, billing slots when accounting instances are registered, inserts, notifications) without HTTP, authentication, the view of the nodes and signing |
 //! | `node_visible` | a node's `PUT /v1/nodes/{name}` to one replica until every replica's `GET /v1/nodes` (its in-memory view, not `?fresh=true`) lists the node, each replica polled every millisecond; registrations start at random points of the replicas' `refresh_ms` |
 //!
 //! Every replica is a real `rfaas-manager` process on 127.0.0.1 (release
@@ -25,8 +25,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use rfaas_manager::config::DEFAULT_ACCOUNTING_LOST_AFTER_MS;
 use rfaas_manager::db::{self, retrying, Backend};
 use rfaas_manager::store::{GrantOutcome, GrantPlan, Store};
+use rfaas_manager::view::View;
 use rfaas_proto::manager::{LeaseState, NodeState};
 use rfaas_testkit::manager::{write_lease_key, Manager, ManagerOptions};
 use rfaas_testkit::postgres::Postgres;
@@ -816,9 +818,14 @@ fn raw_db_grant(
             .map(|n| (n.name, n.cores - n.leased_cores))
             .collect();
         let nodes = Arc::new(nodes);
-        raw_phase(&store, &nodes, accounts, clients, warmup).await?;
+        // The accounting instances, as a replica's view holds them: a
+        // grant takes billing slots as the manager's does.
+        let instances = Arc::new(View::default());
+        instances.replace_instances(store.accounting_instances().await.map_err(raw_err)?);
+        raw_phase(&store, &nodes, &instances, accounts, clients, warmup).await?;
         let t0 = Instant::now();
-        let (samples, end) = raw_phase(&store, &nodes, accounts, clients, iters).await?;
+        let (samples, end) =
+            raw_phase(&store, &nodes, &instances, accounts, clients, iters).await?;
         store.pool().close().await;
         let mut samples = samples;
         let summary =
@@ -836,6 +843,7 @@ fn raw_err(e: db::DbError) -> Error {
 async fn raw_phase(
     store: &Store,
     nodes: &Arc<Vec<(String, u32)>>,
+    instances: &Arc<View>,
     accounts: &[String],
     clients: usize,
     n: usize,
@@ -843,7 +851,12 @@ async fn raw_phase(
     let left = Arc::new(AtomicUsize::new(n));
     let mut tasks = tokio::task::JoinSet::new();
     for t in 0..clients {
-        let (store, nodes, left) = (store.clone(), nodes.clone(), left.clone());
+        let (store, nodes, instances, left) = (
+            store.clone(),
+            nodes.clone(),
+            instances.clone(),
+            left.clone(),
+        );
         let account = accounts[t % accounts.len()].clone();
         tasks.spawn(async move {
             let mut samples = Vec::new();
@@ -867,10 +880,18 @@ async fn raw_phase(
                     issued_at: now,
                     expires_at: now + GRANT_DURATION_S,
                     job_id: None,
+                    billing: instances.billing_candidates(
+                        rfaas_manager::now_ms(),
+                        DEFAULT_ACCOUNTING_LOST_AFTER_MS,
+                    ),
+                    billing_required: false,
                 };
                 let t0 = Instant::now();
                 let grant_id = match retrying(|| store.grant(&plan)).await.map_err(raw_err)? {
-                    GrantOutcome::Granted { grant_id, .. } => grant_id,
+                    GrantOutcome::Granted { grant_id, leases } => {
+                        instances.apply_slots(&leases);
+                        grant_id
+                    }
                     other => {
                         return Err(Error::new(format!(
                             "raw_db_grant: the database refused a grant of 1 core: {other:?}"

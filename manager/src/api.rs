@@ -14,6 +14,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
+use rfaas_proto::accounting::BillingSlot;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::manager::{
     ApiError, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply, LeaseGrant,
@@ -59,8 +60,8 @@ type ApiResult<T> = Result<T, ApiFailure>;
     ),
     components(schemas(
         ApiError, RegisterNode, Registered, Heartbeat, HeartbeatReply, NodeView, NodeState,
-        NodeProvider, LeaseRequest, LeaseGrant, NodeLease, RenewRequest, LeaseView, LeaseState,
-        CredentialRequest, Credential, Role, SetBudget, BudgetView
+        NodeProvider, LeaseRequest, LeaseGrant, NodeLease, BillingSlot, RenewRequest, LeaseView,
+        LeaseState, CredentialRequest, Credential, Role, SetBudget, BudgetView
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
@@ -410,7 +411,7 @@ fn node_lease(app: &App, l: &LeaseRow) -> NodeLease {
         memory_mib: l.view.memory_mib.min(u64::from(u32::MAX)) as u32,
         issued_at: l.view.issued_at,
         expires_at: l.view.expires_at,
-        billing: None,
+        billing: l.billing.clone(),
     };
     NodeLease {
         lease_id: l.view.lease_id,
@@ -436,10 +437,11 @@ fn grant_body(app: &App, grant_id: u64, leases: &[LeaseRow]) -> LeaseGrant {
 }
 
 /// Ask for cores (user credential). Granted all or nothing up to
-/// `min_cores`, possibly across nodes, each node lease with its own token.
+/// `min_cores`, possibly across nodes, each node lease with its own token
+/// and, when an accounting service is up, its own billing slot.
 #[utoipa::path(post, path = "/v1/leases", request_body = LeaseRequest,
     responses((status = 201, body = LeaseGrant),
-        (status = 503, description = "Nothing fits now; Retry-After says when the soonest lease ends", body = ApiError),
+        (status = 503, description = "no_capacity: nothing fits now, Retry-After says when the soonest lease ends; accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
         (status = 403, description = "forbidden; quota_exceeded with cap and in_use; budget_exhausted with budget and spend", body = ApiError),
         (status = "4XX", body = ApiError)))]
 async fn request_lease(
@@ -456,6 +458,13 @@ async fn request_lease(
     let min_cores = check_lease_request(&app, &body)?;
     let now = now_s();
     let cap = app.settings.quota.cap(account);
+    let accounting = app.settings.accounting;
+    let billing = app
+        .view
+        .billing_candidates(now_ms(), accounting.lost_after_ms);
+    if accounting.required && billing.is_empty() {
+        return Err(accounting_unavailable(&app));
+    }
     let mut plan = GrantPlan {
         owner: c.subject(),
         user: user.clone(),
@@ -468,6 +477,8 @@ async fn request_lease(
         issued_at: now,
         expires_at: now + body.duration_s,
         job_id: None,
+        billing,
+        billing_required: accounting.required,
     };
     let mut outcome = retrying(|| app.store.grant(&plan)).await?;
     if outcome == GrantOutcome::NoCapacity {
@@ -479,8 +490,11 @@ async fn request_lease(
     match outcome {
         GrantOutcome::Granted { grant_id, leases } => {
             app.view.apply(&leases, true);
+            app.view.apply_slots(&leases);
             app.metrics.grants.inc();
-            tracing::info!(grant_id, %user, %account, cores = leases.iter().map(|l| l.view.cores).sum::<u32>(), nodes = leases.len(), "lease granted");
+            let unbilled = leases.iter().filter(|l| l.billing.is_none()).count();
+            app.metrics.unbilled_leases.inc_by(unbilled as u64);
+            tracing::info!(grant_id, %user, %account, cores = leases.iter().map(|l| l.view.cores).sum::<u32>(), nodes = leases.len(), unbilled, "lease granted");
             Ok((
                 StatusCode::CREATED,
                 Json(grant_body(&app, grant_id, &leases)),
@@ -538,7 +552,24 @@ async fn request_lease(
             .with("budget", budget)
             .with("spend", spend))
         }
+        GrantOutcome::AccountingUnavailable => Err(accounting_unavailable(&app)),
     }
+}
+
+/// `503 accounting_unavailable`: billing is required and no live
+/// accounting instance had a free slot. Slots free up as the instances
+/// flush, every second by default.
+fn accounting_unavailable(app: &App) -> ApiFailure {
+    app.metrics
+        .denials
+        .with_label_values(&["accounting_unavailable"])
+        .inc();
+    ApiFailure::new(
+        503,
+        "accounting_unavailable",
+        "no accounting service has a free billing slot now, and this manager grants no lease unbilled ([accounting] required); retry after the Retry-After seconds, and tell the admin if it lasts",
+    )
+    .retry_after(1)
 }
 
 /// Query of `GET /v1/leases`.
@@ -600,9 +631,9 @@ async fn show_lease(
 }
 
 /// Renew a grant (owner): its active node leases now end `duration_s` from
-/// now (never sooner than before), with new tokens to hand the executors.
-/// A spent budget does not refuse a renewal: leases granted run to their
-/// end.
+/// now (never sooner than before), with new tokens to hand the executors,
+/// each with the billing slot it was granted. A spent budget does not
+/// refuse a renewal: leases granted run to their end.
 #[utoipa::path(post, path = "/v1/leases/{id}/renew", request_body = RenewRequest,
     params(("id" = u64, Path, description = "The grant's id")),
     responses((status = 200, body = LeaseGrant), (status = 409, description = "The lease has ended", body = ApiError), (status = "4XX", body = ApiError)))]
@@ -826,7 +857,8 @@ async fn healthz(State(app): AppState) -> ApiResult<Json<serde_json::Value>> {
 async fn metrics(State(app): AppState) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.metrics.render(&app.view, now_ms()),
+        app.metrics
+            .render(&app.view, now_ms(), app.settings.accounting.lost_after_ms),
     )
 }
 

@@ -10,6 +10,9 @@ use serde::Deserialize;
 /// The default configuration file.
 pub const DEFAULT_CONFIG: &str = "/etc/rfaas/manager.toml";
 
+/// `[accounting] lost_after_ms` when not set.
+pub const DEFAULT_ACCOUNTING_LOST_AFTER_MS: u64 = 10_000;
+
 /// The configuration file as written.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +39,31 @@ pub struct FileConfig {
     /// Per-account caps.
     #[serde(default)]
     pub quota: QuotaConfig,
+    /// Billing slots from the accounting services.
+    #[serde(default)]
+    pub accounting: AccountingConfig,
+}
+
+/// `[accounting]`: how grants use the accounting services' billing slots.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AccountingConfig {
+    /// An accounting instance whose heartbeat (`last_heartbeat_ms`) is
+    /// older than this is not given new leases, ms (default 10000).
+    pub lost_after_ms: Option<u64>,
+    /// Refuse a lease (`503 accounting_unavailable`) rather than grant it
+    /// unbilled when no live instance has a free slot (default false).
+    #[serde(default)]
+    pub required: bool,
+}
+
+/// The checked `[accounting]` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccountingSettings {
+    /// Instances silent for longer are not used, ms.
+    pub lost_after_ms: u64,
+    /// No slot: refuse instead of granting unbilled.
+    pub required: bool,
 }
 
 /// `[quota]`: a cap on the cores an account holds at once.
@@ -85,6 +113,8 @@ pub struct Settings {
     pub refresh_ms: u64,
     /// Quotas.
     pub quota: QuotaConfig,
+    /// Billing slots.
+    pub accounting: AccountingSettings,
 }
 
 /// Why the configuration cannot be used.
@@ -149,7 +179,19 @@ impl FileConfig {
             max_connections: self.max_connections.unwrap_or(16),
             refresh_ms: self.refresh_ms.unwrap_or(1000),
             quota: self.quota,
+            accounting: AccountingSettings {
+                lost_after_ms: self
+                    .accounting
+                    .lost_after_ms
+                    .unwrap_or(DEFAULT_ACCOUNTING_LOST_AFTER_MS),
+                required: self.accounting.required,
+            },
         };
+        if s.accounting.lost_after_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "[accounting] lost_after_ms must be above 0 (an instance heartbeats once per flush, every second by default)".into(),
+            ));
+        }
         if s.heartbeat_interval_ms == 0 || s.refresh_ms == 0 {
             return Err(ConfigError::Invalid(
                 "heartbeat_interval_ms and refresh_ms must be above 0".into(),
@@ -187,6 +229,13 @@ mod tests {
         assert!(s.database.starts_with("sqlite:"));
         assert_eq!(s.quota.cap("physics"), Some(64));
         assert_eq!(s.quota.cap("anyone"), None);
+        assert_eq!(
+            s.accounting,
+            AccountingSettings {
+                lost_after_ms: 10_000,
+                required: false
+            }
+        );
     }
 
     #[test]
@@ -195,6 +244,8 @@ mod tests {
         assert!(err.contains("listn"), "{err}");
         let err = FileConfig::parse("[quota]\ndefault_core = 3\n").unwrap_err();
         assert!(err.contains("default_core"), "{err}");
+        let err = FileConfig::parse("[accounting]\nrequire = true\n").unwrap_err();
+        assert!(err.contains("require"), "{err}");
     }
 
     #[test]

@@ -11,9 +11,17 @@
 //! is leased twice under any concurrency, without `SELECT ... FOR UPDATE`
 //! (which SQLite lacks).
 //!
+//! A billing slot (`billing_slots.lease_id`, 0 when free) is taken the
+//! same way: `UPDATE billing_slots SET lease_id = $1 ... WHERE instance =
+//! $3 AND lease_id = 0 AND slot = (the first free slot from a random
+//! start)`, and only a row count of 1 gives it, so no slot goes to two
+//! leases. The manager never frees a slot: the accounting service does,
+//! after the lease's final flush.
+//!
 //! Lock order, to keep PostgreSQL free of deadlocks: a lease row, then its
-//! account, then its nodes by name. A transaction that still meets a
-//! deadlock or a serialization failure is retried ([`retrying`]).
+//! account, then its nodes by name, then billing slots. A transaction that
+//! still meets a deadlock or a serialization failure (two grants reaching
+//! for each other's slots) is retried ([`retrying`]).
 
 use std::future::Future;
 use std::time::Duration;

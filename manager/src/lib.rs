@@ -11,7 +11,8 @@
 //!   OpenAPI document generated from the handlers.
 //! - [`store`] and [`db`]: every read and write, one transaction each, one
 //!   SQL text for both databases; grants by conditional updates, so no core
-//!   is leased twice under any concurrency.
+//!   is leased twice and no billing slot given to two leases under any
+//!   concurrency.
 //! - [`view`]: each replica's in-memory view of the nodes, which placement
 //!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
 //! - [`auth`]: the admin token and node and user credentials.
@@ -19,10 +20,11 @@
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
 //!   built on.
 //!
-//! Background work in each replica ([`start`]): reload the view, end
-//! expired leases, and mark nodes lost that stopped heartbeating (only
-//! once the replica itself has reached the database for `lost_after`, so a
-//! database outage never loses every node).
+//! Background work in each replica ([`start`]): reload the view (nodes
+//! and accounting instances), end expired leases, and mark nodes lost
+//! that stopped heartbeating (only once the replica itself has reached the
+//! database for `lost_after`, so a database outage never loses every
+//! node).
 
 pub mod api;
 pub mod auth;
@@ -119,6 +121,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let store = Store::new(pool, backend);
     let view = View::default();
     view.replace_all(store.nodes().await?);
+    view.replace_instances(store.accounting_instances().await?);
     let listener = tokio::net::TcpListener::bind(&settings.listen)
         .await
         .with_context(|| format!("listen on {}", settings.listen))?;
@@ -171,12 +174,14 @@ impl App {
             .map_or(Duration::ZERO, |t| t.elapsed())
     }
 
-    /// One round of background work: reload the view, end expired leases,
-    /// mark lost nodes.
+    /// One round of background work: reload the view (nodes and
+    /// accounting instances), end expired leases, mark lost nodes.
     pub async fn refresh(&self) -> Result<(), db::DbError> {
         let nodes = self.store.nodes().await;
         self.healthy(nodes.is_ok());
         self.view.replace_all(nodes?);
+        self.view
+            .replace_instances(self.store.accounting_instances().await?);
         let expired = self.store.reap_expired(now_s(), now_ms()).await?;
         if !expired.is_empty() {
             self.metrics.expiries.inc_by(expired.len() as u64);

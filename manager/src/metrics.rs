@@ -29,7 +29,10 @@ pub struct Metrics {
     pub lost_leases: IntCounter,
     /// Nodes marked lost.
     pub lost_nodes: IntCounter,
+    /// Node leases granted without a billing slot.
+    pub unbilled_leases: IntCounter,
     requests: HistogramVec,
+    accounting_instances: GaugeVec,
     nodes: GaugeVec,
     cores: GaugeVec,
     memory: GaugeVec,
@@ -63,6 +66,19 @@ impl Metrics {
         let lost_nodes = IntCounter::new(
             "lost_nodes_total",
             "Nodes this replica marked lost after missed heartbeats",
+        )
+        .expect("valid");
+        let unbilled_leases = IntCounter::new(
+            "unbilled_leases_total",
+            "Node leases this replica granted without a billing slot (no live accounting instance had a free one)",
+        )
+        .expect("valid");
+        let accounting_instances = GaugeVec::new(
+            Opts::new(
+                "accounting_instances",
+                "Accounting instances by state: live (heartbeat within [accounting] lost_after_ms) or lost",
+            ),
+            &["state"],
         )
         .expect("valid");
         let requests = HistogramVec::new(
@@ -105,6 +121,8 @@ impl Metrics {
             Box::new(expiries.clone()),
             Box::new(lost_leases.clone()),
             Box::new(lost_nodes.clone()),
+            Box::new(unbilled_leases.clone()),
+            Box::new(accounting_instances.clone()),
             Box::new(requests.clone()),
             Box::new(nodes.clone()),
             Box::new(cores.clone()),
@@ -113,7 +131,12 @@ impl Metrics {
         ] {
             registry.register(m).expect("metric names are unique");
         }
-        for reason in ["no_capacity", "quota_exceeded", "budget_exhausted"] {
+        for reason in [
+            "no_capacity",
+            "quota_exceeded",
+            "budget_exhausted",
+            "accounting_unavailable",
+        ] {
             denials.with_label_values(&[reason]);
         }
         Metrics {
@@ -123,6 +146,8 @@ impl Metrics {
             expiries,
             lost_leases,
             lost_nodes,
+            unbilled_leases,
+            accounting_instances,
             requests,
             nodes,
             cores,
@@ -144,8 +169,16 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// The text exposition, the pool's gauges read from `view` first.
-    pub fn render(&self, view: &View, now_ms: u64) -> String {
+    /// The text exposition, the pool's gauges read from `view` first;
+    /// accounting instances are live within `instance_lost_after_ms`.
+    pub fn render(&self, view: &View, now_ms: u64, instance_lost_after_ms: u64) -> String {
+        let (live, lost) = view.instances_live(now_ms, instance_lost_after_ms);
+        self.accounting_instances
+            .with_label_values(&["live"])
+            .set(live as f64);
+        self.accounting_instances
+            .with_label_values(&["lost"])
+            .set(lost as f64);
         let all = view.all();
         for (state, name) in [
             (NodeState::Up, "up"),

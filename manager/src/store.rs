@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use rfaas_proto::accounting::BillingSlot;
 use rfaas_proto::manager::{
     BudgetView, Heartbeat, LeaseState, LeaseView, NodeProvider, NodeState, NodeView, RegisterNode,
     Role,
@@ -28,6 +29,39 @@ pub struct LeaseRow {
     pub view: LeaseView,
     /// The credential subject that asked for it (renews and releases it).
     pub owner: String,
+    /// Its billing slot, where the caller asked for it (grants and
+    /// renewals); `None` there: unbilled.
+    pub billing: Option<BillingSlot>,
+}
+
+/// An accounting instance (`accounting_instances`, written by the
+/// accounting service) and how many of its slots hold a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccountingInstance {
+    /// Its name.
+    pub name: String,
+    /// Its fabric provider.
+    pub provider: String,
+    /// Its fabric address.
+    pub fabric_addr: String,
+    /// Slots in its region.
+    pub slots: u32,
+    /// Slots assigned to a lease (not yet freed by its flusher).
+    pub used: u32,
+    /// Its last heartbeat, Unix ms.
+    pub last_heartbeat_ms: u64,
+}
+
+impl AccountingInstance {
+    /// Slots free.
+    pub fn free(&self) -> u32 {
+        self.slots.saturating_sub(self.used)
+    }
+
+    /// Whether it heartbeat within `lost_after_ms` of `now_ms`.
+    pub fn live(&self, now_ms: u64, lost_after_ms: u64) -> bool {
+        now_ms.saturating_sub(self.last_heartbeat_ms) <= lost_after_ms
+    }
 }
 
 /// What a grant asks the database for.
@@ -56,6 +90,12 @@ pub struct GrantPlan {
     pub expires_at: u64,
     /// The batch job the leases serve, if known.
     pub job_id: Option<u64>,
+    /// Accounting instances to take billing slots from, best first (see
+    /// [`crate::view::View::billing_candidates`]); empty: unbilled.
+    pub billing: Vec<AccountingInstance>,
+    /// Refuse the grant ([`GrantOutcome::AccountingUnavailable`]) rather
+    /// than leave a node lease unbilled.
+    pub billing_required: bool,
 }
 
 /// A grant's outcome.
@@ -84,6 +124,8 @@ pub enum GrantOutcome {
         /// What it has spent.
         spend: f64,
     },
+    /// A node lease found no free billing slot, and billing is required.
+    AccountingUnavailable,
 }
 
 /// A credential as stored.
@@ -173,6 +215,7 @@ pub fn lease_state_name(s: LeaseState) -> &'static str {
 fn lease_from_row(row: &AnyRow) -> Result<LeaseRow, DbError> {
     Ok(LeaseRow {
         owner: text_col(row, "owner")?,
+        billing: None,
         view: LeaseView {
             lease_id: u64_col(row, "id")?,
             grant_id: u64_col(row, "grant_id")?,
@@ -384,7 +427,7 @@ impl Store {
 
     /// Grants what fits of `plan` in one transaction, all or nothing up to
     /// `plan.min_cores`: the account (its budget, then its cap), the
-    /// nodes, then the lease rows.
+    /// nodes, a billing slot per node lease, then the lease rows.
     pub async fn grant(&self, plan: &GrantPlan) -> Result<GrantOutcome, DbError> {
         let mut tx = self.pool.begin().await?;
         // The account first (lock order), reserving what the cap allows.
@@ -494,11 +537,25 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
         }
+        // A billing slot per node lease, after the nodes (lock order).
+        let assigned_ms = crate::now_ms();
+        let mut full = vec![false; plan.billing.len()];
+        let mut slots = Vec::with_capacity(got.len());
+        for _ in &got {
+            let lease_id = new_id();
+            let slot =
+                assign_slot(&mut tx, lease_id, &plan.billing, &mut full, assigned_ms).await?;
+            if slot.is_none() && plan.billing_required {
+                tx.rollback().await?;
+                return Ok(GrantOutcome::AccountingUnavailable);
+            }
+            slots.push((lease_id, slot));
+        }
         let grant_id = new_id();
         let mut leases = Vec::with_capacity(got.len());
-        for (node, cores) in &got {
+        for ((node, cores), (lease_id, billing)) in got.iter().zip(slots) {
             let view = LeaseView {
-                lease_id: new_id(),
+                lease_id,
                 grant_id,
                 node: (*node).to_owned(),
                 user: plan.user.clone(),
@@ -532,6 +589,7 @@ impl Store {
             leases.push(LeaseRow {
                 view,
                 owner: plan.owner.clone(),
+                billing,
             });
         }
         let names: Vec<&str> = got.iter().map(|(n, _)| *n).collect();
@@ -695,6 +753,10 @@ impl Store {
     /// never earlier than it was: an executor keeps the latest expiry it
     /// was shown, so a shorter one would let the manager lease cores the
     /// executor still serves. Returns them (empty: nothing active).
+    ///
+    /// Each keeps the billing slot it was granted with (the tokens of a
+    /// renewal name the same slot), read with the instance's current
+    /// address.
     pub async fn renew(&self, grant_id: u64, expires_at: u64) -> Result<Vec<LeaseRow>, DbError> {
         let rows = sqlx::query(&format!(
             "UPDATE leases SET expires_at = CASE WHEN expires_at > $2 THEN expires_at ELSE $2 END
@@ -704,7 +766,70 @@ impl Store {
         .bind(i(expires_at))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(lease_from_row).collect()
+        let mut leases = rows
+            .iter()
+            .map(lease_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        if leases.is_empty() {
+            return Ok(leases);
+        }
+        let mut slots = self.grant_billing(grant_id).await?;
+        for l in &mut leases {
+            l.billing = slots.remove(&l.view.lease_id);
+        }
+        Ok(leases)
+    }
+
+    /// The billing slots grant `grant_id`'s leases hold, by lease id.
+    async fn grant_billing(&self, grant_id: u64) -> Result<HashMap<u64, BillingSlot>, DbError> {
+        let rows = sqlx::query(
+            "SELECT b.lease_id, b.instance, b.slot, a.provider, a.fabric_addr
+             FROM billing_slots b JOIN accounting_instances a ON a.name = b.instance
+             WHERE b.lease_id IN (SELECT id FROM leases WHERE grant_id = $1)",
+        )
+        .bind(i(grant_id))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            out.insert(
+                u64_col(row, "lease_id")?,
+                BillingSlot {
+                    instance: text_col(row, "instance")?,
+                    provider: text_col(row, "provider")?,
+                    addr: text_col(row, "fabric_addr")?,
+                    slot: slot_col(row)?,
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    /// Every accounting instance, by name, with its slots in use: one
+    /// query, over the instances and the slots that hold a lease (the
+    /// index on `lease_id`), never over the free ones.
+    pub async fn accounting_instances(&self) -> Result<Vec<AccountingInstance>, DbError> {
+        let rows = sqlx::query(
+            "SELECT a.name, a.provider, a.fabric_addr, a.slots, a.last_heartbeat_ms, COALESCE(u.used, 0) AS used
+             FROM accounting_instances a LEFT JOIN
+                (SELECT instance, COUNT(*) AS used FROM billing_slots WHERE lease_id > 0 GROUP BY instance) u
+                ON u.instance = a.name
+             ORDER BY a.name",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(AccountingInstance {
+                    name: text_col(row, "name")?,
+                    provider: text_col(row, "provider")?,
+                    fabric_addr: text_col(row, "fabric_addr")?,
+                    slots: u64_col(row, "slots")?.min(u64::from(u32::MAX)) as u32,
+                    used: u64_col(row, "used")?.min(u64::from(u32::MAX)) as u32,
+                    last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
+                })
+            })
+            .collect()
     }
 
     /// Every budget with its account's spend, by account.
@@ -887,6 +1012,57 @@ async fn budget_of(
         .as_ref()
         .map(budget_from_row)
         .transpose()
+}
+
+fn slot_col(row: &AnyRow) -> Result<u32, DbError> {
+    let slot = u64_col(row, "slot")?;
+    u32::try_from(slot).map_err(|_| DbError::Other(format!("billing slot {slot} is out of range")))
+}
+
+/// Takes a free billing slot for `lease_id` from the first of
+/// `instances` that has one, skipping those `full` marks (and marking
+/// those found full). A conditional update decides: the slot is taken only
+/// if it is still free when its row is locked, so no slot goes to two
+/// leases under any concurrency (as with cores, see [`crate::db`]). It
+/// starts at a random slot, so that concurrent grants rarely reach for the
+/// same one, then from slot 0 (wrapping), then once more at random in case
+/// both lost a race; an instance that gives nothing is full.
+async fn assign_slot(
+    tx: &mut Transaction<'static, Any>,
+    lease_id: u64,
+    instances: &[AccountingInstance],
+    full: &mut [bool],
+    now_ms: u64,
+) -> Result<Option<BillingSlot>, DbError> {
+    for (k, inst) in instances.iter().enumerate() {
+        if full[k] || inst.slots == 0 {
+            continue;
+        }
+        for start in [fastrand::u32(..inst.slots), 0, fastrand::u32(..inst.slots)] {
+            let row = sqlx::query(
+                "UPDATE billing_slots SET lease_id = $1, assigned_ms = $2
+                 WHERE instance = $3 AND lease_id = 0 AND slot =
+                    (SELECT slot FROM billing_slots WHERE instance = $3 AND lease_id = 0 AND slot >= $4 ORDER BY slot LIMIT 1)
+                 RETURNING slot",
+            )
+            .bind(i(lease_id))
+            .bind(i(now_ms))
+            .bind(&inst.name)
+            .bind(i64::from(start))
+            .fetch_optional(&mut **tx)
+            .await?;
+            if let Some(row) = row {
+                return Ok(Some(BillingSlot {
+                    instance: inst.name.clone(),
+                    provider: inst.provider.clone(),
+                    addr: inst.fabric_addr.clone(),
+                    slot: slot_col(&row)?,
+                }));
+            }
+        }
+        full[k] = true;
+    }
+    Ok(None)
 }
 
 /// The stored name of a role.

@@ -7,18 +7,24 @@
 //! `rfaas_nodes` channel (`LISTEN/NOTIFY`) and each other replica reloads
 //! the nodes named; and every `refresh_ms` each replica reloads all nodes,
 //! which also covers notifications lost while a connection was down.
+//!
+//! It also holds the accounting instances (`accounting_instances`, which
+//! the accounting services write), reloaded with the nodes every
+//! `refresh_ms`, so a grant picks a live instance for its billing slots
+//! without a query of its own.
 
 use std::collections::HashMap;
 use std::sync::RwLock;
 
 use rfaas_proto::manager::{NodeState, NodeView};
 
-use crate::store::LeaseRow;
+use crate::store::{AccountingInstance, LeaseRow};
 
 /// The view.
 #[derive(Debug, Default)]
 pub struct View {
     nodes: RwLock<HashMap<String, NodeView>>,
+    instances: RwLock<Vec<AccountingInstance>>,
 }
 
 impl View {
@@ -83,6 +89,66 @@ impl View {
         fastrand::shuffle(&mut rest);
         out.extend(rest);
         out
+    }
+
+    /// Replaces the accounting instances.
+    pub fn replace_instances(&self, instances: Vec<AccountingInstance>) {
+        *self.instances.write().unwrap_or_else(|p| p.into_inner()) = instances;
+    }
+
+    /// Accounting instances live at `now_ms` (a heartbeat within
+    /// `lost_after_ms`) and those not.
+    pub fn instances_live(&self, now_ms: u64, lost_after_ms: u64) -> (usize, usize) {
+        let all = self.instances.read().unwrap_or_else(|p| p.into_inner());
+        let live = all.iter().filter(|a| a.live(now_ms, lost_after_ms)).count();
+        (live, all.len() - live)
+    }
+
+    /// The live accounting instances a grant takes billing slots from, in
+    /// the order to try them: those with free slots first, each drawn at
+    /// random with a weight of its free slots (so leases spread over the
+    /// instances in proportion to their room), then those this view
+    /// believes full (they may have freed slots since the last reload).
+    pub fn billing_candidates(&self, now_ms: u64, lost_after_ms: u64) -> Vec<AccountingInstance> {
+        let all = self.instances.read().unwrap_or_else(|p| p.into_inner());
+        let (mut roomy, mut full): (Vec<_>, Vec<_>) = all
+            .iter()
+            .filter(|a| a.live(now_ms, lost_after_ms) && a.slots > 0)
+            .cloned()
+            .partition(|a| a.free() > 0);
+        drop(all);
+        let mut out = Vec::with_capacity(roomy.len() + full.len());
+        while !roomy.is_empty() {
+            let total: u64 = roomy.iter().map(|a| u64::from(a.free())).sum();
+            let mut pick = fastrand::u64(..total);
+            let k = roomy
+                .iter()
+                .position(|a| {
+                    let w = u64::from(a.free());
+                    if pick < w {
+                        true
+                    } else {
+                        pick -= w;
+                        false
+                    }
+                })
+                .unwrap_or(0);
+            out.push(roomy.swap_remove(k));
+        }
+        fastrand::shuffle(&mut full);
+        out.extend(full);
+        out
+    }
+
+    /// Counts the billing slots this replica's grant took, until the next
+    /// reload.
+    pub fn apply_slots(&self, leases: &[LeaseRow]) {
+        let mut all = self.instances.write().unwrap_or_else(|p| p.into_inner());
+        for slot in leases.iter().filter_map(|l| l.billing.as_ref()) {
+            if let Some(a) = all.iter_mut().find(|a| a.name == slot.instance) {
+                a.used = a.used.saturating_add(1);
+            }
+        }
     }
 
     /// Applies leases this replica granted (`sign` 1) or ended (`sign` -1).
@@ -150,5 +216,69 @@ mod tests {
             .map(|_| v.candidates(1, &[])[0].0.clone())
             .collect();
         assert!(firsts.len() >= 6, "placement is not randomised: {firsts:?}");
+    }
+
+    fn instance(name: &str, slots: u32, used: u32, last_heartbeat_ms: u64) -> AccountingInstance {
+        AccountingInstance {
+            name: name.into(),
+            provider: "tcp".into(),
+            fabric_addr: "127.0.0.1:7400".into(),
+            slots,
+            used,
+            last_heartbeat_ms,
+        }
+    }
+
+    #[test]
+    fn billing_skips_dead_instances_and_weighs_by_free_slots() {
+        let v = View::default();
+        v.replace_instances(vec![
+            instance("big", 1000, 100, 50_000),
+            instance("small", 100, 0, 50_000),
+            instance("full", 10, 10, 50_000),
+            instance("dead", 1000, 0, 1_000),
+        ]);
+        assert_eq!(v.instances_live(51_000, 10_000), (3, 1));
+        let mut big_first = 0;
+        for _ in 0..1000 {
+            let c = v.billing_candidates(51_000, 10_000);
+            let names: Vec<&str> = c.iter().map(|a| a.name.as_str()).collect();
+            assert_eq!(names.len(), 3, "{names:?}");
+            assert!(!names.contains(&"dead"), "{names:?}");
+            assert_eq!(names[2], "full", "full instances go last: {names:?}");
+            big_first += usize::from(names[0] == "big");
+        }
+        // 900 free against 100: "big" first about 90% of the time.
+        assert!((800..980).contains(&big_first), "{big_first} of 1000");
+    }
+
+    #[test]
+    fn slots_taken_count_until_the_next_reload() {
+        let v = View::default();
+        v.replace_instances(vec![instance("a", 2, 1, 0)]);
+        let row = LeaseRow {
+            view: rfaas_proto::manager::LeaseView {
+                lease_id: 1,
+                grant_id: 1,
+                node: "n".into(),
+                user: "u".into(),
+                account: "a".into(),
+                cores: 1,
+                memory_mib: 1,
+                issued_at: 0,
+                expires_at: 1,
+                state: rfaas_proto::manager::LeaseState::Active,
+            },
+            owner: "user:u".into(),
+            billing: Some(rfaas_proto::accounting::BillingSlot {
+                instance: "a".into(),
+                provider: "tcp".into(),
+                addr: "127.0.0.1:7400".into(),
+                slot: 0,
+            }),
+        };
+        v.apply_slots(&[row]);
+        let c = v.billing_candidates(0, 10);
+        assert_eq!((c.len(), c[0].free()), (1, 0));
     }
 }

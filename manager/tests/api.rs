@@ -495,6 +495,7 @@ fn openapi_document_and_metrics() {
         doc["components"]["schemas"]["RegisterNode"]["properties"]["harvested"].is_object(),
         "{doc}"
     );
+    assert!(doc["components"]["schemas"]["BillingSlot"].is_object());
     let (s, h) = open.call("GET", "/healthz", None);
     assert_eq!((s, h["status"].as_str()), (200, Some("ok")));
     let (s, text) = open.call("GET", "/metrics", None);
@@ -507,6 +508,8 @@ fn openapi_document_and_metrics() {
         "rfaas_manager_cores{state=\"leased\"} 1",
         "rfaas_manager_denials_total{reason=\"no_capacity\"} 0",
         "rfaas_manager_denials_total{reason=\"budget_exhausted\"} 0",
+        "rfaas_manager_unbilled_leases_total 1",
+        "rfaas_manager_accounting_instances{state=\"live\"} 0",
     ] {
         assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
     }

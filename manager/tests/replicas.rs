@@ -12,12 +12,14 @@ use common::*;
 use rfaas_testkit::manager::{Api, Manager};
 use serde_json::{json, Value};
 
-/// What one storm saw: the grants it holds (id → cores per node), and
-/// how many requests got each status.
+/// What one storm saw: the grants it holds (id → cores per node), how
+/// many requests got each status, and the billing slot of every node lease
+/// granted (by lease id; released ones too).
 #[derive(Debug, Default)]
 struct Seen {
     held: Vec<(u64, Vec<(String, u64)>)>,
     statuses: std::collections::BTreeMap<u16, u32>,
+    slots: Vec<(u64, Option<(String, u64)>)>,
 }
 
 /// `threads` clients, each sending `per_thread` lease requests round-robin
@@ -47,6 +49,12 @@ fn storm(urls: &[String], tokens: &[String], threads: usize, per_thread: usize, 
                         .iter()
                         .map(|l| (l["node"].as_str().unwrap().to_owned(), l["cores"].as_u64().unwrap()))
                         .collect();
+                    for l in g["leases"].as_array().unwrap() {
+                        let slot = l["billing"].as_object().map(|b| {
+                            (b["instance"].as_str().unwrap().to_owned(), b["slot"].as_u64().unwrap())
+                        });
+                        seen_now.slots.push((l["lease_id"].as_u64().unwrap(), slot));
+                    }
                     drop(seen_now);
                     if rng.u32(0..3) == 0 {
                         let (s, e) = api.call("DELETE", &format!("/v1/leases/{id}"), None);
@@ -123,12 +131,58 @@ fn check_held(m: &Manager, seen: &Seen) {
 /// The storms' nodes do not heartbeat: keep them from being lost.
 const QUIET_NODES: &str = "lost_after_ms = 600000\n";
 
+/// Fewer billing slots than the storm's node leases (it must grant at
+/// least 40), over two live instances and a dead one: grants compete for
+/// the last slots too.
+fn add_instances(db: &Db) {
+    db.add_instance("acct-a", 16, rfaas_manager::now_ms());
+    db.add_instance("acct-b", 16, rfaas_manager::now_ms());
+    db.add_instance("acct-dead", 100, 1);
+}
+
+/// Every billing slot the storm was given went to one node lease only,
+/// from a live instance, and the database agrees: the slots that hold a
+/// lease are exactly those the clients were given.
+fn check_slots(db: &Db, seen: &Seen) {
+    let mut given = std::collections::HashMap::new();
+    for (lease, slot) in &seen.slots {
+        let Some((instance, slot)) = slot else {
+            continue;
+        };
+        assert_ne!(instance, "acct-dead", "lease {lease} on a dead instance");
+        if let Some(other) = given.insert((instance.clone(), *slot), *lease) {
+            panic!("slot {slot} of {instance} given to leases {other} and {lease}");
+        }
+    }
+    let rows = db.sql(&[
+        "SELECT CASE instance WHEN 'acct-a' THEN 0 WHEN 'acct-b' THEN 1 ELSE 2 END, slot, lease_id
+         FROM billing_slots WHERE lease_id <> 0",
+    ]);
+    let stored: std::collections::HashMap<(String, u64), u64> = rows
+        .iter()
+        .map(|r| {
+            let instance = ["acct-a", "acct-b", "acct-dead"][r[0] as usize];
+            ((instance.to_owned(), r[1] as u64), r[2] as u64)
+        })
+        .collect();
+    assert_eq!(stored, given, "the slots as stored and as granted");
+    let unbilled = seen.slots.iter().filter(|s| s.1.is_none()).count();
+    assert!(
+        !given.is_empty() && unbilled > 0,
+        "the storm must use the slots up: {} billed, {unbilled} not",
+        given.len()
+    );
+}
+
 fn three_replicas_never_lease_a_core_twice(kind: &str) {
     let mut db = Db::new(kind);
-    let first = db.manager_with(QUIET_NODES, None);
+    let quiet = format!("{QUIET_NODES}{ACCOUNTING}");
+    let first = db.manager_with(&quiet, None);
+    add_instances(&db);
+    wait_for_instances(&first, 2, 1);
     let replicas = [
-        db.manager_with(QUIET_NODES, Some(&first)),
-        db.manager_with(QUIET_NODES, Some(&first)),
+        db.manager_with(&quiet, Some(&first)),
+        db.manager_with(&quiet, Some(&first)),
     ];
     // A few nodes, fewer cores than the storm asks for: grants compete
     // for the last cores, and some are refused.
@@ -159,6 +213,16 @@ fn three_replicas_never_lease_a_core_twice(kind: &str) {
         );
     }
     check_held(&first, &seen);
+    check_slots(&db, &seen);
+    let unbilled: f64 = std::iter::once(&first)
+        .chain(replicas.iter())
+        .map(|m| metric(m, "rfaas_manager_unbilled_leases_total"))
+        .sum();
+    assert_eq!(
+        unbilled as usize,
+        seen.slots.iter().filter(|s| s.1.is_none()).count(),
+        "unbilled leases as counted and as granted"
+    );
 }
 on_both!(three_replicas_never_lease_a_core_twice);
 

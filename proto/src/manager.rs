@@ -363,8 +363,8 @@ pub struct BudgetView {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     /// Stable, `snake_case`: `no_capacity`, `quota_exceeded`,
-    /// `budget_exhausted`, `unauthorized`, `forbidden`,
-    /// `malformed_request`, `not_found`, ...
+    /// `budget_exhausted`, `accounting_unavailable`, `unauthorized`,
+    /// `forbidden`, `malformed_request`, `not_found`, ...
     pub error: String,
     /// What happened and what to do.
     pub message: String,

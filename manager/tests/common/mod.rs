@@ -110,6 +110,49 @@ impl Db {
                 .collect()
         })
     }
+
+    /// Registers accounting instance `name` with `slots` free billing
+    /// slots and a heartbeat at `last_heartbeat_ms`, as the accounting
+    /// service does at start.
+    pub fn add_instance(&self, name: &str, slots: u32, last_heartbeat_ms: u64) {
+        self.sql(&[
+            &format!(
+                "INSERT INTO accounting_instances (name, provider, fabric_addr, metrics_addr, slots, region_id, started_ms, last_heartbeat_ms)
+                 VALUES ('{name}', 'tcp', '127.0.0.1:7400', '127.0.0.1:7401', {slots}, 42, 1, {last_heartbeat_ms})"
+            ),
+            &format!(
+                "WITH RECURSIVE s(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM s WHERE n + 1 < {slots})
+                 INSERT INTO billing_slots (instance, slot, lease_id, assigned_ms) SELECT '{name}', n, 0, 0 FROM s"
+            ),
+        ]);
+    }
+}
+
+/// `[accounting]` for tests: instances stay live for ten minutes after
+/// the heartbeat a test writes.
+pub const ACCOUNTING: &str = "accounting = { lost_after_ms = 600000 }\n";
+
+/// Waits until `m`'s view holds `live` live and `lost` lost accounting
+/// instances (it reloads them every `refresh_ms`).
+pub fn wait_for_instances(m: &Manager, live: u32, lost: u32) {
+    let want = [
+        format!("rfaas_manager_accounting_instances{{state=\"live\"}} {live}"),
+        format!("rfaas_manager_accounting_instances{{state=\"lost\"}} {lost}"),
+    ];
+    let open = Api::new(m.url(), "");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let (_, text) = open.call("GET", "/metrics", None);
+        let text = text.as_str().unwrap_or("").to_owned();
+        if want.iter().all(|w| text.lines().any(|l| l == w)) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the manager never saw {live} live and {lost} lost instances:\n{text}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// A counter's value in `m`'s metrics.
