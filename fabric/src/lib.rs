@@ -131,6 +131,14 @@ pub struct EndpointOptions {
     pub service_level: u8,
     /// verbs: index of the partition key (P_Key) in the port's table.
     pub pkey_index: u16,
+    /// shm: also map the peer's regions that are files
+    /// ([`Buffer::map_file`]) rather than sealed memfds. The peer could
+    /// shrink such a file and make this process fault (SIGBUS) on its next
+    /// access, so set it only for a peer trusted not to (rfaas: an
+    /// accounting service, named in a lease token the manager signed).
+    /// Without it, accesses to such a region complete with
+    /// [`Status::RemoteAccess`]. tcp and verbs ignore it.
+    pub map_file_regions: bool,
 }
 
 impl Default for EndpointOptions {
@@ -141,6 +149,7 @@ impl Default for EndpointOptions {
             connect_timeout: Duration::from_secs(10),
             service_level: 0,
             pkey_index: 0,
+            map_file_regions: false,
         }
     }
 }
@@ -298,6 +307,13 @@ impl Domain {
     /// corrupting whatever lies beyond. The worker's output buffers use it.
     pub fn register_guarded(&self, len: usize, access: Access) -> Result<MemoryRegion> {
         let buf = Buffer::guarded(len)?;
+        dispatch!(&self.imp, d => d.register_buffer(buf, access))
+    }
+
+    /// Registers `buf` (for example a file's mapping, [`Buffer::map_file`])
+    /// with `access`. The region keeps the buffer mapped until it and every
+    /// operation posted with it are gone.
+    pub fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
         dispatch!(&self.imp, d => d.register_buffer(buf, access))
     }
 

@@ -113,7 +113,9 @@ pub fn page_size() -> usize {
 }
 
 /// Page-aligned memory backed by a memfd, so it can be shared with another
-/// process (the shm provider) or pinned by a NIC (verbs).
+/// process (the shm provider) or pinned by a NIC (verbs); or, made by
+/// [`Buffer::map_file`], a shared mapping of a file, whose bytes outlive
+/// the process.
 pub struct Buffer {
     ptr: NonNull<u8>,
     len: usize,
@@ -121,6 +123,8 @@ pub struct Buffer {
     /// Bytes reserved after the mapping with no access (0 or one page).
     guard_len: usize,
     fd: OwnedFd,
+    /// A file's mapping rather than a sealed memfd's.
+    file_backed: bool,
 }
 
 // SAFETY: Buffer owns its mapping; the raw pointer is only an address, and
@@ -188,7 +192,64 @@ impl Buffer {
             map_len,
             guard_len,
             fd,
+            file_backed: false,
         })
+    }
+
+    /// Maps the first `len` bytes of `file` shared and read-write: stores
+    /// to the buffer, and peers' writes and atomics into it once it is
+    /// registered, go to the file's pages, so they survive the process (a
+    /// crash or `kill -9` of it loses none; the kernel writes them to the
+    /// disk later, or at `msync`).
+    ///
+    /// The file must be open for reading and writing and hold at least
+    /// `len` rounded up to whole pages (a shm peer maps whole pages, and
+    /// an access past the file's end faults): size it first with
+    /// `File::set_len`. Nothing seals the size, so whoever can truncate
+    /// the file can make accesses to the buffer fault (SIGBUS): keep it
+    /// private to the process's user.
+    ///
+    /// On shm, peers map the file itself, and only those connected with
+    /// [`EndpointOptions::map_file_regions`](crate::EndpointOptions::map_file_regions)
+    /// accept it (its owner could shrink it under them). On verbs, Linux
+    /// 6.5 and later refuse to pin a writable file mapping of a file system
+    /// that tracks dirty pages (ext4, xfs): registering it with remote
+    /// write or atomic rights fails with `EFAULT` unless the file lives on
+    /// tmpfs.
+    pub fn map_file(file: std::fs::File, len: usize) -> Result<Buffer> {
+        if len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a region holds at most {} bytes, {len} were asked for",
+                u32::MAX
+            )));
+        }
+        let map_len = len.max(1).div_ceil(page_size()) * page_size();
+        let size = file
+            .metadata()
+            .map_err(|e| Error::io("fstat of the file to map", e))?
+            .len();
+        if size < map_len as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "the file holds {size} bytes; mapping {len} bytes needs {map_len} \
+                 (whole pages): extend it with set_len first"
+            )));
+        }
+        let fd = OwnedFd::from(file);
+        let ptr = map_shared(fd.as_raw_fd(), map_len, true)?;
+        Ok(Buffer {
+            ptr,
+            len,
+            map_len,
+            guard_len: 0,
+            fd,
+            file_backed: true,
+        })
+    }
+
+    /// Whether the buffer maps a file ([`Buffer::map_file`]) rather than
+    /// a memfd of its own.
+    pub fn is_file_backed(&self) -> bool {
+        self.file_backed
     }
 
     /// The first byte.
@@ -211,7 +272,7 @@ impl Buffer {
         self.map_len
     }
 
-    /// The memfd holding the pages.
+    /// The memfd (or the file) holding the pages.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
@@ -645,6 +706,32 @@ mod tests {
         assert_eq!(r.read_to_vec(9..=20), [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 0]);
         r.write_u64(16, u64::MAX - 1);
         assert_eq!(r.read_u64(16), u64::MAX - 1);
+    }
+
+    #[test]
+    fn a_file_mapping_writes_through_to_the_file_and_wants_whole_pages() {
+        let page = page_size();
+        let path = std::env::temp_dir().join(format!("rfaas-map-file-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        file.set_len(100).unwrap();
+        let short = Buffer::map_file(file.try_clone().unwrap(), 100).unwrap_err();
+        assert!(short.to_string().contains("whole pages"), "{short}");
+        file.set_len(page as u64).unwrap();
+        let buf = Buffer::map_file(file, 100).unwrap();
+        assert_eq!((buf.len(), buf.mapped_len()), (100, page));
+        assert!(buf.is_file_backed() && !Buffer::new(8).unwrap().is_file_backed());
+        // SAFETY: inside the mapping, which nothing else uses.
+        unsafe { buf.as_ptr().add(99).write_volatile(0x5a) };
+        drop(buf);
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!((bytes.len(), bytes[99], bytes[98]), (page, 0x5a, 0));
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

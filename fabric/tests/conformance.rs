@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::testing::{
-    connect_pair, listen_addr, pattern, poll_n, poll_one, thread_id, verbs, wait_until_asleep,
+    at, connect_pair, listen_addr, pattern, poll_n, poll_one, thread_id, verbs, wait_until_asleep,
     KillOnDrop, Pair, TIMEOUT,
 };
 use rfaas_fabric::{
@@ -1070,4 +1070,90 @@ fn unknown_providers_are_named_in_the_error() {
 fn verbs_without_the_feature_says_how_to_get_it() {
     let err = Fabric::open("verbs:rxe0").unwrap_err();
     assert!(err.to_string().contains("--features verbs"), "{err}");
+}
+
+/// A region kept in a file (`Buffer::map_file`) takes remote atomics and
+/// reads like any other, refuses writes it was not given, and its words
+/// are in the file: mapped again after everything is dropped, they are
+/// still there. On shm only a peer that agreed to map file-backed regions
+/// (`EndpointOptions::map_file_regions`) reaches it.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn a_file_backed_region_keeps_remote_atomics_in_its_file(#[case] provider: &str) {
+    let path = std::env::temp_dir().join(format!(
+        "rfaas-conformance-file-region-{}-{}",
+        std::process::id(),
+        provider.replace(':', "-")
+    ));
+    let page = rfaas_fabric::page_size();
+    let open = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .unwrap()
+    };
+    let file = open();
+    file.set_len(page as u64).unwrap();
+    let opts = EndpointOptions {
+        map_file_regions: true,
+        ..EndpointOptions::default()
+    };
+    {
+        let mut p = Pair::with(provider, &opts, 1024);
+        let buf = rfaas_fabric::Buffer::map_file(file, 128).unwrap();
+        assert!(buf.is_file_backed());
+        let region = p
+            .target_domain
+            .register_buffer(buf, Access::REMOTE_ATOMIC | Access::REMOTE_READ)
+            .unwrap();
+        assert_eq!(region.len(), 128);
+        let local = p.domain.register(64, Access::LOCAL).unwrap();
+        for (i, word) in [0u64, 8, 120].iter().enumerate() {
+            p.ep.fetch_add(i as u64, &local, 0, at(&region, *word), 5 + *word)
+                .unwrap();
+            let c = poll_one(&mut p.cq);
+            assert_eq!((c.opcode, c.status), (Opcode::FetchAdd, Status::Success));
+        }
+        p.ep.read(9, &local, 8, 16, at(&region, 0)).unwrap();
+        assert_eq!(poll_one(&mut p.cq).status, Status::Success);
+        assert_eq!((local.read_u64(8), local.read_u64(16)), (5, 13));
+        p.ep.write(10, &local, 0, 8, at(&region, 0)).unwrap();
+        assert_eq!(poll_one(&mut p.cq).status, Status::RemoteAccess);
+        if survives_refusals(provider) {
+            // Past the end of the 128 bytes, though inside the file's page.
+            p.ep.fetch_add(11, &local, 0, at(&region, 128), 1).unwrap();
+            assert_eq!(poll_one(&mut p.cq).status, Status::RemoteAccess);
+        }
+        if provider == "shm" {
+            // A peer that did not agree to map files is refused the region.
+            let wary = p.fabric.domain().unwrap();
+            let mut wary_cq = p.fabric.completion_queue(1024).unwrap();
+            let (_target, ep) = connect_pair(
+                &p.listener,
+                &p.target_domain,
+                &mut p.target_cq,
+                &wary,
+                &mut wary_cq,
+                &EndpointOptions::default(),
+            );
+            let scratch = wary.register(8, Access::LOCAL).unwrap();
+            ep.fetch_add(12, &scratch, 0, at(&region, 0), 1).unwrap();
+            assert_eq!(poll_one(&mut wary_cq).status, Status::RemoteAccess);
+        }
+        drop(region);
+    }
+    let again = rfaas_fabric::Buffer::map_file(open(), 128).unwrap();
+    let mut words = [0u8; 128];
+    // SAFETY: the mapping is ours alone and `words` is 128 bytes.
+    unsafe { std::ptr::copy_nonoverlapping(again.as_ptr(), words.as_mut_ptr(), 128) };
+    let word = |at: usize| u64::from_ne_bytes(words[at..at + 8].try_into().unwrap());
+    assert_eq!((word(0), word(8), word(120), word(16)), (5, 13, 125, 0));
+    drop(again);
+    let _ = std::fs::remove_file(&path);
 }

@@ -34,6 +34,8 @@ pub(crate) struct ShmEndpoint {
     /// The peer domain's validity table (read-only).
     peer_validity: Mapping,
     grants: RefCell<GrantCache>,
+    /// Map the peer's file-backed regions too (`EndpointOptions::map_file_regions`).
+    map_file_regions: bool,
     next_req: Cell<u64>,
     progress: Arc<Progress>,
     token: u64,
@@ -71,6 +73,7 @@ impl ShmEndpoint {
             peer_wake,
             peer_validity,
             grants: RefCell::new(GrantCache::new()),
+            map_file_regions: opts.map_file_regions,
             next_req: Cell::new(0),
             progress,
             token,
@@ -200,7 +203,7 @@ impl ShmEndpoint {
         if grants.get(rkey).is_none() {
             let req_id = self.next_req.get().wrapping_add(1);
             self.next_req.set(req_id);
-            let grant = grant::fetch(&self.link, req_id, rkey)?;
+            let grant = grant::fetch(&self.link, req_id, rkey, self.map_file_regions)?;
             // Forget regions the peer revoked since, so a peer that keeps
             // registering fresh regions does not grow our mappings forever.
             grants.retain(|g| self.peer_serial(g.rkey) == g.serial);

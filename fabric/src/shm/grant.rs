@@ -128,9 +128,15 @@ impl GrantCache {
 }
 
 /// Asks the peer over `link` for the region `rkey` (request `req_id`) and
-/// maps it. Slow path.
+/// maps it; a region the peer backs with a regular file instead of a
+/// sealed memfd only with `map_files`. Slow path.
 #[cold]
-pub(super) fn fetch(link: &Link, req_id: u64, rkey: u32) -> std::result::Result<Grant, Status> {
+pub(super) fn fetch(
+    link: &Link,
+    req_id: u64,
+    rkey: u32,
+    map_files: bool,
+) -> std::result::Result<Grant, Status> {
     if link.is_lost() {
         return Err(Status::PeerLost);
     }
@@ -155,8 +161,14 @@ pub(super) fn fetch(link: &Link, req_id: u64, rkey: u32) -> std::result::Result<
         tracing::warn!(peer = %link.peer, rkey, ?info, "shm: the peer granted an impossible region; refusing it");
         return Err(Status::RemoteAccess);
     }
-    if let Err(why) = sys::check_peer_memfd(fd.as_raw_fd(), info.map_len as usize) {
-        tracing::warn!(peer = %link.peer, rkey, why, "shm: refusing a granted region");
+    let checked = sys::check_peer_memfd(fd.as_raw_fd(), info.map_len as usize).or_else(|why| {
+        match map_files && sys::is_regular_file(fd.as_raw_fd()) {
+            true => sys::check_peer_file(fd.as_raw_fd(), info.map_len as usize),
+            false => Err(why),
+        }
+    });
+    if let Err(why) = checked {
+        tracing::warn!(peer = %link.peer, rkey, why, "shm: refusing a granted region (a file-backed region needs EndpointOptions::map_file_regions)");
         return Err(Status::RemoteAccess);
     }
     let access = Access::from_bits_truncate(info.access);

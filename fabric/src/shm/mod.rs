@@ -89,7 +89,9 @@
 //!   endpoint flushes its own posted receives (`Flushed`). Memory we mapped
 //!   stays mapped until our endpoint drops, so a peer dying mid-operation
 //!   cannot crash us; all shared memory is sealed against shrinking (no
-//!   SIGBUS). A grant request the peer's progress thread leaves unanswered
+//!   SIGBUS), except a region its owner keeps in a file
+//!   ([`crate::Buffer::map_file`]), which a peer maps only when connected
+//!   with `EndpointOptions::map_file_regions`. A grant request the peer's progress thread leaves unanswered
 //!   for 5 s (a stopped process) also counts as loss.
 //!
 //! # Trust model
@@ -105,9 +107,13 @@
 //! region) are enforced by this library in the initiator, so a hostile
 //! process granted a writable region can write all of it, and nothing else.
 //! Revocation binds honest peers only: a hostile one may keep the memfd of a
-//! dropped region, whose pages no new region reuses. Everything a peer
+//! dropped region, whose pages no new region reuses. A file-backed region
+//! is granted as the file's own descriptor: a peer granted it may also
+//! truncate the file, which faults its owner, so its owner lets only
+//! peers it trusts connect (the accounting service's socket). Everything a peer
 //! writes (ring counters, hellos, grant replies, descriptors) is validated
-//! before use: memfds must be sealed and long enough, the wake-up
+//! before use: memfds must be sealed and long enough (files, where
+//! accepted, long enough), the wake-up
 //! descriptor must be a socket, counters must be possible. What it writes
 //! to wake us (its ring's flag and futex word, its socket's bytes) can only
 //! end or skip one of our sleeps (see "Wake-up").

@@ -131,6 +131,25 @@ pub(super) fn check_peer_memfd(fd: RawFd, len: usize) -> std::result::Result<(),
     Ok(())
 }
 
+/// Checks that a regular file received from a peer (a region it keeps in
+/// a file) holds at least `len` bytes. Nothing stops the peer from
+/// shrinking it later: only peers trusted not to are asked for such
+/// regions (`EndpointOptions::map_file_regions`).
+pub(super) fn check_peer_file(fd: RawFd, len: usize) -> std::result::Result<(), String> {
+    let size = file_size(fd).map_err(|e| format!("fstat of a region's file failed: {e}"))?;
+    if size < len as u64 {
+        return Err(format!(
+            "the region's file holds {size} bytes, {len} are needed"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `fd` is a regular file (a memfd is one too).
+pub(super) fn is_regular_file(fd: RawFd) -> bool {
+    fstat(fd).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG)
+}
+
 fn fstat(fd: RawFd) -> io::Result<libc::stat> {
     // SAFETY: an all-zero stat is a valid out-parameter.
     let mut st: libc::stat = unsafe { zeroed() };

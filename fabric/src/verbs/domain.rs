@@ -170,7 +170,10 @@ impl provider::Domain<VerbsFabric> for VerbsDomain {
         };
         if mr.is_null() {
             let err = last_errno_or(libc::ENOMEM);
-            let hint = if err.raw_os_error() == Some(libc::ENOMEM)
+            let hint = if buf.is_file_backed() && err.raw_os_error() == Some(libc::EFAULT) {
+                " (a writable mapping of a file on a file system that tracks dirty pages, such \
+                 as ext4 or xfs, cannot be pinned on Linux 6.5 and later: put the file on tmpfs)"
+            } else if err.raw_os_error() == Some(libc::ENOMEM)
                 || err.raw_os_error() == Some(libc::EFAULT)
             {
                 " (is the locked-memory limit, `ulimit -l`, large enough?)"
