@@ -269,6 +269,66 @@ impl Auth {
     }
 }
 
+/// Why [`verify_node_credential`] refused a credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeRefusal {
+    /// Not `rfaasc.<id>.<secret>`.
+    Malformed,
+    /// No credential has that id.
+    Unknown,
+    /// The secret does not match.
+    WrongSecret,
+    /// Revoked by an admin.
+    Revoked,
+    /// Past its expiry.
+    Expired,
+    /// A user's credential, not a node's.
+    NotANode,
+}
+
+/// Checks a node credential (`rfaasc.<id>.<secret>`) as the manager checks
+/// a node's bearer token: a stored credential of role node, whose secret
+/// matches, neither revoked nor expired at `now_s`. `Ok(Ok(node))` names
+/// the node it was minted for. For services that share the manager's
+/// database (the accounting service); it reads the database every time,
+/// so cache the verdicts.
+///
+/// # Errors
+///
+/// The database's failure, when it cannot answer.
+pub async fn verify_node_credential(
+    store: &Store,
+    token: &str,
+    now_s: u64,
+) -> Result<Result<String, NodeRefusal>, crate::db::DbError> {
+    let Some(rest) = token
+        .strip_prefix(CREDENTIAL_PREFIX)
+        .and_then(|r| r.strip_prefix('.'))
+    else {
+        return Ok(Err(NodeRefusal::Malformed));
+    };
+    let (id, secret) = rest.split_once('.').unwrap_or((rest, ""));
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Ok(Err(NodeRefusal::Malformed));
+    }
+    let Some(row) = store.credential(id).await? else {
+        return Ok(Err(NodeRefusal::Unknown));
+    };
+    Ok(
+        if !constant_time_eq(hash_secret(secret).as_bytes(), row.secret_hash.as_bytes()) {
+            Err(NodeRefusal::WrongSecret)
+        } else if row.revoked {
+            Err(NodeRefusal::Revoked)
+        } else if row.expires_at != 0 && now_s >= row.expires_at {
+            Err(NodeRefusal::Expired)
+        } else if row.role != Role::Node {
+            Err(NodeRefusal::NotANode)
+        } else {
+            Ok(row.subject)
+        },
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,6 +343,37 @@ mod tests {
         assert_eq!(parts[1], row.id);
         assert_eq!(row.secret_hash, hash_secret(parts[2]));
         assert!(!row.secret_hash.contains(parts[2]));
+    }
+
+    #[tokio::test]
+    async fn node_credentials_are_verified_against_the_database() {
+        let dir = std::env::temp_dir().join(format!("rfaas-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}", dir.join("m.db").display());
+        let pool = crate::db::open(&url, 2).await.unwrap();
+        let store = Store::new(pool, crate::db::Backend::Sqlite);
+        let mint = |role, expires_at| new_credential(role, "n1", "", expires_at).unwrap();
+        let (node, node_token) = mint(Role::Node, 0);
+        let (user, user_token) = mint(Role::User, 0);
+        let (old, old_token) = mint(Role::Node, 100);
+        for row in [&node, &user, &old] {
+            store.add_credential(row, 0).await.unwrap();
+        }
+        let check = |t: String| {
+            let store = store.clone();
+            async move { verify_node_credential(&store, &t, 200).await.unwrap() }
+        };
+        assert_eq!(check(node_token.clone()).await, Ok("n1".to_owned()));
+        assert_eq!(check(user_token).await, Err(NodeRefusal::NotANode));
+        assert_eq!(check(old_token).await, Err(NodeRefusal::Expired));
+        let forged = format!("{}x", node_token);
+        assert_eq!(check(forged).await, Err(NodeRefusal::WrongSecret));
+        let unknown = format!("{CREDENTIAL_PREFIX}.00ff.secret");
+        assert_eq!(check(unknown).await, Err(NodeRefusal::Unknown));
+        assert_eq!(check("bearer".into()).await, Err(NodeRefusal::Malformed));
+        assert!(store.revoke_credential(&node.id).await.unwrap());
+        assert_eq!(check(node_token).await, Err(NodeRefusal::Revoked));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
