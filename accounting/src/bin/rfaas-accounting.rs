@@ -1,0 +1,110 @@
+//! `rfaas-accounting`: one accounting instance.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use rfaas_accounting::config::{FileConfig, DEFAULT_CONFIG};
+
+/// Serve an rfaas accounting instance: executor daemons add their leases'
+/// usage into its counter region over the fabric; it flushes the totals to
+/// the manager's database.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// The configuration file (TOML). Without this flag,
+    /// /etc/rfaas/accounting.toml is read if it exists.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// The instance's name (overrides `name`).
+    #[arg(long)]
+    name: Option<String>,
+    /// The database: sqlite:///path/file.db or postgres://user@host:port/db
+    /// (overrides `database`).
+    #[arg(long)]
+    database: Option<String>,
+    /// The counter region's file (overrides `region_file`).
+    #[arg(long)]
+    region_file: Option<PathBuf>,
+    /// Slots in the region (overrides `slots`).
+    #[arg(long)]
+    slots: Option<u32>,
+    /// The fabric provider: tcp, shm or verbs:<device> (overrides `provider`).
+    #[arg(long)]
+    provider: Option<String>,
+    /// The fabric address to listen on (overrides `listen`).
+    #[arg(long)]
+    listen: Option<String>,
+    /// The fabric address to advertise (overrides `advertise`).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// host:port of /metrics and /healthz (overrides `metrics_listen`).
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// The flush period, ms (overrides `flush_interval_ms`).
+    #[arg(long)]
+    flush_interval_ms: Option<u64>,
+    /// The rates file (overrides `billing_config`).
+    #[arg(long)]
+    billing_config: Option<PathBuf>,
+    /// Log more (-v: debug).
+    #[arg(long, short, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(if args.verbose > 0 {
+            tracing::Level::DEBUG
+        } else {
+            tracing::Level::INFO
+        })
+        .with_ansi(false)
+        .init();
+    let mut file = match &args.config {
+        Some(path) => FileConfig::load(path)?,
+        None if Path::new(DEFAULT_CONFIG).exists() => FileConfig::load(Path::new(DEFAULT_CONFIG))?,
+        None => FileConfig::default(),
+    };
+    macro_rules! overrides {
+        ($($field:ident),*) => {
+            $(if args.$field.is_some() {
+                file.$field = args.$field;
+            })*
+        };
+    }
+    overrides!(
+        name,
+        database,
+        region_file,
+        slots,
+        provider,
+        listen,
+        advertise,
+        metrics_listen,
+        flush_interval_ms,
+        billing_config
+    );
+    let settings = file.settings()?;
+    rfaas_accounting::service::raise_open_file_limit();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let running = rfaas_accounting::service::start(settings).await?;
+        // The line tests and scripts wait for.
+        println!(
+            "rfaas-accounting listening on {} metrics {}",
+            running.fabric_addr, running.metrics_addr
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("stopping");
+        running.stop().await
+    })
+}

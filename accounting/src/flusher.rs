@@ -1,0 +1,615 @@
+//! The flusher: every `flush_interval` it writes the totals of the
+//! instance's assigned slots to the database, and frees the slots whose
+//! leases are over.
+//!
+//! # One flush
+//!
+//! 1. Heartbeat the instance's row; read its assigned slots and their
+//!    leases. Free slots holding adds (a daemon that added after its slot
+//!    was freed) are cleared at once, before a new lease can be given one.
+//! 2. Read each assigned slot. A lease is written when its slot grew past
+//!    what is stored, when a snapshot is due (every `snapshot_interval`,
+//!    for leases whose totals changed since their last one), and at its
+//!    final flush. The region's pages are synced to its file first, so the
+//!    file never holds less than the database.
+//! 3. One transaction ([`store::write_usage`]): `usage` (counters only
+//!    grow), `usage_snapshots`, and the priced growth into
+//!    `account_spend`.
+//! 4. A lease is final when its daemon closed the slot (`closed` != 0),
+//!    when its usage is already finalized (a final flush that did not get
+//!    to free the slot), or when it ended (or expired) more than
+//!    `slot_hold` ago. After its final write commits, its slot is zeroed
+//!    (each word exchanged with 0), synced to the file, and only then freed
+//!    in the database (`lease_id = 0`). If an add slipped in between the
+//!    read and the zeroing, the words are put back and the slot stays
+//!    assigned: the next flush writes them and tries again.
+//!
+//! # Crashes
+//!
+//! Every step may be cut short. A replay reads the same slots and writes
+//! the same totals: `usage` keeps the larger value of each counter, and
+//! `account_spend` grows by the priced growth over the stored row, which is
+//! 0 the second time. A slot zeroed but not freed belongs to a finalized
+//! lease, which the next flush finishes freeing; a slot freed was zeroed
+//! and synced first, so a reused slot starts at zero. While the database
+//! is down nothing is lost: the slots keep adding, and the next flush that
+//! succeeds writes their totals.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rfaas_manager::db::DbError;
+use rfaas_proto::accounting::{Counter, SlotTotals};
+use sqlx::AnyPool;
+
+use crate::metrics::Metrics;
+use crate::rates::Rates;
+use crate::region::Region;
+use crate::store::{self, max_totals, stored, Assigned, UsageWrite};
+
+/// What the flusher needs to know.
+#[derive(Debug, Clone)]
+pub struct FlushConfig {
+    /// The instance's name.
+    pub instance: String,
+    /// Snapshot period.
+    pub snapshot_interval: Duration,
+    /// Hold of an ended lease's slot.
+    pub slot_hold: Duration,
+    /// The rates spend is priced at.
+    pub rates: Rates,
+}
+
+/// What one flush did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FlushReport {
+    /// Slots assigned to leases.
+    pub assigned: usize,
+    /// Leases written.
+    pub written: usize,
+    /// Snapshot rows written.
+    pub snapshots: u64,
+    /// Leases whose final flush was written.
+    pub finals: usize,
+    /// Slots freed.
+    pub freed: u64,
+    /// Free slots found holding adds, cleared.
+    pub strays: usize,
+}
+
+/// What the flusher remembers of a lease between flushes.
+#[derive(Debug, Clone, Copy)]
+struct Memo {
+    slot: u32,
+    /// The totals stored in `usage` after the last flush.
+    stored: SlotTotals,
+    /// The totals of its last snapshot.
+    snapshot: Option<SlotTotals>,
+}
+
+/// Where a test cuts a flush short, as a crash would.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Crash {
+    /// After the final write committed, before any slot is zeroed.
+    AfterFinalWrite,
+    /// After the slots were zeroed and synced, before they are freed.
+    AfterZeroing,
+}
+
+/// The flusher of one instance.
+#[derive(Debug)]
+pub struct Flusher {
+    cfg: FlushConfig,
+    pool: AnyPool,
+    region: Arc<Region>,
+    metrics: Arc<Metrics>,
+    memo: HashMap<u64, Memo>,
+    last_snapshot_ms: Option<u64>,
+    /// Consecutive failed flushes (for the log).
+    failures: u64,
+    #[cfg(test)]
+    pub(crate) crash: Option<Crash>,
+    /// An add that lands in each final slot between its read and its
+    /// zeroing.
+    #[cfg(test)]
+    pub(crate) late_add: Option<SlotTotals>,
+}
+
+impl Flusher {
+    /// A flusher of `region` into `pool`.
+    pub fn new(
+        cfg: FlushConfig,
+        pool: AnyPool,
+        region: Arc<Region>,
+        metrics: Arc<Metrics>,
+    ) -> Flusher {
+        Flusher {
+            cfg,
+            pool,
+            region,
+            metrics,
+            memo: HashMap::new(),
+            last_snapshot_ms: None,
+            failures: 0,
+            #[cfg(test)]
+            crash: None,
+            #[cfg(test)]
+            late_add: None,
+        }
+    }
+
+    /// Whether `a`'s lease ended (or expired) more than the hold ago.
+    fn lease_over(&self, a: &Assigned, now_ms: u64) -> bool {
+        let hold = self.cfg.slot_hold.as_millis() as u64;
+        let since = match &a.lease {
+            // The manager writes a lease and its slot together: a slot
+            // without a lease is a leftover, given the hold from its
+            // assignment.
+            None => a.assigned_ms,
+            Some(l) if l.state != "active" && l.ended_ms > 0 => l.ended_ms,
+            Some(l) if l.state != "active" => a.assigned_ms,
+            // Active but past its end: the manager has not reaped it yet.
+            Some(l) => l.expires_at.saturating_mul(1000),
+        };
+        now_ms >= since.saturating_add(hold)
+    }
+
+    /// One flush at `now_ms` (Unix ms). See the module documentation.
+    ///
+    /// # Errors
+    ///
+    /// The database's failure; nothing is lost, the next flush retries.
+    pub async fn flush_once(&mut self, now_ms: u64) -> Result<FlushReport, DbError> {
+        let name = self.cfg.instance.clone();
+        store::heartbeat(&self.pool, &name, now_ms).await?;
+        let all = store::assigned_slots(&self.pool, &name).await?;
+        let slots = self.region.slots();
+        let (assigned, outside): (Vec<Assigned>, Vec<Assigned>) =
+            all.into_iter().partition(|a| a.slot < slots);
+        for a in &outside {
+            tracing::warn!(slot = a.slot, lease = a.lease_id, slots, "a lease holds a slot past the region's end (the region shrank?); it is not counted here");
+        }
+        let mut report = FlushReport {
+            assigned: assigned.len(),
+            strays: self.clear_strays(&assigned),
+            ..FlushReport::default()
+        };
+        self.metrics.slots_in_use.set(assigned.len() as i64);
+
+        let snapshot_due = self.last_snapshot_ms.map_or(true, |t| {
+            now_ms.saturating_sub(t) >= self.cfg.snapshot_interval.as_millis() as u64
+        });
+        let mut writes = Vec::new();
+        for a in &assigned {
+            let now = self.region.read_slot(a.slot);
+            let memo = self
+                .memo
+                .get(&a.lease_id)
+                .filter(|m| m.slot == a.slot)
+                .copied();
+            let grown = memo.map_or(true, |m| max_totals(&m.stored, &now) != m.stored);
+            let last = a.finalized || now.closed != 0 || self.lease_over(a, now_ms);
+            let snapshot = last
+                || (snapshot_due
+                    && memo.map_or(true, |m| m.snapshot != Some(max_totals(&m.stored, &now))));
+            if grown || last || snapshot {
+                writes.push(UsageWrite {
+                    lease_id: a.lease_id,
+                    slot: a.slot,
+                    totals: stored(&now),
+                    finalized: last,
+                    snapshot,
+                    account: a.lease.as_ref().map(|l| l.account.clone()),
+                    harvested: a.lease.as_ref().is_some_and(|l| l.harvested),
+                });
+            }
+        }
+        if !writes.is_empty() {
+            // The file first: it never holds less than the database.
+            if let Err(e) = self.region.sync_all() {
+                tracing::warn!(error = %e, "cannot sync the region to its file; flushing anyway");
+            }
+        }
+        let written =
+            store::write_usage(&self.pool, &name, &writes, &self.cfg.rates, now_ms).await?;
+        self.count_rows(&written);
+        report.written = writes.len();
+        report.snapshots = written.snapshot_rows;
+        for w in &writes {
+            let stored = written.totals.get(&w.lease_id).copied().unwrap_or(w.totals);
+            let prev_snapshot = self.memo.get(&w.lease_id).and_then(|m| m.snapshot);
+            self.memo.insert(
+                w.lease_id,
+                Memo {
+                    slot: w.slot,
+                    stored,
+                    snapshot: if w.snapshot {
+                        Some(stored)
+                    } else {
+                        prev_snapshot
+                    },
+                },
+            );
+        }
+        if snapshot_due {
+            self.last_snapshot_ms = Some(now_ms);
+        }
+
+        let finals: Vec<&UsageWrite> = writes.iter().filter(|w| w.finalized).collect();
+        report.finals = finals.len();
+        if finals.is_empty() {
+            return Ok(report);
+        }
+        #[cfg(test)]
+        if self.crash == Some(Crash::AfterFinalWrite) {
+            return Err(DbError::Other("crash after the final write".into()));
+        }
+        let mut free = Vec::new();
+        for w in &finals {
+            #[cfg(test)]
+            if let Some(late) = &self.late_add {
+                self.region.restore_slot(w.slot, late);
+            }
+            let taken = self.region.take_slot(w.slot);
+            if max_totals(&taken, &w.totals) == w.totals {
+                free.push((w.slot, w.lease_id));
+            } else {
+                // An add landed after the read: put everything back for the
+                // next flush to write.
+                self.region.restore_slot(w.slot, &taken);
+                tracing::info!(
+                    slot = w.slot,
+                    lease = w.lease_id,
+                    "an add landed during the final flush; the slot is freed at the next one"
+                );
+            }
+        }
+        for (slot, _) in &free {
+            self.region.sync_slots(*slot, 1).map_err(|e| {
+                DbError::Other(format!(
+                    "cannot sync zeroed slot {slot} to the region file ({e}); it stays assigned"
+                ))
+            })?;
+        }
+        #[cfg(test)]
+        if self.crash == Some(Crash::AfterZeroing) {
+            return Err(DbError::Other("crash after zeroing".into()));
+        }
+        report.freed = store::free_slots(&self.pool, &name, &free).await?;
+        self.metrics.slots_freed.inc_by(report.freed);
+        for (_, lease) in &free {
+            self.memo.remove(lease);
+        }
+        Ok(report)
+    }
+
+    /// Clears free slots that hold adds. Returns how many.
+    fn clear_strays(&self, assigned: &[Assigned]) -> usize {
+        let held: HashSet<u32> = assigned.iter().map(|a| a.slot).collect();
+        let mut strays = 0;
+        for slot in (0..self.region.slots()).filter(|s| !held.contains(s)) {
+            let words = self.region.read_slot(slot);
+            if words != SlotTotals::default() {
+                let taken = self.region.take_slot(slot);
+                tracing::warn!(slot, compute_ns = taken.get(Counter::ComputeNs), closed = taken.closed, "a free slot held adds (a daemon added after its lease's slot was freed); cleared");
+                strays += 1;
+            }
+        }
+        if strays > 0 {
+            let _ = self.region.sync_all();
+            self.metrics.stray_adds.inc_by(strays as u64);
+        }
+        strays
+    }
+
+    fn count_rows(&self, w: &store::Written) {
+        let m = &self.metrics.rows_written;
+        m.with_label_values(&["usage"]).inc_by(w.usage_rows);
+        m.with_label_values(&["usage_snapshots"])
+            .inc_by(w.snapshot_rows);
+        m.with_label_values(&["account_spend"]).inc_by(w.spend_rows);
+    }
+
+    /// Flushes every `period` until `stop` turns true, then once more.
+    pub async fn run(mut self, period: Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let last = tokio::select! {
+                _ = tick.tick() => false,
+                _ = stop.wait_for(|s| *s) => true,
+            };
+            self.flush_logged().await;
+            if last {
+                return;
+            }
+        }
+    }
+
+    /// [`flush_once`](Self::flush_once) now, with metrics and logs.
+    pub async fn flush_logged(&mut self) {
+        let now = rfaas_manager::now_ms();
+        match self.flush_once(now).await {
+            Ok(r) => {
+                self.metrics.flushed(now);
+                if self.failures > 0 {
+                    tracing::info!(
+                        failed = self.failures,
+                        "flushes succeed again; nothing was lost"
+                    );
+                    self.failures = 0;
+                }
+                if r.freed > 0 || r.finals > 0 {
+                    tracing::debug!(?r, "flushed");
+                }
+            }
+            Err(e) => {
+                self.metrics.flush_errors.inc();
+                self.failures += 1;
+                if self.failures == 1 {
+                    tracing::warn!(error = %e, "a flush failed; the slots keep counting and the next flush retries");
+                } else {
+                    tracing::debug!(error = %e, failed = self.failures, "a flush failed again");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Instance;
+    use rfaas_manager::db;
+    use sqlx::Row;
+
+    /// A database, a region of 8 slots and an instance `t` on them.
+    struct Bench {
+        pool: AnyPool,
+        region: Arc<Region>,
+        _domain: rfaas_fabric::Domain,
+        _fabric: rfaas_fabric::Fabric,
+        _pg: Option<rfaas_testkit::postgres::Postgres>,
+        dir: std::path::PathBuf,
+    }
+
+    const RATES: Rates = Rates {
+        alloc_per_gib_s: 0.5,
+        compute_per_s: 2.0,
+        hot_per_s: 1.0,
+        harvested_discount: 0.5,
+    };
+
+    async fn bench(kind: &str) -> Bench {
+        let dir = std::env::temp_dir().join(format!(
+            "rfaas-flusher-{kind}-{}-{}",
+            std::process::id(),
+            fastrand::u32(..)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pg = (kind == "postgres")
+            .then(|| rfaas_testkit::postgres::Postgres::start().unwrap_or_else(|e| panic!("{e}")));
+        let url = match &pg {
+            Some(pg) => pg.url().to_owned(),
+            None => format!("sqlite://{}", dir.join("db").display()),
+        };
+        let pool = db::open(&url, 2).await.unwrap();
+        let fabric = rfaas_fabric::Fabric::open("tcp").unwrap();
+        let domain = fabric.domain().unwrap();
+        let (region, _) = Region::open(&domain, &dir.join("region"), 8).unwrap();
+        let inst = Instance {
+            name: "t".into(),
+            provider: "tcp".into(),
+            fabric_addr: "127.0.0.1:1".into(),
+            metrics_addr: "127.0.0.1:2".into(),
+            slots: 8,
+            region_id: region.header().region_id,
+        };
+        store::register_instance(&pool, &inst, 1).await.unwrap();
+        store::ensure_slots(&pool, "t", 8).await.unwrap();
+        Bench {
+            pool,
+            region: Arc::new(region),
+            _domain: domain,
+            _fabric: fabric,
+            _pg: pg,
+            dir,
+        }
+    }
+
+    impl Bench {
+        fn flusher(&self, crash: Option<Crash>) -> Flusher {
+            let mut f = Flusher::new(
+                FlushConfig {
+                    instance: "t".into(),
+                    snapshot_interval: Duration::from_secs(60),
+                    slot_hold: Duration::from_secs(600),
+                    rates: RATES,
+                },
+                self.pool.clone(),
+                self.region.clone(),
+                Arc::new(Metrics::new(0)),
+            );
+            f.crash = crash;
+            f
+        }
+
+        async fn lease(&self, id: i64, slot: i64) {
+            sqlx::query(
+                "INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state, ended_ms)
+                 VALUES ($1, $1, 'n', 'o', 'u', 'physics', 1, 1, 0, 4000000000, 'active', 0)",
+            )
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+            sqlx::query("UPDATE billing_slots SET lease_id = $1, assigned_ms = 1 WHERE instance = 't' AND slot = $2")
+                .bind(id)
+                .bind(slot)
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
+
+        async fn slot_lease(&self, slot: i64) -> i64 {
+            sqlx::query("SELECT lease_id FROM billing_slots WHERE instance = 't' AND slot = $1")
+                .bind(slot)
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+                .try_get("lease_id")
+                .unwrap()
+        }
+
+        async fn usage(&self, id: u64) -> store::UsageRow {
+            store::usage_of(&self.pool, &[id])
+                .await
+                .unwrap()
+                .pop()
+                .unwrap()
+        }
+
+        async fn spend(&self) -> f64 {
+            store::account_spend(&self.pool, "physics").await.unwrap()
+        }
+    }
+
+    impl Drop for Bench {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn usage(seed: u64) -> SlotTotals {
+        SlotTotals {
+            alloc_mib_ms: 1024 * 1000 * seed,
+            compute_ns: 1_000_000_000 * seed,
+            hot_ns: 1_000_000_000 * seed,
+            warm_ns: seed,
+            invocations: seed,
+            bytes_in: seed,
+            bytes_out: seed,
+            closed: 0,
+        }
+    }
+
+    /// A final flush cut short after each of its steps, then replayed by a
+    /// new flusher (as after a restart), stores the same totals, adds the
+    /// spend once, and ends with the slot zeroed and freed. Flushes
+    /// replayed without new adds change nothing.
+    async fn crashes_replay_to_the_same_totals(kind: &str) {
+        let b = bench(kind).await;
+        b.lease(1, 2).await;
+        b.lease(2, 3).await;
+        let (u1, u2) = (usage(3), usage(2));
+        b.region.restore_slot(2, &u1);
+        b.region.restore_slot(3, &u2);
+        let once = RATES.cost(&u1, false) + RATES.cost(&u2, false);
+
+        // Lease 2 keeps running; its flush is replayed by fresh flushers.
+        for _ in 0..3 {
+            b.flusher(None).flush_once(10).await.unwrap();
+            assert!((b.spend().await - once).abs() < 1e-9);
+        }
+        b.region.restore_slot(
+            2,
+            &SlotTotals {
+                closed: 1,
+                ..SlotTotals::default()
+            },
+        );
+
+        let err = b.flusher(Some(Crash::AfterFinalWrite)).flush_once(20).await;
+        assert!(err.is_err());
+        let row = b.usage(1).await;
+        assert_eq!((row.totals, row.finalized), (u1, true));
+        assert_eq!(b.slot_lease(2).await, 1, "not freed yet");
+        assert_eq!(store::stored(&b.region.read_slot(2)), u1, "not zeroed yet");
+
+        let err = b.flusher(Some(Crash::AfterZeroing)).flush_once(30).await;
+        assert!(err.is_err());
+        assert_eq!(b.region.read_slot(2), SlotTotals::default(), "zeroed");
+        assert_eq!(b.slot_lease(2).await, 1, "not freed yet");
+        assert_eq!(b.usage(1).await.totals, u1);
+
+        let r = b.flusher(None).flush_once(40).await.unwrap();
+        assert_eq!((r.finals, r.freed), (1, 1));
+        assert_eq!(b.slot_lease(2).await, 0, "freed");
+        let row = b.usage(1).await;
+        assert_eq!((row.totals, row.finalized), (u1, true));
+        assert!((b.spend().await - once).abs() < 1e-9, "spent once");
+        let snaps = store::snapshots_of(&b.pool, 1).await.unwrap();
+        assert!(!snaps.is_empty() && snaps.iter().all(|s| s.totals == u1));
+
+        // Nothing more to do: another flush frees nothing and adds nothing.
+        let r = b.flusher(None).flush_once(50).await.unwrap();
+        assert_eq!((r.assigned, r.finals, r.freed), (1, 0, 0));
+        assert!((b.spend().await - once).abs() < 1e-9);
+        assert_eq!(b.usage(2).await.totals, u2);
+    }
+
+    /// An add that lands between a final flush's read and its zeroing is
+    /// put back, the slot stays assigned, and the next flush writes it and
+    /// frees the slot.
+    async fn a_late_add_keeps_the_slot(kind: &str) {
+        let b = bench(kind).await;
+        b.lease(1, 0).await;
+        let mut f = b.flusher(None);
+        b.region.restore_slot(
+            0,
+            &SlotTotals {
+                closed: 1,
+                ..usage(1)
+            },
+        );
+        f.late_add = Some(usage(1));
+        let r = f.flush_once(10).await.unwrap();
+        assert_eq!((r.finals, r.freed), (1, 0));
+        assert_eq!(b.slot_lease(0).await, 1);
+        assert_eq!(b.usage(1).await.totals, usage(1));
+        assert_eq!(store::stored(&b.region.read_slot(0)), usage(2));
+        f.late_add = None;
+        let r = f.flush_once(20).await.unwrap();
+        assert_eq!((r.finals, r.freed), (1, 1));
+        assert_eq!(b.usage(1).await.totals, usage(2));
+        assert_eq!(b.region.read_slot(0), SlotTotals::default());
+        let want = RATES.cost(&usage(2), false);
+        assert!((b.spend().await - want).abs() < 1e-9);
+    }
+
+    /// A free slot holding adds is cleared before a new lease gets it.
+    async fn strays_are_cleared(kind: &str) {
+        let b = bench(kind).await;
+        b.region.restore_slot(5, &usage(1));
+        let r = b.flusher(None).flush_once(10).await.unwrap();
+        assert_eq!(r.strays, 1);
+        assert_eq!(b.region.read_slot(5), SlotTotals::default());
+    }
+
+    macro_rules! on_both {
+        ($name:ident) => {
+            mod $name {
+                fn run(kind: &str) {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(super::$name(kind));
+                }
+                #[test]
+                fn sqlite() {
+                    run("sqlite");
+                }
+                #[test]
+                fn postgres() {
+                    run("postgres");
+                }
+            }
+        };
+    }
+    on_both!(crashes_replay_to_the_same_totals);
+    on_both!(a_late_add_keeps_the_slot);
+    on_both!(strays_are_cleared);
+}

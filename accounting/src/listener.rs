@@ -1,0 +1,543 @@
+//! The fabric listener: admits executor daemons, and keeps their
+//! connections while they add.
+//!
+//! # Probation
+//!
+//! Anyone who can reach the listener may connect, so a new connection is
+//! on probation: the service posts [`HELLO_IMMS`] receives, and the peer
+//! must send an [`AccountingHello`] in the immediates of as many
+//! zero-length writes-with-immediate, the first being [`HELLO_IMM`],
+//! within `hello_timeout`. A connection that begins otherwise, writes
+//! bytes, or stays silent is dropped without an answer. The hello's node
+//! credential is checked against the database ([`Verifier`], off this
+//! thread); the answer is an [`AccountingReply`] written with immediate
+//! [`REPLY_IMM`] into the buffer the hello names. Only an accepted reply
+//! carries the region's address and rkey. After a refusal the connection
+//! is dropped once the reply's write completed. At most
+//! [`MAX_PROBATION`] connections are on probation at once; more wait in
+//! the listener's backlog, so a flood of silent peers delays daemons by at
+//! most `hello_timeout`.
+//!
+//! # Accepted connections
+//!
+//! An accepted connection is kept with one posted receive, and its
+//! completion queue is looked at every [`SWEEP`]: the receive completes
+//! (`PeerLost`, `Flushed`) when the daemon goes away, and the connection
+//! is dropped then. The daemon's fetch-and-adds never reach this thread:
+//! the NIC (verbs), the fabric's progress thread (tcp) or the daemon
+//! itself (shm) applies them to the region. A daemon that sends anything
+//! else after its hello is dropped.
+//!
+//! Each connection has a completion queue of its own, so connections
+//! need no shared capacity and a dead one takes nothing with it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rfaas_fabric::{
+    Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, Listener,
+    MemoryRegion, Opcode, RemoteAddr, Status,
+};
+use rfaas_proto::accounting::{
+    AccountingHello, AccountingReply, ReplyStatus, HELLO_IMM, HELLO_IMMS, REPLY_IMM,
+};
+
+use crate::credentials::{Verdict, Verifier};
+use crate::metrics::Metrics;
+
+/// Most connections on probation at once.
+pub const MAX_PROBATION: usize = 16;
+
+/// How often accepted connections are looked at for a departed daemon.
+pub const SWEEP: Duration = Duration::from_millis(200);
+
+const SEND_DEPTH: usize = 4;
+const RECV_DEPTH: usize = HELLO_IMMS;
+/// The wr_id of the reply's write.
+const WR_REPLY: u64 = u64::MAX;
+/// The wr_id of an accepted connection's one posted receive.
+const WR_WATCH: u64 = u64::MAX - 1;
+/// Bytes of the reply buffer per connection on probation.
+const REPLY_STRIDE: usize = 64;
+
+/// The options of the service's side of a connection.
+pub fn endpoint_options(hello_timeout: Duration) -> EndpointOptions {
+    EndpointOptions {
+        send_depth: SEND_DEPTH,
+        recv_depth: RECV_DEPTH,
+        connect_timeout: hello_timeout,
+        ..EndpointOptions::default()
+    }
+}
+
+/// What the listener thread needs.
+#[derive(Debug)]
+pub struct ListenerParts {
+    /// The provider.
+    pub fabric: Arc<Fabric>,
+    /// The region's domain: connections are accepted into it.
+    pub domain: Arc<Domain>,
+    /// The listening endpoint.
+    pub listener: Listener,
+    /// The accepted reply (the region's address, rkey, slots and id).
+    pub offer: AccountingReply,
+    /// Credential checks.
+    pub verifier: Arc<Verifier>,
+    /// Where the checks run.
+    pub runtime: tokio::runtime::Handle,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// The hello deadline.
+    pub hello_timeout: Duration,
+}
+
+enum Stage {
+    /// Collecting the hello's immediates.
+    Hello(Vec<u32>),
+    /// The credential is being checked.
+    Checking {
+        verdict: mpsc::Receiver<Verdict>,
+        reply_to: RemoteAddr,
+    },
+    /// The reply's write is on its way.
+    Replying {
+        status: ReplyStatus,
+        node: Option<String>,
+    },
+}
+
+struct Candidate {
+    endpoint: Endpoint,
+    cq: CompletionQueue,
+    stage: Stage,
+    deadline: Instant,
+    reply_slot: usize,
+    peer: String,
+}
+
+struct Kept {
+    /// Held open: the daemon adds through it.
+    _endpoint: Endpoint,
+    cq: CompletionQueue,
+    node: String,
+    peer: String,
+}
+
+/// What became of a candidate in one step.
+enum Outcome {
+    Waiting,
+    Accepted(String),
+    Dropped { why: String, result: &'static str },
+}
+
+fn dropped(why: impl Into<String>, result: &'static str) -> Outcome {
+    Outcome::Dropped {
+        why: why.into(),
+        result,
+    }
+}
+
+/// The listener thread's state.
+struct Acceptor {
+    p: ListenerParts,
+    opts: EndpointOptions,
+    replies: MemoryRegion,
+    free_reply_slots: Vec<usize>,
+    spare_cq: Option<CompletionQueue>,
+    candidates: Vec<Candidate>,
+    kept: Vec<Kept>,
+    next_sweep: Instant,
+}
+
+/// Starts the listener thread; it stops (dropping every connection) once
+/// `stop` is set, within [`SWEEP`].
+pub fn spawn(
+    parts: ListenerParts,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let replies = parts
+        .domain
+        .register(MAX_PROBATION * REPLY_STRIDE, Access::LOCAL)
+        .map_err(std::io::Error::other)?;
+    let opts = endpoint_options(parts.hello_timeout);
+    let mut a = Acceptor {
+        p: parts,
+        opts,
+        replies,
+        free_reply_slots: (0..MAX_PROBATION).rev().collect(),
+        spare_cq: None,
+        candidates: Vec::new(),
+        kept: Vec::new(),
+        next_sweep: Instant::now() + SWEEP,
+    };
+    std::thread::Builder::new()
+        .name("rfaas-acct-listen".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                a.step();
+            }
+            tracing::debug!(
+                connections = a.kept.len(),
+                "the listener stops; dropping its connections"
+            );
+        })
+}
+
+impl Acceptor {
+    fn step(&mut self) {
+        let accepted = self.accept_one();
+        let progressed = self.progress();
+        if Instant::now() >= self.next_sweep {
+            self.sweep();
+            self.next_sweep = Instant::now() + SWEEP;
+        }
+        if !self.candidates.is_empty() && !accepted && !progressed {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Accepts one connection if there is room on probation: waits until
+    /// the next sweep when nobody is on probation, only looks otherwise.
+    fn accept_one(&mut self) -> bool {
+        if self.candidates.len() >= MAX_PROBATION {
+            return false;
+        }
+        let mut cq = match self.spare_cq.take() {
+            Some(cq) => cq,
+            None => match self.p.fabric.completion_queue(SEND_DEPTH + RECV_DEPTH) {
+                Ok(cq) => cq,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot create a completion queue for a new connection; retrying");
+                    std::thread::sleep(SWEEP);
+                    return false;
+                }
+            },
+        };
+        let wait = if self.candidates.is_empty() {
+            self.next_sweep.saturating_duration_since(Instant::now())
+        } else {
+            Duration::ZERO
+        };
+        let endpoint = match self
+            .p
+            .listener
+            .accept(&self.p.domain, &mut cq, &self.opts, Some(wait))
+        {
+            Ok(ep) => ep,
+            Err(e) => {
+                self.spare_cq = Some(cq);
+                match e {
+                    rfaas_fabric::Error::Timeout(_) => {}
+                    rfaas_fabric::Error::Connect { .. } => {
+                        tracing::debug!(error = %e, "a connection failed the fabric's handshake");
+                    }
+                    e => {
+                        tracing::warn!(error = %e, "accepting a connection failed; retrying");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+                return false;
+            }
+        };
+        let peer = endpoint.peer_addr();
+        for wr in 0..RECV_DEPTH as u64 {
+            if let Err(e) = endpoint.post_recv(wr) {
+                tracing::warn!(%peer, error = %e, "cannot post the receives of a hello; dropped the connection");
+                self.p.metrics.hellos.with_label_values(&["dropped"]).inc();
+                return true;
+            }
+        }
+        let reply_slot = self
+            .free_reply_slots
+            .pop()
+            .expect("a reply slot for each connection on probation");
+        self.candidates.push(Candidate {
+            endpoint,
+            cq,
+            stage: Stage::Hello(Vec::with_capacity(HELLO_IMMS)),
+            deadline: Instant::now() + self.p.hello_timeout,
+            reply_slot,
+            peer,
+        });
+        true
+    }
+
+    /// Moves every candidate on; returns whether anything happened.
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.candidates.len() {
+            let (outcome, moved) = self.step_candidate(i);
+            any |= moved;
+            match outcome {
+                Outcome::Waiting => i += 1,
+                Outcome::Accepted(node) => {
+                    let c = self.candidates.swap_remove(i);
+                    self.free_reply_slots.push(c.reply_slot);
+                    if let Err(e) = c.endpoint.post_recv(WR_WATCH) {
+                        tracing::warn!(peer = %c.peer, %node, error = %e, "cannot watch an accepted connection; dropped it");
+                        continue;
+                    }
+                    tracing::info!(peer = %c.peer, %node, "an executor daemon connected");
+                    self.p.metrics.hellos.with_label_values(&["accepted"]).inc();
+                    self.kept.push(Kept {
+                        _endpoint: c.endpoint,
+                        cq: c.cq,
+                        node,
+                        peer: c.peer,
+                    });
+                    self.p.metrics.connections.set(self.kept.len() as i64);
+                }
+                Outcome::Dropped { why, result } => {
+                    let c = self.candidates.swap_remove(i);
+                    self.free_reply_slots.push(c.reply_slot);
+                    tracing::warn!(peer = %c.peer, "a connection {why}; dropped it");
+                    self.p.metrics.hellos.with_label_values(&[result]).inc();
+                }
+            }
+        }
+        any
+    }
+
+    fn step_candidate(&mut self, i: usize) -> (Outcome, bool) {
+        let mut done = [Completion::EMPTY; 16];
+        let c = &mut self.candidates[i];
+        let n = c.cq.poll(&mut done);
+        let mut moved = n > 0;
+        for comp in &done[..n] {
+            let outcome = match &mut c.stage {
+                Stage::Hello(imms) => match hello_part(imms, comp) {
+                    Err(o) => o,
+                    Ok(false) => Outcome::Waiting,
+                    Ok(true) => {
+                        c.deadline = Instant::now() + self.p.hello_timeout;
+                        match start_check(imms, &self.p) {
+                            Ok(stage) => {
+                                c.stage = stage;
+                                Outcome::Waiting
+                            }
+                            Err((reply_to, why)) => {
+                                tracing::debug!(peer = %c.peer, why, "a bad hello");
+                                match reply_to {
+                                    Some(to) => reply(
+                                        c,
+                                        &mut self.replies,
+                                        to,
+                                        ReplyStatus::BadHello,
+                                        None,
+                                        &self.p.offer,
+                                    ),
+                                    None => dropped(
+                                        format!("sent a hello that is not one ({why})"),
+                                        "bad_hello",
+                                    ),
+                                }
+                            }
+                        }
+                    }
+                },
+                Stage::Checking { .. } => dropped(
+                    format!(
+                        "sent more than its hello before the answer ({:?}, {})",
+                        comp.opcode, comp.status
+                    ),
+                    "bad_hello",
+                ),
+                Stage::Replying { status, node } => {
+                    if comp.wr_id != WR_REPLY || comp.opcode != Opcode::WriteWithImm {
+                        dropped(
+                            format!(
+                                "sent more than its hello before the answer ({:?}, {})",
+                                comp.opcode, comp.status
+                            ),
+                            "bad_hello",
+                        )
+                    } else if !comp.status.is_ok() {
+                        dropped(
+                            format!("could not be answered ({})", comp.status),
+                            "dropped",
+                        )
+                    } else {
+                        match (status, node.take()) {
+                            (ReplyStatus::Accepted, Some(node)) => Outcome::Accepted(node),
+                            (status, _) => dropped(
+                                format!("was refused: {}", status.describe()),
+                                match status {
+                                    ReplyStatus::BadCredential => "bad_credential",
+                                    ReplyStatus::Unavailable => "unavailable",
+                                    _ => "bad_hello",
+                                },
+                            ),
+                        }
+                    }
+                }
+            };
+            if !matches!(outcome, Outcome::Waiting) {
+                return (outcome, true);
+            }
+        }
+        if let Stage::Checking { verdict, reply_to } = &c.stage {
+            let to = *reply_to;
+            let answer = match verdict.try_recv() {
+                Ok(v) => Some(v),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    Some(Verdict::Unavailable("the check was cut short".into()))
+                }
+            };
+            if let Some(v) = answer {
+                moved = true;
+                let (status, node) = match v {
+                    Verdict::Node(node) => (ReplyStatus::Accepted, Some(node)),
+                    Verdict::Refused(why) => {
+                        tracing::debug!(peer = %c.peer, ?why, "a credential was refused");
+                        (ReplyStatus::BadCredential, None)
+                    }
+                    Verdict::Unavailable(why) => {
+                        tracing::warn!(peer = %c.peer, why, "cannot check a daemon's credential: the database is unavailable; it is told to retry");
+                        (ReplyStatus::Unavailable, None)
+                    }
+                };
+                let o = reply(c, &mut self.replies, to, status, node, &self.p.offer);
+                if !matches!(o, Outcome::Waiting) {
+                    return (o, true);
+                }
+            }
+        }
+        if Instant::now() >= c.deadline {
+            let why = match c.stage {
+                Stage::Hello(ref imms) => format!(
+                    "sent {} of its hello's {HELLO_IMMS} immediates within {} ms",
+                    imms.len(),
+                    self.p.hello_timeout.as_millis()
+                ),
+                Stage::Checking { .. } => "was not checked in time".into(),
+                Stage::Replying { .. } => "did not take its answer in time".into(),
+            };
+            return (dropped(why, "dropped"), true);
+        }
+        (Outcome::Waiting, moved)
+    }
+
+    /// Looks at every accepted connection; drops those whose daemon left.
+    fn sweep(&mut self) {
+        let mut done = [Completion::EMPTY; 4];
+        let before = self.kept.len();
+        self.kept.retain_mut(|k| {
+            let n = k.cq.poll(&mut done);
+            let Some(c) = done[..n].first() else {
+                return true;
+            };
+            match c.status {
+                Status::PeerLost | Status::Flushed => {
+                    tracing::info!(peer = %k.peer, node = %k.node, "an executor daemon went away")
+                }
+                _ => tracing::warn!(peer = %k.peer, node = %k.node, opcode = ?c.opcode, status = %c.status, "an executor daemon sent something after its hello; dropped its connection"),
+            }
+            false
+        });
+        if self.kept.len() != before {
+            self.p.metrics.connections.set(self.kept.len() as i64);
+        }
+    }
+}
+
+/// Takes one completion of the hello. `Ok(true)` once the hello is whole,
+/// `Err` with the outcome when the connection is to be dropped.
+fn hello_part(imms: &mut Vec<u32>, c: &Completion) -> Result<bool, Outcome> {
+    if c.opcode != Opcode::RecvWithImm || !c.status.is_ok() {
+        return Err(dropped(
+            format!(
+                "failed before its hello was whole ({:?}: {})",
+                c.opcode, c.status
+            ),
+            "dropped",
+        ));
+    }
+    if c.byte_len != 0 {
+        return Err(dropped(
+            format!("wrote {} bytes instead of a hello", c.byte_len),
+            "bad_hello",
+        ));
+    }
+    if imms.is_empty() && c.imm != HELLO_IMM {
+        return Err(dropped(
+            format!("began with immediate {:#x}, not an accounting hello", c.imm),
+            "bad_hello",
+        ));
+    }
+    imms.push(c.imm);
+    Ok(imms.len() == HELLO_IMMS)
+}
+
+/// Decodes a whole hello and starts its credential check. On a hello that
+/// does not decode: where to send `BadHello` (if its reply address can be
+/// read) and why.
+fn start_check(imms: &[u32], p: &ListenerParts) -> Result<Stage, (Option<RemoteAddr>, String)> {
+    let imms: &[u32; HELLO_IMMS] = imms.try_into().expect("a whole hello");
+    let hello = match AccountingHello::from_imms(imms) {
+        Ok(h) => h,
+        Err(e) => {
+            // Same magic, other version or a bad field: the reply address
+            // sits where every version puts it.
+            let to = RemoteAddr {
+                addr: u64::from(imms[2]) | u64::from(imms[3]) << 32,
+                rkey: imms[4],
+            };
+            return Err((Some(to), e.to_string()));
+        }
+    };
+    let reply_to = RemoteAddr {
+        addr: hello.reply_addr,
+        rkey: hello.reply_rkey,
+    };
+    let (tx, rx) = mpsc::channel();
+    let verifier = p.verifier.clone();
+    let within = p.hello_timeout;
+    p.runtime.spawn(async move {
+        let credential = hello.credential;
+        let check = verifier.check(&credential, rfaas_manager::now_s());
+        let v = tokio::time::timeout(within, check)
+            .await
+            .unwrap_or_else(|_| Verdict::Unavailable("the check took too long".into()));
+        let _ = tx.send(v);
+    });
+    Ok(Stage::Checking {
+        verdict: rx,
+        reply_to,
+    })
+}
+
+/// Writes the answer to `to`; the candidate then waits for the write's
+/// completion.
+fn reply(
+    c: &mut Candidate,
+    replies: &mut MemoryRegion,
+    to: RemoteAddr,
+    status: ReplyStatus,
+    node: Option<String>,
+    offer: &AccountingReply,
+) -> Outcome {
+    let answer = match status {
+        ReplyStatus::Accepted => *offer,
+        other => AccountingReply::refused(other),
+    };
+    let mut bytes = [0u8; AccountingReply::LEN];
+    answer
+        .encode(&mut bytes)
+        .expect("the buffer is a reply long");
+    let at = c.reply_slot * REPLY_STRIDE;
+    replies.write_from(at, &bytes);
+    match c
+        .endpoint
+        .write_with_imm(WR_REPLY, replies, at, AccountingReply::LEN, to, REPLY_IMM)
+    {
+        Ok(()) => {
+            c.stage = Stage::Replying { status, node };
+            Outcome::Waiting
+        }
+        Err(e) => dropped(format!("could not be answered ({e})"), "dropped"),
+    }
+}

@@ -1,0 +1,346 @@
+//! Starting and stopping the service: the order of [`start`] is the order
+//! in which a crash leaves things safe.
+//!
+//! 1. The billing configuration and the metrics listener (bad
+//!    configuration fails before anything else happens).
+//! 2. The database: connect and bring the schema up to date, waiting
+//!    while it is unreachable (the service is useless without it, and
+//!    starts fine before it).
+//! 3. The region file, mapped and registered on the fabric; the fabric
+//!    listener bound (connections wait in its backlog).
+//! 4. A region made new while the database still counts leases in this
+//!    instance's slots (the file was lost, say on tmpfs after a reboot) is
+//!    seeded with their stored totals before anyone can add, so their
+//!    counters keep growing from there.
+//! 5. The instance's row (`accounting_instances`), its `billing_slots`
+//!    rows, and the budgets of the billing configuration.
+//! 6. The flusher and the listener thread.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use rfaas_fabric::Fabric;
+use rfaas_manager::db::{self, Backend, DbError};
+use rfaas_manager::store::Store;
+use rfaas_proto::accounting::{AccountingReply, ReplyStatus};
+use sqlx::AnyPool;
+
+use crate::config::Settings;
+use crate::credentials::Verifier;
+use crate::flusher::{FlushConfig, Flusher};
+use crate::listener::{self, ListenerParts};
+use crate::metrics::{self, Health, Metrics};
+use crate::rates::{BillingConfig, Rates, RatesError};
+use crate::region::Region;
+use crate::store::{self, Instance};
+
+/// Database connections the service keeps.
+const DB_CONNECTIONS: u32 = 4;
+
+/// A running service.
+#[derive(Debug)]
+pub struct Running {
+    /// The fabric address it advertises (what daemons connect to).
+    pub fabric_addr: String,
+    /// Where `/metrics` and `/healthz` are served.
+    pub metrics_addr: SocketAddr,
+    /// The region's id.
+    pub region_id: u64,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    stop: tokio::sync::watch::Sender<bool>,
+    stop_listener: Arc<AtomicBool>,
+    listener: Option<std::thread::JoinHandle<()>>,
+    flusher: tokio::task::JoinHandle<()>,
+    http: tokio::task::JoinHandle<std::io::Result<()>>,
+    // Dropped last: the listener and flusher use them.
+    _region: Arc<Region>,
+    _domain: Arc<rfaas_fabric::Domain>,
+    _fabric: Arc<Fabric>,
+}
+
+impl Running {
+    /// Stops: drops every connection, flushes once more, stops serving
+    /// metrics.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.stop_listener.store(true, Ordering::Relaxed);
+        if let Some(t) = self.listener.take() {
+            tokio::task::spawn_blocking(move || t.join())
+                .await
+                .context("the listener thread")?
+                .map_err(|_| anyhow::anyhow!("the listener thread panicked"))?;
+        }
+        let _ = self.stop.send(true);
+        (&mut self.flusher).await.context("the flusher task")?;
+        (&mut self.http).await.context("the metrics server")??;
+        Ok(())
+    }
+}
+
+/// The rates and budgets of the billing configuration at `path`; a
+/// missing file prices everything at 0, with a warning (usage is still
+/// counted, only spend stays 0).
+fn load_billing(path: &std::path::Path) -> anyhow::Result<(Rates, BTreeMap<String, f64>)> {
+    match BillingConfig::load(path) {
+        Ok(c) => Ok((c.rates, c.budgets)),
+        Err(RatesError::Read { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            tracing::warn!(
+                path = %path.display(),
+                "no billing configuration: every rate is 0, so account spend stays 0 (usage is still counted); write one to price usage"
+            );
+            let zero = Rates {
+                alloc_per_gib_s: 0.0,
+                compute_per_s: 0.0,
+                hot_per_s: 0.0,
+                harvested_discount: 0.0,
+            };
+            Ok((zero, BTreeMap::new()))
+        }
+        Err(e) => Err(e).context(
+            "the billing configuration (billing_config in accounting.toml, or --billing-config)",
+        ),
+    }
+}
+
+/// Opens the database, waiting while it is unavailable.
+async fn open_database(url: &str) -> anyhow::Result<AnyPool> {
+    let backend = Backend::of(url);
+    let mut logged = false;
+    loop {
+        match db::open(url, DB_CONNECTIONS).await {
+            Ok(pool) => return Ok(pool),
+            Err(DbError::Unavailable(why)) => {
+                if !logged {
+                    tracing::warn!(
+                        backend = backend.name(),
+                        why,
+                        "the database is unavailable; waiting for it"
+                    );
+                    logged = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("open the database ({})", backend.name()))
+            }
+        }
+    }
+}
+
+/// Removes a shm socket file left by a service that died, so the new
+/// listener can bind it; a socket someone still serves is left alone.
+fn remove_stale_socket(provider: &str, addr: &str) {
+    use std::os::unix::fs::FileTypeExt;
+    if provider != "shm" || addr.is_empty() || addr.starts_with('@') {
+        return;
+    }
+    let is_socket = std::fs::symlink_metadata(addr).is_ok_and(|m| m.file_type().is_socket());
+    if is_socket
+        && std::os::unix::net::UnixStream::connect(addr)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    {
+        tracing::info!(
+            path = addr,
+            "removing the stale socket of a service that is gone"
+        );
+        let _ = std::fs::remove_file(addr);
+    }
+}
+
+/// Raises the soft limit of open files to the hard one: every accepted
+/// daemon holds a connection and a completion queue (a few descriptors
+/// each), and the usual soft limit of 1024 would cap the daemons.
+pub fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write only `lim`, ours.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                tracing::debug!("cannot raise the open-file limit; keeping it");
+            }
+        }
+    }
+}
+
+/// Starts the service with `settings`.
+pub async fn start(settings: Settings) -> anyhow::Result<Running> {
+    let (rates, budgets) = load_billing(&settings.billing_config)?;
+    let started_ms = rfaas_manager::now_ms();
+    let metrics = Arc::new(Metrics::new(started_ms));
+    let (http_listener, metrics_addr) = metrics::bind(&settings.metrics_listen)
+        .await
+        .with_context(|| format!("listen for metrics on {}", settings.metrics_listen))?;
+
+    let pool = open_database(&settings.database).await?;
+    let backend = Backend::of(&settings.database);
+
+    let fabric = Arc::new(
+        Fabric::open(&settings.provider)
+            .with_context(|| format!("open the {} fabric", settings.provider))?,
+    );
+    let domain = Arc::new(fabric.domain().context("create the region's domain")?);
+    let (region, created) = Region::open(&domain, &settings.region_file, settings.slots)?;
+    let region = Arc::new(region);
+    remove_stale_socket(&settings.provider, &settings.listen);
+    let fabric_listener = fabric
+        .listen(&settings.listen)
+        .with_context(|| format!("listen on {} ({})", settings.listen, settings.provider))?;
+    let fabric_addr = settings
+        .advertise
+        .clone()
+        .unwrap_or_else(|| fabric_listener.local_addr());
+    let header = region.header();
+
+    if created {
+        seed(&pool, &settings.name, &region).await?;
+    }
+    let before = store::register_instance(
+        &pool,
+        &Instance {
+            name: settings.name.clone(),
+            provider: settings.provider.clone(),
+            fabric_addr: fabric_addr.clone(),
+            metrics_addr: metrics_addr.to_string(),
+            slots: settings.slots,
+            region_id: header.region_id,
+        },
+        rfaas_manager::now_ms(),
+    )
+    .await
+    .context("write the instance's row")?;
+    if let Some(old) = before.filter(|old| *old != header.region_id) {
+        tracing::warn!(
+            old_region = old,
+            region = header.region_id,
+            "this instance's region was replaced: adds made to the old one since its last flush are lost"
+        );
+    }
+    let rows = store::ensure_slots(&pool, &settings.name, settings.slots)
+        .await
+        .context("create the billing slots")?;
+    if rows.stranded > 0 {
+        tracing::warn!(
+            stranded = rows.stranded,
+            slots = settings.slots,
+            "leases hold slots past the region's end (the slot count shrank); their usage is not counted"
+        );
+    }
+    match crate::report::budgets::sync(&pool, &budgets, rfaas_manager::now_ms()).await {
+        Ok(synced) => tracing::debug!(
+            budgets = synced.len(),
+            "wrote the budgets of the billing configuration"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot write the budgets of the billing configuration; `rfaas-billing budget sync` does it too")
+        }
+    }
+    metrics.slots.set(i64::from(settings.slots));
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let health = Health {
+        metrics: metrics.clone(),
+        max_lag: (settings.flush_interval * 3).max(Duration::from_secs(5)),
+    };
+    let http = tokio::spawn(metrics::serve(http_listener, health, stopped.clone()));
+    let mut flusher = Flusher::new(
+        FlushConfig {
+            instance: settings.name.clone(),
+            snapshot_interval: settings.snapshot_interval,
+            slot_hold: settings.slot_hold,
+            rates,
+        },
+        pool.clone(),
+        region.clone(),
+        metrics.clone(),
+    );
+    // The first flush before anyone connects: the row's heartbeat is
+    // fresh and what a previous run left is written out.
+    flusher.flush_logged().await;
+    let flusher = tokio::spawn(flusher.run(settings.flush_interval, stopped));
+
+    let descriptor = region.descriptor();
+    let offer = AccountingReply {
+        status: ReplyStatus::Accepted,
+        region_addr: descriptor.addr,
+        region_rkey: descriptor.rkey,
+        slots: header.slots,
+        region_id: header.region_id,
+    };
+    let stop_listener = Arc::new(AtomicBool::new(false));
+    let listener = listener::spawn(
+        ListenerParts {
+            fabric: fabric.clone(),
+            domain: domain.clone(),
+            listener: fabric_listener,
+            offer,
+            verifier: Arc::new(Verifier::new(Store::new(pool.clone(), backend))),
+            runtime: tokio::runtime::Handle::current(),
+            metrics: metrics.clone(),
+            hello_timeout: settings.hello_timeout,
+        },
+        stop_listener.clone(),
+    )
+    .context("start the listener thread")?;
+    tracing::info!(
+        name = %settings.name,
+        provider = %settings.provider,
+        %fabric_addr,
+        %metrics_addr,
+        slots = settings.slots,
+        region = %settings.region_file.display(),
+        region_id = header.region_id,
+        backend = backend.name(),
+        "rfaas-accounting serving"
+    );
+    Ok(Running {
+        fabric_addr,
+        metrics_addr,
+        region_id: header.region_id,
+        metrics,
+        stop,
+        stop_listener,
+        listener: Some(listener),
+        flusher,
+        http,
+        _region: region,
+        _domain: domain,
+        _fabric: fabric,
+    })
+}
+
+/// Seeds a new region's slots with the stored totals of the leases the
+/// database still counts in them.
+async fn seed(pool: &AnyPool, name: &str, region: &Region) -> anyhow::Result<()> {
+    let assigned = store::assigned_slots(pool, name)
+        .await
+        .context("read the slots to seed a new region")?;
+    let ids: Vec<u64> = assigned.iter().map(|a| a.lease_id).collect();
+    let rows = store::usage_of(pool, &ids)
+        .await
+        .context("read the usage to seed a new region")?;
+    let mut seeded = 0;
+    for a in assigned.iter().filter(|a| a.slot < region.slots()) {
+        if let Some(row) = rows.iter().find(|r| r.lease_id == a.lease_id) {
+            region.seed_slot(a.slot, &row.totals);
+            seeded += 1;
+        }
+    }
+    if seeded > 0 {
+        region
+            .sync_all()
+            .context("sync the seeded region to its file")?;
+        tracing::warn!(
+            seeded,
+            "the region file is new while leases were counted in it: their slots start from the totals last flushed (adds since then are lost)"
+        );
+    }
+    Ok(())
+}
