@@ -2,6 +2,9 @@
 //!
 //! # Layout
 //!
+//! - [`accounting`]: a real `rfaas-accounting` in a private directory
+//!   (killed, restarted on its region file), and a peer that says the
+//!   hello and adds into slots as an executor daemon does.
 //! - [`abuse`]: connections that misbehave on a control port (idle, slow,
 //!   stalled libraries) from chosen loopback addresses, and what a process
 //!   holds (`/proc`).
@@ -19,6 +22,7 @@
 //!   queries through its HTTP API.
 
 pub mod abuse;
+pub mod accounting;
 pub mod cpus;
 pub mod executord;
 pub mod functions;
