@@ -1,0 +1,250 @@
+//! Shared by the accounting service's integration tests: a database of
+//! either kind with a real manager on it (which mints the daemons' node
+//! credentials), accounting instances on the same database, and SQL
+//! helpers that play the manager's part in slot assignment.
+
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use rfaas_accounting::store::{self, UsageRow};
+use rfaas_proto::accounting::SlotTotals;
+use rfaas_testkit::accounting::{Accounting, AccountingOptions};
+use rfaas_testkit::manager::{Manager, ManagerOptions};
+use rfaas_testkit::postgres::Postgres;
+use sqlx::{AnyPool, Row};
+
+/// Generates one test per database from `fn $name(kind: &str)`.
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$name("sqlite");
+            }
+            #[test]
+            fn postgres() {
+                super::$name("postgres");
+            }
+        }
+    };
+}
+
+/// The billing configuration the tests price with.
+pub const BILLING: &str = "currency = \"CHF\"\n[rates]\nalloc_per_gib_s = 0.5\ncompute_per_s = 2.0\nhot_per_s = 1.0\nharvested_discount = 0.5\n[budgets]\nphysics = 100.0\n";
+
+/// A database with a manager on it, and a connection of the test's own.
+pub struct Env {
+    /// The manager (mints credentials; its migrations made the schema).
+    pub manager: Manager,
+    /// The database URL.
+    pub url: String,
+    /// The PostgreSQL server, for the PostgreSQL case.
+    pub pg: Option<Postgres>,
+    pool: AnyPool,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Env {
+    /// A fresh database of `kind` ("sqlite" or "postgres") with a manager.
+    pub fn new(kind: &str) -> Env {
+        let pg = match kind {
+            "sqlite" => None,
+            "postgres" => Some(Postgres::start().unwrap_or_else(|e| panic!("{e}"))),
+            other => panic!("no backend {other}"),
+        };
+        let manager = Manager::start(ManagerOptions {
+            database: pg.as_ref().map(|p| p.url().to_owned()),
+            ..ManagerOptions::default()
+        });
+        let url = manager.database().to_owned();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let pool = rt
+            .block_on(rfaas_manager::db::open(&url, 2))
+            .unwrap_or_else(|e| panic!("open {url}: {e}"));
+        Env {
+            manager,
+            url,
+            pg,
+            pool,
+            rt,
+        }
+    }
+
+    /// Options of an accounting instance on this database, pricing with
+    /// [`BILLING`].
+    pub fn options(&self) -> AccountingOptions {
+        AccountingOptions {
+            billing: Some(BILLING.into()),
+            ..AccountingOptions::new(&self.url)
+        }
+    }
+
+    /// Starts an accounting instance with [`Env::options`].
+    pub fn accounting(&self) -> Accounting {
+        Accounting::start(self.options())
+    }
+
+    /// A new node credential for `node`, minted through the manager.
+    pub fn node_credential(&self, node: &str) -> String {
+        self.manager.credential("node", node, None)
+    }
+
+    /// The test's own pool on the database.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Runs `f` to completion.
+    pub fn block<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        self.rt.block_on(f)
+    }
+
+    /// Inserts an active lease `id` of `account`, as a grant would.
+    pub fn insert_lease(&self, id: u64, account: &str, harvested: bool) {
+        let now = rfaas_manager::now_ms() as i64;
+        let p = &self.pool;
+        self.rt.block_on(async {
+            sqlx::query(
+                "INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state, ended_ms, harvested)
+                 VALUES ($1, $1, 'n1', 'user:alice', 'alice', $2, 1, 1024, $3, $4, 'active', 0, $5)",
+            )
+            .bind(id as i64)
+            .bind(account)
+            .bind(now / 1000)
+            .bind(now / 1000 + 3600)
+            .bind(i64::from(harvested))
+            .execute(p)
+            .await
+            .unwrap();
+        });
+    }
+
+    /// Ends lease `id` at `ended_ms`.
+    pub fn end_lease(&self, id: u64, ended_ms: u64) {
+        let p = &self.pool;
+        self.rt.block_on(async {
+            sqlx::query("UPDATE leases SET state = 'released', ended_ms = $2 WHERE id = $1")
+                .bind(id as i64)
+                .bind(ended_ms as i64)
+                .execute(p)
+                .await
+                .unwrap();
+        });
+    }
+
+    /// Assigns free `slot` of `instance` to lease `id`, as the manager's
+    /// conditional update does; panics unless the slot was free.
+    pub fn assign(&self, instance: &str, slot: u32, id: u64) {
+        let p = &self.pool;
+        let n = self.rt.block_on(async {
+            sqlx::query(
+                "UPDATE billing_slots SET lease_id = $3, assigned_ms = $4 WHERE instance = $1 AND slot = $2 AND lease_id = 0",
+            )
+            .bind(instance)
+            .bind(i64::from(slot))
+            .bind(id as i64)
+            .bind(rfaas_manager::now_ms() as i64)
+            .execute(p)
+            .await
+            .unwrap()
+            .rows_affected()
+        });
+        assert_eq!(n, 1, "slot {slot} of {instance} was not free");
+    }
+
+    /// The lease slot `slot` of `instance` is assigned to (0: free).
+    pub fn slot_lease(&self, instance: &str, slot: u32) -> u64 {
+        let p = &self.pool;
+        self.rt.block_on(async {
+            sqlx::query("SELECT lease_id FROM billing_slots WHERE instance = $1 AND slot = $2")
+                .bind(instance)
+                .bind(i64::from(slot))
+                .fetch_one(p)
+                .await
+                .unwrap()
+                .try_get::<i64, _>("lease_id")
+                .unwrap() as u64
+        })
+    }
+
+    /// Lease `id`'s `usage` row, if it has one.
+    pub fn usage(&self, id: u64) -> Option<UsageRow> {
+        self.rt
+            .block_on(async { store::usage_of(&self.pool, &[id]).await.unwrap().pop() })
+    }
+
+    /// `account`'s spend.
+    pub fn spend(&self, account: &str) -> f64 {
+        self.rt
+            .block_on(async { store::account_spend(&self.pool, account).await.unwrap() })
+    }
+
+    /// Lease `id`'s snapshots.
+    pub fn snapshots(&self, id: u64) -> Vec<store::Snapshot> {
+        self.rt
+            .block_on(async { store::snapshots_of(&self.pool, id).await.unwrap() })
+    }
+
+    /// Runs `sql` and returns the first column of the first row as a
+    /// number.
+    pub fn scalar(&self, sql: &str) -> f64 {
+        let p = &self.pool;
+        self.rt.block_on(async {
+            let row = sqlx::query(sql).fetch_one(p).await.unwrap();
+            row.try_get::<f64, _>(0)
+                .or_else(|_| row.try_get::<i64, _>(0).map(|v| v as f64))
+                .unwrap()
+        })
+    }
+}
+
+/// Waits until `done` holds, at most 30 s, then panics naming `what`.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < until, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until lease `id`'s stored totals are `want` (its `closed` word
+/// aside); returns the row.
+pub fn wait_for_usage(env: &Env, id: u64, want: &SlotTotals) -> UsageRow {
+    let want = store::stored(want);
+    let mut last = None;
+    wait_until(
+        &format!("lease {id}'s usage is {want:?} (last seen {last:?})"),
+        || {
+            last = env.usage(id);
+            last.as_ref().is_some_and(|u| u.totals == want)
+        },
+    );
+    last.expect("a usage row")
+}
+
+/// Some usage with every counter set.
+pub fn some_usage(seed: u64) -> SlotTotals {
+    SlotTotals {
+        alloc_mib_ms: 2048 * 1000 * seed,
+        compute_ns: 1_000_000_000 * seed,
+        hot_ns: 500_000_000 * seed,
+        warm_ns: 7 * seed,
+        invocations: 11 * seed,
+        bytes_in: 13 * seed,
+        bytes_out: 17 * seed,
+        closed: 0,
+    }
+}
+
+/// The cost of `u` at [`BILLING`]'s rates.
+pub fn cost(u: &SlotTotals, harvested: bool) -> f64 {
+    rfaas_accounting::rates::BillingConfig::parse(BILLING)
+        .unwrap()
+        .rates
+        .cost(u, harvested)
+}

@@ -1,0 +1,453 @@
+//! The accounting service end to end: a real `rfaas-accounting` and a
+//! real manager on one database (SQLite and PostgreSQL), a test peer that
+//! says the hello with a node credential and adds over the fabric as an
+//! executor daemon does, and the database's rows as the flusher leaves
+//! them.
+
+mod common;
+
+use common::{cost, some_usage, wait_for_usage, wait_until, Env};
+use rfaas_fabric::{RemoteAddr, Status};
+use rfaas_proto::accounting::{region_len, Counter, ReplyStatus, SlotTotals};
+use rfaas_testkit::accounting::{Accounting, AccountingOptions, Peer};
+
+/// Adds through the fabric become the lease's stored totals, priced into
+/// its account's spend, with snapshots; the instance's rows, budgets and
+/// metrics say what it did.
+fn adds_reach_the_database(kind: &str) {
+    let env = Env::new(kind);
+    let acct = env.accounting();
+    let cred = env.node_credential("n1");
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).expect("hello");
+    let r = peer.reply;
+    assert_eq!(r.status, ReplyStatus::Accepted);
+    assert_eq!(r.slots, 64);
+    assert_ne!((r.region_addr, r.region_rkey, r.region_id), (0, 0, 0));
+
+    env.insert_lease(101, "physics", false);
+    env.insert_lease(102, "physics", true);
+    env.assign("acct1", 3, 101);
+    env.assign("acct1", 4, 102);
+    let (a, b) = (some_usage(2), some_usage(1));
+    peer.add_totals(3, &a).unwrap();
+    peer.add_totals(4, &b).unwrap();
+    peer.add(4, Counter::ComputeNs, 5).unwrap();
+    let b = SlotTotals {
+        compute_ns: b.compute_ns + 5,
+        ..b
+    };
+    assert_eq!(peer.read_slot(3).unwrap(), a);
+    let row = wait_for_usage(&env, 101, &a);
+    assert_eq!(
+        (row.instance.as_str(), row.slot, row.finalized),
+        ("acct1", 3, false)
+    );
+    wait_for_usage(&env, 102, &b);
+    let want = cost(&a, false) + cost(&b, true);
+    wait_until("the spend is priced", || {
+        (env.spend("physics") - want).abs() < 1e-9
+    });
+    // A snapshot a second: the latest holds the totals.
+    wait_until("a snapshot holds the totals", || {
+        env.snapshots(101).last().is_some_and(|s| s.totals == a)
+    });
+
+    let inst = format!(
+        "SELECT slots FROM accounting_instances WHERE name = 'acct1' AND fabric_addr = '{}' AND provider = 'tcp' AND region_id = {}",
+        acct.fabric_addr(),
+        r.region_id as i64
+    );
+    assert_eq!(env.scalar(&inst), 64.0);
+    assert_eq!(
+        env.scalar("SELECT COUNT(*) FROM billing_slots WHERE instance = 'acct1'"),
+        64.0
+    );
+    assert_eq!(
+        env.scalar("SELECT budget FROM budgets WHERE account = 'physics'"),
+        100.0
+    );
+    let hb = "SELECT last_heartbeat_ms FROM accounting_instances WHERE name = 'acct1'";
+    let first = env.scalar(hb);
+    wait_until("the instance heartbeats", || env.scalar(hb) > first);
+
+    assert_eq!(acct.metric("rfaas_accounting_slots_in_use"), Some(2.0));
+    assert_eq!(acct.metric("rfaas_accounting_slots"), Some(64.0));
+    assert_eq!(acct.metric("rfaas_accounting_connections"), Some(1.0));
+    assert_eq!(
+        acct.metric("rfaas_accounting_hellos_total{result=\"accepted\"}"),
+        Some(1.0)
+    );
+    assert!(acct.metric("rfaas_accounting_rows_written_total{table=\"usage\"}") >= Some(2.0));
+    assert!(
+        acct.metric("rfaas_accounting_rows_written_total{table=\"usage_snapshots\"}") >= Some(2.0)
+    );
+    assert_eq!(
+        acct.metric("rfaas_accounting_flush_errors_total"),
+        Some(0.0)
+    );
+    assert!(acct.metric("rfaas_accounting_flush_lag_seconds").is_some());
+    let (status, body) = acct.http_get("/healthz");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"ok\""), "{body}");
+
+    // The daemon goes away: its connection is dropped.
+    drop(peer);
+    wait_until("the connection is dropped", || {
+        acct.metric("rfaas_accounting_connections") == Some(0.0)
+    });
+}
+on_both!(adds_reach_the_database);
+
+/// Whoever is not an executor daemon with a live node credential is
+/// refused, never learns the region, and is dropped; a peer that says
+/// nothing, or something else than a hello, gets no answer at all. The
+/// service serves a daemon meanwhile.
+fn only_node_credentials_learn_the_region(kind: &str) {
+    let env = Env::new(kind);
+    let acct = env.accounting();
+    let addr = acct.fabric_addr().to_owned();
+    let good = env.node_credential("n1");
+    let user = env.manager.credential("user", "alice", Some("physics"));
+    let revoked = env.node_credential("n2");
+    let id = revoked.split('.').nth(1).unwrap().to_owned();
+    let (status, body) = env
+        .manager
+        .admin()
+        .call("DELETE", &format!("/v1/credentials/{id}"), None);
+    assert!((200..300).contains(&status), "revoke: {status} {body}");
+    let forged = format!("{}x", good);
+
+    // Connections that never finish a hello hold up nobody.
+    let silent = Peer::connect("tcp", &addr).unwrap();
+    let mut half = Peer::connect("tcp", &addr).unwrap();
+    let imms = half.hello_imms(&good);
+    half.send_imms(&imms[..10]).unwrap();
+    for cred in [
+        &user,
+        &revoked,
+        &forged,
+        &"rfaasc.zz.nope".to_owned(),
+        &"x".repeat(200),
+    ] {
+        let mut p = Peer::hello("tcp", &addr, cred).expect("an answer");
+        assert_eq!(p.reply.status, ReplyStatus::BadCredential, "{cred}");
+        assert_eq!(
+            (
+                p.reply.region_addr,
+                p.reply.region_rkey,
+                p.reply.slots,
+                p.reply.region_id
+            ),
+            (0, 0, 0, 0)
+        );
+        // And it is dropped: nothing it posts reaches the region.
+        assert!(p.read_slot(0).is_err());
+    }
+    let mut daemon = Peer::hello("tcp", &addr, &good).unwrap();
+    assert_eq!(daemon.reply.status, ReplyStatus::Accepted);
+    daemon.add(0, Counter::Invocations, 1).unwrap();
+    // Something other than a hello: no answer, dropped.
+    let mut other = Peer::connect("tcp", &addr).unwrap();
+    let mut imms = other.hello_imms(&good);
+    imms[0] = 0x1234_5678;
+    let answer = other
+        .send_imms(&imms)
+        .and_then(|()| other.await_reply(std::time::Duration::from_secs(3)));
+    assert!(answer.is_err(), "{answer:?}");
+    // The silent ones are dropped after the hello deadline (2 s here).
+    wait_until("the silent connections are dropped", || {
+        acct.metric("rfaas_accounting_hellos_total{result=\"dropped\"}") >= Some(2.0)
+    });
+    drop((silent, half));
+    assert_eq!(
+        acct.metric("rfaas_accounting_hellos_total{result=\"bad_credential\"}"),
+        Some(5.0)
+    );
+    assert_eq!(
+        acct.metric("rfaas_accounting_hellos_total{result=\"accepted\"}"),
+        Some(1.0)
+    );
+    assert_eq!(acct.metric("rfaas_accounting_connections"), Some(1.0));
+    daemon.add(0, Counter::Invocations, 1).unwrap();
+}
+on_both!(only_node_credentials_learn_the_region);
+
+/// An add with a wrong rkey, past the region, or unaligned fails at the
+/// daemon that made it; the region is untouched and the service serves
+/// others (and, on tcp, that daemon too).
+fn bad_adds_fail_alone(kind: &str) {
+    let env = Env::new(kind);
+    let acct = env.accounting();
+    let mut a = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+    env.insert_lease(7, "physics", false);
+    env.assign("acct1", 1, 7);
+    let region = RemoteAddr {
+        addr: b.reply.region_addr,
+        rkey: b.reply.region_rkey,
+    };
+    let bad = [
+        (
+            "a wrong rkey",
+            RemoteAddr {
+                rkey: region.rkey ^ 0x40_0000,
+                ..region
+            },
+        ),
+        (
+            "the slot past the last",
+            RemoteAddr {
+                addr: region.addr + region_len(64),
+                ..region
+            },
+        ),
+        (
+            "before the region",
+            RemoteAddr {
+                addr: region.addr - 8,
+                ..region
+            },
+        ),
+        (
+            "an unaligned word",
+            RemoteAddr {
+                addr: region.addr + 64 + 4,
+                ..region
+            },
+        ),
+    ];
+    for (what, at) in bad {
+        let err = b.add_at(at, 1).unwrap_err();
+        assert!(
+            matches!(err, Status::RemoteAccess | Status::RemoteOperation),
+            "{what}: {err:?}"
+        );
+        a.add(1, Counter::ComputeNs, 1_000).unwrap();
+    }
+    b.add(1, Counter::ComputeNs, 1_000).unwrap();
+    let want = SlotTotals {
+        compute_ns: 5_000,
+        ..SlotTotals::default()
+    };
+    wait_for_usage(&env, 7, &want);
+    let whole = (0..64)
+        .map(|s| a.read_slot(s).unwrap())
+        .filter(|t| *t != SlotTotals::default())
+        .count();
+    assert_eq!(whole, 1, "only slot 1 was added to");
+    assert_eq!(acct.metric("rfaas_accounting_connections"), Some(2.0));
+}
+on_both!(bad_adds_fail_alone);
+
+/// Adds that completed survive a kill -9 of the service: restarted on the
+/// same region file (flushing at once), it stores them all. The region
+/// and its id are the same, and daemons reconnect.
+fn a_kill_9_loses_no_add(kind: &str) {
+    let env = Env::new(kind);
+    let mut acct = Accounting::start(AccountingOptions {
+        // No flush after the one at the start: what the database gets
+        // later came through the region file.
+        flush_interval_ms: 3_600_000,
+        snapshot_interval_ms: 3_600_000,
+        ..env.options()
+    });
+    let cred = env.node_credential("n1");
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
+    let region_id = peer.reply.region_id;
+    env.insert_lease(55, "physics", false);
+    env.assign("acct1", 9, 55);
+    let mut sum = SlotTotals::default();
+    for i in 1..=50 {
+        let u = some_usage(i);
+        peer.add_totals(9, &u).unwrap();
+        sum = SlotTotals::from_words(std::array::from_fn(|w| sum.to_words()[w] + u.to_words()[w]));
+    }
+    acct.kill();
+    assert!(
+        env.usage(55).is_none(),
+        "nothing was flushed before the kill"
+    );
+    assert!(
+        peer.add(9, Counter::Invocations, 1).is_err(),
+        "the service is gone"
+    );
+    acct.restart().unwrap();
+    let row = wait_for_usage(&env, 55, &sum);
+    assert!(!row.finalized);
+    wait_until("the spend is priced", || {
+        (env.spend("physics") - cost(&sum, false)).abs() < 1e-6
+    });
+    let mut again = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
+    assert_eq!(again.reply.region_id, region_id);
+    assert_eq!(again.read_slot(9).unwrap(), sum);
+}
+on_both!(a_kill_9_loses_no_add);
+
+/// A daemon's closing add makes the final flush: totals finalized, the
+/// slot zeroed and freed; a lease that ended without closing is freed
+/// after the hold. A reused slot starts at zero.
+fn the_final_flush_frees_the_slot(kind: &str) {
+    let env = Env::new(kind);
+    let acct = Accounting::start(AccountingOptions {
+        slot_hold_s: 60,
+        ..env.options()
+    });
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    env.insert_lease(1, "physics", false);
+    env.insert_lease(2, "physics", false);
+    env.assign("acct1", 5, 1);
+    env.assign("acct1", 6, 2);
+    let (u1, u2) = (some_usage(3), some_usage(4));
+    peer.add_totals(5, &u1).unwrap();
+    peer.add_totals(6, &u2).unwrap();
+    peer.add(5, Counter::Closed, 1).unwrap();
+    // Lease 2 ended two minutes ago and its daemon never closed the slot.
+    env.end_lease(2, rfaas_manager::now_ms() - 120_000);
+    for (lease, slot, u) in [(1, 5, u1), (2, 6, u2)] {
+        wait_until(&format!("slot {slot} is freed"), || {
+            env.slot_lease("acct1", slot) == 0
+        });
+        let row = env.usage(lease).unwrap();
+        assert_eq!((row.totals, row.finalized), (u, true), "lease {lease}");
+        assert_eq!(env.snapshots(lease).last().unwrap().totals, u);
+        assert_eq!(
+            peer.read_slot(slot).unwrap(),
+            SlotTotals::default(),
+            "slot {slot} is zero"
+        );
+    }
+    let spend = env.spend("physics");
+    assert!((spend - cost(&u1, false) - cost(&u2, false)).abs() < 1e-6);
+    assert!(acct.metric("rfaas_accounting_slots_freed_total") >= Some(2.0));
+    // Reused: the new lease's totals are its own.
+    env.insert_lease(3, "physics", false);
+    env.assign("acct1", 5, 3);
+    peer.add(5, Counter::Invocations, 2).unwrap();
+    let small = SlotTotals {
+        invocations: 2,
+        ..SlotTotals::default()
+    };
+    wait_for_usage(&env, 3, &small);
+    assert_eq!(
+        env.usage(1).unwrap().totals,
+        u1,
+        "the old lease is untouched"
+    );
+    assert_eq!(env.spend("physics"), spend, "invocations cost nothing");
+}
+on_both!(the_final_flush_frees_the_slot);
+
+/// A PostgreSQL restart while daemons add: flushes fail while it is down
+/// (the adds go on, and a new daemon is told to retry, not refused), and
+/// once it is back every add is stored.
+#[test]
+fn a_postgres_restart_loses_nothing() {
+    let mut env = Env::new("postgres");
+    let acct = env.accounting();
+    let cred = env.node_credential("n1");
+    let later = env.node_credential("n2");
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
+    env.insert_lease(9, "physics", false);
+    env.assign("acct1", 2, 9);
+    peer.add(2, Counter::ComputeNs, 1).unwrap();
+    wait_for_usage(
+        &env,
+        9,
+        &SlotTotals {
+            compute_ns: 1,
+            ..SlotTotals::default()
+        },
+    );
+    let errors = acct.metric("rfaas_accounting_flush_errors_total").unwrap();
+    env.pg.as_mut().unwrap().stop().unwrap();
+    let mut sum = 1;
+    for i in 0..20 {
+        peer.add(2, Counter::ComputeNs, i).unwrap();
+        sum += i;
+    }
+    wait_until("a flush fails", || {
+        acct.metric("rfaas_accounting_flush_errors_total") > Some(errors)
+    });
+    let waiting = Peer::hello("tcp", acct.fabric_addr(), &later).unwrap();
+    assert_eq!(waiting.reply.status, ReplyStatus::Unavailable);
+    assert_eq!(waiting.reply.region_rkey, 0);
+    for i in 0..20 {
+        peer.add(2, Counter::ComputeNs, i).unwrap();
+        sum += i;
+    }
+    env.pg.as_mut().unwrap().start_again().unwrap();
+    let want = SlotTotals {
+        compute_ns: sum,
+        ..SlotTotals::default()
+    };
+    wait_for_usage(&env, 9, &want);
+    let back = Peer::hello("tcp", acct.fabric_addr(), &later).unwrap();
+    assert_eq!(back.reply.status, ReplyStatus::Accepted);
+}
+
+/// The same over shm: the daemon maps the region's file. The socket a
+/// killed service leaves behind does not keep it from starting again.
+#[test]
+fn adds_over_shm() {
+    let env = Env::new("sqlite");
+    let mut acct = Accounting::start(AccountingOptions {
+        provider: "shm".into(),
+        ..env.options()
+    });
+    let mut peer = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    assert_eq!(peer.reply.status, ReplyStatus::Accepted);
+    env.insert_lease(4, "physics", false);
+    env.assign("acct1", 0, 4);
+    let u = some_usage(5);
+    peer.add_totals(0, &u).unwrap();
+    assert_eq!(peer.read_slot(0).unwrap(), u);
+    wait_for_usage(&env, 4, &u);
+    let err = peer
+        .add_at(
+            RemoteAddr {
+                addr: peer.reply.region_addr + region_len(64),
+                rkey: peer.reply.region_rkey,
+            },
+            1,
+        )
+        .unwrap_err();
+    assert_eq!(err, Status::RemoteAccess);
+    acct.kill();
+    acct.restart().unwrap();
+    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+    assert_eq!(again.read_slot(0).unwrap(), u);
+}
+
+/// A region file lost while leases are counted in it (moved away here; on
+/// tmpfs, a reboot) is made anew and seeded with the stored totals, so the
+/// leases' counters keep growing from there.
+fn a_replaced_region_starts_from_the_stored_totals(kind: &str) {
+    let env = Env::new(kind);
+    let mut acct = env.accounting();
+    let cred = env.node_credential("n1");
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
+    let old_id = peer.reply.region_id;
+    env.insert_lease(8, "physics", false);
+    env.assign("acct1", 1, 8);
+    let u = some_usage(2);
+    peer.add_totals(1, &u).unwrap();
+    wait_for_usage(&env, 8, &u);
+    acct.kill();
+    std::fs::remove_file(acct.region_file()).unwrap();
+    acct.restart().unwrap();
+    assert!(
+        acct.log().contains("the region file is new"),
+        "{}",
+        acct.log()
+    );
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
+    assert_ne!(peer.reply.region_id, old_id);
+    assert_eq!(peer.read_slot(1).unwrap(), u);
+    peer.add(1, Counter::Invocations, 1).unwrap();
+    let more = SlotTotals {
+        invocations: u.invocations + 1,
+        ..u
+    };
+    wait_for_usage(&env, 8, &more);
+}
+on_both!(a_replaced_region_starts_from_the_stored_totals);
