@@ -39,7 +39,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rfaas_manager::db::DbError;
+use rfaas_manager::db::{retrying, DbError};
 use rfaas_proto::accounting::{Counter, SlotTotals};
 use sqlx::AnyPool;
 
@@ -163,8 +163,10 @@ impl Flusher {
     /// The database's failure; nothing is lost, the next flush retries.
     pub async fn flush_once(&mut self, now_ms: u64) -> Result<FlushReport, DbError> {
         let name = self.cfg.instance.clone();
-        store::heartbeat(&self.pool, &name, now_ms).await?;
-        let all = store::assigned_slots(&self.pool, &name).await?;
+        // SQLite, shared with the manager, may report a conflict: each
+        // step is retried a few times before the flush gives up.
+        retrying(|| store::heartbeat(&self.pool, &name, now_ms)).await?;
+        let all = retrying(|| store::assigned_slots(&self.pool, &name)).await?;
         let slots = self.region.slots();
         let (assigned, outside): (Vec<Assigned>, Vec<Assigned>) =
             all.into_iter().partition(|a| a.slot < slots);
@@ -277,7 +279,7 @@ impl Flusher {
         if self.crash == Some(Crash::AfterZeroing) {
             return Err(DbError::Other("crash after zeroing".into()));
         }
-        report.freed = store::free_slots(&self.pool, &name, &free).await?;
+        report.freed = retrying(|| store::free_slots(&self.pool, &name, &free)).await?;
         self.metrics.slots_freed.inc_by(report.freed);
         for (_, lease) in &free {
             self.memo.remove(lease);

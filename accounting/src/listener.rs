@@ -312,7 +312,9 @@ impl Acceptor {
                     Err(o) => o,
                     Ok(false) => Outcome::Waiting,
                     Ok(true) => {
-                        c.deadline = Instant::now() + self.p.hello_timeout;
+                        // The check answers within hello_timeout (or says
+                        // Unavailable): this deadline is a backstop.
+                        c.deadline = Instant::now() + 2 * self.p.hello_timeout;
                         match start_check(imms, &self.p) {
                             Ok(stage) => {
                                 c.stage = stage;
@@ -400,6 +402,7 @@ impl Acceptor {
                         (ReplyStatus::Unavailable, None)
                     }
                 };
+                c.deadline = Instant::now() + self.p.hello_timeout;
                 let o = reply(c, &mut self.replies, to, status, node, &self.p.offer);
                 if !matches!(o, Outcome::Waiting) {
                     return (o, true);

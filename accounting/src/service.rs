@@ -113,7 +113,8 @@ async fn open_database(url: &str) -> anyhow::Result<AnyPool> {
     loop {
         match db::open(url, DB_CONNECTIONS).await {
             Ok(pool) => return Ok(pool),
-            Err(DbError::Unavailable(why)) => {
+            // A conflict: SQLite shared with a manager that migrates too.
+            Err(DbError::Unavailable(why) | DbError::Conflict(why)) => {
                 if !logged {
                     tracing::warn!(
                         backend = backend.name(),
@@ -202,20 +203,19 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     if created {
         seed(&pool, &settings.name, &region).await?;
     }
-    let before = store::register_instance(
-        &pool,
-        &Instance {
-            name: settings.name.clone(),
-            provider: settings.provider.clone(),
-            fabric_addr: fabric_addr.clone(),
-            metrics_addr: metrics_addr.to_string(),
-            slots: settings.slots,
-            region_id: header.region_id,
-        },
-        rfaas_manager::now_ms(),
-    )
-    .await
-    .context("write the instance's row")?;
+    let instance = Instance {
+        name: settings.name.clone(),
+        provider: settings.provider.clone(),
+        fabric_addr: fabric_addr.clone(),
+        metrics_addr: metrics_addr.to_string(),
+        slots: settings.slots,
+        region_id: header.region_id,
+    };
+    // SQLite, shared with the manager, may report a conflict: retried.
+    let before =
+        db::retrying(|| store::register_instance(&pool, &instance, rfaas_manager::now_ms()))
+            .await
+            .context("write the instance's row")?;
     if let Some(old) = before.filter(|old| *old != header.region_id) {
         tracing::warn!(
             old_region = old,
@@ -223,7 +223,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             "this instance's region was replaced: adds made to the old one since its last flush are lost"
         );
     }
-    let rows = store::ensure_slots(&pool, &settings.name, settings.slots)
+    let rows = db::retrying(|| store::ensure_slots(&pool, &settings.name, settings.slots))
         .await
         .context("create the billing slots")?;
     if rows.stranded > 0 {
@@ -319,7 +319,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
 /// Seeds a new region's slots with the stored totals of the leases the
 /// database still counts in them.
 async fn seed(pool: &AnyPool, name: &str, region: &Region) -> anyhow::Result<()> {
-    let assigned = store::assigned_slots(pool, name)
+    let assigned = db::retrying(|| store::assigned_slots(pool, name))
         .await
         .context("read the slots to seed a new region")?;
     let ids: Vec<u64> = assigned.iter().map(|a| a.lease_id).collect();
