@@ -45,8 +45,12 @@ pub struct AccountingOptions {
     pub database: String,
     /// The instance's name.
     pub name: String,
-    /// The fabric provider: `tcp` or `shm`.
+    /// The fabric provider: `tcp`, `shm` or `verbs:<device>`.
     pub provider: String,
+    /// The fabric address to listen on; `None`: a free 127.0.0.1 port
+    /// (tcp), a socket in the instance's directory (shm). verbs needs the
+    /// RDMA netdev's address.
+    pub listen: Option<String>,
     /// Slots in the region.
     pub slots: u32,
     /// Flush period, ms.
@@ -71,6 +75,7 @@ impl AccountingOptions {
             database: database.to_owned(),
             name: "acct1".into(),
             provider: "tcp".into(),
+            listen: None,
             slots: 64,
             flush_interval_ms: 100,
             snapshot_interval_ms: 1000,
@@ -115,9 +120,10 @@ impl Accounting {
         if let Some(text) = &opts.billing {
             std::fs::write(&billing, text).map_err(|e| e.to_string())?;
         }
-        let listen = match opts.provider.as_str() {
-            "shm" => dir.join("accounting.sock").display().to_string(),
-            _ => "127.0.0.1:0".into(),
+        let listen = match (&opts.listen, opts.provider.as_str()) {
+            (Some(l), _) => l.clone(),
+            (None, "shm") => dir.join("accounting.sock").display().to_string(),
+            (None, _) => "127.0.0.1:0".into(),
         };
         let config = format!(
             "name = \"{}\"\ndatabase = \"{}\"\nregion_file = \"{}\"\nslots = {}\nprovider = \"{}\"\n\

@@ -54,17 +54,31 @@ impl Env {
             "postgres" => Some(Postgres::start().unwrap_or_else(|e| panic!("{e}"))),
             other => panic!("no backend {other}"),
         };
-        let manager = Manager::start(ManagerOptions {
+        // A very slow machine (an emulated VM) can miss the manager's
+        // 2 s wait for its first SQLite connection: a few tries.
+        let opts = ManagerOptions {
             database: pg.as_ref().map(|p| p.url().to_owned()),
             ..ManagerOptions::default()
-        });
+        };
+        let binary = rfaas_testkit::manager::manager_binary();
+        let manager = (0..3)
+            .find_map(|_| Manager::try_start(&binary, opts.clone()).ok())
+            .unwrap_or_else(|| Manager::start(opts));
         let url = manager.database().to_owned();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         let pool = rt
-            .block_on(rfaas_manager::db::open(&url, 2))
+            .block_on(async {
+                let mut tries = 0;
+                loop {
+                    match rfaas_manager::db::open(&url, 2).await {
+                        Err(rfaas_manager::db::DbError::Unavailable(_)) if tries < 5 => tries += 1,
+                        other => break other,
+                    }
+                }
+            })
             .unwrap_or_else(|e| panic!("open {url}: {e}"));
         Env {
             manager,
