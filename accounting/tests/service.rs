@@ -473,3 +473,67 @@ fn adds_over_verbs() {
     let bad = Peer::hello(provider, acct.fabric_addr(), "rfaasc.00.x").unwrap();
     assert_eq!(bad.reply.status, ReplyStatus::BadCredential);
 }
+
+/// The whole contract with the manager: a lease it grants carries a slot
+/// of this instance, signed; the node's daemon adds into that slot, the
+/// usage is stored and priced to the lease's account, and the daemon's
+/// close frees the slot.
+fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
+    let env = Env::new(kind);
+    let acct = env.accounting();
+    let node_cred = env.node_credential("n1");
+    let node = rfaas_testkit::manager::Api::new(env.manager.url(), &node_cred);
+    let body = serde_json::json!({
+        "control_addr": "127.0.0.1:7100",
+        "providers": [{"name": "tcp", "host": "127.0.0.1"}],
+        "cores": 2,
+        "memory_mib": 4096,
+        "version": "test"
+    });
+    let (status, reply) = node.call("PUT", "/v1/nodes/n1", Some(&body));
+    assert_eq!(status, 200, "register: {reply}");
+    let user = rfaas_testkit::manager::Api::new(
+        env.manager.url(),
+        &env.manager.credential("user", "alice", Some("chem")),
+    );
+    let ask = serde_json::json!({"cores": 1, "memory_mib": 64, "duration_s": 60});
+    let mut granted = serde_json::Value::Null;
+    wait_until("a grant carries a billing slot", || {
+        let (status, grant) = user.call("POST", "/v1/leases", Some(&ask));
+        assert_eq!(status, 201, "{grant}");
+        let billed = !grant["leases"][0]["billing"].is_null();
+        if !billed {
+            let id = grant["id"].as_u64().unwrap();
+            user.call("DELETE", &format!("/v1/leases/{id}"), None);
+        }
+        granted = grant;
+        billed
+    });
+    let lease = &granted["leases"][0];
+    let lease_id = lease["lease_id"].as_u64().unwrap();
+    let slot: rfaas_proto::accounting::BillingSlot =
+        serde_json::from_value(lease["billing"].clone()).unwrap();
+    assert_eq!(
+        (
+            slot.instance.as_str(),
+            slot.provider.as_str(),
+            slot.addr.as_str()
+        ),
+        ("acct1", "tcp", acct.fabric_addr())
+    );
+    assert_eq!(env.slot_lease("acct1", slot.slot), lease_id);
+
+    let mut daemon = Peer::hello(&slot.provider, &slot.addr, &node_cred).unwrap();
+    let u = some_usage(1);
+    daemon.add_totals(slot.slot, &u).unwrap();
+    wait_for_usage(&env, lease_id, &u);
+    wait_until("chem's spend is priced", || {
+        (env.spend("chem") - cost(&u, false)).abs() < 1e-9
+    });
+    daemon.add(slot.slot, Counter::Closed, 1).unwrap();
+    wait_until("the slot is freed", || {
+        env.slot_lease("acct1", slot.slot) == 0
+    });
+    assert!(env.usage(lease_id).unwrap().finalized);
+}
+on_both!(a_granted_lease_is_billed_through_its_slot);
