@@ -112,13 +112,31 @@ pub fn wait(timeout: Option<Duration>) -> Option<Crash> {
 /// Bytes of the alternate signal stack [`arm_thread`] gives a lane thread.
 const ALT_STACK: usize = 64 << 10;
 
+/// Bytes at the bottom of a lane thread's stack made inaccessible
+/// ([`arm_thread`]), above the one guard page the thread library puts
+/// below it. Lane threads are started with this much more stack
+/// ([`LANE_STACK`](super::LANE_STACK)).
+pub const STACK_GUARD: usize = 256 << 10;
+
 /// Gives the calling (lane) thread an alternate signal stack of
-/// [`ALT_STACK`] bytes for the handler. The one std gives every thread is
+/// [`ALT_STACK`] bytes for the handler, after turning the lowest
+/// [`STACK_GUARD`] bytes of its stack into a guard. The one std gives every thread is
 /// sized for std's own overflow message: a handler that waits for the
 /// watchdog needs more, and a second fault on that stack would end the
 /// process before the crash is answered. Lane threads live as long as the
 /// process, so the stack is never unmapped.
+///
+/// The wider guard: a function's frame can be larger than the one guard
+/// page (gcc merges the frames of a recursion into one 24 KiB step whose
+/// first write is at its bottom), so an overflow jumped the page and wrote
+/// into whatever lay below, which is the next thread's stack, with that
+/// thread's control block at its top: the watchdog's, which then crashed
+/// instead of answering. Whether the jump hit anything depended on how
+/// deep the lane's own frames were.
 pub fn arm_thread() -> std::io::Result<()> {
+    if let Err(e) = guard_own_stack() {
+        tracing::warn!(error = %e, "cannot widen the lane thread's stack guard; a function's stack overflow may corrupt another thread instead of being answered");
+    }
     let page = rfaas_fabric::page_size();
     // SAFETY: an anonymous private mapping; the result is checked.
     let base = unsafe {
@@ -148,6 +166,41 @@ pub fn arm_thread() -> std::io::Result<()> {
     };
     // SAFETY: `ss` names ALT_STACK writable bytes that are never unmapped.
     if unsafe { libc::sigaltstack(&ss, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Makes the lowest [`STACK_GUARD`] bytes of the calling thread's stack
+/// inaccessible. Inside the thread's own mapping, so nothing else can have
+/// been placed there.
+fn guard_own_stack() -> std::io::Result<()> {
+    // SAFETY: pthread_attr_t is plain data that pthread_getattr_np fills
+    // in; it is destroyed once read.
+    let (low, size) = unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        let rc = libc::pthread_getattr_np(libc::pthread_self(), &mut attr);
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        let (mut addr, mut size) = (std::ptr::null_mut(), 0usize);
+        let rc = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
+        libc::pthread_attr_destroy(&mut attr);
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        (addr, size)
+    };
+    if size < 2 * STACK_GUARD {
+        return Err(std::io::Error::other(format!(
+            "the thread's stack is {size} bytes, too small to give up {STACK_GUARD} to a guard"
+        )));
+    }
+    // SAFETY: the lowest STACK_GUARD bytes of this thread's own stack, far
+    // below the frames in use (the stack grows down from its top, and at
+    // least as much again lies above); page-aligned, as the thread library
+    // maps stacks.
+    if unsafe { libc::mprotect(low, STACK_GUARD, libc::PROT_NONE) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())

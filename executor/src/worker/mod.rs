@@ -237,6 +237,10 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
     serve(&assignment, prepared)
 }
 
+/// A lane thread's stack: 2 MiB for the functions, and the guard the
+/// lane makes of its lowest part (`crash::arm_thread`).
+pub const LANE_STACK: usize = (2 << 20) + crash::STACK_GUARD;
+
 /// The stack of the thread that follows lease renewals.
 const CONTROL_STACK: usize = 128 << 10;
 
@@ -509,6 +513,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
         );
         let handle = thread::Builder::new()
             .name(format!("rfaas-lane-{index}"))
+            .stack_size(LANE_STACK)
             .spawn(move || lane.run())
             .map_err(|e| internal(format!("cannot start lane {index}'s thread: {e}")))?;
         threads.push(handle);
