@@ -654,8 +654,9 @@ pub struct WorkerExited {
 }
 
 /// Daemon → worker: serve an allocation. The library arrives as a memfd
-/// passed with this frame (SCM_RIGHTS); the worker drops privileges to
-/// `uid`/`gid` before it loads it.
+/// passed with this frame (SCM_RIGHTS), followed by the allocation's meter
+/// area ([`crate::meter`]) when the daemon meters it; the worker drops
+/// privileges to `uid`/`gid` before it loads the library.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Assignment {
     /// The allocation's id.
@@ -740,6 +741,62 @@ pub enum LocalRequest {
     },
     /// Take allocations again after a drain.
     Resume,
+    /// What each lease used on this node ([`LeaseUsage`]), live and
+    /// recently ended; only lease `lease_id` when given.
+    Usage {
+        /// One lease only.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_id: Option<u64>,
+    },
+}
+
+/// What one lease used on one node, over all its allocations there: the
+/// executor daemon's cumulative figures. Every figure only grows, while the
+/// lease runs and after it ended.
+///
+/// `cpu_ns` is the kernel's CPU time of the lease's workers (from their
+/// assignment on); `hot_ns` and `compute_ns` split it (`hot_ns +
+/// compute_ns == cpu_ns`) as the workers reported it, bounded by it.
+/// `warm_ns`, `invocations` and the bytes are the workers' word, bounded
+/// by what the daemon knows (see `docs/executor.md`, "What the executor
+/// measures").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseUsage {
+    /// The lease's id.
+    pub lease_id: u64,
+    /// The node (this executor's `node_name`, as the lease names it).
+    pub node: String,
+    /// The lease's user.
+    pub user: String,
+    /// The account charged.
+    pub account: String,
+    /// The Slurm job, if the lease names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<u64>,
+    /// No allocation of the lease runs now, and every worker it had is
+    /// reaped: the figures are final unless the lease allocates again.
+    pub ended: bool,
+    /// Allocations of the lease metered so far (running and ended).
+    pub allocations: u32,
+    /// Allocation wall time (the daemon's clock) times the allocation's
+    /// memory: MiB·ms.
+    pub alloc_mib_ms: u64,
+    /// CPU time of the workers as the kernel measures it, ns.
+    pub cpu_ns: u64,
+    /// CPU time not spent hot-polling: the functions and everything else
+    /// the workers did, ns.
+    pub compute_ns: u64,
+    /// CPU time of hot lanes polling for requests, ns.
+    pub hot_ns: u64,
+    /// Time warm lanes spent blocked waiting for requests, summed over
+    /// lanes, ns.
+    pub warm_ns: u64,
+    /// Functions called.
+    pub invocations: u64,
+    /// Input bytes handed to functions.
+    pub bytes_in: u64,
+    /// Output bytes functions returned.
+    pub bytes_out: u64,
 }
 
 /// One allocation, as [`LocalReply::Status`] lists it.
@@ -787,6 +844,13 @@ pub enum LocalReply {
     Done {
         /// What happened, for people.
         message: String,
+    },
+    /// The answer to [`LocalRequest::Usage`].
+    Usage {
+        /// This node's name.
+        node: String,
+        /// Leases running now or ended recently, by lease id.
+        leases: Vec<LeaseUsage>,
     },
 }
 
@@ -994,6 +1058,44 @@ mod tests {
             serde_json::from_str::<LocalRequest>(r#"{"command":"status"}"#).unwrap(),
             LocalRequest::Status
         );
+        assert_eq!(
+            serde_json::to_string(&LocalRequest::Usage { lease_id: None }).unwrap(),
+            r#"{"command":"usage"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<LocalRequest>(r#"{"command":"usage","lease_id":3}"#).unwrap(),
+            LocalRequest::Usage { lease_id: Some(3) }
+        );
+    }
+
+    #[test]
+    fn usage_reply_json() {
+        let reply = LocalReply::Usage {
+            node: "n1".into(),
+            leases: vec![LeaseUsage {
+                lease_id: 7,
+                node: "n1".into(),
+                user: "alice".into(),
+                account: "physics".into(),
+                job_id: None,
+                ended: true,
+                allocations: 2,
+                alloc_mib_ms: 1,
+                cpu_ns: 10,
+                compute_ns: 6,
+                hot_ns: 4,
+                warm_ns: 3,
+                invocations: 5,
+                bytes_in: 8,
+                bytes_out: 9,
+            }],
+        };
+        let json = serde_json::to_string(&reply).unwrap();
+        assert_eq!(
+            json,
+            r#"{"reply":"usage","node":"n1","leases":[{"lease_id":7,"node":"n1","user":"alice","account":"physics","ended":true,"allocations":2,"alloc_mib_ms":1,"cpu_ns":10,"compute_ns":6,"hot_ns":4,"warm_ns":3,"invocations":5,"bytes_in":8,"bytes_out":9}]}"#
+        );
+        assert_eq!(serde_json::from_str::<LocalReply>(&json).unwrap(), reply);
     }
 
     /// The renewal frames, byte for byte: header (kind 7, 8, 19) and JSON.

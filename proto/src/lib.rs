@@ -25,6 +25,8 @@
 //!   files.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the
 //!   manager, the executor daemon and the client library.
+//! - [`meter`]: the meter area, shared memory in which a worker's lanes
+//!   publish their counters for the executor daemon.
 //! - [`shm_control`]: the control messages of the fabric's `shm` provider
 //!   (hello and region grants over a unix socket).
 //! - [`tcp_frame`]: the frames of the fabric's `tcp` provider (software RDMA
@@ -132,6 +134,7 @@ pub mod hello;
 pub mod imm;
 pub mod lease;
 pub mod manager;
+pub mod meter;
 pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;
