@@ -1,11 +1,11 @@
 //! The daemon ↔ worker channel: control frames
 //! ([`rfaas_proto::control::Frame`]) over a unix stream socket (a socket
-//! pair), each optionally carrying one file descriptor (SCM_RIGHTS), and
+//! pair), each carrying up to [`MAX_FDS`] file descriptors (SCM_RIGHTS), and
 //! sealed memfds to pass function libraries in.
 //!
-//! A frame's descriptor rides on its first bytes: [`send_frame`] attaches it
-//! to the first `sendmsg`, [`recv_frame`] collects it while reading the
-//! frame header. Received descriptors are close-on-exec.
+//! A frame's descriptors ride on its first bytes: [`send_frame`] attaches
+//! them to the first `sendmsg`, [`recv_frame`] collects them, in order,
+//! while reading the frame header. Received descriptors are close-on-exec.
 
 use std::io::{self, Read, Write};
 use std::mem;
@@ -14,23 +14,38 @@ use std::os::unix::net::UnixStream;
 
 use rfaas_proto::control::{ControlError, Frame, FrameHeader, FrameLimits, FRAME_HEADER_LEN};
 
-/// Sends `frame` on `sock`, with `fd` attached (SCM_RIGHTS) when given.
+/// Most descriptors one frame carries.
+pub const MAX_FDS: usize = 4;
+
+/// Sends `frame` on `sock`, with `fds` attached (SCM_RIGHTS, at most
+/// [`MAX_FDS`]).
 ///
-/// The descriptor is duplicated into the receiver; the caller keeps its own.
-pub fn send_frame(sock: &UnixStream, frame: &Frame, fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+/// The descriptors are duplicated into the receiver; the caller keeps its
+/// own.
+pub fn send_frame(sock: &UnixStream, frame: &Frame, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    if fds.len() > MAX_FDS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a control frame carries at most {MAX_FDS} descriptors, not {}",
+                fds.len()
+            ),
+        ));
+    }
     let bytes = frame.to_bytes();
     let mut sent = 0;
-    if let Some(fd) = fd {
-        sent = send_with_fd(sock, &bytes, fd)?;
+    if !fds.is_empty() {
+        sent = send_with_fds(sock, &bytes, fds)?;
     }
     let mut w = sock;
     w.write_all(&bytes[sent..])?;
     w.flush()
 }
 
-/// One `sendmsg` of (a prefix of) `bytes` with `fd` attached; returns the
-/// bytes sent (at least one).
-fn send_with_fd(sock: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<usize> {
+/// One `sendmsg` of (a prefix of) `bytes` with `fds` (1 to [`MAX_FDS`])
+/// attached; returns the bytes sent (at least one).
+fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+    let fds_len = (mem::size_of::<libc::c_int>() * fds.len()) as u32;
     let mut cmsg = CmsgBuf::new();
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
@@ -42,16 +57,20 @@ fn send_with_fd(sock: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Resu
     msg.msg_iovlen = 1;
     msg.msg_control = cmsg.0.as_mut_ptr().cast();
     // SAFETY: CMSG_SPACE is a pure size computation.
-    msg.msg_controllen = unsafe { libc::CMSG_SPACE(mem::size_of::<libc::c_int>() as u32) } as _;
-    // SAFETY: msg_control points at a buffer of msg_controllen bytes, big
-    // enough for one cmsghdr with one int, so CMSG_FIRSTHDR is non-null and
-    // CMSG_DATA lies inside it.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(fds_len) } as _;
+    // SAFETY: msg_control points at a buffer of msg_controllen bytes (at
+    // most 32 for MAX_FDS ints, within CmsgBuf's 64), big enough for one
+    // cmsghdr with fds.len() ints, so CMSG_FIRSTHDR is non-null and the
+    // ints after CMSG_DATA lie inside it.
     unsafe {
         let hdr = libc::CMSG_FIRSTHDR(&msg);
         (*hdr).cmsg_level = libc::SOL_SOCKET;
         (*hdr).cmsg_type = libc::SCM_RIGHTS;
-        (*hdr).cmsg_len = libc::CMSG_LEN(mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(hdr).cast::<libc::c_int>(), fd.as_raw_fd());
+        (*hdr).cmsg_len = libc::CMSG_LEN(fds_len) as _;
+        let data = libc::CMSG_DATA(hdr).cast::<libc::c_int>();
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+        }
     }
     loop {
         // SAFETY: msg and everything it points to live across the call.
@@ -77,19 +96,20 @@ impl CmsgBuf {
 }
 
 /// Receives one frame from `sock`, refusing it before its body when it
-/// breaks `limits`, with the descriptor that came with it, if any.
+/// breaks `limits`, with the descriptors that came with it, in the order
+/// they were sent.
 ///
 /// A frame refused for its size leaves the stream mid-frame: close the
 /// connection after an error.
 pub fn recv_frame(
     sock: &UnixStream,
     limits: FrameLimits,
-) -> Result<(Frame, Option<OwnedFd>), ControlError> {
+) -> Result<(Frame, Vec<OwnedFd>), ControlError> {
     let mut head = [0u8; FRAME_HEADER_LEN];
-    let mut fd: Option<OwnedFd> = None;
+    let mut fds: Vec<OwnedFd> = Vec::new();
     let mut got = 0;
     while got < FRAME_HEADER_LEN {
-        let n = recv_with_fd(sock, &mut head[got..], &mut fd)?;
+        let n = recv_with_fds(sock, &mut head[got..], &mut fds)?;
         if n == 0 {
             return Err(ControlError::Io(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -110,13 +130,13 @@ pub fn recv_frame(
             json,
             blob,
         },
-        fd,
+        fds,
     ))
 }
 
-/// One `recvmsg` into `buf`; a passed descriptor lands in `fd` (a second
-/// one replaces and closes the first: a frame carries at most one).
-fn recv_with_fd(sock: &UnixStream, buf: &mut [u8], fd: &mut Option<OwnedFd>) -> io::Result<usize> {
+/// One `recvmsg` into `buf`; passed descriptors are appended to `fds`
+/// (those beyond [`MAX_FDS`] are closed).
+fn recv_with_fds(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
     let mut cmsg = CmsgBuf::new();
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -150,8 +170,12 @@ fn recv_with_fd(sock: &UnixStream, buf: &mut [u8], fd: &mut Option<OwnedFd>) -> 
                 let count = payload / mem::size_of::<libc::c_int>();
                 for i in 0..count {
                     let raw = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
-                    // The kernel installed `raw` in this process for us; we own it.
-                    *fd = Some(OwnedFd::from_raw_fd(raw));
+                    // The kernel installed `raw` in this process for us; we
+                    // own it (and close it at once past the limit).
+                    let fd = OwnedFd::from_raw_fd(raw);
+                    if fds.len() < MAX_FDS {
+                        fds.push(fd);
+                    }
                 }
             }
             hdr = libc::CMSG_NXTHDR(&msg, hdr);
@@ -160,7 +184,7 @@ fn recv_with_fd(sock: &UnixStream, buf: &mut [u8], fd: &mut Option<OwnedFd>) -> 
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "the peer passed more descriptors than a control frame carries (at most one)",
+            "the peer passed more descriptors than a control frame carries",
         ));
     }
     Ok(n)
@@ -212,21 +236,39 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let bytes: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
         let memfd = sealed_memfd("rfaas-test", &bytes).unwrap();
+        let other = sealed_memfd("rfaas-test-2", b"second").unwrap();
         let sent = frame(vec![1, 2, 3]);
-        send_frame(&a, &sent, Some(memfd.as_fd())).unwrap();
-        send_frame(&a, &frame(vec![]), None).unwrap();
+        send_frame(&a, &sent, &[memfd.as_fd(), other.as_fd()]).unwrap();
+        send_frame(&a, &frame(vec![]), &[]).unwrap();
 
-        let (got, fd) = recv_frame(&b, FrameLimits::default()).unwrap();
+        let (got, fds) = recv_frame(&b, FrameLimits::default()).unwrap();
         assert_eq!(got, sent);
-        let fd = fd.expect("the descriptor arrives with the frame");
+        assert_eq!(fds.len(), 2, "both descriptors arrive with the frame");
+        let mut fds = fds.into_iter();
         let mut back = Vec::new();
         // The received descriptor shares the file offset (0) with ours.
-        std::fs::File::from(fd).read_to_end(&mut back).unwrap();
+        std::fs::File::from(fds.next().unwrap())
+            .read_to_end(&mut back)
+            .unwrap();
         assert_eq!(back, bytes);
+        let mut second = Vec::new();
+        std::fs::File::from(fds.next().unwrap())
+            .read_to_end(&mut second)
+            .unwrap();
+        assert_eq!(second, b"second", "in the order they were sent");
 
-        let (second, fd) = recv_frame(&b, FrameLimits::default()).unwrap();
+        let (second, fds) = recv_frame(&b, FrameLimits::default()).unwrap();
         assert_eq!(second, frame(vec![]));
-        assert!(fd.is_none());
+        assert!(fds.is_empty());
+    }
+
+    #[test]
+    fn too_many_descriptors_are_refused_before_sending() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let fd = sealed_memfd("rfaas-test", b"x").unwrap();
+        let many = vec![fd.as_fd(); MAX_FDS + 1];
+        let err = send_frame(&a, &frame(vec![]), &many).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
     }
 
     #[test]
@@ -247,7 +289,7 @@ mod tests {
     #[test]
     fn oversized_frame_is_refused_before_its_body() {
         let (a, b) = UnixStream::pair().unwrap();
-        send_frame(&a, &frame(vec![0; 4096]), None).unwrap();
+        send_frame(&a, &frame(vec![0; 4096]), &[]).unwrap();
         let limits = FrameLimits {
             max_json: 1 << 10,
             max_blob: 1024,

@@ -169,10 +169,10 @@ impl Worker {
     /// Sends `a` with `library` as the memfd; returns the worker's reply.
     fn assign(&self, a: &Assignment, library: &[u8]) -> Frame {
         let memfd = sealed_memfd("libfunctions.so", library).unwrap();
-        send_frame(&self.control, &Frame::new(a, vec![]), Some(memfd.as_fd())).unwrap();
+        send_frame(&self.control, &Frame::new(a, vec![]), &[memfd.as_fd()]).unwrap();
         self.control.set_read_timeout(Some(TIMEOUT)).unwrap();
-        let (frame, fd) = recv_frame(&self.control, FrameLimits::default()).unwrap();
-        assert!(fd.is_none());
+        let (frame, fds) = recv_frame(&self.control, FrameLimits::default()).unwrap();
+        assert!(fds.is_empty());
         frame
     }
 

@@ -127,7 +127,7 @@ fn try_renew(shared: &Shared, conn: u64, r: &RenewLease) -> Result<u64, Refused>
 fn tell_worker(sock: &std::os::unix::net::UnixStream, expires_at: u64) -> std::io::Result<()> {
     let until = Instant::now() + WORKER_ANSWER;
     sock.set_write_timeout(Some(WORKER_ANSWER))?;
-    ipc::send_frame(sock, &Frame::new(&ExpiryMoved { expires_at }, vec![]), None)?;
+    ipc::send_frame(sock, &Frame::new(&ExpiryMoved { expires_at }, vec![]), &[])?;
     let limits = FrameLimits {
         max_json: 4096,
         max_blob: 0,

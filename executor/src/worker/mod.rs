@@ -178,7 +178,8 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         max_json: 1 << 20,
         max_blob: 0,
     };
-    let (frame, memfd) = ipc::recv_frame(&control, limits)?;
+    let (frame, fds) = ipc::recv_frame(&control, limits)?;
+    let memfd = fds.into_iter().next();
     let assignment: Assignment = frame.parse()?;
     tracing::info!(
         allocation_id = assignment.allocation_id,
@@ -205,7 +206,7 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
                     code: *code,
                     message: message.clone(),
                 });
-                ipc::send_frame(&control, &Frame::new(&reply, vec![]), None)
+                ipc::send_frame(&control, &Frame::new(&reply, vec![]), &[])
                     .map_err(ControlError::Io)?;
             }
             return Err(e);
@@ -226,7 +227,7 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         listen_ns: prepared.listen_ns,
     };
     EXPIRES_AT.store(assignment.expires_at, Ordering::Relaxed);
-    ipc::send_frame(&control, &Frame::new(&ready, vec![]), None).map_err(ControlError::Io)?;
+    ipc::send_frame(&control, &Frame::new(&ready, vec![]), &[]).map_err(ControlError::Io)?;
     // It only reads and echoes small frames: a small stack, which counts
     // against the allocation's memory under RLIMIT_AS like any mapping.
     thread::Builder::new()
@@ -278,7 +279,7 @@ fn follow_expiry(control: &UnixStream) {
             expires_at = moved.expires_at,
             "the lease was renewed"
         );
-        if let Err(e) = ipc::send_frame(control, &Frame::new(&moved, vec![]), None) {
+        if let Err(e) = ipc::send_frame(control, &Frame::new(&moved, vec![]), &[]) {
             tracing::debug!(error = %e, "cannot acknowledge the renewal");
             return;
         }

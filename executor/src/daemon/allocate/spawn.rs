@@ -117,7 +117,7 @@ pub(super) fn start_worker(
                 return Err(internal("move the worker into its memory cgroup", &e));
             }
         }
-        match ipc::send_frame(&sock, &frame, Some(memfd.as_fd())) {
+        match ipc::send_frame(&sock, &frame, &[memfd.as_fd()]) {
             Ok(()) => break (sock, pid, pooled),
             Err(e) if pooled && tries == 1 => {
                 tracing::warn!(pid, error = %e, "a pooled worker did not take its assignment; spawning another");
