@@ -7,9 +7,11 @@ use std::time::{Duration, Instant};
 
 use rfaas_fabric::{Access, Completion, Domain, MemoryRegion, Opcode, RemoteAddr, Status};
 use rfaas_proto::control::Mode;
+use rfaas_proto::meter::LaneState;
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 
 use super::library::Function;
+use super::meter::LaneMeter;
 use super::watchdog::{LaneEndpoint, Running};
 use super::{DRAINING, EXPIRES_AT};
 
@@ -93,6 +95,10 @@ pub struct Lane {
     out_offset: usize,
     pull: Option<MemoryRegion>,
     running: Arc<Running>,
+    meter: LaneMeter,
+    /// What the lane does after a function: polls (hot modes) or handles
+    /// what it was woken for (warm).
+    after_function: LaneState,
     deferred: [Completion; DEFERRED],
     n_deferred: usize,
 }
@@ -128,8 +134,13 @@ impl Lane {
         input: MemoryRegion,
         output: Arc<MemoryRegion>,
         running: Arc<Running>,
+        meter: LaneMeter,
     ) -> Lane {
         let out_offset = output.len() - cfg.output_capacity.div_ceil(64) * 64;
+        let after_function = match cfg.mode {
+            Mode::Warm => LaneState::Handling,
+            _ => LaneState::Hot,
+        };
         Lane {
             cfg,
             functions,
@@ -140,6 +151,8 @@ impl Lane {
             out_offset,
             pull: None,
             running,
+            meter,
+            after_function,
             deferred: [Completion::EMPTY; DEFERRED],
             n_deferred: 0,
         }
@@ -147,6 +160,11 @@ impl Lane {
 
     /// Serves invocations until the client goes away.
     pub fn run(mut self) {
+        self.serve_all();
+        self.meter.enter(LaneState::Off);
+    }
+
+    fn serve_all(&mut self) {
         self.running.bind_thread();
         if let Err(e) = super::crash::arm_thread() {
             tracing::warn!(lane = self.cfg.index, error = %e, "cannot give the lane thread its signal stack; a crash may go unanswered");
@@ -158,6 +176,11 @@ impl Lane {
         }
         let mut done = [Completion::EMPTY; 16];
         let mut hot = self.cfg.mode != Mode::Warm;
+        self.meter.enter(if hot {
+            LaneState::Hot
+        } else {
+            LaneState::Handling
+        });
         // When the lane last served, read lazily at the first clock check
         // after it (a clock read can cost microseconds; see watchdog.rs).
         let mut last = Some(Instant::now());
@@ -183,7 +206,10 @@ impl Lane {
                 }
                 n
             } else {
-                match self.endpoint.wait(&mut done, WARM_WAIT) {
+                self.meter.enter(LaneState::Warm);
+                let waited = self.endpoint.wait(&mut done, WARM_WAIT);
+                self.meter.enter(LaneState::Handling);
+                match waited {
                     Ok(n) => n,
                     Err(e) => {
                         tracing::error!(lane = self.cfg.index, error = %e, "waiting for completions failed; ending the lane");
@@ -235,6 +261,8 @@ impl Lane {
 
     /// Serves one request. Hot path (but for bulk pulls and failures).
     fn serve(&mut self, c: Completion) -> Flow {
+        // Read now, used once the request proved inline: see meter.rs.
+        let arrived = self.meter.now();
         // Re-post first, so the next request never waits for this one.
         if let Err(e) = self.endpoint.get().post_recv(c.wr_id) {
             tracing::error!(lane = self.cfg.index, error = %e, "cannot re-post a receive; ending the lane");
@@ -279,6 +307,12 @@ impl Lane {
         let stamp = self
             .running
             .start(req.invocation_id, reply_to, limit as u32);
+        let started = if header.is_inline() {
+            arrived
+        } else {
+            self.meter.now()
+        };
+        self.meter.enter_function_at(started, in_len);
         // SAFETY: `in_ptr` holds `in_len` readable bytes (read-only ones
         // when read in place, as the client promised the function only
         // reads); `out_ptr` holds the output capacity, followed by the guard
@@ -290,20 +324,16 @@ impl Lane {
                 std::thread::park();
             }
         }
-        if returned as usize > limit {
-            return self.respond(
-                req.invocation_id,
-                reply_to,
-                InvocationStatus::OutputTooLarge,
-                0,
-            );
-        }
-        self.respond(
-            req.invocation_id,
-            reply_to,
-            InvocationStatus::Ok,
-            returned as usize,
-        )
+        let (status, len) = if returned as usize > limit {
+            (InvocationStatus::OutputTooLarge, 0)
+        } else {
+            (InvocationStatus::Ok, returned as usize)
+        };
+        let flow = self.respond(req.invocation_id, reply_to, status, len);
+        // After the answer is on its way: the clock read is off the
+        // client's path.
+        self.meter.leave_function(len, self.after_function);
+        flow
     }
 
     /// Checks a request in order and finds its input. Hot path for inline

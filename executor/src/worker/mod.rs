@@ -4,8 +4,9 @@
 //! # Life
 //!
 //! Started by the daemon with one end of a socket pair (`--control-fd`),
-//! the worker waits for an [`Assignment`] with the library's sealed memfd,
-//! then, in this order: pins itself to the assignment's CPUs, applies the
+//! the worker waits for an [`Assignment`] with the library's sealed memfd
+//! (and the allocation's meter area, which it maps), then, in this order:
+//! pins itself to the assignment's CPUs, applies the
 //! address-space limit, becomes the lease's user (never root), loads the
 //! library through `/proc/self/fd` and resolves the function table, opens
 //! the fabric, registers each lane's buffers, listens and answers
@@ -34,6 +35,12 @@
 //! buffer ([`ResponseImm`](rfaas_proto::ResponseImm); the output only with `ok`, and
 //! `output_too_large` for a return value above the output capacity). A
 //! `PeerLost` or `Flushed` completion ends the lane.
+//!
+//! Each lane publishes what it does in its record of the meter area the
+//! daemon passed with the assignment ([`meter`], [`rfaas_proto::meter`]):
+//! polling (hot), serving a request (from its arrival to its answer),
+//! blocked waiting (warm), with the clock read when a request arrives and
+//! once it is answered.
 //!
 //! A function that dies of a signal cannot answer; the [`watchdog`]
 //! answers for it, `function_crashed` with the signal (see `crash`), and the
@@ -70,12 +77,14 @@
 //! - [`privileges`]: parent-death signal, pinning, memory limit, user drop.
 //! - [`library`]: `dlopen` from the memfd, the function table.
 //! - `lane`: one lane's resources and loop.
+//! - [`meter`]: a lane's counters and their record in the meter area.
 //! - `crash`: the fatal-signal handler and the crash it hands the watchdog.
 //! - [`watchdog`]: answers for crashed and overrunning functions.
 
 mod crash;
 mod lane;
 pub mod library;
+pub mod meter;
 pub mod privileges;
 pub mod watchdog;
 
@@ -94,8 +103,10 @@ use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::ipc;
+use crate::meter::MeterArea;
 use lane::{Lane, LaneConfig, RECV_DEPTH};
 use library::Library;
+use meter::LaneMeter;
 use watchdog::{LaneEndpoint, LaneWatch, Running};
 
 /// Exit code of an internal or control-socket failure.
@@ -179,7 +190,8 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         max_blob: 0,
     };
     let (frame, fds) = ipc::recv_frame(&control, limits)?;
-    let memfd = fds.into_iter().next();
+    let mut fds = fds.into_iter();
+    let (memfd, meter_fd) = (fds.next(), fds.next());
     let assignment: Assignment = frame.parse()?;
     tracing::info!(
         allocation_id = assignment.allocation_id,
@@ -195,7 +207,7 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
                 "the assignment came without the library's memfd".into(),
             )
         })
-        .and_then(|memfd| prepare(&assignment, memfd))
+        .and_then(|memfd| prepare(&assignment, memfd, meter_fd))
     {
         Ok(p) => p,
         Err(e) => {
@@ -296,6 +308,9 @@ struct PreparedLane {
 /// Everything set up before `WorkerReady`.
 struct Prepared {
     library: Library,
+    /// The daemon's meter area, mapped for the worker's life; `None`
+    /// without one (the lanes then publish into records nobody reads).
+    meter: Option<&'static MeterArea>,
     _fabric: Fabric,
     domain: Arc<rfaas_fabric::Domain>,
     listener: rfaas_fabric::Listener,
@@ -318,8 +333,13 @@ fn endpoint_options() -> EndpointOptions {
 }
 
 /// Pins, limits, drops privileges, loads the library and listens.
-fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, WorkerError> {
+fn prepare(
+    a: &Assignment,
+    memfd: std::os::fd::OwnedFd,
+    meter_fd: Option<std::os::fd::OwnedFd>,
+) -> Result<Prepared, WorkerError> {
     check(a)?;
+    let meter = meter_fd.map(|fd| map_meter(a, &fd)).transpose()?;
     let key = LaneKey::from_hex(&a.lane_key).map_err(|e| {
         WorkerError::failed(
             ErrorCode::MalformedRequest,
@@ -398,6 +418,7 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
     let listen_ns = t.elapsed().as_nanos() as u64;
     Ok(Prepared {
         library,
+        meter,
         _fabric: fabric,
         domain,
         listener,
@@ -406,6 +427,27 @@ fn prepare(a: &Assignment, memfd: std::os::fd::OwnedFd) -> Result<Prepared, Work
         listen_ns,
         key,
     })
+}
+
+/// Maps the meter area for the worker's life and checks it has a record
+/// per lane.
+fn map_meter(a: &Assignment, fd: &std::os::fd::OwnedFd) -> Result<&'static MeterArea, WorkerError> {
+    use std::os::fd::AsFd;
+    let unusable = |e: String| {
+        WorkerError::failed(
+            ErrorCode::Internal,
+            format!("the worker cannot use the daemon's meter area: {e}"),
+        )
+    };
+    let area = MeterArea::map(fd.as_fd()).map_err(|e| unusable(e.to_string()))?;
+    if area.header().lanes < a.lanes {
+        return Err(unusable(format!(
+            "it has {} lane records for {} lanes",
+            area.header().lanes,
+            a.lanes
+        )));
+    }
+    Ok(Box::leak(Box::new(area)))
 }
 
 /// A library that could not be mapped under the address-space limit is
@@ -503,6 +545,15 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             read_only_input: a.read_only_input,
             tag,
         };
+        let meter = match p.meter {
+            Some(area) => {
+                let record = area
+                    .record(index as u16)
+                    .expect("map_meter checked a record per lane");
+                LaneMeter::new(record, area.header().clock)
+            }
+            None => LaneMeter::unread(),
+        };
         let lane = Lane::new(
             cfg,
             functions.clone(),
@@ -511,6 +562,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             l.input,
             l.output,
             running,
+            meter,
         );
         let handle = thread::Builder::new()
             .name(format!("rfaas-lane-{index}"))
