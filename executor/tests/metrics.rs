@@ -7,6 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
+use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions, Mode};
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
@@ -121,6 +122,85 @@ fn metrics_follow_allocations_and_refusals() {
     drop(d);
 }
 
+/// An allocation of `echo` on `d`, in `mode`.
+fn echo_allocation(d: &Executord, mode: Mode) -> Allocation {
+    let spec = AllocationSpec::new(c_library_bytes(), &["echo"])
+        .mode(mode)
+        .memory_mib(256);
+    Client::new(ClientOptions::with_provider("tcp"))
+        .allocate(
+            &d.control_addr().to_string(),
+            &d.token("nobody", 1, 1024, Duration::from_secs(600)),
+            &spec,
+        )
+        .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()))
+}
+
+/// Calls `echo` `n` times with 8 bytes.
+fn echo(alloc: &Allocation, n: u64) {
+    let f = alloc.function("echo").unwrap();
+    let input = alloc.buffer::<u64>(1).unwrap();
+    let mut output = alloc.buffer::<u64>(1).unwrap();
+    for _ in 0..n {
+        assert_eq!(alloc.invoke(f, &input, 1, &mut output).unwrap(), 8);
+    }
+}
+
+#[test]
+fn invocations_total_counts_every_call_of_every_allocation() {
+    let metrics = free_port();
+    let d = Executord::start(
+        Path::new(DAEMON),
+        ExecutordOptions {
+            extra_config: format!("metrics_listen = \"{metrics}\""),
+            ..ExecutordOptions::default()
+        },
+    );
+    let invocations = || {
+        sample(
+            &get(metrics, "/metrics"),
+            "rfaas_executord_invocations_total",
+        )
+    };
+    assert_eq!(invocations(), Some(0.0));
+
+    let warm = echo_allocation(&d, Mode::Warm);
+    echo(&warm, 7);
+    // Read from the running worker's meter, exactly.
+    assert_eq!(invocations(), Some(7.0));
+    let hot = echo_allocation(&d, Mode::Hot);
+    echo(&hot, 5);
+    echo(&warm, 1);
+    assert_eq!(invocations(), Some(13.0));
+    // Ended allocations keep counting.
+    warm.deallocate().unwrap();
+    hot.deallocate().unwrap();
+    let after = get(metrics, "/metrics");
+    assert_eq!(
+        sample(&after, "rfaas_executord_invocations_total"),
+        Some(13.0),
+        "{after}"
+    );
+    let compute = sample(
+        &after,
+        "rfaas_executord_worker_cpu_seconds_total{use=\"compute\"}",
+    );
+    let hot_poll = sample(
+        &after,
+        "rfaas_executord_worker_cpu_seconds_total{use=\"hot_poll\"}",
+    );
+    assert!(compute.is_some_and(|s| s > 0.0), "{after}");
+    assert!(
+        hot_poll.is_some_and(|s| s > 0.0),
+        "the hot lane polled: {after}"
+    );
+    assert!(
+        sample(&after, "rfaas_executord_warm_wait_seconds_total").is_some_and(|s| s > 0.0),
+        "{after}"
+    );
+    drop(d);
+}
+
 #[test]
 fn the_metrics_port_answers_only_scrapes_and_health() {
     let metrics = free_port();
@@ -177,6 +257,16 @@ fn prometheus_scrapes_the_daemon() {
     assert_eq!(free, 2.0);
     let up = prom.wait_for("up{job=\"rfaas\"}", Duration::from_secs(10), |v| v == 1.0);
     assert_eq!(up, Ok(1.0));
+    // Invocations served, through Prometheus.
+    let alloc = echo_allocation(&d, Mode::Warm);
+    echo(&alloc, 3);
+    alloc.deallocate().unwrap();
+    let served = prom.wait_for(
+        "rfaas_executord_invocations_total",
+        Duration::from_secs(30),
+        |v| v == 3.0,
+    );
+    assert_eq!(served, Ok(3.0));
     drop(prom);
     drop(d);
 }

@@ -1,4 +1,4 @@
-//! The node tools' unix socket: status, drain, resume. The connection
+//! The node tools' unix socket: status, drain, resume, usage. The connection
 //! loop ([`super::server`]) reads the frames; each request runs on a
 //! request thread (a drain, which waits out its grace period, on a thread
 //! of its own).
@@ -73,6 +73,13 @@ pub(crate) fn handle(shared: &Shared, req: LocalRequest) -> LocalReply {
                 },
             }
         }
+        LocalRequest::Usage { lease_id } => LocalReply::Usage {
+            node: shared.settings.node_name.clone(),
+            leases: match lease_id {
+                Some(id) => shared.usage.lease(id).into_iter().collect(),
+                None => shared.usage.snapshot(),
+            },
+        },
         _ => LocalReply::Done {
             message: "this executor does not know that command".into(),
         },

@@ -4,7 +4,10 @@
 //! Counters and the cold-start histogram are updated where things happen;
 //! gauges of the node's state (allocations, workers by state, lanes by
 //! mode, free capacity) are read from the shared state at each scrape, so
-//! they cannot drift from it.
+//! they cannot drift from it. The workers' usage counters (invocations,
+//! CPU time split into compute and hot-polling, warm time) follow the
+//! usage ledger's node totals, sampled at each scrape: every allocation
+//! since the daemon started, running ones up to now.
 //!
 //! The server reads at most one request of 8 KiB per connection, with a
 //! short timeout, and answers only those two paths: a scrape is rare, and
@@ -13,15 +16,17 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounterVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec,
+    Opts, Registry, TextEncoder,
 };
 use rfaas_proto::control::{ErrorCode, Mode};
 
 use super::state::Shared;
+use super::usage::Figures;
 
 /// Longest request head read, bytes.
 const MAX_REQUEST: usize = 8192;
@@ -41,6 +46,12 @@ pub(crate) struct Metrics {
     lanes: GaugeVec,
     cores: GaugeVec,
     memory: GaugeVec,
+    invocations: IntCounter,
+    worker_cpu: CounterVec,
+    warm: prometheus::Counter,
+    /// The ledger's totals as last exposed: the counters grow by the
+    /// difference.
+    exposed: Mutex<Figures>,
     /// Set once the manager link registered; cleared while it fails.
     pub manager_ok: AtomicBool,
 }
@@ -105,8 +116,32 @@ impl Metrics {
             &["state"],
         )
         .expect("valid metric");
+        let invocations = IntCounter::new(
+            "invocations_total",
+            "Functions called by the workers of every allocation since the daemon started \
+             (the workers' count, bounded by their CPU time)",
+        )
+        .expect("valid metric");
+        let worker_cpu = CounterVec::new(
+            Opts::new(
+                "worker_cpu_seconds_total",
+                "CPU time of the workers since their assignment, as the kernel measures it, \
+                 by use: hot_poll (hot lanes polling for requests, as the workers report it, \
+                 at most their CPU time) and compute (the rest)",
+            ),
+            &["use"],
+        )
+        .expect("valid metric");
+        let warm = prometheus::Counter::new(
+            "warm_wait_seconds_total",
+            "Time warm lanes spent blocked waiting for requests, summed over lanes",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(allocations.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(invocations.clone()),
+            Box::new(worker_cpu.clone()),
+            Box::new(warm.clone()),
             Box::new(cold_start.clone()),
             Box::new(heartbeats.clone()),
             Box::new(registered.clone()),
@@ -129,8 +164,29 @@ impl Metrics {
             lanes,
             cores,
             memory,
+            invocations,
+            worker_cpu,
+            warm,
+            exposed: Mutex::default(),
             manager_ok: AtomicBool::new(false),
         }
+    }
+
+    /// Brings the usage counters up to the ledger's `totals` (which only
+    /// grow).
+    fn follow_usage(&self, totals: &Figures) {
+        let mut exposed = self.exposed.lock().unwrap_or_else(|e| e.into_inner());
+        let seconds = |new: u64, old: u64| new.saturating_sub(old) as f64 / 1e9;
+        self.invocations
+            .inc_by(totals.invocations.saturating_sub(exposed.invocations));
+        self.worker_cpu
+            .with_label_values(&["compute"])
+            .inc_by(seconds(totals.compute_ns, exposed.compute_ns));
+        self.worker_cpu
+            .with_label_values(&["hot_poll"])
+            .inc_by(seconds(totals.hot_ns, exposed.hot_ns));
+        self.warm.inc_by(seconds(totals.warm_ns, exposed.warm_ns));
+        *exposed = *totals;
     }
 
     /// An allocation was granted after `seconds` of starting its worker.
@@ -205,6 +261,7 @@ impl Metrics {
                 .with_label_values(&["allocated"])
                 .set(f64::from(mem - mem_free));
         }
+        self.follow_usage(&shared.usage.totals());
         self.registered
             .set(if self.manager_ok.load(Ordering::Relaxed) {
                 1.0

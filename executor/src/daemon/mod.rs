@@ -33,6 +33,8 @@
 //! - `renew`: moving a running allocation's end with a renewed lease's
 //!   token.
 //! - `metrics`: Prometheus metrics and the health check (`metrics_listen`).
+//! - `usage`: what each lease used here, from the workers' meter areas
+//!   bounded by the kernel's CPU time (the figures accounting is built on).
 
 pub mod config;
 pub mod keys;
@@ -52,6 +54,7 @@ mod renew;
 mod server;
 mod state;
 mod supervise;
+mod usage;
 mod users;
 
 use std::io;

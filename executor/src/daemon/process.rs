@@ -196,11 +196,31 @@ pub fn wait_exit(pid: u32) -> io::Result<Ended> {
     }
 }
 
-/// Reaps child `pid`, which [`wait_exit`] saw end.
-pub fn reap(pid: u32) {
+/// Reaps child `pid`, which [`wait_exit`] saw end. Returns the CPU time
+/// (user and system, ns) the kernel counted for it and for the children it
+/// waited for (`wait4`), or `None` when it was not ours to reap.
+pub fn reap(pid: u32) -> Option<u64> {
     let mut status = 0;
-    // SAFETY: waitpid on our own child with a valid status pointer.
-    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) };
+    // SAFETY: rusage is plain data; wait4 fills it in.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: wait4 on our own child with valid status and usage
+        // pointers.
+        let rc = unsafe { libc::wait4(pid as libc::pid_t, &mut status, 0, &mut usage) };
+        if rc == pid as libc::pid_t {
+            return Some(timeval_ns(usage.ru_utime).saturating_add(timeval_ns(usage.ru_stime)));
+        }
+        if rc < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        return None;
+    }
+}
+
+fn timeval_ns(t: libc::timeval) -> u64 {
+    (t.tv_sec.max(0) as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(t.tv_usec.max(0) as u64 * 1000)
 }
 
 /// Sends `signal` to `pid`. Callers only signal pids they have not reaped.
@@ -271,9 +291,25 @@ mod tests {
         assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
         // Still a zombie: the pid is ours until reaped.
         assert!(Path::new(&format!("/proc/{}", s.pid)).exists());
-        reap(s.pid);
+        assert!(reap(s.pid).is_some());
+        assert_eq!(reap(s.pid), None, "reaped once");
         assert_eq!(signal_name(11), "SIGSEGV");
         assert_eq!(signal_name(99), "signal 99");
+    }
+
+    #[test]
+    // `reap` is the wait under test.
+    #[allow(clippy::zombie_processes)]
+    fn reaping_tells_the_cpu_time_of_the_child() {
+        let child = Command::new("/bin/sh")
+            .args(["-c", "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done"])
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        assert_eq!(wait_exit(pid).unwrap(), Ended::Exited(0));
+        let cpu = reap(pid).unwrap();
+        // 200 000 shell iterations take far more than a millisecond of CPU.
+        assert!(cpu > 1_000_000, "{cpu} ns");
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! one mutex, and the rules for ending allocations.
 //!
 //! A worker's pid is signalled only under the lock and only while an
-//! allocation or the pool names it; its watcher reaps it under the lock
-//! after removing it from both (see [`super::supervise`]), so a recycled
-//! pid is never signalled.
+//! allocation or the pool names it; its watcher reaps it and removes it
+//! from both in one critical section (see [`super::supervise`]), so a
+//! recycled pid is never signalled.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -186,6 +186,9 @@ pub(crate) struct Shared {
     pub outbox: Outbox,
     /// Prometheus metrics.
     pub metrics: super::metrics::Metrics,
+    /// What each lease used (its own lock; taken after `state`, never
+    /// before).
+    pub usage: super::usage::Ledger,
     next_id: AtomicU64,
 }
 
@@ -215,6 +218,7 @@ impl Shared {
             spawner,
             outbox,
             metrics: super::metrics::Metrics::new(),
+            usage: super::usage::Ledger::new(crate::meter::TickClock::detect()),
             next_id: AtomicU64::new(1),
         }
     }

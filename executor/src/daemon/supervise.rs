@@ -157,10 +157,14 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
             return;
         }
     };
+    let ended_at = shared.usage.now();
     let mut report = None;
     let mut refill = false;
     {
         let mut st = shared.lock();
+        // Under the lock, as the pool or an allocation still names it:
+        // nobody signals the pid between here and its removal below.
+        let cpu_ns = process::reap(pid);
         if let Some(i) = st.pool.iter().position(|w| w.pid == pid) {
             st.pool.remove(i);
             if !st.draining && !st.stopping {
@@ -173,6 +177,8 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
             .find(|a| a.pid == Some(pid))
             .map(|a| a.id)
         {
+            // Before its cgroup goes with the allocation.
+            shared.usage.close(id, ended_at, cpu_ns);
             let a = st.allocations.get_mut(&id).expect("found above");
             if a.ready {
                 let oom = shared.limiter.oom_killed(id);
@@ -203,7 +209,6 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
                 a.ended = Some(ended);
             }
         }
-        process::reap(pid);
         shared.changed.notify_all();
     }
     if let Some((conn, msg)) = report {

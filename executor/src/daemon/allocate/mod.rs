@@ -94,6 +94,7 @@ pub(crate) fn start(
         req,
         library,
         &spawn::Terms {
+            claims: &claims,
             deadline_ms,
             expires_at: claims.expires_at,
             lane_key: &lane_key,

@@ -12,6 +12,7 @@ use rfaas_proto::control::{
     AllocateRequest, Assignment, ControlError, ErrorCode, Frame, FrameLimits, Kind, WorkerFailed,
     WorkerReady,
 };
+use rfaas_proto::lease::LeaseClaims;
 
 use super::reserve::Reserved;
 use super::Refused;
@@ -19,12 +20,17 @@ use crate::daemon::config::Sandbox;
 use crate::daemon::process::{self, Bwrap, Ended};
 use crate::daemon::state::{Shared, Stop};
 use crate::daemon::supervise;
+use crate::daemon::usage::cpu::CpuSource;
+use crate::daemon::usage::Limits;
 use crate::daemon::users::User;
 use crate::ipc;
+use crate::meter::MeterArea;
 
 /// What the daemon settled for an allocation beyond its request.
 #[derive(Debug)]
 pub(super) struct Terms<'a> {
+    /// The lease's claims (its usage is metered under them).
+    pub claims: &'a LeaseClaims,
     /// The function deadline in force, ms.
     pub deadline_ms: u64,
     /// The lease's end, Unix seconds.
@@ -46,6 +52,7 @@ pub(super) fn start_worker(
     terms: &Terms<'_>,
 ) -> Result<(WorkerReady, bool), Refused> {
     let Terms {
+        claims,
         deadline_ms,
         expires_at,
         lane_key,
@@ -77,6 +84,9 @@ pub(super) fn start_worker(
         .map_err(|e| internal("create the worker's memory cgroup", &e))?;
     let memfd = ipc::sealed_memfd(&memfd_name(&req.library_name), library)
         .map_err(|e| internal("copy the library into a memfd", &e))?;
+    let (area, area_fd) = MeterArea::create(req.cores, shared.usage.clock())
+        .map_err(|e| internal("create the allocation's meter area", &e))?;
+    let mut area = Some(area);
     let listen_addr = if req.provider == "shm" {
         runtime_dir.join("fabric.sock").display().to_string()
     } else {
@@ -109,7 +119,7 @@ pub(super) fn start_worker(
     // A pooled worker that died idle shows only when the send fails; one
     // fresh spawn then takes its place.
     let mut tries = 0;
-    let (sock, pid, pooled) = loop {
+    let (sock, pid, pooled, opening) = loop {
         tries += 1;
         let (sock, pid, pooled) = attach_worker(shared, id, runtime_dir, cgroup.as_deref())?;
         if let (Some(procs), true) = (&cgroup, pooled) {
@@ -117,16 +127,30 @@ pub(super) fn start_worker(
                 return Err(internal("move the worker into its memory cgroup", &e));
             }
         }
-        match ipc::send_frame(&sock, &frame, &[memfd.as_fd()]) {
-            Ok(()) => break (sock, pid, pooled),
+        let cpu = match &cgroup {
+            Some(procs) => CpuSource::Cgroup(procs.with_file_name("cpu.stat")),
+            None => CpuSource::Process {
+                pid,
+                tree: s.sandbox == Sandbox::Bubblewrap,
+            },
+        };
+        // The meter starts with the assignment: what a pooled worker used
+        // before is nobody's.
+        let opening = shared
+            .usage
+            .opening(area.take().expect("taken once per try"), cpu);
+        match ipc::send_frame(&sock, &frame, &[memfd.as_fd(), area_fd.as_fd()]) {
+            Ok(()) => break (sock, pid, pooled, opening),
             Err(e) if pooled && tries == 1 => {
                 tracing::warn!(pid, error = %e, "a pooled worker did not take its assignment; spawning another");
+                area = Some(opening.into_area());
                 detach_worker(shared, id);
             }
             Err(e) => return Err(internal("send the assignment to the worker", &e)),
         }
     };
     drop(memfd);
+    drop(area_fd);
     tracing::debug!(allocation = id, pid, pooled, "assignment sent");
 
     let _ = sock.set_read_timeout(Some(Duration::from_millis(s.worker_ready_timeout_ms)));
@@ -180,6 +204,13 @@ pub(super) fn start_worker(
     }
     a.ready = true;
     a.worker_sock = Some(sock);
+    let limits = Limits {
+        lanes: req.cores,
+        memory_mib: req.memory_mib,
+        max_in: max_pull.max(u64::from(req.input_capacity)),
+        max_out: u64::from(req.output_capacity),
+    };
+    shared.usage.open(id, claims, opening, limits);
     tracing::info!(allocation = id, pid, fabric_addr = %ready.fabric_addr, pooled, "worker ready");
     Ok((ready, pooled))
 }
