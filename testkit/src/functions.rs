@@ -209,6 +209,9 @@ mod tests {
             "black_scholes",
             "fault_segfault",
             "sleep_ms",
+            "burn_cpu_ms",
+            "meter_inflate",
+            "meter_zero_burn",
         ] {
             assert!(
                 symbols.lines().any(|l| l.ends_with(&format!(" T {f}"))),
