@@ -24,6 +24,8 @@
 //! - [`invoke`]: `hot_noop`, `warm_noop`, `transfer`, the `echo` rows and
 //!   `cold_start` through rfaas-client and a real executor daemon;
 //! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
+//! - [`meter`]: what metering costs a lane: clock reads and one
+//!   invocation's bookkeeping, in process;
 //! - [`manager`]: the `--manager` mode: `lease_grant`, `lease_grant_paced`,
 //!   `raw_db_grant`, `node_visible` and their ratio rows;
 //! - [`derived`]: overheads and ratios computed from the best rounds;
@@ -51,6 +53,7 @@ pub mod fabric_rows;
 pub mod grpc;
 pub mod invoke;
 pub mod manager;
+pub mod meter;
 pub mod report;
 pub mod rows;
 pub mod stats;

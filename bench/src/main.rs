@@ -21,7 +21,7 @@ use clap::Parser;
 use rfaas_bench::cli::{self, Common};
 use rfaas_bench::error::Context;
 use rfaas_bench::rows::Suite;
-use rfaas_bench::{baselines, cleanup, derived, fabric_rows, grpc, invoke, manager};
+use rfaas_bench::{baselines, cleanup, derived, fabric_rows, grpc, invoke, manager, meter};
 
 /// Every measuring module, in the order its rows are run and printed.
 const SUITES: &[Suite] = &[
@@ -29,6 +29,7 @@ const SUITES: &[Suite] = &[
     fabric_rows::SUITE,
     baselines::SUITE,
     grpc::SUITE,
+    meter::SUITE,
 ];
 
 /// Measures rfaas invocations (latency, bandwidth, cold start) through a
