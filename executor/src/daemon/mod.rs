@@ -40,6 +40,8 @@ pub mod config;
 pub mod keys;
 
 mod allocate;
+#[allow(dead_code)] // wired to the daemon's usage figures next
+mod billing;
 mod capacity;
 mod conn;
 mod control;

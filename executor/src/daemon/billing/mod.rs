@@ -1,0 +1,508 @@
+//! Billing: the daemon adds each lease's usage into the lease's accounting
+//! slot, by remote fetch-and-add, and journals every add that landed.
+//!
+//! The daemon, not the worker, adds: the worker runs user code, and the
+//! figures come from the daemon's own measurements (see `usage`). The
+//! manager signs the slot into the lease token ([`BillingSlot`]), so a
+//! lease's adds go only where the manager said.
+//!
+//! # When
+//!
+//! A lease's deltas (its cumulative figures minus what already landed) are
+//! posted once `granularity` has passed since its last post and something
+//! changed, and at once when the lease's last allocation has ended. After
+//! the last adds landed, the daemon adds 1 to the slot's `closed` word, and
+//! forgets the lease; the service's flusher then writes the final totals
+//! and frees the slot.
+//!
+//! # Exactly once
+//!
+//! Only this daemon adds into a lease's slot, so the slot holds exactly the
+//! adds that landed. The daemon reads the slot when it first adds for a
+//! lease (what the slot held before, say from before a restart of this
+//! daemon, is not the lease's current allocations'), and keeps what the
+//! slot should hold. When an add's completion is lost (the service died, the
+//! connection broke), the daemon reads the slot back on the next connection
+//! and counts what landed, once: a replay never double-counts.
+//!
+//! # Accounting down
+//!
+//! Invocations go on: nothing here is on their path. The daemon keeps each
+//! lease's cumulative figures (one fixed-size entry per lease, so memory is
+//! bounded by the leases the node has run) and reconnects with backoff. A
+//! lease that ended more than `keep_ended` ago and still could not be
+//! posted is dropped, logged and journaled as `dropped` with its unposted
+//! figures: that, and what a kill -9 of the daemon loses (the figures since
+//! each live lease's last post, at most `granularity` of use), is the loss
+//! bound documented in `docs/accounting.md`.
+//!
+//! # Journal
+//!
+//! With `journal` set, each landed add is one JSON line: `lease_id`,
+//! `instance`, `slot`, `region_id`, `at_ms`, and either `added` (the
+//! counters that landed), `closed: true`, or `dropped` (figures that will
+//! never be posted). Summing `added` per lease gives what the executor
+//! billed.
+
+mod link;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rfaas_fabric::Fabric;
+use rfaas_proto::accounting::{BillingSlot, Counter, SlotTotals, SLOT_WORDS};
+
+use link::{Link, LinkError};
+
+/// One lease's cumulative usage as the daemon measured it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LeaseUsage {
+    /// The lease.
+    pub lease_id: u64,
+    /// Where its usage goes.
+    pub billing: BillingSlot,
+    /// Cumulative figures since the lease's first allocation on this daemon
+    /// (`closed` is ignored).
+    pub totals: SlotTotals,
+    /// Whether its last allocation has ended and the figures are final.
+    pub ended: bool,
+}
+
+/// How the poster behaves.
+#[derive(Debug, Clone)]
+pub(crate) struct PosterSettings {
+    /// Post a live lease's deltas at most this often.
+    pub granularity: Duration,
+    /// Give up on an ended lease's unposted figures after this long.
+    pub keep_ended: Duration,
+    /// One connection attempt, or one batch of adds, at most this long.
+    pub timeout: Duration,
+    /// The journal file (appended), if any.
+    pub journal: Option<PathBuf>,
+    /// The node credential the hello carries.
+    pub credential: String,
+}
+
+/// What is known of one lease's slot.
+#[derive(Debug)]
+struct Entry {
+    slot: BillingSlot,
+    /// The latest cumulative figures (never decrease).
+    latest: SlotTotals,
+    /// How much of `latest` landed.
+    counted: SlotTotals,
+    /// What the slot holds, as far as this daemon knows; `None` until read.
+    expected: Option<SlotTotals>,
+    /// A batch whose completions were lost: read the slot before adding.
+    uncertain: bool,
+    last_post: Option<Instant>,
+    ended_at: Option<Instant>,
+}
+
+impl Entry {
+    fn deltas(&self) -> [u64; SLOT_WORDS] {
+        let (l, c) = (self.latest.to_words(), self.counted.to_words());
+        let mut d = [0u64; SLOT_WORDS];
+        for i in 0..SLOT_WORDS {
+            if i != Counter::Closed.index() {
+                d[i] = l[i].saturating_sub(c[i]);
+            }
+        }
+        d
+    }
+}
+
+/// A link's state.
+enum LinkState {
+    Up(Box<Link>),
+    Down {
+        retry_at: Instant,
+        backoff: Duration,
+    },
+}
+
+/// What the daemon has posted, for its metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PosterStats {
+    /// Batches of adds that landed.
+    pub batches: u64,
+    /// Leases closed.
+    pub closed: u64,
+    /// Leases given up.
+    pub dropped: u64,
+    /// Leases with figures not yet posted.
+    pub pending: u64,
+}
+
+/// How a post left a lease.
+enum Outcome {
+    /// Still open.
+    Open,
+    /// Its `closed` add landed: forget it.
+    Closed,
+    /// Given up, for this reason.
+    Dropped(&'static str),
+}
+
+/// Posts leases' usage; driven by [`Poster::tick`].
+pub(crate) struct Poster {
+    settings: PosterSettings,
+    fabrics: HashMap<String, Fabric>,
+    links: HashMap<(String, String, String), LinkState>,
+    ledger: HashMap<u64, Entry>,
+    journal: Option<File>,
+    stats: PosterStats,
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+fn link_key(s: &BillingSlot) -> (String, String, String) {
+    (s.instance.clone(), s.provider.clone(), s.addr.clone())
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn words_json(w: &[u64; SLOT_WORDS]) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for c in Counter::ALL {
+        if c != Counter::Closed {
+            m.insert(c.name().into(), w[c.index()].into());
+        }
+    }
+    serde_json::Value::Object(m)
+}
+
+impl Poster {
+    /// A poster; opens the journal (appending) if one is set.
+    pub(crate) fn new(settings: PosterSettings) -> std::io::Result<Poster> {
+        let journal = match &settings.journal {
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?,
+            ),
+            None => None,
+        };
+        Ok(Poster {
+            settings,
+            fabrics: HashMap::new(),
+            links: HashMap::new(),
+            ledger: HashMap::new(),
+            journal,
+            stats: PosterStats::default(),
+        })
+    }
+
+    /// What was posted so far.
+    pub(crate) fn stats(&self) -> PosterStats {
+        PosterStats {
+            pending: self.ledger.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Whether every lease seen so far has been closed or dropped.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.ledger.is_empty()
+    }
+
+    /// Takes the latest figures and posts what is due.
+    pub(crate) fn tick(&mut self, usage: &[LeaseUsage], now: Instant) {
+        for u in usage {
+            let e = self.ledger.entry(u.lease_id).or_insert_with(|| Entry {
+                slot: u.billing.clone(),
+                latest: SlotTotals::default(),
+                counted: SlotTotals::default(),
+                expected: None,
+                uncertain: false,
+                last_post: None,
+                ended_at: None,
+            });
+            let (mut l, n) = (e.latest.to_words(), u.totals.to_words());
+            for i in 0..SLOT_WORDS {
+                l[i] = l[i].max(n[i]);
+            }
+            l[Counter::Closed.index()] = 0;
+            e.latest = SlotTotals::from_words(l);
+            if u.ended && e.ended_at.is_none() {
+                e.ended_at = Some(now);
+            }
+        }
+        let due: Vec<u64> = self
+            .ledger
+            .iter()
+            .filter(|(_, e)| {
+                e.ended_at.is_some()
+                    || e.last_post
+                        .map_or(true, |t| now.duration_since(t) >= self.settings.granularity)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            self.post(id, now);
+        }
+    }
+
+    fn post(&mut self, id: u64, now: Instant) {
+        let Some(e) = self.ledger.get(&id) else {
+            return;
+        };
+        let nothing_new = e.deltas().iter().all(|&d| d == 0);
+        if nothing_new && e.ended_at.is_none() && !e.uncertain && e.expected.is_some() {
+            return;
+        }
+        if let Some(ended) = e.ended_at {
+            if now.duration_since(ended) > self.settings.keep_ended {
+                self.drop_lease(id, "its accounting instance stayed unreachable");
+                return;
+            }
+        }
+        let key = link_key(&e.slot);
+        if self.link(&key, now).is_none() {
+            return;
+        }
+        match self.post_on_link(id, &key, now) {
+            Ok(()) => {}
+            Err(err) => self.link_failed(&key, &err, now),
+        }
+    }
+
+    /// Posts lease `id` on its link, which is up: reads the slot first when
+    /// what it holds is unknown, adds the deltas, and closes an ended lease.
+    fn post_on_link(
+        &mut self,
+        id: u64,
+        key: &(String, String, String),
+        now: Instant,
+    ) -> Result<(), LinkError> {
+        let timeout = self.settings.timeout;
+        let Some(LinkState::Up(link)) = self.links.get_mut(key) else {
+            return Ok(());
+        };
+        let region = link.region_id();
+        let Some(e) = self.ledger.get_mut(&id) else {
+            return Ok(());
+        };
+        let slot = e.slot.clone();
+        let mut lines: Vec<(&'static str, serde_json::Value)> = Vec::new();
+        let mut outcome = Outcome::Open;
+
+        // Learn what the slot holds before the first add, and after a
+        // batch whose completions were lost.
+        if e.expected.is_none() || e.uncertain {
+            let read = link.read_slot(slot.slot, timeout)?;
+            let closed_before = e.expected.map(|x| x.closed);
+            if let Some(expected) = e.expected {
+                let landed = landed(&expected, &read, &e.deltas());
+                e.counted = add_words(&e.counted, &landed);
+                if landed.iter().any(|&w| w != 0) {
+                    lines.push(("added", words_json(&landed)));
+                }
+            }
+            e.expected = Some(read);
+            e.uncertain = false;
+            if read.closed > closed_before.unwrap_or(0) {
+                outcome = if closed_before.is_some() {
+                    // Our `closed` add landed; its completion was lost.
+                    Outcome::Closed
+                } else {
+                    Outcome::Dropped("its slot was already closed: the lease ended before")
+                };
+            }
+        }
+        if let Outcome::Open = outcome {
+            let deltas = e.deltas();
+            if deltas.iter().any(|&d| d != 0) {
+                if let Err(err) = link.add(slot.slot, &deltas, timeout) {
+                    e.uncertain = true;
+                    self.finish(id, &slot, region, lines, Outcome::Open);
+                    return Err(err);
+                }
+                e.counted = add_words(&e.counted, &deltas);
+                e.expected = e.expected.map(|x| add_words(&x, &deltas));
+                lines.push(("added", words_json(&deltas)));
+            }
+            e.last_post = Some(now);
+            if e.ended_at.is_some() {
+                let mut close = [0u64; SLOT_WORDS];
+                close[Counter::Closed.index()] = 1;
+                if let Err(err) = link.add(slot.slot, &close, timeout) {
+                    // Repeat it only if it did not land: the read on the
+                    // next connection tells.
+                    e.uncertain = true;
+                    self.finish(id, &slot, region, lines, Outcome::Open);
+                    return Err(err);
+                }
+                outcome = Outcome::Closed;
+            }
+        }
+        self.finish(id, &slot, region, lines, outcome);
+        Ok(())
+    }
+
+    /// Journals what landed and ends the lease as `outcome` says.
+    fn finish(
+        &mut self,
+        id: u64,
+        slot: &BillingSlot,
+        region: u64,
+        lines: Vec<(&'static str, serde_json::Value)>,
+        outcome: Outcome,
+    ) {
+        for (what, value) in lines {
+            self.stats.batches += 1;
+            self.journal(id, slot, region, what, value);
+        }
+        match outcome {
+            Outcome::Open => {}
+            Outcome::Closed => {
+                self.ledger.remove(&id);
+                self.stats.closed += 1;
+                self.journal(id, slot, region, "closed", serde_json::Value::Bool(true));
+            }
+            Outcome::Dropped(why) => self.drop_lease(id, why),
+        }
+    }
+
+    /// The link for `key`, opening it if it is down and its backoff passed.
+    fn link(&mut self, key: &(String, String, String), now: Instant) -> Option<&mut Link> {
+        let retry = match self.links.get(key) {
+            Some(LinkState::Up(_)) => false,
+            Some(LinkState::Down { retry_at, .. }) => now >= *retry_at,
+            None => true,
+        };
+        if retry {
+            let (instance, provider, addr) = key;
+            let fabric = match self.fabrics.get(provider) {
+                Some(f) => f,
+                None => match Fabric::open(provider) {
+                    Ok(f) => self.fabrics.entry(provider.clone()).or_insert(f),
+                    Err(e) => {
+                        let err =
+                            LinkError::Transient(format!("cannot open provider {provider}: {e}"));
+                        self.link_failed(key, &err, now);
+                        return None;
+                    }
+                },
+            };
+            match Link::open(
+                fabric,
+                addr,
+                &self.settings.credential,
+                self.settings.timeout,
+            ) {
+                Ok(link) => {
+                    tracing::info!(%instance, %addr, region_id = link.region_id(), slots = link.slots(), "connected to accounting instance");
+                    // Every lease of this instance reads its slot again:
+                    // the service may have restarted, and adds may have
+                    // landed whose completions were lost.
+                    for e in self.ledger.values_mut() {
+                        if link_key(&e.slot) == *key && e.expected.is_some() {
+                            e.uncertain = true;
+                        }
+                    }
+                    self.links
+                        .insert(key.clone(), LinkState::Up(Box::new(link)));
+                }
+                Err(err) => {
+                    self.link_failed(key, &err, now);
+                    return None;
+                }
+            }
+        }
+        match self.links.get_mut(key) {
+            Some(LinkState::Up(link)) => Some(link),
+            _ => None,
+        }
+    }
+
+    fn link_failed(&mut self, key: &(String, String, String), err: &LinkError, now: Instant) {
+        let backoff = match self.links.get(key) {
+            Some(LinkState::Down { backoff, .. }) => (*backoff * 2).min(MAX_BACKOFF),
+            _ => FIRST_BACKOFF,
+        };
+        let was_up = matches!(self.links.get(key), Some(LinkState::Up(_)) | None);
+        if was_up {
+            tracing::warn!(instance = %key.0, addr = %key.2, error = %err, "accounting instance unreachable; usage is kept and posted when it is back");
+        } else {
+            tracing::debug!(instance = %key.0, error = %err, "accounting instance still unreachable");
+        }
+        self.links.insert(
+            key.clone(),
+            LinkState::Down {
+                retry_at: now + backoff,
+                backoff,
+            },
+        );
+    }
+
+    fn drop_lease(&mut self, id: u64, why: &str) {
+        let Some(e) = self.ledger.remove(&id) else {
+            return;
+        };
+        let lost = e.deltas();
+        tracing::error!(lease_id = id, instance = %e.slot.instance, slot = e.slot.slot, why, unposted = %words_json(&lost), "gave up posting a lease's usage");
+        self.stats.dropped += 1;
+        self.journal(id, &e.slot, 0, "dropped", words_json(&lost));
+    }
+
+    fn journal(
+        &mut self,
+        id: u64,
+        slot: &BillingSlot,
+        region_id: u64,
+        what: &str,
+        value: serde_json::Value,
+    ) {
+        let Some(f) = &mut self.journal else { return };
+        let line = serde_json::json!({
+            "at_ms": unix_ms(),
+            "lease_id": id,
+            "instance": slot.instance,
+            "slot": slot.slot,
+            "region_id": region_id,
+            what: value,
+        });
+        if let Err(e) = writeln!(f, "{line}") {
+            tracing::error!(error = %e, "cannot append to the billing journal");
+        }
+    }
+}
+
+/// What of `deltas` landed, given what the slot held before (`expected`)
+/// and holds now (`read`).
+fn landed(
+    expected: &SlotTotals,
+    read: &SlotTotals,
+    deltas: &[u64; SLOT_WORDS],
+) -> [u64; SLOT_WORDS] {
+    let (x, r) = (expected.to_words(), read.to_words());
+    let mut out = [0u64; SLOT_WORDS];
+    for i in 0..SLOT_WORDS {
+        if i != Counter::Closed.index() {
+            out[i] = r[i].saturating_sub(x[i]).min(deltas[i]);
+        }
+    }
+    out
+}
+
+fn add_words(a: &SlotTotals, d: &[u64; SLOT_WORDS]) -> SlotTotals {
+    let mut w = a.to_words();
+    for i in 0..SLOT_WORDS {
+        w[i] = w[i].wrapping_add(d[i]);
+    }
+    SlotTotals::from_words(w)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,376 @@
+//! The poster against a small accounting peer on the tcp provider: a
+//! region registered for atomics and reads, and the hello's check.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+
+use rfaas_fabric::{Access, Completion, Endpoint, EndpointOptions, MemoryRegion, Opcode};
+use rfaas_proto::accounting::{
+    region_len, word_offset, AccountingHello, AccountingReply, ReplyStatus, HELLO_IMMS, REPLY_IMM,
+};
+
+use super::*;
+
+const CREDENTIAL: &str = "rfaasc.node1.secret";
+const SLOTS: u32 = 16;
+
+/// An accounting peer: accepts connections, checks the hello, answers,
+/// and keeps the accepted endpoints until told to drop them.
+struct Peer {
+    addr: String,
+    region: Arc<MemoryRegion>,
+    stop: Arc<AtomicBool>,
+    drop_all: mpsc::Sender<()>,
+    refused: Arc<Mutex<u32>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Peer {
+    fn start() -> Peer {
+        let fabric = Fabric::open("tcp").unwrap();
+        let listener = fabric.listen("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr();
+        let domain = fabric.domain().unwrap();
+        let region = Arc::new(
+            domain
+                .register(
+                    region_len(SLOTS) as usize,
+                    Access::REMOTE_ATOMIC | Access::REMOTE_READ,
+                )
+                .unwrap(),
+        );
+        let mut scratch = domain.register(4096, Access::LOCAL).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let refused = Arc::new(Mutex::new(0));
+        let (drop_all, drops) = mpsc::channel();
+        let thread = {
+            let (region, stop, refused) = (region.clone(), stop.clone(), refused.clone());
+            std::thread::spawn(move || {
+                let mut cq = fabric.completion_queue(1024).unwrap();
+                let opts = EndpointOptions {
+                    recv_depth: HELLO_IMMS,
+                    ..EndpointOptions::default()
+                };
+                let mut kept: Vec<Endpoint> = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    if drops.try_recv().is_ok() {
+                        kept.clear();
+                    }
+                    let Ok(ep) =
+                        listener.accept(&domain, &mut cq, &opts, Some(Duration::from_millis(50)))
+                    else {
+                        continue;
+                    };
+                    for i in 0..HELLO_IMMS {
+                        ep.post_recv(i as u64).unwrap();
+                    }
+                    let mut imms = [0u32; HELLO_IMMS];
+                    let mut got = 0;
+                    let mut out = [Completion::EMPTY; 64];
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    while got < HELLO_IMMS && Instant::now() < deadline {
+                        let n = cq.wait(&mut out, Duration::from_millis(50)).unwrap();
+                        for c in &out[..n] {
+                            if c.opcode == Opcode::RecvWithImm && c.status.is_ok() {
+                                imms[got] = c.imm;
+                                got += 1;
+                            }
+                        }
+                    }
+                    let hello = AccountingHello::from_imms(&imms).unwrap();
+                    let reply = if hello.credential == CREDENTIAL {
+                        let d = region.descriptor();
+                        AccountingReply {
+                            status: ReplyStatus::Accepted,
+                            region_addr: d.addr,
+                            region_rkey: d.rkey,
+                            slots: SLOTS,
+                            region_id: 77,
+                        }
+                    } else {
+                        *refused.lock().unwrap() += 1;
+                        AccountingReply::refused(ReplyStatus::BadCredential)
+                    };
+                    let mut b = [0u8; AccountingReply::LEN];
+                    reply.encode(&mut b).unwrap();
+                    scratch.write_from(0, &b);
+                    let to = rfaas_fabric::RemoteAddr {
+                        addr: hello.reply_addr,
+                        rkey: hello.reply_rkey,
+                    };
+                    ep.write_with_imm(999, &scratch, 0, AccountingReply::LEN, to, REPLY_IMM)
+                        .unwrap();
+                    kept.push(ep);
+                }
+            })
+        };
+        Peer {
+            addr,
+            region,
+            stop,
+            drop_all,
+            refused,
+            thread: Some(thread),
+        }
+    }
+
+    fn word(&self, slot: u32, c: Counter) -> u64 {
+        self.region.read_u64(word_offset(slot, c) as usize)
+    }
+
+    fn slot(&self, name: &str, slot: u32) -> BillingSlot {
+        BillingSlot {
+            instance: name.into(),
+            provider: "tcp".into(),
+            addr: self.addr.clone(),
+            slot,
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A fresh journal path, removed with its directory when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("rfaas-billing-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn journal(&self) -> PathBuf {
+        self.0.join("billing.jsonl")
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn settings(journal: Option<PathBuf>, credential: &str) -> PosterSettings {
+    PosterSettings {
+        granularity: Duration::from_secs(1),
+        keep_ended: Duration::from_secs(300),
+        timeout: Duration::from_secs(5),
+        journal,
+        credential: credential.into(),
+    }
+}
+
+fn usage(
+    id: u64,
+    slot: &BillingSlot,
+    compute_ns: u64,
+    invocations: u64,
+    ended: bool,
+) -> LeaseUsage {
+    LeaseUsage {
+        lease_id: id,
+        billing: slot.clone(),
+        totals: SlotTotals {
+            alloc_mib_ms: compute_ns / 1000,
+            compute_ns,
+            invocations,
+            ..SlotTotals::default()
+        },
+        ended,
+    }
+}
+
+/// Sums the journal's `added` lines per lease and counter, and lists the
+/// closed leases.
+fn journal_sums(path: &std::path::Path) -> (HashMap<(u64, String), u64>, Vec<u64>) {
+    let mut sums = HashMap::new();
+    let mut closed = Vec::new();
+    for line in std::fs::read_to_string(path).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let id = v["lease_id"].as_u64().unwrap();
+        if let Some(added) = v["added"].as_object() {
+            for (k, n) in added {
+                *sums.entry((id, k.clone())).or_insert(0) += n.as_u64().unwrap();
+            }
+        }
+        if v["closed"] == serde_json::Value::Bool(true) {
+            closed.push(id);
+        }
+    }
+    (sums, closed)
+}
+
+#[test]
+fn deltas_land_once_per_granularity_and_close_at_the_end() {
+    let peer = Peer::start();
+    let dir = Scratch::new("close");
+    let journal = dir.journal();
+    let mut p = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    let slot = peer.slot("acct1", 3);
+    let t0 = Instant::now();
+
+    p.tick(&[usage(1, &slot, 5_000, 2, false)], t0);
+    assert_eq!(peer.word(3, Counter::ComputeNs), 5_000);
+    assert_eq!(peer.word(3, Counter::Invocations), 2);
+    assert_eq!(peer.word(3, Counter::AllocMibMs), 5);
+
+    // Within the granularity nothing more is posted.
+    p.tick(
+        &[usage(1, &slot, 9_000, 3, false)],
+        t0 + Duration::from_millis(500),
+    );
+    assert_eq!(peer.word(3, Counter::ComputeNs), 5_000);
+    // After it, the delta.
+    p.tick(
+        &[usage(1, &slot, 9_000, 3, false)],
+        t0 + Duration::from_millis(1100),
+    );
+    assert_eq!(peer.word(3, Counter::ComputeNs), 9_000);
+    assert_eq!(peer.word(3, Counter::Invocations), 3);
+    assert_eq!(peer.word(3, Counter::Closed), 0);
+
+    // A figure that goes down (a worker scribbling) is ignored.
+    p.tick(
+        &[usage(1, &slot, 100, 1, false)],
+        t0 + Duration::from_millis(2200),
+    );
+    assert_eq!(peer.word(3, Counter::ComputeNs), 9_000);
+
+    // The end posts at once, then closes, and the lease is forgotten.
+    p.tick(
+        &[usage(1, &slot, 12_000, 4, true)],
+        t0 + Duration::from_millis(2300),
+    );
+    assert_eq!(peer.word(3, Counter::ComputeNs), 12_000);
+    assert_eq!(peer.word(3, Counter::Closed), 1);
+    assert!(p.is_idle());
+    assert_eq!(p.stats().closed, 1);
+    // Other slots are untouched.
+    assert_eq!(peer.word(2, Counter::ComputeNs), 0);
+    assert_eq!(peer.word(4, Counter::ComputeNs), 0);
+
+    let (sums, closed) = journal_sums(&journal);
+    assert_eq!(sums[&(1, "compute_ns".to_string())], 12_000);
+    assert_eq!(sums[&(1, "invocations".to_string())], 4);
+    assert_eq!(closed, vec![1]);
+}
+
+#[test]
+fn a_slot_that_held_adds_before_is_added_to_not_overwritten() {
+    let peer = Peer::start();
+    let slot = peer.slot("acct1", 5);
+    // A daemon before a restart added 1000 into this lease's slot.
+    let mut before = Poster::new(settings(None, CREDENTIAL)).unwrap();
+    before.tick(&[usage(9, &slot, 1_000, 1, false)], Instant::now());
+    drop(before);
+    let mut after = Poster::new(settings(None, CREDENTIAL)).unwrap();
+    after.tick(&[usage(9, &slot, 300, 1, false)], Instant::now());
+    assert_eq!(peer.word(5, Counter::ComputeNs), 1_300);
+    assert_eq!(peer.word(5, Counter::Invocations), 2);
+}
+
+#[test]
+fn a_lost_connection_keeps_the_usage_and_posts_it_once_when_back() {
+    let peer = Peer::start();
+    let dir = Scratch::new("lost");
+    let journal = dir.journal();
+    let mut p = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    let slot = peer.slot("acct1", 7);
+    let mut now = Instant::now();
+    p.tick(&[usage(2, &slot, 1_000, 1, false)], now);
+    assert_eq!(peer.word(7, Counter::ComputeNs), 1_000);
+
+    // The service drops every connection: the next post fails, and the
+    // usage stays with the daemon.
+    peer.drop_all.send(()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    now += Duration::from_secs(2);
+    p.tick(&[usage(2, &slot, 3_000, 2, false)], now);
+    assert_eq!(p.stats().pending, 1);
+    assert_eq!(
+        peer.word(7, Counter::ComputeNs),
+        1_000,
+        "an add went through a dropped connection"
+    );
+    // Back after the backoff: read the slot, post what did not land, once.
+    for _ in 0..20 {
+        now += Duration::from_secs(11);
+        p.tick(&[usage(2, &slot, 3_000, 2, true)], now);
+        if p.is_idle() {
+            break;
+        }
+    }
+    assert!(
+        p.is_idle(),
+        "the lease was never posted after the service came back"
+    );
+    assert_eq!(peer.word(7, Counter::ComputeNs), 3_000);
+    assert_eq!(peer.word(7, Counter::Invocations), 2);
+    assert_eq!(peer.word(7, Counter::Closed), 1);
+    let (sums, _) = journal_sums(&journal);
+    assert_eq!(sums[&(2, "compute_ns".to_string())], 3_000);
+}
+
+#[test]
+fn a_refused_credential_learns_nothing_and_adds_nothing() {
+    let peer = Peer::start();
+    let mut p = Poster::new(settings(None, "rfaasc.node1.wrong")).unwrap();
+    let slot = peer.slot("acct1", 1);
+    p.tick(&[usage(3, &slot, 1_000, 1, false)], Instant::now());
+    assert_eq!(*peer.refused.lock().unwrap(), 1);
+    assert_eq!(peer.word(1, Counter::ComputeNs), 0);
+    assert_eq!(p.stats().pending, 1);
+}
+
+#[test]
+fn an_ended_lease_unposted_past_keep_ended_is_dropped_and_journaled() {
+    let dir = Scratch::new("dropped");
+    let journal = dir.journal();
+    let mut p = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    // Nobody listens at this address.
+    let slot = BillingSlot {
+        instance: "gone".into(),
+        provider: "tcp".into(),
+        addr: "127.0.0.1:1".into(),
+        slot: 0,
+    };
+    let t0 = Instant::now();
+    p.tick(&[usage(4, &slot, 1_000, 1, true)], t0);
+    assert_eq!(p.stats().pending, 1);
+    p.tick(&[], t0 + Duration::from_secs(301));
+    assert!(p.is_idle());
+    assert_eq!(p.stats().dropped, 1);
+    let text = std::fs::read_to_string(&journal).unwrap();
+    assert!(text.contains("\"dropped\":{"), "{text}");
+    assert!(text.contains("\"compute_ns\":1000"), "{text}");
+}
+
+#[test]
+fn landed_counts_what_the_slot_gained_up_to_the_batch() {
+    let expected = SlotTotals {
+        compute_ns: 100,
+        hot_ns: 50,
+        ..SlotTotals::default()
+    };
+    let read = SlotTotals {
+        compute_ns: 130,
+        hot_ns: 50,
+        ..SlotTotals::default()
+    };
+    let mut d = [0u64; SLOT_WORDS];
+    d[Counter::ComputeNs.index()] = 30;
+    d[Counter::HotNs.index()] = 20;
+    let l = landed(&expected, &read, &d);
+    assert_eq!(l[Counter::ComputeNs.index()], 30);
+    assert_eq!(l[Counter::HotNs.index()], 0);
+}
