@@ -10,10 +10,13 @@
 //!
 //! A lease's deltas (its cumulative figures minus what already landed) are
 //! posted once `granularity` has passed since its last post and something
-//! changed, and at once when the lease's last allocation has ended. After
-//! the last adds landed, the daemon adds 1 to the slot's `closed` word, and
-//! forgets the lease; the service's flusher then writes the final totals
-//! and frees the slot.
+//! changed, and at once when the lease is over on this node (expired, or
+//! ended by the manager, with none of its allocations left). After the last
+//! adds landed, the daemon adds 1 to the slot's `closed` word and forgets
+//! the lease; once the lease is over in the manager's database too, the
+//! service's flusher writes the final totals and frees the slot. A daemon
+//! that stops posts every lease's figures ([`Poster::flush`]) but closes
+//! none: started again, it may serve the same leases.
 //!
 //! # Exactly once
 //!
@@ -67,7 +70,8 @@ pub(crate) struct LeaseUsage {
     /// Cumulative figures since the lease's first allocation on this daemon
     /// (`closed` is ignored).
     pub totals: SlotTotals,
-    /// Whether its last allocation has ended and the figures are final.
+    /// Whether the lease is over on this node (expired or ended by the
+    /// manager, no allocation left): the figures are final.
     pub ended: bool,
 }
 
@@ -143,8 +147,6 @@ enum Outcome {
     Open,
     /// Its `closed` add landed: forget it.
     Closed,
-    /// Given up, for this reason.
-    Dropped(&'static str),
 }
 
 /// Posts leases' usage; driven by [`Poster::tick`].
@@ -214,6 +216,15 @@ impl Poster {
     /// Whether every lease seen so far has been closed or dropped.
     pub(crate) fn is_idle(&self) -> bool {
         self.ledger.is_empty()
+    }
+
+    /// Posts every lease's figures now, whatever the granularity; used when
+    /// the daemon stops.
+    pub(crate) fn flush(&mut self, usage: &[LeaseUsage], now: Instant) {
+        for e in self.ledger.values_mut() {
+            e.last_post = None;
+        }
+        self.tick(usage, now);
     }
 
     /// Takes the latest figures and posts what is due.
@@ -311,13 +322,12 @@ impl Poster {
             }
             e.expected = Some(read);
             e.uncertain = false;
-            if read.closed > closed_before.unwrap_or(0) {
-                outcome = if closed_before.is_some() {
-                    // Our `closed` add landed; its completion was lost.
-                    Outcome::Closed
-                } else {
-                    Outcome::Dropped("its slot was already closed: the lease ended before")
-                };
+            // Our `closed` add landed; its completion was lost. (A slot
+            // found closed on first contact belongs to a lease that was
+            // renewed and used again after an earlier close: the flusher
+            // keeps it while the lease is active, so adding goes on.)
+            if closed_before.is_some_and(|before| read.closed > before) {
+                outcome = Outcome::Closed;
             }
         }
         if let Outcome::Open = outcome {
@@ -370,7 +380,6 @@ impl Poster {
                 self.stats.closed += 1;
                 self.journal(id, slot, region, "closed", serde_json::Value::Bool(true));
             }
-            Outcome::Dropped(why) => self.drop_lease(id, why),
         }
     }
 

@@ -374,3 +374,19 @@ fn landed_counts_what_the_slot_gained_up_to_the_batch() {
     assert_eq!(l[Counter::ComputeNs.index()], 30);
     assert_eq!(l[Counter::HotNs.index()], 0);
 }
+
+#[test]
+fn a_flush_posts_everything_now_and_closes_nothing() {
+    let peer = Peer::start();
+    let mut p = Poster::new(settings(None, CREDENTIAL)).unwrap();
+    let slot = peer.slot("acct1", 8);
+    let t0 = Instant::now();
+    p.tick(&[usage(5, &slot, 1_000, 1, false)], t0);
+    p.flush(
+        &[usage(5, &slot, 1_500, 2, false)],
+        t0 + Duration::from_millis(10),
+    );
+    assert_eq!(peer.word(8, Counter::ComputeNs), 1_500);
+    assert_eq!(peer.word(8, Counter::Closed), 0);
+    assert_eq!(p.stats().pending, 1);
+}
