@@ -79,6 +79,76 @@ pub struct Config {
     /// The resource managers this node registers with; without it the
     /// daemon runs alone and serves hand-minted leases.
     pub manager: Option<ManagerConfig>,
+    /// How the daemon posts leases' usage to accounting services.
+    pub billing: Option<BillingConfig>,
+}
+
+/// The `[billing]` table. The daemon posts the usage of every lease whose
+/// token names an accounting slot, with the node credential of
+/// `[manager]`; without `[manager]` it posts nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BillingConfig {
+    /// Post a lease's usage at most this often, ms (default 1000).
+    pub granularity_ms: Option<u64>,
+    /// Give up on an ended lease's usage that could not be posted after
+    /// this long, s (default 300; keep it below the accounting services'
+    /// `slot_hold_s`).
+    pub keep_ended_s: Option<u64>,
+    /// One connection attempt or one batch of adds, ms (default 2000).
+    pub timeout_ms: Option<u64>,
+    /// Journal of every add that landed, JSON lines, appended (default:
+    /// none).
+    pub journal: Option<PathBuf>,
+}
+
+/// The checked `[billing]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BillingSettings {
+    /// ms.
+    pub granularity_ms: u64,
+    /// s.
+    pub keep_ended_s: u64,
+    /// ms.
+    pub timeout_ms: u64,
+    /// The journal, when set.
+    pub journal: Option<PathBuf>,
+}
+
+impl Default for BillingSettings {
+    fn default() -> Self {
+        BillingSettings {
+            granularity_ms: 1000,
+            keep_ended_s: 300,
+            timeout_ms: 2000,
+            journal: None,
+        }
+    }
+}
+
+impl BillingConfig {
+    fn resolve(&self) -> Result<BillingSettings, ConfigError> {
+        let d = BillingSettings::default();
+        let positive = |key: &'static str, v: Option<u64>, default: u64| match v {
+            Some(0) => Err(ConfigError::Invalid {
+                key,
+                value: "0".into(),
+                why: "use at least 1".into(),
+            }),
+            Some(v) => Ok(v),
+            None => Ok(default),
+        };
+        Ok(BillingSettings {
+            granularity_ms: positive(
+                "billing.granularity_ms",
+                self.granularity_ms,
+                d.granularity_ms,
+            )?,
+            keep_ended_s: positive("billing.keep_ended_s", self.keep_ended_s, d.keep_ended_s)?,
+            timeout_ms: positive("billing.timeout_ms", self.timeout_ms, d.timeout_ms)?,
+            journal: self.journal.clone(),
+        })
+    }
 }
 
 /// The `[manager]` table: where to register and heartbeat.
@@ -288,6 +358,8 @@ pub struct Settings {
     pub metrics_listen: Option<SocketAddr>,
     /// Registration with the managers, when configured.
     pub manager: Option<ManagerSettings>,
+    /// Posting usage to accounting services.
+    pub billing: BillingSettings,
 }
 
 /// The default place of the node tools' socket.
@@ -514,6 +586,12 @@ impl Config {
                 .as_ref()
                 .map(ManagerConfig::resolve)
                 .transpose()?,
+            billing: self
+                .billing
+                .as_ref()
+                .map(BillingConfig::resolve)
+                .transpose()?
+                .unwrap_or_default(),
         })
     }
 }
@@ -675,6 +753,28 @@ mod tests {
             .resolve()
             .unwrap_err();
         assert!(err.to_string().contains("control_listen"), "{err}");
+    }
+
+    #[test]
+    fn billing_table_checks() {
+        let resolve = |t: &str| Config::parse(t).unwrap().resolve();
+        assert_eq!(resolve("").unwrap().billing, BillingSettings::default());
+        let s = resolve(
+            "[billing]\ngranularity_ms = 250\njournal = \"/var/lib/rfaas/billing.jsonl\"\n",
+        )
+        .unwrap()
+        .billing;
+        assert_eq!(s.granularity_ms, 250);
+        assert_eq!(s.keep_ended_s, 300);
+        assert_eq!(
+            s.journal.as_deref(),
+            Some(Path::new("/var/lib/rfaas/billing.jsonl"))
+        );
+        let e = resolve("[billing]\ngranularity_ms = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("billing.granularity_ms"), "{e}");
+        assert!(Config::parse("[billing]\ngranularity = 1\n").is_err());
     }
 
     #[test]

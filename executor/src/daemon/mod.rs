@@ -66,7 +66,10 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 
-pub use config::{Config, ConfigError, ManagerConfig, ManagerSettings, Sandbox, Settings};
+pub use config::{
+    BillingConfig, BillingSettings, Config, ConfigError, ManagerConfig, ManagerSettings, Sandbox,
+    Settings,
+};
 pub use keys::KeyFileError;
 
 use epoll::Waker;
