@@ -93,6 +93,9 @@ impl Link {
             send_depth: 128,
             recv_depth: 4,
             connect_timeout: timeout,
+            // The region is the service's file; the token that named it
+            // was signed by the manager.
+            map_file_regions: true,
             ..EndpointOptions::default()
         };
         let ep = domain
