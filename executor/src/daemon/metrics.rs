@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::billing::PosterStats;
 use prometheus::{
     CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec,
     Opts, Registry, TextEncoder,
@@ -52,6 +53,10 @@ pub(crate) struct Metrics {
     /// The ledger's totals as last exposed: the counters grow by the
     /// difference.
     exposed: Mutex<Figures>,
+    billing_posts: IntCounterVec,
+    billing_pending: Gauge,
+    /// The poster's figures as last exposed.
+    billing_exposed: Mutex<PosterStats>,
     /// Set once the manager link registered; cleared while it fails.
     pub manager_ok: AtomicBool,
 }
@@ -137,6 +142,25 @@ impl Metrics {
             "Time warm lanes spent blocked waiting for requests, summed over lanes",
         )
         .expect("valid metric");
+        let billing_posts = IntCounterVec::new(
+            Opts::new(
+                "billing_posts_total",
+                "Usage posted to accounting services: batches of adds that landed, leases closed, leases given up (dropped)",
+            ),
+            &["what"],
+        )
+        .expect("valid metric");
+        let billing_pending = Gauge::new(
+            "billing_pending_leases",
+            "Leases whose usage is not yet all posted (grows while an accounting service is unreachable)",
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(billing_posts.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(billing_pending.clone()),
+        ] {
+            registry.register(c).expect("distinct metric names");
+        }
         for c in [
             Box::new(allocations.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(invocations.clone()),
@@ -168,6 +192,9 @@ impl Metrics {
             worker_cpu,
             warm,
             exposed: Mutex::default(),
+            billing_posts,
+            billing_pending,
+            billing_exposed: Mutex::default(),
             manager_ok: AtomicBool::new(false),
         }
     }
@@ -187,6 +214,25 @@ impl Metrics {
             .inc_by(seconds(totals.hot_ns, exposed.hot_ns));
         self.warm.inc_by(seconds(totals.warm_ns, exposed.warm_ns));
         *exposed = *totals;
+    }
+
+    /// The billing poster's figures now (they only grow, but `pending`).
+    pub(crate) fn billing(&self, stats: PosterStats) {
+        let mut exposed = self
+            .billing_exposed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for (what, new, old) in [
+            ("batches", stats.batches, exposed.batches),
+            ("closed", stats.closed, exposed.closed),
+            ("dropped", stats.dropped, exposed.dropped),
+        ] {
+            self.billing_posts
+                .with_label_values(&[what])
+                .inc_by(new.saturating_sub(old));
+        }
+        self.billing_pending.set(stats.pending as f64);
+        *exposed = stats;
     }
 
     /// An allocation was granted after `seconds` of starting its worker.

@@ -7,7 +7,8 @@
 //! local connection, one epoll set), a fixed pool of request threads for
 //! allocations and a smaller one for deallocations and node-tool requests,
 //! the spawner (every worker is forked from it), one watcher per worker,
-//! the lease ticker, the manager link (when `[manager]` is set), and the main thread waiting for SIGTERM/SIGINT.
+//! the lease ticker, the manager link and the billing poster (when
+//! `[manager]` is set), and the main thread waiting for SIGTERM/SIGINT.
 //!
 //! # Layout
 //!
@@ -30,6 +31,7 @@
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume).
 //! - `register`: registration and heartbeats with the resource managers.
+//! - `billing`: posting each lease's usage into its accounting slot.
 //! - `renew`: moving a running allocation's end with a renewed lease's
 //!   token.
 //! - `metrics`: Prometheus metrics and the health check (`metrics_listen`).
@@ -40,7 +42,6 @@ pub mod config;
 pub mod keys;
 
 mod allocate;
-#[allow(dead_code)] // wired to the daemon's usage figures next
 mod billing;
 mod capacity;
 mod conn;
@@ -241,13 +242,18 @@ impl Daemon {
             let s = Arc::clone(&shared);
             spawn("metrics", Box::new(move || metrics::serve(s, listener)))?;
         }
+        let mut billing = None;
         if let Some(credential) = credential {
             let s = Arc::clone(&shared);
             let record = register::node_record(&s.settings, control_addr);
-            spawn(
-                "manager",
-                Box::new(move || register::run(s, record, credential)),
-            )?;
+            let c = credential.clone();
+            spawn("manager", Box::new(move || register::run(s, record, c)))?;
+            let s = Arc::clone(&shared);
+            billing = Some(
+                std::thread::Builder::new()
+                    .name("billing".into())
+                    .spawn(move || billing::run(s, credential))?,
+            );
         }
         let server = Server::new(Arc::clone(&shared), control, local, inbox, waker)?;
         let connections = std::thread::Builder::new()
@@ -272,6 +278,12 @@ impl Daemon {
         shared.outbox.post(LoopMsg::Stop);
         if connections.join().is_err() {
             tracing::error!("the connection loop panicked");
+        }
+        // The workers' final figures go to accounting before the exit.
+        if let Some(b) = billing {
+            if b.join().is_err() {
+                tracing::error!("the billing thread panicked");
+            }
         }
         let _ = std::fs::remove_file(&shared.settings.local_socket);
         Ok(())

@@ -300,8 +300,19 @@ fn stopped_within(shared: &Shared, d: Duration) -> bool {
     shared.wait_until(st, d, |st| st.stopping).1
 }
 
-/// The node's free capacity and its allocations, one entry per lease.
+/// The node's free capacity and its allocations, one entry per lease;
+/// billed leases with no allocation left (and not expired) are listed with
+/// nothing held, so the manager says when they end and their accounting
+/// slot can be closed.
 fn heartbeat(shared: &Shared) -> Heartbeat {
+    let now = unix_now();
+    let idle_billed: Vec<u64> = shared
+        .usage
+        .billed()
+        .into_iter()
+        .filter(|b| b.usage.ended && b.expires_at > now)
+        .map(|b| b.usage.lease_id)
+        .collect();
     let st = shared.lock();
     let mut held: Vec<HeldLease> = Vec::new();
     for a in st.allocations.values() {
@@ -315,6 +326,16 @@ fn heartbeat(shared: &Shared) -> Heartbeat {
                 cores: a.cpus.len() as u32,
                 memory_mib: u64::from(a.memory_mib),
             }),
+        }
+    }
+    for lease_id in idle_billed {
+        if !held.iter().any(|h| h.lease_id == lease_id) && !st.ended_leases.contains_key(&lease_id)
+        {
+            held.push(HeldLease {
+                lease_id,
+                cores: 0,
+                memory_mib: 0,
+            });
         }
     }
     Heartbeat {

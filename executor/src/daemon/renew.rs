@@ -119,6 +119,7 @@ fn try_renew(shared: &Shared, conn: u64, r: &RenewLease) -> Result<u64, Refused>
         .filter(|a| a.stop.is_none())
         .ok_or_else(gone)?;
     a.expires_at = a.expires_at.max(claims.expires_at);
+    shared.usage.renewed(claims.lease_id, a.expires_at);
     Ok(a.expires_at)
 }
 

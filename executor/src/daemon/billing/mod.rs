@@ -55,10 +55,14 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+
 use rfaas_fabric::Fabric;
 use rfaas_proto::accounting::{BillingSlot, Counter, SlotTotals, SLOT_WORDS};
 
 use link::{Link, LinkError};
+
+use super::state::Shared;
 
 /// One lease's cumulative usage as the daemon measured it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,6 +159,9 @@ pub(crate) struct Poster {
     fabrics: HashMap<String, Fabric>,
     links: HashMap<(String, String, String), LinkState>,
     ledger: HashMap<u64, Entry>,
+    /// Leases closed or given up, while the usage figures still list them:
+    /// never posted again.
+    done: std::collections::HashSet<u64>,
     journal: Option<File>,
     stats: PosterStats,
 }
@@ -200,6 +207,7 @@ impl Poster {
             fabrics: HashMap::new(),
             links: HashMap::new(),
             ledger: HashMap::new(),
+            done: std::collections::HashSet::new(),
             journal,
             stats: PosterStats::default(),
         })
@@ -214,6 +222,7 @@ impl Poster {
     }
 
     /// Whether every lease seen so far has been closed or dropped.
+    #[cfg(test)]
     pub(crate) fn is_idle(&self) -> bool {
         self.ledger.is_empty()
     }
@@ -229,7 +238,14 @@ impl Poster {
 
     /// Takes the latest figures and posts what is due.
     pub(crate) fn tick(&mut self, usage: &[LeaseUsage], now: Instant) {
+        // A closed lease stays in the figures for a while; it is done once
+        // they forget it too.
+        self.done
+            .retain(|id| usage.iter().any(|u| u.lease_id == *id));
         for u in usage {
+            if self.done.contains(&u.lease_id) {
+                continue;
+            }
             let e = self.ledger.entry(u.lease_id).or_insert_with(|| Entry {
                 slot: u.billing.clone(),
                 latest: SlotTotals::default(),
@@ -377,6 +393,7 @@ impl Poster {
             Outcome::Open => {}
             Outcome::Closed => {
                 self.ledger.remove(&id);
+                self.done.insert(id);
                 self.stats.closed += 1;
                 self.journal(id, slot, region, "closed", serde_json::Value::Bool(true));
             }
@@ -459,6 +476,7 @@ impl Poster {
         let Some(e) = self.ledger.remove(&id) else {
             return;
         };
+        self.done.insert(id);
         let lost = e.deltas();
         tracing::error!(lease_id = id, instance = %e.slot.instance, slot = e.slot.slot, why, unposted = %words_json(&lost), "gave up posting a lease's usage");
         self.stats.dropped += 1;
@@ -511,6 +529,83 @@ fn add_words(a: &SlotTotals, d: &[u64; SLOT_WORDS]) -> SlotTotals {
         w[i] = w[i].wrapping_add(d[i]);
     }
     SlotTotals::from_words(w)
+}
+
+/// The daemon's billing thread: posts every billed lease's figures from
+/// the usage ledger every 100 ms (each at most once per granularity), and
+/// when the daemon stops, waits for its workers' final figures and flushes
+/// them. A lease counts as over when its last allocation ended and its
+/// token expired or the manager ended it.
+pub(crate) fn run(shared: Arc<Shared>, credential: String) {
+    let b = &shared.settings.billing;
+    let settings = PosterSettings {
+        granularity: Duration::from_millis(b.granularity_ms),
+        keep_ended: Duration::from_secs(b.keep_ended_s),
+        timeout: Duration::from_millis(b.timeout_ms),
+        journal: b.journal.clone(),
+        credential,
+    };
+    let mut poster = match Poster::new(settings) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!(journal = ?b.journal, error = %e, "cannot open the billing journal; no usage is posted");
+            return;
+        }
+    };
+    let tick = Duration::from_millis(100).min(Duration::from_millis(b.granularity_ms));
+    loop {
+        let st = shared.lock();
+        let (st, stopping) = shared.wait_until(st, tick, |st| st.stopping);
+        drop(st);
+        if stopping {
+            break;
+        }
+        poster.tick(&billed_now(&shared), Instant::now());
+        shared.metrics.billing(poster.stats());
+    }
+    // The workers are being stopped: wait for their final figures, then
+    // post everything once more.
+    let st = shared.lock();
+    let (st, _) = shared.wait_until(st, STOP_WAIT, |st| st.allocations.is_empty());
+    drop(st);
+    poster.flush(&billed_now(&shared), Instant::now());
+    let left = poster.stats().pending;
+    tracing::info!(pending = left, "billing flushed for shutdown");
+}
+
+/// How long a stopping daemon waits for its workers' final figures.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// The ledger's billed leases as the poster takes them.
+fn billed_now(shared: &Shared) -> Vec<LeaseUsage> {
+    let ended_by_manager: Vec<u64> = shared.lock().ended_leases.keys().copied().collect();
+    let now_s = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    shared
+        .usage
+        .billed()
+        .into_iter()
+        .map(|b| {
+            let u = &b.usage;
+            LeaseUsage {
+                lease_id: u.lease_id,
+                billing: b.slot,
+                totals: SlotTotals {
+                    alloc_mib_ms: u.alloc_mib_ms,
+                    compute_ns: u.compute_ns,
+                    hot_ns: u.hot_ns,
+                    warm_ns: u.warm_ns,
+                    invocations: u.invocations,
+                    bytes_in: u.bytes_in,
+                    bytes_out: u.bytes_out,
+                    closed: 0,
+                },
+                ended: u.ended && (b.expires_at <= now_s || ended_by_manager.contains(&u.lease_id)),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -255,6 +255,15 @@ fn deltas_land_once_per_granularity_and_close_at_the_end() {
     assert_eq!(peer.word(3, Counter::Closed), 1);
     assert!(p.is_idle());
     assert_eq!(p.stats().closed, 1);
+    // The figures still list the ended lease for a while: it is not posted
+    // or closed again.
+    p.tick(
+        &[usage(1, &slot, 12_000, 4, true)],
+        t0 + Duration::from_millis(3400),
+    );
+    assert_eq!(peer.word(3, Counter::ComputeNs), 12_000);
+    assert_eq!(peer.word(3, Counter::Closed), 1);
+    assert!(p.is_idle());
     // Other slots are untouched.
     assert_eq!(peer.word(2, Counter::ComputeNs), 0);
     assert_eq!(peer.word(4, Counter::ComputeNs), 0);

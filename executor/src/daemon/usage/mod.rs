@@ -56,6 +56,7 @@ use std::sync::mpsc;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use rfaas_proto::accounting::BillingSlot;
 use rfaas_proto::control::LeaseUsage;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::meter::LaneState;
@@ -235,6 +236,17 @@ struct Metered {
     last: Figures,
 }
 
+/// A billed lease, as [`Ledger::billed`] lists it.
+#[derive(Debug, Clone)]
+pub(crate) struct Billed {
+    /// Its figures.
+    pub usage: LeaseUsage,
+    /// Its accounting slot.
+    pub slot: BillingSlot,
+    /// When its latest token ends, Unix seconds.
+    pub expires_at: u64,
+}
+
 /// A lease's part of the ledger.
 #[derive(Debug)]
 struct Lease {
@@ -251,6 +263,8 @@ struct Lease {
     running: u32,
     /// When its last running allocation ended.
     ended_at: Option<Instant>,
+    /// Where its usage is billed, as its token says.
+    billing: Option<BillingSlot>,
 }
 
 #[derive(Debug, Default)]
@@ -329,8 +343,12 @@ impl Ledger {
                 allocations: 0,
                 running: 0,
                 ended_at: None,
+                billing: claims.billing.clone(),
             });
         lease.expires_at = lease.expires_at.max(claims.expires_at);
+        if lease.billing.is_none() {
+            lease.billing = claims.billing.clone();
+        }
         lease.allocations += 1;
         lease.running += 1;
         lease.ended_at = None;
@@ -412,6 +430,36 @@ impl Ledger {
             .keys()
             .filter_map(|&id| report(&inner, id))
             .collect()
+    }
+
+    /// Every lease whose token names an accounting slot, with the slot, its
+    /// figures sampled now, and when its latest token ends.
+    pub(crate) fn billed(&self) -> Vec<Billed> {
+        let now = self.now();
+        let mut inner = self.lock();
+        sample_running(&mut inner, self.clock, now);
+        prune(&mut inner, now.at, unix_now());
+        inner
+            .leases
+            .values()
+            .filter_map(|l| {
+                let slot = l.billing.clone()?;
+                let usage = report(&inner, l.lease_id)?;
+                Some(Billed {
+                    usage,
+                    slot,
+                    expires_at: l.expires_at,
+                })
+            })
+            .collect()
+    }
+
+    /// A renewal moved lease `lease_id`'s end to `expires_at` (Unix
+    /// seconds): it is not over before then.
+    pub(crate) fn renewed(&self, lease_id: u64, expires_at: u64) {
+        if let Some(l) = self.lock().leases.get_mut(&lease_id) {
+            l.expires_at = l.expires_at.max(expires_at);
+        }
     }
 
     /// One lease's figures, sampled now; `None` for a lease this daemon

@@ -148,6 +148,7 @@ fn claims(lease_id: u64) -> LeaseClaims {
         memory_mib: 1024,
         issued_at: 0,
         expires_at: u64::MAX,
+        billing: None,
     }
 }
 
