@@ -365,6 +365,18 @@ impl LeasedAllocation {
             .map(Lease::id)
     }
 
+    /// The id of the node lease the allocation runs under (the token's
+    /// `lease_id`, which bills key on); `None` once released.
+    pub fn node_lease_id(&self) -> Option<u64> {
+        let current = lock(&self.keeper.shared.current);
+        let node = current.node.clone();
+        current
+            .lease
+            .as_ref()
+            .and_then(|l| l.nodes().into_iter().find(|n| n.node == node))
+            .map(|n| n.lease_id)
+    }
+
     /// The node the allocation is on.
     pub fn node(&self) -> String {
         lock(&self.keeper.shared.current).node.clone()

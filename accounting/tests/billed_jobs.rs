@@ -1,0 +1,194 @@
+//! Jobs billed end to end: a manager and an accounting service on one
+//! database, two executor daemons that register and post usage, and
+//! clients that lease cores through the library and call a function that
+//! burns CPU. Each lease's stored totals are what its executor journaled
+//! (exactly), its compute time is what the function measured within the
+//! granularity, and its account is charged for it.
+
+mod common;
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use common::{wait_until, Env};
+use rfaas_client::lease::{LeaseRequest, Managers};
+use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
+use rfaas_proto::accounting::Counter;
+use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+
+/// The executors post at most this often.
+const GRANULARITY_MS: u64 = 200;
+
+/// CPU each call burns, ms, and calls per lease.
+const BURN_MS: u32 = 30;
+const CALLS: usize = 8;
+
+struct Node {
+    /// Runs until the test ends.
+    _daemon: Executord,
+    journal: PathBuf,
+}
+
+fn node(env: &Env, dir: &Path, name: &str) -> Node {
+    let cred = dir.join(format!("{name}.credential"));
+    std::fs::write(&cred, env.node_credential(name)).unwrap();
+    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let journal = dir.join(format!("{name}.billing.jsonl"));
+    let daemon = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: name.into(),
+            cpus: "0-1".into(),
+            memory_mib: 4096,
+            accept_keys: vec![env.manager.public_key_line()],
+            extra_config: format!(
+                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n\
+             [billing]\ngranularity_ms = {GRANULARITY_MS}\njournal = {:?}\n",
+                env.manager.url(),
+                cred.display().to_string(),
+                journal.display().to_string(),
+            ),
+            ..ExecutordOptions::default()
+        },
+    );
+    Node {
+        _daemon: daemon,
+        journal,
+    }
+}
+
+/// Sums each lease's `added` lines per counter over `journals`.
+fn journaled(journals: &[&Path]) -> HashMap<u64, HashMap<String, u64>> {
+    let mut sums: HashMap<u64, HashMap<String, u64>> = HashMap::new();
+    for j in journals {
+        let text = std::fs::read_to_string(j).unwrap_or_default();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let id = v["lease_id"].as_u64().unwrap();
+            if let Some(added) = v["added"].as_object() {
+                let e = sums.entry(id).or_default();
+                for (k, n) in added {
+                    *e.entry(k.clone()).or_insert(0) += n.as_u64().unwrap();
+                }
+            }
+        }
+    }
+    sums
+}
+
+fn jobs_are_billed_for_what_they_used(kind: &str) {
+    let env = Env::new(kind);
+    let _acct = env.accounting();
+    let dir = std::env::temp_dir().join(format!("rfaas-billed-jobs-{}-{kind}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let nodes = [node(&env, &dir, "bill-a"), node(&env, &dir, "bill-b")];
+    let admin = env.manager.admin();
+    wait_until("both nodes are up", || {
+        let (_, all) = admin.call("GET", "/v1/nodes", None);
+        all.as_array()
+            .is_some_and(|a| a.iter().filter(|n| n["state"] == "up").count() == 2)
+    });
+    let user = env.manager.credential("user", "nobody", Some("physics"));
+    let managers = Managers::new([env.manager.url()], &user).unwrap();
+    let library = rfaas_testkit::functions::c_library_bytes();
+    let spec = AllocationSpec::new(library, &["burn_cpu_ms"])
+        .library_name("libfunctions.so")
+        .memory_mib(128);
+    let want = LeaseRequest {
+        cores: 1,
+        memory_mib: 256,
+        duration_s: 600,
+        min_cores: None,
+        nodes: vec![],
+    };
+
+    // Four jobs at once, over both nodes; each sums the CPU its function
+    // says it burned.
+    let measured: Vec<(u64, u64)> = std::thread::scope(|s| {
+        let jobs: Vec<_> = (0..4)
+            .map(|_| {
+                let (managers, spec, want) = (&managers, &spec, &want);
+                s.spawn(move || {
+                    let client = Client::new(ClientOptions::with_provider("tcp"));
+                    let la = managers
+                        .allocate(&client, want, spec, &LeaseOptions::default())
+                        .unwrap();
+                    let lease_id = la.node_lease_id().unwrap();
+                    let f = la.function("burn_cpu_ms").unwrap();
+                    let mut input = la.buffer::<u32>(1).unwrap();
+                    let mut output = la.buffer::<u64>(2).unwrap();
+                    input.as_mut_slice()[0] = BURN_MS;
+                    let mut burned = 0;
+                    for _ in 0..CALLS {
+                        la.invoke(f, &input, 1, &mut output).unwrap();
+                        burned += output.as_slice()[0];
+                    }
+                    la.deallocate().unwrap();
+                    (lease_id, burned)
+                })
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+
+    // Each lease ends (released), its executor posts the rest and closes
+    // its slot, and the flusher writes the final totals.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    for n in &nodes {
+        eprintln!(
+            "JOURNAL {}",
+            std::fs::read_to_string(&n.journal).unwrap_or_default()
+        );
+        eprintln!("LOG {}", n._daemon.log());
+    }
+    for (lease_id, _) in &measured {
+        eprintln!("USAGE {lease_id} {:?}", env.usage(*lease_id));
+    }
+    for (lease_id, _) in &measured {
+        wait_until("the lease's usage is final", || {
+            env.usage(*lease_id).is_some_and(|u| u.finalized)
+        });
+    }
+    let journals: Vec<&Path> = nodes.iter().map(|n| n.journal.as_path()).collect();
+    let sums = journaled(&journals);
+    let mut spent = 0.0;
+    for (lease_id, burned) in &measured {
+        let row = env.usage(*lease_id).unwrap();
+        let t = row.totals;
+        let logged = &sums[lease_id];
+        for c in Counter::ALL {
+            if c == Counter::Closed {
+                continue;
+            }
+            assert_eq!(
+                logged.get(c.name()).copied().unwrap_or(0),
+                t.get(c),
+                "lease {lease_id}: {} stored is not what the executor journaled",
+                c.name()
+            );
+        }
+        assert_eq!(t.invocations, CALLS as u64, "lease {lease_id}");
+        // The bill counts all the function's CPU, and the worker's own
+        // work (its start, its polls) stays within the granularity.
+        assert!(
+            t.compute_ns + t.hot_ns >= *burned,
+            "lease {lease_id}: billed {} ns of CPU, the function burned {burned} ns",
+            t.compute_ns + t.hot_ns
+        );
+        assert!(
+            t.compute_ns + t.hot_ns <= burned + GRANULARITY_MS * 1_000_000,
+            "lease {lease_id}: billed {} ns of CPU, the function burned {burned} ns",
+            t.compute_ns + t.hot_ns
+        );
+        assert!(t.alloc_mib_ms > 0);
+        spent += common::cost(&t, false);
+    }
+    wait_until("physics is charged for its leases", || {
+        (env.spend("physics") - spent).abs() < 1e-6
+    });
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+on_both!(jobs_are_billed_for_what_they_used);
