@@ -175,7 +175,7 @@ impl Flusher {
         }
         let mut report = FlushReport {
             assigned: assigned.len(),
-            strays: self.clear_strays(&assigned),
+            strays: self.clear_strays(&assigned).await?,
             ..FlushReport::default()
         };
         self.metrics.slots_in_use.set(assigned.len() as i64);
@@ -287,13 +287,20 @@ impl Flusher {
         Ok(report)
     }
 
-    /// Clears free slots that hold adds. Returns how many.
-    fn clear_strays(&self, assigned: &[Assigned]) -> usize {
+    /// Clears free slots that hold adds. Returns how many. A slot that
+    /// looks free in `assigned` may have been granted since that list was
+    /// read, and its daemon may already be adding: each candidate's
+    /// assignment is read again just before it is cleared.
+    async fn clear_strays(&self, assigned: &[Assigned]) -> Result<usize, DbError> {
         let held: HashSet<u32> = assigned.iter().map(|a| a.slot).collect();
         let mut strays = 0;
         for slot in (0..self.region.slots()).filter(|s| !held.contains(s)) {
             let words = self.region.read_slot(slot);
             if words != SlotTotals::default() {
+                let name = &self.cfg.instance;
+                if retrying(|| store::slot_lease(&self.pool, name, slot)).await? != 0 {
+                    continue;
+                }
                 let taken = self.region.take_slot(slot);
                 tracing::warn!(slot, compute_ns = taken.get(Counter::ComputeNs), closed = taken.closed, "a free slot held adds (a daemon added after its lease's slot was freed); cleared");
                 strays += 1;
@@ -303,7 +310,7 @@ impl Flusher {
             let _ = self.region.sync_all();
             self.metrics.stray_adds.inc_by(strays as u64);
         }
-        strays
+        Ok(strays)
     }
 
     fn count_rows(&self, w: &store::Written) {

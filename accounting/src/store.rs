@@ -206,6 +206,19 @@ pub struct Assigned {
 }
 
 /// The instance's assigned slots, with their leases.
+/// The lease slot `slot` of instance `name` is assigned to now (0: free).
+pub async fn slot_lease(pool: &AnyPool, name: &str, slot: u32) -> Result<u64, DbError> {
+    let row = sqlx::query("SELECT lease_id FROM billing_slots WHERE instance = $1 AND slot = $2")
+        .bind(name)
+        .bind(i64::from(slot))
+        .fetch_optional(pool)
+        .await?;
+    match row {
+        Some(r) => Ok(u64_col(&r, "lease_id")?),
+        None => Ok(0),
+    }
+}
+
 pub async fn assigned_slots(pool: &AnyPool, name: &str) -> Result<Vec<Assigned>, DbError> {
     let rows = sqlx::query(
         "SELECT b.slot, b.lease_id, b.assigned_ms, l.account, l.harvested, l.state, l.ended_ms, l.expires_at, u.finalized
