@@ -176,6 +176,47 @@ stop_manager() {
     MANAGER_PID=""
 }
 
+# Starts an accounting service on the manager's SQLite database, with the
+# rates of WORK_DIR/accounting/billing.toml (written here), listening on
+# tcp on 127.0.0.1. Sets ACCOUNTING_PID and BILLING (the rfaas-billing
+# command line). Stop it with stop_accounting.
+#   start_accounting BIN_DIR WORK_DIR
+start_accounting() {
+    local bin=$1 work=$2
+    ACCOUNTING_DIR="$work/accounting"
+    mkdir -p "$ACCOUNTING_DIR"
+    cat >"$ACCOUNTING_DIR/billing.toml" <<TOML
+currency = "CHF"
+[rates]
+alloc_per_gib_s = 0.0001
+compute_per_s = 0.01
+hot_per_s = 0.005
+harvested_discount = 0.5
+TOML
+    "$bin/rfaas-accounting" --name acct1 --database "sqlite://$MANAGER_DIR/manager.db" \
+        --region-file "$ACCOUNTING_DIR/region" --provider tcp --listen 127.0.0.1:0 \
+        --metrics-listen 127.0.0.1:0 --billing-config "$ACCOUNTING_DIR/billing.toml" \
+        </dev/null >"$ACCOUNTING_DIR/accounting.out" 2>"$ACCOUNTING_DIR/accounting.log" &
+    ACCOUNTING_PID=$!
+    local ready
+    ready=$(await_line "$ACCOUNTING_PID" "$ACCOUNTING_DIR/accounting.out" \
+        's/^rfaas-accounting listening on \(.*\)$/\1/p')
+    if [ -z "$ready" ]; then
+        echo "rfaas-accounting did not start within 30 s; its log:" >&2
+        tail -n 40 "$ACCOUNTING_DIR/accounting.log" >&2
+        return 1
+    fi
+    BILLING=("$bin/rfaas-billing" --database "sqlite://$MANAGER_DIR/manager.db"
+        --config "$ACCOUNTING_DIR/billing.toml")
+    echo "rfaas-accounting (pid $ACCOUNTING_PID) listening on $ready"
+}
+
+# Stops the service start_accounting started, by its pid.
+stop_accounting() {
+    stop_pid "${ACCOUNTING_PID:-}"
+    ACCOUNTING_PID=""
+}
+
 # Starts an executor daemon for node NAME that registers with the manager
 # of start_manager and accepts its lease tokens.
 #   start_node BIN_DIR WORK_DIR NAME CPUS
@@ -207,6 +248,9 @@ log_level = "info"
 [manager]
 urls = ["$MANAGER_URL"]
 credential_file = "$dir/node.credential"
+
+[billing]
+journal = "$dir/billing.jsonl"
 TOML
     "$bin/rfaas-executord" --config "$dir/executord.toml" \
         </dev/null >"$dir/executord.out" 2>"$dir/executord.log" &
