@@ -10,7 +10,10 @@
 #    same bodies as tcp and shm), and
 #  - the client's end-to-end verbs cases (client/tests/e2e.rs: a real
 #    rfaas-executord and its workers on rxe0, the same bodies as tcp and
-#    shm), all with --include-ignored. The guest mounts cgroup v2, so these
+#    shm), and
+#  - the accounting service's verbs case (accounting/tests/service.rs
+#    `adds_over_verbs`: a real rfaas-accounting whose region the NIC adds
+#    into), all with --include-ignored. The guest mounts cgroup v2, so these
 #    daemons limit their workers with memory.max (RFAAS_TEST_CGROUP_V2 makes
 #    the memory-limit test insist on it).
 # Prints each runner's "test result:" line and fails if a test fails, if a
@@ -24,7 +27,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # In the guest: run both binaries, every test even after a failure.
 if [ "${1:-}" = --in-guest ]; then
-    lib=$2 conformance=$3 e2e=$4 status=0
+    lib=$2 conformance=$3 e2e=$4 acct=$5 status=0
     # The guest's init mounts no cgroups; a unified (v2) hierarchy with the
     # memory controller lets the executor daemons here limit their workers
     # with memory.max, which the host (cgroup v1) cannot show.
@@ -44,6 +47,8 @@ if [ "${1:-}" = --in-guest ]; then
     "$conformance" verbs --include-ignored --test-threads=1 || status=1
     echo "== verbs: executor and client end to end on verbs:$RDMA_DEVICE"
     "$e2e" verbs --include-ignored --test-threads=1 || status=1
+    echo "== verbs: the accounting service on verbs:$RDMA_DEVICE"
+    "$acct" adds_over_verbs --include-ignored --test-threads=1 || status=1
     exit "$status"
 fi
 
@@ -70,8 +75,9 @@ executable() {
 lib=$(executable fabric/src/lib.rs)
 conformance=$(executable fabric/tests/conformance.rs)
 e2e=$(executable client/tests/e2e.rs)
-if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ]; then
-    echo "test-verbs: cargo built no fabric library, fabric conformance or client e2e test binary:" >&2
+acct=$(executable accounting/tests/service.rs)
+if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ] || [ -z "$acct" ]; then
+    echo "test-verbs: cargo built no fabric library, fabric conformance, client e2e or accounting service test binary:" >&2
     echo "$binaries" >&2
     exit 1
 fi
@@ -86,7 +92,7 @@ vm_status=0
 # The binaries live in cargo's target directory, which may be outside the repository.
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 RDMA_VM_TIMEOUT=${RDMA_VM_TIMEOUT:-900} RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
-    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" |
+    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" |
     tee "$log" || vm_status=$?
 # With pipefail, the pipeline's status is the VM's (tee does not fail).
 
@@ -98,8 +104,8 @@ if [ "$vm_status" -ne 0 ]; then
     echo "test-verbs: FAILED: the run in the VM exited with $vm_status" >&2
     failed=1
 fi
-if [ ${#results[@]} -ne 3 ]; then
-    echo "test-verbs: FAILED: expected 3 test summaries (library, conformance, e2e), got ${#results[@]}" >&2
+if [ ${#results[@]} -ne 4 ]; then
+    echo "test-verbs: FAILED: expected 4 test summaries (library, conformance, e2e, accounting), got ${#results[@]}" >&2
     failed=1
 fi
 for line in "${results[@]}"; do

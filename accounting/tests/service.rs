@@ -453,7 +453,7 @@ on_both!(a_replaced_region_starts_from_the_stored_totals);
 /// The same over verbs, where the NIC applies the adds to the file's
 /// pages.
 #[test]
-#[ignore = "needs an RDMA device: run under Soft-RoCE with scripts/rdma-vm.sh (see docs/accounting.md), built with --features rfaas-fabric/verbs"]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
 fn adds_over_verbs() {
     let provider = rfaas_fabric::testing::verbs();
     let env = Env::new("sqlite");
