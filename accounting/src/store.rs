@@ -555,35 +555,6 @@ pub async fn snapshots_of(pool: &AnyPool, lease_id: u64) -> Result<Vec<Snapshot>
         .collect()
 }
 
-/// Each lease's latest snapshot taken at or before `at_ms` (the totals a
-/// report's period boundary cuts at), for every lease that has one.
-pub async fn snapshots_at(pool: &AnyPool, at_ms: u64) -> Result<Vec<Snapshot>, DbError> {
-    let sql = format!(
-        "SELECT s.lease_id, s.at_ms, {} FROM usage_snapshots s
-         JOIN (SELECT lease_id, MAX(at_ms) AS at_ms FROM usage_snapshots WHERE at_ms <= $1 GROUP BY lease_id) latest
-           ON latest.lease_id = s.lease_id AND latest.at_ms = s.at_ms
-         ORDER BY s.lease_id",
-        USAGE_COUNTERS
-            .iter()
-            .map(|c| format!("s.{}", c.name()))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    sqlx::query(&sql)
-        .bind(i(at_ms))
-        .fetch_all(pool)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(Snapshot {
-                lease_id: u64_col(r, "lease_id")?,
-                at_ms: u64_col(r, "at_ms")?,
-                totals: totals_from_row(r)?,
-            })
-        })
-        .collect()
-}
-
 /// An account's spend so far (0 when it has none).
 pub async fn account_spend(pool: &AnyPool, account: &str) -> Result<f64, DbError> {
     let row = sqlx::query("SELECT spend FROM account_spend WHERE account = $1")
