@@ -112,10 +112,12 @@ pub enum LaneState {
     /// Serving a request: from its arrival to its answer, the user's
     /// function and the lane's own handling around it: counts as compute.
     Function = 2,
-    /// Blocked waiting for requests (a warm lane): counts as warm.
+    /// Blocked waiting for requests (a warm lane), up to a request's
+    /// arrival: counts as warm.
     Warm = 3,
-    /// The lane's own work outside the function on a lane that is not
-    /// polling (a warm lane handling a request): counts in no bucket.
+    /// The lane's own work between requests on a lane that is not polling
+    /// (a warm lane after its answer, until it waits again): counts in no
+    /// bucket.
     Handling = 4,
 }
 

@@ -206,10 +206,11 @@ impl Lane {
                 }
                 n
             } else {
+                // Warm until a request's arrival closes the phase (or the
+                // next wait reopens it): nothing to publish on the way
+                // from the wake-up to the request.
                 self.meter.enter(LaneState::Warm);
-                let waited = self.endpoint.wait(&mut done, WARM_WAIT);
-                self.meter.enter(LaneState::Handling);
-                match waited {
+                match self.endpoint.wait(&mut done, WARM_WAIT) {
                     Ok(n) => n,
                     Err(e) => {
                         tracing::error!(lane = self.cfg.index, error = %e, "waiting for completions failed; ending the lane");
