@@ -68,7 +68,8 @@ if [ "${1:-}" = --in-guest ]; then
     # Round $1's "round <n> <key> <median µs>" lines, from the tables on stdin.
     keys() {
         awk -v r="$1" '
-            $1 ~ /^ib_write_lat$/ && $4 ~ /^[0-9]+$/ { print "round", r, "perftest_rt_" $4, 2 * $8 }
+            $1 ~ /^ib_write_lat$/ && $4 ~ /^[0-9]+$/ && $8 ~ /^[0-9.]+$/ {
+                print "round", r, "perftest_rt_" $4, 2 * $8 }
             $1 !~ /_overhead$/ && $2 ~ /^verbs:/ && $4 == "B" && $5 ~ /^[0-9.]+$/ {
                 print "round", r, $1 "_" $3, $5 }'
     }
@@ -92,6 +93,8 @@ if [ "${1:-}" = --in-guest ]; then
             perftest_header
             perftest_pair "ib_write_lat 8 B" ib_write_lat -n "$iters" -s 8
             perftest_pair "ib_write_lat 64 B" ib_write_lat -n "$iters" -s 64
+            # The size of hot_noop's 64-byte request, header included.
+            perftest_pair "ib_write_lat 96 B" ib_write_lat -n "$iters" -s 96
             "$bench" --provider "verbs:$RDMA_DEVICE" --rows pingpong --sizes 1,64,4096 \
                 --iters "$iters" 2>&1 | sed 's/^pingpong /fabric_pingpong /'
             "$invoke_bench" --provider "verbs:$RDMA_DEVICE" \
