@@ -9,9 +9,21 @@
 #  - rfaas-bench --provider verbs:rxe0 with the invocation rows (hot_noop,
 #    warm_noop, warm_noop_spin) next to the fabric's pingpong and its
 #    blocking baseline: a real rfaas-executord and its workers on rxe0.
+# The latency rows run BENCH_ROUNDS times, perftest's round trips and both
+# benches' one after the other in each round; the summary at the end gives
+# each row's best round, how far its rounds moved (worst over best), and
+# the ratios the targets in docs/benchmarks.md are about: the fabric's
+# pingpong over perftest's round trip (twice ib_write_lat), hot_noop over
+# the verbs pingpong, from the best rounds and the range over rounds.
 #
 #   scripts/bench-verbs.sh
-#   BENCH_ITERS=2000 BENCH_BW_BYTES=16777216 scripts/bench-verbs.sh   # the defaults
+#   BENCH_ITERS=2000 BENCH_BW_BYTES=16777216 BENCH_ROUNDS=3 scripts/bench-verbs.sh   # the defaults
+#
+# The guest boots with tsc=reliable: under TCG every vCPU reads the host's
+# TSC, but the guest kernel calls it unstable and falls back to the HPET,
+# which makes every clock read (the benches' timestamps, the client's and
+# the workers' own) a system call and an emulated device access of about
+# a microsecond. perftest times with rdtsc either way.
 #
 # These are functional figures: the CPU is emulated (qemu TCG, several times
 # slower than the host) and so is the NIC (rdma_rxe does RDMA in the guest
@@ -23,10 +35,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 iters=${BENCH_ITERS:-2000}
 bw_bytes=${BENCH_BW_BYTES:-16777216}
+rounds=${BENCH_ROUNDS:-3}
 
 # In the guest.
 if [ "${1:-}" = --in-guest ]; then
-    bench=$2 iters=$3 bw_bytes=$4 invoke_bench=$5
+    bench=$2 iters=$3 bw_bytes=$4 invoke_bench=$5 rounds=$6
     # One perftest pair: the server on vCPU 1, the client on vCPU 0, then the
     # client's result line.
     perftest_pair() {
@@ -47,12 +60,23 @@ if [ "${1:-}" = --in-guest ]; then
             for (i = 1; i <= NF; i++) printf " %9s", $i
             print ""; exit }' "$client"
     }
+    # perftest's latency header.
+    perftest_header() {
+        printf '%-28s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n' test bytes iters "t_min" "t_max" \
+            "t_typical" "t_avg" "t_stdev" "99%" "99.9%"
+    }
+    # Round $1's "round <n> <key> <median µs>" lines, from the tables on stdin.
+    keys() {
+        awk -v r="$1" '
+            $1 ~ /^ib_write_lat$/ && $4 ~ /^[0-9]+$/ && $8 ~ /^[0-9.]+$/ {
+                print "round", r, "perftest_rt_" $4, 2 * $8 }
+            $1 !~ /_overhead$/ && $2 ~ /^verbs:/ && $4 == "B" && $5 ~ /^[0-9.]+$/ {
+                print "round", r, $1 "_" $3, $5 }'
+    }
+    samples=$(mktemp) out=$(mktemp)
     echo "== perftest $(dpkg-query -W -f='${Version}' perftest 2>/dev/null), rxe0 loopback, µs" \
         "(ib_write_lat: half a round trip; ib_atomic_lat: a whole one)"
-    printf '%-28s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n' test bytes iters "t_min" "t_max" \
-        "t_typical" "t_avg" "t_stdev" "99%" "99.9%"
-    perftest_pair "ib_write_lat 8 B" ib_write_lat -n "$iters" -s 8
-    perftest_pair "ib_write_lat 64 B" ib_write_lat -n "$iters" -s 64
+    perftest_header
     perftest_pair "ib_write_lat 4096 B" ib_write_lat -n "$iters" -s 4096
     perftest_pair "ib_atomic_lat FETCH_AND_ADD" ib_atomic_lat -n "$iters" -A FETCH_AND_ADD
     echo "== perftest ib_write_bw, rxe0 loopback, MB/s"
@@ -61,12 +85,46 @@ if [ "${1:-}" = --in-guest ]; then
         perftest_pair "ib_write_bw $size B" ib_write_bw -s "$size" -n $((bw_bytes / size))
     done
     echo "== rfaas-fabric-bench"
-    "$bench" --provider "verbs:$RDMA_DEVICE" --rows pingpong,bandwidth \
-        --iters "$iters" --bw-bytes "$bw_bytes"
-    echo "== rfaas-bench (invocations through rfaas-executord on $RDMA_DEVICE)"
-    "$invoke_bench" --provider "verbs:$RDMA_DEVICE" \
-        --rows hot_noop,warm_noop,warm_noop_spin,pingpong \
-        --sizes 1,64 --iters "$iters"
+    "$bench" --provider "verbs:$RDMA_DEVICE" --rows bandwidth --bw-bytes "$bw_bytes"
+    for round in $(seq "$rounds"); do
+        echo "== latency, round $round of $rounds: perftest, rfaas-fabric-bench, rfaas-bench" \
+            "(invocations through rfaas-executord on $RDMA_DEVICE)"
+        {
+            perftest_header
+            perftest_pair "ib_write_lat 8 B" ib_write_lat -n "$iters" -s 8
+            perftest_pair "ib_write_lat 64 B" ib_write_lat -n "$iters" -s 64
+            # The size of hot_noop's 64-byte request, header included.
+            perftest_pair "ib_write_lat 96 B" ib_write_lat -n "$iters" -s 96
+            "$bench" --provider "verbs:$RDMA_DEVICE" --rows pingpong --sizes 1,64,4096 \
+                --iters "$iters" 2>&1 | sed 's/^pingpong /fabric_pingpong /'
+            "$invoke_bench" --provider "verbs:$RDMA_DEVICE" \
+                --rows hot_noop,warm_noop,warm_noop_spin,pingpong \
+                --sizes 1,64 --iters "$iters" 2>&1
+        } | tee "$out"
+        keys "$round" <"$out" >>"$samples"
+    done
+    echo "== summary of $rounds rounds: median µs of each row's best round, worst round over best;" \
+        "ratios from the best rounds, and their range over rounds"
+    awk '
+        { v[$3, $2] = $4; if (!($3 in best) || $4 < best[$3]) best[$3] = $4
+          if ($4 > worst[$3]) worst[$3] = $4; seen[$3] = 1; if ($2 > n) n = $2 }
+        function ratio(label, a, b,    r, lo, hi, x) {
+            if (!(a in best) || !(b in best)) return
+            lo = 1e9; hi = 0
+            for (r = 1; r <= n; r++) if ((a, r) in v && (b, r) in v && v[b, r] > 0) {
+                x = v[a, r] / v[b, r]; if (x < lo) lo = x; if (x > hi) hi = x }
+            printf "%-44s %6.2f   (rounds %.2f-%.2f)\n", label, best[a] / best[b], lo, hi
+        }
+        END {
+            printf "%-28s %9s %9s\n", "row", "best", "worst/best"
+            for (k in seen) printf "%-28s %9.2f %9.2f\n", k, best[k], worst[k] / best[k] | "sort"
+            close("sort")
+            for (s = 1; s <= 64; s *= 64) {
+                p = (s == 1) ? "perftest_rt_8" : "perftest_rt_64"
+                ratio("fabric pingpong " s " B / perftest round trip", "fabric_pingpong_" s, p)
+                ratio("hot_noop " s " B / pingpong " s " B", "hot_noop_" s, "pingpong_" s)
+            }
+        }' "$samples"
     exit 0
 fi
 
@@ -76,9 +134,13 @@ ensure_rust
 bash scripts/rdma-vm.sh build
 cargo build --release -q -p rfaas-bench -p rfaas-executor --features rfaas-fabric/verbs
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
+# The guest has no C compiler: build the function library the invocation
+# rows ship here, into the target directory the guest shares.
+"$target_dir/release/rfaas-bench" --build-functions >/dev/null
 start=$SECONDS
-RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
+RDMA_VM_KERNEL_ARGS="tsc=reliable${RDMA_VM_KERNEL_ARGS:+ $RDMA_VM_KERNEL_ARGS}" \
+    RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
     bash scripts/rdma-vm.sh run -- "$PWD/scripts/bench-verbs.sh" --in-guest \
     "$target_dir/release/rfaas-fabric-bench" "$iters" "$bw_bytes" \
-    "$target_dir/release/rfaas-bench"
+    "$target_dir/release/rfaas-bench" "$rounds"
 echo "bench-verbs: one boot, $((SECONDS - start)) s"

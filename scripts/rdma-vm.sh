@@ -40,6 +40,8 @@
 #   RDMA_VM_NET         none (default) | listen:PORT | connect:PORT: join two VMs'
 #                       NICs by a TCP socket on 127.0.0.1 (see test-verbs-two-node.sh)
 #   RDMA_VM_IP          guest address, optionally /prefix (default 192.0.2.1/24)
+#   RDMA_VM_KERNEL_ARGS more guest kernel arguments (scripts/bench-verbs.sh passes
+#                       tsc=reliable, so clock reads in the guest stay off the HPET)
 #   RDMA_VM_SHARE       more host directories to share, ':'-separated
 #   RDMA_VM_PASSENV     more variable names to pass into the guest, space-separated
 #   RDMA_VM_CONSOLE     1: stream the guest kernel console to stderr as well
@@ -393,7 +395,7 @@ cmd_run() {
     qemu-system-x86_64 -nodefaults -no-user-config $accel -smp "$smp" -m "$mem" \
         -display none -serial "file:$RUN_DIR/console.log" -no-reboot \
         -kernel "$VM_DIR/vmlinuz" -initrd "$VM_DIR/initrd.img" \
-        -append "console=ttyS0 root=/dev/vda rw init=/sbin/rdma-vm-init panic=-1 quiet loglevel=3 net.ifnames=0" \
+        -append "console=ttyS0 root=/dev/vda rw init=/sbin/rdma-vm-init panic=-1 quiet loglevel=3 net.ifnames=0${RDMA_VM_KERNEL_ARGS:+ $RDMA_VM_KERNEL_ARGS}" \
         -drive "file=$VM_DIR/rootfs.img,if=virtio,format=raw,snapshot=on" \
         -virtfs "local,path=$RUN_DIR,mount_tag=rdmavmctl,security_model=none,id=rdmavmctl" \
         "${qemu_shares[@]}" \

@@ -339,12 +339,22 @@ fn cpu_ns_of_tree(pid: u32, skip: &[u32]) -> u64 {
 
 /// The C example functions, as a client ships them.
 fn library() -> Result<Vec<u8>> {
-    catch_unwind(rfaas_testkit::functions::c_library_bytes).map_err(|_| {
-        Error::new(
-            "could not build examples/functions/c into libfunctions.so (needs cc); \
-             the compiler's output is printed above",
-        )
-    })
+    catch_unwind(rfaas_testkit::functions::c_library_bytes).map_err(|_| library_error())
+}
+
+/// Builds the C example functions the invocation rows ship, when a source
+/// is newer than the library, and returns the library's path: for a
+/// machine that runs the rows without a C compiler, such as the VM of
+/// scripts/bench-verbs.sh, which finds it in the shared target directory.
+pub fn build_functions() -> Result<std::path::PathBuf> {
+    catch_unwind(rfaas_testkit::functions::c_library).map_err(|_| library_error())
+}
+
+fn library_error() -> Error {
+    Error::new(
+        "could not build examples/functions/c into libfunctions.so (needs cc); \
+         the compiler's output is printed above",
+    )
 }
 
 /// `noop` calls on a worker in `mode`, the client spinning or sleeping.

@@ -102,6 +102,12 @@ struct Args {
     /// The rfaas-executord binary (default: next to this one).
     #[arg(long)]
     executord: Option<PathBuf>,
+
+    /// Build the example function library the invocation rows ship (needs
+    /// a C compiler), print its path and exit: for running the rows later
+    /// where there is no compiler (scripts/bench-verbs.sh's VM).
+    #[arg(long)]
+    build_functions: bool,
 }
 
 /// The end of `--help`: every row of both modes.
@@ -116,6 +122,18 @@ fn help() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.build_functions {
+        return match invoke::build_functions() {
+            Ok(path) => {
+                println!("{}", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("rfaas-bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if args.manager {
         return manager_main(&args);
     }

@@ -50,6 +50,10 @@ const BATCH: usize = 8;
 /// Send and receive depth of a lane's endpoint: one invocation is in
 /// flight, the rest is slack.
 pub(crate) const ENDPOINT_DEPTH: usize = 8;
+/// Receives a lane keeps posted: one for the response in flight, one
+/// ahead for the next, posted while a request is on its way rather than
+/// before it leaves.
+const RECVS_POSTED: u32 = 2;
 /// Depth of a lane's completion queue (at least both endpoint depths).
 pub(crate) const CQ_DEPTH: usize = 2 * ENDPOINT_DEPTH;
 /// How long a lane that lost its worker waits for the executor to say why.
@@ -419,10 +423,11 @@ impl Lane {
         }
     }
 
-    /// Sends a request: posts the response's receive, then writes the
-    /// header (and an inline payload). Hot path. The caller holds the lane
-    /// and has flagged `output` busy; on error the lane is as before and
-    /// the caller releases both.
+    /// Sends a request: writes the header (and an inline payload) with a
+    /// receive for the response already posted (posting one first only if
+    /// none is), then posts the next call's. Hot path. The caller holds the
+    /// lane and has flagged `output` busy; on error the lane is as before
+    /// and the caller releases both.
     pub(crate) fn start(
         &self,
         function_index: u16,
@@ -501,6 +506,11 @@ impl Lane {
         inner.owed += 1;
         inner.input_hold = slot_free.then(|| Arc::clone(input));
         inner.output_hold = Some(Arc::clone(output));
+        // The next call's receive, while this request travels. A failure
+        // here is the next call's to report, when it finds none posted.
+        while inner.posted_recvs < RECVS_POSTED && self.endpoint.post_recv(RECV_WR).is_ok() {
+            inner.posted_recvs += 1;
+        }
         Ok(())
     }
 
@@ -695,7 +705,7 @@ mod tests {
             expected: Some(5),
             response: None,
             unreaped_sends: 1,
-            posted_recvs: 1,
+            posted_recvs: RECVS_POSTED,
             owed: 1,
             input_hold: None,
             output_hold: None,
@@ -744,7 +754,8 @@ mod tests {
         l.absorb(sent(Status::Success));
         assert!(matches!(outcome(0, &f, &mut l, How::Poll), Some(Ok(100))));
         assert!(l.is_clean());
-        assert_eq!((l.posted_recvs, l.expected), (0, None));
+        // The receive posted ahead is left for the next call.
+        assert_eq!((l.posted_recvs, l.expected), (RECVS_POSTED - 1, None));
     }
 
     #[test]

@@ -16,8 +16,9 @@ use super::watchdog::{LaneEndpoint, Running};
 use super::{DRAINING, EXPIRES_AT};
 
 /// Receives kept posted per lane. One invocation is in flight per lane; the
-/// spares let a request that arrives while the previous response is being
-/// reaped land at once.
+/// spares let the next request land at once while the lane is still
+/// sending the previous response, before it posts the consumed receive
+/// again.
 pub const RECV_DEPTH: usize = 4;
 
 /// How long a warm lane sleeps in `wait` before it looks again.
@@ -260,15 +261,26 @@ impl Lane {
         }
     }
 
-    /// Serves one request. Hot path (but for bulk pulls and failures).
+    /// Serves one request, then posts its receive again. Hot path (but for
+    /// bulk pulls and failures).
     fn serve(&mut self, c: Completion) -> Flow {
         // Read now, used once the request proved inline: see meter.rs.
         let arrived = self.meter.now();
-        // Re-post first, so the next request never waits for this one.
+        if let Flow::End = self.answer(c, arrived) {
+            return Flow::End;
+        }
+        // After the response, off the invocation's path: a spare receive
+        // (RECV_DEPTH) takes the next request if it comes first.
         if let Err(e) = self.endpoint.get().post_recv(c.wr_id) {
             tracing::error!(lane = self.cfg.index, error = %e, "cannot re-post a receive; ending the lane");
             return Flow::End;
         }
+        Flow::Continue
+    }
+
+    /// Runs the function a request names and sends its response;
+    /// `arrived` is the clock read when its completion was taken.
+    fn answer(&mut self, c: Completion, arrived: u64) -> Flow {
         let req = RequestImm::decode(c.imm);
         // SAFETY: the input region is at least InvocationHeader::LEN bytes
         // (checked at assignment), page-aligned, and the client wrote it

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,6 +40,10 @@ pub(crate) struct CqShared {
     /// Completions the provider makes itself for requests it does not hand
     /// to the NIC (slot id, status); delivered before the CQ's own.
     synthetic: ArrayQueue<(u64, Status)>,
+    /// How many `synthetic` holds: `poll` reads this one word, not the
+    /// queue (whose empty pop costs a full fence), before every poll of
+    /// the CQ.
+    synthetic_len: AtomicUsize,
     /// Wakes a `wait` sleeping on the channel when a synthetic completion arrives.
     wake: OwnedFd,
     pub(crate) fabric: Arc<FabricInner>,
@@ -51,6 +56,7 @@ impl CqShared {
     pub(crate) fn complete_in_software(&self, raw_id: u64, status: Status) {
         // Cannot fail: every entry holds one of the table's slots.
         let _ = self.synthetic.push((raw_id, status));
+        self.synthetic_len.fetch_add(1, Ordering::Release);
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a valid u64 to our eventfd.
         unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -196,6 +202,7 @@ impl VerbsCq {
                 cq,
                 channel,
                 synthetic: ArrayQueue::new(slots.capacity()),
+                synthetic_len: AtomicUsize::new(0),
                 slots,
                 wake,
                 fabric,
@@ -221,10 +228,13 @@ impl provider::CompletionQueue for VerbsCq {
     #[inline]
     fn poll(&mut self, out: &mut [Completion]) -> usize {
         let mut filled = 0;
-        while filled < out.len() {
+        // Seen a poll late at worst: the next one delivers it, and `wait`
+        // wakes for it through the eventfd written after the count.
+        while filled < out.len() && self.shared.synthetic_len.load(Ordering::Acquire) > 0 {
             let Some((raw_id, status)) = self.shared.synthetic.pop() else {
                 break;
             };
+            self.shared.synthetic_len.fetch_sub(1, Ordering::Relaxed);
             if let Some(data) = self.shared.slots.release(raw_id) {
                 out[filled] = Completion {
                     wr_id: data.wr_id,
