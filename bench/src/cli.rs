@@ -189,7 +189,7 @@ pub fn main(
     suites: &[Suite],
     args: &Common,
     invoke: impl FnOnce() -> Result<crate::invoke::Settings>,
-    derive: impl FnOnce(&[Row]) -> Vec<Row>,
+    derive: impl Fn(&[Row]) -> Vec<Row>,
 ) -> ExitCode {
     let result = match &args.serve {
         Some(serve) => match serve.split_first() {
@@ -232,7 +232,7 @@ fn run_rounds(
     suites: &[Suite],
     args: &Common,
     ctx: &Ctx,
-    derive: impl FnOnce(&[Row]) -> Vec<Row>,
+    derive: impl Fn(&[Row]) -> Vec<Row>,
 ) -> Result<()> {
     let filter = args.rows.as_deref();
     let rounds = args.rounds as usize;
@@ -249,6 +249,7 @@ fn run_rounds(
         if rounds > 1 {
             eprintln!("round {round} of {rounds}");
         }
+        report.start_round();
         rows::run(suites, filter, ctx, &mut report)?;
     }
     report.finish_with(derive)

@@ -135,6 +135,7 @@ pub fn run(s: &Settings) -> Result<()> {
         if s.rounds > 1 {
             eprintln!("round {round} of {}", s.rounds);
         }
+        report.start_round();
         for db in &mut dbs {
             run_backend(s, &common, db, round, &mut report)?;
         }

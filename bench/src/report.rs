@@ -35,6 +35,9 @@ pub struct Row {
     pub measure: Measure,
     /// With several rounds: how far this row's rounds moved.
     pub spread: Option<Spread>,
+    /// A derived row with a target, with several rounds: the target
+    /// checked on each round's own rows, not only on the best ones.
+    pub per_round: Option<PerRound>,
     /// Manager rows: where they were measured; `provider`, `size` and
     /// `in_flight` are then unused.
     pub service: Option<ServicePoint>,
@@ -72,6 +75,18 @@ pub struct Spread {
     pub worst_over_best: f64,
 }
 
+/// A derived row's target, round by round: each round's measured rows make
+/// their own derived row, which meets the target or not.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PerRound {
+    pub rounds: u32,
+    /// Rounds whose own derived row met the target.
+    pub met: u32,
+    /// The figure of the round farthest on the wrong side of the target
+    /// (a difference's ns, a ratio).
+    pub worst: f64,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Measure {
     Latency(Summary),
@@ -95,11 +110,13 @@ pub enum Measure {
         target_max_ns: Option<u64>,
     },
     /// Derived from two other rows: `ratio` = one row's figure over the
-    /// other's (`of` says which), checked against a lower bound.
+    /// other's (`of` says which), checked against a lower bound, an upper
+    /// bound, or both.
     Ratio {
         ratio: f64,
         of: String,
         target_min: Option<f64>,
+        target_max: Option<f64>,
     },
     /// A manager row: the latency of each operation, operations per second
     /// where the row has a rate, an upper bound on its p99 where it has a
@@ -122,6 +139,7 @@ impl Row {
             measure: Measure::Latency(summary),
             in_flight: 0,
             spread: None,
+            per_round: None,
             service: None,
         }
     }
@@ -141,6 +159,7 @@ impl Row {
             measure: Measure::Bandwidth { bytes_per_s, bytes },
             in_flight: 0,
             spread: None,
+            per_round: None,
             service: None,
         }
     }
@@ -163,6 +182,7 @@ impl Row {
             measure: Measure::Rate { per_s, calls },
             in_flight,
             spread: None,
+            per_round: None,
             service: None,
         }
     }
@@ -176,6 +196,7 @@ impl Row {
             in_flight: 0,
             measure,
             spread: None,
+            per_round: None,
             service: Some(point),
         }
     }
@@ -214,6 +235,30 @@ impl Row {
         }
     }
 
+    /// A derived row's figure and which way it is worse: the larger is
+    /// worse for a difference or a ratio with an upper bound, the smaller
+    /// for a ratio with only a lower one. `None` without a target.
+    fn derived_figure(&self) -> Option<(f64, bool)> {
+        match &self.measure {
+            Measure::Difference {
+                median_ns,
+                target_max_ns: Some(_),
+                ..
+            } => Some((*median_ns as f64, true)),
+            Measure::Ratio {
+                ratio,
+                target_max: Some(_),
+                ..
+            } => Some((*ratio, true)),
+            Measure::Ratio {
+                ratio,
+                target_min: Some(_),
+                ..
+            } => Some((*ratio, false)),
+            _ => None,
+        }
+    }
+
     /// A derived row: `median_ns` = `a` − `b`, medians of two latency rows.
     pub fn difference(
         name: &str,
@@ -234,6 +279,7 @@ impl Row {
             },
             in_flight: 0,
             spread: None,
+            per_round: None,
             service: None,
         }
     }
@@ -255,27 +301,41 @@ impl Row {
                 ratio,
                 of,
                 target_min,
+                target_max: None,
             },
             in_flight: 0,
             spread: None,
+            per_round: None,
             service: None,
         }
+    }
+
+    /// The same derived ratio row, checked against an upper bound too.
+    pub fn at_most(mut self, max: f64) -> Self {
+        if let Measure::Ratio { target_max, .. } = &mut self.measure {
+            *target_max = Some(max);
+        }
+        self
     }
 
     /// Whether a derived row meets its target; `None` for measured rows and
     /// derived rows without one.
     pub fn meets_target(&self) -> Option<bool> {
         match &self.measure {
+            Measure::Ratio {
+                ratio,
+                target_min,
+                target_max,
+                ..
+            } if target_min.is_some() || target_max.is_some() => Some(
+                target_min.map_or(true, |min| *ratio >= min)
+                    && target_max.map_or(true, |max| *ratio <= max),
+            ),
             Measure::Difference {
                 median_ns,
                 target_max_ns: Some(max),
                 ..
             } => Some(*median_ns <= *max as i64),
-            Measure::Ratio {
-                ratio,
-                target_min: Some(min),
-                ..
-            } => Some(*ratio >= *min),
             Measure::Service {
                 latency,
                 target_p99_max_ns: Some(max),
@@ -331,13 +391,25 @@ impl Row {
                 ratio,
                 of,
                 target_min,
-            } => s.push_str(&format!(
-                ",\"ratio\":{},\"of\":{},\"target_min\":{},\"meets_target\":{}",
-                serde_json::Value::from((ratio * 1000.0).round() / 1000.0),
-                serde_json::Value::from(of.as_str()),
-                serde_json::Value::from(*target_min),
-                serde_json::Value::from(met),
-            )),
+                target_max,
+            } => {
+                s.push_str(&format!(
+                    ",\"ratio\":{},\"of\":{},\"target_min\":{}",
+                    serde_json::Value::from((ratio * 1000.0).round() / 1000.0),
+                    serde_json::Value::from(of.as_str()),
+                    serde_json::Value::from(*target_min),
+                ));
+                if let Some(max) = target_max {
+                    s.push_str(&format!(
+                        ",\"target_max\":{}",
+                        serde_json::Value::from(*max)
+                    ));
+                }
+                s.push_str(&format!(
+                    ",\"meets_target\":{}",
+                    serde_json::Value::from(met)
+                ));
+            }
             Measure::Service {
                 latency: l,
                 ops_per_s,
@@ -370,6 +442,14 @@ impl Row {
                 serde_json::Value::from((sp.worst_over_best * 1000.0).round() / 1000.0)
             ));
         }
+        if let Some(pr) = self.per_round {
+            s.push_str(&format!(
+                ",\"rounds\":{},\"rounds_met\":{},\"worst_round\":{}",
+                pr.rounds,
+                pr.met,
+                serde_json::Value::from((pr.worst * 1000.0).round() / 1000.0)
+            ));
+        }
         s.push('}');
         s
     }
@@ -396,7 +476,8 @@ impl Row {
                 ratio,
                 of,
                 target_min,
-            } => ratio_cells(*ratio, of, *target_min),
+                target_max,
+            } => ratio_cells(*ratio, of, *target_min, *target_max),
             Measure::Service {
                 latency, ops_per_s, ..
             } => (
@@ -452,7 +533,8 @@ impl Row {
                 ratio,
                 of,
                 target_min,
-            } => ratio_cells(*ratio, of, *target_min),
+                target_max,
+            } => ratio_cells(*ratio, of, *target_min, *target_max),
             _ => (dash(), dash(), dash(), None),
         };
         let mut line = format!(
@@ -467,7 +549,21 @@ impl Row {
     fn push_note(&self, line: &mut String, note: Option<String>) {
         let spread = self
             .spread
-            .map(|sp| format!("{} rounds, worst/best {:.2}", sp.rounds, sp.worst_over_best));
+            .map(|sp| format!("{} rounds, worst/best {:.2}", sp.rounds, sp.worst_over_best))
+            .or_else(|| {
+                self.per_round.map(|pr| {
+                    let worst = match self.measure {
+                        Measure::Difference { .. } => {
+                            format!("{} µs", signed_micros(pr.worst as i64))
+                        }
+                        _ => format!("x {:.3}", pr.worst),
+                    };
+                    format!(
+                        "met in {} of {} rounds, worst round {worst}",
+                        pr.met, pr.rounds
+                    )
+                })
+            });
         let note = match (note, spread) {
             (Some(n), Some(sp)) => Some(format!("{n}; {sp}")),
             (n, sp) => n.or(sp),
@@ -481,6 +577,32 @@ impl Row {
             line.push_str(&format!("  ({note}{verdict})"));
         }
     }
+}
+
+/// How `row`'s target fared in each round's own derived rows.
+fn round_verdict(row: &Row, rounds: &[Vec<Row>]) -> Option<PerRound> {
+    let (_, larger_is_worse) = row.derived_figure()?;
+    let mut verdict = PerRound {
+        rounds: 0,
+        met: 0,
+        worst: if larger_is_worse { f64::MIN } else { f64::MAX },
+    };
+    for same in rounds
+        .iter()
+        .flat_map(|r| r.iter().find(|d| d.same_row(row)))
+    {
+        let Some((figure, _)) = same.derived_figure() else {
+            continue;
+        };
+        verdict.rounds += 1;
+        verdict.met += u32::from(same.meets_target() == Some(true));
+        verdict.worst = if larger_is_worse {
+            verdict.worst.max(figure)
+        } else {
+            verdict.worst.min(figure)
+        };
+    }
+    (verdict.rounds > 1).then_some(verdict)
 }
 
 fn service_header() -> String {
@@ -506,6 +628,8 @@ pub struct Report {
     /// The best of each row so far, in first-seen order, with the figure
     /// of every round.
     best: Vec<Kept>,
+    /// Every round's rows, for the derived rows' per-round check.
+    round_rows: Vec<Vec<Row>>,
 }
 
 #[derive(Debug)]
@@ -561,12 +685,21 @@ impl Report {
             header_written: false,
             rounds,
             best: Vec::new(),
+            round_rows: Vec::new(),
         }
+    }
+
+    /// Marks the start of a round: rows pushed from here on are its own.
+    pub fn start_round(&mut self) {
+        self.round_rows.push(Vec::new());
     }
 
     /// Keeps `row` if it is its row's best so far, and prints it now when
     /// there is one round.
     pub fn push(&mut self, row: &Row) -> Result<()> {
+        if let Some(round) = self.round_rows.last_mut() {
+            round.push(row.clone());
+        }
         let figure = row.figure();
         match self.best.iter_mut().find(|k| k.best.same_row(row)) {
             Some(kept) => {
@@ -592,18 +725,26 @@ impl Report {
     }
 
     /// As [`finish`](Self::finish), then prints the rows `derive` makes
-    /// from the best round of every row.
-    pub fn finish_with(&mut self, derive: impl FnOnce(&[Row]) -> Vec<Row>) -> Result<()> {
+    /// from the best round of every row; with several rounds, each derived
+    /// row with a target also says in how many rounds that target held on
+    /// the round's own rows, and the worst round's figure.
+    pub fn finish_with(&mut self, derive: impl Fn(&[Row]) -> Vec<Row>) -> Result<()> {
         let best = self.rows();
         if self.rounds > 1 {
             for row in &best {
                 self.print(row)?;
             }
         }
-        for row in derive(&best) {
+        let per_round: Vec<Vec<Row>> = match self.round_rows.len() {
+            0 | 1 => Vec::new(),
+            _ => self.round_rows.iter().map(|r| derive(r)).collect(),
+        };
+        for mut row in derive(&best) {
+            row.per_round = round_verdict(&row, &per_round);
             self.print(&row)?;
         }
         self.best.clear();
+        self.round_rows.clear();
         Ok(())
     }
 
@@ -688,9 +829,15 @@ fn ratio_cells(
     ratio: f64,
     of: &str,
     target_min: Option<f64>,
+    target_max: Option<f64>,
 ) -> (String, String, String, Option<String>) {
-    let target = target_min.map(|t| format!(", target >= {t}"));
-    let note = format!("{of}{}", target.unwrap_or_default());
+    let mut note = of.to_owned();
+    if let Some(t) = target_min {
+        note.push_str(&format!(", target >= {t}"));
+    }
+    if let Some(t) = target_max {
+        note.push_str(&format!(", target <= {t}"));
+    }
     (
         "-".to_owned(),
         "-".to_owned(),
@@ -859,6 +1006,46 @@ mod tests {
         assert!((rows[0].spread.unwrap().worst_over_best - 3.0).abs() < 1e-9);
         assert!((rows[1].spread.unwrap().worst_over_best - 20.0 / 7.0).abs() < 1e-9);
         assert_eq!(rows[1].meets_target(), Some(true));
+    }
+
+    #[test]
+    fn derived_targets_are_checked_round_by_round() {
+        let ratio =
+            |r: f64| Row::ratio("b_over_a", "tcp", 64, r, "b / a".into(), None).at_most(1.02);
+        let diff = |ns: i64| Row::difference("overhead", "shm", 64, ns, "b - a".into(), Some(300));
+        let rounds = vec![
+            vec![ratio(1.01), diff(250)],
+            vec![ratio(1.05), diff(310)],
+            vec![ratio(0.99), diff(200)],
+        ];
+        // The best rounds' row met its target; one round of three did not.
+        let v = round_verdict(&ratio(1.0), &rounds).unwrap();
+        assert_eq!((v.rounds, v.met), (3, 2));
+        assert!((v.worst - 1.05).abs() < 1e-9);
+        let v = round_verdict(&diff(200), &rounds).unwrap();
+        assert_eq!((v.rounds, v.met, v.worst), (3, 2, 310.0));
+        // A lower bound: the smallest ratio is the worst.
+        let min = |r: f64| Row::ratio("x", "tcp", 64, r, "x".into(), Some(0.9));
+        let v = round_verdict(&min(0.95), &[vec![min(0.95)], vec![min(0.85)]]).unwrap();
+        assert_eq!((v.rounds, v.met, v.worst), (2, 1, 0.85));
+        // No target, or a single round: nothing to say.
+        let none = Row::ratio("y", "tcp", 64, 1.0, "y".into(), None);
+        assert_eq!(
+            round_verdict(&none, &[vec![none.clone()], vec![none.clone()]]),
+            None
+        );
+        assert_eq!(round_verdict(&diff(1), &rounds[..1]), None);
+        let mut row = ratio(1.0);
+        row.per_round = round_verdict(&row, &rounds);
+        let json: serde_json::Value = serde_json::from_str(&row.to_json()).unwrap();
+        assert_eq!(
+            (json["rounds"].as_u64(), json["rounds_met"].as_u64()),
+            (Some(3), Some(2))
+        );
+        assert_eq!(json["worst_round"], 1.05);
+        assert!(row
+            .to_table_line()
+            .contains("met in 2 of 3 rounds, worst round x 1.050"));
     }
 
     #[test]
