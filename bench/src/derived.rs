@@ -10,6 +10,7 @@
 //! | `transfer_vs_pingpong_bandwidth` | `transfer` over `pingpong_bandwidth`: the share of the fabric's round trip the invocation path keeps | none |
 //! | `echo_copy_estimate` | what a sequential echo that copies its input reaches if each crossing runs at `bandwidth` and the copy at `memcpy_bandwidth`: `1 / (1 + bandwidth / (2 × memcpy_bandwidth))` | none: it explains `echo_vs_bandwidth` |
 //! | `hot_noop_rate_vs_pingpong_rate` | calls/s of `hot_noop_rate` over the fabric's `pingpong_rate` with as many in flight | none |
+//! | `hot_noop_billed_over_hot_noop` | median `hot_noop_billed` over median `hot_noop`, same provider and size: what billing adds to an invocation | ≤ 1.02 on tcp and shm |
 //! | `grpc_echo_over_hot_noop` | median `grpc_echo` over median `hot_noop` on tcp | ≥ 5 at 64 B |
 //!
 //! A derived row appears only when both of its rows were measured.
@@ -23,6 +24,8 @@ const ECHO_MIN_RATIO: f64 = 0.9;
 const ECHO_TARGET_FROM: u64 = 1_000_000;
 const GRPC_MIN_RATIO: f64 = 5.0;
 const GRPC_TARGET_SIZE: u64 = 64;
+/// Billing may not show in invocation latency: at most 2 % apart.
+const BILLED_MAX_RATIO: f64 = 1.02;
 
 /// Every derived row and what it says, for `rfaas-bench --help`.
 pub const ROWS: &[(&str, &str)] = &[
@@ -33,6 +36,7 @@ pub const ROWS: &[(&str, &str)] = &[
     ("transfer_vs_pingpong_bandwidth", "the share of the fabric's own round trip the invocation path keeps"),
     ("echo_copy_estimate", "what an echo that copies its input can reach, from the bandwidth and memcpy_bandwidth rows"),
     ("hot_noop_rate_vs_pingpong_rate", "hot_noop_rate over the fabric's pingpong_rate with as many in flight"),
+    ("hot_noop_billed_over_hot_noop", "hot_noop_billed over hot_noop: what billing adds to an invocation (target: at most 1.02 on tcp and shm)"),
     ("grpc_echo_over_hot_noop", "grpc_echo over hot_noop on tcp (target: at least 5 at 64 B)"),
 ];
 
@@ -128,6 +132,23 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             );
             ratio.in_flight = row.in_flight;
             out.push(ratio);
+        }
+    }
+    for billed in rows.iter().filter(|r| r.name == "hot_noop_billed") {
+        let plain = find_median(rows, "hot_noop", billed).filter(|&b| b > 0);
+        if let (Some(a), Some(b)) = (median(billed), plain) {
+            let row = Row::ratio(
+                "hot_noop_billed_over_hot_noop",
+                &billed.provider,
+                billed.size,
+                a as f64 / b as f64,
+                "hot_noop_billed / hot_noop".into(),
+                None,
+            );
+            out.push(match billed.provider.as_str() {
+                "tcp" | "shm" => row.at_most(BILLED_MAX_RATIO),
+                _ => row,
+            });
         }
     }
     for grpc in rows.iter().filter(|r| r.name == "grpc_echo") {
@@ -329,6 +350,36 @@ mod tests {
         assert_eq!(json["meets_target"], true);
         let json: serde_json::Value = serde_json::from_str(&d[9].to_json()).unwrap();
         assert_eq!(json["ratio"], 5.0);
+    }
+
+    #[test]
+    fn billing_is_judged_on_tcp_and_shm() {
+        let rows = [
+            lat("hot_noop", "shm", 64, 300),
+            lat("hot_noop_billed", "shm", 64, 303),
+            lat("hot_noop", "tcp", 64, 10_000),
+            lat("hot_noop_billed", "tcp", 64, 10_300),
+            lat("hot_noop", "verbs:rxe0", 64, 5_000),
+            lat("hot_noop_billed", "verbs:rxe0", 64, 6_000),
+        ];
+        let d = derive(&rows);
+        let got: Vec<(&str, Option<bool>)> = d
+            .iter()
+            .map(|r| (r.provider.as_str(), r.meets_target()))
+            .collect();
+        // 1.01 is within 2 %, 1.03 is not; verbs is reported, not judged.
+        assert_eq!(
+            got,
+            [
+                ("shm", Some(true)),
+                ("tcp", Some(false)),
+                ("verbs:rxe0", None)
+            ]
+        );
+        let json: serde_json::Value = serde_json::from_str(&d[1].to_json()).unwrap();
+        assert_eq!(json["name"], "hot_noop_billed_over_hot_noop");
+        assert_eq!(json["target_max"], 1.02);
+        assert_eq!(json["meets_target"], false);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! | row | what one sample is |
 //! |---|---|
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
+//! | `hot_noop_billed` | `hot_noop` with billing on: the daemon is registered with a real `rfaas-manager`, the lease comes from it with a slot of a real `rfaas-accounting` (on the row's provider, one SQLite file for both), and the daemon posts the lease's usage there every second while the row runs |
 //! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with 1, 4 and 16 in flight, one per lane of an allocation with that many hot lanes (a lane holds one invocation at a time), each resubmitted as soon as its result is in; next to `pingpong_rate` |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `warm_noop_spin` | a worker in `Mode::Warm` and a client that busy-polls (`spin`): only the worker sleeps |
@@ -29,23 +30,28 @@
 //! does not share a CPU with the client: the bench moves itself there while
 //! the daemon starts (every process inherits the mask) and back after.
 
+use std::os::unix::fs::PermissionsExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use rfaas_client::lease::{Lease, LeaseRequest, Managers};
 use rfaas_client::{Allocation, AllocationSpec, Buffer, Client, ClientOptions, FunctionId, Mode};
 use rfaas_proto::InvocationHeader;
+use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
+use rfaas_testkit::manager::{Manager, ManagerOptions};
 
 use crate::child;
 use crate::cleanup;
 use crate::error::{Context, Error, Result};
 use crate::fabric_rows::{RATE_IN_FLIGHT, RATE_SIZE};
 use crate::report::{Report, Row};
-use crate::rows::{Ctx, Provider, RowSpec, Runner, Suite};
+use crate::rows::{Ctx, Kind, Provider, RowSpec, Runner, Suite};
 use crate::stats::{time_round_trips, Summary};
 
 const HOT_NOOP: &str = "hot_noop";
+const HOT_NOOP_BILLED: &str = "hot_noop_billed";
 const WARM_NOOP: &str = "warm_noop";
 const WARM_NOOP_SPIN: &str = "warm_noop_spin";
 const HOT_NOOP_RATE: &str = "hot_noop_rate";
@@ -75,6 +81,14 @@ pub const SUITE: Suite = Suite {
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop(ctx, p, HOT_NOOP, Mode::Hot, true, out),
+            },
+        },
+        RowSpec {
+            name: HOT_NOOP_BILLED,
+            help: "hot_noop with billing on: a lease from a real rfaas-manager with a slot of a real rfaas-accounting, the daemon posting its usage (next to hot_noop)",
+            runner: Runner::PerProvider {
+                kind: None,
+                run: noop_billed,
             },
         },
         RowSpec {
@@ -183,11 +197,21 @@ impl Daemon {
     /// As [`start`](Self::start), with `lanes` logical CPU slots (not
     /// pinned: the workers share the peers' CPU).
     fn start_with(ctx: &Ctx, provider: &Provider, lanes: u32) -> Result<Daemon> {
+        Daemon::start_configured(ctx, provider, lanes, Vec::new(), String::new())
+    }
+
+    /// As [`start_with`](Self::start_with), also accepting the lease keys
+    /// `accept_keys` and with `extra_config` appended to its configuration.
+    fn start_configured(
+        ctx: &Ctx,
+        provider: &Provider,
+        lanes: u32,
+        accept_keys: Vec<String>,
+        extra_config: String,
+    ) -> Result<Daemon> {
         let bin = match &ctx.invoke.executord {
             Some(bin) => bin.clone(),
-            None => std::env::current_exe()
-                .context(|| "could not find the bench's own executable".to_owned())?
-                .with_file_name("rfaas-executord"),
+            None => sibling("rfaas-executord")?,
         };
         if !bin.exists() {
             return Err(Error::new(format!(
@@ -203,6 +227,8 @@ impl Daemon {
             memory_mib: 4096,
             cpus: format!("0-{}", lanes.max(1) - 1),
             fabric_host: provider.host()?,
+            accept_keys,
+            extra_config,
             ..ExecutordOptions::default()
         };
         if let Some(cpu) = ctx.peer_cpu {
@@ -304,6 +330,187 @@ impl Daemon {
     }
 }
 
+/// `name` next to the bench's own executable.
+fn sibling(name: &str) -> Result<PathBuf> {
+    Ok(std::env::current_exe()
+        .context(|| "could not find the bench's own executable".to_owned())?
+        .with_file_name(name))
+}
+
+/// What `hot_noop_billed` runs on: a manager and an accounting service on
+/// one SQLite file, a daemon registered with the manager that posts its
+/// leases' usage to the service, and a lease from the manager with a slot.
+/// Dropped in field order: the lease is released, the daemon stops (it
+/// posts the last figures), then the service and the manager, each
+/// stopped by pid.
+struct Billing {
+    _lease: Lease,
+    daemon: Daemon,
+    /// The lease's token, with its slot in it.
+    token: String,
+    accounting: Accounting,
+    _accounting_pid: Option<cleanup::Registered>,
+    _manager: Manager,
+    _manager_pid: Option<cleanup::Registered>,
+    dir: PathBuf,
+}
+
+/// How often the daemon posts a lease's usage, ms: the executor's default.
+const BILLING_GRANULARITY_MS: u64 = 1000;
+
+impl Billing {
+    fn start(ctx: &Ctx, provider: &Provider) -> Result<Billing> {
+        let mut binaries = Vec::new();
+        for name in ["rfaas-manager", "rfaas-accounting"] {
+            let bin = sibling(name)?;
+            if !bin.exists() {
+                return Err(Error::new(format!(
+                    "{HOT_NOOP_BILLED}: {} does not exist: build it next to the bench \
+                     (cargo build --release -p rfaas-manager -p rfaas-accounting -p rfaas-bench)",
+                    bin.display()
+                )));
+            }
+            binaries.push(bin);
+        }
+        let dir = std::env::temp_dir().join(format!("rfaas-bench-billing-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).context(|| format!("could not create {}", dir.display()))?;
+        // The intervals a site would run with: nothing here is sped up.
+        let manager = Manager::try_start(
+            &binaries[0],
+            ManagerOptions {
+                extra_config:
+                    "heartbeat_interval_ms = 1000\nlost_after_ms = 30000\nrefresh_ms = 1000\n"
+                        .into(),
+                ..ManagerOptions::default()
+            },
+        )
+        .map_err(|e| {
+            Error::new(format!(
+                "{HOT_NOOP_BILLED}: could not start rfaas-manager: {e}"
+            ))
+        })?;
+        let manager_pid = manager.pid().map(cleanup::register);
+        let listen = match provider.kind {
+            Kind::Verbs => Some(format!("{}:0", provider.host()?)),
+            _ => None,
+        };
+        let accounting = Accounting::try_start(
+            &binaries[1],
+            AccountingOptions {
+                provider: provider.spec.clone(),
+                listen,
+                flush_interval_ms: 1000,
+                snapshot_interval_ms: 60_000,
+                billing: Some(BILLING_RATES.into()),
+                ..AccountingOptions::new(manager.database())
+            },
+        )
+        .map_err(|e| {
+            Error::new(format!(
+                "{HOT_NOOP_BILLED}: could not start rfaas-accounting: {e}"
+            ))
+        })?;
+        let accounting_pid = accounting.pid().map(cleanup::register);
+        let credential = dir.join("node.credential");
+        std::fs::write(&credential, manager.credential("node", NODE_NAME, None))
+            .context(|| format!("could not write {}", credential.display()))?;
+        std::fs::set_permissions(&credential, std::fs::Permissions::from_mode(0o600))
+            .context(|| format!("could not restrict {}", credential.display()))?;
+        let daemon = Daemon::start_configured(
+            ctx,
+            provider,
+            4,
+            vec![manager.public_key_line()],
+            format!(
+                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\n\
+                 [billing]\ngranularity_ms = {BILLING_GRANULARITY_MS}\n",
+                manager.url(),
+                credential.display().to_string(),
+            ),
+        )?;
+        let user = manager.credential("user", LEASE_USER, Some("bench"));
+        let managers = Managers::new([manager.url()], &user)
+            .ctx(|| format!("{HOT_NOOP_BILLED}: the manager's URL"))?;
+        let (lease, token) = billed_lease(&managers)?;
+        Ok(Billing {
+            _lease: lease,
+            daemon,
+            token,
+            accounting,
+            _accounting_pid: accounting_pid,
+            _manager: manager,
+            _manager_pid: manager_pid,
+            dir,
+        })
+    }
+
+    /// Waits until the service has written the lease's usage to the
+    /// database: proof that the row ran with billing on.
+    fn wait_flushed(&self) -> Result<()> {
+        let written = r#"rfaas_accounting_rows_written_total{table="usage"}"#;
+        let until = Instant::now() + Duration::from_millis(5 * BILLING_GRANULARITY_MS + 5_000);
+        while Instant::now() < until {
+            if self.accounting.metric(written).is_some_and(|n| n > 0.0) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(Error::new(format!(
+            "{HOT_NOOP_BILLED}: no usage reached the database, so billing was not on; \
+             the daemon's log:\n{}\nthe service's log:\n{}",
+            self.daemon.executord.log(),
+            self.accounting.log()
+        )))
+    }
+}
+
+impl Drop for Billing {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The node's name at the manager.
+const NODE_NAME: &str = "rfaas-bench";
+
+/// Rates for the service's `billing.toml`; what they are does not change
+/// what is measured.
+const BILLING_RATES: &str =
+    "currency = \"CHF\"\n[rates]\nalloc_per_gib_s = 0.0001\ncompute_per_s = 0.01\nhot_per_s = 0.005\nharvested_discount = 0.5\n";
+
+/// A lease of the daemon's cores with a billing slot: the manager grants
+/// leases unbilled until it has seen the service alive, and refuses them
+/// until it has seen the node, so this asks again until both are in.
+fn billed_lease(managers: &Managers) -> Result<(Lease, String)> {
+    let want = LeaseRequest {
+        cores: 4,
+        memory_mib: u64::from(LEASE_MEMORY_MIB.max(RATE_MEMORY_MIB)),
+        duration_s: 3600,
+        min_cores: None,
+        nodes: vec![NODE_NAME.into()],
+    };
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let last = match managers.request(&want, Duration::from_secs(10)) {
+            Ok(lease) => match lease.nodes().into_iter().next() {
+                Some(n) if n.billing.is_some() => return Ok((lease, n.token)),
+                _ => {
+                    let _ = lease.release();
+                    "the lease came without a billing slot".to_owned()
+                }
+            },
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= until {
+            return Err(Error::new(format!(
+                "{HOT_NOOP_BILLED}: no billed lease from the manager within 30 s: {last}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// How long the daemon's other processes must stay off the CPU before a row
 /// starts timing (see [`Daemon::settle`]).
 const SETTLED: Duration = Duration::from_millis(50);
@@ -367,6 +574,43 @@ fn noop(
     out: &mut Report,
 ) -> Result<()> {
     let daemon = Daemon::start(ctx, provider)?;
+    noop_on(
+        ctx,
+        provider,
+        name,
+        (mode, spin),
+        &daemon,
+        &daemon.token(),
+        out,
+    )
+}
+
+/// `hot_noop` on a lease the manager granted with a billing slot.
+fn noop_billed(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
+    let billing = Billing::start(ctx, provider)?;
+    noop_on(
+        ctx,
+        provider,
+        HOT_NOOP_BILLED,
+        (Mode::Hot, true),
+        &billing.daemon,
+        &billing.token,
+        out,
+    )?;
+    billing.wait_flushed()
+}
+
+/// `noop` calls on `daemon` with `token`, on a worker in `mode`, the
+/// client spinning or sleeping.
+fn noop_on(
+    ctx: &Ctx,
+    provider: &Provider,
+    name: &str,
+    (mode, spin): (Mode, bool),
+    daemon: &Daemon,
+    token: &str,
+    out: &mut Report,
+) -> Result<()> {
     let client = Client::new(ClientOptions::with_provider(&provider.spec));
     let max = ctx.sizes.iter().copied().max().unwrap_or(1);
     let spec = AllocationSpec::new(library()?, &["noop"])
@@ -374,7 +618,7 @@ fn noop(
         .memory_mib(ALLOCATION_MEMORY_MIB)
         .input_capacity(u32::try_from(max + 32).unwrap_or(u32::MAX).max(4096));
     let alloc = client
-        .allocate(&daemon.addr(), &daemon.token(), &spec)
+        .allocate(&daemon.addr(), token, &spec)
         .ctx(|| format!("{name}: allocating on {}", daemon.addr()))?;
     let f = alloc.function("noop").ctx(|| "finding noop".into())?;
     daemon.settle()?;
@@ -396,7 +640,6 @@ fn noop(
         out.push(&Row::latency(name, &provider.spec, size, summary))?;
     }
     alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
-    drop(daemon);
     Ok(())
 }
 

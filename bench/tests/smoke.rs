@@ -211,3 +211,42 @@ fn manager_rows_on_both_databases() {
     }
     assert_eq!(rows.len(), 2 * (2 * 2 + 2 + 1 + 2 + 2 * 2), "{rows:#?}");
 }
+
+/// `hot_noop_billed` next to `hot_noop` on both providers, with a real
+/// manager and accounting service (their debug builds, next to the
+/// bench's), and the derived ratio checked round by round.
+#[test]
+fn billed_rows_next_to_unbilled_ones() {
+    let daemon = rfaas_testkit::executord::daemon_binary();
+    let rows = json_rows(
+        env!("CARGO_BIN_EXE_rfaas-bench"),
+        &[
+            "--provider",
+            "tcp,shm",
+            "--rows",
+            "hot_noop,hot_noop_billed",
+            "--sizes",
+            "64",
+            "--iters",
+            "200",
+            "--rounds",
+            "2",
+            "--executord",
+            daemon.to_str().expect("a UTF-8 path"),
+        ],
+    );
+    for provider in ["tcp", "shm"] {
+        for name in ["hot_noop", "hot_noop_billed"] {
+            let row = find(&rows, name, provider, 64);
+            assert!(row["median_ns"].as_u64().unwrap() > 0, "{row}");
+            assert_eq!(row["rounds"], 2, "{row}");
+        }
+        let ratio = find(&rows, "hot_noop_billed_over_hot_noop", provider, 64);
+        assert_eq!(ratio["of"], "hot_noop_billed / hot_noop");
+        assert_eq!(ratio["target_max"], 1.02);
+        assert!(ratio["ratio"].as_f64().unwrap() > 0.0, "{ratio}");
+        assert!(ratio["meets_target"].is_boolean(), "{ratio}");
+        assert_eq!(ratio["rounds"], 2, "{ratio}");
+        assert!(ratio["rounds_met"].as_u64().unwrap() <= 2, "{ratio}");
+    }
+}
