@@ -793,7 +793,7 @@ fn node_visible(
     Summary::of(&mut samples).ok_or_else(|| Error::new("no samples were taken"))
 }
 
-/// `clients` tasks on a pool of `clients` connections run the manager's
+/// `clients` tasks on a pool of `clients` connections (one on SQLite) run the manager's
 /// own grant and release transactions, `warmup` pairs in all untimed then
 /// `iters`; task `t` is the account of `lease_grant`'s thread `t`.
 fn raw_db_grant(
@@ -808,7 +808,14 @@ fn raw_db_grant(
         .build()
         .map_err(|e| Error::new(format!("could not start a tokio runtime: {e}")))?;
     runtime.block_on(async {
-        let pool = db::open(url, clients as u32).await.map_err(raw_err)?;
+        // As many connections as clients, but one on SQLite, as a
+        // replica's default: it takes one writer at a time, and more
+        // connections only wait in its busy handler.
+        let conns = match Backend::of(url) {
+            Backend::Sqlite => 1,
+            _ => clients as u32,
+        };
+        let pool = db::open(url, conns).await.map_err(raw_err)?;
         let store = Store::new(pool, Backend::of(url));
         let nodes: Vec<(String, u32)> = store
             .nodes()

@@ -31,7 +31,8 @@ pub struct FileConfig {
     pub lost_after_ms: Option<u64>,
     /// The longest lease (and renewal) granted, seconds.
     pub max_lease_s: Option<u64>,
-    /// Database connections per replica.
+    /// Database connections per replica (default 16 on PostgreSQL, 1 on
+    /// SQLite).
     pub max_connections: Option<u32>,
     /// How often each replica reloads its whole view of the nodes and
     /// reaps expired leases and lost nodes, ms.
@@ -162,11 +163,21 @@ impl FileConfig {
 
     /// Fills in defaults and checks the values.
     pub fn settings(self) -> Result<Settings, ConfigError> {
+        let database = self
+            .database
+            .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into());
+        // SQLite takes one writer at a time: more connections only make
+        // them wait in its busy handler (milliseconds), and each connection
+        // keeps its own page cache, which every other's commit makes stale.
+        let max_connections =
+            self.max_connections
+                .unwrap_or(match crate::db::Backend::of(&database) {
+                    crate::db::Backend::Sqlite => 1,
+                    _ => 16,
+                });
         let s = Settings {
             listen: self.listen.unwrap_or_else(|| "127.0.0.1:7300".into()),
-            database: self
-                .database
-                .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into()),
+            database,
             admin_token_file: self
                 .admin_token_file
                 .unwrap_or_else(|| "/etc/rfaas/admin.token".into()),
@@ -176,7 +187,7 @@ impl FileConfig {
             heartbeat_interval_ms: self.heartbeat_interval_ms.unwrap_or(1000),
             lost_after_ms: self.lost_after_ms.unwrap_or(10_000),
             max_lease_s: self.max_lease_s.unwrap_or(86_400),
-            max_connections: self.max_connections.unwrap_or(16),
+            max_connections,
             refresh_ms: self.refresh_ms.unwrap_or(1000),
             quota: self.quota,
             accounting: AccountingSettings {
@@ -236,6 +247,24 @@ mod tests {
                 required: false
             }
         );
+    }
+
+    #[test]
+    fn sqlite_gets_one_connection_unless_told() {
+        let conns = |text: &str| {
+            FileConfig::parse(text)
+                .unwrap()
+                .settings()
+                .unwrap()
+                .max_connections
+        };
+        assert_eq!(conns("database = \"sqlite:///tmp/m.db\"\n"), 1);
+        assert_eq!(conns("database = \"postgres://rfaas@db/rfaas\"\n"), 16);
+        assert_eq!(
+            conns("database = \"sqlite:///tmp/m.db\"\nmax_connections = 4\n"),
+            4
+        );
+        assert_eq!(conns(""), 1);
     }
 
     #[test]
