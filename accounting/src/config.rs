@@ -82,47 +82,17 @@ pub struct Settings {
     pub hello_timeout: Duration,
 }
 
-/// Why the configuration cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file cannot be read.
-    #[error("cannot read the configuration {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for the service.
-    #[error("the configuration {path} is invalid: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message (it names the key).
-        message: String,
-    },
-    /// A value is out of range.
-    #[error("the configuration is invalid: {0}")]
-    Invalid(String),
-}
+pub use rfaas_manager::config::ConfigError;
 
 impl FileConfig {
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text).map_err(|message| ConfigError::Parse {
-            path: path.to_owned(),
-            message,
-        })
+        rfaas_manager::config::load_toml(path)
     }
 
     /// Parses configuration text.
     pub fn parse(text: &str) -> Result<FileConfig, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        rfaas_manager::config::parse_toml(text)
     }
 
     /// Fills in defaults and checks the values.

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 /// The default configuration file.
@@ -130,7 +131,7 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    /// The file is not valid TOML for the manager.
+    /// The file is not valid TOML for the program.
     #[error("the configuration {path} is invalid: {message}")]
     Parse {
         /// The file.
@@ -143,22 +144,35 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// Reads and parses the TOML configuration `path` into `T` (whose serde
+/// attributes refuse unknown keys): for the manager and the services that
+/// share its database.
+pub fn load_toml<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse_toml(&text).map_err(|message| ConfigError::Parse {
+        path: path.to_owned(),
+        message,
+    })
+}
+
+/// Parses TOML configuration text into `T`; the error is the parser's
+/// message, which names the key.
+pub fn parse_toml<T: DeserializeOwned>(text: &str) -> Result<T, String> {
+    toml::from_str(text).map_err(|e| e.to_string())
+}
+
 impl FileConfig {
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text).map_err(|message| ConfigError::Parse {
-            path: path.to_owned(),
-            message,
-        })
+        load_toml(path)
     }
 
     /// Parses configuration text.
     pub fn parse(text: &str) -> Result<FileConfig, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        parse_toml(text)
     }
 
     /// Fills in defaults and checks the values.
