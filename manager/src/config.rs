@@ -164,6 +164,33 @@ pub fn parse_toml<T: DeserializeOwned>(text: &str) -> Result<T, String> {
     toml::from_str(text).map_err(|e| e.to_string())
 }
 
+/// The configuration a program starts with: `path` when given (it must
+/// load), else `default_path` when that file exists, else the defaults.
+pub fn load_or_default<T: DeserializeOwned + Default>(
+    path: Option<&Path>,
+    default_path: &Path,
+) -> Result<T, ConfigError> {
+    match path {
+        Some(path) => load_toml(path),
+        None if default_path.exists() => load_toml(default_path),
+        None => Ok(T::default()),
+    }
+}
+
+/// Logs to stderr without colours, at info (debug with `verbose` > 0):
+/// the manager's and the accounting service's logging.
+pub fn init_logging(verbose: u8) {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(if verbose > 0 {
+            tracing::Level::DEBUG
+        } else {
+            tracing::Level::INFO
+        })
+        .with_ansi(false)
+        .init();
+}
+
 impl FileConfig {
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {

@@ -1,9 +1,10 @@
 //! `rfaas-accounting`: one accounting instance.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::Parser;
 use rfaas_accounting::config::{FileConfig, DEFAULT_CONFIG};
+use rfaas_manager::config;
 
 /// Serve an rfaas accounting instance: executor daemons add their leases'
 /// usage into its counter region over the fabric; it flushes the totals to
@@ -53,20 +54,9 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(if args.verbose > 0 {
-            tracing::Level::DEBUG
-        } else {
-            tracing::Level::INFO
-        })
-        .with_ansi(false)
-        .init();
-    let mut file = match &args.config {
-        Some(path) => FileConfig::load(path)?,
-        None if Path::new(DEFAULT_CONFIG).exists() => FileConfig::load(Path::new(DEFAULT_CONFIG))?,
-        None => FileConfig::default(),
-    };
+    config::init_logging(args.verbose);
+    let mut file: FileConfig =
+        config::load_or_default(args.config.as_deref(), std::path::Path::new(DEFAULT_CONFIG))?;
     macro_rules! overrides {
         ($($field:ident),*) => {
             $(if args.$field.is_some() {

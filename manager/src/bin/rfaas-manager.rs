@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use rfaas_manager::config::{FileConfig, DEFAULT_CONFIG};
+use rfaas_manager::config::{self, FileConfig, DEFAULT_CONFIG};
 
 /// Serve rfaas's resource manager: nodes register here, jobs lease cores
 /// here. Run several replicas on one PostgreSQL database for availability.
@@ -34,22 +34,9 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(if args.verbose > 0 {
-            tracing::Level::DEBUG
-        } else {
-            tracing::Level::INFO
-        })
-        .with_ansi(false)
-        .init();
-    let mut file = match &args.config {
-        Some(path) => FileConfig::load(path)?,
-        None if std::path::Path::new(DEFAULT_CONFIG).exists() => {
-            FileConfig::load(std::path::Path::new(DEFAULT_CONFIG))?
-        }
-        None => FileConfig::default(),
-    };
+    config::init_logging(args.verbose);
+    let mut file: FileConfig =
+        config::load_or_default(args.config.as_deref(), std::path::Path::new(DEFAULT_CONFIG))?;
     if args.listen.is_some() {
         file.listen = args.listen;
     }
