@@ -51,7 +51,7 @@ mod link;
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -194,12 +194,7 @@ impl Poster {
     /// A poster; opens the journal (appending) if one is set.
     pub(crate) fn new(settings: PosterSettings) -> std::io::Result<Poster> {
         let journal = match &settings.journal {
-            Some(path) => Some(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            ),
+            Some(path) => Some(open_journal(path)?),
             None => None,
         };
         Ok(Poster {
@@ -500,10 +495,37 @@ impl Poster {
             "region_id": region_id,
             what: value,
         });
-        if let Err(e) = writeln!(f, "{line}") {
+        // One write per line: a kill between two writes would leave half
+        // a line for the next daemon to append to.
+        let mut text = line.to_string();
+        text.push('\n');
+        if let Err(e) = f.write_all(text.as_bytes()) {
             tracing::error!(error = %e, "cannot append to the billing journal");
         }
     }
+}
+
+/// Opens the journal for appending. A file whose last line was cut short
+/// (a crash in the middle of a write, a full disk) gets a newline first,
+/// so the torn line stays alone and every line written from now on is
+/// whole.
+fn open_journal(path: &std::path::Path) -> std::io::Result<File> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    if len > 0 {
+        let mut last = [0u8; 1];
+        f.seek(SeekFrom::Start(len - 1))?;
+        f.read_exact(&mut last)?;
+        if last[0] != b'\n' {
+            tracing::warn!(journal = %path.display(), "the billing journal's last line was cut short (a crash while writing it?); it is left as it is");
+            f.write_all(b"\n")?;
+        }
+    }
+    Ok(f)
 }
 
 /// What of `deltas` landed, given what the slot held before (`expected`)

@@ -399,3 +399,24 @@ fn a_flush_posts_everything_now_and_closes_nothing() {
     assert_eq!(peer.word(8, Counter::Closed), 0);
     assert_eq!(p.stats().pending, 1);
 }
+
+#[test]
+fn a_journal_cut_short_mid_line_gets_whole_lines_after_it() {
+    let peer = Peer::start();
+    let dir = Scratch::new("torn");
+    let journal = dir.journal();
+    // A daemon killed in the middle of writing a line.
+    std::fs::write(&journal, "{\"at_ms\":1,\"lease_id\":6,\"add").unwrap();
+    let mut p = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    let slot = peer.slot("acct1", 9);
+    p.tick(&[usage(6, &slot, 2_000, 1, false)], Instant::now());
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("{\"at_ms\":1,\"lease_id\":6,\"add"));
+    let rest: Vec<serde_json::Value> = lines
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    assert!(!rest.is_empty());
+    assert!(text.ends_with('\n'));
+    assert_eq!(rest.last().unwrap()["added"]["compute_ns"], 2_000);
+}
