@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use common::{wait_until, Env};
+use common::{journaled, wait_until, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
 use rfaas_proto::accounting::Counter;
@@ -56,25 +55,6 @@ fn node(env: &Env, dir: &Path, name: &str) -> Node {
         _daemon: daemon,
         journal,
     }
-}
-
-/// Sums each lease's `added` lines per counter over `journals`.
-fn journaled(journals: &[&Path]) -> HashMap<u64, HashMap<String, u64>> {
-    let mut sums: HashMap<u64, HashMap<String, u64>> = HashMap::new();
-    for j in journals {
-        let text = std::fs::read_to_string(j).unwrap_or_default();
-        for line in text.lines() {
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            let id = v["lease_id"].as_u64().unwrap();
-            if let Some(added) = v["added"].as_object() {
-                let e = sums.entry(id).or_default();
-                for (k, n) in added {
-                    *e.entry(k.clone()).or_insert(0) += n.as_u64().unwrap();
-                }
-            }
-        }
-    }
-    sums
 }
 
 fn jobs_are_billed_for_what_they_used(kind: &str) {

@@ -264,6 +264,14 @@ impl Executord {
         &self.dir
     }
 
+    /// `kill -9` of the daemon, reaped: its workers die with it (they get
+    /// SIGKILL when their parent dies). Start another with the same
+    /// options to bring the node back.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// What the daemon logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("executord.log")).unwrap_or_default()

@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+use std::collections::HashMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rfaas_accounting::store::{self, UsageRow};
@@ -49,6 +51,12 @@ pub struct Env {
 impl Env {
     /// A fresh database of `kind` ("sqlite" or "postgres") with a manager.
     pub fn new(kind: &str) -> Env {
+        Env::with_manager_config(kind, "")
+    }
+
+    /// [`Env::new`] with `manager_config` appended to the manager's
+    /// configuration (after its top-level keys: start it with a table).
+    pub fn with_manager_config(kind: &str, manager_config: &str) -> Env {
         let pg = match kind {
             "sqlite" => None,
             "postgres" => Some(Postgres::start().unwrap_or_else(|e| panic!("{e}"))),
@@ -56,10 +64,11 @@ impl Env {
         };
         // A very slow machine (an emulated VM) can miss the manager's
         // 2 s wait for its first SQLite connection: a few tries.
-        let opts = ManagerOptions {
+        let mut opts = ManagerOptions {
             database: pg.as_ref().map(|p| p.url().to_owned()),
             ..ManagerOptions::default()
         };
+        opts.extra_config.push_str(manager_config);
         let binary = rfaas_testkit::manager::manager_binary();
         let manager = (0..3)
             .find_map(|_| Manager::try_start(&binary, opts.clone()).ok())
@@ -261,4 +270,26 @@ pub fn cost(u: &SlotTotals, harvested: bool) -> f64 {
         .unwrap()
         .rates
         .cost(u, harvested)
+}
+
+/// Sums each lease's `added` lines per counter over executor daemons'
+/// billing `journals`: what the executors billed each lease.
+pub fn journaled(journals: &[&Path]) -> HashMap<u64, HashMap<String, u64>> {
+    let mut sums: HashMap<u64, HashMap<String, u64>> = HashMap::new();
+    for j in journals {
+        let text = std::fs::read_to_string(j).unwrap_or_default();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| {
+                panic!("{}: a line that is not JSON ({e}): {line:?}", j.display())
+            });
+            let id = v["lease_id"].as_u64().unwrap();
+            if let Some(added) = v["added"].as_object() {
+                let e = sums.entry(id).or_default();
+                for (k, n) in added {
+                    *e.entry(k.clone()).or_insert(0) += n.as_u64().unwrap();
+                }
+            }
+        }
+    }
+    sums
 }

@@ -92,8 +92,8 @@ pub struct BillingConfig {
     /// Post a lease's usage at most this often, ms (default 1000).
     pub granularity_ms: Option<u64>,
     /// Give up on an ended lease's usage that could not be posted after
-    /// this long, s (default 300; keep it below the accounting services'
-    /// `slot_hold_s`).
+    /// this long, s (default 300; keep it at most half the accounting
+    /// services' `slot_hold_s`).
     pub keep_ended_s: Option<u64>,
     /// One connection attempt or one batch of adds, ms (default 2000).
     pub timeout_ms: Option<u64>,

@@ -26,7 +26,11 @@
 //! daemon, is not the lease's current allocations'), and keeps what the
 //! slot should hold. When an add's completion is lost (the service died, the
 //! connection broke), the daemon reads the slot back on the next connection
-//! and counts what landed, once: a replay never double-counts.
+//! and counts what landed, once: a replay never double-counts. A batch is
+//! journaled as `posting` before it is sent, so a daemon killed while one
+//! was under way (or just after it landed) leaves the batch in its
+//! journal; started again, it reads that slot and journals what of the
+//! batch landed before it posts anything else for the lease.
 //!
 //! # Accounting down
 //!
@@ -35,23 +39,28 @@
 //! bounded by the leases the node has run) and reconnects with backoff. A
 //! lease that ended more than `keep_ended` ago and still could not be
 //! posted is dropped, logged and journaled as `dropped` with its unposted
-//! figures: that, and what a kill -9 of the daemon loses (the figures since
-//! each live lease's last post, at most `granularity` of use), is the loss
-//! bound documented in `docs/accounting.md`.
+//! figures: that, and what a kill -9 of the daemon loses (each lease's
+//! figures since its last post that landed: at most `granularity` plus one
+//! tick of use while the service is reachable, the whole outage's while it
+//! is not), is the loss bound documented in `docs/accounting.md`.
 //!
 //! # Journal
 //!
-//! With `journal` set, each landed add is one JSON line: `lease_id`,
-//! `instance`, `slot`, `region_id`, `at_ms`, and either `added` (the
-//! counters that landed), `closed: true`, or `dropped` (figures that will
-//! never be posted). Summing `added` per lease gives what the executor
-//! billed.
+//! With `journal` set, the daemon appends one JSON line (one write each)
+//! per event: `lease_id`, `instance`, `slot`, `region_id`, `at_ms`, and
+//! one of `posting` (a batch about to be sent, with `before`, what the
+//! slot held, and the slot's `provider` and `addr`), `added` (the counters
+//! that landed; with `recovered: true` when a restarted daemon learned it
+//! from the slot), `closed: true`, `dropped` (figures that will never be
+//! posted) or `unresolved` (a batch whose outcome could not be learned).
+//! Every `posting` is followed by its lease's `added` or `unresolved`.
+//! Summing `added` per lease gives what the executor billed.
 
 mod link;
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -106,6 +115,8 @@ struct Entry {
     expected: Option<SlotTotals>,
     /// A batch whose completions were lost: read the slot before adding.
     uncertain: bool,
+    /// The batch journaled as `posting` whose outcome is not known yet.
+    in_flight: Option<[u64; SLOT_WORDS]>,
     last_post: Option<Instant>,
     ended_at: Option<Instant>,
 }
@@ -145,12 +156,28 @@ pub(crate) struct PosterStats {
     pub pending: u64,
 }
 
-/// How a post left a lease.
-enum Outcome {
-    /// Still open.
-    Open,
-    /// Its `closed` add landed: forget it.
-    Closed,
+/// A batch a previous run of the daemon journaled as `posting` without
+/// its outcome: it was killed while the adds were under way, or just
+/// after they landed. The slot, read once, tells what landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Recovery {
+    slot: BillingSlot,
+    region_id: u64,
+    /// What the slot held before the batch.
+    before: SlotTotals,
+    deltas: [u64; SLOT_WORDS],
+    /// When the batch was journaled, Unix ms.
+    at_ms: u64,
+}
+
+/// Where a test stops a post short, as a `kill -9` of the daemon would.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Crash {
+    /// After the `posting` line, before the adds are sent.
+    BeforeAdd,
+    /// After the adds landed, before the `added` line.
+    AfterAdd,
 }
 
 /// Posts leases' usage; driven by [`Poster::tick`].
@@ -162,8 +189,12 @@ pub(crate) struct Poster {
     /// Leases closed or given up, while the usage figures still list them:
     /// never posted again.
     done: std::collections::HashSet<u64>,
-    journal: Option<File>,
+    /// Batches a previous run left unresolved, by lease.
+    recovering: HashMap<u64, Recovery>,
+    journal: Journal,
     stats: PosterStats,
+    #[cfg(test)]
+    pub(crate) crash: Option<Crash>,
 }
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -180,6 +211,21 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The counters of a journal line's object (missing ones are 0); `None`
+/// when it is not an object of numbers.
+fn words_from_json(v: &serde_json::Value) -> Option<[u64; SLOT_WORDS]> {
+    let m = v.as_object()?;
+    let mut w = [0u64; SLOT_WORDS];
+    for c in Counter::ALL {
+        if c != Counter::Closed {
+            if let Some(n) = m.get(c.name()) {
+                w[c.index()] = n.as_u64()?;
+            }
+        }
+    }
+    Some(w)
+}
+
 fn words_json(w: &[u64; SLOT_WORDS]) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     for c in Counter::ALL {
@@ -192,24 +238,33 @@ fn words_json(w: &[u64; SLOT_WORDS]) -> serde_json::Value {
 
 impl Poster {
     /// A poster; opens the journal (appending) if one is set.
+    /// Batches the journal shows without their outcome (a previous run
+    /// was killed during them) are resolved first, by reading their slots.
     pub(crate) fn new(settings: PosterSettings) -> std::io::Result<Poster> {
-        let journal = match &settings.journal {
-            Some(path) => Some(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            ),
-            None => None,
+        let (file, recovering) = match &settings.journal {
+            Some(path) => {
+                let recovering = unresolved_batches(path)?;
+                (Some(open_journal(path)?), recovering)
+            }
+            None => (None, HashMap::new()),
         };
+        if !recovering.is_empty() {
+            tracing::info!(
+                batches = recovering.len(),
+                "the billing journal holds batches of adds whose outcome a previous run did not learn; reading their slots"
+            );
+        }
         Ok(Poster {
             settings,
             fabrics: HashMap::new(),
             links: HashMap::new(),
             ledger: HashMap::new(),
             done: std::collections::HashSet::new(),
-            journal,
+            recovering,
+            journal: Journal { file },
             stats: PosterStats::default(),
+            #[cfg(test)]
+            crash: None,
         })
     }
 
@@ -252,6 +307,7 @@ impl Poster {
                 counted: SlotTotals::default(),
                 expected: None,
                 uncertain: false,
+                in_flight: None,
                 last_post: None,
                 ended_at: None,
             });
@@ -265,6 +321,7 @@ impl Poster {
                 e.ended_at = Some(now);
             }
         }
+        self.recover(now);
         let due: Vec<u64> = self
             .ledger
             .iter()
@@ -281,6 +338,10 @@ impl Poster {
     }
 
     fn post(&mut self, id: u64, now: Instant) {
+        // What a previous run's last batch left in the slot comes first.
+        if self.recovering.contains_key(&id) {
+            return;
+        }
         let Some(e) = self.ledger.get(&id) else {
             return;
         };
@@ -306,6 +367,11 @@ impl Poster {
 
     /// Posts lease `id` on its link, which is up: reads the slot first when
     /// what it holds is unknown, adds the deltas, and closes an ended lease.
+    ///
+    /// Each batch is journaled as `posting` before it is sent and as
+    /// `added` once it landed (or once a read told what of it landed), so
+    /// whenever the daemon dies the journal either holds the batch's
+    /// outcome or says that a batch was under way.
     fn post_on_link(
         &mut self,
         id: u64,
@@ -321,19 +387,32 @@ impl Poster {
             return Ok(());
         };
         let slot = e.slot.clone();
-        let mut lines: Vec<(&'static str, serde_json::Value)> = Vec::new();
-        let mut outcome = Outcome::Open;
+        let journal = &mut self.journal;
+        let stats = &mut self.stats;
 
         // Learn what the slot holds before the first add, and after a
         // batch whose completions were lost.
+        let mut closed = false;
         if e.expected.is_none() || e.uncertain {
             let read = link.read_slot(slot.slot, timeout)?;
             let closed_before = e.expected.map(|x| x.closed);
             if let Some(expected) = e.expected {
-                let landed = landed(&expected, &read, &e.deltas());
+                let batch = e.in_flight.take().unwrap_or([0; SLOT_WORDS]);
+                let landed = landed(&expected, &read, &batch);
                 e.counted = add_words(&e.counted, &landed);
-                if landed.iter().any(|&w| w != 0) {
-                    lines.push(("added", words_json(&landed)));
+                if batch.iter().any(|&w| w != 0) {
+                    // Written even when nothing landed: it ends the
+                    // `posting` line.
+                    stats.batches += 1;
+                    journal.write(id, &slot, region, &[("added", words_json(&landed))]);
+                }
+                let more = add_words(&expected, &landed).to_words();
+                let read_words = read.to_words();
+                if Counter::ALL
+                    .iter()
+                    .any(|c| *c != Counter::Closed && read_words[c.index()] > more[c.index()])
+                {
+                    tracing::warn!(lease_id = id, instance = %slot.instance, slot = slot.slot, "the slot holds more than this daemon added into it; it goes on from what it holds");
                 }
             }
             e.expected = Some(read);
@@ -342,21 +421,41 @@ impl Poster {
             // found closed on first contact belongs to a lease that was
             // renewed and used again after an earlier close: the flusher
             // keeps it while the lease is active, so adding goes on.)
-            if closed_before.is_some_and(|before| read.closed > before) {
-                outcome = Outcome::Closed;
-            }
+            closed = closed_before.is_some_and(|before| read.closed > before);
         }
-        if let Outcome::Open = outcome {
+        if !closed {
             let deltas = e.deltas();
             if deltas.iter().any(|&d| d != 0) {
+                let before = e.expected.unwrap_or_default();
+                journal.write(
+                    id,
+                    &slot,
+                    region,
+                    &[
+                        ("posting", words_json(&deltas)),
+                        ("before", words_json(&before.to_words())),
+                        ("provider", slot.provider.clone().into()),
+                        ("addr", slot.addr.clone().into()),
+                    ],
+                );
+                e.in_flight = Some(deltas);
+                #[cfg(test)]
+                if self.crash == Some(Crash::BeforeAdd) {
+                    return Err(LinkError::Transient("killed before the adds".into()));
+                }
                 if let Err(err) = link.add(slot.slot, &deltas, timeout) {
                     e.uncertain = true;
-                    self.finish(id, &slot, region, lines, Outcome::Open);
                     return Err(err);
                 }
+                #[cfg(test)]
+                if self.crash == Some(Crash::AfterAdd) {
+                    return Err(LinkError::Transient("killed after the adds".into()));
+                }
+                e.in_flight = None;
                 e.counted = add_words(&e.counted, &deltas);
                 e.expected = e.expected.map(|x| add_words(&x, &deltas));
-                lines.push(("added", words_json(&deltas)));
+                stats.batches += 1;
+                journal.write(id, &slot, region, &[("added", words_json(&deltas))]);
             }
             e.last_post = Some(now);
             if e.ended_at.is_some() {
@@ -366,38 +465,83 @@ impl Poster {
                     // Repeat it only if it did not land: the read on the
                     // next connection tells.
                     e.uncertain = true;
-                    self.finish(id, &slot, region, lines, Outcome::Open);
                     return Err(err);
                 }
-                outcome = Outcome::Closed;
+                closed = true;
             }
         }
-        self.finish(id, &slot, region, lines, outcome);
+        if closed {
+            self.ledger.remove(&id);
+            self.done.insert(id);
+            self.stats.closed += 1;
+            self.journal
+                .write(id, &slot, region, &[("closed", true.into())]);
+        }
         Ok(())
     }
 
-    /// Journals what landed and ends the lease as `outcome` says.
-    fn finish(
-        &mut self,
-        id: u64,
-        slot: &BillingSlot,
-        region: u64,
-        lines: Vec<(&'static str, serde_json::Value)>,
-        outcome: Outcome,
-    ) {
-        for (what, value) in lines {
-            self.stats.batches += 1;
-            self.journal(id, slot, region, what, value);
-        }
-        match outcome {
-            Outcome::Open => {}
-            Outcome::Closed => {
-                self.ledger.remove(&id);
-                self.done.insert(id);
-                self.stats.closed += 1;
-                self.journal(id, slot, region, "closed", serde_json::Value::Bool(true));
+    /// Resolves the batches a previous run left without their outcome:
+    /// reads each one's slot (once its link is up) and journals what of it
+    /// landed as `added`, with `"recovered": true`. The slot stays the
+    /// lease's while the lease is not closed (a batch under way means the
+    /// close was not sent) and for `slot_hold_s` after the lease ended,
+    /// at least twice `keep_ended_s` (a batch comes at most `keep_ended_s`
+    /// after the lease ended): a batch older than `keep_ended_s`
+    /// is journaled as `unresolved` instead of read.
+    fn recover(&mut self, now: Instant) {
+        let ids: Vec<u64> = self.recovering.keys().copied().collect();
+        for id in ids {
+            let Some(r) = self.recovering.get(&id).cloned() else {
+                continue;
+            };
+            let keep = self.settings.keep_ended.as_millis() as u64;
+            if unix_ms().saturating_sub(r.at_ms) > keep {
+                self.unresolved(
+                    id,
+                    &r,
+                    "it is older than keep_ended_s: its slot may be another lease's by now",
+                );
+                continue;
+            }
+            let key = link_key(&r.slot);
+            if self.link(&key, now).is_none() {
+                continue;
+            }
+            let Some(LinkState::Up(link)) = self.links.get_mut(&key) else {
+                continue;
+            };
+            if link.region_id() != r.region_id {
+                self.unresolved(id, &r, "the accounting region was replaced since");
+                continue;
+            }
+            match link.read_slot(r.slot.slot, self.settings.timeout) {
+                Ok(read) => {
+                    let landed = landed(&r.before, &read, &r.deltas);
+                    self.recovering.remove(&id);
+                    tracing::info!(lease_id = id, instance = %r.slot.instance, slot = r.slot.slot, landed = %words_json(&landed), "resolved a batch of adds left without its outcome by a previous run");
+                    self.stats.batches += 1;
+                    self.journal.write(
+                        id,
+                        &r.slot,
+                        r.region_id,
+                        &[("added", words_json(&landed)), ("recovered", true.into())],
+                    );
+                }
+                Err(err) => self.link_failed(&key, &err, now),
             }
         }
+    }
+
+    /// Gives up learning the outcome of `r`: journals it as `unresolved`.
+    fn unresolved(&mut self, id: u64, r: &Recovery, why: &str) {
+        self.recovering.remove(&id);
+        tracing::error!(lease_id = id, instance = %r.slot.instance, slot = r.slot.slot, why, batch = %words_json(&r.deltas), "cannot tell whether a batch of adds landed; the slot may hold up to this batch more than the journal's added lines");
+        self.journal.write(
+            id,
+            &r.slot,
+            r.region_id,
+            &[("unresolved", words_json(&r.deltas))],
+        );
     }
 
     /// The link for `key`, opening it if it is down and its backoff passed.
@@ -477,33 +621,131 @@ impl Poster {
             return;
         };
         self.done.insert(id);
+        if let Some(batch) = e.in_flight {
+            // Whether it landed is unknown: it may be in the slot.
+            self.journal
+                .write(id, &e.slot, 0, &[("unresolved", words_json(&batch))]);
+        }
         let lost = e.deltas();
         tracing::error!(lease_id = id, instance = %e.slot.instance, slot = e.slot.slot, why, unposted = %words_json(&lost), "gave up posting a lease's usage");
         self.stats.dropped += 1;
-        self.journal(id, &e.slot, 0, "dropped", words_json(&lost));
+        self.journal
+            .write(id, &e.slot, 0, &[("dropped", words_json(&lost))]);
     }
+}
 
-    fn journal(
+/// The journal file, if one is set.
+struct Journal {
+    file: Option<File>,
+}
+
+impl Journal {
+    /// Appends one line about lease `id`: its slot, the region, the time,
+    /// and `fields`.
+    fn write(
         &mut self,
         id: u64,
         slot: &BillingSlot,
         region_id: u64,
-        what: &str,
-        value: serde_json::Value,
+        fields: &[(&str, serde_json::Value)],
     ) {
-        let Some(f) = &mut self.journal else { return };
-        let line = serde_json::json!({
+        let Some(f) = &mut self.file else { return };
+        let mut line = serde_json::json!({
             "at_ms": unix_ms(),
             "lease_id": id,
             "instance": slot.instance,
             "slot": slot.slot,
             "region_id": region_id,
-            what: value,
         });
-        if let Err(e) = writeln!(f, "{line}") {
+        for (k, v) in fields {
+            line[*k] = v.clone();
+        }
+        // One write per line: a kill between two writes would leave half
+        // a line for the next daemon to append to.
+        let mut text = line.to_string();
+        text.push('\n');
+        if let Err(e) = f.write_all(text.as_bytes()) {
             tracing::error!(error = %e, "cannot append to the billing journal");
         }
     }
+}
+
+/// The batches journaled as `posting` and never followed by their
+/// lease's `added` or `unresolved` line, by lease. Lines that do not
+/// parse (one cut short by a crash) are skipped.
+fn unresolved_batches(path: &std::path::Path) -> std::io::Result<HashMap<u64, Recovery>> {
+    use std::io::BufRead;
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
+        Err(e) => return Err(e),
+    };
+    let mut open = HashMap::new();
+    let mut skipped = 0u64;
+    for line in std::io::BufReader::new(file).lines() {
+        let line = line?;
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            skipped += 1;
+            continue;
+        };
+        let Some(id) = v["lease_id"].as_u64() else {
+            skipped += 1;
+            continue;
+        };
+        if v.get("posting").is_some() {
+            match recovery_of(&v) {
+                Some(r) => {
+                    open.insert(id, r);
+                }
+                None => skipped += 1,
+            }
+        } else if v.get("added").is_some() || v.get("unresolved").is_some() {
+            open.remove(&id);
+        }
+    }
+    if skipped > 0 {
+        tracing::warn!(journal = %path.display(), lines = skipped, "skipped billing journal lines that do not parse");
+    }
+    Ok(open)
+}
+
+/// A `posting` line's batch.
+fn recovery_of(v: &serde_json::Value) -> Option<Recovery> {
+    Some(Recovery {
+        slot: BillingSlot {
+            instance: v["instance"].as_str()?.to_owned(),
+            provider: v["provider"].as_str()?.to_owned(),
+            addr: v["addr"].as_str()?.to_owned(),
+            slot: u32::try_from(v["slot"].as_u64()?).ok()?,
+        },
+        region_id: v["region_id"].as_u64()?,
+        before: SlotTotals::from_words(words_from_json(&v["before"])?),
+        deltas: words_from_json(&v["posting"])?,
+        at_ms: v["at_ms"].as_u64()?,
+    })
+}
+
+/// Opens the journal for appending. A file whose last line was cut short
+/// (a crash in the middle of a write, a full disk) gets a newline first,
+/// so the torn line stays alone and every line written from now on is
+/// whole.
+fn open_journal(path: &std::path::Path) -> std::io::Result<File> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .open(path)?;
+    let len = f.metadata()?.len();
+    if len > 0 {
+        let mut last = [0u8; 1];
+        f.seek(SeekFrom::Start(len - 1))?;
+        f.read_exact(&mut last)?;
+        if last[0] != b'\n' {
+            tracing::warn!(journal = %path.display(), "the billing journal's last line was cut short (a crash while writing it?); it is left as it is");
+            f.write_all(b"\n")?;
+        }
+    }
+    Ok(f)
 }
 
 /// What of `deltas` landed, given what the slot held before (`expected`)

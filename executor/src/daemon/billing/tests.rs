@@ -399,3 +399,129 @@ fn a_flush_posts_everything_now_and_closes_nothing() {
     assert_eq!(peer.word(8, Counter::Closed), 0);
     assert_eq!(p.stats().pending, 1);
 }
+
+#[test]
+fn a_journal_cut_short_mid_line_gets_whole_lines_after_it() {
+    let peer = Peer::start();
+    let dir = Scratch::new("torn");
+    let journal = dir.journal();
+    // A daemon killed in the middle of writing a line.
+    std::fs::write(&journal, "{\"at_ms\":1,\"lease_id\":6,\"add").unwrap();
+    let mut p = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    let slot = peer.slot("acct1", 9);
+    p.tick(&[usage(6, &slot, 2_000, 1, false)], Instant::now());
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("{\"at_ms\":1,\"lease_id\":6,\"add"));
+    let rest: Vec<serde_json::Value> = lines
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    assert!(!rest.is_empty());
+    assert!(text.ends_with('\n'));
+    assert_eq!(rest.last().unwrap()["added"]["compute_ns"], 2_000);
+}
+
+/// The journal's lines of `key` (`recovered`, `unresolved`, ...) for
+/// lease `id`.
+fn lines_with(path: &std::path::Path, id: u64, key: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["lease_id"] == id && v.get(key).is_some())
+        .collect()
+}
+
+/// A daemon that posted lease `id` once, then died during its second
+/// batch as `crash` says; returns the slot.
+fn die_during_a_batch(
+    peer: &Peer,
+    journal: &std::path::Path,
+    id: u64,
+    crash: Crash,
+) -> BillingSlot {
+    let slot = peer.slot("acct1", id as u32);
+    let t0 = Instant::now();
+    let mut p = Poster::new(settings(Some(journal.to_owned()), CREDENTIAL)).unwrap();
+    p.tick(&[usage(id, &slot, 1_000, 1, false)], t0);
+    p.crash = Some(crash);
+    p.tick(
+        &[usage(id, &slot, 4_000, 3, false)],
+        t0 + Duration::from_secs(2),
+    );
+    slot
+}
+
+#[test]
+fn a_batch_that_landed_before_its_journal_line_is_journaled_at_restart() {
+    let peer = Peer::start();
+    let dir = Scratch::new("recover-landed");
+    let journal = dir.journal();
+    let slot = die_during_a_batch(&peer, &journal, 10, Crash::AfterAdd);
+    // The slot holds the batch; the journal does not say so yet.
+    assert_eq!(peer.word(10, Counter::ComputeNs), 4_000);
+    assert_eq!(
+        journal_sums(&journal).0[&(10, "compute_ns".to_string())],
+        1_000
+    );
+
+    let mut after = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    after.tick(&[], Instant::now());
+    let (sums, _) = journal_sums(&journal);
+    assert_eq!(sums[&(10, "compute_ns".to_string())], 4_000);
+    assert_eq!(sums[&(10, "invocations".to_string())], 3);
+    assert_eq!(sums[&(10, "alloc_mib_ms".to_string())], 4);
+    assert_eq!(lines_with(&journal, 10, "recovered").len(), 1);
+    drop(after);
+
+    // Resolved once: the next start reads nothing again. The lease
+    // allocating again adds on top.
+    let mut again = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    again.tick(&[usage(10, &slot, 500, 1, false)], Instant::now());
+    assert_eq!(peer.word(10, Counter::ComputeNs), 4_500);
+    let (sums, _) = journal_sums(&journal);
+    assert_eq!(sums[&(10, "compute_ns".to_string())], 4_500);
+    assert_eq!(lines_with(&journal, 10, "recovered").len(), 1);
+}
+
+#[test]
+fn a_batch_that_never_left_is_journaled_as_nothing_at_restart() {
+    let peer = Peer::start();
+    let dir = Scratch::new("recover-none");
+    let journal = dir.journal();
+    die_during_a_batch(&peer, &journal, 11, Crash::BeforeAdd);
+    assert_eq!(peer.word(11, Counter::ComputeNs), 1_000);
+    assert_eq!(lines_with(&journal, 11, "posting").len(), 2);
+
+    let mut after = Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap();
+    after.tick(&[], Instant::now());
+    let (sums, _) = journal_sums(&journal);
+    assert_eq!(sums[&(11, "compute_ns".to_string())], 1_000);
+    let recovered = lines_with(&journal, 11, "recovered");
+    assert_eq!(recovered.len(), 1);
+    assert_eq!(recovered[0]["added"]["compute_ns"], 0);
+    assert_eq!(peer.word(11, Counter::ComputeNs), 1_000);
+}
+
+#[test]
+fn a_batch_too_old_to_read_is_journaled_unresolved() {
+    let peer = Peer::start();
+    let dir = Scratch::new("recover-old");
+    let journal = dir.journal();
+    die_during_a_batch(&peer, &journal, 12, Crash::AfterAdd);
+    std::thread::sleep(Duration::from_millis(5));
+    let mut after = Poster::new(PosterSettings {
+        keep_ended: Duration::ZERO,
+        ..settings(Some(journal.clone()), CREDENTIAL)
+    })
+    .unwrap();
+    after.tick(&[], Instant::now());
+    let unresolved = lines_with(&journal, 12, "unresolved");
+    assert_eq!(unresolved.len(), 1);
+    assert_eq!(unresolved[0]["unresolved"]["compute_ns"], 3_000);
+    assert_eq!(
+        journal_sums(&journal).0[&(12, "compute_ns".to_string())],
+        1_000
+    );
+    assert!(lines_with(&journal, 12, "recovered").is_empty());
+}
