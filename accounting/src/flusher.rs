@@ -15,7 +15,8 @@
 //! 3. One transaction ([`store::write_usage`]): `usage` (counters only
 //!    grow), `usage_snapshots`, and the priced growth into
 //!    `account_spend`.
-//! 4. A lease is final when its daemon closed the slot (`closed` != 0),
+//! 4. A lease is final when its daemon closed the slot (`closed` != 0)
+//!    and it is over in the database (not active, or past its expiry),
 //!    when its usage is already finalized (a final flush that did not get
 //!    to free the slot), or when it ended (or expired) more than
 //!    `slot_hold` ago. After its final write commits, its slot is zeroed
@@ -192,7 +193,13 @@ impl Flusher {
                 .filter(|m| m.slot == a.slot)
                 .copied();
             let grown = memo.map_or(true, |m| max_totals(&m.stored, &now) != m.stored);
-            let last = a.finalized || now.closed != 0 || self.lease_over(a, now_ms);
+            // A closed slot is final once its lease is over in the
+            // database too: a lease renewed after its daemon saw the token
+            // expire may be used, and added to, again.
+            let ended = a.lease.as_ref().map_or(true, |l| {
+                l.state != "active" || l.expires_at.saturating_mul(1000) <= now_ms
+            });
+            let last = a.finalized || (now.closed != 0 && ended) || self.lease_over(a, now_ms);
             let snapshot = last
                 || (snapshot_due
                     && memo.map_or(true, |m| m.snapshot != Some(max_totals(&m.stored, &now))));
@@ -462,6 +469,16 @@ mod tests {
                 .unwrap();
         }
 
+        /// Marks lease `id` released at `at_ms`.
+        async fn end(&self, id: i64, at_ms: i64) {
+            sqlx::query("UPDATE leases SET state = 'released', ended_ms = $2 WHERE id = $1")
+                .bind(id)
+                .bind(at_ms)
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
+
         async fn slot_lease(&self, slot: i64) -> i64 {
             sqlx::query("SELECT lease_id FROM billing_slots WHERE instance = 't' AND slot = $1")
                 .bind(slot)
@@ -529,6 +546,11 @@ mod tests {
                 ..SlotTotals::default()
             },
         );
+        // Closed, but the lease is still active in the database: not final.
+        let r = b.flusher(None).flush_once(15).await.unwrap();
+        assert_eq!(r.finals, 0);
+        assert!(!b.usage(1).await.finalized);
+        b.end(1, 15).await;
 
         let err = b.flusher(Some(Crash::AfterFinalWrite)).flush_once(20).await;
         assert!(err.is_err());
@@ -565,6 +587,7 @@ mod tests {
     async fn a_late_add_keeps_the_slot(kind: &str) {
         let b = bench(kind).await;
         b.lease(1, 0).await;
+        b.end(1, 5).await;
         let mut f = b.flusher(None);
         b.region.restore_slot(
             0,

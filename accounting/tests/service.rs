@@ -299,7 +299,18 @@ fn the_final_flush_frees_the_slot(kind: &str) {
     peer.add_totals(5, &u1).unwrap();
     peer.add_totals(6, &u2).unwrap();
     peer.add(5, Counter::Closed, 1).unwrap();
-    // Lease 2 ended two minutes ago and its daemon never closed the slot.
+    // A closed slot whose lease is still active (renewed after its daemon
+    // saw the token expire) is flushed but kept: it may be added to again.
+    wait_for_usage(&env, 1, &u1);
+    assert_eq!(
+        env.slot_lease("acct1", 5),
+        1,
+        "kept while the lease is active"
+    );
+    assert!(!env.usage(1).unwrap().finalized);
+    // Lease 1 is released; lease 2 ended two minutes ago and its daemon
+    // never closed the slot.
+    env.end_lease(1, rfaas_manager::now_ms());
     env.end_lease(2, rfaas_manager::now_ms() - 120_000);
     for (lease, slot, u) in [(1, 5, u1), (2, 6, u2)] {
         wait_until(&format!("slot {slot} is freed"), || {
