@@ -85,6 +85,9 @@ pub struct PerRound {
     /// The figure of the round farthest on the wrong side of the target
     /// (a difference's ns, a ratio).
     pub worst: f64,
+    /// The median of the rounds' figures (of the two middle ones, their
+    /// mean): what a typical single round gives.
+    pub median: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -444,10 +447,11 @@ impl Row {
         }
         if let Some(pr) = self.per_round {
             s.push_str(&format!(
-                ",\"rounds\":{},\"rounds_met\":{},\"worst_round\":{}",
+                ",\"rounds\":{},\"rounds_met\":{},\"worst_round\":{},\"median_round\":{}",
                 pr.rounds,
                 pr.met,
-                serde_json::Value::from((pr.worst * 1000.0).round() / 1000.0)
+                serde_json::Value::from((pr.worst * 1000.0).round() / 1000.0),
+                serde_json::Value::from((pr.median * 1000.0).round() / 1000.0)
             ));
         }
         s.push('}');
@@ -552,15 +556,16 @@ impl Row {
             .map(|sp| format!("{} rounds, worst/best {:.2}", sp.rounds, sp.worst_over_best))
             .or_else(|| {
                 self.per_round.map(|pr| {
-                    let worst = match self.measure {
-                        Measure::Difference { .. } => {
-                            format!("{} µs", signed_micros(pr.worst as i64))
-                        }
-                        _ => format!("x {:.3}", pr.worst),
+                    let figure = |f: f64| match self.measure {
+                        Measure::Difference { .. } => format!("{} µs", signed_micros(f as i64)),
+                        _ => format!("x {f:.3}"),
                     };
                     format!(
-                        "met in {} of {} rounds, worst round {worst}",
-                        pr.met, pr.rounds
+                        "met in {} of {} rounds, median round {}, worst round {}",
+                        pr.met,
+                        pr.rounds,
+                        figure(pr.median),
+                        figure(pr.worst)
                     )
                 })
             });
@@ -586,7 +591,9 @@ fn round_verdict(row: &Row, rounds: &[Vec<Row>]) -> Option<PerRound> {
         rounds: 0,
         met: 0,
         worst: if larger_is_worse { f64::MIN } else { f64::MAX },
+        median: 0.0,
     };
+    let mut figures = Vec::new();
     for same in rounds
         .iter()
         .flat_map(|r| r.iter().find(|d| d.same_row(row)))
@@ -594,6 +601,7 @@ fn round_verdict(row: &Row, rounds: &[Vec<Row>]) -> Option<PerRound> {
         let Some((figure, _)) = same.derived_figure() else {
             continue;
         };
+        figures.push(figure);
         verdict.rounds += 1;
         verdict.met += u32::from(same.meets_target() == Some(true));
         verdict.worst = if larger_is_worse {
@@ -601,6 +609,11 @@ fn round_verdict(row: &Row, rounds: &[Vec<Row>]) -> Option<PerRound> {
         } else {
             verdict.worst.min(figure)
         };
+    }
+    figures.sort_by(f64::total_cmp);
+    let n = figures.len();
+    if n > 0 {
+        verdict.median = (figures[(n - 1) / 2] + figures[n / 2]) / 2.0;
     }
     (verdict.rounds > 1).then_some(verdict)
 }
@@ -1022,12 +1035,14 @@ mod tests {
         let v = round_verdict(&ratio(1.0), &rounds).unwrap();
         assert_eq!((v.rounds, v.met), (3, 2));
         assert!((v.worst - 1.05).abs() < 1e-9);
+        assert!((v.median - 1.01).abs() < 1e-9);
         let v = round_verdict(&diff(200), &rounds).unwrap();
-        assert_eq!((v.rounds, v.met, v.worst), (3, 2, 310.0));
+        assert_eq!((v.rounds, v.met, v.worst, v.median), (3, 2, 310.0, 250.0));
         // A lower bound: the smallest ratio is the worst.
         let min = |r: f64| Row::ratio("x", "tcp", 64, r, "x".into(), Some(0.9));
         let v = round_verdict(&min(0.95), &[vec![min(0.95)], vec![min(0.85)]]).unwrap();
         assert_eq!((v.rounds, v.met, v.worst), (2, 1, 0.85));
+        assert!((v.median - 0.9).abs() < 1e-9, "the mean of the middle two");
         // No target, or a single round: nothing to say.
         let none = Row::ratio("y", "tcp", 64, 1.0, "y".into(), None);
         assert_eq!(
@@ -1043,9 +1058,10 @@ mod tests {
             (Some(3), Some(2))
         );
         assert_eq!(json["worst_round"], 1.05);
+        assert_eq!(json["median_round"], 1.01);
         assert!(row
             .to_table_line()
-            .contains("met in 2 of 3 rounds, worst round x 1.050"));
+            .contains("met in 2 of 3 rounds, median round x 1.010, worst round x 1.050"));
     }
 
     #[test]
