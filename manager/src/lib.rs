@@ -222,10 +222,12 @@ async fn refresh_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool
     }
 }
 
-/// Reloads the nodes other replicas announce on `rfaas_nodes`: this
-/// replica's own notices are skipped (it applied those changes to its view
-/// when it made them), and the notices that queued up while it reloaded
-/// are reloaded together, in one query.
+/// Follows the notices on `rfaas_nodes`. A grant's or release's notice
+/// carries the nodes' leased counters after its commit, which go straight
+/// into the view (this replica's own too: notices arrive in commit order).
+/// Other changes name the nodes, which are read again: the notices that
+/// queued up meanwhile together, in one query; this replica's own are
+/// skipped (it applied those changes to its view when it made them).
 async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
     use sqlx::postgres::PgListener;
     loop {
@@ -255,9 +257,27 @@ async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>
                 Ok(Some(n)) => {
                     let mut names = BTreeSet::new();
                     let mut take = |payload: &str| {
-                        let (origin, nodes) = store::notice(payload);
-                        if origin != Some(app.store.origin()) {
-                            names.extend(nodes.into_iter().map(str::to_owned));
+                        let (origin, entries) = store::notice(payload);
+                        let own = origin == Some(app.store.origin());
+                        for e in entries {
+                            match e {
+                                // Counters after a grant or release, in
+                                // commit order: this replica's own too,
+                                // which it applied only as a difference.
+                                store::Announced::Leased {
+                                    node,
+                                    cores,
+                                    memory_mib,
+                                } => {
+                                    if !app.view.set_leased(node, cores, memory_mib) {
+                                        names.insert(node.to_owned());
+                                    }
+                                }
+                                store::Announced::Changed(node) if !own => {
+                                    names.insert(node.to_owned());
+                                }
+                                store::Announced::Changed(_) => {}
+                            }
                         }
                     };
                     take(n.payload());

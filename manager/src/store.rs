@@ -156,15 +156,69 @@ pub struct Store {
     origin: String,
 }
 
-/// A notice on `rfaas_nodes`, `<origin>:<node>,<node>...`: the replica
-/// that sent it (`None` from a replica that did not say) and the nodes
-/// that changed.
-pub fn notice(payload: &str) -> (Option<&str>, Vec<&str>) {
-    let (origin, nodes) = match payload.split_once(':') {
-        Some((origin, nodes)) => (Some(origin), nodes),
+/// What a notice on `rfaas_nodes` says of one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Announced<'a> {
+    /// `<node>`: it changed; read it again.
+    Changed(&'a str),
+    /// `<node>=<cores>/<memory_mib>`: what it has leased since this
+    /// commit (a grant or a release), nothing else changed. Notices arrive
+    /// in commit order, so the last one read is the node's state.
+    Leased {
+        node: &'a str,
+        cores: u32,
+        memory_mib: u64,
+    },
+}
+
+impl<'a> Announced<'a> {
+    /// The node it is about.
+    pub fn node(&self) -> &'a str {
+        match *self {
+            Announced::Changed(node) | Announced::Leased { node, .. } => node,
+        }
+    }
+
+    fn parse(entry: &'a str) -> Announced<'a> {
+        let leased = entry.split_once('=').and_then(|(node, counts)| {
+            let (cores, mem) = counts.split_once('/')?;
+            Some(Announced::Leased {
+                node,
+                cores: cores.parse().ok()?,
+                memory_mib: mem.parse().ok()?,
+            })
+        });
+        // Anything else names a node to read again (node names have no
+        // `=`): a notice this replica cannot read costs a query, not a
+        // stale view.
+        leased.unwrap_or(Announced::Changed(entry.split('=').next().unwrap_or(entry)))
+    }
+}
+
+/// A notice on `rfaas_nodes`, `<origin>:<entry>,<entry>...`: the replica
+/// that sent it (`None` from a replica that did not say) and what changed
+/// (see [`Announced`]).
+pub fn notice(payload: &str) -> (Option<&str>, Vec<Announced<'_>>) {
+    let (origin, entries) = match payload.split_once(':') {
+        Some((origin, entries)) => (Some(origin), entries),
         None => (None, payload),
     };
-    (origin, nodes.split(',').filter(|n| !n.is_empty()).collect())
+    (
+        origin,
+        entries
+            .split(',')
+            .filter(|n| !n.is_empty())
+            .map(Announced::parse)
+            .collect(),
+    )
+}
+
+/// A node's `leased_cores, leased_memory_mib`.
+fn leased_cols(row: &AnyRow) -> Result<(u32, u64), DbError> {
+    Ok((
+        u64_col(row, "leased_cores")? as u32,
+        u64_col(row, "leased_memory_mib")?,
+    ))
 }
 
 fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
@@ -271,9 +325,33 @@ impl Store {
         tx: &mut Transaction<'static, Any>,
         nodes: &[&str],
     ) -> Result<(), DbError> {
-        if self.backend == Backend::Postgres && !nodes.is_empty() {
+        self.announce(tx, nodes.join(",")).await
+    }
+
+    /// As [`notify`](Self::notify), for grants and releases: with each
+    /// node's leased counters after this transaction (`(node, cores,
+    /// memory_mib)`), so the replicas update their views without reading
+    /// the nodes again.
+    async fn notify_leased(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        nodes: &[(&str, u32, u64)],
+    ) -> Result<(), DbError> {
+        let entries: Vec<String> = nodes
+            .iter()
+            .map(|(n, cores, mem)| format!("{n}={cores}/{mem}"))
+            .collect();
+        self.announce(tx, entries.join(",")).await
+    }
+
+    async fn announce(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        entries: String,
+    ) -> Result<(), DbError> {
+        if self.backend == Backend::Postgres && !entries.is_empty() {
             sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_notify('rfaas_nodes', $1)) AS sent")
-                .bind(format!("{}:{}", self.origin, nodes.join(",")))
+                .bind(format!("{}:{entries}", self.origin))
                 .execute(&mut **tx)
                 .await?;
         }
@@ -491,10 +569,13 @@ impl Store {
             }
         }
         let mut got: Vec<(&str, u32)> = Vec::new();
+        // Each node's leased counters after this grant, for the notice.
+        let mut leased: Vec<(&str, u32, u64)> = Vec::new();
         let mut total = 0u32;
         for (name, take) in &chosen {
-            if self.take(&mut tx, name, *take, plan.memory_mib).await? {
+            if let Some((cores, mem)) = self.take(&mut tx, name, *take, plan.memory_mib).await? {
                 got.push((name, *take));
+                leased.push((name, cores, mem));
                 total += take;
             }
         }
@@ -520,8 +601,12 @@ impl Store {
                     None => 0,
                 };
                 let take = free.min(want - total);
-                if take > 0 && self.take(&mut tx, name, take, plan.memory_mib).await? {
+                if take == 0 {
+                    continue;
+                }
+                if let Some((cores, mem)) = self.take(&mut tx, name, take, plan.memory_mib).await? {
                     got.push((name, take));
+                    leased.push((name, cores, mem));
                     total += take;
                 }
             }
@@ -592,8 +677,8 @@ impl Store {
                 billing,
             });
         }
-        let names: Vec<&str> = got.iter().map(|(n, _)| *n).collect();
-        self.notify(&mut tx, &names).await?;
+        leased.sort_unstable();
+        self.notify_leased(&mut tx, &leased).await?;
         tx.commit().await?;
         Ok(GrantOutcome::Granted { grant_id, leases })
     }
@@ -605,18 +690,21 @@ impl Store {
         node: &str,
         cores: u32,
         memory_mib: u64,
-    ) -> Result<bool, DbError> {
-        let done = sqlx::query(
+    ) -> Result<Option<(u32, u64)>, DbError> {
+        sqlx::query(
             "UPDATE nodes SET leased_cores = leased_cores + $2, leased_memory_mib = leased_memory_mib + $3
              WHERE name = $1 AND admin_state = 'up' AND lost = 0
-               AND leased_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib",
+               AND leased_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib
+             RETURNING leased_cores, leased_memory_mib",
         )
         .bind(node)
         .bind(i(cores.into()))
         .bind(i(memory_mib))
-        .execute(&mut **tx)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        .fetch_optional(&mut **tx)
+        .await?
+        .as_ref()
+        .map(leased_cols)
+        .transpose()
     }
 
     /// Gives back what ended leases held: accounts, then nodes by name.
@@ -640,18 +728,23 @@ impl Store {
                 .execute(&mut **tx)
                 .await?;
         }
+        let mut leased = Vec::with_capacity(nodes.len());
         for (node, (cores, mem)) in &nodes {
-            sqlx::query(
-                "UPDATE nodes SET leased_cores = leased_cores - $2, leased_memory_mib = leased_memory_mib - $3 WHERE name = $1",
+            let row = sqlx::query(
+                "UPDATE nodes SET leased_cores = leased_cores - $2, leased_memory_mib = leased_memory_mib - $3 WHERE name = $1
+                 RETURNING leased_cores, leased_memory_mib",
             )
             .bind(*node)
             .bind(i(*cores))
             .bind(i(*mem))
-            .execute(&mut **tx)
+            .fetch_optional(&mut **tx)
             .await?;
+            if let Some(row) = row {
+                let (c, m) = leased_cols(&row)?;
+                leased.push((*node, c, m));
+            }
         }
-        let names: Vec<&str> = nodes.keys().copied().collect();
-        self.notify(tx, &names).await
+        self.notify_leased(tx, &leased).await
     }
 
     /// Ends the leases `update` (an `UPDATE leases ... RETURNING
@@ -1096,12 +1189,38 @@ mod tests {
 
     #[test]
     fn notices_name_their_replica_and_nodes() {
+        use Announced::{Changed, Leased};
         assert_eq!(
             notice("00ab:n1,n-2.x@y"),
-            (Some("00ab"), vec!["n1", "n-2.x@y"])
+            (Some("00ab"), vec![Changed("n1"), Changed("n-2.x@y")])
         );
         // From a replica that did not say who it is: reloaded by every one.
-        assert_eq!(notice("n1,n2"), (None, vec!["n1", "n2"]));
+        assert_eq!(notice("n1,n2"), (None, vec![Changed("n1"), Changed("n2")]));
         assert_eq!(notice("00ab:"), (Some("00ab"), vec![]));
+        // Grants and releases carry the node's counters after the commit.
+        assert_eq!(
+            notice("00ab:n1=3/4096,n2=0/0"),
+            (
+                Some("00ab"),
+                vec![
+                    Leased {
+                        node: "n1",
+                        cores: 3,
+                        memory_mib: 4096
+                    },
+                    Leased {
+                        node: "n2",
+                        cores: 0,
+                        memory_mib: 0
+                    }
+                ]
+            )
+        );
+        // What cannot be read names a node to read again.
+        assert_eq!(
+            notice("00ab:n1=x/1,n2=3"),
+            (Some("00ab"), vec![Changed("n1"), Changed("n2")])
+        );
+        assert_eq!(Changed("n1").node(), "n1");
     }
 }

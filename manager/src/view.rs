@@ -42,6 +42,20 @@ impl View {
             .insert(node.name.clone(), node);
     }
 
+    /// Sets what `name` has leased, as a grant's or release's notice
+    /// says; `false` when the view does not know the node.
+    pub fn set_leased(&self, name: &str, cores: u32, memory_mib: u64) -> bool {
+        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+        match nodes.get_mut(name) {
+            Some(n) => {
+                n.leased_cores = cores;
+                n.leased_memory_mib = memory_mib;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// One node.
     pub fn get(&self, name: &str) -> Option<NodeView> {
         self.nodes
@@ -202,6 +216,21 @@ mod tests {
         assert_eq!(c.len(), 2, "{c:?}");
         assert_eq!(c[1], ("a".to_string(), 4));
         assert!(v.candidates(2048, &[]).is_empty(), "memory must fit");
+    }
+
+    #[test]
+    fn announced_counters_replace_the_views() {
+        let v = View::default();
+        v.replace_all(vec![node("a", 4, 1, NodeState::Up)]);
+        // Its own grant, as a difference, then the commit's counters.
+        v.apply(&[], true);
+        assert!(v.set_leased("a", 4, 512));
+        assert_eq!(
+            v.get("a").map(|n| (n.leased_cores, n.leased_memory_mib)),
+            Some((4, 512))
+        );
+        assert!(v.candidates(64, &[]).is_empty(), "a is full");
+        assert!(!v.set_leased("zz", 1, 1), "an unknown node is read instead");
     }
 
     #[test]
