@@ -11,8 +11,10 @@
 //!
 //! Needs `rfaas-executord` and `rfaas-worker` next to this binary (`cargo
 //! build --release -p rfaas-executor -p rfaas-bench`), or `--executord`,
-//! and a C compiler for the example functions. Runs as root (the daemon
-//! drops each worker to the user `nobody`).
+//! `rfaas-manager` and `rfaas-accounting` there too for `hot_noop_billed`
+//! (`-p rfaas-manager -p rfaas-accounting`), and a C compiler for the
+//! example functions. Runs as root (the daemon drops each worker to the
+//! user `nobody`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
