@@ -651,6 +651,33 @@ fn drain_refuses_allocations_until_resumed() {
         .expect("allocations are taken again");
 }
 
+/// The Slurm hooks' requests are not carried out yet: the daemon refuses
+/// them, so a hook cannot take the refusal for a retrieval, and keeps
+/// serving.
+#[test]
+fn slurm_requests_are_refused_until_implemented() {
+    let d = start(ExecutordOptions::default());
+    for req in [
+        LocalRequest::SlurmRetrieve {
+            job_id: 7,
+            cpus: 1,
+            grace_ms: 10,
+        },
+        LocalRequest::SlurmOffer { job_id: 7 },
+    ] {
+        let mut sock = std::os::unix::net::UnixStream::connect(d.local_socket()).unwrap();
+        sock.set_read_timeout(Some(MINUTE)).unwrap();
+        Frame::new(&req, Vec::new()).write_to(&mut sock).unwrap();
+        let frame = Frame::read_from(&mut sock, FrameLimits::default()).unwrap();
+        assert_eq!(frame.kind, Kind::Error, "{req:?} answered {frame:?}");
+        let e: ErrorReply = frame.parse().unwrap();
+        assert_eq!(e.code, ErrorCode::MalformedRequest, "{}", e.message);
+        assert!(e.message.contains("does not carry out"), "{}", e.message);
+    }
+    let (draining, ..) = status(&d);
+    assert!(!draining, "a refused retrieval drains nothing");
+}
+
 #[test]
 fn stopping_the_daemon_stops_every_worker() {
     let d = start(ExecutordOptions {

@@ -42,6 +42,17 @@ pub(crate) fn message(shared: &Arc<Shared>, conn: u64, kind: Kind, json: Vec<u8>
         Err(e) => return LocalNext::Reply(refusal(0, ErrorCode::MalformedRequest, e.to_string())),
     };
     tracing::info!(request = ?req, "local request");
+    if let LocalRequest::SlurmRetrieve { .. } | LocalRequest::SlurmOffer { .. } = req {
+        // Answered as an executor that does not know the command would,
+        // so a Slurm hook logs it and lets the job run.
+        return LocalNext::Reply(refusal(
+            0,
+            ErrorCode::MalformedRequest,
+            format!(
+                "this executor does not carry out {req:?} yet; the Slurm hook lets the job run"
+            ),
+        ));
+    }
     let long = matches!(req, LocalRequest::Drain { .. });
     let shared = Arc::clone(shared);
     let job: super::pool::Job = Box::new(move || {
