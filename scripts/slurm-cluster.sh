@@ -21,8 +21,7 @@
 #   PROLOG, EPILOG   slurmd's Prolog= and Epilog= programs; none by default
 #
 # Several clusters may run at once (the tests start one each): every
-# cluster takes a slot, 0 to 31, under /tmp/rfaas-slurm-slots (mkdir is
-# atomic). Slot S gives slurmctld port 16000+64*S, nodeK port 16000+64*S+K
+# cluster takes a slot, 0 to 31, a file under /tmp/rfaas-slurm-slots. Slot S gives slurmctld port 16000+64*S, nodeK port 16000+64*S+K
 # and nodeK the address 127.0.S.(10+K) (slurmd listens on every address,
 # so the ports must differ; the addresses name the nodes). The ports lie
 # below the kernel's ephemeral range and below scripts/pg.sh's.
@@ -107,46 +106,57 @@ running() {
     [ -n "$(pid_from "$DIR/run/slurmctld.pid")" ]
 }
 
-# Takes a free slot for DIR and prints it. A slot whose owner no longer
-# runs a slurmctld or munged is taken over.
+# Takes a free slot for DIR and prints it. A slot is the file
+# SLOTS/S holding its owner's directory, made with one link(2), so it
+# never exists empty; a slot whose owner runs neither slurmctld nor munged
+# and that is older than a minute (a start takes a second) is taken over,
+# by one rename(2), which only one of two contenders wins.
 take_slot() {
     mkdir -p "$SLOTS"
     chmod 1777 "$SLOTS" 2>/dev/null || true
-    local s owner
+    local s owner mine="$SLOTS/.new.$$"
+    echo "$DIR" >"$mine"
     for s in $(seq 0 31); do
-        if mkdir "$SLOTS/$s" 2>/dev/null; then
-            echo "$DIR" >"$SLOTS/$s/owner"
-        else
-            owner=$(cat "$SLOTS/$s/owner" 2>/dev/null || true)
-            [ "$owner" = "$DIR" ] || ! owner_runs "$owner" || continue
-            echo "$DIR" >"$SLOTS/$s/owner"
+        if ! ln "$mine" "$SLOTS/$s" 2>/dev/null; then
+            owner=$(cat "$SLOTS/$s" 2>/dev/null || true)
+            if [ "$owner" != "$DIR" ]; then
+                stale "$SLOTS/$s" "$owner" || continue
+                mv "$SLOTS/$s" "$SLOTS/.stale.$$" 2>/dev/null || continue
+                rm -f "$SLOTS/.stale.$$"
+                ln "$mine" "$SLOTS/$s" 2>/dev/null || continue
+            fi
         fi
         # Something else may listen there (then the slot stays taken).
         if (exec 3<>"/dev/tcp/127.0.0.1/$((16000 + 64 * s))") 2>/dev/null; then
             continue
         fi
+        rm -f "$mine"
         echo "$s"
         return 0
     done
+    rm -f "$mine"
     die "all 32 slots under $SLOTS are taken by running clusters; stop one (scripts/slurm-cluster.sh stop with its RFAAS_SLURM_DIR)"
 }
 
-# True if the cluster in directory $1 still runs one of its daemons.
-owner_runs() {
-    local dir=$1 f pid
-    [ -n "$dir" ] && [ -d "$dir" ] || return 1
+# True if slot file $1, owned by the cluster in directory $2, is left over:
+# older than a minute, and that cluster runs none of its daemons.
+stale() {
+    local slot=$1 dir=$2 f pid age
+    age=$(($(date +%s) - $(stat -c %Y "$slot" 2>/dev/null || date +%s)))
+    [ "$age" -gt 60 ] || return 1
+    [ -n "$dir" ] && [ -d "$dir" ] || return 0
     for f in "$dir/run/slurmctld.pid" "$dir/run/munged.pid"; do
         pid=$(cat "$f" 2>/dev/null) || continue
-        [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" && return 0
+        [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" && return 1
     done
-    return 1
+    return 0
 }
 
 free_slot() {
     local s=$1
     [ -n "$s" ] || return 0
-    [ "$(cat "$SLOTS/$s/owner" 2>/dev/null)" = "$DIR" ] || return 0
-    rm -rf "${SLOTS:?}/$s"
+    [ "$(cat "$SLOTS/$s" 2>/dev/null)" = "$DIR" ] || return 0
+    rm -f "${SLOTS:?}/$s"
 }
 
 start() {
@@ -244,7 +254,8 @@ CONF
     done
     local idle=0 _i
     for _i in $(seq 300); do
-        idle=$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)
+        # slurmctld may not answer yet.
+        idle=$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l) || idle=0
         [ "$idle" -ge "$NODES" ] && break
         sleep 0.1
     done
