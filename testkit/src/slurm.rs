@@ -151,9 +151,12 @@ impl SlurmCluster {
         self.run("srun", args)
     }
 
-    /// `sbatch --parsable args`: the job id.
+    /// `sbatch --parsable args`: the job id. The job's output goes to
+    /// `log/slurm-JOBID.out` in the cluster's directory (not the current
+    /// directory, which is a checkout), unless `args` say otherwise.
     pub fn sbatch(&self, args: &[&str]) -> Result<u32, String> {
-        let mut all = vec!["--parsable"];
+        let output = format!("--output={}/log/slurm-%j.out", self.dir.display());
+        let mut all = vec!["--parsable", output.as_str()];
         all.extend_from_slice(args);
         let out = self.run("sbatch", &all)?;
         let id = out.trim().split(';').next().unwrap_or_default();
