@@ -726,6 +726,10 @@ pub struct WorkerReady {
 #[serde(transparent)]
 pub struct WorkerFailed(pub ErrorReply);
 
+/// Where an executor daemon listens for the node's tools when its
+/// configuration does not say (`local_socket`).
+pub const DEFAULT_LOCAL_SOCKET: &str = "/run/rfaas/executord.sock";
+
 /// Node tool → daemon (unix socket).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
