@@ -42,7 +42,6 @@ NODES=${NODES:-3}
 CPUS=${CPUS:-4}
 SLOTS=/tmp/rfaas-slurm-slots
 CONF="$DIR/etc/slurm.conf"
-SLURM_PACKAGES=(munge slurmctld slurmd slurm-client libslurm-dev)
 
 die() {
     echo "slurm-cluster.sh: $*" >&2
