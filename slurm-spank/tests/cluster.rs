@@ -3,15 +3,19 @@
 //! the plugin installed through `plugstack.conf` and the hook as slurmd's
 //! `Prolog=` and `Epilog=`.
 //!
-//! No executor daemon runs on these nodes (or one that never answers):
-//! every job must still start and complete, no node may be drained, and
-//! the logs must say why rfaas was left out. Slurm must be installed
-//! (`scripts/test.sh` installs it) and the tests run as root.
+//! With a real executor daemon on the node, a job takes the node back and
+//! its end offers it again. With none (or one that never answers), every
+//! job must still start and complete, no node may be drained, and the logs
+//! must say why rfaas was left out. Slurm must be installed
+//! (`scripts/test.sh` installs it), the tests run as root, and
+//! `rfaas-executord` must be built (`cargo nextest run --workspace` does).
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use rfaas_proto::control::LocalReply;
+use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
 
 const HOOK: &str = env!("CARGO_BIN_EXE_rfaas-slurm-hook");
@@ -216,6 +220,58 @@ fn without_an_executor_daemon_rfaas_jobs_start_and_no_node_drains() {
             "{node}: {log}"
         );
     }
+}
+
+#[test]
+fn a_job_takes_the_node_back_from_the_executor_and_its_end_offers_it() {
+    let dir = TempDir::new("executord");
+    let d = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: "node1".into(),
+            ..ExecutordOptions::default()
+        },
+    );
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        plugstack: Some(plugstack(
+            &dir,
+            &format!("grace=5 socket={}", d.local_socket().display()),
+        )),
+        ..SlurmOptions::default()
+    });
+    let job = cluster
+        .sbatch(&["-N1", "--rfaas", "--wrap", "true"])
+        .unwrap();
+    let state = cluster
+        .wait_job_state(
+            job,
+            &["COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"],
+            JOB_BOUND,
+        )
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{:?}", cluster.job(job));
+    nodes_idle_and_undrained(&cluster);
+
+    let log = cluster.slurmd_log("node1");
+    assert!(
+        log.contains(&format!(
+            "rfaas_spank: job {job} on node1: take 1 CPU back from rfaas: taken back for Slurm job {job}: drained"
+        )),
+        "{log}\nexecutord:\n{}",
+        d.log()
+    );
+    assert!(
+        log.contains(&format!(
+            "rfaas_spank: job {job} on node1: offer the idle CPUs to rfaas: Slurm job {job} ended: taking allocations again"
+        )),
+        "{log}\nexecutord:\n{}",
+        d.log()
+    );
+    let LocalReply::Status { draining, .. } = d.status() else {
+        panic!("no status")
+    };
+    assert!(!draining, "offered again after the job");
 }
 
 #[test]
