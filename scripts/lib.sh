@@ -33,6 +33,12 @@ BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang
 TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 postgresql-client-15
     python3 python3-venv curl)
 
+# What a loopback Slurm cluster needs (scripts/slurm-cluster.sh; the
+# slurm-spank tests start one each): munge, Slurm's daemons and clients,
+# and spank.h for whoever checks the plugin's FFI against it.
+# shellcheck disable=SC2034
+SLURM_PACKAGES=(munge slurmctld slurmd slurm-client libslurm-dev)
+
 # The one build CI makes, in scripts/test.sh's first step: the whole
 # workspace, every target, with the verbs provider, debug profile, cargo's
 # target directory. Every later stage asks cargo for exactly these units

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every rfaas test: unit, conformance (tcp and shm), benchmarks' own
-# tests, doc tests, the verbs provider on Soft-RoCE in a VM and between two
-# VMs (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
+# tests, the Slurm plugin and hook on loopback Slurm clusters, doc tests,
+# the verbs provider on Soft-RoCE in a VM and between two VMs
+# (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
 # against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
 # fuzz run of the tcp frame decoder. Fails at the end if the run changed the
 # git checkout (a stale lockfile or header, a stray output file), naming the
@@ -23,7 +24,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$(repo_root)"
 checkout_before=$(checkout_changes)
 
-ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}"
+# SLURM_PACKAGES: the slurm-spank tests run real clusters on loopback
+# (scripts/slurm-cluster.sh, under a second each to start).
+ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${SLURM_PACKAGES[@]}"
 ensure_rust
 
 # Every later stage reuses this build (CI_BUILD in lib.sh says why).

@@ -651,6 +651,60 @@ fn drain_refuses_allocations_until_resumed() {
         .expect("allocations are taken again");
 }
 
+/// A Slurm job's prolog takes the node back with the grace (running
+/// workers are told, then stopped; clients hear `drained`), and the node is
+/// offered again only when the last Slurm job holding it has ended.
+#[test]
+fn slurm_jobs_take_the_node_back_until_the_last_one_ends() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let mut c = Control::connect(&d);
+    let ok = c.allocate(good_request(&d, 1), lib.clone()).unwrap();
+    let pid = pid_of(&d, ok.allocation_id);
+
+    let reply = d.local(LocalRequest::SlurmRetrieve {
+        job_id: 7,
+        cpus: 2,
+        grace_ms: 100,
+    });
+    let LocalReply::Done { message } = reply else {
+        panic!("{reply:?}")
+    };
+    assert!(message.contains("taken back for Slurm job 7"), "{message}");
+    let exited = c.worker_exited();
+    assert_eq!(exited.cause, ExitCause::Drained, "{}", exited.message);
+    assert!(!process_exists(pid));
+    let e = Control::connect(&d)
+        .allocate(good_request(&d, 1), lib.clone())
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Draining, "{}", e.message);
+
+    // A second job on the same node; the first ends, the second holds on.
+    d.local(LocalRequest::SlurmRetrieve {
+        job_id: 8,
+        cpus: 1,
+        grace_ms: 0,
+    });
+    let reply = d.local(LocalRequest::SlurmOffer { job_id: 7 });
+    assert!(
+        matches!(&reply, LocalReply::Done { message } if message.contains("[8] still hold")),
+        "{reply:?}"
+    );
+    let (draining, ..) = status(&d);
+    assert!(draining, "job 8 still runs here");
+
+    let reply = d.local(LocalRequest::SlurmOffer { job_id: 8 });
+    assert!(
+        matches!(&reply, LocalReply::Done { message } if message.contains("taking allocations again")),
+        "{reply:?}"
+    );
+    let (draining, ..) = status(&d);
+    assert!(!draining);
+    Control::connect(&d)
+        .allocate(good_request(&d, 1), lib)
+        .expect("offered again after the last Slurm job");
+}
+
 #[test]
 fn stopping_the_daemon_stops_every_worker() {
     let d = start(ExecutordOptions {

@@ -726,6 +726,10 @@ pub struct WorkerReady {
 #[serde(transparent)]
 pub struct WorkerFailed(pub ErrorReply);
 
+/// Where an executor daemon listens for the node's tools when its
+/// configuration does not say (`local_socket`).
+pub const DEFAULT_LOCAL_SOCKET: &str = "/run/rfaas/executord.sock";
+
 /// Node tool → daemon (unix socket).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
@@ -747,6 +751,26 @@ pub enum LocalRequest {
         /// One lease only.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         lease_id: Option<u64>,
+    },
+    /// Slurm's prolog: job `job_id` starts on this node. Stop allocating
+    /// the CPUs it gets at once, let running invocations on them finish
+    /// for `grace_ms`, then stop their workers. Answered with
+    /// [`LocalReply::Done`] once the CPUs are free.
+    SlurmRetrieve {
+        /// The Slurm job.
+        job_id: u64,
+        /// CPUs the job gets on this node; 0 when the hook could not tell,
+        /// which takes back every CPU.
+        cpus: u32,
+        /// Grace period, milliseconds.
+        grace_ms: u64,
+    },
+    /// Slurm's epilog: job `job_id` ended on this node. Offer what Slurm
+    /// has not allocated to another job. Answered with
+    /// [`LocalReply::Done`].
+    SlurmOffer {
+        /// The Slurm job that ended.
+        job_id: u64,
     },
 }
 
@@ -1066,6 +1090,41 @@ mod tests {
             serde_json::from_str::<LocalRequest>(r#"{"command":"usage","lease_id":3}"#).unwrap(),
             LocalRequest::Usage { lease_id: Some(3) }
         );
+    }
+
+    /// The Slurm hooks' requests, byte for byte: header (kind 32) and JSON.
+    #[test]
+    fn slurm_request_bytes() {
+        let cases = [
+            (
+                LocalRequest::SlurmRetrieve {
+                    job_id: 42,
+                    cpus: 4,
+                    grace_ms: 30_000,
+                },
+                &br#"{"command":"slurm_retrieve","job_id":42,"cpus":4,"grace_ms":30000}"#[..],
+            ),
+            (
+                LocalRequest::SlurmOffer { job_id: 42 },
+                &br#"{"command":"slurm_offer","job_id":42}"#[..],
+            ),
+        ];
+        for (req, json) in cases {
+            let mut want = vec![b'R', b'F', b'A', b'X', 2, 0, 32, 0];
+            want.extend_from_slice(&(json.len() as u32).to_le_bytes());
+            want.extend_from_slice(&[0, 0, 0, 0]);
+            want.extend_from_slice(json);
+            let frame = Frame::new(&req, vec![]);
+            assert_eq!(frame.to_bytes(), want, "{req:?}");
+            let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
+            assert_eq!(back.parse::<LocalRequest>().unwrap(), req);
+        }
+        // A field missing is refused, not defaulted: a retrieval without
+        // its grace must not become one without grace.
+        assert!(serde_json::from_str::<LocalRequest>(
+            r#"{"command":"slurm_retrieve","job_id":1,"cpus":2}"#
+        )
+        .is_err());
     }
 
     #[test]

@@ -20,6 +20,8 @@
 //!   `scripts/pg.sh`), stopped, crashed and started again with its data.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and
 //!   queries through its HTTP API.
+//! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
+//!   `scripts/slurm-cluster.sh`), and its clients (srun, sbatch, ...).
 
 pub mod abuse;
 pub mod accounting;
@@ -29,6 +31,7 @@ pub mod functions;
 pub mod manager;
 pub mod postgres;
 pub mod prometheus;
+pub mod slurm;
 
 use std::path::PathBuf;
 

@@ -362,8 +362,9 @@ pub struct Settings {
     pub billing: BillingSettings,
 }
 
-/// The default place of the node tools' socket.
-pub const DEFAULT_LOCAL_SOCKET: &str = "/run/rfaas/executord.sock";
+/// The default place of the node tools' socket (one definition, in
+/// rfaas-proto, which the Slurm hooks share).
+pub const DEFAULT_LOCAL_SOCKET: &str = rfaas_proto::control::DEFAULT_LOCAL_SOCKET;
 
 /// The public key file lease tokens are checked with when `lease_keys` is
 /// not set.

@@ -1,4 +1,5 @@
-//! The node tools' unix socket: status, drain, resume, usage. The connection
+//! The node tools' unix socket: status, drain, resume, usage, and the
+//! Slurm hooks' take-back and offer. The connection
 //! loop ([`super::server`]) reads the frames; each request runs on a
 //! request thread (a drain, which waits out its grace period, on a thread
 //! of its own).
@@ -42,7 +43,10 @@ pub(crate) fn message(shared: &Arc<Shared>, conn: u64, kind: Kind, json: Vec<u8>
         Err(e) => return LocalNext::Reply(refusal(0, ErrorCode::MalformedRequest, e.to_string())),
     };
     tracing::info!(request = ?req, "local request");
-    let long = matches!(req, LocalRequest::Drain { .. });
+    let long = matches!(
+        req,
+        LocalRequest::Drain { .. } | LocalRequest::SlurmRetrieve { .. }
+    );
     let shared = Arc::clone(shared);
     let job: super::pool::Job = Box::new(move || {
         let _done = DoneGuard::new(&shared.outbox, conn, 0);
@@ -60,7 +64,9 @@ pub(crate) fn message(shared: &Arc<Shared>, conn: u64, kind: Kind, json: Vec<u8>
 pub(crate) fn handle(shared: &Shared, req: LocalRequest) -> LocalReply {
     match req {
         LocalRequest::Status => status(shared),
-        LocalRequest::Drain { grace_ms } => drain(shared, Duration::from_millis(grace_ms)),
+        LocalRequest::Drain { grace_ms } => LocalReply::Done {
+            message: drain(shared, Duration::from_millis(grace_ms)),
+        },
         LocalRequest::Resume => {
             let was = std::mem::replace(&mut shared.lock().draining, false);
             shared.refill();
@@ -71,6 +77,40 @@ pub(crate) fn handle(shared: &Shared, req: LocalRequest) -> LocalReply {
                 } else {
                     "was not draining: taking allocations".into()
                 },
+            }
+        }
+        LocalRequest::SlurmRetrieve {
+            job_id,
+            cpus,
+            grace_ms,
+        } => {
+            shared.lock().slurm_jobs.insert(job_id, cpus);
+            // The whole node, whatever `cpus` says: taking back only the
+            // job's cores on a shared node is not done yet, and more is
+            // safe where less would not be.
+            let message = drain(shared, Duration::from_millis(grace_ms));
+            LocalReply::Done {
+                message: format!("taken back for Slurm job {job_id}: {message}"),
+            }
+        }
+        LocalRequest::SlurmOffer { job_id } => {
+            let mut st = shared.lock();
+            st.slurm_jobs.remove(&job_id);
+            if st.slurm_jobs.is_empty() {
+                st.draining = false;
+                drop(st);
+                shared.refill();
+                tracing::info!(job_id, "offered after the last Slurm job ended");
+                LocalReply::Done {
+                    message: format!("Slurm job {job_id} ended: taking allocations again"),
+                }
+            } else {
+                let held: Vec<u64> = st.slurm_jobs.keys().copied().collect();
+                LocalReply::Done {
+                    message: format!(
+                        "Slurm job {job_id} ended; Slurm jobs {held:?} still hold the node"
+                    ),
+                }
             }
         }
         LocalRequest::Usage { lease_id } => LocalReply::Usage {
@@ -113,8 +153,8 @@ fn status(shared: &Shared) -> LocalReply {
 
 /// Refuses new allocations at once, tells every worker to refuse new
 /// invocations (SIGUSR1), waits up to `grace` for allocations to end, then
-/// stops the rest.
-fn drain(shared: &Shared, grace: Duration) -> LocalReply {
+/// stops the rest. Returns what it did, for people.
+fn drain(shared: &Shared, grace: Duration) -> String {
     let mut st = shared.lock();
     st.draining = true;
     shared.empty_pool(&mut st);
@@ -147,5 +187,5 @@ fn drain(shared: &Shared, grace: Duration) -> LocalReply {
         )
     };
     tracing::info!(%message, "drain done");
-    LocalReply::Done { message }
+    message
 }

@@ -162,6 +162,10 @@ pub(crate) struct State {
     /// (Unix seconds): their tokens must not allocate again. Bounded by
     /// [`ENDED_LEASES_KEPT`] entries and [`ENDED_LEASES_KEPT_S`].
     pub ended_leases: BTreeMap<u64, u64>,
+    /// Slurm jobs whose prolog took this node back and whose epilog has
+    /// not offered it again, with the CPUs each has here (0: unknown).
+    /// While one is listed the node stays drained.
+    pub slurm_jobs: BTreeMap<u64, u32>,
 }
 
 /// Most ended leases remembered (16 bytes each); the oldest go first.
@@ -213,6 +217,7 @@ impl Shared {
                 pool: Vec::new(),
                 reports_pending: 0,
                 ended_leases: BTreeMap::new(),
+                slurm_jobs: BTreeMap::new(),
             }),
             changed: Condvar::new(),
             spawner,

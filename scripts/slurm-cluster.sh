@@ -1,0 +1,323 @@
+#!/usr/bin/env bash
+# A real Slurm cluster (Debian's Slurm 22.05) on one machine, on loopback,
+# for the tests and for trying rfaas's Slurm integration: munged, slurmctld
+# and one slurmd per node (`slurmd -N nodeK`), everything in one directory.
+#
+#   scripts/slurm-cluster.sh start   install what is missing, write the
+#                                    configuration, start the daemons, wait
+#                                    until every node is idle, write DIR/env
+#   scripts/slurm-cluster.sh stop    cancel the jobs, stop the daemons (and
+#                                    the job step daemons of this cluster)
+#   scripts/slurm-cluster.sh status  say whether it runs; sinfo if it does
+#
+# Environment:
+#   RFAAS_SLURM_DIR  the cluster's directory (default
+#                    ${TMPDIR:-/tmp}/rfaas-slurm-$UID): etc/slurm.conf,
+#                    log/, run/ (pid files), state/, spool/, munge/
+#   NODES            nodes, node1..nodeN (default 3, at most 62)
+#   CPUS             CPUs each node advertises (default 4; Slurm is told to
+#                    believe the configuration, not the machine)
+#   PLUGSTACK        a plugstack.conf to use (SPANK plugins); none by default
+#   PROLOG, EPILOG   slurmd's Prolog= and Epilog= programs; none by default
+#
+# Several clusters may run at once (the tests start one each): every
+# cluster takes a slot, 0 to 31, a file under /tmp/rfaas-slurm-slots. Slot S gives slurmctld port 16000+64*S, nodeK port 16000+64*S+K
+# and nodeK the address 127.0.S.(10+K) (slurmd listens on every address,
+# so the ports must differ; the addresses name the nodes). The ports lie
+# below the kernel's ephemeral range and below scripts/pg.sh's.
+#
+# DIR/env is shell: `export SLURM_CONF=...` and the cluster's facts
+# (RFAAS_SLURM_SLOT, RFAAS_SLURM_NODES, RFAAS_SLURM_CPUS,
+# RFAAS_SLURM_CTLD_PORT). Clients need only SLURM_CONF.
+#
+# Runs as root: slurmd starts job steps as their users. Stop signals only
+# the pids this cluster's daemons wrote into DIR/run (each checked to be a
+# process of this cluster first) and the slurmstepd processes whose
+# environment names this cluster's slurm.conf.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+DIR=${RFAAS_SLURM_DIR:-${TMPDIR:-/tmp}/rfaas-slurm-$(id -u)}
+NODES=${NODES:-3}
+CPUS=${CPUS:-4}
+SLOTS=/tmp/rfaas-slurm-slots
+CONF="$DIR/etc/slurm.conf"
+
+die() {
+    echo "slurm-cluster.sh: $*" >&2
+    exit 1
+}
+
+usage() {
+    sed -n '6,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+# True while pid $1 runs (a zombie has stopped; this machine's init may
+# not reap it soon).
+alive() {
+    local state
+    state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null) || return 1
+    [ -n "$state" ] && [ "$state" != Z ]
+}
+
+# True if pid $1 belongs to this cluster: its command line names DIR, or
+# its environment names this cluster's slurm.conf.
+ours() {
+    tr '\0' '\n' <"/proc/$1/cmdline" 2>/dev/null | grep -qF "$DIR/" && return 0
+    tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF"
+}
+
+# The pid in pid file $1, if that process runs and is this cluster's.
+pid_from() {
+    local pid
+    pid=$(cat "$1" 2>/dev/null) || return 0
+    [[ $pid =~ ^[0-9]+$ ]] || return 0
+    alive "$pid" && ours "$pid" && echo "$pid"
+    return 0
+}
+
+# SIGTERM to pid $1 (named $2), SIGKILL after 10 s.
+stop_daemon() {
+    local pid=$1 name=$2 _i
+    kill -TERM "$pid" 2>/dev/null || return 0
+    for _i in $(seq 100); do
+        alive "$pid" || return 0
+        sleep 0.1
+    done
+    echo "slurm-cluster.sh: $name (pid $pid) did not stop within 10 s; killing it" >&2
+    kill -KILL "$pid" 2>/dev/null || true
+}
+
+# This cluster's running slurmstepd processes.
+stepds() {
+    local d pid
+    for d in /proc/[0-9]*; do
+        pid=${d#/proc/}
+        [ "$(cat "$d/comm" 2>/dev/null)" = slurmstepd ] || continue
+        alive "$pid" || continue
+        tr '\0' '\n' <"$d/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" && echo "$pid"
+    done
+    return 0
+}
+
+running() {
+    [ -n "$(pid_from "$DIR/run/slurmctld.pid")" ]
+}
+
+# Takes a free slot for DIR and prints it. A slot is the file
+# SLOTS/S holding its owner's directory, made with one link(2), so it
+# never exists empty; a slot whose owner runs neither slurmctld nor munged
+# and that is older than a minute (a start takes a second) is taken over,
+# by one rename(2), which only one of two contenders wins.
+take_slot() {
+    mkdir -p "$SLOTS"
+    chmod 1777 "$SLOTS" 2>/dev/null || true
+    local s owner mine="$SLOTS/.new.$$"
+    echo "$DIR" >"$mine"
+    for s in $(seq 0 31); do
+        if ! ln "$mine" "$SLOTS/$s" 2>/dev/null; then
+            owner=$(cat "$SLOTS/$s" 2>/dev/null || true)
+            if [ "$owner" != "$DIR" ]; then
+                stale "$SLOTS/$s" "$owner" || continue
+                mv "$SLOTS/$s" "$SLOTS/.stale.$$" 2>/dev/null || continue
+                rm -f "$SLOTS/.stale.$$"
+                ln "$mine" "$SLOTS/$s" 2>/dev/null || continue
+            fi
+        fi
+        # Something else may listen there (then the slot stays taken).
+        if (exec 3<>"/dev/tcp/127.0.0.1/$((16000 + 64 * s))") 2>/dev/null; then
+            continue
+        fi
+        rm -f "$mine"
+        echo "$s"
+        return 0
+    done
+    rm -f "$mine"
+    die "all 32 slots under $SLOTS are taken by running clusters; stop one (scripts/slurm-cluster.sh stop with its RFAAS_SLURM_DIR)"
+}
+
+# True if slot file $1, owned by the cluster in directory $2, is left over:
+# older than a minute, and that cluster runs none of its daemons.
+stale() {
+    local slot=$1 dir=$2 f pid age
+    age=$(($(date +%s) - $(stat -c %Y "$slot" 2>/dev/null || date +%s)))
+    [ "$age" -gt 60 ] || return 1
+    [ -n "$dir" ] && [ -d "$dir" ] || return 0
+    for f in "$dir/run/slurmctld.pid" "$dir/run/munged.pid"; do
+        pid=$(cat "$f" 2>/dev/null) || continue
+        [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" && return 1
+    done
+    return 0
+}
+
+free_slot() {
+    local s=$1
+    [ -n "$s" ] || return 0
+    [ "$(cat "$SLOTS/$s" 2>/dev/null)" = "$DIR" ] || return 0
+    rm -f "${SLOTS:?}/$s"
+}
+
+start() {
+    [ "$(id -u)" -eq 0 ] || die "run me as root: slurmd starts job steps as their users"
+    [[ $NODES =~ ^[0-9]+$ ]] && [ "$NODES" -ge 1 ] && [ "$NODES" -le 62 ] ||
+        die "NODES=$NODES: give a number of nodes from 1 to 62"
+    [[ $CPUS =~ ^[0-9]+$ ]] && [ "$CPUS" -ge 1 ] || die "CPUS=$CPUS: give a number of CPUs per node, 1 or more"
+    running && die "a cluster already runs in $DIR; stop it first: RFAAS_SLURM_DIR=$DIR $0 stop"
+    ensure_packages "${SLURM_PACKAGES[@]}"
+
+    local slot ctld_port host
+    slot=$(take_slot)
+    ctld_port=$((16000 + 64 * slot))
+    host=$(hostname -s)
+
+    rm -rf "$DIR/run" "$DIR/log" "$DIR/state" "$DIR/spool" "$DIR/munge"
+    mkdir -p "$DIR"/{etc,run,log,state,spool,munge}
+    local k
+    echo "$slot" >"$DIR/run/slot"
+    for k in $(seq "$NODES"); do mkdir -p "$DIR/spool/node$k"; done
+    # munged refuses a key others can read, and a socket directory others
+    # cannot enter.
+    chmod 0755 "$DIR" "$DIR/run"
+    chmod 0700 "$DIR/munge"
+    head -c 1024 /dev/urandom >"$DIR/munge/munge.key"
+    chmod 0400 "$DIR/munge/munge.key"
+    local munge_socket="$DIR/run/munge.socket"
+    munged --key-file="$DIR/munge/munge.key" --socket="$munge_socket" \
+        --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" \
+        --seed-file="$DIR/munge/munged.seed" ||
+        { stop; die "munged did not start; its log: $DIR/log/munged.log"; }
+
+    local plugstack="" prolog="" epilog=""
+    if [ -n "${PLUGSTACK:-}" ]; then
+        [ -f "$PLUGSTACK" ] || die "PLUGSTACK=$PLUGSTACK is not a file"
+        plugstack="PlugStackConfig=$(realpath "$PLUGSTACK")"
+    else
+        : >"$DIR/etc/plugstack.conf"
+        plugstack="PlugStackConfig=$DIR/etc/plugstack.conf"
+    fi
+    [ -z "${PROLOG:-}" ] || prolog="Prolog=$(realpath "$PROLOG")"
+    [ -z "${EPILOG:-}" ] || epilog="Epilog=$(realpath "$EPILOG")"
+
+    cat >"$CONF" <<CONF
+# Written by scripts/slurm-cluster.sh (slot $slot); rewritten at every start.
+ClusterName=rfaas$slot
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$ctld_port
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$munge_socket
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+PrologFlags=Alloc
+PrologEpilogTimeout=120
+$plugstack
+$prolog
+$epilog
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MessageTimeout=10
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+Waittime=0
+NodeName=node[1-$NODES] NodeHostname=$host NodeAddr=127.0.$slot.[11-$((10 + NODES))] Port=[$((ctld_port + 1))-$((ctld_port + NODES))] CPUs=$CPUS RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+    export SLURM_CONF="$CONF"
+
+    slurmctld -c -f "$CONF" || { stop; die "slurmctld did not start; its log: $DIR/log/slurmctld.log"; }
+    for k in $(seq "$NODES"); do
+        slurmd -N "node$k" -f "$CONF" || { stop; die "slurmd node$k did not start; its log: $DIR/log/slurmd-node$k.log"; }
+    done
+    local idle=0 _i
+    for _i in $(seq 300); do
+        # slurmctld may not answer yet.
+        idle=$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l) || idle=0
+        [ "$idle" -ge "$NODES" ] && break
+        sleep 0.1
+    done
+    if [ "$idle" -lt "$NODES" ]; then
+        sinfo -N >&2 || true
+        tail -n 20 "$DIR/log/slurmctld.log" >&2 || true
+        stop
+        die "only $idle of $NODES nodes became idle within 30 s; the logs are in $DIR/log"
+    fi
+
+    cat >"$DIR/env" <<ENV
+export SLURM_CONF=$CONF
+export RFAAS_SLURM_SLOT=$slot
+export RFAAS_SLURM_NODES=$NODES
+export RFAAS_SLURM_CPUS=$CPUS
+export RFAAS_SLURM_CTLD_PORT=$ctld_port
+ENV
+    echo "slurm cluster up in $DIR: $NODES nodes x $CPUS CPUs, slot $slot (slurmctld 127.0.0.1:$ctld_port); . $DIR/env"
+}
+
+stop() {
+    local pid ctld f s
+    ctld=$(pid_from "$DIR/run/slurmctld.pid")
+    if [ -n "$ctld" ] && [ -f "$CONF" ]; then
+        # Jobs first, so no step daemon outlives its slurmd.
+        local jobs
+        jobs=$(SLURM_CONF="$CONF" timeout 10 squeue -h -o %i 2>/dev/null || true)
+        # shellcheck disable=SC2086 # one argument per job id
+        [ -z "$jobs" ] || SLURM_CONF="$CONF" timeout 10 scancel --quiet $jobs 2>/dev/null || true
+    fi
+    for f in "$DIR"/run/slurmd-*.pid; do
+        [ -f "$f" ] || continue
+        pid=$(pid_from "$f")
+        [ -z "$pid" ] || stop_daemon "$pid" "$(basename "$f" .pid)"
+        rm -f "$f"
+    done
+    for pid in $(stepds); do
+        stop_daemon "$pid" slurmstepd
+    done
+    [ -z "$ctld" ] || stop_daemon "$ctld" slurmctld
+    rm -f "$DIR/run/slurmctld.pid"
+    pid=$(pid_from "$DIR/run/munged.pid")
+    [ -z "$pid" ] || stop_daemon "$pid" munged
+    rm -f "$DIR/run/munged.pid"
+    s=$(cat "$DIR/run/slot" 2>/dev/null || true)
+    free_slot "$s"
+    rm -f "$DIR/run/slot"
+    return 0
+}
+
+status() {
+    if running; then
+        echo "slurm cluster in $DIR runs (slot $(cat "$DIR/run/slot" 2>/dev/null || echo '?'))"
+        SLURM_CONF="$CONF" sinfo -N -o '%N %T %C' || true
+    else
+        echo "no slurm cluster runs in $DIR"
+        return 3
+    fi
+}
+
+case "${1:-}" in
+    start) start ;;
+    stop) stop ;;
+    status) status ;;
+    *) usage ;;
+esac

@@ -1,0 +1,235 @@
+//! What happens at a job's start and end on a node, shared by the SPANK
+//! plugin (`job_prolog`, `job_epilog`) and `rfaas-slurm-hook` (Prolog=,
+//! Epilog=).
+//!
+//! Fail open: whatever goes wrong (no daemon, a dead one, a slow one, a
+//! refusal, a panic here) is logged and the job goes on. A prolog that
+//! failed would make Slurm drain the node and requeue the job; that must
+//! never happen because of rfaas.
+
+use std::any::Any;
+use std::io::Write;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use rfaas_proto::control::LocalRequest;
+
+use crate::daemon::{ask, TalkError};
+use crate::job::JobOnNode;
+use crate::settings::{BadWord, Settings};
+
+/// Where log lines go: Slurm's log functions in the plugin, standard error
+/// in the hook.
+pub trait Log {
+    /// Something worth knowing.
+    fn info(&self, line: &str);
+    /// Something went wrong (and the job goes on regardless).
+    fn error(&self, line: &str);
+}
+
+/// A [`Log`] that also appends every line to the site's `log=` file.
+#[derive(Debug)]
+pub struct Logger<'a, L> {
+    inner: &'a L,
+    settings: &'a Settings,
+}
+
+impl<'a, L: Log> Logger<'a, L> {
+    /// Lines go to `inner`, and to `settings.log_file` if set.
+    pub fn new(inner: &'a L, settings: &'a Settings) -> Self {
+        Logger { inner, settings }
+    }
+
+    fn to_file(&self, level: &str, line: &str) {
+        let Some(path) = &self.settings.log_file else {
+            return;
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        // One write per line, so lines from several processes do not mix.
+        let text = format!(
+            "{}.{:03} pid={} {level} {line}\n",
+            now.as_secs(),
+            now.subsec_millis(),
+            std::process::id()
+        );
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = f.write_all(text.as_bytes());
+        }
+    }
+}
+
+impl<L: Log> Log for Logger<'_, L> {
+    fn info(&self, line: &str) {
+        self.inner.info(line);
+        self.to_file("info", line);
+    }
+
+    fn error(&self, line: &str) {
+        self.inner.error(line);
+        self.to_file("error", line);
+    }
+}
+
+/// Logs the words of the site's configuration that were not taken.
+pub fn report_bad_words(log: &dyn Log, bad: &[BadWord]) {
+    for b in bad {
+        log.error(&format!("{b}; the default stays"));
+    }
+}
+
+/// Which end of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The job starts here: take the node's CPUs back from rfaas.
+    Prolog,
+    /// The job ended here: offer the node's idle CPUs to rfaas.
+    Epilog,
+}
+
+/// Asks the node's executor daemon to take back (prolog) or offer
+/// (epilog), within the bound, and logs the outcome. Never fails: the
+/// caller returns success to Slurm whatever happened.
+pub fn run(event: Event, settings: &Settings, job: &JobOnNode, log: &dyn Log) {
+    let node = job.node.as_deref().unwrap_or("this node");
+    let (req, limit, what) = match event {
+        Event::Prolog => (
+            LocalRequest::SlurmRetrieve {
+                job_id: job.job_id,
+                cpus: job.cpus,
+                grace_ms: settings.grace.as_millis() as u64,
+            },
+            settings.grace + settings.timeout,
+            match job.cpus {
+                0 => "take every CPU back from rfaas".to_string(),
+                1 => "take 1 CPU back from rfaas".to_string(),
+                n => format!("take {n} CPUs back from rfaas"),
+            },
+        ),
+        Event::Epilog => (
+            LocalRequest::SlurmOffer { job_id: job.job_id },
+            settings.timeout,
+            "offer the idle CPUs to rfaas".to_string(),
+        ),
+    };
+    match ask(&settings.socket, req, limit) {
+        Ok(message) => log.info(&format!("job {} on {node}: {what}: {message}", job.job_id)),
+        Err(e) => log.error(&fail_open_line(event, job.job_id, node, &what, &e)),
+    }
+}
+
+fn fail_open_line(event: Event, job_id: u64, node: &str, what: &str, e: &TalkError) -> String {
+    let then = match event {
+        Event::Prolog => "the job starts anyway (fail open)",
+        Event::Epilog => "the node is not offered to rfaas until the next job ends (fail open)",
+    };
+    format!("job {job_id} on {node}: could not {what}: {e}; {then}")
+}
+
+/// Runs `f`, catching a panic: it is logged as `callback` failing, and the
+/// caller goes on as if `f` had failed open. Nothing here holds a lock
+/// across `f`, so a panic leaves nothing poisoned for the next callback.
+pub fn guarded<T>(callback: &str, log: &dyn Log, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(payload) => {
+            log.error(&format!(
+                "{callback} panicked ({}); the job goes on (fail open)",
+                panic_message(payload.as_ref())
+            ));
+            fallback
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s
+    } else {
+        "no message"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::time::{Duration, Instant};
+
+    #[derive(Default)]
+    struct Lines(RefCell<Vec<String>>);
+
+    impl Log for Lines {
+        fn info(&self, line: &str) {
+            self.0.borrow_mut().push(format!("info {line}"));
+        }
+        fn error(&self, line: &str) {
+            self.0.borrow_mut().push(format!("error {line}"));
+        }
+    }
+
+    #[test]
+    fn without_a_daemon_the_prolog_fails_open_at_once() {
+        let (mut settings, _) = Settings::parse([]);
+        settings.socket = std::env::temp_dir().join("rfaas-slurm-no-such-daemon.sock");
+        let job = JobOnNode {
+            job_id: 5,
+            node: Some("node1".into()),
+            cpus: 2,
+        };
+        let lines = Lines::default();
+        let started = Instant::now();
+        run(Event::Prolog, &settings, &job, &lines);
+        assert!(started.elapsed() < settings.grace, "no grace is waited for");
+        let lines = lines.0.into_inner();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].starts_with("error job 5 on node1: could not take 2 CPUs back"));
+        assert!(
+            lines[0].contains("no executor daemon socket"),
+            "{}",
+            lines[0]
+        );
+        assert!(lines[0].contains("fail open"), "{}", lines[0]);
+    }
+
+    #[test]
+    fn a_panic_is_logged_and_the_fallback_returned() {
+        let lines = Lines::default();
+        let got = guarded("job_prolog", &lines, 0, || -> i32 { panic!("boom {}", 7) });
+        assert_eq!(got, 0);
+        let lines = lines.0.into_inner();
+        assert_eq!(
+            lines,
+            ["error job_prolog panicked (boom 7); the job goes on (fail open)"]
+        );
+        let lines = Lines::default();
+        assert_eq!(guarded("x", &lines, 0, || 3), 3);
+        assert!(lines.0.into_inner().is_empty());
+    }
+
+    #[test]
+    fn the_log_file_gets_every_line() {
+        let path = std::env::temp_dir().join(format!("rfaas-slurm-log-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let settings = Settings {
+            log_file: Some(path.clone()),
+            timeout: Duration::from_millis(10),
+            ..Settings::default()
+        };
+        let lines = Lines::default();
+        let log = Logger::new(&lines, &settings);
+        log.info("one");
+        log.error("two");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(" info one\n"), "{text}");
+        assert!(text.contains(" error two\n"), "{text}");
+        assert_eq!(lines.0.into_inner().len(), 2);
+        let _ = std::fs::remove_file(&path);
+    }
+}

@@ -1,0 +1,354 @@
+//! The SPANK plugin: the symbols Slurm looks up in `rfaas_spank.so`, and a
+//! hand-written FFI for Slurm 22.05's `<slurm/spank.h>`.
+//!
+//! Hand-written, not generated: no libclang at build time, and the few
+//! declarations below are the whole of what the plugin uses. The functions
+//! are resolved from the process that loads the plugin (srun, sbatch,
+//! salloc, slurmd, slurmstepd); nothing is linked. For another Slurm
+//! release, check these declarations against its `spank.h` and set
+//! [`SLURM_VERSION_NUMBER`] to its `slurm_version.h` (Slurm refuses a
+//! plugin whose major and minor release differ from its own); see
+//! `docs/slurm.md`.
+//!
+//! Every callback runs inside [`guarded`]: a panic is logged through Slurm
+//! and the callback returns success, so no panic crosses into C and no job
+//! fails because of rfaas.
+
+#![allow(non_upper_case_globals)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use crate::hook::{self, guarded, Event, Log, Logger};
+use crate::job::JobOnNode;
+use crate::settings::{RfaasChoice, Settings};
+
+/// `SLURM_VERSION_NUMBER` of the Slurm release the declarations match
+/// (22.05.8; Slurm checks the major and minor release only).
+pub const SLURM_VERSION_NUMBER: c_uint = 0x16_05_08;
+
+/// `spank_t`, an opaque handle.
+type Spank = *mut c_void;
+
+/// `spank_opt_cb_f`.
+type OptionCallback = Option<unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int>;
+
+/// `struct spank_option`.
+#[repr(C)]
+struct SpankOption {
+    name: *const c_char,
+    arginfo: *const c_char,
+    usage: *const c_char,
+    has_arg: c_int,
+    val: c_int,
+    cb: OptionCallback,
+}
+
+/// The option table entry as a static: its pointers are to static strings.
+struct StaticOption(SpankOption);
+
+// SAFETY: the option is never written after its definition and points only
+// at 'static C strings; Slurm reads it, and may from any thread.
+unsafe impl Sync for StaticOption {}
+
+/// `enum spank_context` values.
+const S_CTX_LOCAL: c_int = 1;
+const S_CTX_REMOTE: c_int = 2;
+const S_CTX_ALLOCATOR: c_int = 3;
+const S_CTX_SLURMD: c_int = 4;
+
+/// `S_JOB_ID` of `enum spank_item`: a `uint32_t *` follows.
+const S_JOB_ID: c_int = 2;
+
+/// `ESPANK_SUCCESS`.
+const ESPANK_SUCCESS: c_int = 0;
+
+extern "C" {
+    fn spank_context() -> c_int;
+    fn spank_option_register(sp: Spank, opt: *mut SpankOption) -> c_int;
+    fn spank_option_getopt(sp: Spank, opt: *mut SpankOption, optarg: *mut *mut c_char) -> c_int;
+    fn spank_get_item(sp: Spank, item: c_int, ...) -> c_int;
+    fn spank_job_control_setenv(
+        sp: Spank,
+        name: *const c_char,
+        value: *const c_char,
+        overwrite: c_int,
+    ) -> c_int;
+    fn slurm_info(format: *const c_char, ...);
+    fn slurm_error(format: *const c_char, ...);
+}
+
+/// The plugin's name, as Slurm logs it.
+#[no_mangle]
+pub static plugin_name: [u8; 12] = *b"rfaas_spank\0";
+
+/// What kind of plugin this is.
+#[no_mangle]
+pub static plugin_type: [u8; 6] = *b"spank\0";
+
+/// The Slurm release the plugin is built for.
+#[no_mangle]
+pub static plugin_version: c_uint = SLURM_VERSION_NUMBER;
+
+/// `--rfaas[=yes|no]` on srun, sbatch and salloc.
+static RFAAS_OPTION: StaticOption = StaticOption(SpankOption {
+    name: c"rfaas".as_ptr(),
+    arginfo: c"yes|no".as_ptr(),
+    usage: c"Let the job offload functions to rfaas on idle nodes (--rfaas=no: not even where the site turns rfaas on for every job)".as_ptr(),
+    has_arg: 2,
+    val: 0,
+    cb: Some(check_rfaas_option),
+});
+
+fn option_ptr() -> *mut SpankOption {
+    // Slurm's prototypes take a mutable pointer; it only reads the option.
+    &RFAAS_OPTION.0 as *const SpankOption as *mut SpankOption
+}
+
+/// Logs through Slurm: in srun and sbatch to the user's terminal, in
+/// slurmd and the job's prolog and epilog to slurmd's log.
+#[derive(Debug)]
+struct SlurmLog;
+
+fn c_line(line: &str) -> CString {
+    CString::new(format!("rfaas_spank: {}", line.replace('\0', " ")))
+        .unwrap_or_else(|_| CString::from(c"rfaas_spank: (unprintable line)"))
+}
+
+impl Log for SlurmLog {
+    fn info(&self, line: &str) {
+        let line = c_line(line);
+        // SAFETY: slurm_info is printf-like; the format takes one C string,
+        // which lives until the call returns.
+        unsafe { slurm_info(c"%s".as_ptr(), line.as_ptr()) }
+    }
+
+    fn error(&self, line: &str) {
+        let line = c_line(line);
+        // SAFETY: as in `info`.
+        unsafe { slurm_error(c"%s".as_ptr(), line.as_ptr()) }
+    }
+}
+
+/// The plugin's `key=value` arguments from plugstack.conf.
+///
+/// # Safety
+///
+/// `av` holds `ac` valid C strings (Slurm's argument vector), or is null.
+unsafe fn words(ac: c_int, av: *const *const c_char) -> Vec<String> {
+    if av.is_null() || ac <= 0 {
+        return Vec::new();
+    }
+    (0..ac as usize)
+        .filter_map(|i| {
+            // SAFETY: i < ac, and av has ac entries (the caller's promise).
+            let p = unsafe { *av.add(i) };
+            // SAFETY: each non-null entry is a C string (the caller's promise).
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        })
+        .collect()
+}
+
+/// A copy of C string `p`, `None` for null.
+///
+/// # Safety
+///
+/// `p` is null or a valid C string.
+unsafe fn owned(p: *const c_char) -> Option<String> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: not null, and a C string (the caller's promise).
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+fn context() -> c_int {
+    // SAFETY: takes nothing, valid in every callback.
+    unsafe { spank_context() }
+}
+
+/// `slurm_spank_init`: registers `--rfaas` where jobs are submitted and
+/// run; in slurmd, reports the arguments it cannot take.
+///
+/// # Safety
+///
+/// Called by Slurm with its handle and the plugin's arguments.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_init(sp: Spank, ac: c_int, av: *mut *mut c_char) -> c_int {
+    // SAFETY: Slurm's argument vector.
+    let words = unsafe { words(ac, av as *const *const c_char) };
+    guarded("init", &SlurmLog, 0, || {
+        let (settings, bad) = Settings::parse(words.iter().map(String::as_str));
+        let log = Logger::new(&SlurmLog, &settings);
+        match context() {
+            S_CTX_LOCAL | S_CTX_REMOTE | S_CTX_ALLOCATOR => {
+                // SAFETY: a valid handle in init; the option is static.
+                let rc = unsafe { spank_option_register(sp, option_ptr()) };
+                if rc != ESPANK_SUCCESS {
+                    log.error(&format!(
+                        "cannot register --rfaas (error {rc}); jobs run without it"
+                    ));
+                }
+            }
+            // Once per slurmd start: where the administrator looks.
+            S_CTX_SLURMD => hook::report_bad_words(&log, &bad),
+            _ => {}
+        }
+        0
+    })
+}
+
+/// What `--rfaas` said in this srun, sbatch or salloc: 0 nothing, 1 yes,
+/// 2 no. An atomic, not a lock: nothing can be left poisoned.
+static CHOICE: AtomicU8 = AtomicU8::new(0);
+
+/// The job control variable carrying the choice to the job's prolog and
+/// epilog (which see it as `SPANK_RFAAS`): Slurm does not pass an
+/// optional argument's absence there, so the plugin says it in words.
+const CHOICE_VAR: &CStr = c"RFAAS";
+
+/// Checks `--rfaas`'s argument where the user gives it, and keeps it for
+/// `init_post_opt`.
+unsafe extern "C" fn check_rfaas_option(
+    _val: c_int,
+    optarg: *const c_char,
+    _remote: c_int,
+) -> c_int {
+    guarded("--rfaas", &SlurmLog, 0, || {
+        // SAFETY: optarg is null or Slurm's C string for this call.
+        let arg = unsafe { owned(optarg) };
+        match RfaasChoice::parse(arg.as_deref()) {
+            Ok(choice) => {
+                CHOICE.store(
+                    if choice == RfaasChoice::Yes { 1 } else { 2 },
+                    Ordering::Relaxed,
+                );
+                0
+            }
+            Err(e) => {
+                SlurmLog.error(&e);
+                -1
+            }
+        }
+    })
+}
+
+/// `slurm_spank_init_post_opt`: in srun, sbatch and salloc, hands the
+/// job's `--rfaas` choice to its prolog and epilog.
+///
+/// # Safety
+///
+/// Called by Slurm with its handle and the plugin's arguments.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_init_post_opt(
+    sp: Spank,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guarded("init_post_opt", &SlurmLog, 0, || {
+        if !matches!(context(), S_CTX_LOCAL | S_CTX_ALLOCATOR) {
+            return 0;
+        }
+        let value = match CHOICE.load(Ordering::Relaxed) {
+            1 => c"yes",
+            2 => c"no",
+            _ => return 0,
+        };
+        // SAFETY: a valid handle in init_post_opt; both strings are static.
+        let rc = unsafe { spank_job_control_setenv(sp, CHOICE_VAR.as_ptr(), value.as_ptr(), 1) };
+        if rc != ESPANK_SUCCESS {
+            SlurmLog.error(&format!(
+                "cannot hand --rfaas to the job (error {rc}); the site's default applies"
+            ));
+        }
+        0
+    })
+}
+
+/// `slurm_spank_job_prolog`: the job starts on this node; take the node's
+/// CPUs back from rfaas within the grace. Always succeeds.
+///
+/// # Safety
+///
+/// Called by Slurm with its handle and the plugin's arguments.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_job_prolog(
+    sp: Spank,
+    ac: c_int,
+    av: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: Slurm's argument vector and handle.
+    unsafe { job_script(Event::Prolog, sp, ac, av) };
+    0
+}
+
+/// `slurm_spank_job_epilog`: the job ended on this node; offer the node's
+/// idle CPUs to rfaas. Always succeeds.
+///
+/// # Safety
+///
+/// Called by Slurm with its handle and the plugin's arguments.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_job_epilog(
+    sp: Spank,
+    ac: c_int,
+    av: *mut *mut c_char,
+) -> c_int {
+    // SAFETY: Slurm's argument vector and handle.
+    unsafe { job_script(Event::Epilog, sp, ac, av) };
+    0
+}
+
+/// # Safety
+///
+/// `sp` is Slurm's handle in a job_prolog or job_epilog callback; `av`
+/// holds `ac` C strings.
+unsafe fn job_script(event: Event, sp: Spank, ac: c_int, av: *mut *mut c_char) {
+    // SAFETY: Slurm's argument vector.
+    let words = unsafe { words(ac, av as *const *const c_char) };
+    let name = match event {
+        Event::Prolog => "job_prolog",
+        Event::Epilog => "job_epilog",
+    };
+    guarded(name, &SlurmLog, (), || {
+        let (settings, bad) = Settings::parse(words.iter().map(String::as_str));
+        let log = Logger::new(&SlurmLog, &settings);
+        hook::report_bad_words(&log, &bad);
+        let mut job = JobOnNode::from_env(|k| std::env::var(k).ok());
+        let mut id: u32 = 0;
+        // SAFETY: S_JOB_ID takes one uint32_t *, which lives through the call.
+        if unsafe { spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) } == ESPANK_SUCCESS {
+            job.job_id = u64::from(id);
+        }
+        if event == Event::Prolog {
+            let said = std::env::var("SPANK_RFAAS").ok();
+            let choice = match said.as_deref() {
+                Some(v) => RfaasChoice::parse(Some(v)).ok(),
+                None => rfaas_choice(sp),
+            };
+            let wants = match choice {
+                Some(choice) => choice == RfaasChoice::Yes,
+                None => settings.rfaas_by_default,
+            };
+            if wants {
+                log.info(&format!("job {} asks for rfaas", job.job_id));
+            }
+        }
+        hook::run(event, &settings, &job, &log);
+    });
+}
+
+/// What the job said with `--rfaas`, if anything (`--rfaas` and
+/// `--rfaas=yes` are yes).
+fn rfaas_choice(sp: Spank) -> Option<RfaasChoice> {
+    let mut arg: *mut c_char = std::ptr::null_mut();
+    // SAFETY: a valid handle, the static option, and a pointer Slurm sets
+    // to its own string (or leaves null).
+    if unsafe { spank_option_getopt(sp, option_ptr(), &mut arg) } != ESPANK_SUCCESS {
+        return None;
+    }
+    // SAFETY: arg is null or Slurm's C string, alive through this callback.
+    let arg = unsafe { owned(arg) };
+    // A bad value was refused where it was given; here it counts as no.
+    Some(RfaasChoice::parse(arg.as_deref()).unwrap_or(RfaasChoice::No))
+}

@@ -1,0 +1,396 @@
+//! The plugin and the hook on a real Slurm cluster (Debian's Slurm 22.05,
+//! several slurmd on loopback, started by `scripts/slurm-cluster.sh`), with
+//! the plugin installed through `plugstack.conf` and the hook as slurmd's
+//! `Prolog=` and `Epilog=`.
+//!
+//! With a real executor daemon on the node, a job takes the node back and
+//! its end offers it again. With none (or one that never answers), every
+//! job must still start and complete, no node may be drained, and the logs
+//! must say why rfaas was left out. Slurm must be installed
+//! (`scripts/test.sh` installs it), the tests run as root, and
+//! `rfaas-executord` must be built (`cargo nextest run --workspace` does).
+
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rfaas_proto::control::LocalReply;
+use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
+
+const HOOK: &str = env!("CARGO_BIN_EXE_rfaas-slurm-hook");
+
+/// Jobs here take well under a second; this bounds a hung cluster.
+const JOB_BOUND: Duration = Duration::from_secs(120);
+
+/// A directory of the test's own, removed when it passes.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let dir =
+            std::env::temp_dir().join(format!("rfaas-spank-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// The plugin cargo built next to this test, installed under the name
+/// sites use: `rfaas_spank.so`.
+fn install_plugin(dir: &TempDir) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    let built = [
+        deps.join("librfaas_spank.so"),
+        deps.parent().unwrap().join("librfaas_spank.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .unwrap_or_else(|| panic!("librfaas_spank.so is not built next to {}", exe.display()));
+    let installed = dir.path("rfaas_spank.so");
+    std::fs::copy(&built, &installed).unwrap();
+    installed
+}
+
+/// A plugstack.conf that loads the plugin with `args` (`required`: a
+/// plugin that does not load fails the jobs, so the test sees it).
+fn plugstack(dir: &TempDir, args: &str) -> PathBuf {
+    let plugin = install_plugin(dir);
+    let conf = dir.path("plugstack.conf");
+    std::fs::write(&conf, format!("required {} {args}\n", plugin.display())).unwrap();
+    conf
+}
+
+fn start(opts: SlurmOptions) -> SlurmCluster {
+    SlurmCluster::start(opts).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Waits until every node is idle again (its epilog done) and checks that
+/// none is drained or down.
+fn nodes_idle_and_undrained(cluster: &SlurmCluster) {
+    let end = std::time::Instant::now() + JOB_BOUND;
+    loop {
+        let states = cluster.node_states().unwrap();
+        for (node, state) in &states {
+            assert!(
+                !state.contains("drain") && !state.contains("down") && !state.contains("fail"),
+                "{node} is {state}; its fields: {:?}\n{}",
+                cluster.node(node),
+                cluster.slurmd_logs()
+            );
+        }
+        if states.len() == cluster.nodes().len() && states.values().all(|s| s == "idle") {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "nodes not idle after {JOB_BOUND:?}: {states:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn the_cluster_runs_a_three_node_job() {
+    let cluster = start(SlurmOptions::default());
+    let out = cluster
+        .srun(&["-N3", "-l", "printenv", "SLURMD_NODENAME"])
+        .unwrap();
+    let mut nodes: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.split_once(": "))
+        .map(|(_, n)| n.trim())
+        .collect();
+    nodes.sort();
+    assert_eq!(nodes, ["node1", "node2", "node3"], "{out}");
+    let states = cluster.node_states().unwrap();
+    assert_eq!(states.len(), 3, "{states:?}");
+    nodes_idle_and_undrained(&cluster);
+}
+
+#[test]
+fn srun_help_lists_rfaas() {
+    let dir = TempDir::new("help");
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        plugstack: Some(plugstack(&dir, "")),
+        ..SlurmOptions::default()
+    });
+    let help = cluster.output("srun", &["--help"]).unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("--rfaas=yes|no"), "{text}");
+    let help = cluster.output("sbatch", &["--help"]).unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("--rfaas=yes|no"), "{text}");
+    // A wrong value is the user's to fix, at submission.
+    let out = cluster
+        .output("srun", &["-N1", "--rfaas=maybe", "true"])
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--rfaas=maybe: write --rfaas"), "{err}");
+}
+
+#[test]
+fn a_bad_plugstack_argument_is_logged_and_jobs_still_run() {
+    let dir = TempDir::new("badarg");
+    let socket = dir.path("no-daemon.sock");
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        plugstack: Some(plugstack(
+            &dir,
+            &format!("colour=blue grace=soon socket={}", socket.display()),
+        )),
+        ..SlurmOptions::default()
+    });
+    let out = cluster.srun(&["-N1", "echo", "ran"]).unwrap();
+    assert_eq!(out.trim(), "ran");
+    nodes_idle_and_undrained(&cluster);
+    let log = cluster.slurmd_log("node1");
+    assert!(
+        log.contains(r#"rfaas_spank: ignored argument "colour=blue": unknown key "colour""#),
+        "{log}"
+    );
+    assert!(
+        log.contains(r#"rfaas_spank: ignored argument "grace=soon""#),
+        "{log}"
+    );
+}
+
+#[test]
+fn without_an_executor_daemon_rfaas_jobs_start_and_no_node_drains() {
+    let dir = TempDir::new("nodaemon");
+    let socket = dir.path("no-daemon.sock");
+    // A grace far beyond PrologEpilogTimeout (120 s): a prolog that waited
+    // for it would be killed and its node drained.
+    let cluster = start(SlurmOptions {
+        plugstack: Some(plugstack(
+            &dir,
+            &format!("grace=600 socket={}", socket.display()),
+        )),
+        ..SlurmOptions::default()
+    });
+    let out = cluster
+        .srun(&["-N2", "--rfaas", "-l", "printenv", "SLURMD_NODENAME"])
+        .unwrap();
+    assert_eq!(out.lines().count(), 2, "{out}");
+    let job = cluster
+        .sbatch(&["-N3", "--rfaas", "--wrap", "srun true"])
+        .unwrap();
+    let state = cluster
+        .wait_job_state(
+            job,
+            &["COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"],
+            JOB_BOUND,
+        )
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{:?}", cluster.job(job));
+    nodes_idle_and_undrained(&cluster);
+
+    for node in cluster.nodes() {
+        let log = cluster.slurmd_log(&node);
+        assert!(
+            log.contains(&format!("rfaas_spank: job {job} asks for rfaas")),
+            "{node}: {log}"
+        );
+        let took_back = format!("rfaas_spank: job {job} on {node}: could not take");
+        let line = log
+            .lines()
+            .find(|l| l.contains(&took_back))
+            .unwrap_or_else(|| panic!("no prolog line for job {job} in {node}'s log:\n{log}"));
+        assert!(line.contains("no executor daemon socket"), "{line}");
+        assert!(line.contains("the job starts anyway (fail open)"), "{line}");
+        assert!(
+            log.contains(&format!(
+                "rfaas_spank: job {job} on {node}: could not offer the idle CPUs to rfaas"
+            )),
+            "{node}: {log}"
+        );
+    }
+}
+
+#[test]
+fn a_job_takes_the_node_back_from_the_executor_and_its_end_offers_it() {
+    let dir = TempDir::new("executord");
+    let d = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: "node1".into(),
+            ..ExecutordOptions::default()
+        },
+    );
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        plugstack: Some(plugstack(
+            &dir,
+            &format!("grace=5 socket={}", d.local_socket().display()),
+        )),
+        ..SlurmOptions::default()
+    });
+    let job = cluster
+        .sbatch(&["-N1", "--rfaas", "--wrap", "true"])
+        .unwrap();
+    let state = cluster
+        .wait_job_state(
+            job,
+            &["COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"],
+            JOB_BOUND,
+        )
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{:?}", cluster.job(job));
+    nodes_idle_and_undrained(&cluster);
+
+    let log = cluster.slurmd_log("node1");
+    assert!(
+        log.contains(&format!(
+            "rfaas_spank: job {job} on node1: take 1 CPU back from rfaas: taken back for Slurm job {job}: drained"
+        )),
+        "{log}\nexecutord:\n{}",
+        d.log()
+    );
+    assert!(
+        log.contains(&format!(
+            "rfaas_spank: job {job} on node1: offer the idle CPUs to rfaas: Slurm job {job} ended: taking allocations again"
+        )),
+        "{log}\nexecutord:\n{}",
+        d.log()
+    );
+    let LocalReply::Status { draining, .. } = d.status() else {
+        panic!("no status")
+    };
+    assert!(!draining, "offered again after the job");
+}
+
+#[test]
+fn a_daemon_that_never_answers_costs_the_bound_and_the_job_runs() {
+    let dir = TempDir::new("silent");
+    let socket = dir.path("silent.sock");
+    // Accepts, reads nothing, answers nothing: a hung executor daemon.
+    let listener = UnixListener::bind(&socket).unwrap();
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        plugstack: Some(plugstack(
+            &dir,
+            &format!("grace=0 timeout_ms=300 socket={}", socket.display()),
+        )),
+        ..SlurmOptions::default()
+    });
+    let out = cluster.srun(&["-N1", "echo", "ran"]).unwrap();
+    assert_eq!(out.trim(), "ran");
+    nodes_idle_and_undrained(&cluster);
+    let log = cluster.slurmd_log("node1");
+    assert!(log.contains("did not answer within 300ms"), "{log}");
+    assert!(log.contains("the job starts anyway (fail open)"), "{log}");
+    drop(listener);
+}
+
+/// A Prolog=/Epilog= program is given no arguments: the hook finds its
+/// settings next to slurm.conf.
+fn write_hook_conf(cluster: &SlurmCluster, words: &str) {
+    let conf = cluster
+        .conf()
+        .parent()
+        .unwrap()
+        .join("rfaas-slurm-hook.conf");
+    std::fs::write(conf, format!("# rfaas-slurm-hook\n{words}\n")).unwrap();
+}
+
+#[test]
+fn the_hook_as_prolog_and_epilog_fails_open() {
+    let dir = TempDir::new("hook");
+    let log_file = dir.path("hook.log");
+    let cluster = start(SlurmOptions {
+        prolog: Some(PathBuf::from(HOOK)),
+        epilog: Some(PathBuf::from(HOOK)),
+        ..SlurmOptions::default()
+    });
+    write_hook_conf(
+        &cluster,
+        &format!(
+            "grace=600 socket={} log={} colour=blue",
+            dir.path("no-daemon.sock").display(),
+            log_file.display()
+        ),
+    );
+    let out = cluster.srun(&["-N3", "-l", "true"]).unwrap();
+    assert!(out.is_empty(), "{out}");
+    let job = cluster.sbatch(&["-N2", "--wrap", "srun true"]).unwrap();
+    let state = cluster
+        .wait_job_state(
+            job,
+            &["COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"],
+            JOB_BOUND,
+        )
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{:?}", cluster.job(job));
+    nodes_idle_and_undrained(&cluster);
+
+    let log = std::fs::read_to_string(&log_file).unwrap_or_default();
+    assert!(log.contains(r#"ignored argument "colour=blue""#), "{log}");
+    for what in ["could not take", "could not offer"] {
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(&format!("job {job} on node")) && l.contains(what))
+            .collect();
+        assert_eq!(
+            lines.len(),
+            2,
+            "one {what:?} line per node of job {job}:\n{log}"
+        );
+        assert!(
+            lines[0].contains("no executor daemon socket"),
+            "{}",
+            lines[0]
+        );
+    }
+}
+
+#[test]
+fn the_hook_reads_its_mode_and_exits_zero_by_hand() {
+    let dir = TempDir::new("byhand");
+    let out = std::process::Command::new(HOOK)
+        .args(["bogus", "timeout_ms=x"])
+        .env_remove("SLURM_SCRIPT_CONTEXT")
+        .env("SLURM_CONF", dir.path("slurm.conf"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(r#"ignored argument "bogus""#), "{err}");
+    assert!(err.contains(r#"ignored argument "timeout_ms=x""#), "{err}");
+    assert!(err.contains("neither prolog nor epilog"), "{err}");
+
+    let out = std::process::Command::new(HOOK)
+        .arg("--config")
+        .arg(dir.path("missing.conf"))
+        .arg(format!("socket={}", dir.path("none.sock").display()))
+        .env("SLURM_SCRIPT_CONTEXT", "prolog_slurmd")
+        .env("SLURM_JOB_ID", "77")
+        .env("SLURMD_NODENAME", "node4")
+        .env("SLURM_JOB_CPUS_PER_NODE", "2")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot read"), "{err}");
+    assert!(
+        err.contains(
+            "job 77 on node4: could not take 2 CPUs back from rfaas: no executor daemon socket"
+        ),
+        "{err}"
+    );
+    assert!(!Path::new(&dir.path("none.sock")).exists());
+}
