@@ -58,7 +58,9 @@ fn node(env: &Env, dir: &Path, name: &str) -> Node {
 }
 
 fn jobs_are_billed_for_what_they_used(kind: &str) {
-    let env = Env::new(kind);
+    // Every lease billed: until the manager has seen the service alive it
+    // refuses (503, retried by the client) rather than grant unbilled.
+    let env = Env::with_manager_config(kind, "[accounting]\nrequired = true\n");
     let _acct = env.accounting();
     let dir = std::env::temp_dir().join(format!("rfaas-billed-jobs-{}-{kind}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
