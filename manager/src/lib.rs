@@ -137,8 +137,13 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     });
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(refresh_loop(app.clone(), stop.subscribe()));
-    if backend == Backend::Postgres {
-        tokio::spawn(listen_loop(app.clone(), stop.subscribe()));
+    match backend {
+        Backend::Postgres => {
+            tokio::spawn(listen_loop(app.clone(), stop.subscribe()));
+        }
+        Backend::Sqlite => {
+            tokio::spawn(watch_loop(app.clone(), stop.subscribe()));
+        }
     }
     let router = api::router(app.clone());
     let server = tokio::spawn(async move {
@@ -218,6 +223,62 @@ async fn refresh_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool
         }
         if let Err(e) = app.refresh().await {
             tracing::warn!(error = %e, "background refresh failed; retrying");
+        }
+    }
+}
+
+/// How often a replica on SQLite asks whether the database changed.
+const SQLITE_WATCH: Duration = Duration::from_millis(25);
+
+/// SQLite has no notices. Every [`SQLITE_WATCH`], a replica asks SQLite on
+/// a connection of its own whether any other connection committed since
+/// (`PRAGMA data_version`, which reads no table), and if so reloads its
+/// view of the nodes and the accounting instances: another replica's, or
+/// an accounting service's, changes show within that period instead of at
+/// the next `refresh_ms`.
+async fn watch_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    // Reads through its own connection, so the requests' one stays free.
+    let mut watcher: Option<Store> = None;
+    let mut seen: Option<i64> = None;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(SQLITE_WATCH) => {}
+            _ = stop.changed() => return,
+        }
+        if watcher.is_none() {
+            watcher = db::open(&app.settings.database, 1)
+                .await
+                .ok()
+                .map(|pool| Store::new(pool, Backend::Sqlite));
+            seen = None;
+        }
+        let Some(store) = &watcher else { continue };
+        // fetch_all: the statement runs to its end, so the connection
+        // holds no read transaction (and no old snapshot) between polls.
+        let version = match sqlx::query("PRAGMA data_version")
+            .fetch_all(store.pool())
+            .await
+        {
+            Ok(rows) => rows
+                .first()
+                .and_then(|row| sqlx::Row::try_get::<i64, _>(row, 0).ok()),
+            Err(e) => {
+                tracing::debug!(error = %e, "PRAGMA data_version failed; reconnecting");
+                watcher = None;
+                continue;
+            }
+        };
+        if version.is_none() || version == seen {
+            continue;
+        }
+        // The first answer too: the view was loaded before this
+        // connection was, and a change may have come in between.
+        seen = version;
+        if let Ok(nodes) = store.nodes().await {
+            app.view.replace_all(nodes);
+        }
+        if let Ok(instances) = store.accounting_instances().await {
+            app.view.replace_instances(instances);
         }
     }
 }

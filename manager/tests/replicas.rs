@@ -259,6 +259,50 @@ fn kill_9_of_a_replica_loses_no_granted_lease(kind: &str) {
 }
 on_both!(kill_9_of_a_replica_loses_no_granted_lease);
 
+/// A node registered at one replica shows in another's view long before
+/// that replica's own reload (an hour here): through notices on
+/// PostgreSQL, through SQLite's change counter on SQLite. A grant there
+/// then shows in the first replica's view too.
+fn other_replicas_see_changes_without_reloading(kind: &str) {
+    let mut db = Db::new(kind);
+    let slow = format!("{QUIET_NODES}refresh_ms = 3600000\n");
+    let a = db.manager_with(&slow, None);
+    let b = db.manager_with(&slow, Some(&a));
+    let listed = |m: &Manager| -> Vec<Value> {
+        let (status, nodes) = m.admin().call("GET", "/v1/nodes", None);
+        assert_eq!(status, 200, "{nodes}");
+        nodes.as_array().cloned().unwrap_or_default()
+    };
+    register(&a, "seen", 8, 4096);
+    let until = Instant::now() + Duration::from_secs(20);
+    while !listed(&b).iter().any(|n| n["name"] == "seen") {
+        assert!(
+            Instant::now() < until,
+            "replica b never saw the node: {}",
+            b.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let u = Api::new(b.url(), &b.credential("user", "u", Some("physics")));
+    let (status, grant) = lease(&u, 3, None, 256, 600);
+    assert_eq!(status, 201, "{grant}");
+    let leased = |m: &Manager| {
+        listed(m)
+            .iter()
+            .find(|n| n["name"] == "seen")
+            .map(|n| n["leased_cores"].as_u64())
+    };
+    while leased(&a) != Some(Some(3)) {
+        assert!(
+            Instant::now() < until,
+            "replica a never saw the grant: {:?}",
+            leased(&a)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+on_both!(other_replicas_see_changes_without_reloading);
+
 #[test]
 fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
     let mut db = Db::new("postgres");
