@@ -371,8 +371,8 @@ impl Row {
         let met = self.meets_target();
         match &self.measure {
             Measure::Latency(l) => s.push_str(&format!(
-                ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"iters\":{}",
-                l.median_ns, l.p99_ns, l.min_ns, l.mean_ns, l.iters
+                ",\"median_ns\":{},\"p99_ns\":{},\"min_ns\":{},\"mean_ns\":{},\"iqm_ns\":{},\"iters\":{}",
+                l.median_ns, l.p99_ns, l.min_ns, l.mean_ns, l.iqm_ns, l.iters
             )),
             Measure::Bandwidth { bytes_per_s, bytes } => {
                 s.push_str(&format!(",\"bytes_per_s\":{bytes_per_s},\"bytes\":{bytes}"))
@@ -906,15 +906,16 @@ mod tests {
             p99_ns: 4000,
             min_ns: 1200,
             mean_ns: 1600,
+            iqm_ns: 1550,
             iters: 10,
         };
         let row = Row::latency("raw_tcp_pingpong", "tcp", 64, summary);
         assert_eq!(
             row.to_json(),
-            r#"{"name":"raw_tcp_pingpong","provider":"tcp","size":64,"median_ns":1500,"p99_ns":4000,"min_ns":1200,"mean_ns":1600,"iters":10}"#
+            r#"{"name":"raw_tcp_pingpong","provider":"tcp","size":64,"median_ns":1500,"p99_ns":4000,"min_ns":1200,"mean_ns":1600,"iqm_ns":1550,"iters":10}"#
         );
         let parsed: serde_json::Value = serde_json::from_str(&row.to_json()).unwrap();
-        assert_eq!(parsed.as_object().unwrap().len(), 8);
+        assert_eq!(parsed.as_object().unwrap().len(), 9);
     }
 
     #[test]
