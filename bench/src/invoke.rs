@@ -375,6 +375,64 @@ impl Billing {
         let dir = std::env::temp_dir().join(format!("rfaas-bench-billing-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).context(|| format!("could not create {}", dir.display()))?;
+        // The services run on the peers' CPU with the daemon, not on the
+        // client's: a site runs them on other machines, and the bench's own
+        // CPU is for the client alone, as in hot_noop.
+        if let Some(cpu) = ctx.peer_cpu {
+            child::pin_current_thread(cpu)
+                .context(|| format!("could not move to CPU {cpu} to start the services"))?;
+        }
+        let services = Billing::start_services(provider, &binaries);
+        if let Some(cpu) = ctx.cpu {
+            child::pin_current_thread(cpu)
+                .context(|| format!("could not move the bench back to CPU {cpu}"))?;
+        }
+        let (manager, manager_pid, accounting, accounting_pid) = services?;
+        let credential = dir.join("node.credential");
+        std::fs::write(&credential, manager.credential("node", NODE_NAME, None))
+            .context(|| format!("could not write {}", credential.display()))?;
+        std::fs::set_permissions(&credential, std::fs::Permissions::from_mode(0o600))
+            .context(|| format!("could not restrict {}", credential.display()))?;
+        let daemon = Daemon::start_configured(
+            ctx,
+            provider,
+            4,
+            vec![manager.public_key_line()],
+            format!(
+                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\n\
+                 [billing]\ngranularity_ms = {BILLING_GRANULARITY_MS}\n",
+                manager.url(),
+                credential.display().to_string(),
+            ),
+        )?;
+        let user = manager.credential("user", LEASE_USER, Some("bench"));
+        let managers = Managers::new([manager.url()], &user)
+            .ctx(|| format!("{HOT_NOOP_BILLED}: the manager's URL"))?;
+        let (lease, token) = billed_lease(&managers)?;
+        Ok(Billing {
+            _lease: lease,
+            daemon,
+            token,
+            accounting,
+            _accounting_pid: accounting_pid,
+            _manager: manager,
+            _manager_pid: manager_pid,
+            dir,
+        })
+    }
+
+    /// Starts the manager and the accounting service (on the row's
+    /// provider) on one SQLite file, registered for cleanup.
+    #[allow(clippy::type_complexity)]
+    fn start_services(
+        provider: &Provider,
+        binaries: &[PathBuf],
+    ) -> Result<(
+        Manager,
+        Option<cleanup::Registered>,
+        Accounting,
+        Option<cleanup::Registered>,
+    )> {
         // The intervals a site would run with: nothing here is sped up.
         let manager = Manager::try_start(
             &binaries[0],
@@ -412,37 +470,7 @@ impl Billing {
             ))
         })?;
         let accounting_pid = accounting.pid().map(cleanup::register);
-        let credential = dir.join("node.credential");
-        std::fs::write(&credential, manager.credential("node", NODE_NAME, None))
-            .context(|| format!("could not write {}", credential.display()))?;
-        std::fs::set_permissions(&credential, std::fs::Permissions::from_mode(0o600))
-            .context(|| format!("could not restrict {}", credential.display()))?;
-        let daemon = Daemon::start_configured(
-            ctx,
-            provider,
-            4,
-            vec![manager.public_key_line()],
-            format!(
-                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\n\
-                 [billing]\ngranularity_ms = {BILLING_GRANULARITY_MS}\n",
-                manager.url(),
-                credential.display().to_string(),
-            ),
-        )?;
-        let user = manager.credential("user", LEASE_USER, Some("bench"));
-        let managers = Managers::new([manager.url()], &user)
-            .ctx(|| format!("{HOT_NOOP_BILLED}: the manager's URL"))?;
-        let (lease, token) = billed_lease(&managers)?;
-        Ok(Billing {
-            _lease: lease,
-            daemon,
-            token,
-            accounting,
-            _accounting_pid: accounting_pid,
-            _manager: manager,
-            _manager_pid: manager_pid,
-            dir,
-        })
+        Ok((manager, manager_pid, accounting, accounting_pid))
     }
 
     /// Waits until the service has written the lease's usage to the
