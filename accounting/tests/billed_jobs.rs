@@ -7,14 +7,13 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use common::{journaled, wait_until, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
 use rfaas_proto::accounting::Counter;
-use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::executord::{daemon_binary, Executord};
 
 /// The executors post at most this often.
 const GRANULARITY_MS: u64 = 200;
@@ -30,27 +29,8 @@ struct Node {
 }
 
 fn node(env: &Env, dir: &Path, name: &str) -> Node {
-    let cred = dir.join(format!("{name}.credential"));
-    std::fs::write(&cred, env.node_credential(name)).unwrap();
-    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let journal = dir.join(format!("{name}.billing.jsonl"));
-    let daemon = Executord::start(
-        &daemon_binary(),
-        ExecutordOptions {
-            node_name: name.into(),
-            cpus: "0-1".into(),
-            memory_mib: 4096,
-            accept_keys: vec![env.manager.public_key_line()],
-            extra_config: format!(
-                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n\
-             [billing]\ngranularity_ms = {GRANULARITY_MS}\njournal = {:?}\n",
-                env.manager.url(),
-                cred.display().to_string(),
-                journal.display().to_string(),
-            ),
-            ..ExecutordOptions::default()
-        },
-    );
+    let (opts, journal) = common::billing_node(env, dir, name, GRANULARITY_MS);
+    let daemon = Executord::start(&daemon_binary(), opts);
     Node {
         _daemon: daemon,
         journal,

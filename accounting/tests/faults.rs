@@ -21,7 +21,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -81,24 +80,7 @@ struct Node {
 
 impl Node {
     fn new(env: &Env, dir: &Path, name: &str) -> Node {
-        let cred = dir.join(format!("{name}.credential"));
-        std::fs::write(&cred, env.node_credential(name)).unwrap();
-        std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let journal = dir.join(format!("{name}.billing.jsonl"));
-        let opts = ExecutordOptions {
-            node_name: name.into(),
-            cpus: "0-1".into(),
-            memory_mib: 4096,
-            accept_keys: vec![env.manager.public_key_line()],
-            extra_config: format!(
-                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n\
-                 [billing]\ngranularity_ms = {GRANULARITY_MS}\njournal = {:?}\n",
-                env.manager.url(),
-                cred.display().to_string(),
-                journal.display().to_string(),
-            ),
-            ..ExecutordOptions::default()
-        };
+        let (opts, journal) = common::billing_node(env, dir, name, GRANULARITY_MS);
         let mut n = Node {
             name: name.into(),
             journal,

@@ -6,12 +6,14 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rfaas_accounting::store::{self, UsageRow};
 use rfaas_proto::accounting::SlotTotals;
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
+use rfaas_testkit::executord::ExecutordOptions;
 use rfaas_testkit::manager::{Manager, ManagerOptions};
 use rfaas_testkit::postgres::Postgres;
 use sqlx::{AnyPool, Row};
@@ -292,4 +294,34 @@ pub fn journaled(journals: &[&Path]) -> HashMap<u64, HashMap<String, u64>> {
         }
     }
     sums
+}
+
+/// An executor daemon `name` that registers with `env`'s manager (its node
+/// credential written into `dir`) and posts usage every `granularity_ms`,
+/// journaling each batch: its options and the journal's path.
+pub fn billing_node(
+    env: &Env,
+    dir: &Path,
+    name: &str,
+    granularity_ms: u64,
+) -> (ExecutordOptions, PathBuf) {
+    let cred = dir.join(format!("{name}.credential"));
+    std::fs::write(&cred, env.node_credential(name)).unwrap();
+    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let journal = dir.join(format!("{name}.billing.jsonl"));
+    let opts = ExecutordOptions {
+        node_name: name.into(),
+        cpus: "0-1".into(),
+        memory_mib: 4096,
+        accept_keys: vec![env.manager.public_key_line()],
+        extra_config: format!(
+            "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n\
+             [billing]\ngranularity_ms = {granularity_ms}\njournal = {:?}\n",
+            env.manager.url(),
+            cred.display().to_string(),
+            journal.display().to_string(),
+        ),
+        ..ExecutordOptions::default()
+    };
+    (opts, journal)
 }
