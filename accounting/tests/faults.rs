@@ -426,10 +426,17 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
             l.burned
         );
         let lost = l.burned.saturating_sub(billed);
+        // Calls that ran in that window: those that returned after its
+        // start and had begun by the kill. A call under way at the kill
+        // may still return to its client (the worker ends the call before
+        // it finds its daemon gone), but nobody posts it.
         let may_lose: u64 = if l.node == killed_node {
             l.returns
                 .iter()
-                .filter(|(at, _)| *at >= unposted_since && *at <= executord_kill.at)
+                .filter(|(at, ns)| {
+                    let began = at.checked_sub(Duration::from_nanos(*ns)).unwrap_or(*at);
+                    *at >= unposted_since && began <= executord_kill.at
+                })
                 .map(|(_, ns)| ns)
                 .sum()
         } else {
