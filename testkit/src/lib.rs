@@ -34,6 +34,8 @@ pub mod prometheus;
 pub mod slurm;
 
 use std::path::PathBuf;
+use std::process::Child;
+use std::time::{Duration, Instant};
 
 /// The repository's root directory.
 pub fn repo_root() -> PathBuf {
@@ -48,5 +50,31 @@ pub fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => PathBuf::from(dir),
         None => repo_root().join("target"),
+    }
+}
+
+/// kill -9 of a service's process, if it still runs, and its reaping.
+pub(crate) fn kill_child(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// SIGTERM to a service's process, then a wait for it to end (SIGKILL
+/// after 10 s).
+pub(crate) fn stop_child(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        // SAFETY: kill has no memory preconditions; the pid is our child's.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }

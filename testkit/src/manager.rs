@@ -11,7 +11,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -250,27 +250,12 @@ impl Manager {
 
     /// kill -9.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        crate::kill_child(&mut self.child);
     }
 
     /// SIGTERM, then wait (SIGKILL after 10 s).
     pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: kill has no memory preconditions; the pid is our child's.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let until = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < until {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        crate::stop_child(&mut self.child);
     }
 
     /// Starts it again on the same port, same database and keys.
