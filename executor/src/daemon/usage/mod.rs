@@ -311,6 +311,16 @@ impl Ledger {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The ledger with every running lease sampled now and what ended
+    /// long ago pruned: what a report reads.
+    fn sampled(&self) -> MutexGuard<'_, Inner> {
+        let now = self.now();
+        let mut inner = self.lock();
+        sample_running(&mut inner, self.clock, now);
+        prune(&mut inner, now.at, unix_now());
+        inner
+    }
+
     /// Takes what the worker whose CPU time `cpu` measures has used so far,
     /// just before its assignment `area` is sent: the allocation's meter
     /// starts now.
@@ -421,10 +431,7 @@ impl Ledger {
     /// Every lease running here or ended recently, with its figures
     /// sampled now, by lease id.
     pub(crate) fn snapshot(&self) -> Vec<LeaseUsage> {
-        let now = self.now();
-        let mut inner = self.lock();
-        sample_running(&mut inner, self.clock, now);
-        prune(&mut inner, now.at, unix_now());
+        let inner = self.sampled();
         inner
             .leases
             .keys()
@@ -435,10 +442,7 @@ impl Ledger {
     /// Every lease whose token names an accounting slot, with the slot, its
     /// figures sampled now, and when its latest token ends.
     pub(crate) fn billed(&self) -> Vec<Billed> {
-        let now = self.now();
-        let mut inner = self.lock();
-        sample_running(&mut inner, self.clock, now);
-        prune(&mut inner, now.at, unix_now());
+        let inner = self.sampled();
         inner
             .leases
             .values()
