@@ -12,7 +12,6 @@ use std::path::{Path, PathBuf};
 use common::{journaled, wait_until, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
-use rfaas_proto::accounting::Counter;
 use rfaas_testkit::executord::{daemon_binary, Executord};
 
 /// The executors post at most this often.
@@ -119,18 +118,7 @@ fn jobs_are_billed_for_what_they_used(kind: &str) {
     for (lease_id, burned) in &measured {
         let row = env.usage(*lease_id).unwrap();
         let t = row.totals;
-        let logged = &sums[lease_id];
-        for c in Counter::ALL {
-            if c == Counter::Closed {
-                continue;
-            }
-            assert_eq!(
-                logged.get(c.name()).copied().unwrap_or(0),
-                t.get(c),
-                "lease {lease_id}: {} stored is not what the executor journaled",
-                c.name()
-            );
-        }
+        common::assert_journaled(&t, &sums[lease_id], &format!("lease {lease_id}"));
         assert_eq!(t.invocations, CALLS as u64, "lease {lease_id}");
         // The bill counts all the function's CPU, and the worker's own
         // work (its start, its polls) stays within the granularity.

@@ -28,7 +28,6 @@ use std::time::{Duration, Instant};
 use common::{journaled, wait_until, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
-use rfaas_proto::accounting::Counter;
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
@@ -404,18 +403,7 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
         let t = row.totals;
         let logged = sums.get(&id).cloned().unwrap_or_default();
         // Exact: what is stored is what the executors say they added.
-        for c in Counter::ALL {
-            if c == Counter::Closed {
-                continue;
-            }
-            assert_eq!(
-                logged.get(c.name()).copied().unwrap_or(0),
-                t.get(c),
-                "lease {id} on {}: {} stored is not what the executors journaled ({l:?})",
-                l.node,
-                c.name()
-            );
-        }
+        common::assert_journaled(&t, &logged, &format!("lease {id} on {} ({l:?})", l.node));
         // Bounded: the bill is the function's CPU, give or take.
         let billed = t.compute_ns + t.hot_ns;
         let cut_short = if l.failed.is_some() { burn_ns } else { 0 };

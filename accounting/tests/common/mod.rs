@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rfaas_accounting::store::{self, UsageRow};
-use rfaas_proto::accounting::SlotTotals;
+use rfaas_proto::accounting::{Counter, SlotTotals};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::ExecutordOptions;
 use rfaas_testkit::manager::{Manager, ManagerOptions};
@@ -272,6 +272,20 @@ pub fn cost(u: &SlotTotals, harvested: bool) -> f64 {
         .unwrap()
         .rates
         .cost(u, harvested)
+}
+
+/// Asserts that a lease's stored `totals` are, counter by counter, what
+/// its executors journaled (`logged`, one lease's entry of [`journaled`]);
+/// `what` names the lease in the message.
+pub fn assert_journaled(totals: &SlotTotals, logged: &HashMap<String, u64>, what: &str) {
+    for c in Counter::ALL.into_iter().filter(|&c| c != Counter::Closed) {
+        assert_eq!(
+            logged.get(c.name()).copied().unwrap_or(0),
+            totals.get(c),
+            "{what}: {} stored is not what the executors journaled",
+            c.name()
+        );
+    }
 }
 
 /// Sums each lease's `added` lines per counter over executor daemons'
