@@ -17,14 +17,14 @@ use axum::{Json, Router};
 use rfaas_proto::accounting::BillingSlot;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::manager::{
-    ApiError, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply, LeaseGrant,
-    LeaseRequest, LeaseState, LeaseView, NodeLease, NodeProvider, NodeState, NodeView,
-    RegisterNode, Registered, RenewRequest, Role, SetBudget,
+    ApiError, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply,
+    JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseView, NodeLease,
+    NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role, SetBudget,
 };
 use serde::Deserialize;
 use utoipa::OpenApi;
 
-use crate::auth::{new_credential, Caller};
+use crate::auth::{new_credential, new_job_credential, Caller};
 use crate::db::retrying;
 use crate::error::{json_errors, ApiFailure};
 use crate::store::{GrantOutcome, GrantPlan, LeaseRow};
@@ -56,12 +56,13 @@ type ApiResult<T> = Result<T, ApiFailure>;
         register_node, heartbeat, list_nodes, show_node, drain_node, resume_node,
         request_lease, list_leases, show_lease, renew_lease, release_lease,
         create_credential, list_credentials, revoke_credential,
-        list_budgets, set_budget, clear_budget, healthz
+        job_credential, end_job, list_budgets, set_budget, clear_budget, healthz
     ),
     components(schemas(
         ApiError, RegisterNode, Registered, Heartbeat, HeartbeatReply, NodeView, NodeState,
         NodeProvider, LeaseRequest, LeaseGrant, NodeLease, BillingSlot, RenewRequest, LeaseView,
-        LeaseState, CredentialRequest, Credential, Role, SetBudget, BudgetView
+        LeaseState, CredentialRequest, Credential, Role, SetBudget, BudgetView,
+        JobCredentialRequest, JobEnded
     )),
     modifiers(&BearerAuth),
     security(("bearer" = []))
@@ -97,6 +98,8 @@ pub fn router(app: Arc<App>) -> Router {
             post(create_credential).get(list_credentials),
         )
         .route("/v1/credentials/:id", delete(revoke_credential))
+        .route("/v1/jobs/:job_id/credential", post(job_credential))
+        .route("/v1/jobs/:job_id/end", post(end_job))
         .route("/v1/budgets", get(list_budgets))
         .route("/v1/budgets/:account", put(set_budget).delete(clear_budget))
         .route("/v1/openapi.json", get(openapi))
@@ -406,7 +409,7 @@ fn node_lease(app: &App, l: &LeaseRow) -> NodeLease {
         node: l.view.node.clone(),
         user: l.view.user.clone(),
         account: l.view.account.clone(),
-        job_id: None,
+        job_id: l.view.job_id,
         cores: l.view.cores.min(u32::from(u16::MAX)) as u16,
         memory_mib: l.view.memory_mib.min(u64::from(u32::MAX)) as u32,
         issued_at: l.view.issued_at,
@@ -450,7 +453,12 @@ async fn request_lease(
     Json(body): Json<LeaseRequest>,
 ) -> ApiResult<(StatusCode, Json<LeaseGrant>)> {
     let c = caller(&app, &headers).await?;
-    let Caller::User { user, account } = &c else {
+    let Caller::User {
+        user,
+        account,
+        job_id,
+    } = &c
+    else {
         return Err(ApiFailure::forbidden(
             "leases are asked for with a user credential (rfaasctl credential user ...)",
         ));
@@ -476,7 +484,7 @@ async fn request_lease(
         memory_mib: body.memory_mib,
         issued_at: now,
         expires_at: now + body.duration_s,
-        job_id: None,
+        job_id: *job_id,
         billing,
         billing_required: accounting.required,
     };
@@ -738,6 +746,7 @@ async fn create_credential(
             account: (body.role == Role::User).then_some(account),
             expires_at: (expires_at != 0).then_some(expires_at),
             token: Some(token),
+            job_id: None,
         }),
     ))
 }
@@ -760,6 +769,7 @@ async fn list_credentials(
                 account: (r.role == Role::User).then_some(r.account),
                 expires_at: (r.expires_at != 0).then_some(r.expires_at),
                 token: None,
+                job_id: r.job_id,
             })
             .collect(),
     ))
@@ -785,6 +795,98 @@ async fn revoke_credential(
     }
     app.auth.forget(&id);
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A node, or the admin, for Slurm job `job_id` (1 and up).
+fn job_caller(c: &Caller, job_id: u64) -> ApiResult<()> {
+    match c {
+        Caller::Admin | Caller::Node(_) if job_id > 0 => Ok(()),
+        Caller::Admin | Caller::Node(_) => Err(ApiFailure::malformed(
+            "Slurm job ids start at 1; job 0 names no job",
+        )),
+        Caller::User { .. } => Err(ApiFailure::forbidden(
+            "job credentials are asked for by a node's executor daemon (node credential), for a job it runs",
+        )),
+    }
+}
+
+/// Mint a user credential for a Slurm job (node or admin): what a job
+/// started with `--rfaas` finds in its environment. It expires with the
+/// job's time limit (at most `max_job_credential_s` from now), leases
+/// asked for with it name the job, and the job's end revokes it.
+#[utoipa::path(post, path = "/v1/jobs/{job_id}/credential",
+    params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
+    request_body = JobCredentialRequest,
+    responses((status = 201, body = Credential), (status = "4XX", body = ApiError)))]
+async fn job_credential(
+    State(app): AppState,
+    headers: HeaderMap,
+    Path(job_id): Path<u64>,
+    Json(body): Json<JobCredentialRequest>,
+) -> ApiResult<(StatusCode, Json<Credential>)> {
+    let c = caller(&app, &headers).await?;
+    job_caller(&c, job_id)?;
+    check_name("user", &body.user)?;
+    check_name("account", &body.account)?;
+    let now = now_s();
+    if body.expires_at <= now {
+        return Err(ApiFailure::malformed(format!(
+            "expires_at {} is not in the future (now {now}): the job's time is up",
+            body.expires_at
+        )));
+    }
+    let expires_at = body
+        .expires_at
+        .min(now.saturating_add(app.settings.max_job_credential_s));
+    let (row, token) = new_job_credential(
+        Role::User,
+        &body.user,
+        &body.account,
+        expires_at,
+        Some(job_id),
+    )
+    .map_err(|e| ApiFailure::new(500, "internal", format!("no randomness: {e}")))?;
+    app.store.add_credential(&row, now_ms()).await?;
+    tracing::info!(id = %row.id, job_id, user = %row.subject, account = %row.account, expires_at, by = %c.subject(), "job credential minted");
+    Ok((
+        StatusCode::CREATED,
+        Json(Credential {
+            id: row.id,
+            role: Role::User,
+            subject: row.subject,
+            account: Some(row.account),
+            expires_at: Some(expires_at),
+            token: Some(token),
+            job_id: Some(job_id),
+        }),
+    ))
+}
+
+/// A Slurm job ended (node or admin): revoke its job credentials and
+/// release its leases. Every node of the job may say so; only the first
+/// changes anything.
+#[utoipa::path(post, path = "/v1/jobs/{job_id}/end",
+    params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
+    responses((status = 200, body = JobEnded), (status = "4XX", body = ApiError)))]
+async fn end_job(
+    State(app): AppState,
+    headers: HeaderMap,
+    Path(job_id): Path<u64>,
+) -> ApiResult<Json<JobEnded>> {
+    let c = caller(&app, &headers).await?;
+    job_caller(&c, job_id)?;
+    let (revoked, ended) = retrying(|| app.store.end_job(job_id, now_ms())).await?;
+    for id in &revoked {
+        app.auth.forget(id);
+    }
+    app.view.apply(&ended, false);
+    if !revoked.is_empty() || !ended.is_empty() {
+        tracing::info!(job_id, credentials = revoked.len(), leases = ended.len(), by = %c.subject(), "Slurm job ended");
+    }
+    Ok(Json(JobEnded {
+        revoked: revoked.len() as u64,
+        released: ended.len() as u64,
+    }))
 }
 
 /// Budgets and what each account has spent (admin).

@@ -42,6 +42,8 @@ pub enum Caller {
         user: String,
         /// The account charged.
         account: String,
+        /// The Slurm job, for a job credential.
+        job_id: Option<u64>,
     },
 }
 
@@ -94,6 +96,17 @@ pub fn new_credential(
     account: &str,
     expires_at: u64,
 ) -> std::io::Result<(CredentialRow, String)> {
+    new_job_credential(role, subject, account, expires_at, None)
+}
+
+/// As [`new_credential`], for Slurm job `job_id` when given.
+pub fn new_job_credential(
+    role: Role,
+    subject: &str,
+    account: &str,
+    expires_at: u64,
+    job_id: Option<u64>,
+) -> std::io::Result<(CredentialRow, String)> {
     let id: String = random_bytes(8)?
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -107,6 +120,7 @@ pub fn new_credential(
         account: account.to_owned(),
         expires_at,
         revoked: false,
+        job_id,
     };
     Ok((row, format!("{CREDENTIAL_PREFIX}.{id}.{secret}")))
 }
@@ -225,6 +239,7 @@ impl Auth {
                 Role::User => Caller::User {
                     user: row.subject,
                     account: row.account,
+                    job_id: row.job_id,
                 },
             });
         }

@@ -32,6 +32,9 @@ pub struct FileConfig {
     pub lost_after_ms: Option<u64>,
     /// The longest lease (and renewal) granted, seconds.
     pub max_lease_s: Option<u64>,
+    /// The longest a Slurm job credential lasts, seconds (jobs without a
+    /// time limit get this).
+    pub max_job_credential_s: Option<u64>,
     /// Database connections per replica (default 16 on PostgreSQL, 1 on
     /// SQLite).
     pub max_connections: Option<u32>,
@@ -109,6 +112,8 @@ pub struct Settings {
     pub lost_after_ms: u64,
     /// Longest lease, seconds.
     pub max_lease_s: u64,
+    /// Longest Slurm job credential, seconds.
+    pub max_job_credential_s: u64,
     /// Database connections per replica.
     pub max_connections: u32,
     /// Full refresh and reaping period, ms.
@@ -228,6 +233,7 @@ impl FileConfig {
             heartbeat_interval_ms: self.heartbeat_interval_ms.unwrap_or(1000),
             lost_after_ms: self.lost_after_ms.unwrap_or(10_000),
             max_lease_s: self.max_lease_s.unwrap_or(86_400),
+            max_job_credential_s: self.max_job_credential_s.unwrap_or(7 * 86_400),
             max_connections,
             refresh_ms: self.refresh_ms.unwrap_or(1000),
             quota: self.quota,
@@ -255,9 +261,9 @@ impl FileConfig {
                 s.lost_after_ms, s.heartbeat_interval_ms
             )));
         }
-        if s.max_lease_s == 0 || s.max_connections == 0 {
+        if s.max_lease_s == 0 || s.max_connections == 0 || s.max_job_credential_s == 0 {
             return Err(ConfigError::Invalid(
-                "max_lease_s and max_connections must be above 0".into(),
+                "max_lease_s, max_job_credential_s and max_connections must be above 0".into(),
             ));
         }
         if !(s.database.starts_with("sqlite:") || s.database.starts_with("postgres")) {

@@ -349,7 +349,13 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
     line("state", state_name(&n.state));
     line("address", n.control_addr.clone());
     line("providers", providers.join(", "));
-    line("cores", format!("{} ({} leased)", n.cores, n.leased_cores));
+    line(
+        "cores",
+        format!(
+            "{} ({} leased, {} withheld)",
+            n.cores, n.leased_cores, n.withheld_cores
+        ),
+    );
     line(
         "memory",
         format!("{} MiB ({} MiB leased)", n.memory_mib, n.leased_memory_mib),
@@ -539,6 +545,7 @@ mod tests {
             leased_memory_mib: 64,
             last_heartbeat_ms: 95_000,
             harvested: cores > 64,
+            withheld_cores: 0,
         };
         let text = nodes_table(&[node("node10", 128), node("n1", 4)], 100_000);
         let lines: Vec<&str> = text.lines().collect();

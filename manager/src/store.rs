@@ -16,11 +16,11 @@ use sqlx::{Any, AnyPool, Row, Transaction};
 use crate::db::{i, text_col, u64_col, Backend, DbError};
 
 /// The columns of a node, in the order [`node_from_row`] reads them.
-const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested";
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores";
 
 /// The columns of a lease, in the order [`lease_from_row`] reads them.
 const LEASE_COLS: &str =
-    "id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state";
+    "id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state, job_id";
 
 /// A node lease as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,6 +145,8 @@ pub struct CredentialRow {
     pub expires_at: u64,
     /// Revoked by an admin.
     pub revoked: bool,
+    /// The Slurm job of a job credential.
+    pub job_id: Option<u64>,
 }
 
 /// The manager's database.
@@ -244,6 +246,7 @@ fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
         leased_memory_mib: u64_col(row, "leased_memory_mib")?,
         last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
         harvested: u64_col(row, "harvested")? != 0,
+        withheld_cores: u64_col(row, "withheld_cores")? as u32,
     })
 }
 
@@ -281,6 +284,7 @@ fn lease_from_row(row: &AnyRow) -> Result<LeaseRow, DbError> {
             issued_at: u64_col(row, "issued_at")?,
             expires_at: u64_col(row, "expires_at")?,
             state: lease_state(&text_col(row, "state")?),
+            job_id: row.try_get::<Option<i64>, _>("job_id")?.map(|v| v as u64),
         },
     })
 }
@@ -415,6 +419,17 @@ impl Store {
             .await?
             .rows_affected()
             == 1;
+        // So is a change of the cores the node withholds: grants on other
+        // replicas must stop (or start) placing leases there.
+        let withheld_changed = sqlx::query(
+            "UPDATE nodes SET withheld_cores = $2 WHERE name = $1 AND withheld_cores <> $2",
+        )
+        .bind(name)
+        .bind(i(h.withheld_cores.into()))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
         let row = sqlx::query(&format!(
             "UPDATE nodes SET last_heartbeat_ms = $2, free_cores = $3, free_memory_mib = $4
              WHERE name = $1 RETURNING {NODE_COLS}"
@@ -444,7 +459,7 @@ impl Store {
                 ended.push(u64_col(&row, "id")?);
             }
         }
-        if was_lost {
+        if was_lost || withheld_changed {
             self.notify(&mut tx, &[name]).await?;
         }
         tx.commit().await?;
@@ -590,7 +605,7 @@ impl Store {
                     continue;
                 }
                 let row = sqlx::query(
-                    "SELECT cores - leased_cores AS free FROM nodes WHERE name = $1 AND admin_state = 'up' AND lost = 0 AND leased_memory_mib + $2 <= memory_mib",
+                    "SELECT cores - leased_cores - withheld_cores AS free FROM nodes WHERE name = $1 AND admin_state = 'up' AND lost = 0 AND leased_memory_mib + $2 <= memory_mib",
                 )
                 .bind(name.as_str())
                 .bind(i(plan.memory_mib))
@@ -650,12 +665,13 @@ impl Store {
                 issued_at: plan.issued_at,
                 expires_at: plan.expires_at,
                 state: LeaseState::Active,
+                job_id: plan.job_id,
             };
             // `harvested` is the node's, for the accounting service's
             // discount.
             sqlx::query(&format!(
-                "INSERT INTO leases ({LEASE_COLS}, ended_ms, job_id, harvested)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'active', 0, $11,
+                "INSERT INTO leases ({LEASE_COLS}, ended_ms, harvested)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'active', $11, 0,
                     (SELECT harvested FROM nodes WHERE name = $3))"
             ))
             .bind(i(view.lease_id))
@@ -694,7 +710,7 @@ impl Store {
         sqlx::query(
             "UPDATE nodes SET leased_cores = leased_cores + $2, leased_memory_mib = leased_memory_mib + $3
              WHERE name = $1 AND admin_state = 'up' AND lost = 0
-               AND leased_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib
+               AND leased_cores + withheld_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib
              RETURNING leased_cores, leased_memory_mib",
         )
         .bind(node)
@@ -756,14 +772,24 @@ impl Store {
         update: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>,
     ) -> Result<Vec<LeaseRow>, DbError> {
         let mut tx = self.pool.begin().await?;
+        let ended = self.end_leases_in(&mut tx, update).await?;
+        tx.commit().await?;
+        Ok(ended)
+    }
+
+    /// As [`end_leases`](Self::end_leases), inside transaction `tx`.
+    async fn end_leases_in<'q>(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        update: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>,
+    ) -> Result<Vec<LeaseRow>, DbError> {
         let ended = update
-            .fetch_all(&mut *tx)
+            .fetch_all(&mut **tx)
             .await?
             .iter()
             .map(lease_from_row)
             .collect::<Result<Vec<_>, _>>()?;
-        self.give_back(&mut tx, &ended).await?;
-        tx.commit().await?;
+        self.give_back(tx, &ended).await?;
         Ok(ended)
     }
 
@@ -1029,8 +1055,8 @@ impl Store {
     /// Stores a new credential.
     pub async fn add_credential(&self, c: &CredentialRow, now_ms: u64) -> Result<(), DbError> {
         sqlx::query(
-            "INSERT INTO credentials (id, secret_hash, role, subject, account, created_ms, expires_at, revoked)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, 0)",
+            "INSERT INTO credentials (id, secret_hash, role, subject, account, created_ms, expires_at, revoked, job_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 0, $8)",
         )
         .bind(&c.id)
         .bind(&c.secret_hash)
@@ -1039,6 +1065,7 @@ impl Store {
         .bind(&c.account)
         .bind(i(now_ms))
         .bind(i(c.expires_at))
+        .bind(c.job_id.map(i))
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -1047,7 +1074,7 @@ impl Store {
     /// One credential by id.
     pub async fn credential(&self, id: &str) -> Result<Option<CredentialRow>, DbError> {
         let row = sqlx::query(
-            "SELECT id, secret_hash, role, subject, account, expires_at, revoked FROM credentials WHERE id = $1",
+            "SELECT id, secret_hash, role, subject, account, expires_at, revoked, job_id FROM credentials WHERE id = $1",
         )
         .bind(id)
         .fetch_optional(&self.pool)
@@ -1058,13 +1085,44 @@ impl Store {
     /// Every credential not revoked.
     pub async fn credentials(&self) -> Result<Vec<CredentialRow>, DbError> {
         sqlx::query(
-            "SELECT id, secret_hash, role, subject, account, expires_at, revoked FROM credentials WHERE revoked = 0 ORDER BY subject, id",
+            "SELECT id, secret_hash, role, subject, account, expires_at, revoked, job_id FROM credentials WHERE revoked = 0 ORDER BY subject, id",
         )
         .fetch_all(&self.pool)
         .await?
         .iter()
         .map(credential_from_row)
         .collect()
+    }
+
+    /// Ends Slurm job `job_id` here: revokes its job credentials and
+    /// releases its active leases, in one transaction, and gives back
+    /// what they held. Returns the ids of the credentials revoked and the
+    /// leases ended (both empty once the job's end was already recorded).
+    pub async fn end_job(
+        &self,
+        job_id: u64,
+        now_ms: u64,
+    ) -> Result<(Vec<String>, Vec<LeaseRow>), DbError> {
+        let mut tx = self.pool.begin().await?;
+        let sql = format!(
+            "UPDATE leases SET state = 'released', ended_ms = $2 WHERE job_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
+        );
+        let ended = self
+            .end_leases_in(&mut tx, sqlx::query(&sql).bind(i(job_id)).bind(i(now_ms)))
+            .await?;
+        // Credentials last: leases, accounts and nodes keep their lock
+        // order (see `crate::db`).
+        let revoked = sqlx::query(
+            "UPDATE credentials SET revoked = 1 WHERE job_id = $1 AND revoked = 0 RETURNING id",
+        )
+        .bind(i(job_id))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(|r| text_col(r, "id"))
+        .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await?;
+        Ok((revoked, ended))
     }
 
     /// Revokes a credential. `false`: unknown.
@@ -1180,6 +1238,7 @@ fn credential_from_row(row: &AnyRow) -> Result<CredentialRow, DbError> {
         account: text_col(row, "account")?,
         expires_at: u64_col(row, "expires_at")?,
         revoked: u64_col(row, "revoked")? != 0,
+        job_id: row.try_get::<Option<i64>, _>("job_id")?.map(|v| v as u64),
     })
 }
 

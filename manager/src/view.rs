@@ -27,6 +27,13 @@ pub struct View {
     instances: RwLock<Vec<AccountingInstance>>,
 }
 
+/// Cores of `n` neither leased nor withheld by the node.
+fn lendable(n: &NodeView) -> u32 {
+    n.cores
+        .saturating_sub(n.leased_cores)
+        .saturating_sub(n.withheld_cores)
+}
+
 impl View {
     /// Replaces the whole view.
     pub fn replace_all(&self, nodes: Vec<NodeView>) {
@@ -85,19 +92,19 @@ impl View {
         let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
         let fits = |n: &NodeView| {
             n.state == NodeState::Up
-                && n.leased_cores < n.cores
+                && lendable(n) > 0
                 && n.leased_memory_mib.saturating_add(memory_mib) <= n.memory_mib
         };
         let mut out: Vec<(String, u32)> = preferred
             .iter()
             .filter_map(|p| nodes.get(p))
             .filter(|n| fits(n))
-            .map(|n| (n.name.clone(), n.cores - n.leased_cores))
+            .map(|n| (n.name.clone(), lendable(n)))
             .collect();
         let mut rest: Vec<(String, u32)> = nodes
             .values()
             .filter(|n| fits(n) && !preferred.contains(&n.name))
-            .map(|n| (n.name.clone(), n.cores - n.leased_cores))
+            .map(|n| (n.name.clone(), lendable(n)))
             .collect();
         rest.sort();
         fastrand::shuffle(&mut rest);
@@ -198,7 +205,19 @@ mod tests {
             leased_memory_mib: 0,
             last_heartbeat_ms: 0,
             harvested: false,
+            withheld_cores: 0,
         }
+    }
+
+    #[test]
+    fn withheld_cores_are_not_offered() {
+        let v = View::default();
+        let mut a = node("a", 4, 1, NodeState::Up);
+        a.withheld_cores = 2;
+        let mut b = node("b", 4, 0, NodeState::Up);
+        b.withheld_cores = 4;
+        v.replace_all(vec![a, b]);
+        assert_eq!(v.candidates(1, &[]), [("a".to_string(), 1)]);
     }
 
     #[test]
@@ -297,6 +316,7 @@ mod tests {
                 issued_at: 0,
                 expires_at: 1,
                 state: rfaas_proto::manager::LeaseState::Active,
+                job_id: None,
             },
             owner: "user:u".into(),
             billing: Some(rfaas_proto::accounting::BillingSlot {

@@ -518,3 +518,151 @@ fn openapi_document_and_metrics() {
         "{text}"
     );
 }
+
+fn slurm_jobs_get_credentials_and_their_end_releases_their_leases(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let node = register(&m, "a", 4, 4096);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let ask = |api: &Api, job: u64, body: serde_json::Value| {
+        api.call("POST", &format!("/v1/jobs/{job}/credential"), Some(&body))
+    };
+    let body = json!({"user": "alice", "account": "physics", "expires_at": now + 3600});
+    // The node mints one for job 17; the job leases with it.
+    let (s, c) = ask(&node, 17, body.clone());
+    assert_eq!(s, 201, "{c}");
+    assert_eq!(
+        (
+            c["job_id"].as_u64(),
+            c["subject"].as_str(),
+            c["account"].as_str()
+        ),
+        (Some(17), Some("alice"), Some("physics")),
+        "{c}"
+    );
+    assert_eq!(c["expires_at"].as_u64(), Some(now + 3600), "{c}");
+    let job = Api::new(m.url(), c["token"].as_str().unwrap());
+    let (s, g) = lease(&job, 2, None, 64, 60);
+    assert_eq!(s, 201, "{g}");
+    let id = g["id"].as_u64().unwrap();
+    let (s, shown) = job.call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(s, 200, "{shown}");
+    assert_eq!(shown[0]["job_id"].as_u64(), Some(17), "{shown}");
+    // Alice's own credential leases outside any job.
+    let alice = user(&m, "alice", "physics");
+    let (s, own) = lease(&alice, 1, None, 64, 60);
+    assert_eq!(s, 201, "{own}");
+    assert_eq!(check_no_core_leased_twice(&m), 3);
+    // A credential far past the cap is cut to it.
+    let (s, long) = ask(
+        &node,
+        18,
+        json!({"user": "bob", "account": "chem", "expires_at": now + 100 * 86_400}),
+    );
+    assert_eq!(s, 201, "{long}");
+    let cap = long["expires_at"].as_u64().unwrap();
+    assert!(
+        cap <= now + 7 * 86_400 + 5 && cap >= now + 7 * 86_400 - 5,
+        "{long}"
+    );
+
+    // The job ends: its credential is revoked and its lease released,
+    // alice's own lease stays; saying it again changes nothing.
+    let (s, ended) = node.call("POST", "/v1/jobs/17/end", None);
+    assert_eq!((s, ended), (200, json!({"revoked": 1, "released": 1})));
+    let (s, again) = node.call("POST", "/v1/jobs/17/end", None);
+    assert_eq!((s, again), (200, json!({"revoked": 0, "released": 0})));
+    let (s, e) = job.call("GET", "/v1/leases", None);
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (401, Some("credential_revoked")),
+        "{e}"
+    );
+    let (s, shown) = alice.call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(
+        (s, shown[0]["state"].as_str()),
+        (200, Some("released")),
+        "{shown}"
+    );
+    assert_eq!(check_no_core_leased_twice(&m), 1);
+
+    // Only nodes and the admin speak for jobs; bad requests are 4xx.
+    let (s, e) = ask(&alice, 19, body.clone());
+    assert_eq!((s, e["error"].as_str()), (403, Some("forbidden")), "{e}");
+    let (s, e) = alice.call("POST", "/v1/jobs/18/end", None);
+    assert_eq!((s, e["error"].as_str()), (403, Some("forbidden")), "{e}");
+    let (s, _) = ask(&m.admin(), 19, body.clone());
+    assert_eq!(s, 201);
+    for (job_id, bad) in [
+        (0, body.clone()),
+        (
+            20,
+            json!({"user": "alice", "account": "physics", "expires_at": now - 1}),
+        ),
+        (
+            20,
+            json!({"user": "al ice", "account": "physics", "expires_at": now + 60}),
+        ),
+        (
+            20,
+            json!({"user": "alice", "account": "", "expires_at": now + 60}),
+        ),
+        (
+            20,
+            json!({"user": "alice", "account": "physics", "expires_at": now + 60, "uid": 0}),
+        ),
+        (20, json!({"user": "alice"})),
+    ] {
+        let (s, e) = ask(&node, job_id, bad.clone());
+        assert!((400..500).contains(&s), "{bad}: {s} {e}");
+        assert!(e["error"].is_string(), "{bad}: {e}");
+    }
+    let (s, e) = node.call("POST", "/v1/jobs/0/end", None);
+    assert_eq!(s, 400, "{e}");
+}
+on_both!(slurm_jobs_get_credentials_and_their_end_releases_their_leases);
+
+fn cores_a_node_withholds_are_not_leased_on_any_replica(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let m2 = db.manager_with("", Some(&m));
+    let node = register(&m, "a", 4, 4096);
+    let beat = |withheld: u32| {
+        let (s, r) = node.call(
+            "POST",
+            "/v1/nodes/a/heartbeat",
+            Some(&json!({"free_cores": 4, "free_memory_mib": 4096, "allocations": [], "withheld_cores": withheld})),
+        );
+        assert_eq!(s, 200, "{r}");
+    };
+    // Slurm takes three cores back: both replicas lease the one left.
+    beat(3);
+    for mgr in [&m, &m2] {
+        let admin = mgr.admin();
+        wait_for(10, "the replica to see the withheld cores", || {
+            let (_, n) = admin.call("GET", "/v1/nodes/a", None);
+            (n["withheld_cores"] == 3).then_some(())
+        });
+    }
+    let u = user(&m, "alice", "physics");
+    let u2 = Api::new(m2.url(), u.token());
+    let (s, e) = lease(&u2, 2, None, 64, 60);
+    assert_eq!(s, 503, "{e}");
+    let (s, g) = lease(&u2, 2, Some(1), 64, 60);
+    assert_eq!((s, granted_cores(&g)), (201, 1), "{g}");
+    let (s, e) = lease(&u, 1, None, 64, 60);
+    assert_eq!(s, 503, "{e}");
+    // Given back: the rest can be leased again.
+    beat(0);
+    let u2 = Api::new(m2.url(), u.token());
+    let g = wait_for(10, "the cores to be lent again", || {
+        let (s, g) = lease(&u2, 3, None, 64, 60);
+        (s == 201).then_some(g)
+    });
+    assert_eq!(granted_cores(&g), 3, "{g}");
+    assert_eq!(check_no_core_leased_twice(&m), 4);
+}
+on_both!(cores_a_node_withholds_are_not_leased_on_any_replica);

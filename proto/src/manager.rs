@@ -108,6 +108,11 @@ pub struct Heartbeat {
     /// Whether the node was drained locally (`rfaas-executord` tools).
     #[serde(default)]
     pub draining: bool,
+    /// Cores the node does not lend now: Slurm took them back for its
+    /// jobs, or the node drains (then every core). The manager leases
+    /// none of them.
+    #[serde(default)]
+    pub withheld_cores: u32,
     /// The allocations it holds, one entry per lease.
     pub allocations: Vec<HeldLease>,
 }
@@ -160,6 +165,10 @@ pub struct NodeView {
     /// It lends harvested (batch-idle) capacity.
     #[serde(default)]
     pub harvested: bool,
+    /// Cores the node withholds now (Slurm took them back, or it
+    /// drains): not leased until it lends them again.
+    #[serde(default)]
+    pub withheld_cores: u32,
 }
 
 /// `POST /v1/leases`: a job asks for cores.
@@ -285,6 +294,41 @@ pub struct Credential {
     /// The bearer token, shown once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// The Slurm job a job credential belongs to (users only): leases
+    /// asked for with it name the job, and the job's end revokes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<u64>,
+}
+
+/// `POST /v1/jobs/{job_id}/credential` (node): a user credential for one
+/// Slurm job running on the calling node, asked for by its executor daemon
+/// when the job starts with `--rfaas`. It expires with the job's time
+/// limit (capped by the manager's `max_job_credential_s`) and is revoked
+/// when the job ends (`POST /v1/jobs/{job_id}/end`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct JobCredentialRequest {
+    /// The job's user (login name).
+    #[cfg_attr(feature = "openapi", schema(pattern = r"^[A-Za-z0-9._@-]{1,253}$"))]
+    pub user: String,
+    /// The account its leases are charged to.
+    #[cfg_attr(feature = "openapi", schema(pattern = r"^[A-Za-z0-9._@-]{1,253}$"))]
+    pub account: String,
+    /// When the job's time limit ends, Unix seconds.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub expires_at: u64,
+}
+
+/// `POST /v1/jobs/{job_id}/end` (node or admin): what the job's end did.
+/// Repeating it (every node of the job says it) changes nothing more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JobEnded {
+    /// Job credentials revoked now.
+    pub revoked: u64,
+    /// Node leases of the job released now.
+    pub released: u64,
 }
 
 /// A node lease's state.
@@ -326,6 +370,9 @@ pub struct LeaseView {
     pub expires_at: u64,
     /// Its state.
     pub state: LeaseState,
+    /// The Slurm job it was asked for in (with a job credential).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<u64>,
 }
 
 /// `PUT /v1/budgets/{account}` (admin): what the account may spend.
@@ -461,6 +508,7 @@ mod tests {
             account: None,
             expires_at: None,
             token: None,
+            job_id: None,
         };
         assert_eq!(
             serde_json::to_string(&shown).unwrap(),

@@ -248,6 +248,27 @@ impl Manager {
         reply["token"].as_str().expect("a token").to_owned()
     }
 
+    /// Options for an executor daemon named `name` that registers with
+    /// this manager (its node credential written, private, into `dir`)
+    /// and accepts this manager's leases.
+    pub fn node_options(&self, dir: &Path, name: &str) -> crate::executord::ExecutordOptions {
+        let cred = dir.join(format!("{name}.credential"));
+        std::fs::write(&cred, self.credential("node", name, None))
+            .unwrap_or_else(|e| panic!("write {}: {e}", cred.display()));
+        std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600))
+            .unwrap_or_else(|e| panic!("chmod {}: {e}", cred.display()));
+        crate::executord::ExecutordOptions {
+            node_name: name.into(),
+            accept_keys: vec![self.public_key_line()],
+            extra_config: format!(
+                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n",
+                self.url,
+                cred.display().to_string()
+            ),
+            ..Default::default()
+        }
+    }
+
     /// kill -9.
     pub fn kill(&mut self) {
         crate::kill_child(&mut self.child);
@@ -294,6 +315,11 @@ impl Api {
             token: token.to_owned(),
             agent,
         }
+    }
+
+    /// Its bearer token.
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     /// The same caller with a connection pool of its own: for requests the

@@ -125,7 +125,7 @@ impl Backoff {
 
 /// How a call to the managers failed.
 #[derive(Debug)]
-enum CallError {
+pub(crate) enum CallError {
     /// No manager answered (refused, timed out, or a 5xx from each).
     Unreachable(String),
     /// A manager answered with a 4xx: retrying the same request elsewhere
@@ -143,7 +143,7 @@ impl std::fmt::Display for CallError {
 }
 
 /// The managers, tried in turn from the last one that answered.
-struct Managers {
+pub(crate) struct Managers {
     urls: Vec<String>,
     credential: String,
     agent: ureq::Agent,
@@ -152,8 +152,17 @@ struct Managers {
 
 impl Managers {
     fn new(m: &ManagerSettings, credential: String) -> Managers {
+        Managers::with_timeout(m, credential, REQUEST_TIMEOUT)
+    }
+
+    /// As `new`, each request bounded by `timeout`.
+    pub(crate) fn with_timeout(
+        m: &ManagerSettings,
+        credential: String,
+        timeout: Duration,
+    ) -> Managers {
         let config = ureq::Agent::config_builder()
-            .timeout_global(Some(REQUEST_TIMEOUT))
+            .timeout_global(Some(timeout))
             .http_status_as_error(false)
             .build();
         Managers {
@@ -164,13 +173,13 @@ impl Managers {
         }
     }
 
-    fn url(&self) -> &str {
+    pub(crate) fn url(&self) -> &str {
         &self.urls[self.current]
     }
 
     /// Sends `body` to `path` (PUT or POST) on one manager after another
     /// until one answers; a 5xx counts as no answer.
-    fn call<B: Serialize, R: DeserializeOwned>(
+    pub(crate) fn call<B: Serialize, R: DeserializeOwned>(
         &mut self,
         put: bool,
         path: &str,
@@ -342,6 +351,12 @@ fn heartbeat(shared: &Shared) -> Heartbeat {
         free_cores: st.capacity.free_cpus().len() as u32,
         free_memory_mib: u64::from(st.capacity.free_memory_mib()),
         draining: st.draining,
+        // A draining node lends nothing.
+        withheld_cores: if st.draining {
+            st.capacity.cpus().len() as u32
+        } else {
+            0
+        },
         allocations: held,
     }
 }
