@@ -51,6 +51,7 @@
 //! Requests carry a `request_id` the reply repeats, so one cached connection
 //! can serve several allocations.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 
 use serde::de::DeserializeOwned;
@@ -772,6 +773,18 @@ pub enum LocalRequest {
         /// The Slurm job that ended.
         job_id: u64,
     },
+    /// The SPANK plugin, as a job step started with `--rfaas` begins on
+    /// this node: what to put in the job's environment so that its client
+    /// can lease (manager URLs and a credential scoped to the job, which a
+    /// manager mints at the node's request). Answered with
+    /// [`LocalReply::JobEnv`]; refused when the node has no manager or
+    /// Slurm does not run job `job_id` here for user `uid`.
+    SlurmJobEnv {
+        /// The Slurm job.
+        job_id: u64,
+        /// The job's user id.
+        uid: u32,
+    },
 }
 
 /// What one lease used on one node, over all its allocations there: the
@@ -875,6 +888,14 @@ pub enum LocalReply {
         node: String,
         /// Leases running now or ended recently, by lease id.
         leases: Vec<LeaseUsage>,
+    },
+    /// The answer to [`LocalRequest::SlurmJobEnv`]: variables for the
+    /// job's environment (`RFAAS_MANAGERS`, `RFAAS_CREDENTIAL`, ...).
+    JobEnv {
+        /// Name → value.
+        vars: BTreeMap<String, String>,
+        /// When the credential expires, Unix seconds.
+        expires_at: u64,
     },
 }
 
@@ -1108,6 +1129,13 @@ mod tests {
                 LocalRequest::SlurmOffer { job_id: 42 },
                 &br#"{"command":"slurm_offer","job_id":42}"#[..],
             ),
+            (
+                LocalRequest::SlurmJobEnv {
+                    job_id: 42,
+                    uid: 1000,
+                },
+                &br#"{"command":"slurm_job_env","job_id":42,"uid":1000}"#[..],
+            ),
         ];
         for (req, json) in cases {
             let mut want = vec![b'R', b'F', b'A', b'X', 2, 0, 32, 0];
@@ -1119,6 +1147,14 @@ mod tests {
             let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
             assert_eq!(back.parse::<LocalRequest>().unwrap(), req);
         }
+        let reply = LocalReply::JobEnv {
+            vars: [("RFAAS_CREDENTIAL".to_string(), "rfaasc.ab.cd".to_string())].into(),
+            expires_at: 7,
+        };
+        assert_eq!(
+            serde_json::to_string(&reply).unwrap(),
+            r#"{"reply":"job_env","vars":{"RFAAS_CREDENTIAL":"rfaasc.ab.cd"},"expires_at":7}"#
+        );
         // A field missing is refused, not defaulted: a retrieval without
         // its grace must not become one without grace.
         assert!(serde_json::from_str::<LocalRequest>(

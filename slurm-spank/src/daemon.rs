@@ -71,7 +71,7 @@ pub enum TalkError {
         message: String,
     },
     /// The daemon answered something a hook does not expect.
-    #[error("the executor daemon answered {reply:?}, not that it was done")]
+    #[error("the executor daemon answered {reply:?}, not what was asked")]
     Unexpected {
         /// The answer.
         reply: Box<LocalReply>,
@@ -84,6 +84,20 @@ pub enum TalkError {
 /// Sends `req` to the daemon at `socket` and waits at most `limit` for
 /// its answer. `Ok` is the daemon's sentence about what it did.
 pub fn ask(socket: &Path, req: LocalRequest, limit: Duration) -> Result<String, TalkError> {
+    match ask_reply(socket, req, limit)? {
+        LocalReply::Done { message } => Ok(message),
+        other => Err(TalkError::Unexpected {
+            reply: Box::new(other),
+        }),
+    }
+}
+
+/// As [`ask`], returning the daemon's answer whatever it is.
+pub fn ask_reply(
+    socket: &Path,
+    req: LocalRequest,
+    limit: Duration,
+) -> Result<LocalReply, TalkError> {
     if !socket.exists() {
         return Err(TalkError::NoSocket {
             path: socket.to_path_buf(),
@@ -107,7 +121,7 @@ pub fn ask(socket: &Path, req: LocalRequest, limit: Duration) -> Result<String, 
     }
 }
 
-fn exchange(path: &Path, req: &LocalRequest, limit: Duration) -> Result<String, TalkError> {
+fn exchange(path: &Path, req: &LocalRequest, limit: Duration) -> Result<LocalReply, TalkError> {
     let protocol = |source: ControlError| TalkError::Protocol {
         path: path.to_path_buf(),
         source,
@@ -131,12 +145,7 @@ fn exchange(path: &Path, req: &LocalRequest, limit: Duration) -> Result<String, 
             message: e.message,
         });
     }
-    match frame.parse::<LocalReply>().map_err(protocol)? {
-        LocalReply::Done { message } => Ok(message),
-        other => Err(TalkError::Unexpected {
-            reply: Box::new(other),
-        }),
-    }
+    frame.parse::<LocalReply>().map_err(protocol)
 }
 
 #[cfg(test)]

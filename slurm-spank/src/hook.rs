@@ -13,7 +13,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use rfaas_proto::control::LocalRequest;
 
-use crate::daemon::{ask, TalkError};
+use std::collections::BTreeMap;
+
+use rfaas_proto::control::LocalReply;
+
+use crate::daemon::{ask, ask_reply, TalkError};
 use crate::job::JobOnNode;
 use crate::settings::{BadWord, Settings};
 
@@ -116,9 +120,47 @@ pub fn run(event: Event, settings: &Settings, job: &JobOnNode, log: &dyn Log) {
             "offer the idle CPUs to rfaas".to_string(),
         ),
     };
-    match ask(&settings.socket, req, limit) {
+    match ask(&settings.socket_for(job.node.as_deref()), req, limit) {
         Ok(message) => log.info(&format!("job {} on {node}: {what}: {message}", job.job_id)),
         Err(e) => log.error(&fail_open_line(event, job.job_id, node, &what, &e)),
+    }
+}
+
+/// Asks the node's executor daemon for job `job_id`'s rfaas environment
+/// (user `uid`), within the bound, and logs the outcome (never the
+/// credential). `None`: the job runs without it.
+pub fn job_env(
+    settings: &Settings,
+    node: Option<&str>,
+    job_id: u64,
+    uid: u32,
+    log: &dyn Log,
+) -> Option<BTreeMap<String, String>> {
+    let req = LocalRequest::SlurmJobEnv { job_id, uid };
+    match ask_reply(&settings.socket_for(node), req, settings.timeout) {
+        Ok(LocalReply::JobEnv { vars, expires_at }) => {
+            let names: Vec<&str> = vars.keys().map(String::as_str).collect();
+            log.info(&format!(
+                "job {job_id}: rfaas environment set ({}; the credential expires at {expires_at})",
+                names.join(", ")
+            ));
+            Some(vars)
+        }
+        Ok(other) => {
+            log.error(&format!(
+                "job {job_id}: {}; the job runs without rfaas",
+                TalkError::Unexpected {
+                    reply: Box::new(other)
+                }
+            ));
+            None
+        }
+        Err(e) => {
+            log.error(&format!(
+                "job {job_id}: no rfaas environment: {e}; the job runs without rfaas"
+            ));
+            None
+        }
     }
 }
 

@@ -73,6 +73,19 @@ impl fmt::Display for BadWord {
 }
 
 impl Settings {
+    /// The executor daemon's socket on Slurm node `node`: `%n` in
+    /// `socket=` stands for the node's name (as in Slurm's own
+    /// `SlurmdSpoolDir`), for hosts that run several slurmd. Without a
+    /// name, `%n` stays as it is (and names no socket).
+    pub fn socket_for(&self, node: Option<&str>) -> PathBuf {
+        match (node, self.socket.to_str()) {
+            (Some(node), Some(path)) if path.contains("%n") => {
+                PathBuf::from(path.replace("%n", node))
+            }
+            _ => self.socket.clone(),
+        }
+    }
+
     /// Reads `key=value` words. Returns the settings, with defaults where a
     /// word was missing or wrong, and the words that were not taken.
     pub fn parse<'a>(words: impl IntoIterator<Item = &'a str>) -> (Settings, Vec<BadWord>) {
@@ -112,6 +125,9 @@ impl Settings {
                          socket=/run/rfaas/executord.sock"
                             .into(),
                     );
+                }
+                if value.split("%n").any(|part| part.contains('%')) {
+                    return Err("in socket=, % may only stand in %n (the node's name)".into());
                 }
                 self.socket = PathBuf::from(value);
             }
@@ -247,5 +263,26 @@ mod tests {
         assert_eq!(RfaasChoice::parse(Some("no")), Ok(RfaasChoice::No));
         let e = RfaasChoice::parse(Some("maybe")).unwrap_err();
         assert!(e.contains("--rfaas=no"), "{e}");
+    }
+
+    #[test]
+    fn the_socket_may_name_the_node() {
+        let (s, bad) = Settings::parse(["socket=/run/rfaas/executord-%n.sock"]);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(
+            s.socket_for(Some("node2")),
+            PathBuf::from("/run/rfaas/executord-node2.sock")
+        );
+        assert_eq!(
+            s.socket_for(None),
+            PathBuf::from("/run/rfaas/executord-%n.sock")
+        );
+        let (plain, _) = Settings::parse(["socket=/run/rfaas/executord.sock"]);
+        assert_eq!(
+            plain.socket_for(Some("node2")),
+            PathBuf::from("/run/rfaas/executord.sock")
+        );
+        let (_, bad) = Settings::parse(["socket=/run/%h.sock"]);
+        assert_eq!(bad.len(), 1, "{bad:?}");
     }
 }

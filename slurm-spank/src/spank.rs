@@ -57,6 +57,9 @@ const S_CTX_REMOTE: c_int = 2;
 const S_CTX_ALLOCATOR: c_int = 3;
 const S_CTX_SLURMD: c_int = 4;
 
+/// `S_JOB_UID` of `enum spank_item`: a `uid_t *` follows.
+const S_JOB_UID: c_int = 0;
+
 /// `S_JOB_ID` of `enum spank_item`: a `uint32_t *` follows.
 const S_JOB_ID: c_int = 2;
 
@@ -74,6 +77,13 @@ extern "C" {
         value: *const c_char,
         overwrite: c_int,
     ) -> c_int;
+    fn spank_setenv(
+        sp: Spank,
+        name: *const c_char,
+        value: *const c_char,
+        overwrite: c_int,
+    ) -> c_int;
+    fn spank_getenv(sp: Spank, name: *const c_char, buf: *mut c_char, len: c_int) -> c_int;
     fn slurm_info(format: *const c_char, ...);
     fn slurm_error(format: *const c_char, ...);
 }
@@ -203,7 +213,8 @@ pub unsafe extern "C" fn slurm_spank_init(sp: Spank, ac: c_int, av: *mut *mut c_
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 
 /// The job control variable carrying the choice to the job's prolog and
-/// epilog (which see it as `SPANK_RFAAS`): Slurm does not pass an
+/// epilog (which see it as `SPANK_RFAAS`) and its steps (whose
+/// environment has it as `SLURM_SPANK_RFAAS`): Slurm does not pass an
 /// optional argument's absence there, so the plugin says it in words.
 const CHOICE_VAR: &CStr = c"RFAAS";
 
@@ -234,7 +245,9 @@ unsafe extern "C" fn check_rfaas_option(
 }
 
 /// `slurm_spank_init_post_opt`: in srun, sbatch and salloc, hands the
-/// job's `--rfaas` choice to its prolog and epilog.
+/// job's `--rfaas` choice to its prolog and epilog; in the job step on a
+/// node (slurmstepd, still as root), puts the job's rfaas environment into
+/// the step's tasks when the job asked for rfaas.
 ///
 /// # Safety
 ///
@@ -242,10 +255,16 @@ unsafe extern "C" fn check_rfaas_option(
 #[no_mangle]
 pub unsafe extern "C" fn slurm_spank_init_post_opt(
     sp: Spank,
-    _ac: c_int,
-    _av: *mut *mut c_char,
+    ac: c_int,
+    av: *mut *mut c_char,
 ) -> c_int {
+    // SAFETY: Slurm's argument vector.
+    let words = unsafe { words(ac, av as *const *const c_char) };
     guarded("init_post_opt", &SlurmLog, 0, || {
+        if context() == S_CTX_REMOTE {
+            step_env(sp, &words);
+            return 0;
+        }
         if !matches!(context(), S_CTX_LOCAL | S_CTX_ALLOCATOR) {
             return 0;
         }
@@ -320,22 +339,85 @@ unsafe fn job_script(event: Event, sp: Spank, ac: c_int, av: *mut *mut c_char) {
         if unsafe { spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) } == ESPANK_SUCCESS {
             job.job_id = u64::from(id);
         }
-        if event == Event::Prolog {
-            let said = std::env::var("SPANK_RFAAS").ok();
-            let choice = match said.as_deref() {
-                Some(v) => RfaasChoice::parse(Some(v)).ok(),
-                None => rfaas_choice(sp),
-            };
-            let wants = match choice {
-                Some(choice) => choice == RfaasChoice::Yes,
-                None => settings.rfaas_by_default,
-            };
-            if wants {
-                log.info(&format!("job {} asks for rfaas", job.job_id));
-            }
+        if event == Event::Prolog && wants_rfaas(sp, std::env::var("SPANK_RFAAS").ok(), &settings) {
+            log.info(&format!("job {} asks for rfaas", job.job_id));
         }
         hook::run(event, &settings, &job, &log);
     });
+}
+
+/// Whether the job wants rfaas: what `--rfaas` said (as an option, or as
+/// the choice handed on in `SPANK_RFAAS`), else the site's default.
+fn wants_rfaas(sp: Spank, said: Option<String>, settings: &Settings) -> bool {
+    let choice = match said.as_deref() {
+        Some(v) => RfaasChoice::parse(Some(v)).ok(),
+        None => rfaas_choice(sp),
+    };
+    match choice {
+        Some(choice) => choice == RfaasChoice::Yes,
+        None => settings.rfaas_by_default,
+    }
+}
+
+/// In a job step: the job's rfaas environment, if it wants rfaas.
+fn step_env(sp: Spank, words: &[String]) {
+    let (settings, _) = Settings::parse(words.iter().map(String::as_str));
+    let log = Logger::new(&SlurmLog, &settings);
+    // The choice handed on reaches the step's environment as
+    // SLURM_SPANK_RFAAS.
+    let said = job_getenv(sp, c"SLURM_SPANK_RFAAS");
+    if !wants_rfaas(sp, said, &settings) {
+        return;
+    }
+    let (mut id, mut uid): (u32, u32) = (0, u32::MAX);
+    // SAFETY: S_JOB_ID takes one uint32_t * and S_JOB_UID one uid_t *
+    // (32 bits on Linux); both live through the calls.
+    let known = unsafe {
+        spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) == ESPANK_SUCCESS
+            && spank_get_item(sp, S_JOB_UID, &mut uid as *mut u32) == ESPANK_SUCCESS
+    };
+    if !known {
+        log.error("cannot tell the job or its user; the job runs without rfaas");
+        return;
+    }
+    let node = job_getenv(sp, c"SLURMD_NODENAME")
+        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
+        .filter(|n| !n.is_empty());
+    let Some(vars) = hook::job_env(&settings, node.as_deref(), u64::from(id), uid, &log) else {
+        return;
+    };
+    for (name, value) in vars {
+        let (Ok(n), Ok(v)) = (CString::new(name.as_str()), CString::new(value)) else {
+            log.error(&format!("job {id}: {name} holds a NUL byte; not set"));
+            continue;
+        };
+        // SAFETY: a valid handle in a remote callback; both strings live
+        // through the call.
+        let rc = unsafe { spank_setenv(sp, n.as_ptr(), v.as_ptr(), 1) };
+        if rc != ESPANK_SUCCESS {
+            log.error(&format!("job {id}: cannot set {name} (error {rc})"));
+        }
+    }
+}
+
+/// A variable of the job's environment, if set (and under 4 KiB).
+fn job_getenv(sp: Spank, name: &CStr) -> Option<String> {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: a valid handle; Slurm writes at most `len` bytes, NUL
+    // included, into the buffer, which lives through the call.
+    let rc = unsafe {
+        spank_getenv(
+            sp,
+            name.as_ptr(),
+            buf.as_mut_ptr() as *mut c_char,
+            buf.len() as c_int,
+        )
+    };
+    if rc != ESPANK_SUCCESS {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0)?;
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
 /// What the job said with `--rfaas`, if anything (`--rfaas` and

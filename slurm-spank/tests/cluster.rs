@@ -10,13 +10,16 @@
 //! (`scripts/test.sh` installs it), the tests run as root, and
 //! `rfaas-executord` must be built (`cargo nextest run --workspace` does).
 
+use std::collections::BTreeMap;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
 use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
+use serde_json::json;
 
 const HOOK: &str = env!("CARGO_BIN_EXE_rfaas-slurm-hook");
 
@@ -393,4 +396,187 @@ fn the_hook_reads_its_mode_and_exits_zero_by_hand() {
         "{err}"
     );
     assert!(!Path::new(&dir.path("none.sock")).exists());
+}
+
+/// Waits up to `JOB_BOUND` for `f` to give something.
+fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let end = std::time::Instant::now() + JOB_BOUND;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "no {what} after {JOB_BOUND:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A manager, and on each Slurm node an executor daemon registered with
+/// it, whose socket the plugin finds through `socket=...-%n.sock`.
+struct RfaasOnSlurm {
+    executords: Vec<Executord>,
+    cluster: SlurmCluster,
+    manager: Manager,
+}
+
+impl RfaasOnSlurm {
+    fn start(dir: &TempDir, nodes: u32, plugin_args: &str) -> RfaasOnSlurm {
+        let manager = Manager::start(ManagerOptions::default());
+        let socket = |node: &str| dir.path(&format!("executord-{node}.sock"));
+        let cluster = start(SlurmOptions {
+            nodes,
+            plugstack: Some(plugstack(
+                dir,
+                &format!(
+                    "socket={} log={} {plugin_args}",
+                    socket("%n").display(),
+                    dir.path("spank.log").display()
+                ),
+            )),
+            ..SlurmOptions::default()
+        });
+        let executords = cluster
+            .nodes()
+            .iter()
+            .map(|node| {
+                Executord::start(
+                    &daemon_binary(),
+                    ExecutordOptions {
+                        local_socket: Some(socket(node)),
+                        env: vec![("SLURM_CONF".into(), cluster.conf().display().to_string())],
+                        ..manager.node_options(&dir.0, node)
+                    },
+                )
+            })
+            .collect();
+        let env = RfaasOnSlurm {
+            executords,
+            cluster,
+            manager,
+        };
+        wait_for("registered nodes", || {
+            let (_, nodes) = env.manager.admin().call("GET", "/v1/nodes", None);
+            let up = nodes
+                .as_array()?
+                .iter()
+                .filter(|n| n["state"] == "up")
+                .count();
+            (up == env.executords.len()).then_some(())
+        });
+        env
+    }
+
+    fn logs(&self, dir: &TempDir) -> String {
+        format!(
+            "spank log:\n{}\n{}\nexecutord logs:\n{}",
+            std::fs::read_to_string(dir.path("spank.log")).unwrap_or_default(),
+            self.cluster.slurmd_logs(),
+            self.executords
+                .iter()
+                .map(|d| d.log())
+                .collect::<Vec<_>>()
+                .join("\n")
+        )
+    }
+}
+
+/// `KEY=value` lines → the `RFAAS_` ones.
+fn rfaas_vars(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .filter(|(k, _)| k.starts_with("RFAAS_"))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+#[test]
+fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
+    let dir = TempDir::new("jobenv");
+    let env = RfaasOnSlurm::start(&dir, 2, "grace=5");
+    let out = dir.path("job.out");
+    let done = dir.path("done");
+    let job = env
+        .cluster
+        .sbatch(&[
+            "-N1",
+            "-w",
+            "node1",
+            "--rfaas",
+            "-o",
+            &out.display().to_string(),
+            "--wrap",
+            &format!(
+                "env; for i in $(seq 1200); do [ -e {} ] && exit 0; sleep 0.1; done; exit 1",
+                done.display()
+            ),
+        ])
+        .unwrap();
+    let vars = wait_for("job environment", || {
+        let vars = rfaas_vars(&std::fs::read_to_string(&out).ok()?);
+        (!vars.is_empty()).then_some(vars)
+    });
+    assert_eq!(
+        vars.get("RFAAS_MANAGERS").map(String::as_str),
+        Some(env.manager.url()),
+        "{vars:?}\n{}",
+        env.logs(&dir)
+    );
+    let credential = vars.get("RFAAS_CREDENTIAL").expect("a credential");
+
+    // The manager hears that node1 lends nothing while the job runs.
+    wait_for("node1 withheld", || {
+        let (_, n) = env.manager.admin().call("GET", "/v1/nodes/node1", None);
+        (n["withheld_cores"] == 4).then_some(())
+    });
+    // The job leases with it: on node2, since node1 runs the job; the
+    // lease names the job.
+    let api = Api::new(env.manager.url(), credential);
+    let (s, grant) = api.call(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 2, "memory_mib": 256, "duration_s": 600})),
+    );
+    assert_eq!(s, 201, "{grant}\n{}", env.logs(&dir));
+    assert_eq!(grant["leases"][0]["node"], "node2", "{grant}");
+    let id = grant["id"].as_u64().unwrap();
+    let (_, shown) = api.call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(shown[0]["job_id"].as_u64(), Some(u64::from(job)), "{shown}");
+    assert_eq!(shown[0]["user"], "root", "{shown}");
+
+    // The job ends: its credential is revoked and its lease released.
+    std::fs::write(&done, "").unwrap();
+    let state = env
+        .cluster
+        .wait_job_state(job, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{}", env.logs(&dir));
+    let (s, e) = wait_for("the credential's revocation", || {
+        let r = api.call("GET", "/v1/leases", None);
+        (r.0 != 200).then_some(r)
+    });
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (401, Some("credential_revoked")),
+        "{e}"
+    );
+    let (_, shown) = env
+        .manager
+        .admin()
+        .call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(shown[0]["state"], "released", "{shown}");
+
+    // A job without --rfaas gets nothing (the site's default is off).
+    let plain = dir.path("plain.out");
+    let job = env
+        .cluster
+        .sbatch(&["-N1", "-o", &plain.display().to_string(), "--wrap", "env"])
+        .unwrap();
+    env.cluster
+        .wait_job_state(job, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    let text = std::fs::read_to_string(&plain).unwrap();
+    assert!(rfaas_vars(&text).is_empty(), "{text}");
+    assert!(text.contains("SLURM_JOB_ID="), "{text}");
 }

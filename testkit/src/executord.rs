@@ -61,6 +61,10 @@ pub struct ExecutordOptions {
     pub accept_keys: Vec<String>,
     /// More TOML lines appended to the configuration as they are.
     pub extra_config: String,
+    /// The node tools' socket; `None`: one in the daemon's directory.
+    pub local_socket: Option<PathBuf>,
+    /// Environment variables for the daemon (`SLURM_CONF`, say).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for ExecutordOptions {
@@ -79,6 +83,8 @@ impl Default for ExecutordOptions {
             lease_keys_mode: 0o644,
             accept_keys: Vec::new(),
             extra_config: String::new(),
+            local_socket: None,
+            env: Vec::new(),
         }
     }
 }
@@ -148,7 +154,10 @@ impl Executord {
         )
         .map_err(|e| format!("chmod the public key: {e}"))?;
 
-        let local_socket = dir.join("executord.sock");
+        let local_socket = opts
+            .local_socket
+            .clone()
+            .unwrap_or_else(|| dir.join("executord.sock"));
         let providers: Vec<String> = opts.providers.iter().map(|p| format!("{p:?}")).collect();
         let config = format!(
             "node_name = {node:?}\n\
@@ -188,6 +197,7 @@ impl Executord {
         let log = std::fs::File::create(dir.join("executord.log"))
             .map_err(|e| format!("create the log: {e}"))?;
         let mut child = Command::new(daemon_bin)
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .arg("--config")
             .arg(&config_file)
             .stdin(Stdio::null())

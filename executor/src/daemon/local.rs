@@ -50,8 +50,19 @@ pub(crate) fn message(shared: &Arc<Shared>, conn: u64, kind: Kind, json: Vec<u8>
     let shared = Arc::clone(shared);
     let job: super::pool::Job = Box::new(move || {
         let _done = DoneGuard::new(&shared.outbox, conn, 0);
-        let reply = handle(&shared, req);
-        shared.send(conn, &Frame::new(&reply, Vec::new()));
+        let frame = match req {
+            LocalRequest::SlurmJobEnv { job_id, uid } => {
+                match super::jobs::job_env(&shared, job_id, uid) {
+                    Ok(reply) => Frame::new(&reply, Vec::new()),
+                    Err(e) => {
+                        tracing::warn!(job_id, uid, error = %e, "no job credential");
+                        refusal(0, e.code(), e.to_string())
+                    }
+                }
+            }
+            req => Frame::new(&handle(&shared, req), Vec::new()),
+        };
+        shared.send(conn, &frame);
     });
     if long {
         LocalNext::Long(job)
@@ -61,7 +72,7 @@ pub(crate) fn message(shared: &Arc<Shared>, conn: u64, kind: Kind, json: Vec<u8>
 }
 
 /// Carries out one request.
-pub(crate) fn handle(shared: &Shared, req: LocalRequest) -> LocalReply {
+pub(crate) fn handle(shared: &Arc<Shared>, req: LocalRequest) -> LocalReply {
     match req {
         LocalRequest::Status => status(shared),
         LocalRequest::Drain { grace_ms } => LocalReply::Done {
@@ -94,6 +105,7 @@ pub(crate) fn handle(shared: &Shared, req: LocalRequest) -> LocalReply {
             }
         }
         LocalRequest::SlurmOffer { job_id } => {
+            super::jobs::job_ended(shared, job_id);
             let mut st = shared.lock();
             st.slurm_jobs.remove(&job_id);
             if st.slurm_jobs.is_empty() {

@@ -47,6 +47,7 @@ mod capacity;
 mod conn;
 mod control;
 mod epoll;
+mod jobs;
 mod local;
 mod memlimit;
 mod metrics;
@@ -190,7 +191,14 @@ impl Daemon {
         let (to_loop, inbox) = mpsc::channel();
         let outbox = Outbox::new(to_loop, Arc::clone(&waker));
         let (tx, jobs) = mpsc::channel();
-        let shared = Arc::new(Shared::new(settings, lease_keys, limiter, tx, outbox));
+        let shared = Arc::new(Shared::new(
+            settings,
+            lease_keys,
+            limiter,
+            tx,
+            outbox,
+            credential.clone(),
+        ));
         Ok(Daemon {
             shared,
             jobs,

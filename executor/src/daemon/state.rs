@@ -193,6 +193,9 @@ pub(crate) struct Shared {
     /// What each lease used (its own lock; taken after `state`, never
     /// before).
     pub usage: super::usage::Ledger,
+    /// Slurm jobs' credentials (own lock; taken after `state`, never
+    /// before).
+    pub jobs: super::jobs::Jobs,
     next_id: AtomicU64,
 }
 
@@ -203,6 +206,7 @@ impl Shared {
         limiter: MemoryLimiter,
         spawner: mpsc::Sender<SpawnJob>,
         outbox: Outbox,
+        node_credential: Option<String>,
     ) -> Shared {
         let capacity = Capacity::new(&settings.cpus, settings.memory_mib);
         Shared {
@@ -224,6 +228,7 @@ impl Shared {
             outbox,
             metrics: super::metrics::Metrics::new(),
             usage: super::usage::Ledger::new(crate::meter::TickClock::detect()),
+            jobs: super::jobs::Jobs::new(node_credential),
             next_id: AtomicU64::new(1),
         }
     }
