@@ -11,12 +11,16 @@
 //! `rfaas-executord` must be built (`cargo nextest run --workspace` does).
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use rfaas_proto::control::LocalReply;
+use rfaas_testkit::accounting::{billing_binary, Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::functions::{client_example, rust_library};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
 use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
 use serde_json::json;
@@ -415,15 +419,20 @@ fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 
 /// A manager, and on each Slurm node an executor daemon registered with
 /// it, whose socket the plugin finds through `socket=...-%n.sock`.
+/// With `billing`, an accounting service too, which every daemon posts
+/// usage to.
 struct RfaasOnSlurm {
     executords: Vec<Executord>,
     cluster: SlurmCluster,
+    accounting: Option<Accounting>,
     manager: Manager,
 }
 
 impl RfaasOnSlurm {
-    fn start(dir: &TempDir, nodes: u32, plugin_args: &str) -> RfaasOnSlurm {
+    fn start(dir: &TempDir, nodes: u32, plugin_args: &str, billing: bool) -> RfaasOnSlurm {
         let manager = Manager::start(ManagerOptions::default());
+        let accounting =
+            billing.then(|| Accounting::start(AccountingOptions::new(manager.database())));
         let socket = |node: &str| dir.path(&format!("executord-{node}.sock"));
         let cluster = start(SlurmOptions {
             nodes,
@@ -441,12 +450,22 @@ impl RfaasOnSlurm {
             .nodes()
             .iter()
             .map(|node| {
+                let mut opts = manager.node_options(&dir.0, node);
+                if billing {
+                    opts.extra_config += &format!(
+                        "[billing]\ngranularity_ms = 200\njournal = {:?}\n",
+                        dir.path(&format!("{node}.billing.jsonl"))
+                            .display()
+                            .to_string()
+                    );
+                }
                 Executord::start(
                     &daemon_binary(),
                     ExecutordOptions {
+                        cpus: "0-3".into(),
                         local_socket: Some(socket(node)),
                         env: vec![("SLURM_CONF".into(), cluster.conf().display().to_string())],
-                        ..manager.node_options(&dir.0, node)
+                        ..opts
                     },
                 )
             })
@@ -454,6 +473,7 @@ impl RfaasOnSlurm {
         let env = RfaasOnSlurm {
             executords,
             cluster,
+            accounting,
             manager,
         };
         wait_for("registered nodes", || {
@@ -470,9 +490,10 @@ impl RfaasOnSlurm {
 
     fn logs(&self, dir: &TempDir) -> String {
         format!(
-            "spank log:\n{}\n{}\nexecutord logs:\n{}",
+            "spank log:\n{}\n{}\nmanager log:\n{}\nexecutord logs:\n{}",
             std::fs::read_to_string(dir.path("spank.log")).unwrap_or_default(),
             self.cluster.slurmd_logs(),
+            self.manager.log(),
             self.executords
                 .iter()
                 .map(|d| d.log())
@@ -494,7 +515,7 @@ fn rfaas_vars(text: &str) -> BTreeMap<String, String> {
 #[test]
 fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
     let dir = TempDir::new("jobenv");
-    let env = RfaasOnSlurm::start(&dir, 2, "grace=5");
+    let env = RfaasOnSlurm::start(&dir, 2, "grace=5", false);
     let out = dir.path("job.out");
     let done = dir.path("done");
     let job = env
@@ -579,4 +600,188 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
     let text = std::fs::read_to_string(&plain).unwrap();
     assert!(rfaas_vars(&text).is_empty(), "{text}");
     assert!(text.contains("SLURM_JOB_ID="), "{text}");
+}
+
+/// Seconds since the epoch, as `date +%s.%N` writes them.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[test]
+fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
+    const GRACE_S: f64 = 3.0;
+    let dir = TempDir::new("offload");
+    let env = RfaasOnSlurm::start(&dir, 3, "grace=3", true);
+    // The job runs as nobody (workers never run as root): its program,
+    // library and output where nobody reads and writes.
+    let program = dir.path("offload_loop");
+    std::fs::copy(client_example("offload_loop"), &program).unwrap();
+    let library = dir.path("functions.so");
+    std::fs::copy(rust_library(), &library).unwrap();
+    let out_dir = dir.path("out");
+    std::fs::create_dir(&out_dir).unwrap();
+    std::fs::set_permissions(&out_dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let out = out_dir.join("offload.out");
+    let job = env
+        .cluster
+        .sbatch(&[
+            "-N1",
+            "-w",
+            "node1",
+            "--rfaas",
+            "--uid=nobody",
+            "-o",
+            &out.display().to_string(),
+            "--wrap",
+            &format!(
+                "{} --library {} --seconds 12",
+                program.display(),
+                library.display()
+            ),
+        ])
+        .unwrap();
+    let first = wait_for("the job's first node", || {
+        let text = std::fs::read_to_string(&out).ok()?;
+        let line = text.lines().find(|l| l.starts_with("calling echo on "))?;
+        Some(line.split_whitespace().nth(3)?.to_owned())
+    });
+    assert!(
+        first == "node2" || first == "node3",
+        "the job leased {first}, not another node\n{}",
+        env.logs(&dir)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+
+    // A job lands on that node mid-run: it starts within the grace (and
+    // 2 s), and the offloading job moves on.
+    let stamp = out_dir.join("started");
+    let submitted = unix_now();
+    let taker = env
+        .cluster
+        .sbatch(&[
+            "-N1",
+            "-w",
+            &first,
+            "-o",
+            "/dev/null",
+            "--wrap",
+            &format!("date +%s.%N > {}; sleep 1", stamp.display()),
+        ])
+        .unwrap();
+    let started: f64 = wait_for("the second job's start", || {
+        std::fs::read_to_string(&stamp).ok()?.trim().parse().ok()
+    });
+    let delay = started - submitted;
+    assert!(
+        delay <= GRACE_S + 2.0,
+        "the job on {first} started {delay:.2} s after its submission\n{}",
+        env.logs(&dir)
+    );
+    let state = env
+        .cluster
+        .wait_job_state(taker, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    assert_eq!(state, "COMPLETED");
+    // Offered again within a second of that job's end.
+    let ended = unix_now();
+    wait_for("the node offered again", || {
+        let (_, n) = env
+            .manager
+            .admin()
+            .call("GET", &format!("/v1/nodes/{first}"), None);
+        (n["withheld_cores"] == 0).then_some(())
+    });
+    let offered = unix_now() - ended;
+
+    let state = env
+        .cluster
+        .wait_job_state(job, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(state, "COMPLETED", "{text}\n{}", env.logs(&dir));
+    assert!(
+        text.contains(&format!("moved from {first} to ")),
+        "{text}\n{}",
+        env.logs(&dir)
+    );
+    let summary: serde_json::Value = text
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no summary line in {text}"));
+    assert_eq!(summary["failed"], 0, "{text}");
+    let calls = summary["calls"].as_u64().unwrap();
+    assert!(calls > 0 && summary["moves"].as_u64() >= Some(1), "{text}");
+    assert!(
+        summary["nodes"].get("node1").is_none(),
+        "nothing ran on the job's own node: {text}"
+    );
+    assert!(
+        offered <= 1.5,
+        "{first} was offered {offered:.2} s after the job's end (at most 1 s plus this poll)"
+    );
+
+    // Billed: to the job, its user and account, every call counted.
+    let acct = env.accounting.as_ref().unwrap();
+    let billing_conf = dir.path("billing.toml");
+    std::fs::write(
+        &billing_conf,
+        "currency = \"CHF\"\n[rates]\nalloc_per_gib_s = 0.0001\ncompute_per_s = 0.01\n\
+         hot_per_s = 0.005\nharvested_discount = 0.5\n",
+    )
+    .unwrap();
+    let bill = || {
+        let out = Command::new(billing_binary())
+            .args([
+                "--database",
+                env.manager.database(),
+                "--config",
+                billing_conf.to_str().unwrap(),
+                "-j",
+                &job.to_string(),
+                "--by",
+                "job,user,account",
+                "-o",
+                "JobID,User,Account,Invocations",
+                "--parsable2",
+            ])
+            .output()
+            .unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let until = std::time::Instant::now() + JOB_BOUND;
+    let billed = loop {
+        let text = bill();
+        let row = text.lines().find(|l| l.starts_with(&format!("{job}|")));
+        if let Some(row) = row {
+            if row.rsplit('|').next().and_then(|n| n.parse::<u64>().ok()) >= Some(calls) {
+                break row.to_owned();
+            }
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the job's {calls} calls were not billed: rfaas-billing says\n{text}\n{}",
+            acct.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let fields: Vec<&str> = billed.split('|').collect();
+    assert_eq!(
+        &fields[..3],
+        [&job.to_string()[..], "nobody", "nobody"],
+        "{billed}"
+    );
+    let invocations: u64 = fields[3].parse().unwrap();
+    assert!(
+        invocations <= calls + 10,
+        "{invocations} invocations billed for {calls} calls\n{}",
+        acct.log()
+    );
 }

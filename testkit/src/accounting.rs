@@ -38,6 +38,17 @@ pub fn accounting_binary() -> PathBuf {
     p
 }
 
+/// `rfaas-billing` in the workspace's target directory (debug build).
+pub fn billing_binary() -> PathBuf {
+    let p = crate::target_dir().join("debug").join("rfaas-billing");
+    assert!(
+        p.exists(),
+        "{} is not built; run `cargo build -p rfaas-accounting` first",
+        p.display()
+    );
+    p
+}
+
 /// How to start an accounting instance.
 #[derive(Debug, Clone)]
 pub struct AccountingOptions {

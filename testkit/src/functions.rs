@@ -189,6 +189,29 @@ pub fn wait_in_sleep_ms(pid: u32) {
     panic!("no lane of worker {pid} entered sleep_ms within 10 s");
 }
 
+/// The client library's example program `name` (`client/examples/`),
+/// built by cargo when it is missing (`cargo build -p rfaas-client
+/// --example name`). Panics with cargo's output when it cannot be built.
+pub fn client_example(name: &str) -> PathBuf {
+    let bin = target_dir().join("debug/examples").join(name);
+    if bin.is_file() {
+        return bin;
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .args(["build", "-p", "rfaas-client", "--example", name])
+        .current_dir(repo_root())
+        .output()
+        .expect("run cargo to build a client example");
+    assert!(
+        output.status.success() && bin.is_file(),
+        "`cargo build -p rfaas-client --example {name}` did not produce {}:\n{}",
+        bin.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    bin
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
