@@ -791,6 +791,9 @@ fn the_example_configuration_parses() {
     let m = s.manager.as_ref().unwrap();
     assert_eq!(m.urls, ["http://manager1:7300", "http://manager2:7300"]);
     assert_eq!(m.max_backoff_ms, 30_000);
+    let slurm = s.slurm.as_ref().unwrap();
+    assert_eq!(slurm.node, "node001");
+    assert_eq!(slurm.reconcile_interval_ms, 5000);
     // Every key is documented (worker_path commented out: its default
     // depends on where the daemon is installed).
     let text = std::fs::read_to_string(&path).unwrap();
@@ -829,6 +832,16 @@ fn the_example_configuration_parses() {
         "library_memory_mib",
         "request_threads",
         "log_level",
+        "granularity_ms",
+        "keep_ended_s",
+        "timeout_ms",
+        "journal",
+        "node",
+        "scontrol",
+        "conf",
+        "reconcile_interval_ms",
+        "grace_ms",
+        "cpu_map",
     ] {
         assert!(
             text.lines()

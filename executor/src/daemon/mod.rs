@@ -68,8 +68,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 
 pub use config::{
-    BillingConfig, BillingSettings, Config, ConfigError, ManagerConfig, ManagerSettings, Sandbox,
-    Settings,
+    BillingConfig, BillingSettings, Config, ConfigError, CpuMap, ManagerConfig, ManagerSettings,
+    Sandbox, Settings, SlurmConfig, SlurmSettings,
 };
 pub use keys::KeyFileError;
 
