@@ -261,7 +261,7 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
         let interval = Duration::from_millis(registered.heartbeat_interval_ms.clamp(50, 60_000));
         let mut outage = false;
         loop {
-            if stopped_within(&shared, interval) {
+            if next_beat(&shared, interval) {
                 return;
             }
             let beat = heartbeat(&shared);
@@ -298,6 +298,16 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
 fn stopped_within(shared: &Shared, d: Duration) -> bool {
     let st = shared.lock();
     shared.wait_until(st, d, |st| st.stopping).1
+}
+
+/// Waits `d`, or less when a change asks for a heartbeat at once (a
+/// Slurm job took CPUs back or gave them back); returns whether the daemon
+/// is stopping.
+fn next_beat(shared: &Shared, d: Duration) -> bool {
+    let st = shared.lock();
+    let (mut st, _) = shared.wait_until(st, d, |st| st.stopping || st.beat_now);
+    st.beat_now = false;
+    st.stopping
 }
 
 /// The node's free capacity and its allocations, one entry per lease;
