@@ -387,6 +387,10 @@ mod tests {
     /// (its epilog runs), 4 completed, 5 pending, 6 (shown as 99) running.
     const ENDING: &str = include_str!("testdata/show-job-ending.txt");
 
+    /// The loopback cluster with 3 nodes: job 1 has all of node1 and
+    /// node2 (one `Nodes=node[1-2]` pair), job 2 two CPUs of node3.
+    const GROUPED: &str = include_str!("testdata/show-job-grouped.txt");
+
     fn ids(v: &[u32]) -> BTreeSet<u32> {
         v.iter().copied().collect()
     }
@@ -441,6 +445,21 @@ mod tests {
                 (4, (Phase::Gone, ids(&[0]))),
                 (6, (Phase::Ending, ids(&[0, 1, 2, 3]))),
             ])
+        );
+    }
+
+    #[test]
+    fn nodes_with_the_same_cpus_share_one_pair() {
+        for node in ["node1", "node2"] {
+            assert_eq!(
+                holding(GROUPED, node),
+                BTreeMap::from([(1, (Phase::Runs, ids(&[0, 1, 2, 3])))]),
+                "{node}"
+            );
+        }
+        assert_eq!(
+            holding(GROUPED, "node3"),
+            BTreeMap::from([(2, (Phase::Runs, ids(&[0, 1])))])
         );
     }
 
