@@ -168,9 +168,9 @@ pub(crate) struct State {
     /// When a Slurm hook last spoke of each job (reconciliation leaves
     /// such jobs to the hook for a round).
     pub slurm_events: BTreeMap<u64, Instant>,
-    /// Take-backs asking Slurm for their job's CPUs right now; meanwhile
-    /// every CPU is withheld.
-    pub slurm_asking: usize,
+    /// Jobs whose take-back asks Slurm for their CPUs right now;
+    /// meanwhile every CPU is withheld, and reconciliation leaves them be.
+    pub slurm_asking: Vec<u64>,
     /// Something changed what the managers should hear: the manager link
     /// sends a heartbeat now rather than at its next interval.
     pub beat_now: bool,
@@ -227,7 +227,7 @@ impl Shared {
                 ended_leases: BTreeMap::new(),
                 slurm_jobs: BTreeMap::new(),
                 slurm_events: BTreeMap::new(),
-                slurm_asking: 0,
+                slurm_asking: Vec::new(),
                 beat_now: false,
             }),
             changed: Condvar::new(),

@@ -23,8 +23,11 @@
 //! prolog was missed), a job the daemon holds that Slurm no longer runs
 //! here is given back (its epilog was missed), and a running job's hold
 //! becomes the CPUs Slurm says it has. A job a hook spoke of since the
-//! round asked Slurm is left to that hook. When Slurm cannot be asked,
-//! nothing changes.
+//! round asked Slurm, or whose take-back is asking Slurm now, is left to
+//! that hook. What Slurm shows unclearly never gives CPUs back: a job it
+//! shows running on other nodes only keeps its hold, and one whose CPU
+//! ids here cannot be read takes the whole node (a prolog: its count).
+//! When Slurm cannot be asked, nothing changes.
 
 pub(crate) mod scontrol;
 
@@ -161,7 +164,7 @@ fn set_hold(shared: &Shared, st: &mut State, job: u64, hold: Option<Hold>) -> Ch
 /// Withholds the CPUs of every hold, and every CPU while a take-back
 /// asks Slurm which CPUs are its job's.
 fn withhold(shared: &Shared, st: &mut State) {
-    let withheld: BTreeSet<u32> = if st.slurm_asking > 0 {
+    let withheld: BTreeSet<u32> = if !st.slurm_asking.is_empty() {
         shared.settings.cpus.iter().copied().collect()
     } else {
         st.slurm_jobs
@@ -219,19 +222,14 @@ pub(crate) fn retrieve(shared: &Shared, job: u64, cpus: u32, grace: Duration) ->
         let message = wait_out(shared, &changed.targets, grace, start, true);
         return format!("taken back for Slurm job {job}: {message}");
     };
-    {
-        // No allocation may take a CPU while Slurm is asked which are the
-        // job's: for that moment, every CPU is withheld (nobody is told to
-        // stop for it).
-        let mut st = shared.lock();
-        note_event(&mut st, job, start);
-        st.slurm_asking += 1;
-        withhold(shared, &mut st);
-    }
+    // No allocation may take a CPU while Slurm is asked which are the
+    // job's: for that moment, every CPU is withheld (nobody is told to
+    // stop for it).
+    let asking = Asking::new(shared, job, start);
     let (hold, how) = decide(shared, slurm, job, cpus);
     let (changed, free) = {
         let mut st = shared.lock();
-        st.slurm_asking = st.slurm_asking.saturating_sub(1);
+        asking.done(&mut st);
         let changed = set_hold(shared, &mut st, job, Some(hold.clone()));
         (changed, st.capacity.free_cpus().len())
     };
@@ -254,6 +252,54 @@ pub(crate) fn retrieve(shared: &Shared, job: u64, cpus: u32, grace: Duration) ->
         format_cpulist(&hold.cpus.iter().copied().collect::<Vec<_>>()),
         count(free as u64, "CPU")
     )
+}
+
+/// A take-back asking Slurm for its job's CPUs: listed in
+/// `slurm_asking` from [`Asking::new`] to [`Asking::done`], or to its drop
+/// should the asking panic.
+struct Asking<'a> {
+    shared: &'a Shared,
+    job: u64,
+    listed: bool,
+}
+
+impl<'a> Asking<'a> {
+    fn new(shared: &'a Shared, job: u64, now: Instant) -> Asking<'a> {
+        let mut st = shared.lock();
+        note_event(&mut st, job, now);
+        st.slurm_asking.push(job);
+        withhold(shared, &mut st);
+        Asking {
+            shared,
+            job,
+            listed: true,
+        }
+    }
+
+    /// Unlists it, under the caller's lock (which then sets the job's
+    /// hold, so no allocation slips in between).
+    fn done(mut self, st: &mut State) {
+        self.unlist(st);
+    }
+
+    fn unlist(&mut self, st: &mut State) {
+        if std::mem::replace(&mut self.listed, false) {
+            if let Some(i) = st.slurm_asking.iter().position(|j| *j == self.job) {
+                st.slurm_asking.swap_remove(i);
+            }
+            withhold(self.shared, st);
+        }
+    }
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        if self.listed {
+            let shared = self.shared;
+            let mut st = shared.lock();
+            self.unlist(&mut st);
+        }
+    }
 }
 
 /// Ends `targets` within what is left of `grace` since `start`, and says
@@ -339,6 +385,11 @@ fn decide(shared: &Shared, slurm: &SlurmSettings, job: u64, cpus: u32) -> (Hold,
                         .filter(|j| j.here)
                         .flat_map(|j| j.cpu_ids.iter().copied())
                         .collect();
+                    if ids.is_empty() {
+                        return guess(format!(
+                            "Slurm shows job {job} on node {node:?} without CPU ids it can read"
+                        ));
+                    }
                     let mine = slurm.cpu_map.to_cpus(&ids, &shared.settings.cpus);
                     let hold = Hold::of(shared, mine.into_iter().collect());
                     let how = format!(
@@ -446,9 +497,12 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
             if hook_spoke_since(&st, job, asked) {
                 continue;
             }
-            let seen = view.get(&job).filter(|j| j.here);
-            match seen.map(|j| j.phase) {
-                None | Some(Phase::Gone) => {
+            if st.slurm_asking.contains(&job) {
+                continue;
+            }
+            let seen = view.get(&job);
+            match seen.map(|j| (j.phase, j.here)) {
+                None | Some((Phase::Gone, _)) => {
                     tracing::warn!(
                         job,
                         node = %node,
@@ -457,9 +511,21 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
                     refill |= set_hold(shared, &mut st, job, None).undrained;
                     round.given.push(job);
                 }
-                Some(Phase::Ending) => {}
-                Some(Phase::Runs) => {
+                Some((Phase::Ending, _)) => {}
+                // The job's prolog came from this node, so Slurm should
+                // show it here: keep what is withheld rather than guess.
+                Some((Phase::Runs, false)) => {
+                    tracing::warn!(
+                        job,
+                        node = %node,
+                        "Slurm shows a job this node took CPUs back for on other nodes only; is [slurm] node this node's Slurm name? Keeping its CPUs"
+                    );
+                }
+                Some((Phase::Runs, true)) => {
                     let ids = &seen.map(|j| j.cpu_ids.clone()).unwrap_or_default();
+                    if ids.is_empty() {
+                        continue;
+                    }
                     let mine = slurm.cpu_map.to_cpus(ids, &shared.settings.cpus);
                     let want = Hold::of(shared, mine.into_iter().collect());
                     if want != hold {
@@ -481,11 +547,18 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
             if !seen.here
                 || seen.phase != Phase::Runs
                 || st.slurm_jobs.contains_key(job)
+                || st.slurm_asking.contains(job)
                 || hook_spoke_since(&st, *job, asked)
             {
                 continue;
             }
             let mine = slurm.cpu_map.to_cpus(&seen.cpu_ids, &shared.settings.cpus);
+            // CPU ids it cannot read: the whole node, not none.
+            let hold = if seen.cpu_ids.is_empty() {
+                Hold::whole(shared)
+            } else {
+                Hold::of(shared, mine.iter().copied().collect())
+            };
             tracing::warn!(
                 job,
                 node = %node,
@@ -493,12 +566,7 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
                 cpus = %format_cpulist(&mine),
                 "Slurm runs this job here, but no prolog said so (missed prolog): taking its CPUs back"
             );
-            let changed = set_hold(
-                shared,
-                &mut st,
-                *job,
-                Some(Hold::of(shared, mine.into_iter().collect())),
-            );
+            let changed = set_hold(shared, &mut st, *job, Some(hold));
             refill |= changed.undrained;
             targets.extend(changed.targets);
             round.taken.push(*job);
@@ -922,6 +990,65 @@ mod tests {
         let round = reconcile(s).unwrap();
         assert_eq!(round.given, [1, 2]);
         assert_eq!(free(s), [0, 1, 2, 3]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn what_slurm_shows_unclearly_never_gives_cpus_back() {
+        let dir = temp_dir("unclear");
+        let d = with_slurm(&dir);
+        let s = &d.shared;
+        // Job 20 runs, but Slurm shows it on node2 only (a wrong [slurm]
+        // node?); job 21's CPU ids here cannot be read; job 22 is being
+        // asked about by its prolog right now.
+        std::fs::write(
+            dir.join("jobs.txt"),
+            "JobId=20 JobState=RUNNING   Nodes=node2 CPU_IDs=0 Mem=0\n\
+             JobId=21 JobState=RUNNING   Nodes=node1 CPU_IDs=all Mem=0\n\
+             JobId=22 JobState=RUNNING   Nodes=node1 CPU_IDs=3 Mem=0\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("job-21.txt"),
+            "JobId=21 JobState=RUNNING   Nodes=node1 CPU_IDs=all Mem=0\n",
+        )
+        .unwrap();
+        {
+            let mut st = s.lock();
+            set_hold(
+                s,
+                &mut st,
+                20,
+                Some(Hold {
+                    cpus: cpus(&[1]),
+                    whole: false,
+                }),
+            );
+            st.slurm_asking.push(22);
+        }
+        let round = reconcile(s).unwrap();
+        assert_eq!(
+            round,
+            Round {
+                taken: vec![21],
+                given: vec![],
+                corrected: vec![]
+            }
+        );
+        {
+            let st = s.lock();
+            assert!(st.slurm_jobs[&21].whole, "unreadable ids: the whole node");
+            assert_eq!(st.slurm_jobs[&20].cpus, cpus(&[1]), "kept");
+            assert!(!st.slurm_jobs.contains_key(&22));
+        }
+        // A prolog that finds no ids it can read goes by its count.
+        offer(s, 21);
+        s.lock().slurm_asking.clear();
+        let m = retrieve(s, 21, 2, Duration::ZERO);
+        assert!(
+            m.contains("CPUs 0,2 withheld (2 CPUs by the hook's count: Slurm shows job 21 on node \"node1\" without CPU ids it can read)"),
+            "{m}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
