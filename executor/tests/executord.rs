@@ -813,6 +813,66 @@ fn a_slurm_job_takes_back_only_its_own_cpus() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The managers hear of a take-back at once, not at the next heartbeat
+/// (a minute away here).
+#[test]
+fn a_take_back_sends_a_heartbeat_at_once() {
+    use std::os::unix::fs::PermissionsExt;
+    let m = rfaas_testkit::manager::Manager::start(rfaas_testkit::manager::ManagerOptions {
+        extra_config: "heartbeat_interval_ms = 60000\nlost_after_ms = 600000\nrefresh_ms = 100\n"
+            .into(),
+        ..Default::default()
+    });
+    let dir = scratch("beat");
+    let cred = dir.join("node.credential");
+    std::fs::write(&cred, m.credential("node", "rfaas-test-node", None)).unwrap();
+    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(
+        dir.join("job-5.txt"),
+        "JobId=5 JobState=RUNNING   Nodes=rfaas-test-node CPU_IDs=0 Mem=0 GRES=\n",
+    )
+    .unwrap();
+    let d = start(ExecutordOptions {
+        extra_config: format!(
+            "{}reconcile_interval_ms = 0\n[manager]\nurls = [{:?}]\ncredential_file = {:?}\n",
+            fake_scontrol(&dir),
+            m.url(),
+            cred.display().to_string()
+        ),
+        ..Default::default()
+    });
+    let admin = m.admin();
+    let beat = || {
+        let (_, n) = admin.call("GET", "/v1/nodes/rfaas-test-node", None);
+        (n["state"] == "up").then(|| n["last_heartbeat_ms"].as_u64().unwrap_or(0))
+    };
+    let until = Instant::now() + MINUTE;
+    let registered = loop {
+        if let Some(t) = beat() {
+            break t;
+        }
+        assert!(Instant::now() < until, "never registered:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    d.local(LocalRequest::SlurmRetrieve {
+        job_id: 5,
+        cpus: 1,
+        grace_ms: 0,
+    });
+    // Half the heartbeat interval: only a heartbeat sent for the
+    // take-back arrives before it.
+    let until = Instant::now() + Duration::from_secs(30);
+    while beat() <= Some(registered) {
+        assert!(
+            Instant::now() < until,
+            "no heartbeat after the take-back:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A job Slurm runs here when the daemon starts is taken back before the
 /// daemon serves (its prolog was missed), and given back once Slurm no
 /// longer runs it though no epilog said so.
