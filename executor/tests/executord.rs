@@ -6,6 +6,7 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use rfaas_client::{AllocationSpec, Client, ClientOptions};
 use rfaas_executor::daemon::Config;
 use rfaas_proto::control::{
     AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, ExitCause, Frame,
@@ -705,6 +706,206 @@ fn slurm_jobs_take_the_node_back_until_the_last_one_ends() {
         .expect("offered again after the last Slurm job");
 }
 
+/// A stand-in `scontrol` in `dir` (a shell script): every job is
+/// `jobs.txt`, job N is `job-N.txt` (Slurm does not know N without it).
+/// The daemon's side of Slurm is what these tests are about; the real
+/// `scontrol` runs in slurm-spank/tests/cluster.rs.
+fn fake_scontrol(dir: &Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("scontrol");
+    std::fs::write(
+        &p,
+        format!(
+            "#!/bin/sh\nd={}\nif [ -n \"$5\" ]; then\n  [ -f \"$d/job-$5.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$5.txt\"\nfi\nexec cat \"$d/jobs.txt\"\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    format!("[slurm]\nscontrol = {:?}\n", p.display().to_string())
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "rfaas-executord-slurm-{}-{name}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// On a shared node a 1-CPU job takes back its CPU only: the allocation
+/// on it is told, then stopped after the grace; the one on another CPU
+/// goes on serving, and new allocations get neither the job's CPU.
+#[test]
+fn a_slurm_job_takes_back_only_its_own_cpus() {
+    let dir = scratch("percore");
+    let d = start(ExecutordOptions {
+        extra_config: format!("{}reconcile_interval_ms = 0\n", fake_scontrol(&dir)),
+        ..Default::default()
+    });
+    std::fs::write(
+        dir.join("job-5.txt"),
+        "JobId=5 JobName=wrap JobState=RUNNING JOB_GRES=(null)   Nodes=rfaas-test-node CPU_IDs=0 Mem=0 GRES=\n",
+    )
+    .unwrap();
+    let lib = c_library_bytes();
+    // A on CPU 0 (the job's), B on CPU 1, as the lowest free go first.
+    let mut a = Control::connect(&d);
+    let a_ok = a.allocate(good_request(&d, 1), lib.clone()).unwrap();
+    let a_pid = pid_of(&d, a_ok.allocation_id);
+    let b = Client::new(ClientOptions::with_provider("tcp"))
+        .allocate(
+            &d.control_addr().to_string(),
+            &d.token("nobody", 1, 1024, MINUTE),
+            &AllocationSpec::new(lib.clone(), &["echo"]).memory_mib(256),
+        )
+        .unwrap();
+    let (_, free, ..) = status(&d);
+    assert_eq!(free, [2, 3]);
+
+    let reply = d.local(LocalRequest::SlurmRetrieve {
+        job_id: 5,
+        cpus: 1,
+        grace_ms: 200,
+    });
+    let LocalReply::Done { message } = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(
+        message,
+        "taken back for Slurm job 5: CPUs 0 withheld (Slurm's CPU_IDs 0); 1 allocation on them ended, 1 stopped after the 200 ms grace period; 2 CPUs free for rfaas"
+    );
+    let exited = a.worker_exited();
+    assert_eq!(exited.cause, ExitCause::Drained, "{}", exited.message);
+    wait_gone(a_pid);
+    let (draining, free, _, _, allocs) = status(&d);
+    assert!(!draining, "only one CPU was taken back");
+    assert_eq!(free, [2, 3], "CPU 0 is withheld, B holds CPU 1");
+    assert_eq!(
+        allocs.iter().map(|a| a.allocation_id).collect::<Vec<_>>(),
+        [b.id()]
+    );
+    // B serves as before.
+    let f = b.function("echo").unwrap();
+    let input = b.buffer::<u64>(1).unwrap();
+    let mut output = b.buffer::<u64>(1).unwrap();
+    assert_eq!(b.invoke(f, &input, 1, &mut output).unwrap(), 8);
+    // A new allocation gets a free CPU, never the job's.
+    let mut c_conn = Control::connect(&d);
+    let c_ok = c_conn.allocate(good_request(&d, 2), lib.clone()).unwrap();
+    let (_, _, _, _, allocs) = status(&d);
+    let c = allocs
+        .iter()
+        .find(|a| a.allocation_id == c_ok.allocation_id)
+        .unwrap();
+    assert_eq!(c.cpus, [2, 3]);
+
+    let reply = d.local(LocalRequest::SlurmOffer { job_id: 5 });
+    assert!(
+        matches!(&reply, LocalReply::Done { message } if message == "Slurm job 5 ended: CPUs 0 offered again"),
+        "{reply:?}"
+    );
+    let (_, free, ..) = status(&d);
+    assert_eq!(free, [0]);
+    assert_eq!(b.invoke(f, &input, 1, &mut output).unwrap(), 8);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The managers hear of a take-back at once, not at the next heartbeat
+/// (a minute away here).
+#[test]
+fn a_take_back_sends_a_heartbeat_at_once() {
+    use std::os::unix::fs::PermissionsExt;
+    let m = rfaas_testkit::manager::Manager::start(rfaas_testkit::manager::ManagerOptions {
+        extra_config: "heartbeat_interval_ms = 60000\nlost_after_ms = 600000\nrefresh_ms = 100\n"
+            .into(),
+        ..Default::default()
+    });
+    let dir = scratch("beat");
+    let cred = dir.join("node.credential");
+    std::fs::write(&cred, m.credential("node", "rfaas-test-node", None)).unwrap();
+    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(
+        dir.join("job-5.txt"),
+        "JobId=5 JobState=RUNNING   Nodes=rfaas-test-node CPU_IDs=0 Mem=0 GRES=\n",
+    )
+    .unwrap();
+    let d = start(ExecutordOptions {
+        extra_config: format!(
+            "{}reconcile_interval_ms = 0\n[manager]\nurls = [{:?}]\ncredential_file = {:?}\n",
+            fake_scontrol(&dir),
+            m.url(),
+            cred.display().to_string()
+        ),
+        ..Default::default()
+    });
+    let admin = m.admin();
+    let beat = || {
+        let (_, n) = admin.call("GET", "/v1/nodes/rfaas-test-node", None);
+        (n["state"] == "up").then(|| n["last_heartbeat_ms"].as_u64().unwrap_or(0))
+    };
+    let until = Instant::now() + MINUTE;
+    let registered = loop {
+        if let Some(t) = beat() {
+            break t;
+        }
+        assert!(Instant::now() < until, "never registered:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    d.local(LocalRequest::SlurmRetrieve {
+        job_id: 5,
+        cpus: 1,
+        grace_ms: 0,
+    });
+    // Half the heartbeat interval: only a heartbeat sent for the
+    // take-back arrives before it.
+    let until = Instant::now() + Duration::from_secs(30);
+    while beat() <= Some(registered) {
+        assert!(
+            Instant::now() < until,
+            "no heartbeat after the take-back:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A job Slurm runs here when the daemon starts is taken back before the
+/// daemon serves (its prolog was missed), and given back once Slurm no
+/// longer runs it though no epilog said so.
+#[test]
+fn reconciliation_makes_up_for_a_missed_prolog_and_epilog() {
+    let dir = scratch("reconcile");
+    std::fs::write(
+        dir.join("jobs.txt"),
+        "JobId=12 JobName=wrap JobState=RUNNING JOB_GRES=(null)   Nodes=rfaas-test-node CPU_IDs=1-2 Mem=0 GRES=\n\
+         JobId=13 JobName=wrap JobState=COMPLETED JOB_GRES=(null)   Nodes=rfaas-test-node CPU_IDs=0 Mem=0 GRES=\n",
+    )
+    .unwrap();
+    let d = start(ExecutordOptions {
+        extra_config: format!("{}reconcile_interval_ms = 50\n", fake_scontrol(&dir)),
+        ..Default::default()
+    });
+    let (draining, free, ..) = status(&d);
+    assert!(!draining);
+    assert_eq!(free, [0, 3], "job 12's CPUs from the start");
+    assert!(d.log().contains("missed prolog"), "{}", d.log());
+
+    std::fs::write(dir.join("jobs.txt"), "No jobs in the system\n").unwrap();
+    d.wait_status(
+        MINUTE,
+        |s| matches!(s, LocalReply::Status { free_cpus, .. } if free_cpus == &[0, 1, 2, 3]),
+    );
+    assert!(d.log().contains("missed epilog"), "{}", d.log());
+    Control::connect(&d)
+        .allocate(good_request(&d, 1), c_library_bytes())
+        .expect("offered again");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn stopping_the_daemon_stops_every_worker() {
     let d = start(ExecutordOptions {
@@ -791,6 +992,9 @@ fn the_example_configuration_parses() {
     let m = s.manager.as_ref().unwrap();
     assert_eq!(m.urls, ["http://manager1:7300", "http://manager2:7300"]);
     assert_eq!(m.max_backoff_ms, 30_000);
+    let slurm = s.slurm.as_ref().unwrap();
+    assert_eq!(slurm.node, "node001");
+    assert_eq!(slurm.reconcile_interval_ms, 5000);
     // Every key is documented (worker_path commented out: its default
     // depends on where the daemon is installed).
     let text = std::fs::read_to_string(&path).unwrap();
@@ -829,6 +1033,16 @@ fn the_example_configuration_parses() {
         "library_memory_mib",
         "request_threads",
         "log_level",
+        "granularity_ms",
+        "keep_ended_s",
+        "timeout_ms",
+        "journal",
+        "node",
+        "scontrol",
+        "conf",
+        "reconcile_interval_ms",
+        "grace_ms",
+        "cpu_map",
     ] {
         assert!(
             text.lines()

@@ -16,6 +16,8 @@
 //! - [`error`]: [`ProtoError`], what can be wrong with bytes or values.
 //! - [`text`]: words of the messages people read (counts in the right
 //!   form).
+//! - [`hostlist`]: Slurm's host lists (`node[1-3]`), as its hooks and
+//!   `scontrol` name nodes.
 //! - [`control`]: the control channel (allocation between client and
 //!   executor, the daemon and its workers, node tools and the daemon):
 //!   JSON messages behind a 16-byte frame header.
@@ -131,6 +133,7 @@ pub mod control;
 pub mod error;
 pub mod header;
 pub mod hello;
+pub mod hostlist;
 pub mod imm;
 pub mod lease;
 pub mod manager;

@@ -2,6 +2,8 @@
 //! gives prologs and epilogs (`SLURM_JOB_ID`, `SLURMD_NODENAME`,
 //! `SLURM_NODELIST`, `SLURM_JOB_CPUS_PER_NODE`).
 
+use rfaas_proto::hostlist::expand_hostlist;
+
 /// The job, as far as the environment tells.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobOnNode {
@@ -71,77 +73,10 @@ pub fn cpus_per_node(s: &str) -> Option<Vec<u32>> {
     Some(out)
 }
 
-/// Slurm's host list (`node[1-3,07],login`, one bracket per name) → the
-/// names, in order. `None` for what it cannot read.
-pub fn expand_hostlist(s: &str) -> Option<Vec<String>> {
-    let mut out = Vec::new();
-    for item in split_top(s.trim())? {
-        match item.split_once('[') {
-            None => out.push(item.to_string()),
-            Some((prefix, rest)) => {
-                let (ranges, suffix) = rest.split_once(']')?;
-                if suffix.contains('[') {
-                    return None;
-                }
-                for range in ranges.split(',') {
-                    let (lo, hi) = range.split_once('-').unwrap_or((range, range));
-                    let width = lo.len();
-                    let (lo, hi): (u64, u64) = (lo.parse().ok()?, hi.parse().ok()?);
-                    if hi < lo || hi - lo > 65_536 {
-                        return None;
-                    }
-                    for n in lo..=hi {
-                        out.push(format!("{prefix}{n:0width$}{suffix}"));
-                    }
-                }
-            }
-        }
-    }
-    Some(out)
-}
-
-/// Splits at the commas outside brackets.
-fn split_top(s: &str) -> Option<Vec<&str>> {
-    let mut parts = Vec::new();
-    let (mut depth, mut start) = (0u32, 0);
-    for (i, c) in s.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth = depth.checked_sub(1)?,
-            ',' if depth == 0 => {
-                parts.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    if depth != 0 {
-        return None;
-    }
-    parts.push(&s[start..]);
-    Some(parts.into_iter().filter(|p| !p.is_empty()).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
-
-    #[test]
-    fn host_lists() {
-        assert_eq!(
-            expand_hostlist("node[1-3],login").unwrap(),
-            ["node1", "node2", "node3", "login"]
-        );
-        assert_eq!(
-            expand_hostlist("n[08-10,14]x").unwrap(),
-            ["n08x", "n09x", "n10x", "n14x"]
-        );
-        assert_eq!(expand_hostlist("node7").unwrap(), ["node7"]);
-        assert_eq!(expand_hostlist("node[3-1]"), None);
-        assert_eq!(expand_hostlist("node[1-2"), None);
-        assert_eq!(expand_hostlist("a[1-2]b[1-2]"), None);
-    }
 
     #[test]
     fn cpu_counts() {

@@ -4,7 +4,9 @@
 //! `Prolog=` and `Epilog=`.
 //!
 //! With a real executor daemon on the node, a job takes the node back and
-//! its end offers it again. With none (or one that never answers), every
+//! its end offers it again; with the daemon's `[slurm]` table, only the
+//! job's own CPUs, and what no prolog or epilog said is made up for from
+//! `scontrol`. With none (or one that never answers), every
 //! job must still start and complete, no node may be drained, and the logs
 //! must say why rfaas was left out. Slurm must be installed
 //! (`scripts/test.sh` installs it), the tests run as root, and
@@ -17,10 +19,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::accounting::{billing_binary, Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
-use rfaas_testkit::functions::{client_example, rust_library};
+use rfaas_testkit::functions::{c_library_bytes, client_example, rust_library};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
 use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
 use serde_json::json;
@@ -451,6 +454,10 @@ impl RfaasOnSlurm {
             .iter()
             .map(|node| {
                 let mut opts = manager.node_options(&dir.0, node);
+                opts.extra_config += &format!(
+                    "[slurm]\nconf = {:?}\n",
+                    cluster.conf().display().to_string()
+                );
                 if billing {
                     opts.extra_config += &format!(
                         "[billing]\ngranularity_ms = 200\njournal = {:?}\n",
@@ -464,7 +471,6 @@ impl RfaasOnSlurm {
                     ExecutordOptions {
                         cpus: "0-3".into(),
                         local_socket: Some(socket(node)),
-                        env: vec![("SLURM_CONF".into(), cluster.conf().display().to_string())],
                         ..opts
                     },
                 )
@@ -524,6 +530,7 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
             "-N1",
             "-w",
             "node1",
+            "--exclusive",
             "--rfaas",
             "-o",
             &out.display().to_string(),
@@ -631,6 +638,7 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
             "-N1",
             "-w",
             "node1",
+            "--exclusive",
             "--rfaas",
             "--uid=nobody",
             "-o",
@@ -665,6 +673,7 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
             "-N1",
             "-w",
             &first,
+            "--exclusive",
             "-o",
             "/dev/null",
             "--wrap",
@@ -784,4 +793,207 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
         "{invocations} invocations billed for {calls} calls\n{}",
         acct.log()
     );
+}
+
+/// `ExecutordOptions` for node1 of a 4-CPU cluster whose slurm.conf is
+/// (or will be) `conf`, with `[slurm]` and `more` of it.
+fn executord_on_node1(conf: &Path, more: &str) -> ExecutordOptions {
+    ExecutordOptions {
+        node_name: "node1".into(),
+        cpus: "0-3".into(),
+        extra_config: format!(
+            "[slurm]\nconf = {:?}\ngrace_ms = 2000\n{more}",
+            conf.display().to_string()
+        ),
+        ..ExecutordOptions::default()
+    }
+}
+
+/// One core of `echo` on `d`.
+fn echo_allocation(d: &Executord) -> Allocation {
+    let spec = AllocationSpec::new(c_library_bytes(), &["echo"]).memory_mib(256);
+    Client::new(ClientOptions::with_provider("tcp"))
+        .allocate(
+            &d.control_addr().to_string(),
+            &d.token("nobody", 1, 1024, Duration::from_secs(600)),
+            &spec,
+        )
+        .unwrap_or_else(|e| panic!("allocation failed: {e}\nexecutord:\n{}", d.log()))
+}
+
+/// Calls `echo` once on `a`.
+fn echo(a: &Allocation) -> Result<usize, String> {
+    let f = a.function("echo").map_err(|e| e.to_string())?;
+    let input = a.buffer::<u64>(1).map_err(|e| e.to_string())?;
+    let mut output = a.buffer::<u64>(1).map_err(|e| e.to_string())?;
+    a.invoke(f, &input, 1, &mut output)
+        .map_err(|e| e.to_string())
+}
+
+/// The daemon's free CPUs and its allocations' ids.
+fn free_and_allocations(d: &Executord) -> (Vec<u32>, Vec<u64>) {
+    match d.status() {
+        LocalReply::Status {
+            free_cpus,
+            allocations,
+            ..
+        } => (
+            free_cpus,
+            allocations.iter().map(|a| a.allocation_id).collect(),
+        ),
+        other => panic!("not a status: {other:?}"),
+    }
+}
+
+/// A batch job of `cpus` CPUs on node1 that runs until `file` exists.
+fn job_until(cluster: &SlurmCluster, cpus: u32, file: &Path, more: &[&str]) -> u32 {
+    let wrap = format!("while [ ! -e {} ]; do sleep 0.1; done", file.display());
+    let n = format!("-n{cpus}");
+    let mut args = vec!["-N1", n.as_str(), "-w", "node1"];
+    args.extend_from_slice(more);
+    args.extend_from_slice(&["--wrap", wrap.as_str()]);
+    let job = cluster.sbatch(&args).unwrap();
+    let state = cluster
+        .wait_job_state(job, &["RUNNING", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    assert_eq!(state, "RUNNING", "{:?}", cluster.job(job));
+    job
+}
+
+fn end_job(cluster: &SlurmCluster, job: u32, file: &Path) {
+    std::fs::write(file, "").unwrap();
+    let state = cluster
+        .wait_job_state(
+            job,
+            &["COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL"],
+            JOB_BOUND,
+        )
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{:?}", cluster.job(job));
+}
+
+/// A shared node: a 1-CPU job takes back only the CPU Slurm gave it. The
+/// allocation there is stopped after the grace; the one on another CPU
+/// goes on serving, and the job's end offers its CPU again.
+#[test]
+fn on_a_shared_node_a_small_job_takes_back_only_its_cpu() {
+    let dir = TempDir::new("percore");
+    // The daemon's [slurm] conf names the cluster's slurm.conf through a
+    // link made once the cluster (which needs the daemon's socket) is up.
+    let conf = dir.path("slurm.conf");
+    let d = Executord::start(
+        &daemon_binary(),
+        executord_on_node1(&conf, "reconcile_interval_ms = 0\n"),
+    );
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        plugstack: Some(plugstack(
+            &dir,
+            &format!("grace=2 socket={}", d.local_socket().display()),
+        )),
+        ..SlurmOptions::default()
+    });
+    std::os::unix::fs::symlink(cluster.conf(), &conf).unwrap();
+    // The lowest free CPUs go first: `a` on 0, which Slurm gives the job,
+    // `b` on 1.
+    let a = echo_allocation(&d);
+    let b = echo_allocation(&d);
+    assert_eq!(free_and_allocations(&d).0, [2, 3]);
+    assert_eq!(echo(&b), Ok(8));
+
+    let done = dir.path("done");
+    let job = job_until(&cluster, 1, &done, &["--rfaas"]);
+    let log_line = format!(
+        "rfaas_spank: job {job} on node1: take 1 CPU back from rfaas: taken back for Slurm job {job}: CPUs 0 withheld (Slurm's CPU_IDs 0); 1 allocation on them ended, 1 stopped after the 2000 ms grace period; 2 CPUs free for rfaas"
+    );
+    let end = std::time::Instant::now() + JOB_BOUND;
+    while !cluster.slurmd_log("node1").contains(&log_line) {
+        assert!(
+            std::time::Instant::now() < end,
+            "no {log_line:?} in\n{}\nexecutord:\n{}",
+            cluster.slurmd_log("node1"),
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        free_and_allocations(&d),
+        (vec![2, 3], vec![b.id()]),
+        "CPU 0 withheld for job {job}, `a` gone, `b` on CPU 1"
+    );
+    assert!(echo(&a).is_err(), "`a` was stopped");
+    assert_eq!(echo(&b), Ok(8), "`b` serves while the job runs");
+    let LocalReply::Status { draining, .. } = d.status() else {
+        panic!("no status")
+    };
+    assert!(!draining, "one CPU taken back is not a drain");
+
+    end_job(&cluster, job, &done);
+    nodes_idle_and_undrained(&cluster);
+    let log = cluster.slurmd_log("node1");
+    assert!(
+        log.contains(&format!(
+            "rfaas_spank: job {job} on node1: offer the idle CPUs to rfaas: Slurm job {job} ended: CPUs 0 offered again"
+        )),
+        "{log}\nexecutord:\n{}",
+        d.log()
+    );
+    assert_eq!(free_and_allocations(&d), (vec![0, 2, 3], vec![b.id()]));
+    assert_eq!(echo(&b), Ok(8));
+}
+
+/// A job that started while the daemon was down is taken back when it
+/// starts (and again when it is restarted); its end is made up for though
+/// the epilog never reached the daemon.
+#[test]
+fn reconciliation_takes_back_what_no_prolog_said_and_offers_what_no_epilog_said() {
+    let dir = TempDir::new("reconcile");
+    let hook_log = dir.path("hook.log");
+    let cluster = start(SlurmOptions {
+        nodes: 1,
+        prolog: Some(PathBuf::from(HOOK)),
+        epilog: Some(PathBuf::from(HOOK)),
+        ..SlurmOptions::default()
+    });
+    // No daemon answers the hook, at the job's start or at its end.
+    write_hook_conf(
+        &cluster,
+        &format!(
+            "grace=2 socket={} log={}",
+            dir.path("no-daemon.sock").display(),
+            hook_log.display()
+        ),
+    );
+    let done = dir.path("done");
+    let job = job_until(&cluster, 2, &done, &[]);
+    let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
+    assert!(
+        hook.contains(&format!("job {job} on node1: could not take 2 CPUs back")),
+        "{hook}"
+    );
+
+    let opts = executord_on_node1(&cluster.conf(), "reconcile_interval_ms = 200\n");
+    let mut d = Executord::start(&daemon_binary(), opts.clone());
+    // The first round runs before the daemon serves: its first answer
+    // already withholds the job's CPUs.
+    assert_eq!(free_and_allocations(&d).0, [2, 3], "{}", d.log());
+    assert!(d.log().contains("missed prolog"), "{}", d.log());
+
+    // Killed and started again while the job runs: the same.
+    d.kill();
+    let d = Executord::start(&daemon_binary(), opts);
+    assert_eq!(free_and_allocations(&d).0, [2, 3], "{}", d.log());
+
+    end_job(&cluster, job, &done);
+    nodes_idle_and_undrained(&cluster);
+    let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
+    assert!(
+        hook.contains(&format!("job {job} on node1: could not offer")),
+        "{hook}"
+    );
+    d.wait_status(
+        JOB_BOUND,
+        |s| matches!(s, LocalReply::Status { free_cpus, .. } if free_cpus == &[0, 1, 2, 3]),
+    );
+    assert!(d.log().contains("missed epilog"), "{}", d.log());
 }

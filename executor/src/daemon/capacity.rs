@@ -1,6 +1,11 @@
 //! The node's grantable CPUs and memory, and what each lease holds of them.
 //! The caller keeps one [`Capacity`] behind one lock, so two requests never
 //! take the same CPU.
+//!
+//! A CPU is free, granted (to an allocation), or withheld: taken back for
+//! a Slurm job, so no allocation may have it. A withheld CPU an allocation
+//! still holds (it is being stopped) stays withheld when that allocation
+//! ends; one no longer withheld becomes free once nobody holds it.
 
 use rfaas_proto::text::count;
 use std::collections::{BTreeSet, HashMap};
@@ -19,6 +24,8 @@ pub enum Refusal {
 pub struct Capacity {
     cpus: Vec<u32>,
     free: BTreeSet<u32>,
+    granted: BTreeSet<u32>,
+    withheld: BTreeSet<u32>,
     memory_mib: u32,
     free_memory_mib: u32,
     /// lease id → (cores, MiB) held by its allocations.
@@ -31,6 +38,8 @@ impl Capacity {
         Capacity {
             cpus: cpus.to_vec(),
             free: cpus.iter().copied().collect(),
+            granted: BTreeSet::new(),
+            withheld: BTreeSet::new(),
             memory_mib,
             free_memory_mib: memory_mib,
             leases: HashMap::new(),
@@ -42,9 +51,37 @@ impl Capacity {
         &self.cpus
     }
 
-    /// CPUs not held, ascending.
+    /// CPUs neither granted nor withheld, ascending.
     pub fn free_cpus(&self) -> Vec<u32> {
         self.free.iter().copied().collect()
+    }
+
+    /// CPUs granted to allocations (withheld or not), ascending.
+    pub fn granted_cpus(&self) -> Vec<u32> {
+        self.granted.iter().copied().collect()
+    }
+
+    /// CPUs withheld for Slurm jobs (granted or not), ascending.
+    pub fn withheld_cpus(&self) -> Vec<u32> {
+        self.withheld.iter().copied().collect()
+    }
+
+    /// Makes `cpus` the withheld set: none of them is granted from now on,
+    /// and every configured CPU not in it that nobody holds is free again.
+    /// CPUs this executor does not have are ignored.
+    pub fn set_withheld(&mut self, cpus: &BTreeSet<u32>) {
+        self.withheld = self
+            .cpus
+            .iter()
+            .copied()
+            .filter(|c| cpus.contains(c))
+            .collect();
+        self.free = self
+            .cpus
+            .iter()
+            .copied()
+            .filter(|c| !self.withheld.contains(c) && !self.granted.contains(c))
+            .collect();
     }
 
     /// Configured memory, MiB.
@@ -90,6 +127,7 @@ impl Capacity {
         let taken: Vec<u32> = self.free.iter().copied().take(usize::from(cores)).collect();
         for c in &taken {
             self.free.remove(c);
+            self.granted.insert(*c);
         }
         self.free_memory_mib -= memory_mib;
         let e = self.leases.entry(lease_id).or_default();
@@ -102,7 +140,10 @@ impl Capacity {
     pub fn release(&mut self, lease_id: u64, cpus: &[u32], memory_mib: u32) {
         for c in cpus {
             debug_assert!(self.cpus.contains(c));
-            self.free.insert(*c);
+            self.granted.remove(c);
+            if !self.withheld.contains(c) {
+                self.free.insert(*c);
+            }
         }
         self.free_memory_mib = (self.free_memory_mib + memory_mib).min(self.memory_mib);
         if let Some(e) = self.leases.get_mut(&lease_id) {
@@ -145,5 +186,56 @@ mod tests {
         assert_eq!(c.free_cpus(), [2, 3, 5]);
         assert_eq!(c.free_memory_mib(), 1000);
         assert!(c.leases.is_empty());
+    }
+
+    #[test]
+    fn withheld_cpus_are_neither_free_nor_granted_again() {
+        let mut c = Capacity::new(&[0, 1, 2, 3], 1000);
+        assert_eq!(c.grant(1, 4, 1000, 2, 100).unwrap(), [0, 1]);
+        // A Slurm job takes CPUs 1 and 2 back (and 9, which is not ours).
+        c.set_withheld(&[1, 2, 9].into());
+        assert_eq!(c.withheld_cpus(), [1, 2]);
+        assert_eq!(c.free_cpus(), [3], "2 is withheld, 0 and 1 are granted");
+        assert_eq!(c.granted_cpus(), [0, 1]);
+        assert_eq!(
+            c.grant(2, 4, 1000, 1, 100).unwrap(),
+            [3],
+            "only the free CPU goes"
+        );
+        assert!(matches!(
+            c.grant(3, 4, 1000, 1, 100),
+            Err(Refusal::NoCapacity(ref m)) if m.contains("has 0 free cores")
+        ));
+        // The allocation on 0 and 1 ends: 0 is free, 1 stays withheld.
+        c.release(1, &[0, 1], 100);
+        assert_eq!(c.free_cpus(), [0]);
+        assert_eq!(c.granted_cpus(), [3]);
+        // The job ends: its CPUs are free, what is granted stays granted.
+        c.set_withheld(&BTreeSet::new());
+        assert_eq!(c.free_cpus(), [0, 1, 2]);
+        assert!(c.withheld_cpus().is_empty());
+        c.release(2, &[3], 100);
+        assert_eq!(c.free_cpus(), [0, 1, 2, 3]);
+        assert_eq!(c.free_memory_mib(), 1000);
+    }
+
+    #[test]
+    fn withholding_a_granted_cpu_and_giving_it_back_before_its_end() {
+        let mut c = Capacity::new(&[4, 5], 100);
+        assert_eq!(c.grant(1, 1, 100, 1, 10).unwrap(), [4]);
+        c.set_withheld(&[4].into());
+        assert_eq!(c.free_cpus(), [5]);
+        // The job ended before the allocation did: 4 is still granted.
+        c.set_withheld(&BTreeSet::new());
+        assert_eq!(c.free_cpus(), [5]);
+        assert_eq!(c.granted_cpus(), [4]);
+        c.release(1, &[4], 10);
+        assert_eq!(c.free_cpus(), [4, 5]);
+        // Everything withheld: nothing to grant.
+        c.set_withheld(&[4, 5].into());
+        assert!(matches!(
+            c.grant(2, 1, 100, 1, 10),
+            Err(Refusal::NoCapacity(_))
+        ));
     }
 }

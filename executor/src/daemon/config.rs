@@ -81,6 +81,137 @@ pub struct Config {
     pub manager: Option<ManagerConfig>,
     /// How the daemon posts leases' usage to accounting services.
     pub billing: Option<BillingConfig>,
+    /// How the daemon asks Slurm which jobs hold this node's CPUs; without
+    /// it a Slurm job's start takes the whole node back.
+    pub slurm: Option<SlurmConfig>,
+}
+
+/// The `[slurm]` table: where the daemon reads Slurm's view of this node
+/// (`scontrol -d -o show job`), to take back only a job's own CPUs and to
+/// reconcile with Slurm what its prolog or epilog did not say.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlurmConfig {
+    /// This node's name in Slurm (default: `node_name`).
+    pub node: Option<String>,
+    /// The `scontrol` program (default `scontrol`, found on `PATH`).
+    pub scontrol: Option<PathBuf>,
+    /// `SLURM_CONF` for `scontrol` (default: what the daemon was started
+    /// with, else Slurm's own default).
+    pub conf: Option<PathBuf>,
+    /// How often the daemon compares what it took back with the jobs Slurm
+    /// runs here, ms; 0: never (default 5000).
+    pub reconcile_interval_ms: Option<u64>,
+    /// Longest wait for one `scontrol`, ms; it is killed after (default
+    /// 1000).
+    pub timeout_ms: Option<u64>,
+    /// The grace period of take-backs the daemon decides itself (a job
+    /// whose prolog never reached it), ms (default 30000, the plugin's).
+    pub grace_ms: Option<u64>,
+    /// How Slurm's CPU ids on this node name the daemon's CPUs: `"index"`
+    /// (Slurm CPU id i is the i-th CPU of `cpus`, the default), `"same"`
+    /// (Slurm CPU id i is CPU i), or a list in Slurm's order (`"4-7,0-3"`:
+    /// Slurm CPU id 0 is CPU 4).
+    pub cpu_map: Option<String>,
+}
+
+/// How Slurm's CPU ids on this node name the daemon's CPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CpuMap {
+    /// Slurm CPU id i is the i-th CPU of `cpus` (ascending).
+    Index,
+    /// Slurm CPU id i is CPU i.
+    Same,
+    /// Slurm CPU id i is the i-th entry.
+    List(Vec<u32>),
+}
+
+impl CpuMap {
+    /// The daemon's CPUs among Slurm CPU ids `ids`, given the daemon's
+    /// `cpus` (ascending). Ids that name none of them are not rfaas's.
+    pub fn to_cpus(&self, ids: &std::collections::BTreeSet<u32>, cpus: &[u32]) -> Vec<u32> {
+        let mut out: Vec<u32> = ids
+            .iter()
+            .filter_map(|&id| match self {
+                CpuMap::Index => cpus.get(id as usize).copied(),
+                CpuMap::Same => Some(id),
+                CpuMap::List(l) => l.get(id as usize).copied(),
+            })
+            .filter(|c| cpus.contains(c))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+}
+
+/// The checked `[slurm]` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmSettings {
+    /// This node's Slurm name.
+    pub node: String,
+    /// The `scontrol` program.
+    pub scontrol: PathBuf,
+    /// `SLURM_CONF` for it, when set.
+    pub conf: Option<PathBuf>,
+    /// ms; 0: no reconciliation.
+    pub reconcile_interval_ms: u64,
+    /// ms.
+    pub timeout_ms: u64,
+    /// ms.
+    pub grace_ms: u64,
+    /// Slurm CPU ids to the daemon's CPUs.
+    pub cpu_map: CpuMap,
+}
+
+impl SlurmConfig {
+    fn resolve(&self, node_name: &str) -> Result<SlurmSettings, ConfigError> {
+        let invalid =
+            |key: &'static str, value: &dyn std::fmt::Debug, why: &str| ConfigError::Invalid {
+                key,
+                value: format!("{value:?}"),
+                why: why.to_owned(),
+            };
+        let node = match &self.node {
+            Some(n) if n.trim().is_empty() || n.contains(char::is_whitespace) => {
+                return Err(invalid(
+                    "slurm.node",
+                    n,
+                    "give the node's name as Slurm knows it (scontrol show node)",
+                ))
+            }
+            Some(n) => n.clone(),
+            None => node_name.to_owned(),
+        };
+        let timeout_ms = match self.timeout_ms {
+            Some(0) => return Err(invalid("slurm.timeout_ms", &0, "use at least 1")),
+            Some(v) => v,
+            None => 1000,
+        };
+        let cpu_map = match self.cpu_map.as_deref().map(str::trim) {
+            None | Some("index") => CpuMap::Index,
+            Some("same") => CpuMap::Same,
+            Some(list) => CpuMap::List(parse_ordered_cpulist(list).map_err(|why| {
+                invalid(
+                    "slurm.cpu_map",
+                    &list,
+                    &format!("use \"index\", \"same\" or a list of CPUs in Slurm's order ({why})"),
+                )
+            })?),
+        };
+        Ok(SlurmSettings {
+            node,
+            scontrol: self
+                .scontrol
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("scontrol")),
+            conf: self.conf.clone(),
+            reconcile_interval_ms: self.reconcile_interval_ms.unwrap_or(5000),
+            timeout_ms,
+            grace_ms: self.grace_ms.unwrap_or(30_000),
+            cpu_map,
+        })
+    }
 }
 
 /// The `[billing]` table. The daemon posts the usage of every lease whose
@@ -360,6 +491,8 @@ pub struct Settings {
     pub manager: Option<ManagerSettings>,
     /// Posting usage to accounting services.
     pub billing: BillingSettings,
+    /// Slurm's view of this node, when configured.
+    pub slurm: Option<SlurmSettings>,
 }
 
 /// The default place of the node tools' socket (one definition, in
@@ -540,7 +673,6 @@ impl Config {
             .parse()
             .map_err(|_| invalid("log_level", &level, "use error, warn, info, debug or trace"))?;
         Ok(Settings {
-            node_name,
             control_listen,
             fabric_host: self
                 .fabric_host
@@ -593,6 +725,12 @@ impl Config {
                 .map(BillingConfig::resolve)
                 .transpose()?
                 .unwrap_or_default(),
+            slurm: self
+                .slurm
+                .as_ref()
+                .map(|s| s.resolve(&node_name))
+                .transpose()?,
+            node_name,
         })
     }
 }
@@ -623,6 +761,37 @@ pub fn parse_cpulist(list: &str) -> Result<Vec<u32>, String> {
         }
     }
     Ok(cpus.into_iter().collect())
+}
+
+/// Parses a cpulist keeping its order (`"4-7,0-3"` → 4, 5, 6, 7, 0, 1,
+/// 2, 3); a CPU named twice is an error.
+pub fn parse_ordered_cpulist(list: &str) -> Result<Vec<u32>, String> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for part in list.split(',').map(str::trim) {
+        let num = |s: &str| {
+            s.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{s:?} is not a CPU number"))
+        };
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if a > b {
+            return Err(format!("the range {part:?} runs backwards"));
+        }
+        if b - a >= 65_536 {
+            return Err(format!("the range {part:?} is too long"));
+        }
+        for c in a..=b {
+            if !seen.insert(c) {
+                return Err(format!("CPU {c} is named twice"));
+            }
+            out.push(c);
+        }
+    }
+    Ok(out)
 }
 
 /// Formats CPUs as a cpulist (`[0,1,2,5]` → `"0-2,5"`).
@@ -776,6 +945,68 @@ mod tests {
             .to_string();
         assert!(e.contains("billing.granularity_ms"), "{e}");
         assert!(Config::parse("[billing]\ngranularity = 1\n").is_err());
+    }
+
+    #[test]
+    fn slurm_table_checks() {
+        let resolve = |t: &str| Config::parse(t).unwrap().resolve();
+        assert_eq!(resolve("").unwrap().slurm, None, "no [slurm]: as before");
+        let s = resolve("node_name = \"n7\"\n[slurm]\n")
+            .unwrap()
+            .slurm
+            .unwrap();
+        assert_eq!(
+            s,
+            SlurmSettings {
+                node: "n7".into(),
+                scontrol: PathBuf::from("scontrol"),
+                conf: None,
+                reconcile_interval_ms: 5000,
+                timeout_ms: 1000,
+                grace_ms: 30_000,
+                cpu_map: CpuMap::Index,
+            }
+        );
+        let s = resolve(
+            "[slurm]\nnode = \"node1\"\nscontrol = \"/usr/bin/scontrol\"\nconf = \"/etc/slurm/slurm.conf\"\nreconcile_interval_ms = 0\ntimeout_ms = 300\ngrace_ms = 0\ncpu_map = \"2-3,0-1\"\n",
+        )
+        .unwrap()
+        .slurm
+        .unwrap();
+        assert_eq!(s.node, "node1");
+        assert_eq!(s.reconcile_interval_ms, 0, "0 turns reconciliation off");
+        assert_eq!(s.cpu_map, CpuMap::List(vec![2, 3, 0, 1]));
+        assert_eq!(
+            resolve("[slurm]\ncpu_map = \"same\"")
+                .unwrap()
+                .slurm
+                .unwrap()
+                .cpu_map,
+            CpuMap::Same
+        );
+        for (text, key) in [
+            ("[slurm]\ntimeout_ms = 0", "slurm.timeout_ms"),
+            ("[slurm]\nnode = \"\"", "slurm.node"),
+            ("[slurm]\ncpu_map = \"0,0\"", "named twice"),
+            ("[slurm]\ncpu_map = \"cores\"", "slurm.cpu_map"),
+        ] {
+            let err = resolve(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
+        let err = Config::parse("[slurm]\ninterval_ms = 5").unwrap_err();
+        assert!(err.contains("interval_ms"), "{err}");
+    }
+
+    #[test]
+    fn slurm_cpu_ids_to_the_executors_cpus() {
+        let cpus = [2, 3, 5, 8];
+        let ids = [0, 2, 5].into();
+        assert_eq!(CpuMap::Index.to_cpus(&ids, &cpus), [2, 5], "5 names none");
+        assert_eq!(CpuMap::Same.to_cpus(&ids, &cpus), [2, 5], "0 is not ours");
+        assert_eq!(
+            CpuMap::List(vec![8, 7, 3, 2, 1, 0]).to_cpus(&ids, &cpus),
+            [3, 8]
+        );
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! The SPANK plugin asks on the local socket (root only) as a job step
 //! starts ([`LocalRequest::SlurmJobEnv`]). The daemon checks with Slurm
-//! (`squeue`) that the job runs on this node for that user, takes its user,
+//! (`squeue`, next to `[slurm] scontrol`) that the job runs on this node
+//! for that user, takes its user,
 //! account and time left, and asks a manager, with the node's credential,
 //! for a user credential scoped to the job (`POST
 //! /v1/jobs/{job_id}/credential`). The credential is kept until the job
@@ -17,8 +18,8 @@
 //! [`LocalRequest::SlurmJobEnv`]: rfaas_proto::control::LocalRequest::SlurmJobEnv
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,10 +27,11 @@ use rfaas_proto::control::{ErrorCode, LocalReply};
 use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded};
 
 use super::register::{Backoff, CallError, Managers};
+use super::slurm::scontrol::run_bounded;
 use super::state::Shared;
 use super::supervise::unix_now;
 
-/// The bound on asking Slurm about a job.
+/// The least bound on asking Slurm about a job.
 pub(crate) const SLURM_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// The bound on each request to a manager for a job.
@@ -154,10 +156,10 @@ pub(crate) fn job_env(shared: &Shared, job_id: u64, uid: u32) -> Result<LocalRep
             });
         }
     }
-    let node = &shared.settings.node_name;
-    let job = ask_squeue(job_id, node, SLURM_TIMEOUT)?.ok_or_else(|| JobError::NotHere {
+    let squeue = Squeue::of(shared);
+    let job = squeue.job(job_id)?.ok_or_else(|| JobError::NotHere {
         job_id,
-        node: node.clone(),
+        node: squeue.node.clone(),
     })?;
     if job.uid != uid {
         return Err(JobError::WrongUser {
@@ -274,72 +276,66 @@ pub(crate) fn job_ended(shared: &Arc<Shared>, job_id: u64) {
     }
 }
 
-/// Asks `squeue` for job `job_id` on node `node`, within `limit`. `None`:
-/// Slurm does not run it there.
-pub(crate) fn ask_squeue(
-    job_id: u64,
-    node: &str,
-    limit: Duration,
-) -> Result<Option<SlurmJob>, JobError> {
-    let slurm = |why: String| JobError::Slurm { job_id, why };
-    let out = run_bounded(
-        Command::new("squeue").args([
+/// How to run `squeue`: next to `[slurm] scontrol`, with its `SLURM_CONF`
+/// and bound; without `[slurm]`, from `PATH`, for the node `node_name`.
+struct Squeue {
+    program: PathBuf,
+    conf: Option<PathBuf>,
+    node: String,
+    timeout: Duration,
+}
+
+impl Squeue {
+    fn of(shared: &Shared) -> Squeue {
+        match &shared.settings.slurm {
+            Some(s) => Squeue {
+                program: s.scontrol.with_file_name("squeue"),
+                conf: s.conf.clone(),
+                node: s.node.clone(),
+                timeout: Duration::from_millis(s.timeout_ms).max(SLURM_TIMEOUT),
+            },
+            None => Squeue {
+                program: PathBuf::from("squeue"),
+                conf: None,
+                node: shared.settings.node_name.clone(),
+                timeout: SLURM_TIMEOUT,
+            },
+        }
+    }
+
+    /// Job `job_id` on this node; `None`: Slurm does not run it here.
+    /// Only fixed fields are asked for, never the job's own text (its
+    /// name, its comment), which its user could make look like fields.
+    fn job(&self, job_id: u64) -> Result<Option<SlurmJob>, JobError> {
+        let slurm = |why: String| JobError::Slurm { job_id, why };
+        let mut cmd = Command::new(&self.program);
+        cmd.args([
             "--noheader",
             "--jobs",
             &job_id.to_string(),
             "--nodelist",
-            node,
+            &self.node,
             "--format",
             "%U|%u|%a|%L|%T",
-        ]),
-        limit,
-    )
-    .map_err(slurm)?;
-    parse_squeue(&out).map_err(slurm)
-}
-
-/// Runs `cmd`, returns its standard output; kills it past `limit`.
-fn run_bounded(cmd: &mut Command, limit: Duration) -> Result<String, String> {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
-    let started = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if started.elapsed() < limit => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("{:?} took over {limit:?}", cmd.get_program()));
+        ]);
+        if let Some(conf) = &self.conf {
+            cmd.env("SLURM_CONF", conf);
+        }
+        let (status, out, err) =
+            run_bounded(cmd, &self.program, self.timeout).map_err(|e| slurm(e.to_string()))?;
+        if !status.success() {
+            // A job Slurm no longer knows: not here.
+            if err.contains("Invalid job id") {
+                return Ok(None);
             }
-            Err(e) => return Err(format!("waiting for {:?}: {e}", cmd.get_program())),
+            return Err(slurm(format!(
+                "{} failed ({status}): {}",
+                self.program.display(),
+                err.trim()
+            )));
         }
-    };
-    let mut out = String::new();
-    let mut err = String::new();
-    if let Some(mut s) = child.stdout.take() {
-        let _ = s.read_to_string(&mut out);
+        parse_squeue(&out).map_err(slurm)
     }
-    if let Some(mut s) = child.stderr.take() {
-        let _ = s.read_to_string(&mut err);
-    }
-    if !status.success() {
-        // squeue says "Invalid job id specified" for a job it no longer
-        // knows: that is "not here", not a failure.
-        if err.contains("Invalid job id") {
-            return Ok(String::new());
-        }
-        return Err(format!(
-            "{:?} failed ({status}): {}",
-            cmd.get_program(),
-            err.trim()
-        ));
-    }
-    Ok(out)
 }
 
 /// `uid|user|account|time left|state`, one line; empty: no such job here.
@@ -427,19 +423,5 @@ mod tests {
         assert_eq!((j.account, j.time_left_s), (None, None));
         assert!(parse_squeue("1000|alice|RUNNING").is_err());
         assert!(parse_squeue("x|alice|a|1:00|RUNNING").is_err());
-    }
-
-    #[test]
-    fn a_command_past_its_bound_is_killed() {
-        let started = Instant::now();
-        let e =
-            run_bounded(Command::new("sleep").arg("5"), Duration::from_millis(100)).unwrap_err();
-        assert!(e.contains("took over"), "{e}");
-        assert!(started.elapsed() < Duration::from_secs(4));
-        assert_eq!(
-            run_bounded(Command::new("echo").arg("hi"), SLURM_TIMEOUT).unwrap(),
-            "hi\n"
-        );
-        assert!(run_bounded(&mut Command::new("/no/such/program"), SLURM_TIMEOUT).is_err());
     }
 }

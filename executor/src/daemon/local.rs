@@ -1,5 +1,5 @@
 //! The node tools' unix socket: status, drain, resume, usage, and the
-//! Slurm hooks' take-back and offer. The connection
+//! Slurm hooks' take-back and offer ([`super::slurm`]). The connection
 //! loop ([`super::server`]) reads the frames; each request runs on a
 //! request thread (a drain, which waits out its grace period, on a thread
 //! of its own).
@@ -94,35 +94,13 @@ pub(crate) fn handle(shared: &Arc<Shared>, req: LocalRequest) -> LocalReply {
             job_id,
             cpus,
             grace_ms,
-        } => {
-            shared.lock().slurm_jobs.insert(job_id, cpus);
-            // The whole node, whatever `cpus` says: taking back only the
-            // job's cores on a shared node is not done yet, and more is
-            // safe where less would not be.
-            let message = drain(shared, Duration::from_millis(grace_ms));
-            LocalReply::Done {
-                message: format!("taken back for Slurm job {job_id}: {message}"),
-            }
-        }
+        } => LocalReply::Done {
+            message: super::slurm::retrieve(shared, job_id, cpus, Duration::from_millis(grace_ms)),
+        },
         LocalRequest::SlurmOffer { job_id } => {
             super::jobs::job_ended(shared, job_id);
-            let mut st = shared.lock();
-            st.slurm_jobs.remove(&job_id);
-            if st.slurm_jobs.is_empty() {
-                st.draining = false;
-                drop(st);
-                shared.refill();
-                tracing::info!(job_id, "offered after the last Slurm job ended");
-                LocalReply::Done {
-                    message: format!("Slurm job {job_id} ended: taking allocations again"),
-                }
-            } else {
-                let held: Vec<u64> = st.slurm_jobs.keys().copied().collect();
-                LocalReply::Done {
-                    message: format!(
-                        "Slurm job {job_id} ended; Slurm jobs {held:?} still hold the node"
-                    ),
-                }
+            LocalReply::Done {
+                message: super::slurm::offer(shared, job_id),
             }
         }
         LocalRequest::Usage { lease_id } => LocalReply::Usage {

@@ -112,7 +112,10 @@ impl Metrics {
         )
         .expect("valid metric");
         let cores = GaugeVec::new(
-            Opts::new("cores", "Cores lent, by state (free, allocated)"),
+            Opts::new(
+                "cores",
+                "Cores lent, by state (free, allocated, withheld for Slurm jobs)",
+            ),
             &["state"],
         )
         .expect("valid metric");
@@ -294,10 +297,15 @@ impl Metrics {
             self.lanes.with_label_values(&["warm"]).set(warm as f64);
             let total = st.capacity.cpus().len();
             let free = st.capacity.free_cpus().len();
+            let granted = st.capacity.granted_cpus().len();
             self.cores.with_label_values(&["free"]).set(free as f64);
             self.cores
                 .with_label_values(&["allocated"])
-                .set((total - free) as f64);
+                .set(granted as f64);
+            // Withheld and not (or no longer) granted: the three add up.
+            self.cores
+                .with_label_values(&["withheld"])
+                .set((total - free - granted) as f64);
             let mem = st.capacity.memory_mib();
             let mem_free = st.capacity.free_memory_mib();
             self.memory

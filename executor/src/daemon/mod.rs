@@ -8,7 +8,8 @@
 //! allocations and a smaller one for deallocations and node-tool requests,
 //! the spawner (every worker is forked from it), one watcher per worker,
 //! the lease ticker, the manager link and the billing poster (when
-//! `[manager]` is set), and the main thread waiting for SIGTERM/SIGINT.
+//! `[manager]` is set), Slurm reconciliation (when `[slurm]` is set), and
+//! the main thread waiting for SIGTERM/SIGINT.
 //!
 //! # Layout
 //!
@@ -29,7 +30,11 @@
 //!   end of a connection.
 //! - `allocate`: one allocation's steps in order (validation, the lease
 //!   check, capacity, spawning the worker).
-//! - `local`: the node tools' unix socket (status, drain, resume).
+//! - `local`: the node tools' unix socket (status, drain, resume, usage,
+//!   Slurm's take-back and offer).
+//! - `slurm`: Slurm jobs on this node: taking back only their CPUs,
+//!   giving them back, and reconciling with `scontrol`'s view (when
+//!   `[slurm]` is set).
 //! - `register`: registration and heartbeats with the resource managers.
 //! - `billing`: posting each lease's usage into its accounting slot.
 //! - `renew`: moving a running allocation's end with a renewed lease's
@@ -56,6 +61,7 @@ mod process;
 mod register;
 mod renew;
 mod server;
+mod slurm;
 mod state;
 mod supervise;
 mod usage;
@@ -69,8 +75,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 
 pub use config::{
-    BillingConfig, BillingSettings, Config, ConfigError, ManagerConfig, ManagerSettings, Sandbox,
-    Settings,
+    BillingConfig, BillingSettings, Config, ConfigError, CpuMap, ManagerConfig, ManagerSettings,
+    Sandbox, Settings, SlurmConfig, SlurmSettings,
 };
 pub use keys::KeyFileError;
 
@@ -263,6 +269,10 @@ impl Daemon {
                     .spawn(move || billing::run(s, credential))?,
             );
         }
+        // What Slurm runs here is withheld before the first allocation.
+        slurm::first_round(&shared);
+        let s = Arc::clone(&shared);
+        spawn("slurm", Box::new(move || slurm::run(s)))?;
         let server = Server::new(Arc::clone(&shared), control, local, inbox, waker)?;
         let connections = std::thread::Builder::new()
             .name("connections".into())

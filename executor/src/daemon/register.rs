@@ -270,7 +270,7 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
         let interval = Duration::from_millis(registered.heartbeat_interval_ms.clamp(50, 60_000));
         let mut outage = false;
         loop {
-            if stopped_within(&shared, interval) {
+            if next_beat(&shared, interval) {
                 return;
             }
             let beat = heartbeat(&shared);
@@ -307,6 +307,16 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
 fn stopped_within(shared: &Shared, d: Duration) -> bool {
     let st = shared.lock();
     shared.wait_until(st, d, |st| st.stopping).1
+}
+
+/// Waits `d`, or less when a change asks for a heartbeat at once (a
+/// Slurm job took CPUs back or gave them back); returns whether the daemon
+/// is stopping.
+fn next_beat(shared: &Shared, d: Duration) -> bool {
+    let st = shared.lock();
+    let (mut st, _) = shared.wait_until(st, d, |st| st.stopping || st.beat_now);
+    st.beat_now = false;
+    st.stopping
 }
 
 /// The node's free capacity and its allocations, one entry per lease;
@@ -351,11 +361,12 @@ fn heartbeat(shared: &Shared) -> Heartbeat {
         free_cores: st.capacity.free_cpus().len() as u32,
         free_memory_mib: u64::from(st.capacity.free_memory_mib()),
         draining: st.draining,
-        // A draining node lends nothing.
+        // A draining node lends nothing; otherwise Slurm's jobs hold
+        // the CPUs withheld for them.
         withheld_cores: if st.draining {
             st.capacity.cpus().len() as u32
         } else {
-            0
+            st.capacity.withheld_cpus().len() as u32
         },
         allocations: held,
     }

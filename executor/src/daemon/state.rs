@@ -162,10 +162,18 @@ pub(crate) struct State {
     /// (Unix seconds): their tokens must not allocate again. Bounded by
     /// [`ENDED_LEASES_KEPT`] entries and [`ENDED_LEASES_KEPT_S`].
     pub ended_leases: BTreeMap<u64, u64>,
-    /// Slurm jobs whose prolog took this node back and whose epilog has
-    /// not offered it again, with the CPUs each has here (0: unknown).
-    /// While one is listed the node stays drained.
-    pub slurm_jobs: BTreeMap<u64, u32>,
+    /// Slurm jobs this node's CPUs were taken back for and not yet
+    /// offered again, with what is withheld for each ([`super::slurm`]).
+    pub slurm_jobs: BTreeMap<u64, super::slurm::Hold>,
+    /// When a Slurm hook last spoke of each job (reconciliation leaves
+    /// such jobs to the hook for a round).
+    pub slurm_events: BTreeMap<u64, Instant>,
+    /// Jobs whose take-back asks Slurm for their CPUs right now;
+    /// meanwhile every CPU is withheld, and reconciliation leaves them be.
+    pub slurm_asking: Vec<u64>,
+    /// Something changed what the managers should hear: the manager link
+    /// sends a heartbeat now rather than at its next interval.
+    pub beat_now: bool,
 }
 
 /// Most ended leases remembered (16 bytes each); the oldest go first.
@@ -222,6 +230,9 @@ impl Shared {
                 reports_pending: 0,
                 ended_leases: BTreeMap::new(),
                 slurm_jobs: BTreeMap::new(),
+                slurm_events: BTreeMap::new(),
+                slurm_asking: Vec::new(),
+                beat_now: false,
             }),
             changed: Condvar::new(),
             spawner,
@@ -348,6 +359,13 @@ impl Shared {
         }
         prune_ended_leases(&mut st.ended_leases, now);
         signalled
+    }
+
+    /// Asks the manager link for a heartbeat now (free capacity or
+    /// draining changed).
+    pub(crate) fn beat_now(&self, st: &mut State) {
+        st.beat_now = true;
+        self.changed.notify_all();
     }
 
     /// Kills every idle pooled worker (their watchers reap them).

@@ -40,6 +40,7 @@ pub(super) fn reserve(
     let id = shared.next_id();
     let runtime_dir = s.runtime_dir.join(format!("alloc-{id}"));
     let mut st = shared.lock();
+    let draining = st.draining;
     let cpus = st
         .capacity
         .grant(
@@ -51,6 +52,9 @@ pub(super) fn reserve(
         )
         .map_err(|r| match r {
             Refusal::ExceedsLease(m) => (ErrorCode::ExceedsLease, m),
+            // A node taken back whole has no free CPU; "draining" says
+            // more than "full".
+            Refusal::NoCapacity(_) if draining => draining_refusal(&st, &s.node_name),
             Refusal::NoCapacity(m) => (ErrorCode::NoCapacity, m),
         })?;
     let refuse = |st: &mut State, code, m| {
@@ -68,16 +72,8 @@ pub(super) fn reserve(
         );
     }
     if st.draining {
-        let why = if st.stopping {
-            "is shutting down"
-        } else {
-            "is draining (its node is being retrieved)"
-        };
-        return refuse(
-            &mut st,
-            ErrorCode::Draining,
-            format!("executor {} {why}; allocate elsewhere", s.node_name),
-        );
+        let (code, m) = draining_refusal(&st, &s.node_name);
+        return refuse(&mut st, code, m);
     }
     let user = match user {
         Ok(u) => u,
@@ -129,6 +125,19 @@ pub(super) fn reserve(
         user,
         runtime_dir,
     })
+}
+
+/// The refusal of a draining (or stopping) executor.
+fn draining_refusal(st: &State, node: &str) -> Refused {
+    let why = if st.stopping {
+        "is shutting down"
+    } else {
+        "is draining (its node is being retrieved)"
+    };
+    (
+        ErrorCode::Draining,
+        format!("executor {node} {why}; allocate elsewhere"),
+    )
 }
 
 /// Whether workers may run as `name` here.
