@@ -167,6 +167,9 @@ fn drain(shared: &Shared, grace: Duration) -> String {
     let ids: Vec<u64> = st.allocations.keys().copied().collect();
     drop(st);
     let left = shared.end_allocations(&ids, Stop::Drained, Duration::from_secs(10));
+    if told > 0 || !ids.is_empty() {
+        shared.flush_billing();
+    }
     let message = if left > 0 {
         format!("drained, but {left} workers did not end after SIGKILL")
     } else {

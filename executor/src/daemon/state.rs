@@ -174,6 +174,10 @@ pub(crate) struct State {
     /// Something changed what the managers should hear: the manager link
     /// sends a heartbeat now rather than at its next interval.
     pub beat_now: bool,
+    /// Allocations were taken back (a drain, a Slurm job): the billing
+    /// thread posts every lease's figures now rather than at their
+    /// granularity.
+    pub flush_billing: bool,
 }
 
 /// Most ended leases remembered (16 bytes each); the oldest go first.
@@ -233,6 +237,7 @@ impl Shared {
                 slurm_events: BTreeMap::new(),
                 slurm_asking: Vec::new(),
                 beat_now: false,
+                flush_billing: false,
             }),
             changed: Condvar::new(),
             spawner,
@@ -365,6 +370,13 @@ impl Shared {
     /// draining changed).
     pub(crate) fn beat_now(&self, st: &mut State) {
         st.beat_now = true;
+        self.changed.notify_all();
+    }
+
+    /// Asks the billing thread to post every lease's figures now
+    /// (allocations were taken back).
+    pub(crate) fn flush_billing(&self) {
+        self.lock().flush_billing = true;
         self.changed.notify_all();
     }
 

@@ -774,7 +774,8 @@ fn add_words(a: &SlotTotals, d: &[u64; SLOT_WORDS]) -> SlotTotals {
 }
 
 /// The daemon's billing thread: posts every billed lease's figures from
-/// the usage ledger every 100 ms (each at most once per granularity), and
+/// the usage ledger every 100 ms (each at most once per granularity), all
+/// of them at once after a take-back (a drain, a Slurm job), and
 /// when the daemon stops, waits for its workers' final figures and flushes
 /// them. A lease counts as over when its last allocation ended and its
 /// token expired or the manager ended it.
@@ -797,12 +798,20 @@ pub(crate) fn run(shared: Arc<Shared>, credential: String) {
     let tick = Duration::from_millis(100).min(Duration::from_millis(b.granularity_ms));
     loop {
         let st = shared.lock();
-        let (st, stopping) = shared.wait_until(st, tick, |st| st.stopping);
+        let (mut st, stopping) = shared.wait_until(st, tick, |st| st.stopping || st.flush_billing);
+        let flush = std::mem::take(&mut st.flush_billing);
         drop(st);
         if stopping {
             break;
         }
-        poster.tick(&billed_now(&shared), Instant::now());
+        if flush {
+            // Allocations were taken back: every lease's figures go out
+            // now, not at their granularity.
+            poster.flush(&billed_now(&shared), Instant::now());
+            tracing::info!("billing flushed after a take-back");
+        } else {
+            poster.tick(&billed_now(&shared), Instant::now());
+        }
         shared.metrics.billing(poster.stats());
     }
     // The workers are being stopped: wait for their final figures, then

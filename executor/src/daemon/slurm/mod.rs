@@ -190,6 +190,9 @@ fn stop_within(shared: &Shared, ids: &[u64], grace: Duration) -> (usize, usize) 
         .collect();
     drop(st);
     let stuck = shared.end_allocations(&left, Stop::Drained, KILL_WAIT);
+    if !ids.is_empty() {
+        shared.flush_billing();
+    }
     (left.len(), stuck)
 }
 
