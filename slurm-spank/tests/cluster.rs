@@ -997,3 +997,100 @@ fn reconciliation_takes_back_what_no_prolog_said_and_offers_what_no_epilog_said(
     );
     assert!(d.log().contains("missed epilog"), "{}", d.log());
 }
+
+/// Submits an exclusive job on `node` that writes when its script starts
+/// into `stamp`; returns the job and how long after its submission it
+/// started, seconds.
+fn timed_job(env: &RfaasOnSlurm, node: &str, stamp: &Path) -> (u32, f64) {
+    let submitted = unix_now();
+    let job = env
+        .cluster
+        .sbatch(&[
+            "-N1",
+            "-w",
+            node,
+            "--exclusive",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            &format!("date +%s.%N > {}", stamp.display()),
+        ])
+        .unwrap();
+    let started: f64 = wait_for("the job's start", || {
+        std::fs::read_to_string(stamp).ok()?.trim().parse().ok()
+    });
+    let state = env
+        .cluster
+        .wait_job_state(job, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    assert_eq!(state, "COMPLETED", "{:?}", env.cluster.job(job));
+    (job, started - submitted)
+}
+
+#[test]
+fn with_the_manager_killed_jobs_start_on_time_and_nodes_come_back_with_it() {
+    const GRACE_S: f64 = 3.0;
+    let dir = TempDir::new("nomanager");
+    let mut env = RfaasOnSlurm::start(&dir, 2, "grace=3", false);
+    env.manager.kill();
+    let (_, delay) = timed_job(&env, "node1", &dir.path("started"));
+    assert!(
+        delay <= GRACE_S + 2.0,
+        "with the manager down, the job started {delay:.2} s after its submission\n{}",
+        env.logs(&dir)
+    );
+    nodes_idle_and_undrained(&env.cluster);
+    // The executor took the node back and gave it back on its own.
+    assert!(
+        env.executords[0].log().contains("heartbeat failed"),
+        "{}",
+        env.executords[0].log()
+    );
+    let LocalReply::Status { free_cpus, .. } = env.executords[0].status() else {
+        panic!("no status")
+    };
+    assert_eq!(free_cpus, [0, 1, 2, 3]);
+    // The manager comes back: both nodes are up and lend every core.
+    env.manager.restart().unwrap();
+    wait_for("both nodes lent again", || {
+        let (_, nodes) = env.manager.admin().call("GET", "/v1/nodes", None);
+        let lent = nodes
+            .as_array()?
+            .iter()
+            .filter(|n| n["state"] == "up" && n["withheld_cores"] == 0)
+            .count();
+        (lent == 2).then_some(())
+    });
+}
+
+#[test]
+fn with_executord_killed_jobs_start_on_time_and_no_worker_survives() {
+    const GRACE_S: f64 = 3.0;
+    let dir = TempDir::new("noexecutord");
+    let mut env = RfaasOnSlurm::start(&dir, 2, "grace=3", false);
+    let alloc = echo_allocation(&env.executords[0]);
+    echo(&alloc).unwrap();
+    let LocalReply::Status { allocations, .. } = env.executords[0].status() else {
+        panic!("no status")
+    };
+    let pids: Vec<u32> = allocations.iter().map(|a| a.pid).collect();
+    assert_eq!(pids.len(), 1, "{allocations:?}");
+    env.executords[0].kill();
+    let (_, delay) = timed_job(&env, "node1", &dir.path("started"));
+    assert!(
+        delay <= GRACE_S + 2.0,
+        "with executord down, the job started {delay:.2} s after its submission\n{}",
+        env.logs(&dir)
+    );
+    nodes_idle_and_undrained(&env.cluster);
+    // The worker died with its daemon: nothing of rfaas holds the job's
+    // cores.
+    for pid in pids {
+        wait_for("the worker's end", || {
+            (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+        });
+    }
+    assert!(echo(&alloc).is_err(), "the allocation still answers");
+    let log = std::fs::read_to_string(dir.path("spank.log")).unwrap_or_default();
+    assert!(log.contains("fail open"), "{log}");
+}
