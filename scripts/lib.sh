@@ -225,11 +225,13 @@ stop_accounting() {
 
 # Starts an executor daemon for node NAME that registers with the manager
 # of start_manager and accepts its lease tokens.
-#   start_node BIN_DIR WORK_DIR NAME CPUS
-# Its files are in WORK_DIR/NAME; its pid is appended to NODE_PIDS. Stop
-# them all with stop_nodes.
+#   start_node BIN_DIR WORK_DIR NAME CPUS [EXTRA_TOML]
+# Its files are in WORK_DIR/NAME (its local socket WORK_DIR/NAME/
+# executord.sock); EXTRA_TOML (a [slurm] table, say) ends its
+# configuration. Its pid is appended to NODE_PIDS. Stop them all with
+# stop_nodes.
 start_node() {
-    local bin=$1 work=$2 name=$3 cpus=$4
+    local bin=$1 work=$2 name=$3 cpus=$4 extra=${5:-}
     local dir="$work/$name"
     mkdir -p "$dir"
     # Workers run as the lease's user and reach their directories below it.
@@ -257,6 +259,8 @@ credential_file = "$dir/node.credential"
 
 [billing]
 journal = "$dir/billing.jsonl"
+
+$extra
 TOML
     "$bin/rfaas-executord" --config "$dir/executord.toml" \
         </dev/null >"$dir/executord.out" 2>"$dir/executord.log" &

@@ -296,6 +296,7 @@ pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
         ("STATE", false),
         ("CORES", true),
         ("LEASED", true),
+        ("WITHHELD", true),
         ("MEMORY(MiB)", true),
         ("LEASED_MIB", true),
         ("LAST_HEARTBEAT", false),
@@ -308,6 +309,7 @@ pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
             state_name(&n.state),
             n.cores.to_string(),
             n.leased_cores.to_string(),
+            n.withheld_cores.to_string(),
             n.memory_mib.to_string(),
             n.leased_memory_mib.to_string(),
             heartbeat_age(n.last_heartbeat_ms, now_ms),
@@ -545,16 +547,16 @@ mod tests {
             leased_memory_mib: 64,
             last_heartbeat_ms: 95_000,
             harvested: cores > 64,
-            withheld_cores: 0,
+            withheld_cores: if cores > 64 { 0 } else { 2 },
         };
         let text = nodes_table(&[node("node10", 128), node("n1", 4)], 100_000);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines,
             [
-                "NAME    STATE    CORES  LEASED  MEMORY(MiB)  LEASED_MIB  LAST_HEARTBEAT  HARVESTED  ADDRESS",
-                "n1      drained      4       1         4096          64  5s ago          no         10.0.0.1:7100",
-                "node10  drained    128       1         4096          64  5s ago          yes        10.0.0.1:7100",
+                "NAME    STATE    CORES  LEASED  WITHHELD  MEMORY(MiB)  LEASED_MIB  LAST_HEARTBEAT  HARVESTED  ADDRESS",
+                "n1      drained      4       1         2         4096          64  5s ago          no         10.0.0.1:7100",
+                "node10  drained    128       1         0         4096          64  5s ago          yes        10.0.0.1:7100",
             ]
         );
     }
