@@ -24,6 +24,8 @@
 //! - [`invoke`]: `hot_noop`, `warm_noop`, `transfer`, the `echo` rows and
 //!   `cold_start` through rfaas-client and a real executor daemon;
 //! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
+//! - [`services`]: the manager and accounting service `hot_noop_billed`
+//!   runs against;
 //! - [`meter`]: what metering costs a lane: clock reads and one
 //!   invocation's bookkeeping, in process;
 //! - [`manager`]: the `--manager` mode: `lease_grant`, `lease_grant_paced`,
@@ -56,4 +58,5 @@ pub mod manager;
 pub mod meter;
 pub mod report;
 pub mod rows;
+pub mod services;
 pub mod stats;
