@@ -24,8 +24,14 @@
 //! - [`invoke`]: `hot_noop`, `warm_noop`, `transfer`, the `echo` rows and
 //!   `cold_start` through rfaas-client and a real executor daemon;
 //! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
-//! - [`services`]: the manager and accounting service `hot_noop_billed`
-//!   runs against;
+//! - [`billing_adds`]: `billing_adds` and `raw_fetch_add`, fetch-and-adds
+//!   per second into a real accounting service's region and into a plain
+//!   fabric target;
+//! - [`billing_flush`]: `billing_flush` and `raw_db_upsert`, usage rows per
+//!   second through the accounting flusher and a plain sqlx loop, on
+//!   throwaway PostgreSQL servers;
+//! - [`services`]: the manager and accounting service the billing rows run
+//!   against;
 //! - [`meter`]: what metering costs a lane: clock reads and one
 //!   invocation's bookkeeping, in process;
 //! - [`manager`]: the `--manager` mode: `lease_grant`, `lease_grant_paced`,
@@ -46,6 +52,8 @@
 //! `ctx.spawn_peer(name, args, fds)`. `baselines.rs` is the example.
 
 pub mod baselines;
+pub mod billing_adds;
+pub mod billing_flush;
 pub mod child;
 pub mod cleanup;
 pub mod cli;
