@@ -7,6 +7,9 @@
 //! | `billing_adds` | adds into a real `rfaas-accounting`'s region (on the row's provider, with the manager on one SQLite file, see `services.rs`); each initiator says the hello with a node credential and adds into the slot of a lease the manager granted it, as an executor daemon does |
 //! | `raw_fetch_add` | the same initiators against a plain fabric target (`--serve fetch_add_target`): a process that registers one region with remote atomic rights, of the service's size, accepts connections and does nothing else; initiator `i` adds into slot `i` |
 //!
+//! Each round runs the baseline first, then the service's row (as
+//! `hot_noop` runs before `hot_noop_billed`).
+//!
 //! Both rows run the same [`Initiator`]s, [`INITIATORS`] of them at a
 //! time (1 and 4): threads of the bench, each with its own fabric,
 //! domain, completion queue and endpoint, as that many executor daemons
@@ -82,19 +85,19 @@ const NODE_NAME: &str = "rfaas-bench-adds";
 pub const SUITE: Suite = Suite {
     rows: &[
         RowSpec {
-            name: BILLING_ADDS,
-            help: "fetch-and-adds per second into a real rfaas-accounting's region from 1 and 4 initiators, each after the hello with a node credential, into its lease's slot, 16 in flight each (next to raw_fetch_add)",
-            runner: Runner::PerProvider {
-                kind: None,
-                run: billing_adds,
-            },
-        },
-        RowSpec {
             name: RAW_FETCH_ADD,
-            help: "the same initiators' fetch-and-adds into a plain fabric target that registers one atomic region and does nothing else: the fabric's own rate",
+            help: "fetch-and-adds per second from 1 and 4 initiators, 16 in flight each, into a plain fabric target that registers one atomic region and does nothing else: the fabric's own rate",
             runner: Runner::PerProvider {
                 kind: None,
                 run: raw_fetch_add,
+            },
+        },
+        RowSpec {
+            name: BILLING_ADDS,
+            help: "the same initiators' fetch-and-adds into a real rfaas-accounting's region, each after the hello with a node credential, into its lease's slot (next to raw_fetch_add)",
+            runner: Runner::PerProvider {
+                kind: None,
+                run: billing_adds,
             },
         },
     ],

@@ -7,9 +7,10 @@
 //! | `billing_flush` | [`Flusher::flush_once`] in the bench's process, on a region file of [`SLOTS`] slots, every one assigned to a lease whose totals grew since the last flush: `usage` rows written per second of flush |
 //! | `raw_db_upsert` | the same [`SLOTS`] rows upserted into the same `usage` table by a plain sqlx loop: one statement per row (the flusher's upsert for one row, totals only growing), all in one transaction, per second |
 //!
-//! Each row starts its own throwaway PostgreSQL 15 server
-//! ([`rfaas_testkit::postgres`], that is `scripts/pg.sh`: `fsync = off`,
-//! `shared_buffers = 32MB`) on the peers' CPU, with the manager's schema
+//! Each round runs the baseline first. Each row starts its own throwaway
+//! PostgreSQL 15 server ([`rfaas_testkit::postgres`], that is
+//! `scripts/pg.sh`: `fsync = off`, `shared_buffers = 32MB`), so neither
+//! finds the other's dead rows, on the peers' CPU, with the manager's schema
 //! ([`rfaas_manager::db::open`], four connections as the service opens);
 //! the flusher or the loop runs on the bench's CPU. One untimed pass
 //! inserts the rows; then [`PASSES`] passes are timed, each after every
@@ -64,14 +65,14 @@ const RATES: Rates = Rates {
 pub const SUITE: Suite = Suite {
     rows: &[
         RowSpec {
-            name: BILLING_FLUSH,
-            help: "usage rows per second the accounting service's flusher writes to a throwaway PostgreSQL, 4096 leases whose totals grew (next to raw_db_upsert)",
-            runner: Runner::Once(billing_flush),
+            name: RAW_DB_UPSERT,
+            help: "usage rows per second a plain sqlx loop upserts into a throwaway PostgreSQL, 4096 rows, one statement per row in one transaction",
+            runner: Runner::Once(raw_db_upsert),
         },
         RowSpec {
-            name: RAW_DB_UPSERT,
-            help: "the same 4096 rows upserted by a plain sqlx loop, one statement per row in one transaction, on another such server",
-            runner: Runner::Once(raw_db_upsert),
+            name: BILLING_FLUSH,
+            help: "the same 4096 rows written by the accounting service's flusher, every lease's totals grown, on another such server (next to raw_db_upsert)",
+            runner: Runner::Once(billing_flush),
         },
     ],
     peers: &[],
