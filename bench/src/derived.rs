@@ -12,6 +12,8 @@
 //! | `hot_noop_rate_vs_pingpong_rate` | calls/s of `hot_noop_rate` over the fabric's `pingpong_rate` with as many in flight | none |
 //! | `hot_noop_billed_over_hot_noop` | `hot_noop_billed` over `hot_noop`, same provider and size, by their interquartile means (the medians fall on the clock's ~10 ns steps, 3 % of a shm call): what billing adds to an invocation | ≤ 1.02 on tcp and shm |
 //! | `grpc_echo_over_hot_noop` | median `grpc_echo` over median `hot_noop` on tcp | ≥ 5 at 64 B |
+//! | `billing_adds_vs_raw_fetch_add` | adds/s of `billing_adds` over `raw_fetch_add`, same provider, initiators and window: what the accounting service costs an add | ≥ 0.8 |
+//! | `billing_flush_vs_raw_db_upsert` | rows/s of `billing_flush` over `raw_db_upsert` | ≥ 0.5 |
 //!
 //! A derived row appears only when both of its rows were measured.
 
@@ -26,6 +28,10 @@ const GRPC_MIN_RATIO: f64 = 5.0;
 const GRPC_TARGET_SIZE: u64 = 64;
 /// Billing may not show in invocation latency: at most 2 % apart.
 const BILLED_MAX_RATIO: f64 = 1.02;
+/// The service spends no CPU on an add: at least 80 % of the fabric's rate.
+const ADDS_MIN_RATIO: f64 = 0.8;
+/// The flusher keeps at least half a plain upsert loop's rows per second.
+const FLUSH_MIN_RATIO: f64 = 0.5;
 
 /// Every derived row and what it says, for `rfaas-bench --help`.
 pub const ROWS: &[(&str, &str)] = &[
@@ -38,6 +44,8 @@ pub const ROWS: &[(&str, &str)] = &[
     ("hot_noop_rate_vs_pingpong_rate", "hot_noop_rate over the fabric's pingpong_rate with as many in flight"),
     ("hot_noop_billed_over_hot_noop", "hot_noop_billed over hot_noop by interquartile means: what billing adds to an invocation (target: at most 1.02 on tcp and shm)"),
     ("grpc_echo_over_hot_noop", "grpc_echo over hot_noop on tcp (target: at least 5 at 64 B)"),
+    ("billing_adds_vs_raw_fetch_add", "billing_adds over raw_fetch_add with as many initiators: what the accounting service costs an add (target: at least 0.8)"),
+    ("billing_flush_vs_raw_db_upsert", "billing_flush over raw_db_upsert: the flusher's rows per second over a plain upsert loop's (target: at least 0.5)"),
 ];
 
 /// The invocation rows reported as bandwidth.
@@ -172,6 +180,32 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
                     "grpc_echo / hot_noop".into(),
                     (grpc.size == GRPC_TARGET_SIZE).then_some(GRPC_MIN_RATIO),
                 ));
+            }
+        }
+    }
+    // Rates of the same point (provider, initiators, in flight).
+    for (row, baseline, target) in [
+        ("billing_adds", "raw_fetch_add", ADDS_MIN_RATIO),
+        ("billing_flush", "raw_db_upsert", FLUSH_MIN_RATIO),
+    ] {
+        for billed in rows.iter().filter(|r| r.name == row) {
+            let raw = rows
+                .iter()
+                .find(|r| r.name == baseline && r.same_row_but_name(billed))
+                .and_then(per_s)
+                .filter(|&b| b > 0);
+            if let (Some(a), Some(b)) = (per_s(billed), raw) {
+                let mut ratio = Row::ratio(
+                    &format!("{row}_vs_{baseline}"),
+                    &billed.provider,
+                    billed.size,
+                    a as f64 / b as f64,
+                    format!("{row} / {baseline}"),
+                    Some(target),
+                );
+                ratio.in_flight = billed.in_flight;
+                ratio.params = billed.params.clone();
+                out.push(ratio);
             }
         }
     }
@@ -393,6 +427,59 @@ mod tests {
         assert_eq!(json["name"], "hot_noop_billed_over_hot_noop");
         assert_eq!(json["target_max"], 1.02);
         assert_eq!(json["meets_target"], false);
+    }
+
+    #[test]
+    fn billing_rates_pair_rows_of_the_same_point() {
+        let adds = |name, provider, initiators, per_s| {
+            Row::rate(name, provider, 8, 16, per_s, Duration::from_secs(1))
+                .with("initiators", initiators)
+        };
+        let flush = |name, per_s| {
+            Row::rate(name, "postgres", 0, 0, per_s, Duration::from_secs(1)).with("slots", 4096)
+        };
+        let rows = [
+            adds("raw_fetch_add", "tcp", 1, 1000),
+            adds("raw_fetch_add", "tcp", 4, 2000),
+            adds("billing_adds", "tcp", 4, 1500),
+            adds("billing_adds", "tcp", 1, 900),
+            // No raw row on shm: no ratio.
+            adds("billing_adds", "shm", 1, 900),
+            flush("billing_flush", 3000),
+            flush("raw_db_upsert", 10_000),
+        ];
+        let d = derive(&rows);
+        let got: Vec<(&str, &str, u64, Option<bool>)> = d
+            .iter()
+            .map(|r| {
+                let initiators = r.params.first().map_or(0, |p| p.1);
+                (
+                    r.name.as_str(),
+                    r.provider.as_str(),
+                    initiators,
+                    r.meets_target(),
+                )
+            })
+            .collect();
+        // 1500/2000 misses 0.8, 900/1000 meets it, 0.3 misses 0.5.
+        assert_eq!(
+            got,
+            [
+                ("billing_adds_vs_raw_fetch_add", "tcp", 4, Some(false)),
+                ("billing_adds_vs_raw_fetch_add", "tcp", 1, Some(true)),
+                (
+                    "billing_flush_vs_raw_db_upsert",
+                    "postgres",
+                    4096,
+                    Some(false)
+                ),
+            ]
+        );
+        let json: serde_json::Value = serde_json::from_str(&d[0].to_json()).unwrap();
+        assert_eq!(json["ratio"], 0.75);
+        assert_eq!(json["in_flight"], 16);
+        assert_eq!(json["initiators"], 4);
+        assert_eq!(json["target_min"], 0.8);
     }
 
     #[test]

@@ -116,7 +116,7 @@ impl<T> FabricContext<T> for rfaas_fabric::Result<T> {
 }
 
 /// Where a provider's peer listens.
-fn listen_addr(provider: &Provider) -> Result<String> {
+pub(crate) fn listen_addr(provider: &Provider) -> Result<String> {
     Ok(match provider.kind {
         Kind::Shm => String::new(),
         Kind::Tcp | Kind::Verbs => format!("{}:0", provider.host()?),

@@ -30,7 +30,6 @@
 //! does not share a CPU with the client: the bench moves itself there while
 //! the daemon starts (every process inherits the mask) and back after.
 
-use std::os::unix::fs::PermissionsExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -38,16 +37,15 @@ use std::time::{Duration, Instant};
 use rfaas_client::lease::{Lease, LeaseRequest, Managers};
 use rfaas_client::{Allocation, AllocationSpec, Buffer, Client, ClientOptions, FunctionId, Mode};
 use rfaas_proto::InvocationHeader;
-use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
-use rfaas_testkit::manager::{Manager, ManagerOptions};
 
 use crate::child;
 use crate::cleanup;
 use crate::error::{Context, Error, Result};
 use crate::fabric_rows::{RATE_IN_FLIGHT, RATE_SIZE};
 use crate::report::{Report, Row};
-use crate::rows::{Ctx, Kind, Provider, RowSpec, Runner, Suite};
+use crate::rows::{Ctx, Provider, RowSpec, Runner, Suite};
+use crate::services::{billed_lease, sibling, write_credential, Services};
 use crate::stats::{time_round_trips, Summary};
 
 const HOT_NOOP: &str = "hot_noop";
@@ -330,28 +328,17 @@ impl Daemon {
     }
 }
 
-/// `name` next to the bench's own executable.
-fn sibling(name: &str) -> Result<PathBuf> {
-    Ok(std::env::current_exe()
-        .context(|| "could not find the bench's own executable".to_owned())?
-        .with_file_name(name))
-}
-
-/// What `hot_noop_billed` runs on: a manager and an accounting service on
-/// one SQLite file, a daemon registered with the manager that posts its
-/// leases' usage to the service, and a lease from the manager with a slot.
-/// Dropped in field order: the lease is released, the daemon stops (it
-/// posts the last figures), then the service and the manager, each
-/// stopped by pid.
+/// What `hot_noop_billed` runs on: the billing services (`services.rs`),
+/// a daemon registered with the manager that posts its leases' usage to
+/// the service, and a lease from the manager with a slot. Dropped in
+/// field order: the lease is released, the daemon stops (it posts the
+/// last figures), then the services, each stopped by pid.
 struct Billing {
     _lease: Lease,
     daemon: Daemon,
     /// The lease's token, with its slot in it.
     token: String,
-    accounting: Accounting,
-    _accounting_pid: Option<cleanup::Registered>,
-    _manager: Manager,
-    _manager_pid: Option<cleanup::Registered>,
+    services: Services,
     dir: PathBuf,
 }
 
@@ -360,39 +347,19 @@ const BILLING_GRANULARITY_MS: u64 = 1000;
 
 impl Billing {
     fn start(ctx: &Ctx, provider: &Provider) -> Result<Billing> {
-        let mut binaries = Vec::new();
-        for name in ["rfaas-manager", "rfaas-accounting"] {
-            let bin = sibling(name)?;
-            if !bin.exists() {
-                return Err(Error::new(format!(
-                    "{HOT_NOOP_BILLED}: {} does not exist: build it next to the bench \
-                     (cargo build --release -p rfaas-manager -p rfaas-accounting -p rfaas-bench)",
-                    bin.display()
-                )));
-            }
-            binaries.push(bin);
-        }
         let dir = std::env::temp_dir().join(format!("rfaas-bench-billing-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).context(|| format!("could not create {}", dir.display()))?;
-        // The services run on the peers' CPU with the daemon, not on the
-        // client's: a site runs them on other machines, and the bench's own
-        // CPU is for the client alone, as in hot_noop.
-        if let Some(cpu) = ctx.peer_cpu {
-            child::pin_current_thread(cpu)
-                .context(|| format!("could not move to CPU {cpu} to start the services"))?;
-        }
-        let services = Billing::start_services(provider, &binaries);
-        if let Some(cpu) = ctx.cpu {
-            child::pin_current_thread(cpu)
-                .context(|| format!("could not move the bench back to CPU {cpu}"))?;
-        }
-        let (manager, manager_pid, accounting, accounting_pid) = services?;
+        // The intervals a site would run with: nothing here is sped up.
+        let services = Services::start(
+            ctx,
+            provider,
+            HOT_NOOP_BILLED,
+            "heartbeat_interval_ms = 1000\nlost_after_ms = 30000\nrefresh_ms = 1000\n",
+        )?;
+        let manager = &services.manager;
         let credential = dir.join("node.credential");
-        std::fs::write(&credential, manager.credential("node", NODE_NAME, None))
-            .context(|| format!("could not write {}", credential.display()))?;
-        std::fs::set_permissions(&credential, std::fs::Permissions::from_mode(0o600))
-            .context(|| format!("could not restrict {}", credential.display()))?;
+        write_credential(&credential, &manager.credential("node", NODE_NAME, None))?;
         let daemon = Daemon::start_configured(
             ctx,
             provider,
@@ -408,88 +375,31 @@ impl Billing {
         let user = manager.credential("user", LEASE_USER, Some("bench"));
         let managers = Managers::new([manager.url()], &user)
             .ctx(|| format!("{HOT_NOOP_BILLED}: the manager's URL"))?;
-        let (lease, token) = billed_lease(&managers)?;
+        let want = LeaseRequest {
+            cores: 4,
+            memory_mib: u64::from(LEASE_MEMORY_MIB.max(RATE_MEMORY_MIB)),
+            duration_s: 3600,
+            min_cores: None,
+            nodes: vec![NODE_NAME.into()],
+        };
+        let (lease, node) = billed_lease(&managers, &want, HOT_NOOP_BILLED)?;
         Ok(Billing {
             _lease: lease,
             daemon,
-            token,
-            accounting,
-            _accounting_pid: accounting_pid,
-            _manager: manager,
-            _manager_pid: manager_pid,
+            token: node.token,
+            services,
             dir,
         })
-    }
-
-    /// Starts the manager and the accounting service (on the row's
-    /// provider) on one SQLite file, registered for cleanup.
-    #[allow(clippy::type_complexity)]
-    fn start_services(
-        provider: &Provider,
-        binaries: &[PathBuf],
-    ) -> Result<(
-        Manager,
-        Option<cleanup::Registered>,
-        Accounting,
-        Option<cleanup::Registered>,
-    )> {
-        // The intervals a site would run with: nothing here is sped up.
-        let manager = Manager::try_start(
-            &binaries[0],
-            ManagerOptions {
-                extra_config:
-                    "heartbeat_interval_ms = 1000\nlost_after_ms = 30000\nrefresh_ms = 1000\n"
-                        .into(),
-                ..ManagerOptions::default()
-            },
-        )
-        .map_err(|e| {
-            Error::new(format!(
-                "{HOT_NOOP_BILLED}: could not start rfaas-manager: {e}"
-            ))
-        })?;
-        let manager_pid = manager.pid().map(cleanup::register);
-        let listen = match provider.kind {
-            Kind::Verbs => Some(format!("{}:0", provider.host()?)),
-            _ => None,
-        };
-        let accounting = Accounting::try_start(
-            &binaries[1],
-            AccountingOptions {
-                provider: provider.spec.clone(),
-                listen,
-                flush_interval_ms: 1000,
-                snapshot_interval_ms: 60_000,
-                billing: Some(BILLING_RATES.into()),
-                ..AccountingOptions::new(manager.database())
-            },
-        )
-        .map_err(|e| {
-            Error::new(format!(
-                "{HOT_NOOP_BILLED}: could not start rfaas-accounting: {e}"
-            ))
-        })?;
-        let accounting_pid = accounting.pid().map(cleanup::register);
-        Ok((manager, manager_pid, accounting, accounting_pid))
     }
 
     /// Waits until the service has written the lease's usage to the
     /// database: proof that the row ran with billing on.
     fn wait_flushed(&self) -> Result<()> {
-        let written = r#"rfaas_accounting_rows_written_total{table="usage"}"#;
-        let until = Instant::now() + Duration::from_millis(5 * BILLING_GRANULARITY_MS + 5_000);
-        while Instant::now() < until {
-            if self.accounting.metric(written).is_some_and(|n| n > 0.0) {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Err(Error::new(format!(
-            "{HOT_NOOP_BILLED}: no usage reached the database, so billing was not on; \
-             the daemon's log:\n{}\nthe service's log:\n{}",
-            self.daemon.executord.log(),
-            self.accounting.log()
-        )))
+        self.services.wait_flushed(
+            HOT_NOOP_BILLED,
+            Duration::from_millis(5 * BILLING_GRANULARITY_MS + 5_000),
+            || format!("the daemon's log:\n{}\n", self.daemon.executord.log()),
+        )
     }
 }
 
@@ -501,43 +411,6 @@ impl Drop for Billing {
 
 /// The node's name at the manager.
 const NODE_NAME: &str = "rfaas-bench";
-
-/// Rates for the service's `billing.toml`; what they are does not change
-/// what is measured.
-const BILLING_RATES: &str =
-    "currency = \"CHF\"\n[rates]\nalloc_per_gib_s = 0.0001\ncompute_per_s = 0.01\nhot_per_s = 0.005\nharvested_discount = 0.5\n";
-
-/// A lease of the daemon's cores with a billing slot: the manager grants
-/// leases unbilled until it has seen the service alive, and refuses them
-/// until it has seen the node, so this asks again until both are in.
-fn billed_lease(managers: &Managers) -> Result<(Lease, String)> {
-    let want = LeaseRequest {
-        cores: 4,
-        memory_mib: u64::from(LEASE_MEMORY_MIB.max(RATE_MEMORY_MIB)),
-        duration_s: 3600,
-        min_cores: None,
-        nodes: vec![NODE_NAME.into()],
-    };
-    let until = Instant::now() + Duration::from_secs(30);
-    loop {
-        let last = match managers.request(&want, Duration::from_secs(10)) {
-            Ok(lease) => match lease.nodes().into_iter().next() {
-                Some(n) if n.billing.is_some() => return Ok((lease, n.token)),
-                _ => {
-                    let _ = lease.release();
-                    "the lease came without a billing slot".to_owned()
-                }
-            },
-            Err(e) => e.to_string(),
-        };
-        if Instant::now() >= until {
-            return Err(Error::new(format!(
-                "{HOT_NOOP_BILLED}: no billed lease from the manager within 30 s: {last}"
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
 
 /// How long the daemon's other processes must stay off the CPU before a row
 /// starts timing (see [`Daemon::settle`]).

@@ -24,6 +24,14 @@
 //! - [`invoke`]: `hot_noop`, `warm_noop`, `transfer`, the `echo` rows and
 //!   `cold_start` through rfaas-client and a real executor daemon;
 //! - [`grpc`]: `grpc_echo`, a tonic unary call on loopback;
+//! - [`billing_adds`]: `billing_adds` and `raw_fetch_add`, fetch-and-adds
+//!   per second into a real accounting service's region and into a plain
+//!   fabric target;
+//! - [`billing_flush`]: `billing_flush` and `raw_db_upsert`, usage rows per
+//!   second through the accounting flusher and a plain sqlx loop, on
+//!   throwaway PostgreSQL servers;
+//! - [`services`]: the manager and accounting service the billing rows run
+//!   against;
 //! - [`meter`]: what metering costs a lane: clock reads and one
 //!   invocation's bookkeeping, in process;
 //! - [`manager`]: the `--manager` mode: `lease_grant`, `lease_grant_paced`,
@@ -44,6 +52,8 @@
 //! `ctx.spawn_peer(name, args, fds)`. `baselines.rs` is the example.
 
 pub mod baselines;
+pub mod billing_adds;
+pub mod billing_flush;
 pub mod child;
 pub mod cleanup;
 pub mod cli;
@@ -56,4 +66,5 @@ pub mod manager;
 pub mod meter;
 pub mod report;
 pub mod rows;
+pub mod services;
 pub mod stats;

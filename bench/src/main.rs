@@ -1,8 +1,9 @@
 //! `rfaas-bench`: invocation latency, payload bandwidth and cold starts
 //! through `rfaas-client` and a real `rfaas-executord` on loopback, a gRPC
-//! echo, and in the same run the fabric rows and raw baselines they are
-//! judged against; then the overheads and ratios (derived rows) from the
-//! best round of each (DESIGN.md, "Performance targets").
+//! echo, the accounting service's adds and flushes, and in the same run
+//! the fabric rows and raw baselines they are judged against; then the
+//! overheads and ratios (derived rows) from the best round of each
+//! (DESIGN.md, "Performance targets").
 //!
 //! With `--manager` it measures the resource manager instead: lease
 //! grants through real `rfaas-manager` replicas next to the same grants
@@ -12,9 +13,10 @@
 //! Needs `rfaas-executord` and `rfaas-worker` next to this binary (`cargo
 //! build --release -p rfaas-executor -p rfaas-bench`), or `--executord`,
 //! `rfaas-manager` and `rfaas-accounting` there too for `hot_noop_billed`
-//! (`-p rfaas-manager -p rfaas-accounting`), and a C compiler for the
-//! example functions. Runs as root (the daemon drops each worker to the
-//! user `nobody`).
+//! and `billing_adds` (`-p rfaas-manager -p rfaas-accounting`), Debian's
+//! `postgresql-15` for `billing_flush` and `raw_db_upsert`, and a C
+//! compiler for the example functions. Runs as root (the daemon drops each
+//! worker to the user `nobody`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,7 +25,10 @@ use clap::Parser;
 use rfaas_bench::cli::{self, Common};
 use rfaas_bench::error::Context;
 use rfaas_bench::rows::Suite;
-use rfaas_bench::{baselines, cleanup, derived, fabric_rows, grpc, invoke, manager, meter};
+use rfaas_bench::{
+    baselines, billing_adds, billing_flush, cleanup, derived, fabric_rows, grpc, invoke, manager,
+    meter,
+};
 
 /// Every measuring module, in the order its rows are run and printed.
 const SUITES: &[Suite] = &[
@@ -32,16 +37,21 @@ const SUITES: &[Suite] = &[
     baselines::SUITE,
     grpc::SUITE,
     meter::SUITE,
+    billing_adds::SUITE,
+    billing_flush::SUITE,
 ];
 
 /// Measures rfaas invocations (latency, bandwidth, cold start) through a
 /// real rfaas-executord on loopback, next to the fabric, raw baselines and a
-/// gRPC echo, in one run.
+/// gRPC echo, and the accounting service's fetch-and-adds and flushes next
+/// to the fabric's and a plain database loop's, in one run.
 ///
 /// Starts its own rfaas-executord (from next to this binary, or
 /// --executord) and stops it by pid; run it as root, since the daemon runs
 /// the workers as the user `nobody`. Needs a C compiler for the example
-/// functions. Prints a table; with --json one JSON object per row.
+/// functions; the billing rows start rfaas-manager and rfaas-accounting
+/// from next to this binary and throwaway PostgreSQL 15 servers. Prints a
+/// table; with --json one JSON object per row.
 ///
 /// With --manager it measures the resource manager instead: lease grants
 /// through real rfaas-manager replicas (from next to this binary, or

@@ -30,8 +30,13 @@ pub struct Row {
     /// Message size in bytes.
     pub size: u64,
     /// Operations outstanding at once, for rate rows and rows derived from
-    /// them; 0 for every other row.
+    /// them (per initiator where there are several); 0 for every other row.
     pub in_flight: u32,
+    /// More coordinates of the point measured, where provider, size and
+    /// in flight do not say it all (`initiators`, `slots`): a JSON key
+    /// each, after `in_flight`, and the table's note. Rows that differ in
+    /// them are different rows. Empty for most rows.
+    pub params: Vec<(&'static str, u64)>,
     pub measure: Measure,
     /// With several rounds: how far this row's rounds moved.
     pub spread: Option<Spread>,
@@ -141,6 +146,7 @@ impl Row {
             size: size as u64,
             measure: Measure::Latency(summary),
             in_flight: 0,
+            params: Vec::new(),
             spread: None,
             per_round: None,
             service: None,
@@ -161,6 +167,7 @@ impl Row {
             size: size as u64,
             measure: Measure::Bandwidth { bytes_per_s, bytes },
             in_flight: 0,
+            params: Vec::new(),
             spread: None,
             per_round: None,
             service: None,
@@ -184,6 +191,7 @@ impl Row {
             size: size as u64,
             measure: Measure::Rate { per_s, calls },
             in_flight,
+            params: Vec::new(),
             spread: None,
             per_round: None,
             service: None,
@@ -197,11 +205,19 @@ impl Row {
             provider: String::new(),
             size: 0,
             in_flight: 0,
+            params: Vec::new(),
             measure,
             spread: None,
             per_round: None,
             service: Some(point),
         }
+    }
+
+    /// The same row at a point with `key` = `value` too (see
+    /// [`Row::params`]).
+    pub fn with(mut self, key: &'static str, value: u64) -> Self {
+        self.params.push((key, value));
+        self
     }
 
     /// Whether `other` is a measurement (another round) of the same row.
@@ -215,6 +231,7 @@ impl Row {
         self.provider == other.provider
             && self.size == other.size
             && self.in_flight == other.in_flight
+            && self.params == other.params
             && self.service == other.service
     }
 
@@ -281,6 +298,7 @@ impl Row {
                 target_max_ns,
             },
             in_flight: 0,
+            params: Vec::new(),
             spread: None,
             per_round: None,
             service: None,
@@ -307,6 +325,7 @@ impl Row {
                 target_max: None,
             },
             in_flight: 0,
+            params: Vec::new(),
             spread: None,
             per_round: None,
             service: None,
@@ -367,6 +386,9 @@ impl Row {
         };
         if self.in_flight > 0 {
             s.push_str(&format!(",\"in_flight\":{}", self.in_flight));
+        }
+        for (key, value) in &self.params {
+            s.push_str(&format!(",{}:{value}", serde_json::Value::from(*key)));
         }
         let met = self.meets_target();
         match &self.measure {
@@ -495,12 +517,24 @@ impl Row {
             "{:<28} {:<12} {:>9} {:>12} {:>12} {:>12}",
             self.name,
             self.provider,
-            size(self.size),
+            match self.size {
+                // Rows with no message size (the database rows).
+                0 => dash(),
+                n => size(n),
+            },
             median,
             p99,
             bandwidth
         );
-        let in_flight = (self.in_flight > 0).then(|| format!("{} in flight", self.in_flight));
+        let mut point: Vec<String> = self
+            .params
+            .iter()
+            .map(|(key, value)| format!("{key} {value}"))
+            .collect();
+        if self.in_flight > 0 {
+            point.insert(0, format!("{} in flight", self.in_flight));
+        }
+        let in_flight = (!point.is_empty()).then(|| point.join(", "));
         let note = match (in_flight, note) {
             (Some(f), Some(n)) => Some(format!("{f}; {n}")),
             (f, n) => f.or(n),
@@ -958,6 +992,48 @@ mod tests {
         assert_eq!((rows[0].in_flight, rows[1].in_flight), (1, 4));
         assert!(matches!(rows[0].measure, Measure::Rate { per_s: 400, .. }));
         assert!((rows[1].spread.unwrap().worst_over_best - 4.0 / 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn rows_at_other_params_are_other_rows() {
+        let adds = |initiators, calls| {
+            Row::rate(
+                "billing_adds",
+                "tcp",
+                8,
+                16,
+                calls,
+                std::time::Duration::from_secs(1),
+            )
+            .with("initiators", initiators)
+        };
+        assert_eq!(
+            adds(4, 1000).to_json(),
+            r#"{"name":"billing_adds","provider":"tcp","size":8,"in_flight":16,"initiators":4,"per_s":1000,"calls":1000}"#
+        );
+        assert!(adds(4, 1000)
+            .to_table_line()
+            .contains("(16 in flight, initiators 4)"));
+        let mut report = Report::new(true, 2);
+        for row in [adds(1, 100), adds(4, 300), adds(1, 200), adds(4, 250)] {
+            report.push(&row).unwrap();
+        }
+        let rows = report.rows();
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert!(matches!(rows[0].measure, Measure::Rate { per_s: 200, .. }));
+        assert!(matches!(rows[1].measure, Measure::Rate { per_s: 300, .. }));
+        // A row without a message size prints none.
+        let flush = Row::rate(
+            "billing_flush",
+            "postgres",
+            0,
+            0,
+            100,
+            std::time::Duration::from_secs(1),
+        )
+        .with("slots", 4096);
+        let line = flush.to_table_line();
+        assert!(line.contains("postgres") && !line.contains("0 B"), "{line}");
     }
 
     #[test]

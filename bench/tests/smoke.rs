@@ -253,3 +253,57 @@ fn billed_rows_next_to_unbilled_ones() {
         assert!(ratio["rounds_met"].as_u64().unwrap() <= 2, "{ratio}");
     }
 }
+
+/// `billing_adds` next to `raw_fetch_add` on both providers (a real
+/// manager and accounting service, their debug builds next to the
+/// bench's) and `billing_flush` next to `raw_db_upsert` (PostgreSQL
+/// through scripts/pg.sh): every point with its initiators or slots, and
+/// the ratios with their targets. Each row checks its own adds and rows.
+#[test]
+fn billing_rows_next_to_their_baselines() {
+    let rows = json_rows(
+        env!("CARGO_BIN_EXE_rfaas-bench"),
+        &[
+            "--provider",
+            "tcp,shm",
+            "--rows",
+            "billing_adds,raw_fetch_add,billing_flush,raw_db_upsert",
+            "--iters",
+            "50",
+        ],
+    );
+    let find = |name: &str, provider: &str, key: &str, value: u64| -> &Value {
+        rows.iter()
+            .find(|r| r["name"] == name && r["provider"] == provider && r[key] == value)
+            .unwrap_or_else(|| panic!("no {name}/{provider}/{key} {value} in {rows:#?}"))
+    };
+    for provider in ["tcp", "shm"] {
+        for initiators in [1, 4] {
+            for name in ["billing_adds", "raw_fetch_add"] {
+                let row = find(name, provider, "initiators", initiators);
+                assert_eq!((&row["size"], &row["in_flight"]), (&8.into(), &16.into()));
+                assert!(row["per_s"].as_u64().unwrap() > 0, "{row}");
+                assert!(row["calls"].as_u64().unwrap() > 0, "{row}");
+            }
+            let ratio = find(
+                "billing_adds_vs_raw_fetch_add",
+                provider,
+                "initiators",
+                initiators,
+            );
+            assert_eq!(ratio["of"], "billing_adds / raw_fetch_add");
+            assert_eq!(ratio["target_min"], 0.8);
+            assert!(ratio["ratio"].as_f64().unwrap() > 0.0, "{ratio}");
+            assert!(ratio["meets_target"].is_boolean(), "{ratio}");
+        }
+    }
+    for name in ["billing_flush", "raw_db_upsert"] {
+        let row = find(name, "postgres", "slots", 4096);
+        assert_eq!(row["calls"], 8 * 4096, "{row}");
+        assert!(row["per_s"].as_u64().unwrap() > 0, "{row}");
+    }
+    let ratio = find("billing_flush_vs_raw_db_upsert", "postgres", "slots", 4096);
+    assert_eq!(ratio["target_min"], 0.5);
+    assert!(ratio["meets_target"].is_boolean(), "{ratio}");
+    assert_eq!(rows.len(), 2 * 2 * 2 + 2 * 2 + 2 + 1, "{rows:#?}");
+}
