@@ -90,7 +90,11 @@ fn nodes_as_a_table_and_as_json() {
     assert_eq!(lines.len(), 2, "{table}");
     assert!(lines[0].starts_with("NAME  STATE"), "{table}");
     let cells: Vec<&str> = lines[1].split_whitespace().collect();
-    assert_eq!(cells[..7], ["n1", "up", "4", "0", "0", "4096", "0"], "{table}");
+    assert_eq!(
+        cells[..7],
+        ["n1", "up", "4", "0", "0", "4096", "0"],
+        "{table}"
+    );
     let at = lines[0].find("HARVESTED").unwrap();
     assert!(lines[1][at..].starts_with("no "), "{table}");
     assert_eq!(cells.last(), Some(&"127.0.0.1:7100"), "{table}");
