@@ -11,6 +11,10 @@
 //!   replica.
 //! - `rfaas-fabric-bench` measures the fabric providers against the raw
 //!   baselines only.
+//! - `rfaas-harvest` replays a seeded Slurm job stream on a loopback
+//!   cluster without rfaas and with it, and reports the idle capacity
+//!   offered, how soon job ends are lent again, the plugin's cost to job
+//!   starts and the calls served meanwhile.
 //!
 //! # Layout
 //!
@@ -40,6 +44,8 @@
 //! - [`child`]: the peer process a two-sided row runs against, started by
 //!   re-executing the binary with the hidden `--serve <what>`;
 //! - [`cleanup`]: stops the daemons the bench started on SIGINT/SIGTERM;
+//! - [`harvest`]: `rfaas-harvest`: the job stream, the site it runs on,
+//!   the samplers and the figures;
 //! - [`stats`]: latency samples -> median, p99, min, mean;
 //! - [`report`]: the table on stdout, or JSON lines with `--json`;
 //! - [`error`]: the error type; every error is a sentence.
@@ -61,6 +67,7 @@ pub mod derived;
 pub mod error;
 pub mod fabric_rows;
 pub mod grpc;
+pub mod harvest;
 pub mod invoke;
 pub mod manager;
 pub mod meter;
