@@ -139,8 +139,15 @@ fn local_tm(secs: i64) -> Option<libc::tm> {
 }
 
 /// The Unix second of a local date and time (daylight saving time as the
-/// zone has it on that day).
-fn from_local(year: i32, month: i32, day: i32, hour: i32, minute: i32, second: i32) -> Option<i64> {
+/// zone has it on that day); `None` when the C library cannot place it.
+pub fn from_local(
+    year: i32,
+    month: i32,
+    day: i32,
+    hour: i32,
+    minute: i32,
+    second: i32,
+) -> Option<i64> {
     // SAFETY: `tm` is plain data, for which all zeros is a valid value.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     tm.tm_year = year - 1900;

@@ -198,18 +198,7 @@ fn parse_log_time(s: &str) -> Option<u64> {
     if ms > 999 || !(1..=12).contains(&month) {
         return None;
     }
-    // SAFETY: `tm` is plain data; all zeroes is a valid value.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    tm.tm_year = year - 1900;
-    tm.tm_mon = month - 1;
-    tm.tm_mday = day;
-    tm.tm_hour = hour;
-    tm.tm_min = minute;
-    tm.tm_sec = second;
-    tm.tm_isdst = -1;
-    // SAFETY: `tm` is a valid, initialised struct tm that mktime may
-    // normalise in place; glibc's mktime is thread-safe.
-    let secs = unsafe { libc::mktime(&mut tm) };
+    let secs = rfaas_accounting::report::time::from_local(year, month, day, hour, minute, second)?;
     (secs >= 0).then(|| secs as u64 * 1_000_000_000 + ms * 1_000_000)
 }
 
