@@ -6,7 +6,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -319,23 +318,16 @@ pub fn billing_node(
     name: &str,
     granularity_ms: u64,
 ) -> (ExecutordOptions, PathBuf) {
-    let cred = dir.join(format!("{name}.credential"));
-    std::fs::write(&cred, env.node_credential(name)).unwrap();
-    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
     let journal = dir.join(format!("{name}.billing.jsonl"));
+    let mut opts = env.manager.node_options(dir, name);
+    opts.extra_config += &format!(
+        "[billing]\ngranularity_ms = {granularity_ms}\njournal = {:?}\n",
+        journal.display().to_string(),
+    );
     let opts = ExecutordOptions {
-        node_name: name.into(),
         cpus: "0-1".into(),
         memory_mib: 4096,
-        accept_keys: vec![env.manager.public_key_line()],
-        extra_config: format!(
-            "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n\
-             [billing]\ngranularity_ms = {granularity_ms}\njournal = {:?}\n",
-            env.manager.url(),
-            cred.display().to_string(),
-            journal.display().to_string(),
-        ),
-        ..ExecutordOptions::default()
+        ..opts
     };
     (opts, journal)
 }
