@@ -966,11 +966,12 @@ fn reconciliation_takes_back_what_no_prolog_said_and_offers_what_no_epilog_said(
     );
     let done = dir.path("done");
     let job = job_until(&cluster, 2, &done, &[]);
-    let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
-    assert!(
-        hook.contains(&format!("job {job} on node1: could not take 2 CPUs back")),
-        "{hook}"
-    );
+    // slurmctld says RUNNING before node1's prolog has run: wait for it.
+    let line = format!("job {job} on node1: could not take 2 CPUs back");
+    wait_for(&format!("{line:?} in the hook's log"), || {
+        let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
+        hook.contains(&line).then_some(())
+    });
 
     let opts = executord_on_node1(&cluster.conf(), "reconcile_interval_ms = 200\n");
     let mut d = Executord::start(&daemon_binary(), opts.clone());
@@ -986,11 +987,11 @@ fn reconciliation_takes_back_what_no_prolog_said_and_offers_what_no_epilog_said(
 
     end_job(&cluster, job, &done);
     nodes_idle_and_undrained(&cluster);
-    let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
-    assert!(
-        hook.contains(&format!("job {job} on node1: could not offer")),
-        "{hook}"
-    );
+    let line = format!("job {job} on node1: could not offer");
+    wait_for(&format!("{line:?} in the hook's log"), || {
+        let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
+        hook.contains(&line).then_some(())
+    });
     d.wait_status(
         JOB_BOUND,
         |s| matches!(s, LocalReply::Status { free_cpus, .. } if free_cpus == &[0, 1, 2, 3]),
