@@ -94,9 +94,15 @@ pub(crate) fn handle(shared: &Arc<Shared>, req: LocalRequest) -> LocalReply {
             job_id,
             cpus,
             grace_ms,
-        } => LocalReply::Done {
-            message: super::slurm::retrieve(shared, job_id, cpus, Duration::from_millis(grace_ms)),
-        },
+        } => {
+            let taken =
+                super::slurm::retrieve(shared, job_id, cpus, Duration::from_millis(grace_ms));
+            // The hook has its answer; what is left settles on its own.
+            drop(taken.settling);
+            LocalReply::Done {
+                message: taken.message,
+            }
+        }
         LocalRequest::SlurmOffer { job_id } => {
             super::jobs::job_ended(shared, job_id);
             LocalReply::Done {

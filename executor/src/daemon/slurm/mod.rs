@@ -210,12 +210,42 @@ fn still_held(st: &State) -> String {
     )
 }
 
+/// What a take-back answers its hook, and what it left running.
+pub(crate) struct Retrieval {
+    /// For the hook (and people).
+    pub message: String,
+    /// When the answer came before Slurm said which CPUs are the job's
+    /// (no allocation ran here, so nothing had to stop): the thread that
+    /// asks, withholds the job's CPUs and gives back the others. It
+    /// returns what it did.
+    pub settling: Option<std::thread::JoinHandle<String>>,
+}
+
+impl Retrieval {
+    /// What the whole take-back did, once it is over.
+    #[cfg(test)]
+    pub(crate) fn finished(self) -> String {
+        match self.settling {
+            Some(t) => t.join().unwrap_or_else(|_| {
+                format!("{}; the rest of the take-back panicked", self.message)
+            }),
+            None => self.message,
+        }
+    }
+}
+
 /// Slurm job `job` starts here (its prolog): withholds its CPUs at once,
 /// lets the allocations on them run for what is left of `grace` (counted
-/// from now), then ends them. Returns what it did, for people.
-pub(crate) fn retrieve(shared: &Shared, job: u64, cpus: u32, grace: Duration) -> String {
+/// from now), then ends them.
+///
+/// With `[slurm]`, every CPU is withheld while Slurm is asked which are
+/// the job's. When no allocation holds a CPU at that moment, nothing of
+/// rfaas's can be on the job's CPUs, so the hook is answered at once and
+/// the asking goes on in [`Retrieval::settling`]: an idle node's job does
+/// not wait for `scontrol`.
+pub(crate) fn retrieve(shared: &Arc<Shared>, job: u64, cpus: u32, grace: Duration) -> Retrieval {
     let start = Instant::now();
-    let Some(slurm) = &shared.settings.slurm else {
+    if shared.settings.slurm.is_none() {
         // Without Slurm's view: the whole node, whatever `cpus` says.
         let changed = {
             let mut st = shared.lock();
@@ -223,16 +253,74 @@ pub(crate) fn retrieve(shared: &Shared, job: u64, cpus: u32, grace: Duration) ->
             set_hold(shared, &mut st, job, Some(Hold::whole(shared)))
         };
         let message = wait_out(shared, &changed.targets, grace, start, true);
-        return format!("taken back for Slurm job {job}: {message}");
-    };
+        return Retrieval {
+            message: format!("taken back for Slurm job {job}: {message}"),
+            settling: None,
+        };
+    }
     // No allocation may take a CPU while Slurm is asked which are the
     // job's: for that moment, every CPU is withheld (nobody is told to
     // stop for it).
-    let asking = Asking::new(shared, job, start);
+    let mut asking = Asking::new(shared, job, start);
+    if asking.idle {
+        let on = Arc::clone(shared);
+        let settling = std::thread::Builder::new()
+            .name(format!("take-back-{job}"))
+            .spawn(move || settle(&on, asking, job, cpus, grace, start));
+        match settling {
+            Ok(t) => {
+                let message = format!(
+                    "taken back for Slurm job {job}: no allocation ran here; every CPU withheld until Slurm says which are the job's"
+                );
+                tracing::info!(job, %message, "take-back answered");
+                return Retrieval {
+                    message,
+                    settling: Some(t),
+                };
+            }
+            Err(e) => {
+                // The failed spawn dropped (and unlisted) the asking: list
+                // it again and do the rest here.
+                tracing::warn!(job, error = %e, "cannot start a take-back thread");
+                asking = Asking::new(shared, job, start);
+            }
+        }
+    }
+    Retrieval {
+        message: settle(shared, asking, job, cpus, grace, start),
+        settling: None,
+    }
+}
+
+/// The rest of a take-back with `[slurm]`, from asking Slurm on: sets the
+/// job's hold and ends the allocations on it within the grace.
+fn settle(
+    shared: &Shared,
+    asking: Asking,
+    job: u64,
+    cpus: u32,
+    grace: Duration,
+    start: Instant,
+) -> String {
+    let slurm = shared
+        .settings
+        .slurm
+        .as_ref()
+        .expect("settle runs with [slurm]");
     let (hold, how) = decide(shared, slurm, job, cpus);
     let (changed, free) = {
         let mut st = shared.lock();
         asking.done(&mut st);
+        // A short job's epilog may come while its prolog's answer settles:
+        // the job is over, nothing is withheld for it.
+        if st.slurm_events.get(&job).is_some_and(|at| *at > start) {
+            let message = format!(
+                "Slurm job {job} ended before Slurm said which CPUs were its; nothing withheld for it{}",
+                still_held(&st)
+            );
+            tracing::info!(job, %message, "take-back done");
+            return message;
+        }
         let changed = set_hold(shared, &mut st, job, Some(hold.clone()));
         (changed, st.capacity.free_cpus().len())
     };
@@ -260,22 +348,25 @@ pub(crate) fn retrieve(shared: &Shared, job: u64, cpus: u32, grace: Duration) ->
 /// A take-back asking Slurm for its job's CPUs: listed in
 /// `slurm_asking` from [`Asking::new`] to [`Asking::done`], or to its drop
 /// should the asking panic.
-struct Asking<'a> {
-    shared: &'a Shared,
+struct Asking {
+    shared: Arc<Shared>,
     job: u64,
     listed: bool,
+    /// No allocation held a CPU when every CPU was withheld.
+    idle: bool,
 }
 
-impl<'a> Asking<'a> {
-    fn new(shared: &'a Shared, job: u64, now: Instant) -> Asking<'a> {
+impl Asking {
+    fn new(shared: &Arc<Shared>, job: u64, now: Instant) -> Asking {
         let mut st = shared.lock();
         note_event(&mut st, job, now);
         st.slurm_asking.push(job);
         withhold(shared, &mut st);
         Asking {
-            shared,
+            shared: Arc::clone(shared),
             job,
             listed: true,
+            idle: st.capacity.granted_cpus().is_empty(),
         }
     }
 
@@ -290,15 +381,15 @@ impl<'a> Asking<'a> {
             if let Some(i) = st.slurm_asking.iter().position(|j| *j == self.job) {
                 st.slurm_asking.swap_remove(i);
             }
-            withhold(self.shared, st);
+            withhold(&self.shared, st);
         }
     }
 }
 
-impl Drop for Asking<'_> {
+impl Drop for Asking {
     fn drop(&mut self) {
         if self.listed {
-            let shared = self.shared;
+            let shared = Arc::clone(&self.shared);
             let mut st = shared.lock();
             self.unlist(&mut st);
         }
@@ -790,14 +881,14 @@ mod tests {
     fn without_slurm_a_job_takes_the_whole_node_until_it_ends() {
         let d = daemon("");
         let s = &d.shared;
-        let m = retrieve(s, 7, 1, Duration::ZERO);
+        let m = retrieve(s, 7, 1, Duration::ZERO).finished();
         assert_eq!(
             m,
             "taken back for Slurm job 7: drained: 0 allocations stopped after the 0 ms grace period"
         );
         assert!(s.lock().draining);
         assert!(free(s).is_empty());
-        retrieve(s, 8, 1, Duration::ZERO);
+        retrieve(s, 8, 1, Duration::ZERO).finished();
         assert_eq!(
             offer(s, 7),
             "Slurm job 7 ended; Slurm jobs [8] still hold the node"
@@ -812,13 +903,14 @@ mod tests {
     }
 
     /// A stand-in `scontrol`: a shell script printing `jobs.txt` for every
-    /// job, or `job-N.txt` for job N (exit 1 when there is none). The real
-    /// one needs a cluster: slurm-spank/tests/cluster.rs runs it.
+    /// job, or `job-N.txt` for job N (exit 1 when there is none), once no
+    /// file `wait` is there. The real one needs a cluster:
+    /// slurm-spank/tests/cluster.rs runs it.
     fn fake_scontrol(dir: &Path) -> PathBuf {
         use std::os::unix::fs::PermissionsExt;
         let p = dir.join("scontrol");
         let body = format!(
-            "#!/bin/sh\nd={dir}\nif [ -n \"$5\" ]; then\n  [ -f \"$d/job-$5.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$5.txt\"\nfi\n[ -f \"$d/jobs.txt\" ] || {{ echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1; }}\nexec cat \"$d/jobs.txt\"\n",
+            "#!/bin/sh\nd={dir}\nwhile [ -e \"$d/wait\" ]; do sleep 0.01; done\nif [ -n \"$5\" ]; then\n  [ -f \"$d/job-$5.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$5.txt\"\nfi\n[ -f \"$d/jobs.txt\" ] || {{ echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1; }}\nexec cat \"$d/jobs.txt\"\n",
             dir = dir.display()
         );
         std::fs::write(&p, body).unwrap();
@@ -850,7 +942,7 @@ mod tests {
             "JobId=2 JobName=wrap JobState=RUNNING NodeList=node1 JOB_GRES=(null)   Nodes=node1 CPU_IDs=1-2 Mem=0 GRES= MinCPUsNode=1\n",
         )
         .unwrap();
-        let m = retrieve(s, 2, 2, Duration::ZERO);
+        let m = retrieve(s, 2, 2, Duration::ZERO).finished();
         assert_eq!(
             m,
             "taken back for Slurm job 2: CPUs 1-2 withheld (Slurm's CPU_IDs 1-2); no allocation ran on them; 2 CPUs free for rfaas"
@@ -860,12 +952,12 @@ mod tests {
 
         // Slurm does not know job 3: as many CPUs as the hook counted, the
         // lowest not withheld.
-        let m = retrieve(s, 3, 1, Duration::ZERO);
+        let m = retrieve(s, 3, 1, Duration::ZERO).finished();
         assert!(m.starts_with("taken back for Slurm job 3: CPUs 0 withheld (1 CPU by the hook's count: Slurm does not know job 3)"), "{m}");
         assert_eq!(free(s), [3]);
 
         // ... and no count at all: the whole node.
-        let m = retrieve(s, 4, 0, Duration::ZERO);
+        let m = retrieve(s, 4, 0, Duration::ZERO).finished();
         assert!(
             m.starts_with(
                 "taken back for Slurm job 4 (the whole node: Slurm does not know job 4): drained"
@@ -886,13 +978,72 @@ mod tests {
 
         // Slurm cannot be asked: the whole node, whatever the count.
         std::fs::write(dir.join("scontrol"), "#!/bin/sh\nexit 3\n").unwrap();
-        let m = retrieve(s, 5, 1, Duration::ZERO);
+        let m = retrieve(s, 5, 1, Duration::ZERO).finished();
         assert!(
             m.starts_with("taken back for Slurm job 5 (the whole node: "),
             "{m}"
         );
         assert!(m.contains("failed (exit status: 3)"), "{m}");
         assert!(free(s).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_idle_node_answers_before_slurm_does_and_settles_after() {
+        let dir = temp_dir("early");
+        let d = with_slurm(&dir);
+        let s = &d.shared;
+        std::fs::write(
+            dir.join("job-2.txt"),
+            "JobId=2 JobState=RUNNING   Nodes=node1 CPU_IDs=1-2 Mem=0 GRES=\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("wait"), "").unwrap();
+        let r = retrieve(s, 2, 2, Duration::from_secs(30));
+        assert_eq!(
+            r.message,
+            "taken back for Slurm job 2: no allocation ran here; every CPU withheld until Slurm says which are the job's"
+        );
+        assert!(
+            free(s).is_empty(),
+            "every CPU withheld while Slurm is asked"
+        );
+        std::fs::remove_file(dir.join("wait")).unwrap();
+        assert_eq!(
+            r.finished(),
+            "taken back for Slurm job 2: CPUs 1-2 withheld (Slurm's CPU_IDs 1-2); no allocation ran on them; 2 CPUs free for rfaas"
+        );
+        assert_eq!(free(s), [0, 3]);
+        offer(s, 2);
+
+        // A job so short that its epilog comes before Slurm answers its
+        // prolog's question: nothing stays withheld for it.
+        std::fs::write(dir.join("wait"), "").unwrap();
+        let r = retrieve(s, 2, 2, Duration::from_secs(30));
+        assert!(r.settling.is_some());
+        offer(s, 2);
+        std::fs::remove_file(dir.join("wait")).unwrap();
+        let m = r.finished();
+        assert!(
+            m.starts_with(
+                "Slurm job 2 ended before Slurm said which CPUs were its; nothing withheld for it"
+            ),
+            "{m}"
+        );
+        assert_eq!(free(s), [0, 1, 2, 3]);
+        assert!(s.lock().slurm_jobs.is_empty());
+
+        // With an allocation anywhere, the answer waits for Slurm's.
+        allocate(s, 1, &[0]);
+        let r = retrieve(s, 2, 2, Duration::ZERO);
+        assert!(r.settling.is_none());
+        assert!(
+            r.message
+                .starts_with("taken back for Slurm job 2: CPUs 1-2 withheld"),
+            "{}",
+            r.message
+        );
+        assert_eq!(s.lock().capacity.withheld_cpus(), [1, 2]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -911,7 +1062,7 @@ mod tests {
             "JobId=9 JobState=RUNNING   Nodes=node1 CPU_IDs=4-7 Mem=0 GRES=\n",
         )
         .unwrap();
-        let m = retrieve(s, 8, 4, Duration::ZERO);
+        let m = retrieve(s, 8, 4, Duration::ZERO).finished();
         assert!(
             m.starts_with(
                 "taken back for Slurm job 8 (every CPU here: Slurm's CPU_IDs 0-3): drained"
@@ -920,7 +1071,7 @@ mod tests {
         );
         assert!(s.lock().draining);
         offer(s, 8);
-        let m = retrieve(s, 9, 4, Duration::ZERO);
+        let m = retrieve(s, 9, 4, Duration::ZERO).finished();
         assert_eq!(m, "taken back for Slurm job 9: none of its CPUs is rfaas's (Slurm's CPU_IDs 4-7); 4 CPUs free for rfaas");
         assert!(!s.lock().draining);
         std::fs::remove_dir_all(&dir).unwrap();
@@ -1048,7 +1199,7 @@ mod tests {
         // A prolog that finds no ids it can read goes by its count.
         offer(s, 21);
         s.lock().slurm_asking.clear();
-        let m = retrieve(s, 21, 2, Duration::ZERO);
+        let m = retrieve(s, 21, 2, Duration::ZERO).finished();
         assert!(
             m.contains("CPUs 0,2 withheld (2 CPUs by the hook's count: Slurm shows job 21 on node \"node1\" without CPU ids it can read)"),
             "{m}"
