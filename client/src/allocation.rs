@@ -414,7 +414,7 @@ impl Allocation {
     /// that is not an error.
     pub fn deallocate(mut self) -> Result<()> {
         self.done = true;
-        if self.fate.ended() {
+        if self.fate.gone() {
             self.conn.forget(self.id);
             return Ok(());
         }
@@ -674,13 +674,24 @@ fn backoff(tries: &mut u32) {
     }
 }
 
-impl Drop for Allocation {
-    fn drop(&mut self) {
-        if !self.done && !self.fate.ended() {
+impl Allocation {
+    /// Asks the executor to end the allocation now without waiting for
+    /// its word, as a drop does; nothing is served on it afterwards.
+    pub(crate) fn let_go(&mut self) {
+        // A worker that refuses calls (its node is being taken back) is
+        // still there, holding its cores until it is told to end.
+        if !self.done && !self.fate.gone() {
             self.conn.deallocate_nowait(self.id);
         }
+        self.done = true;
         self.fate.set(FateState::Deallocated);
         self.conn.forget(self.id);
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.let_go();
     }
 }
 

@@ -427,8 +427,12 @@ impl LeasedAllocation {
         }
     }
 
-    /// Releases the lease, leases again preferring other nodes, and
-    /// allocates there in the same domain.
+    /// Releases the lease and the allocation, leases again preferring
+    /// other nodes, and allocates there in the same domain.
+    ///
+    /// The old allocation goes first, before the new one is sought: it
+    /// serves nothing more (its node refused, stopped or lost it, or a
+    /// Slurm job is taking its cores back and waits until it ends).
     fn move_elsewhere(&mut self) -> Result<()> {
         let node = {
             let mut current = lock(&self.keeper.shared.current);
@@ -439,6 +443,7 @@ impl LeasedAllocation {
             }
             current.node.clone()
         };
+        self.alloc.let_go();
         if !self.left.contains(&node) {
             self.left.push(node);
         }
@@ -469,7 +474,6 @@ impl LeasedAllocation {
             node: node.node,
             renewer: alloc.renewer(),
         };
-        // The old allocation is dropped here: best-effort deallocation.
         self.alloc = alloc;
         Ok(())
     }

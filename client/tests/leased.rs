@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions, LeasedAllocation, Mode};
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, wait_for_exit, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
@@ -222,6 +222,45 @@ fn a_dead_executor_is_left_for_another_node() {
     assert_eq!(states(&api, second), ["active"]);
     la.deallocate().unwrap();
     assert_eq!(states(&api, second), ["released"]);
+}
+
+/// A client whose node is taken back lets go of its allocation before it
+/// looks for another node, so the take-back need not wait out its grace
+/// even when no other node has room.
+#[test]
+fn a_moving_client_lets_go_of_its_allocation_first() {
+    let m = manager();
+    let a = executor(&m, "node-a");
+    let (managers, _) = managers(&m);
+    let options = LeaseOptions::default()
+        .retry_elsewhere(true)
+        .deadline(Duration::from_secs(4));
+    let mut la = managers
+        .allocate(&client(), &request(60, &[]), &spec(), &options)
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert_eq!(echo(&mut la, 1).unwrap(), 1);
+
+    let message = std::thread::scope(|scope| {
+        let drain = scope.spawn(|| a.local(LocalRequest::Drain { grace_ms: 2000 }));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !matches!(a.status(), LocalReply::Status { draining: true, .. }) {
+            assert!(Instant::now() < until, "node-a never drained");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // No node has room: the client's search fails, but its allocation
+        // on node-a ends before the drain's grace does.
+        assert!(echo(&mut la, 2).is_err());
+        match drain.join().unwrap() {
+            LocalReply::Done { message } => message,
+            other => panic!("the drain answered {other:?}"),
+        }
+    });
+    assert_eq!(
+        message,
+        "drained: 0 allocations stopped after the 2000 ms grace period",
+        "{}",
+        a.log()
+    );
 }
 
 #[test]
