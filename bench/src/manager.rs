@@ -817,11 +817,18 @@ fn raw_db_grant(
         };
         let pool = db::open(url, conns).await.map_err(raw_err)?;
         let store = Store::new(pool, Backend::of(url));
+        // SQLite's log is checkpointed off the commits' path, as a
+        // replica does it.
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        if Backend::of(url) == Backend::Sqlite {
+            tokio::spawn(db::checkpoints(url.to_owned(), stopped));
+        }
         let nodes: Vec<(String, u32)> = store
             .nodes()
             .await
             .map_err(raw_err)?
             .into_iter()
+            .map(|n| n.node)
             .filter(|n| n.state == NodeState::Up && n.leased_cores < n.cores)
             .map(|n| (n.name, n.cores - n.leased_cores))
             .collect();
@@ -835,6 +842,7 @@ fn raw_db_grant(
         let (samples, end) =
             raw_phase(&store, &nodes, &instances, accounts, clients, iters).await?;
         store.pool().close().await;
+        let _ = stop.send(true);
         let mut samples = samples;
         let summary =
             Summary::of(&mut samples).ok_or_else(|| Error::new("no samples were taken"))?;

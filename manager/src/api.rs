@@ -251,8 +251,9 @@ async fn register_node(
     check_name("node name", &name)?;
     node_or_admin(&c, &name)?;
     check_register(&body)?;
-    let node = app.store.register(&name, &body, now_ms()).await?;
-    app.view.upsert(node.clone());
+    let read = app.store.register(&name, &body, now_ms()).await?;
+    let node = read.node.clone();
+    app.view.upsert(read);
     tracing::info!(node = %name, cores = body.cores, addr = %body.control_addr, "node registered");
     Ok(Json(Registered {
         node,
@@ -306,7 +307,8 @@ async fn list_nodes(
 ) -> ApiResult<Json<Vec<NodeView>>> {
     caller(&app, &headers).await?;
     if q.fresh {
-        return Ok(Json(app.store.nodes().await?));
+        let read = app.store.nodes().await?;
+        return Ok(Json(read.into_iter().map(|n| n.node).collect()));
     }
     Ok(Json(app.view.all()))
 }
@@ -335,12 +337,13 @@ async fn set_drained(
 ) -> ApiResult<Json<NodeView>> {
     admin_only(&caller(app, headers).await?)?;
     check_name("node name", name)?;
-    let node = app
+    let read = app
         .store
         .set_drained(name, drained)
         .await?
         .ok_or_else(|| ApiFailure::not_found(format!("no node is named {name:?}")))?;
-    app.view.upsert(node.clone());
+    let node = read.node.clone();
+    app.view.upsert(read);
     tracing::info!(node = %name, drained, "node state set by an admin");
     Ok(Json(node))
 }
@@ -497,7 +500,6 @@ async fn request_lease(
     }
     match outcome {
         GrantOutcome::Granted { grant_id, leases } => {
-            app.view.apply(&leases, true);
             app.view.apply_slots(&leases);
             app.metrics.grants.inc();
             let unbilled = leases.iter().filter(|l| l.billing.is_none()).count();
@@ -697,7 +699,6 @@ async fn release_lease(
         // unknown, someone else's, or already over (not an error).
         owned_grant(&app, &c, id).await?;
     }
-    app.view.apply(&ended, false);
     if !ended.is_empty() {
         tracing::info!(grant_id = id, by = %c.subject(), "lease released");
     }
@@ -879,7 +880,6 @@ async fn end_job(
     for id in &revoked {
         app.auth.forget(id);
     }
-    app.view.apply(&ended, false);
     if !revoked.is_empty() || !ended.is_empty() {
         tracing::info!(job_id, credentials = revoked.len(), leases = ended.len(), by = %c.subject(), "Slurm job ended");
     }

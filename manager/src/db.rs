@@ -256,7 +256,25 @@ CREATE INDEX credentials_by_job ON credentials (job_id);
 CREATE INDEX leases_by_job ON leases (job_id, state);
 ",
     ),
+    (
+        4,
+        "Nodes count the changes to their leased counters",
+        "
+ALTER TABLE nodes ADD COLUMN lease_seq BIGINT NOT NULL DEFAULT 0;
+",
+    ),
 ];
+
+/// How often [`checkpoints`] copies SQLite's write-ahead log into the
+/// database file. Often, so each one has little to sync: a checkpoint's
+/// syncs stall the commits appending to the log meanwhile, for longer the
+/// more it copies (docs/benchmarks.md, "SQLite checkpoints").
+pub const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// The write-ahead log's size, in pages, at which a committing connection
+/// checkpoints by itself: a backstop for a file no [`checkpoints`] task
+/// looks after (SQLite's default is 1000, about 4 MiB).
+const AUTOCHECKPOINT_PAGES: u32 = 16_384;
 
 /// Opens a pool on `url` and brings the schema up to date.
 ///
@@ -287,6 +305,14 @@ pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
                     sqlx::query("PRAGMA synchronous = NORMAL")
                         .execute(&mut *conn)
                         .await?;
+                    // A checkpoint writes the log's pages back and syncs
+                    // the file: milliseconds a commit would wait for. The
+                    // checkpoints task does it off the requests' path.
+                    sqlx::query(&format!(
+                        "PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}"
+                    ))
+                    .execute(&mut *conn)
+                    .await?;
                 }
                 Ok(())
             })
@@ -301,6 +327,32 @@ pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
     }
     migrate(&pool, backend).await?;
     Ok(pool)
+}
+
+/// Checkpoints the SQLite database at `url` every [`CHECKPOINT_EVERY`],
+/// on a connection of its own, until `stop` says so. `PASSIVE`: it copies
+/// what no reader still needs and never blocks a writer, so commits stay
+/// appends to the log. Connections opened by [`open`] checkpoint by
+/// themselves only when the log passes a large backstop.
+pub async fn checkpoints(url: String, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut conn: Option<AnyPool> = None;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {}
+            _ = stop.changed() => return,
+        }
+        if conn.is_none() {
+            conn = open(&url, 1).await.ok();
+        }
+        let Some(pool) = &conn else { continue };
+        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .fetch_all(pool)
+            .await
+        {
+            tracing::debug!(error = %e, "checkpoint failed; reconnecting");
+            conn = None;
+        }
+    }
 }
 
 async fn migrate(pool: &AnyPool, backend: Backend) -> Result<(), DbError> {
@@ -365,4 +417,52 @@ pub fn text_col(row: &AnyRow, name: &str) -> Result<String, DbError> {
 /// Converts a count for a `BIGINT` parameter.
 pub fn i(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Commits stay in the log until the checkpoints task copies them into
+    /// the database file.
+    #[tokio::test]
+    async fn the_checkpoints_task_moves_the_log_into_the_file() {
+        let dir = std::env::temp_dir().join(format!("rfaas-ckpt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("m.db");
+        let url = format!("sqlite://{}", file.display());
+        let pool = open(&url, 1).await.unwrap();
+        sqlx::query("CREATE TABLE filler (v TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let text = "x".repeat(4000);
+        for _ in 0..500 {
+            sqlx::query("INSERT INTO filler (v) VALUES ($1)")
+                .bind(&text)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let size = || std::fs::metadata(&file).unwrap().len();
+        let before = size();
+        // Two megabytes committed, under the backstop: all in the log.
+        assert!(before < 1 << 20, "the file has {before} bytes already");
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(checkpoints(url.clone(), stopped));
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while size() < 2 << 20 {
+            assert!(
+                std::time::Instant::now() < until,
+                "no checkpoint: the file stays at {} bytes",
+                size()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stop.send(true).unwrap();
+        task.await.unwrap();
+        pool.close().await;
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -15,6 +15,8 @@
 //!   concurrency.
 //! - [`view`]: each replica's in-memory view of the nodes, which placement
 //!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
+//! - [`announce`]: grants' and releases' counters for the other replicas,
+//!   a batch every few milliseconds.
 //! - [`auth`]: the admin token and node and user credentials.
 //! - [`signer`]: the key that signs lease tokens.
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
@@ -24,8 +26,10 @@
 //! and accounting instances), end expired leases, and mark nodes lost
 //! that stopped heartbeating (only once the replica itself has reached the
 //! database for `lost_after`, so a database outage never loses every
-//! node).
+//! node); on SQLite also checkpoint the write-ahead log
+//! ([`db::checkpoints`]).
 
+pub mod announce;
 pub mod api;
 pub mod auth;
 pub mod config;
@@ -71,8 +75,8 @@ pub struct App {
     pub settings: Settings,
     /// The database.
     pub store: Store,
-    /// The view of the nodes.
-    pub view: View,
+    /// The view of the nodes (the store applies its commits to it).
+    pub view: Arc<View>,
     /// Credential checks.
     pub auth: Auth,
     /// Metrics.
@@ -118,8 +122,8 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let pool = db::open(&settings.database, settings.max_connections)
         .await
         .with_context(|| format!("open the database ({})", backend.name()))?;
-    let store = Store::new(pool, backend);
-    let view = View::default();
+    let view = Arc::new(View::default());
+    let store = Store::new(pool, backend).with_view(view.clone());
     view.replace_all(store.nodes().await?);
     view.replace_instances(store.accounting_instances().await?);
     let listener = tokio::net::TcpListener::bind(&settings.listen)
@@ -143,6 +147,10 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         }
         Backend::Sqlite => {
             tokio::spawn(watch_loop(app.clone(), stop.subscribe()));
+            tokio::spawn(db::checkpoints(
+                app.settings.database.clone(),
+                stop.subscribe(),
+            ));
         }
     }
     let router = api::router(app.clone());
@@ -283,12 +291,12 @@ async fn watch_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>)
     }
 }
 
-/// Follows the notices on `rfaas_nodes`. A grant's or release's notice
-/// carries the nodes' leased counters after its commit, which go straight
-/// into the view (this replica's own too: notices arrive in commit order).
-/// Other changes name the nodes, which are read again: the notices that
-/// queued up meanwhile together, in one query; this replica's own are
-/// skipped (it applied those changes to its view when it made them).
+/// Follows the notices on `rfaas_nodes`. A batch of grants and releases
+/// carries the nodes' leased counters with their `lease_seq`, which go
+/// straight into the view (newer ones only). Other changes name the
+/// nodes, which are read again: the notices that queued up meanwhile
+/// together, in one query. This replica's own notices are skipped (it
+/// applied those changes to its view when it made them).
 async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
     use sqlx::postgres::PgListener;
     loop {
@@ -320,24 +328,24 @@ async fn listen_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>
                     let mut take = |payload: &str| {
                         let (origin, entries) = store::notice(payload);
                         let own = origin == Some(app.store.origin());
+                        if own {
+                            return;
+                        }
                         for e in entries {
                             match e {
-                                // Counters after a grant or release, in
-                                // commit order: this replica's own too,
-                                // which it applied only as a difference.
                                 store::Announced::Leased {
                                     node,
                                     cores,
                                     memory_mib,
+                                    seq,
                                 } => {
-                                    if !app.view.set_leased(node, cores, memory_mib) {
+                                    if !app.view.set_leased(node, cores, memory_mib, seq) {
                                         names.insert(node.to_owned());
                                     }
                                 }
-                                store::Announced::Changed(node) if !own => {
+                                store::Announced::Changed(node) => {
                                     names.insert(node.to_owned());
                                 }
-                                store::Announced::Changed(_) => {}
                             }
                         }
                     };

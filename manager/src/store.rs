@@ -4,6 +4,7 @@
 //! for both databases, conditional updates for counters, lock order).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use rfaas_proto::accounting::BillingSlot;
 use rfaas_proto::manager::{
@@ -13,10 +14,23 @@ use rfaas_proto::manager::{
 use sqlx::any::AnyRow;
 use sqlx::{Any, AnyPool, Row, Transaction};
 
+use crate::announce::{Announcer, Leased};
 use crate::db::{i, text_col, u64_col, Backend, DbError};
+use crate::view::View;
 
 /// The columns of a node, in the order [`node_from_row`] reads them.
-const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores";
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, lease_seq";
+
+/// A node as stored: what the API shows, and how many grants and releases
+/// have changed its leased counters (`lease_seq`), which orders the
+/// counters replicas hear of out of commit order (see [`crate::announce`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredNode {
+    /// The node.
+    pub node: NodeView,
+    /// Its `lease_seq` when read.
+    pub lease_seq: u64,
+}
 
 /// The columns of a lease, in the order [`lease_from_row`] reads them.
 const LEASE_COLS: &str =
@@ -156,6 +170,10 @@ pub struct Store {
     backend: Backend,
     /// This replica's name in its notices: random per process.
     origin: String,
+    /// Where committed leased counters go: this replica's view, if it has
+    /// one ([`Store::with_view`]), and the other replicas, on PostgreSQL.
+    announcer: Option<Arc<Announcer>>,
+    view: Option<Arc<View>>,
 }
 
 /// What a notice on `rfaas_nodes` says of one node.
@@ -163,13 +181,15 @@ pub struct Store {
 pub enum Announced<'a> {
     /// `<node>`: it changed; read it again.
     Changed(&'a str),
-    /// `<node>=<cores>/<memory_mib>`: what it has leased since this
-    /// commit (a grant or a release), nothing else changed. Notices arrive
-    /// in commit order, so the last one read is the node's state.
+    /// `<node>=<cores>/<memory_mib>/<seq>`: what it has leased since the
+    /// commit that set its `lease_seq` to `seq` (a grant or a release),
+    /// nothing else changed. Batches arrive out of commit order: the
+    /// highest `seq` is the node's state.
     Leased {
         node: &'a str,
         cores: u32,
         memory_mib: u64,
+        seq: u64,
     },
 }
 
@@ -183,11 +203,15 @@ impl<'a> Announced<'a> {
 
     fn parse(entry: &'a str) -> Announced<'a> {
         let leased = entry.split_once('=').and_then(|(node, counts)| {
-            let (cores, mem) = counts.split_once('/')?;
-            Some(Announced::Leased {
+            let mut counts = counts.split('/');
+            let cores = counts.next()?.parse().ok()?;
+            let memory_mib = counts.next()?.parse().ok()?;
+            let seq = counts.next()?.parse().ok()?;
+            counts.next().is_none().then_some(Announced::Leased {
                 node,
-                cores: cores.parse().ok()?,
-                memory_mib: mem.parse().ok()?,
+                cores,
+                memory_mib,
+                seq,
             })
         });
         // Anything else names a node to read again (node names have no
@@ -215,15 +239,17 @@ pub fn notice(payload: &str) -> (Option<&str>, Vec<Announced<'_>>) {
     )
 }
 
-/// A node's `leased_cores, leased_memory_mib`.
-fn leased_cols(row: &AnyRow) -> Result<(u32, u64), DbError> {
-    Ok((
-        u64_col(row, "leased_cores")? as u32,
-        u64_col(row, "leased_memory_mib")?,
-    ))
+/// `node`'s `leased_cores, leased_memory_mib, lease_seq`.
+fn leased_cols(node: &str, row: &AnyRow) -> Result<Leased, DbError> {
+    Ok(Leased {
+        node: node.to_owned(),
+        cores: u64_col(row, "leased_cores")? as u32,
+        memory_mib: u64_col(row, "leased_memory_mib")?,
+        seq: u64_col(row, "lease_seq")?,
+    })
 }
 
-fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
+fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
     let admin: String = text_col(row, "admin_state")?;
     let lost = u64_col(row, "lost")? != 0;
     let state = if lost {
@@ -235,7 +261,7 @@ fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
     };
     let providers: Vec<NodeProvider> = serde_json::from_str(&text_col(row, "providers")?)
         .map_err(|e| DbError::Other(format!("stored providers: {e}")))?;
-    Ok(NodeView {
+    let node = NodeView {
         name: text_col(row, "name")?,
         state,
         control_addr: text_col(row, "control_addr")?,
@@ -247,6 +273,10 @@ fn node_from_row(row: &AnyRow) -> Result<NodeView, DbError> {
         last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
         harvested: u64_col(row, "harvested")? != 0,
         withheld_cores: u64_col(row, "withheld_cores")? as u32,
+    };
+    Ok(StoredNode {
+        node,
+        lease_seq: u64_col(row, "lease_seq")?,
     })
 }
 
@@ -298,10 +328,34 @@ pub fn new_id() -> u64 {
 impl Store {
     /// Wraps an open, migrated pool.
     pub fn new(pool: AnyPool, backend: Backend) -> Store {
+        let origin = format!("{:016x}", fastrand::u64(..));
         Store {
+            announcer: (backend == Backend::Postgres)
+                .then(|| Arc::new(Announcer::new(pool.clone(), origin.clone()))),
             pool,
             backend,
-            origin: format!("{:016x}", fastrand::u64(..)),
+            origin,
+            view: None,
+        }
+    }
+
+    /// This store, applying every grant's and release's counters to `view`
+    /// as it commits them.
+    pub fn with_view(mut self, view: Arc<View>) -> Store {
+        self.view = Some(view);
+        self
+    }
+
+    /// After a commit: the leased counters it left go into this replica's
+    /// view at once and to the other replicas with the next batch.
+    fn committed(&self, leased: &[Leased]) {
+        if let Some(view) = &self.view {
+            for l in leased {
+                view.set_leased(&l.node, l.cores, l.memory_mib, l.seq);
+            }
+        }
+        if let Some(a) = &self.announcer {
+            a.queue(leased);
         }
     }
 
@@ -332,22 +386,6 @@ impl Store {
         self.announce(tx, nodes.join(",")).await
     }
 
-    /// As [`notify`](Self::notify), for grants and releases: with each
-    /// node's leased counters after this transaction (`(node, cores,
-    /// memory_mib)`), so the replicas update their views without reading
-    /// the nodes again.
-    async fn notify_leased(
-        &self,
-        tx: &mut Transaction<'static, Any>,
-        nodes: &[(&str, u32, u64)],
-    ) -> Result<(), DbError> {
-        let entries: Vec<String> = nodes
-            .iter()
-            .map(|(n, cores, mem)| format!("{n}={cores}/{mem}"))
-            .collect();
-        self.announce(tx, entries.join(",")).await
-    }
-
     async fn announce(
         &self,
         tx: &mut Transaction<'static, Any>,
@@ -374,7 +412,7 @@ impl Store {
         name: &str,
         r: &RegisterNode,
         now_ms: u64,
-    ) -> Result<NodeView, DbError> {
+    ) -> Result<StoredNode, DbError> {
         let providers = serde_json::to_string(&r.providers).expect("providers serialise");
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
@@ -409,7 +447,7 @@ impl Store {
         name: &str,
         h: &Heartbeat,
         now_ms: u64,
-    ) -> Result<Option<(NodeView, Vec<u64>)>, DbError> {
+    ) -> Result<Option<(StoredNode, Vec<u64>)>, DbError> {
         let mut tx = self.pool.begin().await?;
         // A lost node that heartbeats again is back: other replicas must
         // hear of it, as of nothing else a heartbeat changes.
@@ -471,7 +509,7 @@ impl Store {
         &self,
         name: &str,
         drained: bool,
-    ) -> Result<Option<NodeView>, DbError> {
+    ) -> Result<Option<StoredNode>, DbError> {
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
             "UPDATE nodes SET admin_state = $2 WHERE name = $1 RETURNING {NODE_COLS}"
@@ -489,7 +527,7 @@ impl Store {
     }
 
     /// Every node, by name.
-    pub async fn nodes(&self) -> Result<Vec<NodeView>, DbError> {
+    pub async fn nodes(&self) -> Result<Vec<StoredNode>, DbError> {
         sqlx::query(&format!("SELECT {NODE_COLS} FROM nodes ORDER BY name"))
             .fetch_all(&self.pool)
             .await?
@@ -499,7 +537,7 @@ impl Store {
     }
 
     /// Some nodes by name (missing ones left out), 500 to a query.
-    pub async fn nodes_named(&self, names: &[&str]) -> Result<Vec<NodeView>, DbError> {
+    pub async fn nodes_named(&self, names: &[&str]) -> Result<Vec<StoredNode>, DbError> {
         let mut out = Vec::new();
         for chunk in names.chunks(500) {
             let marks: Vec<String> = (1..=chunk.len()).map(|k| format!("${k}")).collect();
@@ -584,13 +622,13 @@ impl Store {
             }
         }
         let mut got: Vec<(&str, u32)> = Vec::new();
-        // Each node's leased counters after this grant, for the notice.
-        let mut leased: Vec<(&str, u32, u64)> = Vec::new();
+        // Each node's leased counters after this grant.
+        let mut leased: Vec<Leased> = Vec::new();
         let mut total = 0u32;
         for (name, take) in &chosen {
-            if let Some((cores, mem)) = self.take(&mut tx, name, *take, plan.memory_mib).await? {
+            if let Some(counters) = self.take(&mut tx, name, *take, plan.memory_mib).await? {
                 got.push((name, *take));
-                leased.push((name, cores, mem));
+                leased.push(counters);
                 total += take;
             }
         }
@@ -619,9 +657,9 @@ impl Store {
                 if take == 0 {
                     continue;
                 }
-                if let Some((cores, mem)) = self.take(&mut tx, name, take, plan.memory_mib).await? {
+                if let Some(counters) = self.take(&mut tx, name, take, plan.memory_mib).await? {
                     got.push((name, take));
-                    leased.push((name, cores, mem));
+                    leased.push(counters);
                     total += take;
                 }
             }
@@ -693,42 +731,43 @@ impl Store {
                 billing,
             });
         }
-        leased.sort_unstable();
-        self.notify_leased(&mut tx, &leased).await?;
         tx.commit().await?;
+        self.committed(&leased);
         Ok(GrantOutcome::Granted { grant_id, leases })
     }
 
-    /// Leases `cores` and `memory_mib` on `node` if they fit.
+    /// Leases `cores` and `memory_mib` on `node` if they fit; the node's
+    /// counters after.
     async fn take(
         &self,
         tx: &mut Transaction<'static, Any>,
         node: &str,
         cores: u32,
         memory_mib: u64,
-    ) -> Result<Option<(u32, u64)>, DbError> {
+    ) -> Result<Option<Leased>, DbError> {
         sqlx::query(
-            "UPDATE nodes SET leased_cores = leased_cores + $2, leased_memory_mib = leased_memory_mib + $3
+            "UPDATE nodes SET leased_cores = leased_cores + $2, leased_memory_mib = leased_memory_mib + $3,
+                lease_seq = lease_seq + 1
              WHERE name = $1 AND admin_state = 'up' AND lost = 0
                AND leased_cores + withheld_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib
-             RETURNING leased_cores, leased_memory_mib",
+             RETURNING leased_cores, leased_memory_mib, lease_seq",
         )
         .bind(node)
         .bind(i(cores.into()))
         .bind(i(memory_mib))
         .fetch_optional(&mut **tx)
         .await?
-        .as_ref()
-        .map(leased_cols)
+        .map(|row| leased_cols(node, &row))
         .transpose()
     }
 
     /// Gives back what ended leases held: accounts, then nodes by name.
+    /// Returns the nodes' counters after.
     async fn give_back(
         &self,
         tx: &mut Transaction<'static, Any>,
         ended: &[LeaseRow],
-    ) -> Result<(), DbError> {
+    ) -> Result<Vec<Leased>, DbError> {
         let mut accounts: BTreeMap<&str, u64> = BTreeMap::new();
         let mut nodes: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
         for l in ended {
@@ -747,8 +786,9 @@ impl Store {
         let mut leased = Vec::with_capacity(nodes.len());
         for (node, (cores, mem)) in &nodes {
             let row = sqlx::query(
-                "UPDATE nodes SET leased_cores = leased_cores - $2, leased_memory_mib = leased_memory_mib - $3 WHERE name = $1
-                 RETURNING leased_cores, leased_memory_mib",
+                "UPDATE nodes SET leased_cores = leased_cores - $2, leased_memory_mib = leased_memory_mib - $3,
+                    lease_seq = lease_seq + 1 WHERE name = $1
+                 RETURNING leased_cores, leased_memory_mib, lease_seq",
             )
             .bind(*node)
             .bind(i(*cores))
@@ -756,11 +796,10 @@ impl Store {
             .fetch_optional(&mut **tx)
             .await?;
             if let Some(row) = row {
-                let (c, m) = leased_cols(&row)?;
-                leased.push((*node, c, m));
+                leased.push(leased_cols(node, &row)?);
             }
         }
-        self.notify_leased(tx, &leased).await
+        Ok(leased)
     }
 
     /// Ends the leases `update` (an `UPDATE leases ... RETURNING
@@ -772,25 +811,28 @@ impl Store {
         update: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>,
     ) -> Result<Vec<LeaseRow>, DbError> {
         let mut tx = self.pool.begin().await?;
-        let ended = self.end_leases_in(&mut tx, update).await?;
+        let (ended, leased) = self.end_leases_in(&mut tx, update).await?;
         tx.commit().await?;
+        self.committed(&leased);
         Ok(ended)
     }
 
-    /// As [`end_leases`](Self::end_leases), inside transaction `tx`.
+    /// As [`end_leases`](Self::end_leases), inside transaction `tx`; also
+    /// the nodes' counters, for [`committed`](Self::committed) after the
+    /// commit.
     async fn end_leases_in<'q>(
         &self,
         tx: &mut Transaction<'static, Any>,
         update: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments<'q>>,
-    ) -> Result<Vec<LeaseRow>, DbError> {
+    ) -> Result<(Vec<LeaseRow>, Vec<Leased>), DbError> {
         let ended = update
             .fetch_all(&mut **tx)
             .await?
             .iter()
             .map(lease_from_row)
             .collect::<Result<Vec<_>, _>>()?;
-        self.give_back(tx, &ended).await?;
-        Ok(ended)
+        let leased = self.give_back(tx, &ended).await?;
+        Ok((ended, leased))
     }
 
     /// Ends grant `grant_id`'s active leases as `state`. Returns what it
@@ -1107,7 +1149,7 @@ impl Store {
         let sql = format!(
             "UPDATE leases SET state = 'released', ended_ms = $2 WHERE job_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
         );
-        let ended = self
+        let (ended, leased) = self
             .end_leases_in(&mut tx, sqlx::query(&sql).bind(i(job_id)).bind(i(now_ms)))
             .await?;
         // Credentials last: leases, accounts and nodes keep their lock
@@ -1122,6 +1164,7 @@ impl Store {
         .map(|r| text_col(r, "id"))
         .collect::<Result<Vec<_>, _>>()?;
         tx.commit().await?;
+        self.committed(&leased);
         Ok((revoked, ended))
     }
 
@@ -1256,29 +1299,36 @@ mod tests {
         // From a replica that did not say who it is: reloaded by every one.
         assert_eq!(notice("n1,n2"), (None, vec![Changed("n1"), Changed("n2")]));
         assert_eq!(notice("00ab:"), (Some("00ab"), vec![]));
-        // Grants and releases carry the node's counters after the commit.
+        // Grants and releases carry the node's counters after the commit
+        // and its lease_seq.
         assert_eq!(
-            notice("00ab:n1=3/4096,n2=0/0"),
+            notice("00ab:n1=3/4096/17,n2=0/0/2"),
             (
                 Some("00ab"),
                 vec![
                     Leased {
                         node: "n1",
                         cores: 3,
-                        memory_mib: 4096
+                        memory_mib: 4096,
+                        seq: 17
                     },
                     Leased {
                         node: "n2",
                         cores: 0,
-                        memory_mib: 0
+                        memory_mib: 0,
+                        seq: 2
                     }
                 ]
             )
         );
-        // What cannot be read names a node to read again.
+        // What cannot be read, or counters without their seq (a replica
+        // of an older release), names a node to read again.
         assert_eq!(
-            notice("00ab:n1=x/1,n2=3"),
-            (Some("00ab"), vec![Changed("n1"), Changed("n2")])
+            notice("00ab:n1=x/1/1,n2=3,n3=3/4096,n4=1/2/3/4"),
+            (
+                Some("00ab"),
+                vec![Changed("n1"), Changed("n2"), Changed("n3"), Changed("n4")]
+            )
         );
         assert_eq!(Changed("n1").node(), "n1");
     }

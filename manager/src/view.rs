@@ -4,9 +4,17 @@
 //! The view is a cache, never the truth: a grant's conditional updates in
 //! the database decide. It is kept fresh three ways: this replica applies
 //! its own changes at once; on PostgreSQL every change is announced on the
-//! `rfaas_nodes` channel (`LISTEN/NOTIFY`) and each other replica reloads
-//! the nodes named; and every `refresh_ms` each replica reloads all nodes,
-//! which also covers notifications lost while a connection was down.
+//! `rfaas_nodes` channel (`LISTEN/NOTIFY`): a registration, heartbeat or
+//! drain names the node and each other replica reloads it, and grants and
+//! releases send the nodes' leased counters in batches
+//! ([`crate::announce`]); and every `refresh_ms` each replica reloads all
+//! nodes, which also covers notifications lost while a connection was
+//! down.
+//!
+//! Leased counters carry the node's `lease_seq`, and the view keeps the
+//! counters with the highest one it has seen, whatever arrives in which
+//! order: a batch, this replica's own commit, or a reload that read the
+//! row before a commit the view already has.
 //!
 //! It also holds the accounting instances (`accounting_instances`, which
 //! the accounting services write), reloaded with the nodes every
@@ -18,13 +26,29 @@ use std::sync::RwLock;
 
 use rfaas_proto::manager::{NodeState, NodeView};
 
-use crate::store::{AccountingInstance, LeaseRow};
+use crate::store::{AccountingInstance, LeaseRow, StoredNode};
 
 /// The view.
 #[derive(Debug, Default)]
 pub struct View {
-    nodes: RwLock<HashMap<String, NodeView>>,
+    nodes: RwLock<HashMap<String, StoredNode>>,
     instances: RwLock<Vec<AccountingInstance>>,
+}
+
+/// `read` as the view takes it over `held`: all of it, but the leased
+/// counters only if they are newer.
+fn merge(read: StoredNode, held: Option<&StoredNode>) -> StoredNode {
+    match held {
+        Some(h) if h.lease_seq > read.lease_seq => StoredNode {
+            node: NodeView {
+                leased_cores: h.node.leased_cores,
+                leased_memory_mib: h.node.leased_memory_mib,
+                ..read.node
+            },
+            lease_seq: h.lease_seq,
+        },
+        _ => read,
+    }
 }
 
 /// Cores of `n` neither leased nor withheld by the node.
@@ -35,28 +59,41 @@ fn lendable(n: &NodeView) -> u32 {
 }
 
 impl View {
-    /// Replaces the whole view.
-    pub fn replace_all(&self, nodes: Vec<NodeView>) {
-        let map = nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
-        *self.nodes.write().unwrap_or_else(|p| p.into_inner()) = map;
+    /// Replaces the whole view with what was read (the nodes not read are
+    /// gone), keeping newer leased counters.
+    pub fn replace_all(&self, read: Vec<StoredNode>) {
+        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+        let map = read
+            .into_iter()
+            .map(|n| {
+                let name = n.node.name.clone();
+                let n = merge(n, nodes.get(&name));
+                (name, n)
+            })
+            .collect();
+        *nodes = map;
     }
 
-    /// Adds or replaces one node.
-    pub fn upsert(&self, node: NodeView) {
-        self.nodes
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(node.name.clone(), node);
+    /// Adds or replaces one node, keeping newer leased counters.
+    pub fn upsert(&self, read: StoredNode) {
+        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+        let name = read.node.name.clone();
+        let n = merge(read, nodes.get(&name));
+        nodes.insert(name, n);
     }
 
-    /// Sets what `name` has leased, as a grant's or release's notice
-    /// says; `false` when the view does not know the node.
-    pub fn set_leased(&self, name: &str, cores: u32, memory_mib: u64) -> bool {
+    /// Sets what `name` has leased after the commit that set its
+    /// `lease_seq` to `seq`, unless the view has a later one; `false` when
+    /// the view does not know the node.
+    pub fn set_leased(&self, name: &str, cores: u32, memory_mib: u64, seq: u64) -> bool {
         let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
         match nodes.get_mut(name) {
             Some(n) => {
-                n.leased_cores = cores;
-                n.leased_memory_mib = memory_mib;
+                if seq > n.lease_seq {
+                    n.node.leased_cores = cores;
+                    n.node.leased_memory_mib = memory_mib;
+                    n.lease_seq = seq;
+                }
                 true
             }
             None => false,
@@ -69,7 +106,7 @@ impl View {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(name)
-            .cloned()
+            .map(|n| n.node.clone())
     }
 
     /// Every node, by name.
@@ -79,7 +116,7 @@ impl View {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .values()
-            .cloned()
+            .map(|n| n.node.clone())
             .collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
@@ -97,12 +134,13 @@ impl View {
         };
         let mut out: Vec<(String, u32)> = preferred
             .iter()
-            .filter_map(|p| nodes.get(p))
+            .filter_map(|p| nodes.get(p).map(|n| &n.node))
             .filter(|n| fits(n))
             .map(|n| (n.name.clone(), lendable(n)))
             .collect();
         let mut rest: Vec<(String, u32)> = nodes
             .values()
+            .map(|n| &n.node)
             .filter(|n| fits(n) && !preferred.contains(&n.name))
             .map(|n| (n.name.clone(), lendable(n)))
             .collect();
@@ -171,22 +209,6 @@ impl View {
             }
         }
     }
-
-    /// Applies leases this replica granted (`sign` 1) or ended (`sign` -1).
-    pub fn apply(&self, leases: &[LeaseRow], granted: bool) {
-        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
-        for l in leases {
-            if let Some(n) = nodes.get_mut(&l.view.node) {
-                if granted {
-                    n.leased_cores = n.leased_cores.saturating_add(l.view.cores);
-                    n.leased_memory_mib = n.leased_memory_mib.saturating_add(l.view.memory_mib);
-                } else {
-                    n.leased_cores = n.leased_cores.saturating_sub(l.view.cores);
-                    n.leased_memory_mib = n.leased_memory_mib.saturating_sub(l.view.memory_mib);
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -209,6 +231,13 @@ mod tests {
         }
     }
 
+    fn read(nodes: Vec<NodeView>) -> Vec<StoredNode> {
+        nodes
+            .into_iter()
+            .map(|node| StoredNode { node, lease_seq: 0 })
+            .collect()
+    }
+
     #[test]
     fn withheld_cores_are_not_offered() {
         let v = View::default();
@@ -216,20 +245,20 @@ mod tests {
         a.withheld_cores = 2;
         let mut b = node("b", 4, 0, NodeState::Up);
         b.withheld_cores = 4;
-        v.replace_all(vec![a, b]);
+        v.replace_all(read(vec![a, b]));
         assert_eq!(v.candidates(1, &[]), [("a".to_string(), 1)]);
     }
 
     #[test]
     fn candidates_put_preferences_first_and_skip_what_cannot_serve() {
         let v = View::default();
-        v.replace_all(vec![
+        v.replace_all(read(vec![
             node("a", 4, 0, NodeState::Up),
             node("b", 4, 4, NodeState::Up),
             node("c", 4, 1, NodeState::Up),
             node("d", 4, 0, NodeState::Drained),
             node("e", 4, 0, NodeState::Lost),
-        ]);
+        ]));
         let c = v.candidates(64, &["c".into(), "d".into(), "zz".into()]);
         assert_eq!(c[0], ("c".to_string(), 3));
         assert_eq!(c.len(), 2, "{c:?}");
@@ -238,28 +267,50 @@ mod tests {
     }
 
     #[test]
-    fn announced_counters_replace_the_views() {
+    fn the_newest_leased_counters_win_whatever_their_order() {
         let v = View::default();
-        v.replace_all(vec![node("a", 4, 1, NodeState::Up)]);
-        // Its own grant, as a difference, then the commit's counters.
-        v.apply(&[], true);
-        assert!(v.set_leased("a", 4, 512));
-        assert_eq!(
-            v.get("a").map(|n| (n.leased_cores, n.leased_memory_mib)),
-            Some((4, 512))
-        );
+        let leased = |v: &View| v.get("a").map(|n| (n.leased_cores, n.leased_memory_mib));
+        v.replace_all(read(vec![node("a", 4, 1, NodeState::Up)]));
+        // A grant's commit (seq 3), then an older batch (seq 2): kept.
+        assert!(v.set_leased("a", 4, 512, 3));
+        assert!(v.set_leased("a", 2, 256, 2));
+        assert_eq!(leased(&v), Some((4, 512)));
         assert!(v.candidates(64, &[]).is_empty(), "a is full");
-        assert!(!v.set_leased("zz", 1, 1), "an unknown node is read instead");
+        // A reload that read the row before seq 3: its other fields, not
+        // its counters.
+        let mut old = node("a", 8, 2, NodeState::Up);
+        old.withheld_cores = 1;
+        v.replace_all(vec![StoredNode {
+            node: old.clone(),
+            lease_seq: 2,
+        }]);
+        assert_eq!(leased(&v), Some((4, 512)));
+        assert_eq!(
+            v.get("a").map(|n| (n.cores, n.withheld_cores)),
+            Some((8, 1))
+        );
+        assert_eq!(v.candidates(64, &[]), [("a".to_string(), 3)]);
+        // A heartbeat's read after a release (seq 4) takes over.
+        old.leased_cores = 0;
+        v.upsert(StoredNode {
+            node: old,
+            lease_seq: 4,
+        });
+        assert_eq!(leased(&v), Some((0, 0)));
+        assert!(
+            !v.set_leased("zz", 1, 1, 1),
+            "an unknown node is read instead"
+        );
     }
 
     #[test]
     fn placement_spreads_over_the_nodes_that_fit() {
         let v = View::default();
-        v.replace_all(
+        v.replace_all(read(
             (0..8)
                 .map(|k| node(&format!("n{k}"), 2, 0, NodeState::Up))
                 .collect(),
-        );
+        ));
         let firsts: std::collections::HashSet<String> = (0..200)
             .map(|_| v.candidates(1, &[])[0].0.clone())
             .collect();
