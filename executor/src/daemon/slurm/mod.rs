@@ -234,6 +234,25 @@ impl Retrieval {
     }
 }
 
+/// The nice value of the daemon's threads that ask Slurm off any job's
+/// path: the early-answered take-backs and the reconciliation.
+const SLURM_QUERY_NICE: libc::c_int = 10;
+
+/// Lowers the calling thread's CPU priority to [`SLURM_QUERY_NICE`], and
+/// so that of the `scontrol` it starts (a child inherits its thread's
+/// nice value): a job launching on the node's CPUs gets them first. A
+/// failure is logged, not fatal.
+fn yield_to_slurm() {
+    // SAFETY: `gettid` and `setpriority` on this thread only.
+    let done = unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, SLURM_QUERY_NICE)
+    };
+    if done != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "cannot lower this thread's priority");
+    }
+}
+
 /// Slurm job `job` starts here (its prolog): withholds its CPUs at once,
 /// lets the allocations on them run for what is left of `grace` (counted
 /// from now), then ends them.
@@ -266,7 +285,12 @@ pub(crate) fn retrieve(shared: &Arc<Shared>, job: u64, cpus: u32, grace: Duratio
         let on = Arc::clone(shared);
         let settling = std::thread::Builder::new()
             .name(format!("take-back-{job}"))
-            .spawn(move || settle(&on, asking, job, cpus, grace, start));
+            .spawn(move || {
+                // The job is starting on this node's CPUs meanwhile:
+                // `scontrol` and the rest yield to its launch.
+                yield_to_slurm();
+                settle(&on, asking, job, cpus, grace, start)
+            });
         match settling {
             Ok(t) => {
                 let message = format!(
@@ -704,6 +728,7 @@ pub(crate) fn run(shared: Arc<Shared>) {
         return;
     }
     let interval = Duration::from_millis(slurm.reconcile_interval_ms);
+    yield_to_slurm();
     let mut failing_since: Option<Instant> = None;
     let mut last_line: Option<Instant> = None;
     loop {
@@ -762,6 +787,27 @@ fn round(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slurm_queries_off_the_jobs_path_run_at_a_lower_priority() {
+        let (own, child) = std::thread::spawn(|| {
+            yield_to_slurm();
+            // SAFETY: reads this thread's own nice value.
+            let own =
+                unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
+            // A child started from here, as `scontrol` is: field 19 of
+            // its /proc/self/stat.
+            let out = std::process::Command::new("cut")
+                .args(["-d", " ", "-f19", "/proc/self/stat"])
+                .output()
+                .expect("run cut");
+            (own, String::from_utf8_lossy(&out.stdout).trim().to_string())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(own, SLURM_QUERY_NICE);
+        assert_eq!(child, SLURM_QUERY_NICE.to_string());
+    }
     use crate::daemon::config::Config;
     use crate::daemon::epoll::Waker;
     use crate::daemon::memlimit::MemoryLimiter;
