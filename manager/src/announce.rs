@@ -87,7 +87,8 @@ impl Announcer {
     }
 
     /// Queues `leased` for the next batch. Call from within the Tokio
-    /// runtime (the first call starts the sending task there).
+    /// runtime the store lives in: the first call starts the sending task
+    /// there, and a store outliving that runtime announces no more.
     pub fn queue(&self, leased: &[Leased]) {
         if leased.is_empty() {
             return;
