@@ -36,7 +36,7 @@ pub const BATCH: Duration = Duration::from_millis(20);
 const MAX_PAYLOAD: usize = 7000;
 
 /// A node's leased counters after a committed grant or release.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Leased {
     /// The node.
     pub node: String,

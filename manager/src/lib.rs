@@ -16,7 +16,7 @@
 //! - [`view`]: each replica's in-memory view of the nodes, which placement
 //!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
 //! - [`announce`]: grants' and releases' counters for the other replicas,
-//!   a batch every few milliseconds.
+//!   one notice every 20 ms at most.
 //! - [`auth`]: the admin token and node and user credentials.
 //! - [`signer`]: the key that signs lease tokens.
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is

@@ -292,14 +292,17 @@ fn other_replicas_see_changes_without_reloading(kind: &str) {
             .find(|n| n["name"] == "seen")
             .map(|n| n["leased_cores"].as_u64())
     };
-    while leased(&a) != Some(Some(3)) {
-        assert!(
-            Instant::now() < until,
-            "replica a never saw the grant: {:?}",
-            leased(&a)
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let wait_for = |cores: u64, what: &str| {
+        while leased(&a) != Some(Some(cores)) {
+            assert!(
+                Instant::now() < until,
+                "replica a never saw the {what}: {:?}",
+                leased(&a)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    wait_for(3, "grant");
     // A burst of grants and releases on b: a ends with the last counters,
     // whatever order their batches came in.
     let mut ids = Vec::new();
@@ -313,14 +316,7 @@ fn other_replicas_see_changes_without_reloading(kind: &str) {
         let (status, e) = u.call("DELETE", &format!("/v1/leases/{id}"), None);
         assert_eq!(status, 204, "{e}");
     }
-    while leased(&a) != Some(Some(1)) {
-        assert!(
-            Instant::now() < until,
-            "replica a never saw the releases: {:?}",
-            leased(&a)
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for(1, "releases");
 }
 on_both!(other_replicas_see_changes_without_reloading);
 

@@ -787,6 +787,11 @@ fn round(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::config::Config;
+    use crate::daemon::epoll::Waker;
+    use crate::daemon::memlimit::MemoryLimiter;
+    use crate::daemon::state::{Allocation, Outbox};
+    use std::path::{Path, PathBuf};
 
     #[test]
     fn slurm_queries_off_the_jobs_path_run_at_a_lower_priority() {
@@ -808,11 +813,6 @@ mod tests {
         assert_eq!(own, SLURM_QUERY_NICE);
         assert_eq!(child, SLURM_QUERY_NICE.to_string());
     }
-    use crate::daemon::config::Config;
-    use crate::daemon::epoll::Waker;
-    use crate::daemon::memlimit::MemoryLimiter;
-    use crate::daemon::state::{Allocation, Outbox};
-    use std::path::{Path, PathBuf};
 
     /// A daemon's shared state without its threads: 4 CPUs, `[slurm]` as
     /// `slurm` says (empty: none). The receivers are kept alive with it.
