@@ -263,6 +263,14 @@ CREATE INDEX leases_by_job ON leases (job_id, state);
 ALTER TABLE nodes ADD COLUMN lease_seq BIGINT NOT NULL DEFAULT 0;
 ",
     ),
+    (
+        5,
+        "Leases are found by grant and state in one index",
+        "
+DROP INDEX leases_by_grant;
+CREATE INDEX leases_by_grant_state ON leases (grant_id, state);
+",
+    ),
 ];
 
 /// How often [`checkpoints`] copies SQLite's write-ahead log into the

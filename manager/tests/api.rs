@@ -165,6 +165,33 @@ fn no_capacity_says_when_to_retry(kind: &str) {
 }
 on_both!(no_capacity_says_when_to_retry);
 
+/// A release, a renewal and the end of a grant by expiry look a grant's
+/// active leases up in one index on (grant, state), whatever the leases
+/// ended before left behind. With one index per column, PostgreSQL chose
+/// to AND two bitmap scans, one of which read every lease that was ever
+/// active and not yet vacuumed: each release got slower with the churn.
+fn a_grant_is_found_by_one_index_however_many_leases_ended(kind: &str) {
+    let mut db = Db::new(kind);
+    // The node sends no heartbeats while the leases come and go.
+    let m = db.manager_with("lost_after_ms = 600000\n", None);
+    register(&m, "a", 4, 1024);
+    let u = user(&m, "alice", "physics");
+    for k in 0..200 {
+        let (s, g) = lease(&u, 1, None, 64, 60);
+        assert_eq!(s, 201, "grant {k}: {g}");
+        let (s, e) = u.call("DELETE", &format!("/v1/leases/{}", g["id"]), None);
+        assert_eq!(s, 204, "{e}");
+    }
+    let plan = db.plan(
+        "UPDATE leases SET state = 'released', ended_ms = 1 WHERE grant_id = 7 AND state = 'active' RETURNING id",
+    );
+    assert!(
+        plan.contains("leases_by_grant_state") && !plan.contains("leases_by_state"),
+        "{plan}"
+    );
+}
+on_both!(a_grant_is_found_by_one_index_however_many_leases_ended);
+
 fn quotas_cap_an_account(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager_with(

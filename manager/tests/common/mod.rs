@@ -111,6 +111,33 @@ impl Db {
         })
     }
 
+    /// How the database would run `statement`: PostgreSQL's `EXPLAIN` or
+    /// SQLite's `EXPLAIN QUERY PLAN`, its lines joined.
+    pub fn plan(&self, statement: &str) -> String {
+        use sqlx::Row;
+        let (sql, column) = match self {
+            Db::Sqlite(_) => (format!("EXPLAIN QUERY PLAN {statement}"), "detail"),
+            Db::Postgres(_) => (format!("EXPLAIN {statement}"), "QUERY PLAN"),
+        };
+        let url = self.url();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
+            let rows = sqlx::query(&sql)
+                .fetch_all(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            pool.close().await;
+            rows.iter()
+                .map(|r| r.try_get::<String, _>(column).unwrap())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+    }
+
     /// Registers accounting instance `name` with `slots` free billing
     /// slots and a heartbeat at `last_heartbeat_ms`, as the accounting
     /// service does at start.
