@@ -81,9 +81,8 @@ impl Db {
 
     /// Runs `statements` (one per item) straight on the database, in one
     /// transaction, as another service sharing it would; returns the rows
-    /// of the last, each column read as a number.
-    pub fn sql(&self, statements: &[&str]) -> Vec<Vec<i64>> {
-        use sqlx::Row;
+    /// of the last.
+    fn rows(&self, statements: &[&str]) -> Vec<sqlx::any::AnyRow> {
         let url = self.url();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -101,14 +100,21 @@ impl Db {
             }
             tx.commit().await.unwrap();
             pool.close().await;
-            rows.iter()
-                .map(|r| {
-                    (0..r.len())
-                        .map(|k| r.try_get::<i64, _>(k).unwrap())
-                        .collect()
-                })
-                .collect()
+            rows
         })
+    }
+
+    /// As [`rows`](Self::rows), each column read as a number.
+    pub fn sql(&self, statements: &[&str]) -> Vec<Vec<i64>> {
+        use sqlx::Row;
+        self.rows(statements)
+            .iter()
+            .map(|r| {
+                (0..r.len())
+                    .map(|k| r.try_get::<i64, _>(k).unwrap())
+                    .collect()
+            })
+            .collect()
     }
 
     /// How the database would run `statement`: PostgreSQL's `EXPLAIN` or
@@ -119,23 +125,11 @@ impl Db {
             Db::Sqlite(_) => (format!("EXPLAIN QUERY PLAN {statement}"), "detail"),
             Db::Postgres(_) => (format!("EXPLAIN {statement}"), "QUERY PLAN"),
         };
-        let url = self.url();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
-            let rows = sqlx::query(&sql)
-                .fetch_all(&pool)
-                .await
-                .unwrap_or_else(|e| panic!("{sql}: {e}"));
-            pool.close().await;
-            rows.iter()
-                .map(|r| r.try_get::<String, _>(column).unwrap())
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
+        self.rows(&[&sql])
+            .iter()
+            .map(|r| r.try_get::<String, _>(column).unwrap())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// Registers accounting instance `name` with `slots` free billing
