@@ -289,13 +289,16 @@ impl Replicas {
 
 /// A blocking HTTP agent: keep-alive, statuses as values.
 fn agent() -> ureq::Agent {
+    // Each phase bounded, not the whole call: with a global timeout ureq
+    // resolves the address on a new thread before every request.
+    let phase = Some(Duration::from_secs(30));
     ureq::Agent::config_builder()
         .http_status_as_error(false)
-        .timeout_connect(Some(Duration::from_secs(30)))
-        .timeout_send_request(Some(Duration::from_secs(30)))
-        .timeout_send_body(Some(Duration::from_secs(30)))
-        .timeout_recv_response(Some(Duration::from_secs(30)))
-        .timeout_recv_body(Some(Duration::from_secs(30)))
+        .timeout_connect(phase)
+        .timeout_send_request(phase)
+        .timeout_send_body(phase)
+        .timeout_recv_response(phase)
+        .timeout_recv_body(phase)
         .build()
         .new_agent()
 }
