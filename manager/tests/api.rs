@@ -165,9 +165,8 @@ fn no_capacity_says_when_to_retry(kind: &str) {
 }
 on_both!(no_capacity_says_when_to_retry);
 
-/// A release, a renewal and the end of a grant by expiry look a grant's
-/// active leases up in one index on (grant, state), whatever the leases
-/// ended before left behind. With one index per column, PostgreSQL chose
+/// A release and a renewal look a grant's active leases up in one index
+/// on (grant, state), whatever the leases ended before left behind. With one index per column, PostgreSQL chose
 /// to AND two bitmap scans, one of which read every lease that was ever
 /// active and not yet vacuumed: each release got slower with the churn.
 fn a_grant_is_found_by_one_index_however_many_leases_ended(kind: &str) {
