@@ -128,40 +128,39 @@ pub fn run(event: Event, settings: &Settings, job: &JobOnNode, log: &dyn Log) {
 
 /// Asks the node's executor daemon for job `job_id`'s rfaas environment
 /// (user `uid`), within the bound, and logs the outcome (never the
-/// credential). `None`: the job runs without it.
+/// credential). `Err`: the job runs without it, and the line logged says
+/// why (the plugin repeats it on the job's standard error).
 pub fn job_env(
     settings: &Settings,
     node: Option<&str>,
     job_id: u64,
     uid: u32,
     log: &dyn Log,
-) -> Option<BTreeMap<String, String>> {
+) -> Result<BTreeMap<String, String>, String> {
     let req = LocalRequest::SlurmJobEnv { job_id, uid };
-    match ask_reply(&settings.socket_for(node), req, settings.timeout) {
+    let why = match ask_reply(&settings.socket_for(node), req, settings.timeout) {
         Ok(LocalReply::JobEnv { vars, expires_at }) => {
             let names: Vec<&str> = vars.keys().map(String::as_str).collect();
             log.info(&format!(
                 "job {job_id}: rfaas environment set ({}; the credential expires at {expires_at})",
                 names.join(", ")
             ));
-            Some(vars)
+            return Ok(vars);
         }
-        Ok(other) => {
-            log.error(&format!(
-                "job {job_id}: {}; the job runs without rfaas",
-                TalkError::Unexpected {
-                    reply: Box::new(other)
-                }
-            ));
-            None
+        Ok(other) => TalkError::Unexpected {
+            reply: Box::new(other),
         }
-        Err(e) => {
-            log.error(&format!(
-                "job {job_id}: no rfaas environment: {e}; the job runs without rfaas"
-            ));
-            None
-        }
-    }
+        .to_string(),
+        Err(e) => e.to_string(),
+    };
+    let line = no_env_line(job_id, &why);
+    log.error(&line);
+    Err(line)
+}
+
+/// The one line that says why a job that asked for rfaas runs without it.
+pub fn no_env_line(job_id: u64, why: &str) -> String {
+    format!("job {job_id}: no rfaas environment: {why}; the job runs without rfaas")
 }
 
 fn fail_open_line(event: Event, job_id: u64, node: &str, what: &str, e: &TalkError) -> String {

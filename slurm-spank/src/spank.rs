@@ -17,7 +17,9 @@
 #![allow(non_upper_case_globals)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::io::Write;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
 
 use crate::hook::{self, guarded, Event, Log, Logger};
 use crate::job::JobOnNode;
@@ -62,6 +64,9 @@ const S_JOB_UID: c_int = 0;
 
 /// `S_JOB_ID` of `enum spank_item`: a `uint32_t *` follows.
 const S_JOB_ID: c_int = 2;
+
+/// `S_TASK_ID` of `enum spank_item`: the local task id, an `int *` follows.
+const S_TASK_ID: c_int = 11;
 
 /// `ESPANK_SUCCESS`.
 const ESPANK_SUCCESS: c_int = 0;
@@ -353,20 +358,44 @@ fn wants_rfaas(sp: Spank, said: Option<String>, settings: &Settings) -> bool {
         Some(v) => RfaasChoice::parse(Some(v)).ok(),
         None => rfaas_choice(sp),
     };
+    decide(choice, settings)
+}
+
+/// A choice made, or the site's default.
+fn decide(choice: Option<RfaasChoice>, settings: &Settings) -> bool {
     match choice {
         Some(choice) => choice == RfaasChoice::Yes,
         None => settings.rfaas_by_default,
     }
 }
 
+/// What `--rfaas` said to this process, as its option callback kept it.
+///
+/// In a job step (slurmstepd) Slurm runs the callback with the step's own
+/// options before `init_post_opt`, where `spank_option_getopt` is not
+/// available: this is how a step started by a plain `srun --rfaas` knows.
+fn own_choice() -> Option<RfaasChoice> {
+    match CHOICE.load(Ordering::Relaxed) {
+        1 => Some(RfaasChoice::Yes),
+        2 => Some(RfaasChoice::No),
+        _ => None,
+    }
+}
+
 /// In a job step: the job's rfaas environment, if it wants rfaas.
+///
+/// The step's own `--rfaas` (srun's, or the one an allocation's srun
+/// inherits) decides first; then the choice `sbatch` or `salloc` handed on,
+/// which reaches the step's environment as `SLURM_SPANK_RFAAS`; then the
+/// site's default. Whenever the step wants rfaas and gets no environment,
+/// one line says why, on the job's standard error and in slurmd's log.
 fn step_env(sp: Spank, words: &[String]) {
     let (settings, _) = Settings::parse(words.iter().map(String::as_str));
     let log = Logger::new(&SlurmLog, &settings);
-    // The choice handed on reaches the step's environment as
-    // SLURM_SPANK_RFAAS.
-    let said = job_getenv(sp, c"SLURM_SPANK_RFAAS");
-    if !wants_rfaas(sp, said, &settings) {
+    let choice = own_choice().or_else(|| {
+        job_getenv(sp, c"SLURM_SPANK_RFAAS").and_then(|v| RfaasChoice::parse(Some(&v)).ok())
+    });
+    if !decide(choice, &settings) {
         return;
     }
     let (mut id, mut uid): (u32, u32) = (0, u32::MAX);
@@ -377,14 +406,23 @@ fn step_env(sp: Spank, words: &[String]) {
             && spank_get_item(sp, S_JOB_UID, &mut uid as *mut u32) == ESPANK_SUCCESS
     };
     if !known {
-        log.error("cannot tell the job or its user; the job runs without rfaas");
+        let line = hook::no_env_line(
+            u64::from(id),
+            "Slurm does not tell this step its job or its user",
+        );
+        log.error(&line);
+        let _ = UNSERVED.set(line);
         return;
     }
     let node = job_getenv(sp, c"SLURMD_NODENAME")
         .or_else(|| std::env::var("SLURMD_NODENAME").ok())
         .filter(|n| !n.is_empty());
-    let Some(vars) = hook::job_env(&settings, node.as_deref(), u64::from(id), uid, &log) else {
-        return;
+    let vars = match hook::job_env(&settings, node.as_deref(), u64::from(id), uid, &log) {
+        Ok(vars) => vars,
+        Err(line) => {
+            let _ = UNSERVED.set(line);
+            return;
+        }
     };
     for (name, value) in vars {
         let (Ok(n), Ok(v)) = (CString::new(name.as_str()), CString::new(value)) else {
@@ -398,6 +436,40 @@ fn step_env(sp: Spank, words: &[String]) {
             log.error(&format!("job {id}: cannot set {name} (error {rc})"));
         }
     }
+}
+
+/// Why this step wanted rfaas and runs without it, if so: said again on
+/// the job's standard error by [`slurm_spank_task_init`]. Set once, in
+/// slurmstepd, before it forks the tasks, which inherit it.
+static UNSERVED: OnceLock<String> = OnceLock::new();
+
+/// `slurm_spank_task_init`: in each task of a step, just before it runs
+/// the user's program, with its standard error set up. If the step asked
+/// for rfaas and got no environment, the node's first task says why there
+/// (slurmstepd's own log lines reach only slurmd's log). Always succeeds.
+///
+/// # Safety
+///
+/// Called by Slurm with its handle and the plugin's arguments.
+#[no_mangle]
+pub unsafe extern "C" fn slurm_spank_task_init(
+    sp: Spank,
+    _ac: c_int,
+    _av: *mut *mut c_char,
+) -> c_int {
+    guarded("task_init", &SlurmLog, 0, || {
+        let Some(line) = UNSERVED.get() else {
+            return 0;
+        };
+        let mut task: c_int = -1;
+        // SAFETY: S_TASK_ID takes one int *, which lives through the call.
+        let rc = unsafe { spank_get_item(sp, S_TASK_ID, &mut task as *mut c_int) };
+        if rc == ESPANK_SUCCESS && task == 0 {
+            // One write, so it does not mix with other tasks' output.
+            let _ = std::io::stderr().write_all(format!("rfaas_spank: {line}\n").as_bytes());
+        }
+        0
+    })
 }
 
 /// A variable of the job's environment, if set (and under 4 KiB).

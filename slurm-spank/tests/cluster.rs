@@ -194,9 +194,26 @@ fn without_an_executor_daemon_rfaas_jobs_start_and_no_node_drains() {
         ..SlurmOptions::default()
     });
     let out = cluster
-        .srun(&["-N2", "--rfaas", "-l", "printenv", "SLURMD_NODENAME"])
+        .output(
+            "srun",
+            &["-N2", "--rfaas", "-l", "printenv", "SLURMD_NODENAME"],
+        )
         .unwrap();
-    assert_eq!(out.lines().count(), 2, "{out}");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 2, "{text}");
+    // The step asked for rfaas and got none: its stderr says why, once per
+    // node, in one line each.
+    let err = String::from_utf8_lossy(&out.stderr);
+    let why: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("no rfaas environment"))
+        .collect();
+    assert_eq!(why.len(), 2, "{err}");
+    for line in &why {
+        assert!(line.contains("no executor daemon socket"), "{line}");
+        assert!(line.contains("the job runs without rfaas"), "{line}");
+    }
     let job = cluster
         .sbatch(&["-N3", "--rfaas", "--wrap", "srun true"])
         .unwrap();
@@ -230,6 +247,17 @@ fn without_an_executor_daemon_rfaas_jobs_start_and_no_node_drains() {
             "{node}: {log}"
         );
     }
+    // The plain srun's steps said why in slurmd's log too.
+    let logs = cluster.slurmd_logs();
+    assert!(
+        logs.lines()
+            .filter(
+                |l| l.contains("no rfaas environment") && l.contains("no executor daemon socket")
+            )
+            .count()
+            >= 2,
+        "{logs}"
+    );
 }
 
 #[test]
@@ -607,6 +635,48 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
     let text = std::fs::read_to_string(&plain).unwrap();
     assert!(rfaas_vars(&text).is_empty(), "{text}");
     assert!(text.contains("SLURM_JOB_ID="), "{text}");
+}
+
+#[test]
+fn srun_alone_with_rfaas_gets_the_environment_on_every_node() {
+    let dir = TempDir::new("srunenv");
+    let env = RfaasOnSlurm::start(&dir, 2, "grace=5", false);
+    let out = env
+        .cluster
+        .output("srun", &["-N2", "--rfaas", "-l", "printenv"])
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}\n{}", env.logs(&dir));
+    for task in ["0", "1"] {
+        let vars = rfaas_vars(
+            &text
+                .lines()
+                .filter_map(|l| l.strip_prefix(&format!("{task}: ")))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        );
+        assert_eq!(
+            vars.get("RFAAS_MANAGERS").map(String::as_str),
+            Some(env.manager.url()),
+            "task {task}: {vars:?}\n{}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            env.logs(&dir)
+        );
+        assert!(
+            vars.contains_key("RFAAS_CREDENTIAL"),
+            "task {task}: {vars:?}"
+        );
+    }
+    // --rfaas=no on srun alone: nothing, and nothing to explain.
+    let out = env
+        .cluster
+        .output("srun", &["-N1", "--rfaas=no", "printenv"])
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(rfaas_vars(&text).is_empty(), "{text}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("rfaas"), "{err}");
 }
 
 /// Seconds since the epoch, as `date +%s.%N` writes them.
