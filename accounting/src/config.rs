@@ -9,13 +9,8 @@ use std::time::Duration;
 
 use rfaas_fabric::ProviderKind;
 use rfaas_proto::accounting::MAX_SLOTS;
+use rfaas_proto::files::{ConfigDir, BILLING_TOML};
 use serde::Deserialize;
-
-/// The default configuration file.
-pub const DEFAULT_CONFIG: &str = "/etc/rfaas/accounting.toml";
-
-/// The default rates file (shared with `rfaas-billing`).
-pub const DEFAULT_BILLING_CONFIG: &str = crate::rates::DEFAULT_CONFIG;
 
 /// The configuration file as written.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -80,6 +75,8 @@ pub struct Settings {
     pub billing_config: PathBuf,
     /// Hello deadline.
     pub hello_timeout: Duration,
+    /// The configuration directory the defaults came from.
+    pub config_dir: ConfigDir,
 }
 
 pub use rfaas_manager::config::ConfigError;
@@ -95,8 +92,8 @@ impl FileConfig {
         rfaas_manager::config::parse_toml(text)
     }
 
-    /// Fills in defaults and checks the values.
-    pub fn settings(self) -> Result<Settings, ConfigError> {
+    /// Fills in defaults (files in `dir`) and checks the values.
+    pub fn settings(self, dir: &ConfigDir) -> Result<Settings, ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         let name = match self.name {
             Some(n) => n,
@@ -126,8 +123,9 @@ impl FileConfig {
             slot_hold: Duration::from_secs(self.slot_hold_s.unwrap_or(600)),
             billing_config: self
                 .billing_config
-                .unwrap_or_else(|| DEFAULT_BILLING_CONFIG.into()),
+                .unwrap_or_else(|| dir.file(BILLING_TOML)),
             hello_timeout: Duration::from_millis(self.hello_timeout_ms.unwrap_or(5000)),
+            config_dir: dir.clone(),
         };
         let name_ok = !s.name.is_empty()
             && s.name.len() <= 64
@@ -199,7 +197,10 @@ mod tests {
     #[test]
     fn the_example_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("accounting.example.toml");
-        let s = FileConfig::load(&path).unwrap().settings().unwrap();
+        let s = FileConfig::load(&path)
+            .unwrap()
+            .settings(&ConfigDir::default())
+            .unwrap();
         assert_eq!(s.name, "acct1");
         assert_eq!(s.slots, 4096);
         assert_eq!(s.provider, "tcp");
@@ -207,7 +208,7 @@ mod tests {
         assert_eq!(s.flush_interval, Duration::from_secs(1));
         assert_eq!(s.snapshot_interval, Duration::from_secs(60));
         assert_eq!(s.slot_hold, Duration::from_secs(600));
-        assert_eq!(s.billing_config, Path::new(DEFAULT_BILLING_CONFIG));
+        assert_eq!(s.billing_config, Path::new("/etc/rfaas/billing.toml"));
         assert!(s.database.starts_with("sqlite:"));
     }
 
@@ -215,7 +216,7 @@ mod tests {
     fn defaults_fill_an_empty_file() {
         let s = FileConfig::parse("name = \"a\"\n")
             .unwrap()
-            .settings()
+            .settings(&ConfigDir::default())
             .unwrap();
         assert_eq!(
             (s.slots, s.listen.as_str(), s.advertise),
@@ -237,7 +238,7 @@ mod tests {
         let bad = |text: &str, want: &str| {
             let err = FileConfig::parse(text)
                 .unwrap()
-                .settings()
+                .settings(&ConfigDir::default())
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(want), "{text}: {err}");
@@ -259,7 +260,7 @@ mod tests {
             "name = \"a\"\nlisten = \"0.0.0.0:7400\"\nadvertise = \"10.0.0.1:7400\"\n",
         )
         .unwrap()
-        .settings()
+        .settings(&ConfigDir::default())
         .unwrap();
     }
 }

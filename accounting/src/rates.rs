@@ -18,9 +18,6 @@ use std::path::{Path, PathBuf};
 use rfaas_proto::accounting::SlotTotals;
 use serde::Deserialize;
 
-/// The default configuration file.
-pub const DEFAULT_CONFIG: &str = "/etc/rfaas/billing.toml";
-
 /// `billing.toml`, checked.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -58,13 +55,16 @@ pub struct Rates {
 #[derive(Debug, thiserror::Error)]
 pub enum RatesError {
     /// The file cannot be read.
-    #[error("cannot read the billing configuration {path}: {source}; give another with --config")]
+    #[error("cannot read the billing configuration {path}: {source}; {hint}")]
     Read {
         /// The file.
         path: PathBuf,
         /// Why.
         #[source]
         source: std::io::Error,
+        /// What names another file
+        /// ([`ConfigDir::hint`](rfaas_proto::files::ConfigDir::hint)).
+        hint: String,
     },
     /// The file is not valid TOML for billing, or a value is out of range.
     #[error("the billing configuration {path} is invalid: {message}")]
@@ -129,10 +129,12 @@ pub fn valid_budget(amount: f64) -> bool {
 
 impl BillingConfig {
     /// Reads, parses and checks `path`.
-    pub fn load(path: &Path) -> Result<BillingConfig, RatesError> {
+    /// `hint` ends the message when it cannot be read: what names another.
+    pub fn load(path: &Path, hint: &str) -> Result<BillingConfig, RatesError> {
         let text = std::fs::read_to_string(path).map_err(|source| RatesError::Read {
             path: path.to_owned(),
             source,
+            hint: hint.to_owned(),
         })?;
         Self::parse(&text).map_err(|message| RatesError::Invalid {
             path: path.to_owned(),
@@ -182,7 +184,7 @@ mod tests {
     #[test]
     fn the_example_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("billing.example.toml");
-        let c = BillingConfig::load(&path).unwrap();
+        let c = BillingConfig::load(&path, "").unwrap();
         assert_eq!(c.currency, "CHF");
         assert_eq!(
             c.rates,

@@ -27,6 +27,7 @@ use rfaas_fabric::Fabric;
 use rfaas_manager::db::{self, Backend, DbError};
 use rfaas_manager::store::Store;
 use rfaas_proto::accounting::{AccountingReply, ReplyStatus};
+use rfaas_proto::files::ConfigDir;
 use sqlx::AnyPool;
 
 use crate::config::Settings;
@@ -84,8 +85,12 @@ impl Running {
 /// The rates and budgets of the billing configuration at `path`; a
 /// missing file prices everything at 0, with a warning (usage is still
 /// counted, only spend stays 0).
-fn load_billing(path: &std::path::Path) -> anyhow::Result<(Rates, BTreeMap<String, f64>)> {
-    match BillingConfig::load(path) {
+fn load_billing(
+    path: &std::path::Path,
+    dir: &ConfigDir,
+) -> anyhow::Result<(Rates, BTreeMap<String, f64>)> {
+    let hint = dir.hint(&["--billing-config", "billing_config in accounting.toml"]);
+    match BillingConfig::load(path, &hint) {
         Ok(c) => Ok((c.rates, c.budgets)),
         Err(RatesError::Read { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
             tracing::warn!(
@@ -100,9 +105,7 @@ fn load_billing(path: &std::path::Path) -> anyhow::Result<(Rates, BTreeMap<Strin
             };
             Ok((zero, BTreeMap::new()))
         }
-        Err(e) => Err(e).context(
-            "the billing configuration (billing_config in accounting.toml, or --billing-config)",
-        ),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -173,7 +176,7 @@ pub fn raise_open_file_limit() {
 
 /// Starts the service with `settings`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
-    let (rates, budgets) = load_billing(&settings.billing_config)?;
+    let (rates, budgets) = load_billing(&settings.billing_config, &settings.config_dir)?;
     let started_ms = rfaas_manager::now_ms();
     let metrics = Arc::new(Metrics::new(started_ms));
     let (http_listener, metrics_addr) = metrics::bind(&settings.metrics_listen)

@@ -710,3 +710,70 @@ fn budgets(kind: &str) {
     assert!(e.contains("missing.toml"), "{e}");
 }
 on_both!(budgets);
+
+/// rfaas-billing with nothing but `RFAAS_CONFIG_DIR` = `dir`.
+fn billing_in(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rfaas-billing"))
+        .env("TZ", "UTC")
+        .env("RFAAS_CONFIG_DIR", dir)
+        .args(args)
+        .output()
+        .expect("rfaas-billing runs")
+}
+
+#[test]
+fn rates_and_the_database_come_from_the_configuration_directory() {
+    let db = Db::new("sqlite");
+    db.file("billing.toml", RATES);
+    // On an accounting host: the accounting service's database.
+    db.file("accounting.toml", &format!("database = \"{}\"\n", db.url));
+    let o = billing_in(&db.dir, &["budget", "set", "physics", "0.05"]);
+    assert_eq!(
+        stdout(&o),
+        "account physics: budget 0.0500 CHF (was none)\n",
+        "{}",
+        stderr(&o)
+    );
+    // On a manager host: the manager's.
+    std::fs::remove_file(db.dir.join("accounting.toml")).unwrap();
+    db.file("manager.toml", &format!("database = \"{}\"\n", db.url));
+    let o = billing_in(&db.dir, &["budget", "list", "-P", "-n"]);
+    assert_eq!(
+        stdout(&o),
+        "physics|0.0500|0.0000|0.0500\n",
+        "{}",
+        stderr(&o)
+    );
+    // --config-dir beats the variable.
+    let o = Command::new(env!("CARGO_BIN_EXE_rfaas-billing"))
+        .env("RFAAS_CONFIG_DIR", "/nonexistent")
+        .arg("--config-dir")
+        .arg(&db.dir)
+        .args(["budget", "list", "-P", "-n"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        stdout(&o),
+        "physics|0.0500|0.0000|0.0500\n",
+        "{}",
+        stderr(&o)
+    );
+
+    // Without billing.toml, what moves it is named.
+    std::fs::remove_file(db.dir.join("billing.toml")).unwrap();
+    let o = billing_in(&db.dir, &["budget", "sync"]);
+    let err = failed(3, &o);
+    for words in [
+        &format!(
+            "cannot read the billing configuration {}",
+            db.dir.join("billing.toml").display()
+        ),
+        "--config",
+        &format!(
+            "the configuration directory {} was set by RFAAS_CONFIG_DIR",
+            db.dir.display()
+        ),
+    ] {
+        assert!(err.contains(words), "{words:?} missing: {err}");
+    }
+}

@@ -5,11 +5,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use rfaas_proto::files::{ConfigDir, ADMIN_TOKEN, LEASE_KEY_SECRET};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
-
-/// The default configuration file.
-pub const DEFAULT_CONFIG: &str = "/etc/rfaas/manager.toml";
 
 /// `[accounting] lost_after_ms` when not set.
 pub const DEFAULT_ACCOUNTING_LOST_AFTER_MS: u64 = 10_000;
@@ -122,19 +120,23 @@ pub struct Settings {
     pub quota: QuotaConfig,
     /// Billing slots.
     pub accounting: AccountingSettings,
+    /// The configuration directory the defaults came from.
+    pub config_dir: ConfigDir,
 }
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file cannot be read.
-    #[error("cannot read the configuration {path}: {source}")]
+    #[error("cannot read the configuration {path}: {source}; {hint}")]
     Read {
         /// The file.
         path: PathBuf,
         /// Why.
         #[source]
         source: std::io::Error,
+        /// What moves it ([`ConfigDir::hint`]).
+        hint: String,
     },
     /// The file is not valid TOML for the program.
     #[error("the configuration {path} is invalid: {message}")]
@@ -156,6 +158,7 @@ pub fn load_toml<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_owned(),
         source,
+        hint: "give another with --config".into(),
     })?;
     parse_toml(&text).map_err(|message| ConfigError::Parse {
         path: path.to_owned(),
@@ -169,16 +172,26 @@ pub fn parse_toml<T: DeserializeOwned>(text: &str) -> Result<T, String> {
     toml::from_str(text).map_err(|e| e.to_string())
 }
 
-/// The configuration a program starts with: `path` when given (it must
-/// load), else `default_path` when that file exists, else the defaults.
+/// The configuration a program starts with: `path` (`--config`) when
+/// given (it must load), else the file `name` in the configuration
+/// directory when it exists, else the defaults.
 pub fn load_or_default<T: DeserializeOwned + Default>(
     path: Option<&Path>,
-    default_path: &Path,
+    dir: &ConfigDir,
+    name: &str,
 ) -> Result<T, ConfigError> {
-    match path {
-        Some(path) => load_toml(path),
-        None if default_path.exists() => load_toml(default_path),
-        None => Ok(T::default()),
+    if let Some(path) = path {
+        return load_toml(path);
+    }
+    let path = dir.file(name);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => parse_toml(&text).map_err(|message| ConfigError::Parse { path, message }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
+        Err(source) => Err(ConfigError::Read {
+            path,
+            source,
+            hint: dir.hint(&["--config"]),
+        }),
     }
 }
 
@@ -207,8 +220,8 @@ impl FileConfig {
         parse_toml(text)
     }
 
-    /// Fills in defaults and checks the values.
-    pub fn settings(self) -> Result<Settings, ConfigError> {
+    /// Fills in defaults (files in `dir`) and checks the values.
+    pub fn settings(self, dir: &ConfigDir) -> Result<Settings, ConfigError> {
         let database = self
             .database
             .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into());
@@ -226,10 +239,10 @@ impl FileConfig {
             database,
             admin_token_file: self
                 .admin_token_file
-                .unwrap_or_else(|| "/etc/rfaas/admin.token".into()),
+                .unwrap_or_else(|| dir.file(ADMIN_TOKEN)),
             lease_key_file: self
                 .lease_key_file
-                .unwrap_or_else(|| "/etc/rfaas/lease-key.secret".into()),
+                .unwrap_or_else(|| dir.file(LEASE_KEY_SECRET)),
             heartbeat_interval_ms: self.heartbeat_interval_ms.unwrap_or(1000),
             lost_after_ms: self.lost_after_ms.unwrap_or(10_000),
             max_lease_s: self.max_lease_s.unwrap_or(86_400),
@@ -244,6 +257,7 @@ impl FileConfig {
                     .unwrap_or(DEFAULT_ACCOUNTING_LOST_AFTER_MS),
                 required: self.accounting.required,
             },
+            config_dir: dir.clone(),
         };
         if s.accounting.lost_after_ms == 0 {
             return Err(ConfigError::Invalid(
@@ -283,7 +297,10 @@ mod tests {
     #[test]
     fn the_example_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("manager.example.toml");
-        let s = FileConfig::load(&path).unwrap().settings().unwrap();
+        let s = FileConfig::load(&path)
+            .unwrap()
+            .settings(&ConfigDir::default())
+            .unwrap();
         assert!(s.database.starts_with("sqlite:"));
         assert_eq!(s.quota.cap("physics"), Some(64));
         assert_eq!(s.quota.cap("anyone"), None);
@@ -301,7 +318,7 @@ mod tests {
         let conns = |text: &str| {
             FileConfig::parse(text)
                 .unwrap()
-                .settings()
+                .settings(&ConfigDir::default())
                 .unwrap()
                 .max_connections
         };
@@ -327,7 +344,7 @@ mod tests {
     #[test]
     fn a_node_is_not_lost_for_one_late_heartbeat() {
         let c = FileConfig::parse("heartbeat_interval_ms = 1000\nlost_after_ms = 1500\n").unwrap();
-        let err = c.settings().unwrap_err().to_string();
+        let err = c.settings(&ConfigDir::default()).unwrap_err().to_string();
         assert!(err.contains("twice"), "{err}");
     }
 

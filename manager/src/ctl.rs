@@ -12,9 +12,6 @@ use serde_json::Value;
 /// manager's default `listen`, on this host.
 pub const DEFAULT_MANAGER: &str = "http://127.0.0.1:7300";
 
-/// The admin token's file when none is named.
-pub const DEFAULT_TOKEN_FILE: &str = "/etc/rfaas/admin.token";
-
 /// Timeout of one request to one manager.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Timeout of connecting to one manager, before trying the next.

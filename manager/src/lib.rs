@@ -116,8 +116,19 @@ impl Running {
 /// Opens the database, loads the keys, starts the background tasks and
 /// serves the API on `settings.listen`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
-    let admin = auth::read_admin_token(&settings.admin_token_file).map_err(anyhow::Error::msg)?;
-    let signer = Signer::load(&settings.lease_key_file).map_err(anyhow::Error::msg)?;
+    let dir = &settings.config_dir;
+    let admin = auth::read_admin_token(&settings.admin_token_file).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}; {}",
+            dir.hint(&["--admin-token-file", "admin_token_file in manager.toml"])
+        )
+    })?;
+    let signer = Signer::load(&settings.lease_key_file).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}; {}",
+            dir.hint(&["--lease-key-file", "lease_key_file in manager.toml"])
+        )
+    })?;
     let backend = Backend::of(&settings.database);
     let pool = db::open(&settings.database, settings.max_connections)
         .await

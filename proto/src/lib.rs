@@ -16,6 +16,8 @@
 //! - [`error`]: [`ProtoError`], what can be wrong with bytes or values.
 //! - [`text`]: words of the messages people read (counts in the right
 //!   form).
+//! - [`files`]: the configuration directory (`/etc/rfaas`) and the names
+//!   of the files in it that rfaas's programs share.
 //! - [`hostlist`]: Slurm's host lists (`node[1-3]`), as its hooks and
 //!   `scontrol` name nodes.
 //! - [`control`]: the control channel (allocation between client and
@@ -131,6 +133,7 @@
 pub mod accounting;
 pub mod control;
 pub mod error;
+pub mod files;
 pub mod header;
 pub mod hello;
 pub mod hostlist;

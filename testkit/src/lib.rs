@@ -20,6 +20,8 @@
 //!   `scripts/pg.sh`), stopped, crashed and started again with its data.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and
 //!   queries through its HTTP API.
+//! - [`TempDir`] and [`output_text`]: a test's own directory, and a
+//!   finished command's output for an assertion's message.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
 //!   `scripts/slurm-cluster.sh`), and its clients (srun, sbatch, ...).
 
@@ -33,8 +35,9 @@ pub mod postgres;
 pub mod prometheus;
 pub mod slurm;
 
-use std::path::PathBuf;
-use std::process::Child;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// The repository's root directory.
@@ -51,6 +54,55 @@ pub fn target_dir() -> PathBuf {
         Some(dir) => PathBuf::from(dir),
         None => repo_root().join("target"),
     }
+}
+
+/// A directory of a test's own under the system's temporary directory,
+/// removed on drop unless the test is failing (then it stays to be read).
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A new, empty directory whose name holds `name` and this process's id.
+    pub fn new(name: &str) -> TempDir {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "rfaas-test-{}-{}-{name}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        TempDir(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// `name` in the directory.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// A finished command's exit status, standard output and standard error,
+/// for an assertion's message.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// kill -9 of a service's process, if it still runs, and its reaping.

@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use rfaas_accounting::config::{FileConfig, DEFAULT_CONFIG};
+use rfaas_accounting::config::FileConfig;
 use rfaas_manager::config;
+use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML};
 
 /// Serve an rfaas accounting instance: executor daemons add their leases'
 /// usage into its counter region over the fabric; it flushes the totals to
@@ -12,10 +13,14 @@ use rfaas_manager::config;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The configuration file (TOML). Without this flag,
-    /// /etc/rfaas/accounting.toml is read if it exists.
+    /// The configuration file (TOML). Without this flag, accounting.toml in
+    /// the configuration directory is read if it exists.
     #[arg(long, short)]
     config: Option<PathBuf>,
+    /// The configuration directory: accounting.toml and billing.toml are
+    /// looked for there [env: RFAAS_CONFIG_DIR] [default: /etc/rfaas].
+    #[arg(long, value_name = "DIR")]
+    config_dir: Option<PathBuf>,
     /// The instance's name (overrides `name`).
     #[arg(long)]
     name: Option<String>,
@@ -55,8 +60,9 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     config::init_logging(args.verbose);
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
     let mut file: FileConfig =
-        config::load_or_default(args.config.as_deref(), std::path::Path::new(DEFAULT_CONFIG))?;
+        config::load_or_default(args.config.as_deref(), &dir, ACCOUNTING_TOML)?;
     macro_rules! overrides {
         ($($field:ident),*) => {
             $(if args.$field.is_some() {
@@ -76,7 +82,7 @@ fn main() -> anyhow::Result<()> {
         flush_interval_ms,
         billing_config
     );
-    let settings = file.settings()?;
+    let settings = file.settings(&dir)?;
     rfaas_accounting::service::raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,13 +1,16 @@
 //! `rfaas-billing`: what rfaas leases used and cost, in the style of
 //! `sacct` and `sreport`, and the accounts' budgets.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use rfaas_accounting::config::FileConfig as AccountingFile;
 use rfaas_accounting::rates::{self, BillingConfig};
 use rfaas_accounting::report::format::{self, Output, Sheet, MONEY_DECIMALS};
 use rfaas_accounting::report::{budgets, group, query, time, BillingError, Filters, Key, Period};
+use rfaas_manager::config::{self, FileConfig as ManagerFile};
+use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML, BILLING_TOML, MANAGER_TOML};
 use serde_json::{json, Map};
 
 /// Report the usage and cost of rfaas leases per user, account, job, node
@@ -53,12 +56,19 @@ struct Args {
     format: Option<String>,
     /// The database: sqlite:///path/file.db or postgres://user@host/db.
     /// Default: `database` in the billing configuration, else the
-    /// manager's (/etc/rfaas/manager.toml, else its default).
+    /// accounting service's (accounting.toml), else the manager's
+    /// (manager.toml), both in the configuration directory.
     #[arg(long, value_name = "URL", global = true)]
     database: Option<String>,
-    /// The billing configuration (currency, rates, budgets).
-    #[arg(long, value_name = "FILE", global = true, default_value = rates::DEFAULT_CONFIG)]
-    config: PathBuf,
+    /// The billing configuration (currency, rates, budgets) [default:
+    /// billing.toml in the configuration directory].
+    #[arg(long, value_name = "FILE", global = true)]
+    config: Option<PathBuf>,
+    /// The configuration directory, where billing.toml, accounting.toml and
+    /// manager.toml are looked for [env: RFAAS_CONFIG_DIR] [default:
+    /// /etc/rfaas].
+    #[arg(long, value_name = "DIR", global = true)]
+    config_dir: Option<PathBuf>,
     /// `|` between fields, none at the end of a line.
     #[arg(long, short = 'P', global = true, conflicts_with_all = ["csv", "json"])]
     parsable2: bool,
@@ -144,22 +154,39 @@ impl Args {
         }
     }
 
+    fn config_dir(&self) -> ConfigDir {
+        ConfigDir::resolve(self.config_dir.as_deref())
+    }
+
+    /// The billing configuration's file: --config, else billing.toml in
+    /// the configuration directory.
+    fn billing_file(&self) -> PathBuf {
+        match &self.config {
+            Some(file) => file.clone(),
+            None => self.config_dir().file(BILLING_TOML),
+        }
+    }
+
     /// The billing configuration.
     fn billing(&self) -> Result<BillingConfig, BillingError> {
-        Ok(BillingConfig::load(&self.config)?)
+        let hint = match self.config {
+            Some(_) => "check --config".to_owned(),
+            None => self.config_dir().hint(&["--config"]),
+        };
+        Ok(BillingConfig::load(&self.billing_file(), &hint)?)
     }
 
     /// The billing configuration if given or present: a command that only
     /// prints its currency does without the default file.
     fn billing_if_any(&self) -> Result<Option<BillingConfig>, BillingError> {
-        if self.config == Path::new(rates::DEFAULT_CONFIG) && !self.config.exists() {
+        if self.config.is_none() && !self.billing_file().exists() {
             return Ok(None);
         }
         self.billing().map(Some)
     }
 
     /// The database URL: `--database`, else billing.toml's, else the
-    /// manager's.
+    /// accounting service's, else the manager's.
     fn database(&self, billing: Option<&BillingConfig>) -> Result<String, BillingError> {
         if let Some(url) = &self.database {
             return Ok(url.clone());
@@ -167,20 +194,23 @@ impl Args {
         if let Some(url) = billing.and_then(|b| b.database.clone()) {
             return Ok(url);
         }
-        use rfaas_manager::config::{FileConfig, DEFAULT_CONFIG};
-        let manager = Path::new(DEFAULT_CONFIG);
-        let file = if manager.exists() {
-            FileConfig::load(manager).map_err(|e| {
-                BillingError::ManagerConfig(format!(
-                    "{e}; it is read for its database, which --database overrides"
-                ))
-            })?
-        } else {
-            FileConfig::default()
+        let dir = self.config_dir();
+        let unusable = |file: &str, e: &dyn std::fmt::Display| {
+            BillingError::ManagerConfig(format!(
+                "{e}; {file} is read for its database, which --database overrides"
+            ))
         };
-        file.settings()
+        let accounting: AccountingFile = config::load_or_default(None, &dir, ACCOUNTING_TOML)
+            .map_err(|e| unusable(ACCOUNTING_TOML, &e))?;
+        if let Some(url) = accounting.database {
+            return Ok(url);
+        }
+        let manager: ManagerFile = config::load_or_default(None, &dir, MANAGER_TOML)
+            .map_err(|e| unusable(MANAGER_TOML, &e))?;
+        manager
+            .settings(&dir)
             .map(|s| s.database)
-            .map_err(|e| BillingError::ManagerConfig(format!("{DEFAULT_CONFIG}: {e}")))
+            .map_err(|e| unusable(MANAGER_TOML, &e))
     }
 }
 
@@ -311,7 +341,7 @@ async fn budget(args: &Args, op: &BudgetOp) -> Result<String, BillingError> {
             if text.is_empty() {
                 text = format!(
                     "{} has no [budgets]; nothing to write\n",
-                    args.config.display()
+                    args.billing_file().display()
                 );
             }
             text

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use rfaas_executor::daemon::{Config, Daemon, Sandbox};
+use rfaas_proto::files::ConfigDir;
 
 /// The rfaas node daemon: validates lease tokens, runs and supervises
 /// rfaas-worker processes on this node's configured cores.
@@ -23,10 +24,16 @@ use rfaas_executor::daemon::{Config, Daemon, Sandbox};
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The configuration file (TOML). Without it every key takes its
-    /// default; rfaas-executord.example.toml lists them.
+    /// The configuration file (TOML) [default: executord.toml in the
+    /// configuration directory, if it exists; without one every key takes
+    /// its default, and rfaas-executord.example.toml lists them].
     #[arg(long, short)]
     config: Option<PathBuf>,
+    /// The configuration directory: executord.toml, lease-keys.pub and
+    /// node.credential are looked for there [env: RFAAS_CONFIG_DIR]
+    /// [default: /etc/rfaas].
+    #[arg(long, value_name = "DIR")]
+    config_dir: Option<PathBuf>,
     /// This node's name, as lease tokens name it [default: the host name].
     #[arg(long)]
     node_name: Option<String>,
@@ -57,7 +64,7 @@ struct Args {
     memory_mib: Option<u32>,
     /// A file of public keys lease tokens are checked with: the managers'
     /// (`rfaas-token keygen` makes a pair). Give it again for more files
-    /// [default: /etc/rfaas/lease-keys.pub].
+    /// [default: lease-keys.pub in the configuration directory].
     #[arg(long = "lease-keys", value_name = "FILE")]
     lease_keys: Option<Vec<PathBuf>>,
     /// Unix socket for this node's own tools: status, drain, resume
@@ -85,10 +92,8 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let mut config = match &args.config {
-        Some(path) => Config::load(path)?,
-        None => Config::default(),
-    };
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
+    let mut config = Config::load_or_default(args.config.as_deref(), &dir)?;
     macro_rules! flag {
         ($($field:ident),*) => {
             $(if let Some(v) = args.$field.clone() { config.$field = Some(v); })*
@@ -110,7 +115,7 @@ fn main() -> anyhow::Result<()> {
         sandbox,
         log_level
     );
-    let settings = config.resolve()?;
+    let settings = config.resolve_in(&dir)?;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_max_level(settings.log_level)

@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rfaas_executor::daemon::keys::{read_lease_keys, read_secret_key, write_key_pair};
+use rfaas_proto::files::{ConfigDir, LEASE_KEYS_PUB, LEASE_KEY_SECRET};
 use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
 
 /// Makes lease signing keys, and mints or checks lease tokens by hand.
@@ -22,6 +23,10 @@ use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
+    /// The configuration directory, where the key files are by default
+    /// [env: RFAAS_CONFIG_DIR] [default: /etc/rfaas].
+    #[arg(long, value_name = "DIR", global = true)]
+    config_dir: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -37,18 +42,22 @@ enum Command {
         #[arg(long)]
         key_id: String,
         /// Where to write the secret key; an existing file is never
-        /// overwritten.
+        /// overwritten [default: lease-key.secret in the configuration
+        /// directory, where the manager reads it].
         #[arg(long, value_name = "FILE")]
-        secret: PathBuf,
-        /// Where to write the public key; copy it to every node.
+        secret: Option<PathBuf>,
+        /// Where to write the public key; copy it to every node [default:
+        /// lease-keys.pub in the configuration directory, where executord
+        /// reads it].
         #[arg(long, value_name = "FILE")]
-        public: PathBuf,
+        public: Option<PathBuf>,
     },
     /// Prints a lease token for the given claims, signed with a secret key.
     Mint {
-        /// The secret key file (from `keygen`).
+        /// The secret key file (from `keygen`) [default: lease-key.secret
+        /// in the configuration directory].
         #[arg(long, value_name = "FILE")]
-        key: PathBuf,
+        key: Option<PathBuf>,
         /// The node the lease is for: its executor's node_name.
         #[arg(long)]
         node: String,
@@ -81,8 +90,9 @@ enum Command {
     /// Prints its claims as JSON, or why it is refused (exit code 1).
     Verify {
         /// A public key file, as in the executor's lease_keys; give it again
-        /// for more files.
-        #[arg(long, value_name = "FILE", required = true)]
+        /// for more files [default: lease-keys.pub in the configuration
+        /// directory].
+        #[arg(long, value_name = "FILE")]
         keys: Vec<PathBuf>,
         /// The node checking the token (as its executor's node_name).
         #[arg(long)]
@@ -100,12 +110,17 @@ fn now() -> anyhow::Result<u64> {
 }
 
 fn main() -> anyhow::Result<ExitCode> {
-    match Args::parse().command {
+    let args = Args::parse();
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
+    let in_dir = |given: Option<PathBuf>, name: &str| given.unwrap_or_else(|| dir.file(name));
+    match args.command {
         Command::Keygen {
             key_id,
             secret,
             public,
         } => {
+            let secret = in_dir(secret, LEASE_KEY_SECRET);
+            let public = in_dir(public, LEASE_KEYS_PUB);
             let signer = LeaseSigner::generate(&key_id)?;
             write_key_pair(&signer, &secret, &public)?;
             eprintln!(
@@ -126,7 +141,8 @@ fn main() -> anyhow::Result<ExitCode> {
             job_id,
             lease_id,
         } => {
-            let signer = read_secret_key(&key)?;
+            let signer = read_secret_key(&in_dir(key, LEASE_KEY_SECRET))
+                .map_err(|e| anyhow::anyhow!("{e}; {}", dir.hint(&["--key"])))?;
             let now = now()?;
             let lease_id = match lease_id {
                 Some(id) => id,
@@ -152,7 +168,13 @@ fn main() -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Verify { keys, node, token } => {
-            let keys = read_lease_keys(&keys)?;
+            let keys = if keys.is_empty() {
+                vec![dir.file(LEASE_KEYS_PUB)]
+            } else {
+                keys
+            };
+            let keys = read_lease_keys(&keys)
+                .map_err(|e| anyhow::anyhow!("{e}; {}", dir.hint(&["--keys"])))?;
             match keys.verify(&token, now()?, &node) {
                 Ok(claims) => {
                     println!("{}", serde_json::to_string_pretty(&claims)?);

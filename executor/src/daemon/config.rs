@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use rfaas_proto::files::{ConfigDir, EXECUTORD_TOML, LEASE_KEYS_PUB, NODE_CREDENTIAL};
 use serde::Deserialize;
 
 /// The configuration file as written: every key optional.
@@ -321,7 +322,7 @@ pub struct ManagerSettings {
 }
 
 impl ManagerConfig {
-    fn resolve(&self) -> Result<ManagerSettings, ConfigError> {
+    fn resolve(&self, dir: &ConfigDir) -> Result<ManagerSettings, ConfigError> {
         let invalid =
             |key: &'static str, value: &dyn std::fmt::Debug, why: &str| ConfigError::Invalid {
                 key,
@@ -371,7 +372,7 @@ impl ManagerConfig {
             credential_file: self
                 .credential_file
                 .clone()
-                .unwrap_or_else(|| PathBuf::from("/etc/rfaas/node.credential")),
+                .unwrap_or_else(|| dir.file(NODE_CREDENTIAL)),
             advertise: self.advertise.clone(),
             max_backoff_ms,
             harvested: self.harvested,
@@ -396,13 +397,16 @@ pub enum Sandbox {
 #[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read the configuration file {path}: {source}")]
+    #[error("cannot read the configuration file {path}: {source}; {hint}")]
     Read {
         /// The file.
         path: PathBuf,
         /// Why.
         #[source]
         source: std::io::Error,
+        /// What names another file
+        /// ([`ConfigDir::hint`](rfaas_proto::files::ConfigDir::hint)).
+        hint: String,
     },
     /// The file is not valid TOML for this daemon.
     #[error("the configuration file {path} is invalid: {message}")]
@@ -493,22 +497,39 @@ pub struct Settings {
     pub billing: BillingSettings,
     /// Slurm's view of this node, when configured.
     pub slurm: Option<SlurmSettings>,
+    /// The configuration directory the default files came from.
+    pub config_dir: ConfigDir,
 }
 
 /// The default place of the node tools' socket (one definition, in
 /// rfaas-proto, which the Slurm hooks share).
 pub const DEFAULT_LOCAL_SOCKET: &str = rfaas_proto::control::DEFAULT_LOCAL_SOCKET;
 
-/// The public key file lease tokens are checked with when `lease_keys` is
-/// not set.
-pub const DEFAULT_LEASE_KEYS: &str = "/etc/rfaas/lease-keys.pub";
-
 impl Config {
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::read(path, "check --config".into())
+    }
+
+    /// The configuration the daemon starts with: `path` (`--config`) when
+    /// given (it must load), else `executord.toml` in `dir` when it exists,
+    /// else the defaults.
+    pub fn load_or_default(path: Option<&Path>, dir: &ConfigDir) -> Result<Config, ConfigError> {
+        if let Some(path) = path {
+            return Config::load(path);
+        }
+        let path = dir.file(EXECUTORD_TOML);
+        if !path.exists() {
+            return Ok(Config::default());
+        }
+        Config::read(&path, dir.hint(&["--config"]))
+    }
+
+    fn read(path: &Path, hint: String) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
+            hint,
         })?;
         Config::parse(&text).map_err(|message| ConfigError::Parse {
             path: path.to_owned(),
@@ -521,8 +542,13 @@ impl Config {
         toml::from_str(text).map_err(|e| e.to_string())
     }
 
-    /// Fills in defaults and checks every value.
+    /// Fills in defaults (files in `/etc/rfaas`) and checks every value.
     pub fn resolve(&self) -> Result<Settings, ConfigError> {
+        self.resolve_in(&ConfigDir::default())
+    }
+
+    /// Fills in defaults (files in `dir`) and checks every value.
+    pub fn resolve_in(&self, dir: &ConfigDir) -> Result<Settings, ConfigError> {
         let invalid =
             |key: &'static str, value: &dyn std::fmt::Debug, why: &str| ConfigError::Invalid {
                 key,
@@ -660,7 +686,7 @@ impl Config {
         let lease_keys = self
             .lease_keys
             .clone()
-            .unwrap_or_else(|| vec![PathBuf::from(DEFAULT_LEASE_KEYS)]);
+            .unwrap_or_else(|| vec![dir.file(LEASE_KEYS_PUB)]);
         if lease_keys.is_empty() {
             return Err(invalid(
                 "lease_keys",
@@ -714,11 +740,7 @@ impl Config {
             request_threads: request_threads as u32,
             log_level,
             metrics_listen,
-            manager: self
-                .manager
-                .as_ref()
-                .map(ManagerConfig::resolve)
-                .transpose()?,
+            manager: self.manager.as_ref().map(|m| m.resolve(dir)).transpose()?,
             billing: self
                 .billing
                 .as_ref()
@@ -731,6 +753,7 @@ impl Config {
                 .map(|s| s.resolve(&node_name))
                 .transpose()?,
             node_name,
+            config_dir: dir.clone(),
         })
     }
 }

@@ -91,8 +91,15 @@ use supervise::SpawnJob;
 #[non_exhaustive]
 pub enum StartError {
     /// A lease key file is unusable.
-    #[error(transparent)]
-    Keys(#[from] KeyFileError),
+    #[error("{source}; {hint}")]
+    Keys {
+        /// Why.
+        #[source]
+        source: KeyFileError,
+        /// What names other files
+        /// ([`ConfigDir::hint`](rfaas_proto::files::ConfigDir::hint)).
+        hint: String,
+    },
     /// A directory or socket could not be made.
     #[error("cannot {what} {path}: {source}")]
     Io {
@@ -136,12 +143,20 @@ impl Daemon {
             let path = path.display().to_string();
             move |source| StartError::Io { what, path, source }
         };
-        let lease_keys = keys::read_lease_keys(&settings.lease_keys)?;
+        let dir = &settings.config_dir;
+        let lease_keys =
+            keys::read_lease_keys(&settings.lease_keys).map_err(|source| StartError::Keys {
+                source,
+                hint: dir.hint(&["--lease-keys", "lease_keys in executord.toml"]),
+            })?;
         tracing::info!(key_ids = ?lease_keys.key_ids().collect::<Vec<_>>(), "lease keys read");
         let credential = match &settings.manager {
-            Some(m) => Some(
-                register::read_credential(&m.credential_file).map_err(StartError::Credential)?,
-            ),
+            Some(m) => Some(register::read_credential(&m.credential_file).map_err(|e| {
+                StartError::Credential(format!(
+                    "{e}; {}",
+                    dir.hint(&["credential_file in [manager] of executord.toml"])
+                ))
+            })?),
             None => None,
         };
         if !settings.worker_path.exists() {

@@ -3,17 +3,23 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use rfaas_manager::config::{self, FileConfig, DEFAULT_CONFIG};
+use rfaas_manager::config::{self, FileConfig};
+use rfaas_proto::files::{ConfigDir, MANAGER_TOML};
 
 /// Serve rfaas's resource manager: nodes register here, jobs lease cores
 /// here. Run several replicas on one PostgreSQL database for availability.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// The configuration file (TOML). Without this flag,
-    /// /etc/rfaas/manager.toml is read if it exists.
+    /// The configuration file (TOML). Without this flag, manager.toml in
+    /// the configuration directory is read if it exists.
     #[arg(long, short)]
     config: Option<PathBuf>,
+    /// The configuration directory: manager.toml, admin.token and
+    /// lease-key.secret are looked for there [env: RFAAS_CONFIG_DIR]
+    /// [default: /etc/rfaas].
+    #[arg(long, value_name = "DIR")]
+    config_dir: Option<PathBuf>,
     /// Listen on this host:port (overrides `listen`).
     #[arg(long)]
     listen: Option<String>,
@@ -35,8 +41,8 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     config::init_logging(args.verbose);
-    let mut file: FileConfig =
-        config::load_or_default(args.config.as_deref(), std::path::Path::new(DEFAULT_CONFIG))?;
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
+    let mut file: FileConfig = config::load_or_default(args.config.as_deref(), &dir, MANAGER_TOML)?;
     if args.listen.is_some() {
         file.listen = args.listen;
     }
@@ -49,7 +55,7 @@ fn main() -> anyhow::Result<()> {
     if args.lease_key_file.is_some() {
         file.lease_key_file = args.lease_key_file;
     }
-    let settings = file.settings()?;
+    let settings = file.settings(&dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use rfaas_manager::ctl::{self, Ctl, CtlError};
+use rfaas_proto::files::{ConfigDir, ADMIN_TOKEN};
 use rfaas_proto::manager::{BudgetView, Credential, LeaseView, NodeView};
 use serde_json::{json, Value};
 
@@ -32,15 +33,19 @@ struct Args {
     )]
     managers: Vec<String>,
     /// The file holding the admin token. It must be readable by its owner
-    /// only, as the manager's own copy.
+    /// only, as the manager's own copy [default: admin.token in the
+    /// configuration directory].
     #[arg(
         long,
         value_name = "FILE",
         env = "RFAAS_ADMIN_TOKEN_FILE",
-        default_value = ctl::DEFAULT_TOKEN_FILE,
         global = true
     )]
-    token_file: PathBuf,
+    token_file: Option<PathBuf>,
+    /// The configuration directory, where admin.token is looked for
+    /// [env: RFAAS_CONFIG_DIR] [default: /etc/rfaas].
+    #[arg(long, value_name = "DIR", global = true)]
+    config_dir: Option<PathBuf>,
     /// Read the token from this environment variable instead of a file.
     #[arg(long, value_name = "VAR", global = true)]
     token_env: Option<String>,
@@ -155,7 +160,17 @@ enum NewCredential {
 
 fn token(args: &Args) -> Result<String, CtlError> {
     let Some(var) = &args.token_env else {
-        return rfaas_manager::auth::read_admin_token(&args.token_file).map_err(CtlError::Token);
+        let dir = ConfigDir::resolve(args.config_dir.as_deref());
+        let file = match &args.token_file {
+            Some(file) => file.clone(),
+            None => dir.file(ADMIN_TOKEN),
+        };
+        return rfaas_manager::auth::read_admin_token(&file).map_err(|e| {
+            CtlError::Token(format!(
+                "{e}; {}",
+                dir.hint(&["--token-file", "RFAAS_ADMIN_TOKEN_FILE", "--token-env"])
+            ))
+        });
     };
     let value = std::env::var(var).map_err(|_| {
         CtlError::Token(format!(
