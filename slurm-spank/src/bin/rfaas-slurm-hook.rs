@@ -113,8 +113,32 @@ fn run(args: Vec<String>) {
     hook::run(event, &settings, &job, &log);
 }
 
+/// What `--help` prints.
+const USAGE: &str = "\
+Take a node's CPUs back from rfaas when a Slurm job starts there, and offer
+them again when it ends: Slurm's Prolog= and Epilog= for sites that load no
+SPANK plugin. Always exits 0 (a failing prolog would drain the node).
+
+Usage: rfaas-slurm-hook [prolog|epilog] [--config FILE] [KEY=VALUE ...]
+
+Arguments:
+  prolog|epilog   Which end of the job; without it, SLURM_SCRIPT_CONTEXT
+                  (set by slurmd) says which
+  KEY=VALUE       A setting, as the plugin's in plugstack.conf: grace=,
+                  socket=, timeout_ms=, default=, log=
+
+Options:
+      --config FILE  The settings file [default: rfaas-slurm-hook.conf next to
+                     slurm.conf, if it exists]
+  -h, --help         Print help
+";
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        print!("{USAGE}");
+        return;
+    }
     guarded("rfaas-slurm-hook", &Stderr, (), || run(args));
     // Always 0: Slurm drains a node whose prolog fails.
 }
