@@ -7,8 +7,8 @@
 //! exponential backoff and full jitter, never sooner than a `Retry-After`
 //! says, failing over from one URL to the next, until its deadline; a wait
 //! that would end past the deadline ends there, for a last try. Other
-//! refusals (a bad credential, a quota, a malformed request) come back at
-//! once: waiting does not change them.
+//! refusals (a bad credential, a quota, a malformed request, a request no
+//! node can ever hold) come back at once: waiting does not change them.
 //!
 //! A [`Lease`] releases itself when dropped (or by [`Lease::release`]), and
 //! [`Lease::renew`] extends it; hand the renewed tokens to the allocations
@@ -269,8 +269,10 @@ impl Managers {
     /// `Retry-After` counts on ends. The deadline is counted from the
     /// call; a `deadline` of zero makes one attempt and no wait. What a
     /// last attempt answers is the error: `503 no_capacity` when still
-    /// nothing fits ([`Error::Manager`], retryable later). A refusal
-    /// waiting cannot change comes back at once.
+    /// nothing fits ([`Error::Manager`], retryable later). A request no
+    /// node can ever hold is refused at once, without waiting
+    /// ([`Error::ExceedsCluster`]), as is any other refusal waiting cannot
+    /// change.
     pub fn request(&self, req: &LeaseRequest, deadline: Duration) -> Result<Lease> {
         let grant = self.retrying(deadline, || {
             self.inner.send("POST", "/v1/leases", Some(req))
@@ -396,11 +398,7 @@ impl Inner {
                     message: format!("the manager's error reply was not JSON ({e})"),
                     details: Default::default(),
                 });
-            let error = Error::Manager {
-                status,
-                kind: api.error,
-                message: api.message,
-            };
+            let error = Error::from_manager(status, api);
             if status == 503 {
                 // Every replica shares one database: another will not fit
                 // either, so wait as told.

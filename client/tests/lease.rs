@@ -1,13 +1,15 @@
 //! Leases from a real `rfaas-manager`, with the retry schedule driven by
 //! an injected clock: the test's clock "sleeps" by moving its own time
-//! and running what the scenario does at that retry, so nothing waits.
+//! and running what the scenario does at that retry, so nothing waits. A
+//! refusal the test managers do not give comes from a loopback server
+//! giving the manager's reply ([`FixedAnswer`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rfaas_client::lease::{Backoff, Clock, Jitter, Lease, LeaseRequest, Managers};
-use rfaas_client::Error;
-use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use rfaas_client::{Error, Next};
+use rfaas_testkit::manager::{exceeds_cluster_reply, Api, FixedAnswer, Manager, ManagerOptions};
 use serde_json::json;
 
 type Hook = Box<dyn FnMut(u32) + Send>;
@@ -235,6 +237,38 @@ fn a_full_node_is_waited_for_until_the_deadline() {
     // One wait, to the deadline: Retry-After said 60 s.
     assert_eq!(clock.sleeps(), [Duration::from_secs(20)]);
     lease.release().unwrap();
+}
+
+/// The manager's refusal of a request no node can ever hold comes back at
+/// once, not retryable, with the largest offer in its figures and words.
+/// The answer comes from a loopback server giving the manager's reply.
+#[test]
+fn a_request_beyond_the_cluster_is_refused_at_once_with_the_largest_offer() {
+    let manager = FixedAnswer::start(422, &exceeds_cluster_reply());
+    let clock = TestClock::new(|_| {});
+    let err = on_clock(&[manager.url()], "rfaasc.alice", &clock)
+        .request(&request(64), Duration::from_secs(3600))
+        .unwrap_err();
+    match &err {
+        Error::ExceedsCluster { offer, .. } => {
+            assert_eq!(
+                (
+                    offer.largest_node_cores,
+                    offer.largest_node_memory_mib,
+                    offer.cluster_cores,
+                    offer.nodes
+                ),
+                (2, 2048, 6, 3)
+            );
+        }
+        other => panic!("not a request beyond the cluster: {other:?}"),
+    }
+    assert!(!err.is_retryable(), "{err}");
+    assert_eq!(err.next(), Next::Fix);
+    let text = err.to_string();
+    assert!(text.contains("2 cores and 2048 MiB"), "{text}");
+    assert!(clock.sleeps().is_empty(), "{:?}", clock.sleeps());
+    assert_eq!(manager.requests(), 1);
 }
 
 #[test]

@@ -19,8 +19,9 @@
  * `rfaas_last_error()` gives.
  *
  * Codes are stable. 2..99 are failures of the client library or the
- * connection, 100 + n is the worker's invocation status n, and 200 + n
- * the executor's refusal of an allocation. Each cause has one code,
+ * connection, 100 + n is the worker's invocation status n, 200 + n
+ * the executor's refusal of an allocation, and 300 and up the resource
+ * manager's refusal of a lease. Each cause has one code,
  * whether the worker answered it or the executor reported it: a worker
  * that crashed is `RFAAS_ERR_WORKER_CRASHED` (101, once
  * `RFAAS_ERR_FUNCTION_CRASHED`, is retired and never reused), one out of
@@ -266,6 +267,14 @@ enum rfaas_status
    * No manager answered until the request's deadline. Retryable.
    */
   RFAAS_ERR_MANAGER_UNREACHABLE = 304,
+  /**
+   * No node of the cluster can ever hold the request: it asks for more
+   * cores or memory on one node than the largest node offers, or for
+   * more nodes than there are (`422`, `request_exceeds_cluster`). The
+   * message gives the largest offer. Not retryable: waiting does not
+   * help; ask for at most that.
+   */
+  RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER = 305,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -562,8 +571,12 @@ void rfaas_managers_free(struct rfaas_managers *managers);
  * `Retry-After` of 60 s with 10 s left) ends at the deadline instead,
  * for a last try there, since a release can free cores sooner than
  * `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
- * Refusals waiting cannot change (a quota, a credential) come back at
- * once.
+ *
+ * A request no node can ever hold (more cores or memory on one node
+ * than the largest node offers, more nodes than there are) fails at once
+ * with `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`, not retryable; the message
+ * gives the largest offer. Other refusals waiting cannot change (a quota,
+ * a credential) also come back at once.
  *
  * # Safety
  *
@@ -630,8 +643,9 @@ rfaas_status rfaas_lease_release(struct rfaas_lease *lease);
 /**
  * Leases what `opts` asks for (its cores on one node and its memory) for
  * `duration_s` seconds (3 or more), waiting up to `deadline_ms` while no
- * node is free (as `rfaas_lease_request` waits, on the same schedule),
- * then allocates the library at `library_path` with
+ * node is free (as `rfaas_lease_request` waits, on the same schedule;
+ * `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER` at once for a request no node can
+ * ever hold), then allocates the library at `library_path` with
  * `functions` on the granted node, as `rfaas_allocate_file` does. The
  * allocation holds its lease: a background thread renews it at two
  * thirds of `duration_s` and hands the new token to the executor, and

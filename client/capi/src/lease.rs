@@ -128,8 +128,12 @@ pub unsafe extern "C" fn rfaas_managers_free(managers: *mut rfaas_managers) {
 /// `Retry-After` of 60 s with 10 s left) ends at the deadline instead,
 /// for a last try there, since a release can free cores sooner than
 /// `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
-/// Refusals waiting cannot change (a quota, a credential) come back at
-/// once.
+///
+/// A request no node can ever hold (more cores or memory on one node
+/// than the largest node offers, more nodes than there are) fails at once
+/// with `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`, not retryable; the message
+/// gives the largest offer. Other refusals waiting cannot change (a quota,
+/// a credential) also come back at once.
 ///
 /// # Safety
 ///
@@ -299,8 +303,9 @@ pub unsafe extern "C" fn rfaas_lease_release(lease: *mut rfaas_lease) -> rfaas_s
 
 /// Leases what `opts` asks for (its cores on one node and its memory) for
 /// `duration_s` seconds (3 or more), waiting up to `deadline_ms` while no
-/// node is free (as `rfaas_lease_request` waits, on the same schedule),
-/// then allocates the library at `library_path` with
+/// node is free (as `rfaas_lease_request` waits, on the same schedule;
+/// `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER` at once for a request no node can
+/// ever hold), then allocates the library at `library_path` with
 /// `functions` on the granted node, as `rfaas_allocate_file` does. The
 /// allocation holds its lease: a background thread renews it at two
 /// thirds of `duration_s` and hands the new token to the executor, and

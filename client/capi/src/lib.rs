@@ -13,7 +13,9 @@
 //! # Layout
 //!
 //! - [`status`]: `rfaas_status`, one code per way a call fails (one per
-//!   cause of a worker's end), mapped from [`::rfaas_client::Error`];
+//!   cause of a worker's end; a request no node can hold,
+//!   `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`), mapped from
+//!   [`::rfaas_client::Error`];
 //!   `rfaas_next`; `rfaas_status_name`, `rfaas_status_is_retryable`.
 //! - [`ffi`]: the thread's last error (`rfaas_last_error`,
 //!   `rfaas_last_error_info`), panic containment, checked conversions of C
