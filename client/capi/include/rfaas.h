@@ -133,6 +133,13 @@ enum rfaas_status
    */
   RFAAS_ERR_EXECUTOR_STOPPED = 19,
   /**
+   * The caller's array is too small for the string asked for (a node
+   * name, an executor's address): nothing was written to it, and the
+   * call's `needed` says how many bytes it takes, NUL included. Call
+   * again with that many.
+   */
+  RFAAS_ERR_TOO_SMALL = 20,
+  /**
    * The function returned more output than the output capacity.
    */
   RFAAS_ERR_OUTPUT_TOO_LARGE = 102,
@@ -656,7 +663,9 @@ rfaas_status rfaas_lease_release(struct rfaas_lease *lease);
  * it releases the lease, leases again preferring every other node, and
  * allocates there (buffers stay valid), waiting for a lease up to
  * `deadline_ms` again. Without it, it re-allocates on the same node only.
- * `rfaas_add_fallback_executor` does not apply.
+ * `rfaas_add_fallback_executor` does not apply. `rfaas_allocation_node`,
+ * `rfaas_allocation_executor` and `rfaas_allocation_moves` say where it
+ * runs and how often it moved.
  *
  * # Safety
  *
@@ -749,6 +758,62 @@ rfaas_status rfaas_allocate_file(const struct rfaas_client *client,
 rfaas_status rfaas_function_index(const struct rfaas_allocation *alloc,
                                   const char *name,
                                   uint32_t *index);
+
+/**
+ * Writes the name of the node the allocation runs on, and a NUL, into
+ * `name`, an array of `size` bytes; `*needed` (when `needed` is not NULL)
+ * gets the bytes that takes, NUL included. The name is the one the
+ * allocation's lease token names, which the executor checked is its own;
+ * after `rfaas_invoke_retrying` moved the allocation, it is the new
+ * node's.
+ *
+ * An array too small for it is `RFAAS_ERR_TOO_SMALL`: nothing is written
+ * to `name`, but `*needed` is set. Pass NULL and 0 to learn the size that
+ * way. A node name the manager accepts has at most 253 bytes, so an
+ * array of 256 holds any of them.
+ *
+ * May run alongside `rfaas_submit` and `rfaas_invoke` on the allocation,
+ * not alongside `rfaas_invoke_retrying` or `rfaas_deallocate`.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation; `name` is NULL or `size`
+ * writable bytes; `needed` is NULL or writable.
+ */
+rfaas_status rfaas_allocation_node(const struct rfaas_allocation *alloc,
+                                   char *name,
+                                   size_t size,
+                                   size_t *needed);
+
+/**
+ * Writes the control address ("host:port") of the executor the allocation
+ * runs on, and a NUL, into `address`, an array of `size` bytes, as
+ * `rfaas_allocation_node` writes the node's name (`RFAAS_ERR_TOO_SMALL`
+ * and `*needed` alike). After `rfaas_invoke_retrying` moved the
+ * allocation, it is the new executor's.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation; `address` is NULL or `size`
+ * writable bytes; `needed` is NULL or writable.
+ */
+rfaas_status rfaas_allocation_executor(const struct rfaas_allocation *alloc,
+                                       char *address,
+                                       size_t size,
+                                       size_t *needed);
+
+/**
+ * How many times `rfaas_invoke_retrying` moved the allocation to another
+ * node: an allocation of `rfaas_leased_allocate` (with `retry_elsewhere`)
+ * when its node was taken back, drained, stopped or lost, a plain one
+ * when it went on to a fallback executor (`rfaas_add_fallback_executor`).
+ * A fresh worker on the same node is no move. 0 for NULL.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation.
+ */
+uint64_t rfaas_allocation_moves(const struct rfaas_allocation *alloc);
 
 /**
  * Ends the allocation: the executor stops the worker and frees its cores;

@@ -316,7 +316,9 @@ pub unsafe extern "C" fn rfaas_lease_release(lease: *mut rfaas_lease) -> rfaas_s
 /// it releases the lease, leases again preferring every other node, and
 /// allocates there (buffers stay valid), waiting for a lease up to
 /// `deadline_ms` again. Without it, it re-allocates on the same node only.
-/// `rfaas_add_fallback_executor` does not apply.
+/// `rfaas_add_fallback_executor` does not apply. `rfaas_allocation_node`,
+/// `rfaas_allocation_executor` and `rfaas_allocation_moves` say where it
+/// runs and how often it moved.
 ///
 /// # Safety
 ///

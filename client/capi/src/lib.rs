@@ -24,7 +24,8 @@
 //! - [`lease`]: `rfaas_managers`, `rfaas_lease`: leases from the resource
 //!   manager (backoff, failover, renewal, release).
 //! - [`client`]: `rfaas_client`, `rfaas_allocation`: allocate,
-//!   look functions up, deallocate.
+//!   look functions up, say where an allocation runs and how often it
+//!   moved, deallocate.
 //! - [`buffer`]: `rfaas_buffer`, registered page-aligned bytes.
 //! - [`invocation`]: `rfaas_invocation`: submit, wait, spin, test; the
 //!   synchronous `rfaas_invoke`.

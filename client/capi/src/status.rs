@@ -85,6 +85,11 @@ pub enum rfaas_status {
     /// ended the allocation. Retryable: allocate again, on another executor
     /// if it does not come back.
     RFAAS_ERR_EXECUTOR_STOPPED = 19,
+    /// The caller's array is too small for the string asked for (a node
+    /// name, an executor's address): nothing was written to it, and the
+    /// call's `needed` says how many bytes it takes, NUL included. Call
+    /// again with that many.
+    RFAAS_ERR_TOO_SMALL = 20,
     /// The function returned more output than the output capacity.
     RFAAS_ERR_OUTPUT_TOO_LARGE = 102,
     /// The worker does not know the function index.
@@ -169,7 +174,7 @@ pub enum rfaas_status {
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 52] = [
+const ALL: [rfaas_status; 53] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -190,6 +195,7 @@ const ALL: [rfaas_status; 52] = [
     RFAAS_ERR_FABRIC_TRANSIENT,
     RFAAS_ERR_OUT_OF_MEMORY,
     RFAAS_ERR_EXECUTOR_STOPPED,
+    RFAAS_ERR_TOO_SMALL,
     RFAAS_ERR_OUTPUT_TOO_LARGE,
     RFAAS_ERR_FUNCTION_INDEX,
     RFAAS_ERR_EXECUTOR_DRAINING,
@@ -366,6 +372,7 @@ impl rfaas_status {
             RFAAS_ERR_FABRIC_TRANSIENT => c"RFAAS_ERR_FABRIC_TRANSIENT",
             RFAAS_ERR_OUT_OF_MEMORY => c"RFAAS_ERR_OUT_OF_MEMORY",
             RFAAS_ERR_EXECUTOR_STOPPED => c"RFAAS_ERR_EXECUTOR_STOPPED",
+            RFAAS_ERR_TOO_SMALL => c"RFAAS_ERR_TOO_SMALL",
             RFAAS_ERR_OUTPUT_TOO_LARGE => c"RFAAS_ERR_OUTPUT_TOO_LARGE",
             RFAAS_ERR_FUNCTION_INDEX => c"RFAAS_ERR_FUNCTION_INDEX",
             RFAAS_ERR_EXECUTOR_DRAINING => c"RFAAS_ERR_EXECUTOR_DRAINING",

@@ -1,13 +1,15 @@
 //! `rfaas_leased_allocate` against a real `rfaas-manager` and real
 //! `rfaas-executord`s that accept the manager's tokens: an allocation that
-//! holds its own lease, whose `rfaas_deallocate` releases it, and one
-//! that waits for a full node up to its deadline.
+//! holds its own lease, whose `rfaas_deallocate` releases it; one that
+//! waits for a full node up to its deadline; and one that moves when its
+//! node is taken back, and says where it went.
 
 use std::ffi::{CStr, CString};
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use rfaas::*;
+use rfaas_proto::control::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library;
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
@@ -148,6 +150,38 @@ fn echo(alloc: *mut rfaas_allocation, value: u32) {
     }
 }
 
+/// The allocation's node and executor, and its moves, as C sees them.
+fn whereabouts(alloc: *const rfaas_allocation) -> (String, String, u64) {
+    let mut node = [0u8; 256];
+    let mut executor = [0u8; 256];
+    let mut needed = 0usize;
+    // SAFETY: a live allocation; the arrays are 256 bytes.
+    let moves = unsafe {
+        ok(rfaas_allocation_node(
+            alloc,
+            node.as_mut_ptr().cast(),
+            node.len(),
+            &mut needed,
+        ));
+        ok(rfaas_allocation_executor(
+            alloc,
+            executor.as_mut_ptr().cast(),
+            executor.len(),
+            null_mut(),
+        ));
+        rfaas_allocation_moves(alloc)
+    };
+    let text = |b: &[u8]| {
+        CStr::from_bytes_until_nul(b)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(needed, text(&node).len() + 1);
+    (text(&node), text(&executor), moves)
+}
+
 /// The manager's count of lease requests it refused for want of room.
 fn no_capacity_denials(m: &Manager) -> u64 {
     let (_, metrics) = Api::new(m.url(), "").call("GET", "/metrics", None);
@@ -163,7 +197,7 @@ fn no_capacity_denials(m: &Manager) -> u64 {
 #[test]
 fn a_leased_allocation_serves_and_deallocation_releases_its_lease() {
     let m = manager();
-    let _d = executor(&m, "node-a");
+    let d = executor(&m, "node-a");
     let user = Api::new(m.url(), &m.credential("user", "nobody", None));
     let job = Job::new(&m);
     let alloc = job.allocate(10_000, true);
@@ -172,6 +206,10 @@ fn a_leased_allocation_serves_and_deallocation_releases_its_lease() {
     assert_eq!(leases.len(), 1, "{leases:?}");
     assert_eq!(leases[0]["state"], "active");
     let grant = leases[0]["grant_id"].as_u64().unwrap();
+    assert_eq!(
+        whereabouts(alloc),
+        ("node-a".into(), d.control_addr().to_string(), 0)
+    );
 
     echo(alloc, 42);
     // SAFETY: a live allocation, freed once.
@@ -209,6 +247,39 @@ fn a_full_node_is_waited_for_until_the_deadline() {
         job.allocate(8_000, false)
     });
     echo(alloc, 7);
+    // SAFETY: a live allocation, freed once.
+    ok(unsafe { rfaas_deallocate(alloc) });
+}
+
+/// An allocation whose node is taken back (drained) moves to another node
+/// in `rfaas_invoke_retrying`, and says where it runs now.
+#[test]
+fn a_drained_node_is_left_and_the_allocation_says_where_it_went() {
+    let m = manager();
+    let a = executor(&m, "node-a");
+    let job = Job::new(&m);
+    let alloc = job.allocate(10_000, true);
+    echo(alloc, 1);
+    assert_eq!(
+        whereabouts(alloc),
+        ("node-a".into(), a.control_addr().to_string(), 0)
+    );
+    let b = executor(&m, "node-b");
+
+    std::thread::scope(|scope| {
+        let drain = scope.spawn(|| a.local(LocalRequest::Drain { grace_ms: 5000 }));
+        let until = Instant::now() + Duration::from_secs(30);
+        while !matches!(a.status(), LocalReply::Status { draining: true, .. }) {
+            assert!(Instant::now() < until, "node-a never drained");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        echo(alloc, 2);
+        drain.join().unwrap();
+    });
+    assert_eq!(
+        whereabouts(alloc),
+        ("node-b".into(), b.control_addr().to_string(), 1)
+    );
     // SAFETY: a live allocation, freed once.
     ok(unsafe { rfaas_deallocate(alloc) });
 }
