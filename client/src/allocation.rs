@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_fabric::Domain;
 use rfaas_proto::control::{Deallocate, ErrorCode, Frame, RenewLease};
+use rfaas_proto::lease::read_claims_unverified;
 
 use crate::buffer::{Buffer, Pod};
 use crate::client::Client;
@@ -85,6 +86,11 @@ pub struct Allocation {
     domain: Arc<Domain>,
     domain_id: u64,
     cold_start: ColdStart,
+    /// The node its lease token names (the executor checked it is its own).
+    node: String,
+    /// How many times [`invoke_retrying`](Self::invoke_retrying) moved it
+    /// to another executor.
+    moves: u64,
     /// Deallocated explicitly.
     done: bool,
 }
@@ -105,6 +111,15 @@ pub(crate) struct Parts {
 
 impl Allocation {
     pub(crate) fn from_parts(p: Parts) -> Allocation {
+        let token = &p.executors[p.target].1;
+        // The executor accepted the token, so its claims are readable.
+        let node = match read_claims_unverified(token) {
+            Ok(claims) => claims.node,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the node from the lease token");
+                String::new()
+            }
+        };
         Allocation {
             client: p.client,
             executors: p.executors,
@@ -126,6 +141,8 @@ impl Allocation {
             domain_id: p.domain.id(),
             domain: p.domain,
             cold_start: p.cold_start,
+            node,
+            moves: 0,
             done: false,
         }
     }
@@ -166,6 +183,19 @@ impl Allocation {
     /// The executor's control address.
     pub fn executor(&self) -> &str {
         self.conn.executor()
+    }
+
+    /// The node the allocation runs on: the one its lease token names,
+    /// which the executor checked is its own.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// How many times [`invoke_retrying`](Self::invoke_retrying) moved the
+    /// allocation to another executor (a fallback); 0 while it stays on
+    /// the one it was made on, re-allocations there included.
+    pub fn moves(&self) -> u64 {
+        self.moves
     }
 
     /// The protection domain its buffers are registered in.
@@ -397,12 +427,13 @@ impl Allocation {
         } else {
             self.target
         };
-        let new = self.client.allocate_in(
+        let mut new = self.client.allocate_in(
             Arc::clone(&self.executors),
             target,
             &self.spec,
             Some(Arc::clone(&self.domain)),
         )?;
+        new.moves = self.moves + u64::from(new.executor() != self.executor());
         // The old one is dropped here: best-effort deallocation.
         *self = new;
         Ok(())

@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use rfaas_proto::control::{ControlError, ErrorCode, ExitCause, WorkerExited};
+use rfaas_proto::manager::ApiError;
 use rfaas_proto::text::count;
 use rfaas_proto::InvocationStatus;
 
@@ -149,6 +150,18 @@ pub enum Error {
         /// The manager's sentence: what failed and what to do.
         message: String,
     },
+    /// A manager refused the request for good: it asks for more than any
+    /// node the cluster has held (more cores or memory on one node than
+    /// the largest node offers, or more nodes than there are), so no wait
+    /// makes it fit (`422`, kind `request_exceeds_cluster`). Not
+    /// retryable: ask for at most the `offer`.
+    #[error("{}", exceeds_cluster(offer, message))]
+    ExceedsCluster {
+        /// The largest the cluster offers, as the manager counts it.
+        offer: ClusterOffer,
+        /// The manager's sentence.
+        message: String,
+    },
     /// No manager answered before the request's deadline. Retryable.
     #[error("no manager answered (last tried {url}: {why}); check that rfaas-manager runs there and the URL is right")]
     ManagerUnreachable {
@@ -165,6 +178,40 @@ pub enum Error {
     Control(#[from] ControlError),
 }
 
+/// The largest request a cluster can ever hold, from a manager's
+/// `request_exceeds_cluster` refusal ([`Error::ExceedsCluster`]): one
+/// node lease holds at most `largest_node_cores` cores and
+/// `largest_node_memory_mib` MiB, and a grant spans at most `nodes` nodes
+/// with `cluster_cores` cores in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClusterOffer {
+    /// Cores of the node with the most.
+    pub largest_node_cores: u64,
+    /// MiB of the node with the most memory.
+    pub largest_node_memory_mib: u64,
+    /// Cores of every node together.
+    pub cluster_cores: u64,
+    /// Nodes.
+    pub nodes: u64,
+}
+
+impl ClusterOffer {
+    /// The manager's figures, when its refusal carries every one of them
+    /// (flattened into the body, as every kind's figures are).
+    fn from_details(details: &serde_json::Map<String, serde_json::Value>) -> Option<ClusterOffer> {
+        let figure = |name: &str| details.get(name).and_then(serde_json::Value::as_u64);
+        Some(ClusterOffer {
+            largest_node_cores: figure("largest_node_cores")?,
+            largest_node_memory_mib: figure("largest_node_memory_mib")?,
+            cluster_cores: figure("cluster_cores")?,
+            nodes: figure("nodes")?,
+        })
+    }
+}
+
+/// The kind of a manager's refusal of a request no node can ever hold.
+pub const EXCEEDS_CLUSTER: &str = "request_exceeds_cluster";
+
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -179,6 +226,7 @@ impl Error {
             Error::Refused { code, .. } => code.is_retryable(),
             Error::FunctionFailed(status) => status.is_retryable(),
             Error::Manager { status, .. } => *status >= 500,
+            Error::ExceedsCluster { .. } => false,
             Error::ManagerUnreachable { .. } => true,
             Error::WorkerCrashed { .. }
             | Error::ExecutorStopped { .. }
@@ -215,6 +263,7 @@ impl Error {
             Error::Fabric(e) => e.is_retryable(),
             Error::Refused { .. }
             | Error::Manager { .. }
+            | Error::ExceedsCluster { .. }
             | Error::ManagerUnreachable { .. }
             | Error::WorkerCrashed { .. }
             | Error::ExecutorStopped { .. }
@@ -261,13 +310,30 @@ impl Error {
             }
             Error::AllLanesBusy | Error::BufferBusy | Error::Timeout { .. } => Next::Retry,
             Error::Manager { status, .. } if *status >= 500 => Next::Retry,
-            Error::Manager { .. } => Next::Fix,
+            Error::Manager { .. } | Error::ExceedsCluster { .. } => Next::Fix,
             Error::ManagerUnreachable { .. } => Next::Retry,
             Error::UnknownFunction(_) | Error::InvalidArgument(_) => Next::Fix,
             Error::Fabric(e) if e.is_retryable() => Next::Retry,
             Error::Fabric(_) => Next::Fix,
             Error::Control(ControlError::Io(_)) => Next::Elsewhere,
             Error::Protocol(_) | Error::Control(_) => Next::Report,
+        }
+    }
+
+    /// The error of a manager's refusal: `status`, and the body `api`.
+    pub(crate) fn from_manager(status: u16, api: ApiError) -> Error {
+        if api.error == EXCEEDS_CLUSTER && (400..500).contains(&status) {
+            if let Some(offer) = ClusterOffer::from_details(&api.details) {
+                return Error::ExceedsCluster {
+                    offer,
+                    message: api.message,
+                };
+            }
+        }
+        Error::Manager {
+            status,
+            kind: api.error,
+            message: api.message,
         }
     }
 
@@ -354,6 +420,17 @@ fn failed(status: InvocationStatus) -> &'static str {
         InvocationStatus::LeaseExpired => "the lease behind the allocation has expired and its worker takes no more calls; the allocation has ended: get a new lease and allocate again",
         InvocationStatus::InternalError => "the worker failed for a reason other than the function; call again (allocate again if it persists)",
     }
+}
+
+/// The sentence of a request no node can ever hold.
+fn exceeds_cluster(offer: &ClusterOffer, message: &str) -> String {
+    format!(
+        "no node of the cluster can hold the request, now or later: the largest node offers {} and {} MiB, and the cluster has {} on {}; waiting does not help: ask for at most that (the manager said: {message})",
+        count(offer.largest_node_cores, "core"),
+        offer.largest_node_memory_mib,
+        count(offer.cluster_cores, "core"),
+        count(offer.nodes, "node"),
+    )
 }
 
 /// The sentence of a worker's death.
@@ -528,9 +605,20 @@ mod tests {
                 what: "the executor's reply",
                 after: Duration::from_secs(1),
             },
+            Error::ExceedsCluster {
+                offer: OFFER,
+                message: "the manager's sentence".into(),
+            },
         ]);
         all
     }
+
+    const OFFER: ClusterOffer = ClusterOffer {
+        largest_node_cores: 2,
+        largest_node_memory_mib: 2048,
+        cluster_cores: 6,
+        nodes: 3,
+    };
 
     #[test]
     fn every_error_says_what_next() {
@@ -546,7 +634,14 @@ mod tests {
                 Next::Reallocate => &["allocate again"],
                 Next::Elsewhere => &["another executor", "elsewhere"],
                 Next::NewLease => &["get a new lease"],
-                Next::Fix => &["list it", "bigger", "shorter", "send less", "more memory"],
+                Next::Fix => &[
+                    "list it",
+                    "bigger",
+                    "shorter",
+                    "send less",
+                    "more memory",
+                    "ask for at most",
+                ],
                 Next::Report => &["report it"],
             };
             assert!(
@@ -555,10 +650,14 @@ mod tests {
                 e.next()
             );
             // Whether the allocation has ended is said, too (but where the
-            // same error can come from allocating, which leaves none).
+            // same error can come from allocating or leasing, which leave
+            // none).
             if !matches!(
                 e,
-                Error::Connect { .. } | Error::Timeout { .. } | Error::Protocol(_)
+                Error::Connect { .. }
+                    | Error::Timeout { .. }
+                    | Error::Protocol(_)
+                    | Error::ExceedsCluster { .. }
             ) {
                 let ended = ["has ended", "ended the allocation", "lost the executor"]
                     .iter()
@@ -615,6 +714,46 @@ mod tests {
         assert!(refused(ErrorCode::NoCapacity)
             .to_string()
             .contains("(no_capacity)"));
+    }
+
+    #[test]
+    fn a_request_beyond_the_cluster_is_refused_for_good_with_the_largest_offer() {
+        let api = |error: &str, details: serde_json::Value| ApiError {
+            error: error.into(),
+            message: "the largest node offers 2 cores".into(),
+            details: details.as_object().cloned().unwrap_or_default(),
+        };
+        let figures = serde_json::json!({
+            "largest_node_cores": 2, "largest_node_memory_mib": 2048,
+            "cluster_cores": 6, "nodes": 3,
+        });
+        let e = Error::from_manager(422, api(EXCEEDS_CLUSTER, figures.clone()));
+        assert!(
+            matches!(e, Error::ExceedsCluster { offer, .. } if offer == OFFER),
+            "{e:?}"
+        );
+        assert!(!e.is_retryable());
+        assert_eq!(e.next(), Next::Fix);
+        assert!(!e.allocation_usable());
+        let text = e.to_string();
+        for words in [
+            "2 cores and 2048 MiB",
+            "6 cores on 3 nodes",
+            "ask for at most",
+        ] {
+            assert!(text.contains(words), "{words:?} not in {text}");
+        }
+        // Without its figures it is still the manager's refusal, for good.
+        let e = Error::from_manager(422, api(EXCEEDS_CLUSTER, serde_json::json!({})));
+        assert!(
+            matches!(e, Error::Manager { status: 422, ref kind, .. } if kind == EXCEEDS_CLUSTER),
+            "{e:?}"
+        );
+        assert!(!e.is_retryable());
+        // Other kinds stay what they were.
+        let e = Error::from_manager(503, api("no_capacity", figures));
+        assert!(matches!(e, Error::Manager { status: 503, .. }), "{e:?}");
+        assert!(e.is_retryable());
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! [`Managers::request`] asks for a lease and, while the managers answer
 //! "nothing fits" (`503`) or do not answer at all, tries again with
 //! exponential backoff and full jitter, never sooner than a `Retry-After`
-//! says, failing over from one URL to the next, until its deadline. Other
-//! refusals (a bad credential, a quota, a malformed request) come back at
-//! once: waiting does not change them.
+//! says, failing over from one URL to the next, until its deadline; a wait
+//! that would end past the deadline ends there, for a last try. Other
+//! refusals (a bad credential, a quota, a malformed request, a request no
+//! node can ever hold) come back at once: waiting does not change them.
 //!
 //! A [`Lease`] releases itself when dropped (or by [`Lease::release`]), and
 //! [`Lease::renew`] extends it; hand the renewed tokens to the allocations
@@ -67,7 +68,9 @@ impl Jitter for RandomJitter {
 
 /// How long to wait between attempts: the n-th wait is uniform in
 /// `[0, min(cap, base · 2^n)]` (full jitter), and never shorter than the
-/// manager's `Retry-After`.
+/// manager's `Retry-After`. A wait that would end past the caller's
+/// deadline ends at the deadline instead, for one last attempt there
+/// ([`Managers::request`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {
     /// The first step's ceiling.
@@ -257,6 +260,19 @@ impl Managers {
 
     /// Asks for a lease, retrying while nothing fits or no manager answers,
     /// until `deadline` has passed.
+    ///
+    /// Between attempts it waits with exponential backoff and full jitter,
+    /// never sooner than the manager's `Retry-After`, except once: a wait
+    /// that would end past the deadline (a `Retry-After` of 60 s with 10 s
+    /// left, say) ends at the deadline, and the last attempt is made
+    /// there, because a release can free cores before the lease that
+    /// `Retry-After` counts on ends. The deadline is counted from the
+    /// call; a `deadline` of zero makes one attempt and no wait. What a
+    /// last attempt answers is the error: `503 no_capacity` when still
+    /// nothing fits ([`Error::Manager`], retryable later). A request no
+    /// node can ever hold is refused at once, without waiting
+    /// ([`Error::ExceedsCluster`]), as is any other refusal waiting cannot
+    /// change.
     pub fn request(&self, req: &LeaseRequest, deadline: Duration) -> Result<Lease> {
         let grant = self.retrying(deadline, || {
             self.inner.send("POST", "/v1/leases", Some(req))
@@ -268,8 +284,11 @@ impl Managers {
         })
     }
 
-    /// Runs `attempt` until it is done, fails for good, or `deadline`
-    /// would pass before the next try.
+    /// Runs `attempt` until it is done, fails for good, or `deadline` has
+    /// passed. Between attempts it waits as [`Backoff::wait`] says, but
+    /// never past the deadline: a wait that would end later (a long
+    /// `Retry-After`, a long backoff step) ends at the deadline instead,
+    /// for a last attempt there.
     fn retrying<T>(
         &self,
         deadline: Duration,
@@ -283,15 +302,17 @@ impl Managers {
                 Attempt::Done(t) => return Ok(t),
                 Attempt::Fatal(e) => return Err(e),
                 Attempt::Again { retry_after, error } => {
-                    let wait = inner
-                        .backoff
-                        .wait(tries, retry_after, inner.jitter.as_ref());
                     let spent = inner.clock.now().saturating_duration_since(started);
-                    if spent + wait > deadline {
+                    let left = deadline.saturating_sub(spent);
+                    if left.is_zero() {
                         tracing::debug!(tries = tries + 1, ?spent, "giving up on the managers");
                         return Err(error);
                     }
-                    tracing::debug!(?wait, error = %error, "the managers cannot grant now; waiting");
+                    let wait = inner
+                        .backoff
+                        .wait(tries, retry_after, inner.jitter.as_ref())
+                        .min(left);
+                    tracing::debug!(?wait, ?left, error = %error, "the managers cannot grant now; waiting");
                     inner.clock.sleep(wait);
                     tries += 1;
                 }
@@ -377,11 +398,7 @@ impl Inner {
                     message: format!("the manager's error reply was not JSON ({e})"),
                     details: Default::default(),
                 });
-            let error = Error::Manager {
-                status,
-                kind: api.error,
-                message: api.message,
-            };
+            let error = Error::from_manager(status, api);
             if status == 503 {
                 // Every replica shares one database: another will not fit
                 // either, so wait as told.
@@ -504,6 +521,92 @@ mod tests {
             "never sooner than Retry-After"
         );
         assert_eq!(b.wait(200, None, &Top), Duration::from_millis(400));
+    }
+
+    /// Virtual time: `sleep` moves it on and records the wait.
+    #[derive(Debug)]
+    struct Virtual {
+        start: Instant,
+        slept: Mutex<Vec<Duration>>,
+    }
+
+    impl Clock for Virtual {
+        fn now(&self) -> Instant {
+            self.start + lock(&self.slept).iter().sum::<Duration>()
+        }
+        fn sleep(&self, d: Duration) {
+            lock(&self.slept).push(d);
+        }
+    }
+
+    /// Runs `retrying` to `deadline` over attempts that answer "nothing
+    /// fits, retry after `retry_after`" until the `granted_at`-th (1-based;
+    /// 0: never): the result, and the waits in milliseconds.
+    fn schedule(
+        deadline: Duration,
+        retry_after: Option<Duration>,
+        granted_at: u32,
+    ) -> (Result<u32>, Vec<u128>) {
+        let clock = Arc::new(Virtual {
+            start: Instant::now(),
+            slept: Mutex::new(Vec::new()),
+        });
+        let backoff = Backoff {
+            base: Duration::from_millis(100),
+            cap: Duration::from_secs(2),
+        };
+        let m = Managers::with(["http://m:1"], "c", clock.clone(), Arc::new(Top), backoff).unwrap();
+        let mut n = 0;
+        let result = m.retrying(deadline, || {
+            n += 1;
+            if n == granted_at {
+                return Attempt::Done(n);
+            }
+            Attempt::Again {
+                retry_after,
+                error: Error::Manager {
+                    status: 503,
+                    kind: "no_capacity".into(),
+                    message: format!("attempt {n}"),
+                },
+            }
+        });
+        let waits = lock(&clock.slept).iter().map(Duration::as_millis).collect();
+        (result, waits)
+    }
+
+    #[test]
+    fn a_retry_after_past_the_deadline_waits_for_the_deadline_and_tries_there() {
+        let long = Some(Duration::from_secs(60));
+        // Cores freed before the manager's estimate: the try at the
+        // deadline gets them.
+        let (granted, waits) = schedule(Duration::from_secs(10), long, 2);
+        assert_eq!(granted.unwrap(), 2);
+        assert_eq!(waits, [10_000]);
+        // Still nothing: the last try's answer is the error.
+        let (refused, waits) = schedule(Duration::from_secs(10), long, 0);
+        assert!(
+            matches!(&refused, Err(Error::Manager { message, .. }) if message == "attempt 2"),
+            "{refused:?}"
+        );
+        assert_eq!(waits, [10_000]);
+        // Retry-After is honoured while the deadline is further.
+        let (_, waits) = schedule(Duration::from_secs(150), long, 0);
+        assert_eq!(waits, [60_000, 60_000, 30_000]);
+    }
+
+    #[test]
+    fn the_backoff_runs_to_the_deadline_and_a_zero_deadline_tries_once() {
+        // 100, 200, 400 ms fit in 1 s; the next step (800) ends at it.
+        let (refused, waits) = schedule(Duration::from_secs(1), None, 0);
+        assert!(refused.is_err());
+        assert_eq!(waits, [100, 200, 400, 300]);
+        let (refused, waits) = schedule(Duration::ZERO, None, 0);
+        assert!(
+            matches!(&refused, Err(Error::Manager { message, .. }) if message == "attempt 1"),
+            "{refused:?}"
+        );
+        assert!(waits.is_empty(), "{waits:?}");
     }
 
     #[test]

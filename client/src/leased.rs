@@ -13,6 +13,8 @@
 //! node when the executor refuses for want of room, stops, or dies: it
 //! releases the lease, asks for a new one preferring every other node, and
 //! allocates there in the same protection domain, so buffers stay valid.
+//! [`node`](LeasedAllocation::node) says where it runs now, and
+//! [`moves`](LeasedAllocation::moves) how often it moved.
 //!
 //! The renewal thread and an invocation share no lock: the thread holds
 //! the lease and a [`Renewer`] behind a mutex that only it and a move to
@@ -105,6 +107,8 @@ struct Shared {
     duration: Duration,
     stop: AtomicBool,
     renewals: AtomicU64,
+    /// Moves to another node.
+    moves: AtomicU64,
     current: Mutex<Current>,
 }
 
@@ -156,6 +160,7 @@ impl Managers {
             duration: Duration::from_secs(request.duration_s),
             stop: AtomicBool::new(false),
             renewals: AtomicU64::new(0),
+            moves: AtomicU64::new(0),
             current: Mutex::new(Current {
                 lease: Some(lease),
                 node: node.node,
@@ -387,6 +392,14 @@ impl LeasedAllocation {
         self.keeper.shared.renewals.load(Ordering::Relaxed)
     }
 
+    /// How many times [`invoke_retrying`](Self::invoke_retrying) moved the
+    /// allocation to another node (with
+    /// [`LeaseOptions::retry_elsewhere`]). A new lease on the node it left,
+    /// when only that one had room, is no move.
+    pub fn moves(&self) -> u64 {
+        self.keeper.shared.moves.load(Ordering::Relaxed)
+    }
+
     /// Like [`Allocation::invoke`], but after a retryable failure calls
     /// again, at most `retries` times in all (re-allocations count too):
     /// on the same worker when the failure was passing, on a new worker on
@@ -469,11 +482,16 @@ impl LeasedAllocation {
             lease = lease.id(),
             "moved to another node"
         );
-        *lock(&self.keeper.shared.current) = Current {
+        let mut current = lock(&self.keeper.shared.current);
+        if current.node != node.node {
+            self.keeper.shared.moves.fetch_add(1, Ordering::Relaxed);
+        }
+        *current = Current {
             lease: Some(lease),
             node: node.node,
             renewer: alloc.renewer(),
         };
+        drop(current);
         self.alloc = alloc;
         Ok(())
     }

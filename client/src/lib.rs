@@ -51,7 +51,8 @@
 //! - `spin`: noticing that a spinning thread shares its CPU with another
 //!   busy thread ([`spin_sleeps`]), so `spin` sleeps instead.
 //! - [`error`]: [`Error`], with [`Error::is_retryable`],
-//!   [`Error::allocation_usable`] and [`Error::next`] ([`Next`]).
+//!   [`Error::allocation_usable`] and [`Error::next`] ([`Next`]);
+//!   [`ClusterOffer`], the largest request a cluster can hold.
 
 pub mod allocation;
 pub mod buffer;
@@ -68,7 +69,7 @@ mod spin;
 pub use allocation::{Allocation, ColdStart, FunctionId, Renewer};
 pub use buffer::{Buffer, Pod};
 pub use client::Client;
-pub use error::{Error, Next, Result};
+pub use error::{ClusterOffer, Error, Next, Result};
 pub use invocation::Invocation;
 pub use lease::{Lease, Managers};
 pub use leased::{LeaseOptions, LeasedAllocation};

@@ -875,10 +875,18 @@ fn invoke_retrying_recovers_on_a_new_worker(#[case] provider: &str) {
 #[test]
 fn invoke_retrying_moves_to_a_fallback_executor() {
     let first = daemon();
-    let second = daemon();
+    let second = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: "node-b".into(),
+            ..ExecutordOptions::default()
+        },
+    );
     let fallback = second.control_addr().to_string();
     let spec = spec().fallback_executor(&fallback, &token(&second));
     let mut alloc = allocate(&first, "tcp", &spec);
+    assert_eq!(alloc.node(), first.node_name());
+    assert_eq!(alloc.moves(), 0);
     let echo = alloc.function("echo").unwrap();
     let input = u32_input(&alloc, 99);
     let mut output = alloc.buffer::<u32>(1).unwrap();
@@ -891,6 +899,8 @@ fn invoke_retrying_moves_to_a_fallback_executor() {
     assert_eq!(n, 4);
     assert_eq!(output.as_slice(), &[99]);
     assert_eq!(alloc.executor(), fallback);
+    assert_eq!(alloc.node(), "node-b");
+    assert_eq!(alloc.moves(), 1);
     alloc.deallocate().unwrap();
 }
 

@@ -1,13 +1,15 @@
 //! Leases from a real `rfaas-manager`, with the retry schedule driven by
 //! an injected clock: the test's clock "sleeps" by moving its own time
-//! and running what the scenario does at that retry, so nothing waits.
+//! and running what the scenario does at that retry, so nothing waits. A
+//! refusal the test managers do not give comes from a loopback server
+//! giving the manager's reply ([`FixedAnswer`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rfaas_client::lease::{Backoff, Clock, Jitter, LeaseRequest, Managers};
-use rfaas_client::Error;
-use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use rfaas_client::lease::{Backoff, Clock, Jitter, Lease, LeaseRequest, Managers};
+use rfaas_client::{Error, Next};
+use rfaas_testkit::manager::{exceeds_cluster_reply, Api, FixedAnswer, Manager, ManagerOptions};
 use serde_json::json;
 
 type Hook = Box<dyn FnMut(u32) + Send>;
@@ -94,30 +96,44 @@ fn manager() -> Manager {
     })
 }
 
-#[test]
-fn no_capacity_three_times_then_a_grant() {
-    let m = manager();
-    node(&m, "a", 1);
-    let other = Managers::new([m.url()], &m.credential("user", "bob", None)).unwrap();
-    let held = Arc::new(Mutex::new(Some(
-        other.request(&request(1), Duration::ZERO).unwrap(),
-    )));
-    let held2 = held.clone();
-    // The third wait ends with bob's release.
-    let clock = TestClock::new(move |n| {
-        if n == 3 {
-            held2.lock().unwrap().take().unwrap().release().unwrap();
-        }
-    });
-    let alice = Managers::with(
-        [m.url()],
-        &m.credential("user", "alice", None),
+/// Managers at `urls` with `credential`, on the virtual `clock`.
+fn on_clock(urls: &[&str], credential: &str, clock: &Arc<TestClock>) -> Managers {
+    Managers::with(
+        urls.iter().copied(),
+        credential,
         clock.clone(),
         Arc::new(Top),
         BACKOFF,
     )
-    .unwrap();
-    let lease = alice
+    .unwrap()
+}
+
+/// Alice's view of `m`, on `clock`.
+fn alice(m: &Manager, clock: &Arc<TestClock>) -> Managers {
+    on_clock(&[m.url()], &m.credential("user", "alice", None), clock)
+}
+
+/// A manager whose one node, "a", has its one core leased to bob (for
+/// 600 s, so Retry-After says 60, the manager's cap); the lease, for a
+/// test's clock to release.
+fn a_full_node() -> (Manager, Arc<Mutex<Option<Lease>>>) {
+    let m = manager();
+    node(&m, "a", 1);
+    let bob = Managers::new([m.url()], &m.credential("user", "bob", None)).unwrap();
+    let held = bob.request(&request(1), Duration::ZERO).unwrap();
+    (m, Arc::new(Mutex::new(Some(held))))
+}
+
+#[test]
+fn no_capacity_three_times_then_a_grant() {
+    let (m, held) = a_full_node();
+    // The third wait ends with bob's release.
+    let clock = TestClock::new(move |n| {
+        if n == 3 {
+            held.lock().unwrap().take().unwrap().release().unwrap();
+        }
+    });
+    let lease = alice(&m, &clock)
         .request(&request(1), Duration::from_secs(3600))
         .unwrap();
     assert_eq!(lease.cores(), 1);
@@ -149,9 +165,7 @@ fn a_manager_down_then_up() {
         }
     });
     let url = m.lock().unwrap().url().to_owned();
-    let managers =
-        Managers::with([url.as_str()], &cred, clock.clone(), Arc::new(Top), BACKOFF).unwrap();
-    let lease = managers
+    let lease = on_clock(&[url.as_str()], &cred, &clock)
         .request(&request(2), Duration::from_secs(60))
         .unwrap();
     assert_eq!(lease.cores(), 2);
@@ -169,14 +183,11 @@ fn failover_to_the_second_url() {
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
     drop(dead);
     let clock = TestClock::new(|_| {});
-    let managers = Managers::with(
-        [dead_url.as_str(), m.url()],
+    let managers = on_clock(
+        &[dead_url.as_str(), m.url()],
         &m.credential("user", "alice", None),
-        clock.clone(),
-        Arc::new(Top),
-        BACKOFF,
-    )
-    .unwrap();
+        &clock,
+    );
     let lease = managers
         .request(&request(1), Duration::from_secs(10))
         .unwrap();
@@ -189,20 +200,9 @@ fn failover_to_the_second_url() {
 
 #[test]
 fn the_deadline_ends_the_waiting_with_the_managers_reason() {
-    let m = manager();
-    node(&m, "a", 1);
-    let bob = Managers::new([m.url()], &m.credential("user", "bob", None)).unwrap();
-    let _held = bob.request(&request(1), Duration::ZERO).unwrap();
+    let (m, _held) = a_full_node();
     let clock = TestClock::new(|_| {});
-    let alice = Managers::with(
-        [m.url()],
-        &m.credential("user", "alice", None),
-        clock.clone(),
-        Arc::new(Top),
-        BACKOFF,
-    )
-    .unwrap();
-    let err = alice
+    let err = alice(&m, &clock)
         .request(&request(1), Duration::from_secs(150))
         .unwrap_err();
     match &err {
@@ -211,8 +211,64 @@ fn the_deadline_ends_the_waiting_with_the_managers_reason() {
         }
         other => panic!("not the manager's refusal: {other}"),
     }
-    // 60 s waits fit twice in 150 s, not three times.
-    assert_eq!(clock.sleeps().len(), 2, "{:?}", clock.sleeps());
+    // 60 s waits fit twice in 150 s; the third ends at the deadline, for
+    // the last try.
+    let secs: Vec<u64> = clock.sleeps().iter().map(Duration::as_secs).collect();
+    assert_eq!(secs, [60, 60, 30]);
+}
+
+/// A request that fits, on a node that is full now, waits up to its
+/// deadline, even when the manager's Retry-After (the soonest expiry, 60 s
+/// at most) lies beyond it: cores released before then are granted at
+/// the deadline.
+#[test]
+fn a_full_node_is_waited_for_until_the_deadline() {
+    let (m, held) = a_full_node();
+    // Bob lets go while alice waits.
+    let clock = TestClock::new(move |_| {
+        if let Some(lease) = held.lock().unwrap().take() {
+            lease.release().unwrap();
+        }
+    });
+    let lease = alice(&m, &clock)
+        .request(&request(1), Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("alice got no lease: {e}"));
+    assert_eq!(lease.nodes()[0].node, "a");
+    // One wait, to the deadline: Retry-After said 60 s.
+    assert_eq!(clock.sleeps(), [Duration::from_secs(20)]);
+    lease.release().unwrap();
+}
+
+/// The manager's refusal of a request no node can ever hold comes back at
+/// once, not retryable, with the largest offer in its figures and words.
+/// The answer comes from a loopback server giving the manager's reply.
+#[test]
+fn a_request_beyond_the_cluster_is_refused_at_once_with_the_largest_offer() {
+    let manager = FixedAnswer::start(422, &exceeds_cluster_reply());
+    let clock = TestClock::new(|_| {});
+    let err = on_clock(&[manager.url()], "rfaasc.alice", &clock)
+        .request(&request(64), Duration::from_secs(3600))
+        .unwrap_err();
+    match &err {
+        Error::ExceedsCluster { offer, .. } => {
+            assert_eq!(
+                (
+                    offer.largest_node_cores,
+                    offer.largest_node_memory_mib,
+                    offer.cluster_cores,
+                    offer.nodes
+                ),
+                (2, 2048, 6, 3)
+            );
+        }
+        other => panic!("not a request beyond the cluster: {other:?}"),
+    }
+    assert!(!err.is_retryable(), "{err}");
+    assert_eq!(err.next(), Next::Fix);
+    let text = err.to_string();
+    assert!(text.contains("2 cores and 2048 MiB"), "{text}");
+    assert!(clock.sleeps().is_empty(), "{:?}", clock.sleeps());
+    assert_eq!(manager.requests(), 1);
 }
 
 #[test]
@@ -223,30 +279,14 @@ fn refusals_that_waiting_cannot_change_come_back_at_once() {
     });
     node(&m, "a", 4);
     let clock = TestClock::new(|_| {});
-    let alice = Managers::with(
-        [m.url()],
-        &m.credential("user", "alice", None),
-        clock.clone(),
-        Arc::new(Top),
-        BACKOFF,
-    )
-    .unwrap();
-    let err = alice
+    let err = alice(&m, &clock)
         .request(&request(2), Duration::from_secs(3600))
         .unwrap_err();
     assert!(
         matches!(&err, Error::Manager { status: 403, kind, .. } if kind == "quota_exceeded"),
         "{err}"
     );
-    let forged = Managers::with(
-        [m.url()],
-        "rfaasc.00.forged",
-        clock.clone(),
-        Arc::new(Top),
-        BACKOFF,
-    )
-    .unwrap();
-    let err = forged
+    let err = on_clock(&[m.url()], "rfaasc.00.forged", &clock)
         .request(&request(1), Duration::from_secs(3600))
         .unwrap_err();
     assert!(matches!(&err, Error::Manager { status: 401, .. }), "{err}");

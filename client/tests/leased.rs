@@ -207,6 +207,7 @@ fn a_dead_executor_is_left_for_another_node() {
     assert_eq!(la.node(), "node-a");
     assert_eq!(echo(&mut la, 1).unwrap(), 1);
     let first = la.lease_grant_id().unwrap();
+    assert_eq!(la.moves(), 0);
 
     kill_executor(&a);
 
@@ -215,7 +216,9 @@ fn a_dead_executor_is_left_for_another_node() {
         2
     );
     assert_eq!(la.node(), "node-b");
+    assert_eq!(la.allocation().node(), "node-b", "the token's node");
     assert_eq!(la.executor(), b.control_addr().to_string());
+    assert_eq!(la.moves(), 1);
     let second = la.lease_grant_id().unwrap();
     assert_ne!(second, first);
     assert_eq!(states(&api, first), ["released"]);

@@ -471,34 +471,7 @@ impl LeaseKeys {
     /// Checks only the format and the signature; the caller checks expiry
     /// and node (see [`verify`](Self::verify)).
     pub fn verify_signature(&self, token: &str) -> Result<LeaseClaims, TokenError> {
-        let malformed = |why: &str| TokenError::Malformed(why.to_owned());
-        let token = token.trim();
-        if token.len() > MAX_TOKEN_LEN {
-            return Err(malformed(&format!(
-                "it is {} bytes, more than {MAX_TOKEN_LEN}",
-                token.len()
-            )));
-        }
-        let (signed, sig_b64) = token
-            .rsplit_once('.')
-            .ok_or_else(|| malformed("it has no '.'"))?;
-        let (prefix, claims_b64) = signed
-            .split_once('.')
-            .ok_or_else(|| malformed("it has only two parts"))?;
-        if prefix != TOKEN_PREFIX {
-            return Err(malformed(&format!(
-                "it starts with {prefix:?}, not {TOKEN_PREFIX:?}"
-            )));
-        }
-        let sig = URL_SAFE_NO_PAD
-            .decode(sig_b64)
-            .map_err(|e| malformed(&format!("the signature is not base64url: {e}")))?;
-        let sig: [u8; 64] = sig.try_into().map_err(|s: Vec<u8>| {
-            malformed(&format!("the signature is {} bytes, not 64", s.len()))
-        })?;
-        let json = URL_SAFE_NO_PAD
-            .decode(claims_b64)
-            .map_err(|e| malformed(&format!("the claims are not base64url: {e}")))?;
+        let Parts { signed, sig, json } = split(token)?;
         // The key id comes from bytes not yet checked: nothing else is
         // believed before the signature verifies.
         #[derive(Deserialize)]
@@ -518,9 +491,65 @@ impl LeaseKeys {
                 key_id: key_id.clone(),
                 unknown_key: false,
             })?;
-        serde_json::from_slice(&json)
-            .map_err(|e| malformed(&format!("the claims are not valid: {e}")))
+        claims_of(&json)
     }
+}
+
+/// The claims of `token`, read without checking its signature: for a
+/// client that wants to know what its own token says (the node it names,
+/// its end). Nothing read this way is to be trusted; whoever decides on a
+/// token checks it with [`LeaseKeys::verify`].
+pub fn read_claims_unverified(token: &str) -> Result<LeaseClaims, TokenError> {
+    claims_of(&split(token)?.json)
+}
+
+/// A token taken apart: the signed text, the signature and the claims'
+/// JSON.
+struct Parts<'a> {
+    signed: &'a str,
+    sig: [u8; 64],
+    json: Vec<u8>,
+}
+
+fn malformed(why: &str) -> TokenError {
+    TokenError::Malformed(why.to_owned())
+}
+
+/// Takes `token` apart, checking its format but not its signature.
+fn split(token: &str) -> Result<Parts<'_>, TokenError> {
+    let token = token.trim();
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(malformed(&format!(
+            "it is {} bytes, more than {MAX_TOKEN_LEN}",
+            token.len()
+        )));
+    }
+    let (signed, sig_b64) = token
+        .rsplit_once('.')
+        .ok_or_else(|| malformed("it has no '.'"))?;
+    let (prefix, claims_b64) = signed
+        .split_once('.')
+        .ok_or_else(|| malformed("it has only two parts"))?;
+    if prefix != TOKEN_PREFIX {
+        return Err(malformed(&format!(
+            "it starts with {prefix:?}, not {TOKEN_PREFIX:?}"
+        )));
+    }
+    let sig = URL_SAFE_NO_PAD
+        .decode(sig_b64)
+        .map_err(|e| malformed(&format!("the signature is not base64url: {e}")))?;
+    let sig: [u8; 64] = sig
+        .try_into()
+        .map_err(|s: Vec<u8>| malformed(&format!("the signature is {} bytes, not 64", s.len())))?;
+    let json = URL_SAFE_NO_PAD
+        .decode(claims_b64)
+        .map_err(|e| malformed(&format!("the claims are not base64url: {e}")))?;
+    Ok(Parts { signed, sig, json })
+}
+
+/// The claims in their JSON.
+fn claims_of(json: &[u8]) -> Result<LeaseClaims, TokenError> {
+    serde_json::from_slice(json).map_err(|e| malformed(&format!("the claims are not valid: {e}")))
 }
 
 impl fmt::Display for LeaseClaims {
@@ -790,6 +819,18 @@ mod tests {
         );
         let err = keys().verify(&token, 0, "n1").unwrap_err();
         assert!(err.to_string().contains("claims are not valid"), "{err}");
+    }
+
+    #[test]
+    fn a_client_reads_its_own_tokens_claims() {
+        // Signed by a key nobody here accepts: read all the same.
+        let other = LeaseSigner::from_seed("m9", [9; 32]).unwrap();
+        let token = other.sign(&claims());
+        let read = read_claims_unverified(&token).unwrap();
+        assert_eq!(read.node, claims().node);
+        assert_eq!(read.key_id, "m9");
+        let err = read_claims_unverified("rfaas2.abc").unwrap_err();
+        assert_eq!(err.kind(), "token_malformed", "{err}");
     }
 
     #[test]

@@ -14,8 +14,9 @@
 //! - [`functions`]: builds the example function libraries
 //!   (`examples/functions/c/*.c` into `libfunctions.so`) and finds the Rust
 //!   cdylib.
-//! - [`manager`]: a real `rfaas-manager` (one or several replicas) and a
-//!   small REST caller.
+//! - [`manager`]: a real `rfaas-manager` (one or several replicas), a
+//!   small REST caller, and a loopback server that gives one fixed answer
+//!   (a manager's reply no test manager gives).
 //! - [`postgres`]: a real PostgreSQL 15 server on loopback (through
 //!   `scripts/pg.sh`), stopped, crashed and started again with its data.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and

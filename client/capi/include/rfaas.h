@@ -19,8 +19,9 @@
  * `rfaas_last_error()` gives.
  *
  * Codes are stable. 2..99 are failures of the client library or the
- * connection, 100 + n is the worker's invocation status n, and 200 + n
- * the executor's refusal of an allocation. Each cause has one code,
+ * connection, 100 + n is the worker's invocation status n, 200 + n
+ * the executor's refusal of an allocation, and 300 and up the resource
+ * manager's refusal of a lease. Each cause has one code,
  * whether the worker answered it or the executor reported it: a worker
  * that crashed is `RFAAS_ERR_WORKER_CRASHED` (101, once
  * `RFAAS_ERR_FUNCTION_CRASHED`, is retired and never reused), one out of
@@ -131,6 +132,13 @@ enum rfaas_status
    * if it does not come back.
    */
   RFAAS_ERR_EXECUTOR_STOPPED = 19,
+  /**
+   * The caller's array is too small for the string asked for (a node
+   * name, an executor's address): nothing was written to it, and the
+   * call's `needed` says how many bytes it takes, NUL included. Call
+   * again with that many.
+   */
+  RFAAS_ERR_TOO_SMALL = 20,
   /**
    * The function returned more output than the output capacity.
    */
@@ -266,6 +274,14 @@ enum rfaas_status
    * No manager answered until the request's deadline. Retryable.
    */
   RFAAS_ERR_MANAGER_UNREACHABLE = 304,
+  /**
+   * No node of the cluster can ever hold the request: it asks for more
+   * cores or memory on one node than the largest node offers, or for
+   * more nodes than there are (`422`, `request_exceeds_cluster`). The
+   * message gives the largest offer. Not retryable: waiting does not
+   * help; ask for at most that.
+   */
+  RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER = 305,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -551,9 +567,23 @@ void rfaas_managers_free(struct rfaas_managers *managers);
  * Asks for `cores` cores (at least `min_cores` of them, all or nothing;
  * 0 means `cores`) with `memory_mib` MiB per node, for `duration_s`
  * seconds. While the managers answer that nothing fits, or do not answer,
- * it retries with exponential backoff and jitter, failing over between
- * the replicas, for up to `deadline_ms`; then it fails with
- * `RFAAS_ERR_MANAGER_NO_CAPACITY` or `RFAAS_ERR_MANAGER_UNREACHABLE`.
+ * it retries, failing over between the replicas, for up to `deadline_ms`
+ * counted from the call; then it fails with
+ * `RFAAS_ERR_MANAGER_NO_CAPACITY` or `RFAAS_ERR_MANAGER_UNREACHABLE`
+ * (both retryable later).
+ *
+ * The waits between tries grow exponentially (50 ms, 100 ms, ... up to
+ * 10 s) with full jitter, and are never shorter than the manager's
+ * `Retry-After`, but none ends past the deadline: a wait that would (a
+ * `Retry-After` of 60 s with 10 s left) ends at the deadline instead,
+ * for a last try there, since a release can free cores sooner than
+ * `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
+ *
+ * A request no node can ever hold (more cores or memory on one node
+ * than the largest node offers, more nodes than there are) fails at once
+ * with `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`, not retryable; the message
+ * gives the largest offer. Other refusals waiting cannot change (a quota,
+ * a credential) also come back at once.
  *
  * # Safety
  *
@@ -594,8 +624,9 @@ rfaas_status rfaas_lease_node(const struct rfaas_lease *lease,
 
 /**
  * Extends the lease to `duration_s` seconds from now (retrying as
- * `rfaas_lease_request` does, up to `deadline_ms`). The node leases get
- * new tokens: earlier strings from `rfaas_lease_node` are freed.
+ * `rfaas_lease_request` does, on the same schedule, up to
+ * `deadline_ms`). The node leases get new tokens: earlier strings from
+ * `rfaas_lease_node` are freed.
  *
  * # Safety
  *
@@ -619,7 +650,9 @@ rfaas_status rfaas_lease_release(struct rfaas_lease *lease);
 /**
  * Leases what `opts` asks for (its cores on one node and its memory) for
  * `duration_s` seconds (3 or more), waiting up to `deadline_ms` while no
- * node is free, then allocates the library at `library_path` with
+ * node is free (as `rfaas_lease_request` waits, on the same schedule;
+ * `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER` at once for a request no node can
+ * ever hold), then allocates the library at `library_path` with
  * `functions` on the granted node, as `rfaas_allocate_file` does. The
  * allocation holds its lease: a background thread renews it at two
  * thirds of `duration_s` and hands the new token to the executor, and
@@ -628,8 +661,11 @@ rfaas_status rfaas_lease_release(struct rfaas_lease *lease);
  * With `retry_elsewhere`, `rfaas_invoke_retrying` on it moves to another
  * node when the executor refuses for want of room, drains, stops or dies:
  * it releases the lease, leases again preferring every other node, and
- * allocates there (buffers stay valid). Without it, it re-allocates on
- * the same node only. `rfaas_add_fallback_executor` does not apply.
+ * allocates there (buffers stay valid), waiting for a lease up to
+ * `deadline_ms` again. Without it, it re-allocates on the same node only.
+ * `rfaas_add_fallback_executor` does not apply. `rfaas_allocation_node`,
+ * `rfaas_allocation_executor` and `rfaas_allocation_moves` say where it
+ * runs and how often it moved.
  *
  * # Safety
  *
@@ -722,6 +758,62 @@ rfaas_status rfaas_allocate_file(const struct rfaas_client *client,
 rfaas_status rfaas_function_index(const struct rfaas_allocation *alloc,
                                   const char *name,
                                   uint32_t *index);
+
+/**
+ * Writes the name of the node the allocation runs on, and a NUL, into
+ * `name`, an array of `size` bytes; `*needed` (when `needed` is not NULL)
+ * gets the bytes that takes, NUL included. The name is the one the
+ * allocation's lease token names, which the executor checked is its own;
+ * after `rfaas_invoke_retrying` moved the allocation, it is the new
+ * node's.
+ *
+ * An array too small for it is `RFAAS_ERR_TOO_SMALL`: nothing is written
+ * to `name`, but `*needed` is set. Pass NULL and 0 to learn the size that
+ * way. A node name the manager accepts has at most 253 bytes, so an
+ * array of 256 holds any of them.
+ *
+ * May run alongside `rfaas_submit` and `rfaas_invoke` on the allocation,
+ * not alongside `rfaas_invoke_retrying` or `rfaas_deallocate`.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation; `name` is NULL or `size`
+ * writable bytes; `needed` is NULL or writable.
+ */
+rfaas_status rfaas_allocation_node(const struct rfaas_allocation *alloc,
+                                   char *name,
+                                   size_t size,
+                                   size_t *needed);
+
+/**
+ * Writes the control address ("host:port") of the executor the allocation
+ * runs on, and a NUL, into `address`, an array of `size` bytes, as
+ * `rfaas_allocation_node` writes the node's name (`RFAAS_ERR_TOO_SMALL`
+ * and `*needed` alike). After `rfaas_invoke_retrying` moved the
+ * allocation, it is the new executor's.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation; `address` is NULL or `size`
+ * writable bytes; `needed` is NULL or writable.
+ */
+rfaas_status rfaas_allocation_executor(const struct rfaas_allocation *alloc,
+                                       char *address,
+                                       size_t size,
+                                       size_t *needed);
+
+/**
+ * How many times `rfaas_invoke_retrying` moved the allocation to another
+ * node: an allocation of `rfaas_leased_allocate` (with `retry_elsewhere`)
+ * when its node was taken back, drained, stopped or lost, a plain one
+ * when it went on to a fallback executor (`rfaas_add_fallback_executor`).
+ * A fresh worker on the same node is no move. 0 for NULL.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation.
+ */
+uint64_t rfaas_allocation_moves(const struct rfaas_allocation *alloc);
 
 /**
  * Ends the allocation: the executor stops the worker and frees its cores;

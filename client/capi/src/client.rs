@@ -366,6 +366,137 @@ pub unsafe extern "C" fn rfaas_function_index(
     })
 }
 
+/// Writes the name of the node the allocation runs on, and a NUL, into
+/// `name`, an array of `size` bytes; `*needed` (when `needed` is not NULL)
+/// gets the bytes that takes, NUL included. The name is the one the
+/// allocation's lease token names, which the executor checked is its own;
+/// after `rfaas_invoke_retrying` moved the allocation, it is the new
+/// node's.
+///
+/// An array too small for it is `RFAAS_ERR_TOO_SMALL`: nothing is written
+/// to `name`, but `*needed` is set. Pass NULL and 0 to learn the size that
+/// way. A node name the manager accepts has at most 253 bytes, so an
+/// array of 256 holds any of them.
+///
+/// May run alongside `rfaas_submit` and `rfaas_invoke` on the allocation,
+/// not alongside `rfaas_invoke_retrying` or `rfaas_deallocate`.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation; `name` is NULL or `size`
+/// writable bytes; `needed` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_allocation_node(
+    alloc: *const rfaas_allocation,
+    name: *mut c_char,
+    size: usize,
+    needed: *mut usize,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_allocation_node";
+    call(CALL, || {
+        // SAFETY: NULL or a live allocation (caller's promise).
+        let alloc = unsafe { ref_arg(CALL, "alloc", alloc) }?;
+        // SAFETY: the caller's promises on name, size and needed.
+        unsafe { copy_string(CALL, "node name", alloc.alloc().node(), name, size, needed) }
+    })
+}
+
+/// Writes the control address ("host:port") of the executor the allocation
+/// runs on, and a NUL, into `address`, an array of `size` bytes, as
+/// `rfaas_allocation_node` writes the node's name (`RFAAS_ERR_TOO_SMALL`
+/// and `*needed` alike). After `rfaas_invoke_retrying` moved the
+/// allocation, it is the new executor's.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation; `address` is NULL or `size`
+/// writable bytes; `needed` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_allocation_executor(
+    alloc: *const rfaas_allocation,
+    address: *mut c_char,
+    size: usize,
+    needed: *mut usize,
+) -> rfaas_status {
+    const CALL: &str = "rfaas_allocation_executor";
+    call(CALL, || {
+        // SAFETY: NULL or a live allocation (caller's promise).
+        let alloc = unsafe { ref_arg(CALL, "alloc", alloc) }?;
+        let executor = alloc.alloc().executor();
+        // SAFETY: the caller's promises on address, size and needed.
+        unsafe { copy_string(CALL, "executor address", executor, address, size, needed) }
+    })
+}
+
+/// How many times `rfaas_invoke_retrying` moved the allocation to another
+/// node: an allocation of `rfaas_leased_allocate` (with `retry_elsewhere`)
+/// when its node was taken back, drained, stopped or lost, a plain one
+/// when it went on to a fallback executor (`rfaas_add_fallback_executor`).
+/// A fresh worker on the same node is no move. 0 for NULL.
+///
+/// # Safety
+///
+/// `alloc` is NULL or a live allocation.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_allocation_moves(alloc: *const rfaas_allocation) -> u64 {
+    call_infallible(0, || {
+        // SAFETY: NULL or a live allocation (caller's promise).
+        match unsafe { alloc.as_ref() }.map(|a| &a.held) {
+            None => 0,
+            Some(Held::Plain(a)) => a.moves(),
+            Some(Held::Leased(l)) => l.moves(),
+        }
+    })
+}
+
+/// Copies `text` and a NUL into the caller's array `out` of `size` bytes,
+/// and the bytes that takes into `*needed` (when not NULL), also when
+/// they do not fit. `what` names the text in messages.
+///
+/// # Safety
+///
+/// `out` is NULL or `size` writable bytes; `needed` is NULL or writable.
+unsafe fn copy_string(
+    call: &str,
+    what: &str,
+    text: &str,
+    out: *mut c_char,
+    size: usize,
+    needed: *mut usize,
+) -> CallResult {
+    let bytes = text.len() + 1;
+    if !needed.is_null() {
+        // SAFETY: non-null, and writable (caller's promise).
+        unsafe { needed.write(bytes) };
+    }
+    if out.is_null() && size != 0 {
+        return Err(Failure::invalid(
+            call,
+            format!("the array is NULL but `size` is {size}; pass an array of `size` bytes, or NULL and 0 to learn the size"),
+        ));
+    }
+    if size < bytes {
+        return Err(Failure {
+            status: rfaas_status::RFAAS_ERR_TOO_SMALL,
+            message: format!(
+                "{call}: the {what} {text:?} takes {} with its NUL, but the array holds {}; pass one of at least {bytes} (`needed` says so)",
+                count(bytes as u64, "byte"),
+                count(size as u64, "byte"),
+            ),
+            next: rfaas_next::RFAAS_NEXT_FIX,
+            allocation_usable: true,
+            signal: 0,
+        });
+    }
+    // SAFETY: out holds size >= bytes writable bytes (checked, and the
+    // caller's promise); text is the library's own, so they do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), out.cast::<u8>(), text.len());
+        out.add(text.len()).write(0);
+    }
+    Ok(RFAAS_OK)
+}
+
 /// Ends the allocation: the executor stops the worker and frees its cores;
 /// waits for the executor's confirmation. An allocation made by
 /// `rfaas_leased_allocate` also stops its lease's renewal and releases the

@@ -117,9 +117,23 @@ pub unsafe extern "C" fn rfaas_managers_free(managers: *mut rfaas_managers) {
 /// Asks for `cores` cores (at least `min_cores` of them, all or nothing;
 /// 0 means `cores`) with `memory_mib` MiB per node, for `duration_s`
 /// seconds. While the managers answer that nothing fits, or do not answer,
-/// it retries with exponential backoff and jitter, failing over between
-/// the replicas, for up to `deadline_ms`; then it fails with
-/// `RFAAS_ERR_MANAGER_NO_CAPACITY` or `RFAAS_ERR_MANAGER_UNREACHABLE`.
+/// it retries, failing over between the replicas, for up to `deadline_ms`
+/// counted from the call; then it fails with
+/// `RFAAS_ERR_MANAGER_NO_CAPACITY` or `RFAAS_ERR_MANAGER_UNREACHABLE`
+/// (both retryable later).
+///
+/// The waits between tries grow exponentially (50 ms, 100 ms, ... up to
+/// 10 s) with full jitter, and are never shorter than the manager's
+/// `Retry-After`, but none ends past the deadline: a wait that would (a
+/// `Retry-After` of 60 s with 10 s left) ends at the deadline instead,
+/// for a last try there, since a release can free cores sooner than
+/// `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
+///
+/// A request no node can ever hold (more cores or memory on one node
+/// than the largest node offers, more nodes than there are) fails at once
+/// with `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`, not retryable; the message
+/// gives the largest offer. Other refusals waiting cannot change (a quota,
+/// a credential) also come back at once.
 ///
 /// # Safety
 ///
@@ -225,8 +239,9 @@ pub unsafe extern "C" fn rfaas_lease_node(
 }
 
 /// Extends the lease to `duration_s` seconds from now (retrying as
-/// `rfaas_lease_request` does, up to `deadline_ms`). The node leases get
-/// new tokens: earlier strings from `rfaas_lease_node` are freed.
+/// `rfaas_lease_request` does, on the same schedule, up to
+/// `deadline_ms`). The node leases get new tokens: earlier strings from
+/// `rfaas_lease_node` are freed.
 ///
 /// # Safety
 ///
@@ -288,7 +303,9 @@ pub unsafe extern "C" fn rfaas_lease_release(lease: *mut rfaas_lease) -> rfaas_s
 
 /// Leases what `opts` asks for (its cores on one node and its memory) for
 /// `duration_s` seconds (3 or more), waiting up to `deadline_ms` while no
-/// node is free, then allocates the library at `library_path` with
+/// node is free (as `rfaas_lease_request` waits, on the same schedule;
+/// `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER` at once for a request no node can
+/// ever hold), then allocates the library at `library_path` with
 /// `functions` on the granted node, as `rfaas_allocate_file` does. The
 /// allocation holds its lease: a background thread renews it at two
 /// thirds of `duration_s` and hands the new token to the executor, and
@@ -297,8 +314,11 @@ pub unsafe extern "C" fn rfaas_lease_release(lease: *mut rfaas_lease) -> rfaas_s
 /// With `retry_elsewhere`, `rfaas_invoke_retrying` on it moves to another
 /// node when the executor refuses for want of room, drains, stops or dies:
 /// it releases the lease, leases again preferring every other node, and
-/// allocates there (buffers stay valid). Without it, it re-allocates on
-/// the same node only. `rfaas_add_fallback_executor` does not apply.
+/// allocates there (buffers stay valid), waiting for a lease up to
+/// `deadline_ms` again. Without it, it re-allocates on the same node only.
+/// `rfaas_add_fallback_executor` does not apply. `rfaas_allocation_node`,
+/// `rfaas_allocation_executor` and `rfaas_allocation_moves` say where it
+/// runs and how often it moved.
 ///
 /// # Safety
 ///

@@ -13,7 +13,9 @@
 //! # Layout
 //!
 //! - [`status`]: `rfaas_status`, one code per way a call fails (one per
-//!   cause of a worker's end), mapped from [`::rfaas_client::Error`];
+//!   cause of a worker's end; a request no node can hold,
+//!   `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`), mapped from
+//!   [`::rfaas_client::Error`];
 //!   `rfaas_next`; `rfaas_status_name`, `rfaas_status_is_retryable`.
 //! - [`ffi`]: the thread's last error (`rfaas_last_error`,
 //!   `rfaas_last_error_info`), panic containment, checked conversions of C
@@ -22,7 +24,8 @@
 //! - [`lease`]: `rfaas_managers`, `rfaas_lease`: leases from the resource
 //!   manager (backoff, failover, renewal, release).
 //! - [`client`]: `rfaas_client`, `rfaas_allocation`: allocate,
-//!   look functions up, deallocate.
+//!   look functions up, say where an allocation runs and how often it
+//!   moved, deallocate.
 //! - [`buffer`]: `rfaas_buffer`, registered page-aligned bytes.
 //! - [`invocation`]: `rfaas_invocation`: submit, wait, spin, test; the
 //!   synchronous `rfaas_invoke`.

@@ -5,6 +5,7 @@
 
 use std::ffi::{c_char, CStr};
 
+use ::rfaas_client::error::EXCEEDS_CLUSTER;
 use ::rfaas_client::{Error, ExitCause, Next};
 use rfaas_proto::control::{ControlError, ErrorCode};
 use rfaas_proto::InvocationStatus;
@@ -14,8 +15,9 @@ use rfaas_proto::InvocationStatus;
 /// `rfaas_last_error()` gives.
 ///
 /// Codes are stable. 2..99 are failures of the client library or the
-/// connection, 100 + n is the worker's invocation status n, and 200 + n
-/// the executor's refusal of an allocation. Each cause has one code,
+/// connection, 100 + n is the worker's invocation status n, 200 + n
+/// the executor's refusal of an allocation, and 300 and up the resource
+/// manager's refusal of a lease. Each cause has one code,
 /// whether the worker answered it or the executor reported it: a worker
 /// that crashed is `RFAAS_ERR_WORKER_CRASHED` (101, once
 /// `RFAAS_ERR_FUNCTION_CRASHED`, is retired and never reused), one out of
@@ -83,6 +85,11 @@ pub enum rfaas_status {
     /// ended the allocation. Retryable: allocate again, on another executor
     /// if it does not come back.
     RFAAS_ERR_EXECUTOR_STOPPED = 19,
+    /// The caller's array is too small for the string asked for (a node
+    /// name, an executor's address): nothing was written to it, and the
+    /// call's `needed` says how many bytes it takes, NUL included. Call
+    /// again with that many.
+    RFAAS_ERR_TOO_SMALL = 20,
     /// The function returned more output than the output capacity.
     RFAAS_ERR_OUTPUT_TOO_LARGE = 102,
     /// The worker does not know the function index.
@@ -156,12 +163,18 @@ pub enum rfaas_status {
     RFAAS_ERR_MANAGER_UNAUTHORIZED = 303,
     /// No manager answered until the request's deadline. Retryable.
     RFAAS_ERR_MANAGER_UNREACHABLE = 304,
+    /// No node of the cluster can ever hold the request: it asks for more
+    /// cores or memory on one node than the largest node offers, or for
+    /// more nodes than there are (`422`, `request_exceeds_cluster`). The
+    /// message gives the largest offer. Not retryable: waiting does not
+    /// help; ask for at most that.
+    RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER = 305,
 }
 
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 51] = [
+const ALL: [rfaas_status; 53] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -182,6 +195,7 @@ const ALL: [rfaas_status; 51] = [
     RFAAS_ERR_FABRIC_TRANSIENT,
     RFAAS_ERR_OUT_OF_MEMORY,
     RFAAS_ERR_EXECUTOR_STOPPED,
+    RFAAS_ERR_TOO_SMALL,
     RFAAS_ERR_OUTPUT_TOO_LARGE,
     RFAAS_ERR_FUNCTION_INDEX,
     RFAAS_ERR_EXECUTOR_DRAINING,
@@ -213,6 +227,7 @@ const ALL: [rfaas_status; 51] = [
     RFAAS_ERR_MANAGER_QUOTA,
     RFAAS_ERR_MANAGER_UNAUTHORIZED,
     RFAAS_ERR_MANAGER_UNREACHABLE,
+    RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER,
 ];
 
 impl rfaas_status {
@@ -284,6 +299,11 @@ impl rfaas_status {
             Error::Connect { .. } => RFAAS_ERR_CONNECT,
             Error::Timeout { .. } => RFAAS_ERR_TIMEOUT,
             Error::Manager { status: 503, .. } => RFAAS_ERR_MANAGER_NO_CAPACITY,
+            Error::ExceedsCluster { .. } => RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER,
+            // An answer without the figures is the same refusal.
+            Error::Manager { status, kind, .. } if *status < 500 && kind == EXCEEDS_CLUSTER => {
+                RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER
+            }
             Error::Manager {
                 status: 401 | 403,
                 kind,
@@ -352,6 +372,7 @@ impl rfaas_status {
             RFAAS_ERR_FABRIC_TRANSIENT => c"RFAAS_ERR_FABRIC_TRANSIENT",
             RFAAS_ERR_OUT_OF_MEMORY => c"RFAAS_ERR_OUT_OF_MEMORY",
             RFAAS_ERR_EXECUTOR_STOPPED => c"RFAAS_ERR_EXECUTOR_STOPPED",
+            RFAAS_ERR_TOO_SMALL => c"RFAAS_ERR_TOO_SMALL",
             RFAAS_ERR_OUTPUT_TOO_LARGE => c"RFAAS_ERR_OUTPUT_TOO_LARGE",
             RFAAS_ERR_FUNCTION_INDEX => c"RFAAS_ERR_FUNCTION_INDEX",
             RFAAS_ERR_EXECUTOR_DRAINING => c"RFAAS_ERR_EXECUTOR_DRAINING",
@@ -383,6 +404,7 @@ impl rfaas_status {
             RFAAS_ERR_MANAGER_QUOTA => c"RFAAS_ERR_MANAGER_QUOTA",
             RFAAS_ERR_MANAGER_UNAUTHORIZED => c"RFAAS_ERR_MANAGER_UNAUTHORIZED",
             RFAAS_ERR_MANAGER_UNREACHABLE => c"RFAAS_ERR_MANAGER_UNREACHABLE",
+            RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER => c"RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER",
         }
     }
 
@@ -555,6 +577,7 @@ mod tests {
 
     #[test]
     fn client_errors_keep_their_retryability() {
+        use ::rfaas_client::ClusterOffer;
         let errors = [
             Error::AllLanesBusy,
             Error::BufferBusy,
@@ -577,6 +600,20 @@ mod tests {
             Error::WorkerCrashed {
                 signal: Some(9),
                 cause: ExitCause::OutOfMemory,
+                message: String::new(),
+            },
+            Error::ExceedsCluster {
+                offer: ClusterOffer {
+                    largest_node_cores: 2,
+                    largest_node_memory_mib: 2048,
+                    cluster_cores: 6,
+                    nodes: 3,
+                },
+                message: String::new(),
+            },
+            Error::Manager {
+                status: 422,
+                kind: EXCEEDS_CLUSTER.into(),
                 message: String::new(),
             },
         ];

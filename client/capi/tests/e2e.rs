@@ -582,10 +582,104 @@ fn invoke_retrying_allocates_again_after_a_crash() {
     }
 }
 
+/// `accessor`'s string through a caller's array of `size` bytes: its
+/// status, the text, and the bytes it said it needs.
+fn c_string(
+    size: usize,
+    accessor: impl FnOnce(*mut std::ffi::c_char, usize, *mut usize) -> rfaas_status,
+) -> (rfaas_status, String, usize) {
+    // One byte more than the call is told, a NUL, so untouched text reads.
+    let mut array = vec![b'?'; size];
+    array.push(0);
+    let mut needed = 0usize;
+    let st = accessor(array.as_mut_ptr().cast(), size, &mut needed);
+    let text = CStr::from_bytes_until_nul(&array)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    (st, text, needed)
+}
+
+/// The node and the executor an allocation runs on, as C sees them.
+fn whereabouts(alloc: *const rfaas_allocation) -> (String, String) {
+    // SAFETY: a live allocation; the arrays are `size` bytes.
+    let (st, node, _) = c_string(256, |p, n, need| unsafe {
+        rfaas_allocation_node(alloc, p, n, need)
+    });
+    ok(st);
+    // SAFETY: as above.
+    let (st, executor, _) = c_string(256, |p, n, need| unsafe {
+        rfaas_allocation_executor(alloc, p, n, need)
+    });
+    ok(st);
+    (node, executor)
+}
+
+#[test]
+fn an_allocation_says_its_node_executor_and_moves() {
+    let f = Fixture::new(1);
+    let executor = f.daemon.control_addr().to_string();
+    assert_eq!(
+        whereabouts(f.alloc),
+        (f.daemon.node_name().to_owned(), executor.clone())
+    );
+    // SAFETY: a live allocation.
+    assert_eq!(unsafe { rfaas_allocation_moves(f.alloc) }, 0);
+    let node = f.daemon.node_name();
+
+    // Too small: nothing written, the size needed told.
+    // SAFETY: a live allocation; the array is `size` bytes.
+    let (st, text, needed) = c_string(4, |p, n, need| unsafe {
+        rfaas_allocation_node(f.alloc, p, n, need)
+    });
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_TOO_SMALL,
+        "pass one of at least",
+    );
+    assert_eq!(needed, node.len() + 1);
+    assert_eq!(text, "????", "the array was written to");
+    assert!(!rfaas_status_is_retryable(st as u32));
+    assert!(rfaas_last_error_info().allocation_usable);
+    // Exactly the size needed fits.
+    // SAFETY: as above.
+    let (st, text, _) = c_string(needed, |p, n, need| unsafe {
+        rfaas_allocation_node(f.alloc, p, n, need)
+    });
+    ok(st);
+    assert_eq!(text, node);
+    // NULL and 0 ask for the size.
+    let mut needed = 0usize;
+    // SAFETY: a live allocation; NULL with size 0 writes nothing.
+    let st = unsafe { rfaas_allocation_executor(f.alloc, null_mut(), 0, &mut needed) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_TOO_SMALL, &executor);
+    assert_eq!(needed, executor.len() + 1);
+    // NULL with a size, and a NULL allocation, are refused.
+    // SAFETY: the refusals are what is tested.
+    let st = unsafe { rfaas_allocation_node(f.alloc, null_mut(), 8, null_mut()) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, "NULL");
+    // SAFETY: as above.
+    let (st, _, _) = c_string(256, |p, n, need| unsafe {
+        rfaas_allocation_node(null(), p, n, need)
+    });
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "`alloc` is NULL",
+    );
+    // SAFETY: NULL is allowed.
+    assert_eq!(unsafe { rfaas_allocation_moves(null()) }, 0);
+}
+
 #[test]
 fn invoke_retrying_moves_to_a_fallback_executor() {
     let f = Fixture::new(1);
-    let second = Executord::start(&daemon_binary(), ExecutordOptions::default());
+    let second = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            node_name: "node-b".into(),
+            ..ExecutordOptions::default()
+        },
+    );
     let addr = CString::new(second.control_addr().to_string()).unwrap();
     let token = CString::new(second.token("nobody", 4, 2048, Duration::from_secs(600))).unwrap();
     // SAFETY: a live allocation no other thread uses; C strings.
@@ -611,11 +705,17 @@ fn invoke_retrying_moves_to_a_fallback_executor() {
         second.log()
     );
     assert_eq!(output.bytes(), &99u32.to_ne_bytes());
-    // The allocation now lives on the second executor.
+    // The allocation now lives on the second executor, and says so.
     second.wait_status(
         Duration::from_secs(10),
         |s| matches!(s, LocalReply::Status { allocations, .. } if allocations.len() == 1),
     );
+    assert_eq!(
+        whereabouts(f.alloc),
+        ("node-b".to_owned(), second.control_addr().to_string())
+    );
+    // SAFETY: a live allocation.
+    assert_eq!(unsafe { rfaas_allocation_moves(f.alloc) }, 1);
 }
 
 #[test]

@@ -1,12 +1,15 @@
 //! The C API's error paths without an executor: NULL pointers, bad
-//! strings, bad options, unreachable executors. Each must return the
-//! documented status and leave a sentence in `rfaas_last_error`, never
-//! crash.
+//! strings, bad options, unreachable executors, a manager's refusal of a
+//! request no node can hold (from a loopback server giving the manager's
+//! reply). Each must return the documented status and leave a sentence in
+//! `rfaas_last_error`, never crash.
 
 use std::ffi::{c_char, CStr, CString};
 use std::ptr::{null, null_mut};
 
 use rfaas::*;
+use rfaas_testkit::functions::c_library;
+use rfaas_testkit::manager::{exceeds_cluster_reply, FixedAnswer};
 
 fn last_error() -> String {
     // SAFETY: rfaas_last_error returns this thread's NUL-terminated
@@ -490,5 +493,70 @@ fn status_names_and_retryability() {
     ] {
         assert_eq!(name(status as u32), expected);
         assert!(rfaas_status_is_retryable(status as u32), "{expected}");
+    }
+}
+
+#[test]
+fn a_request_beyond_the_cluster_is_its_own_status_at_once() {
+    let manager = FixedAnswer::start(422, &exceeds_cluster_reply());
+    let url = CString::new(manager.url()).unwrap();
+    let credential = CString::new("rfaasc.alice").unwrap();
+    let mut managers = null_mut();
+    let mut lease = null_mut();
+    // SAFETY: C strings and writable out-pointers; an hour's deadline,
+    // which a retry would wait out.
+    let st = unsafe {
+        assert_eq!(
+            rfaas_managers_new(url.as_ptr(), credential.as_ptr(), &mut managers),
+            rfaas_status::RFAAS_OK
+        );
+        rfaas_lease_request(managers, 64, 0, 1024, 600, 3_600_000, &mut lease)
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER,
+        "the largest node offers 2 cores and 2048 MiB, and the cluster has 6 cores on 3 nodes",
+    );
+    assert!(lease.is_null());
+    assert!(!rfaas_status_is_retryable(st as u32));
+    assert_eq!(rfaas_last_error_info().next, rfaas_next::RFAAS_NEXT_FIX);
+    assert_eq!(manager.requests(), 1);
+    // SAFETY: rfaas_status_name returns a static C string.
+    let name = unsafe { CStr::from_ptr(rfaas_status_name(st as u32)) };
+    assert_eq!(name.to_str().unwrap(), "RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER");
+
+    // An allocation that leases for itself is refused the same way.
+    let client = client();
+    let library = CString::new(c_library().to_str().unwrap()).unwrap();
+    let echo = CString::new("echo").unwrap();
+    let names = [echo.as_ptr()];
+    let mut opts = rfaas_alloc_options_default();
+    opts.cores = 64;
+    let mut alloc = null_mut();
+    // SAFETY: live handles, C strings, writable out-pointer.
+    let st = unsafe {
+        rfaas_leased_allocate(
+            managers,
+            client,
+            600,
+            3_600_000,
+            true,
+            &opts,
+            library.as_ptr(),
+            names.as_ptr(),
+            1,
+            &mut alloc,
+        )
+    };
+    assert_failed(
+        st,
+        rfaas_status::RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER,
+        "ask for at most that",
+    );
+    assert!(alloc.is_null());
+    // SAFETY: handles made above, freed once.
+    unsafe {
+        rfaas_client_free(client);
+        rfaas_managers_free(managers);
     }
 }

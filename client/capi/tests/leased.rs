@@ -1,11 +1,15 @@
-//! `rfaas_leased_allocate` against a real `rfaas-manager` and a real
-//! `rfaas-executord` that accepts the manager's tokens: an allocation that
-//! holds its own lease, whose `rfaas_deallocate` releases it.
+//! `rfaas_leased_allocate` against a real `rfaas-manager` and real
+//! `rfaas-executord`s that accept the manager's tokens: an allocation that
+//! holds its own lease, whose `rfaas_deallocate` releases it; one that
+//! waits for a full node up to its deadline; and one that moves when its
+//! node is taken back, and says where it went.
 
 use std::ffi::{CStr, CString};
 use std::ptr::null_mut;
+use std::time::{Duration, Instant};
 
 use rfaas::*;
+use rfaas_proto::control::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library;
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
@@ -24,88 +28,258 @@ fn ok(status: rfaas_status) {
     assert_eq!(status, rfaas_status::RFAAS_OK, "{why}");
 }
 
-#[test]
-fn a_leased_allocation_serves_and_deallocation_releases_its_lease() {
-    let m = Manager::start(ManagerOptions {
+/// A manager that never loses the test's silent nodes.
+fn manager() -> Manager {
+    Manager::start(ManagerOptions {
         extra_config: "lost_after_ms = 600000\n".into(),
         ..ManagerOptions::default()
-    });
+    })
+}
+
+/// An executor called `name` that accepts `m`'s tokens, registered with
+/// `m` with 4 cores.
+fn executor(m: &Manager, name: &str) -> Executord {
     let d = Executord::start(
         &daemon_binary(),
         ExecutordOptions {
-            node_name: "node-a".into(),
+            node_name: name.into(),
             accept_keys: vec![m.public_key_line()],
             ..ExecutordOptions::default()
         },
     );
-    let node = Api::new(m.url(), &m.credential("node", "node-a", None));
+    let node = Api::new(m.url(), &m.credential("node", name, None));
     let body = json!({"control_addr": d.control_addr().to_string(),
         "providers": [{"name": "tcp", "host": "127.0.0.1"}], "cores": 4, "memory_mib": 4096});
-    let (s, r) = node.call("PUT", "/v1/nodes/node-a", Some(&body));
+    let (s, r) = node.call("PUT", &format!("/v1/nodes/{name}"), Some(&body));
     assert_eq!(s, 200, "{r}");
-    let credential = m.credential("user", "nobody", None);
-    let user = Api::new(m.url(), &credential);
+    d
+}
 
-    let urls = CString::new(m.url()).unwrap();
-    let cred = CString::new(credential).unwrap();
-    let tcp = CString::new("tcp").unwrap();
-    let library = CString::new(c_library().to_str().unwrap()).unwrap();
-    let echo_name = CString::new("echo").unwrap();
-    let names = [echo_name.as_ptr()];
-    let mut managers = null_mut();
-    let mut client = null_mut();
-    let mut alloc = null_mut();
-    let mut opts = rfaas_alloc_options_default();
-    opts.mode = rfaas_mode::RFAAS_MODE_WARM;
-    opts.output_capacity = 4096;
-    // SAFETY: C strings, writable out-pointers, live handles.
-    unsafe {
-        ok(rfaas_managers_new(
-            urls.as_ptr(),
-            cred.as_ptr(),
-            &mut managers,
-        ));
-        ok(rfaas_client_new(tcp.as_ptr(), &mut client));
-        ok(rfaas_leased_allocate(
-            managers,
-            client,
-            60,
-            10_000,
-            true,
-            &opts,
-            library.as_ptr(),
-            names.as_ptr(),
-            1,
-            &mut alloc,
-        ));
+/// The job's C handles: the managers (as user "nobody") and a client.
+struct Job {
+    managers: *mut rfaas_managers,
+    client: *mut rfaas_client,
+}
+
+impl Job {
+    fn new(m: &Manager) -> Job {
+        let urls = CString::new(m.url()).unwrap();
+        let cred = CString::new(m.credential("user", "nobody", None)).unwrap();
+        let tcp = CString::new("tcp").unwrap();
+        let mut job = Job {
+            managers: null_mut(),
+            client: null_mut(),
+        };
+        // SAFETY: C strings and writable out-pointers.
+        unsafe {
+            ok(rfaas_managers_new(
+                urls.as_ptr(),
+                cred.as_ptr(),
+                &mut job.managers,
+            ));
+            ok(rfaas_client_new(tcp.as_ptr(), &mut job.client));
+        }
+        job
     }
+
+    /// `rfaas_leased_allocate` of one warm core serving "echo", for 60 s,
+    /// waiting up to `deadline_ms` for a lease.
+    fn allocate(&self, deadline_ms: u64, retry_elsewhere: bool) -> *mut rfaas_allocation {
+        let library = CString::new(c_library().to_str().unwrap()).unwrap();
+        let echo = CString::new("echo").unwrap();
+        let names = [echo.as_ptr()];
+        let mut opts = rfaas_alloc_options_default();
+        opts.mode = rfaas_mode::RFAAS_MODE_WARM;
+        opts.output_capacity = 4096;
+        let mut alloc = null_mut();
+        // SAFETY: live handles, C strings, a writable out-pointer.
+        ok(unsafe {
+            rfaas_leased_allocate(
+                self.managers,
+                self.client,
+                60,
+                deadline_ms,
+                retry_elsewhere,
+                &opts,
+                library.as_ptr(),
+                names.as_ptr(),
+                1,
+                &mut alloc,
+            )
+        });
+        alloc
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // SAFETY: handles made by Job::new, freed once.
+        unsafe {
+            rfaas_client_free(self.client);
+            rfaas_managers_free(self.managers);
+        }
+    }
+}
+
+/// Echoes `value` through `alloc` with `rfaas_invoke_retrying` (3 tries).
+fn echo(alloc: *mut rfaas_allocation, value: u32) {
+    let name = CString::new("echo").unwrap();
+    let mut index = 0u32;
+    let mut input = null_mut();
+    let mut output = null_mut();
+    let mut len = 0usize;
+    // SAFETY: a live allocation; the buffers hold 4 bytes and are freed
+    // once.
+    unsafe {
+        ok(rfaas_function_index(alloc, name.as_ptr(), &mut index));
+        ok(rfaas_buffer_new(alloc, 4, &mut input));
+        ok(rfaas_buffer_new(alloc, 4, &mut output));
+        rfaas_buffer_data(input)
+            .cast::<u32>()
+            .write_unaligned(value);
+        ok(rfaas_invoke_retrying(
+            alloc, index, input, 4, output, &mut len, 3,
+        ));
+        assert_eq!(len, 4);
+        assert_eq!(
+            rfaas_buffer_data(output).cast::<u32>().read_unaligned(),
+            value
+        );
+        rfaas_buffer_free(input);
+        rfaas_buffer_free(output);
+    }
+}
+
+/// The allocation's node and executor, and its moves, as C sees them.
+fn whereabouts(alloc: *const rfaas_allocation) -> (String, String, u64) {
+    let mut node = [0u8; 256];
+    let mut executor = [0u8; 256];
+    let mut needed = 0usize;
+    // SAFETY: a live allocation; the arrays are 256 bytes.
+    let moves = unsafe {
+        ok(rfaas_allocation_node(
+            alloc,
+            node.as_mut_ptr().cast(),
+            node.len(),
+            &mut needed,
+        ));
+        ok(rfaas_allocation_executor(
+            alloc,
+            executor.as_mut_ptr().cast(),
+            executor.len(),
+            null_mut(),
+        ));
+        rfaas_allocation_moves(alloc)
+    };
+    let text = |b: &[u8]| {
+        CStr::from_bytes_until_nul(b)
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(needed, text(&node).len() + 1);
+    (text(&node), text(&executor), moves)
+}
+
+/// The manager's count of lease requests it refused for want of room.
+fn no_capacity_denials(m: &Manager) -> u64 {
+    let (_, metrics) = Api::new(m.url(), "").call("GET", "/metrics", None);
+    metrics
+        .as_str()
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("rfaas_manager_denials_total{reason=\"no_capacity\"} "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_leased_allocation_serves_and_deallocation_releases_its_lease() {
+    let m = manager();
+    let d = executor(&m, "node-a");
+    let user = Api::new(m.url(), &m.credential("user", "nobody", None));
+    let job = Job::new(&m);
+    let alloc = job.allocate(10_000, true);
     let (_, leases) = user.call("GET", "/v1/leases", None);
     let leases = leases.as_array().expect("a list").clone();
     assert_eq!(leases.len(), 1, "{leases:?}");
     assert_eq!(leases[0]["state"], "active");
     let grant = leases[0]["grant_id"].as_u64().unwrap();
+    assert_eq!(
+        whereabouts(alloc),
+        ("node-a".into(), d.control_addr().to_string(), 0)
+    );
 
-    let mut index = 0u32;
-    let mut input = null_mut();
-    let mut output = null_mut();
-    let mut len = 0usize;
-    // SAFETY: live handles; the buffers hold 4 bytes.
-    unsafe {
-        ok(rfaas_function_index(alloc, echo_name.as_ptr(), &mut index));
-        ok(rfaas_buffer_new(alloc, 4, &mut input));
-        ok(rfaas_buffer_new(alloc, 4, &mut output));
-        rfaas_buffer_data(input).cast::<u32>().write_unaligned(42);
-        ok(rfaas_invoke_retrying(
-            alloc, index, input, 4, output, &mut len, 2,
-        ));
-        assert_eq!(len, 4);
-        assert_eq!(rfaas_buffer_data(output).cast::<u32>().read_unaligned(), 42);
-        ok(rfaas_deallocate(alloc));
-        rfaas_buffer_free(input);
-        rfaas_buffer_free(output);
-        rfaas_client_free(client);
-        rfaas_managers_free(managers);
-    }
+    echo(alloc, 42);
+    // SAFETY: a live allocation, freed once.
+    ok(unsafe { rfaas_deallocate(alloc) });
     let (_, rows) = user.call("GET", &format!("/v1/leases/{grant}"), None);
     assert_eq!(rows[0]["state"], "released", "{rows}");
+}
+
+/// A request that fits, on a node that is full when it comes, waits up to
+/// its deadline, though the manager's Retry-After (the soonest expiry:
+/// 60 s) lies beyond it, and gets the cores released meanwhile.
+#[test]
+fn a_full_node_is_waited_for_until_the_deadline() {
+    let m = manager();
+    let _d = executor(&m, "node-a");
+    let bob = Api::new(m.url(), &m.credential("user", "bob", None));
+    let (s, grant) = bob.call(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 4, "memory_mib": 256, "duration_s": 600})),
+    );
+    assert_eq!(s, 201, "{grant}");
+    let job = Job::new(&m);
+    let alloc = std::thread::scope(|scope| {
+        // Bob lets go once the manager has told the job there is no room.
+        scope.spawn(|| {
+            let until = Instant::now() + Duration::from_secs(60);
+            while no_capacity_denials(&m) == 0 {
+                assert!(Instant::now() < until, "the job never asked");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let (s, r) = bob.call("DELETE", &format!("/v1/leases/{}", grant["id"]), None);
+            assert_eq!(s, 204, "{r}");
+        });
+        job.allocate(8_000, false)
+    });
+    echo(alloc, 7);
+    // SAFETY: a live allocation, freed once.
+    ok(unsafe { rfaas_deallocate(alloc) });
+}
+
+/// An allocation whose node is taken back (drained) moves to another node
+/// in `rfaas_invoke_retrying`, and says where it runs now.
+#[test]
+fn a_drained_node_is_left_and_the_allocation_says_where_it_went() {
+    let m = manager();
+    let a = executor(&m, "node-a");
+    let job = Job::new(&m);
+    let alloc = job.allocate(10_000, true);
+    echo(alloc, 1);
+    assert_eq!(
+        whereabouts(alloc),
+        ("node-a".into(), a.control_addr().to_string(), 0)
+    );
+    let b = executor(&m, "node-b");
+
+    std::thread::scope(|scope| {
+        let drain = scope.spawn(|| a.local(LocalRequest::Drain { grace_ms: 5000 }));
+        let until = Instant::now() + Duration::from_secs(30);
+        while !matches!(a.status(), LocalReply::Status { draining: true, .. }) {
+            assert!(Instant::now() < until, "node-a never drained");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        echo(alloc, 2);
+        drain.join().unwrap();
+    });
+    assert_eq!(
+        whereabouts(alloc),
+        ("node-b".into(), b.control_addr().to_string(), 1)
+    );
+    // SAFETY: a live allocation, freed once.
+    ok(unsafe { rfaas_deallocate(alloc) });
 }
