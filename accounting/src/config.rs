@@ -105,9 +105,13 @@ impl FileConfig {
         };
         let s = Settings {
             name,
-            database: self
-                .database
-                .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into()),
+            database: rfaas_manager::db::with_password_file(
+                &self
+                    .database
+                    .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into()),
+                dir,
+            )
+            .map_err(ConfigError::Unusable)?,
             region_file: self
                 .region_file
                 .unwrap_or_else(|| "/var/lib/rfaas/accounting.region".into()),

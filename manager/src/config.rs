@@ -149,6 +149,10 @@ pub enum ConfigError {
     /// A value is out of range.
     #[error("the configuration is invalid: {0}")]
     Invalid(String),
+    /// A file the configuration refers to cannot be used (the message
+    /// names it and what moves it).
+    #[error("{0}")]
+    Unusable(String),
 }
 
 /// Reads and parses the TOML configuration `path` into `T` (whose serde
@@ -225,6 +229,8 @@ impl FileConfig {
         let database = self
             .database
             .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into());
+        let database =
+            crate::db::with_password_file(&database, dir).map_err(ConfigError::Unusable)?;
         // SQLite takes one writer at a time: more connections only make
         // them wait in its busy handler (milliseconds), and each connection
         // keeps its own page cache, which every other's commit makes stale.

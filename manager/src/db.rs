@@ -26,6 +26,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use rfaas_proto::files::{ConfigDir, DATABASE_PASSWORD};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
@@ -55,6 +56,46 @@ impl Backend {
             Backend::Sqlite => "sqlite",
         }
     }
+}
+
+/// `url` with the password of `database.password` in the configuration
+/// directory, when `url` is PostgreSQL's and names no password and that
+/// file exists; otherwise `url` as it is. The file must be private to its
+/// owner (root's, when read by root), as every other secret of rfaas, and
+/// holds the password on its first line.
+pub fn with_password_file(url: &str, dir: &ConfigDir) -> Result<String, String> {
+    if Backend::of(url) != Backend::Postgres {
+        return Ok(url.to_owned());
+    }
+    let mut parsed = url::Url::parse(url).map_err(|e| {
+        format!("the database URL is not a URL ({e}); write postgres://user@host:port/database")
+    })?;
+    if parsed.password().is_some() {
+        return Ok(url.to_owned());
+    }
+    let file = dir.file(DATABASE_PASSWORD);
+    if !file.exists() {
+        return Ok(url.to_owned());
+    }
+    let unusable = |e: String| format!("{e}; {}", dir.hint(&[]));
+    crate::auth::check_private_file(&file, "the database password file").map_err(unusable)?;
+    let text = std::fs::read_to_string(&file).map_err(|e| {
+        unusable(format!(
+            "cannot read the database password file {}: {e}",
+            file.display()
+        ))
+    })?;
+    let password = text.lines().next().unwrap_or_default();
+    if password.is_empty() {
+        return Err(unusable(format!(
+            "the database password file {} is empty; write the password on its first line",
+            file.display()
+        )));
+    }
+    parsed.set_password(Some(password)).map_err(|()| {
+        format!("the database URL {url:?} takes no password; name a user, as in postgres://rfaas@host/db")
+    })?;
+    Ok(parsed.into())
 }
 
 /// A database failure, classified by what the caller can do about it.
@@ -430,6 +471,41 @@ pub fn i(v: u64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_password_file_fills_in_only_what_the_url_leaves_out() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("rfaas-dbpw-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let conf = ConfigDir::from_parts(Some(&dir), None);
+        let pg = "postgres://rfaas@db:5432/rfaas";
+        // No file: as it is.
+        assert_eq!(with_password_file(pg, &conf).unwrap(), pg);
+        let file = dir.join(DATABASE_PASSWORD);
+        std::fs::write(&file, "p@ss:w/rd\nignored\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // Percent-encoded into the URL.
+        assert_eq!(
+            with_password_file(pg, &conf).unwrap(),
+            "postgres://rfaas:p%40ss%3Aw%2Frd@db:5432/rfaas"
+        );
+        // A URL with its own password, and SQLite, are left alone.
+        let own = "postgres://rfaas:mine@db/rfaas";
+        assert_eq!(with_password_file(own, &conf).unwrap(), own);
+        let lite = "sqlite:///var/lib/rfaas/manager.db";
+        assert_eq!(with_password_file(lite, &conf).unwrap(), lite);
+        // Others may read it: refused, naming the file and the directory.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let err = with_password_file(pg, &conf).unwrap_err();
+        assert!(err.contains("has mode 0640"), "{err}");
+        assert!(err.contains("was set by --config-dir"), "{err}");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::write(&file, "\n").unwrap();
+        let err = with_password_file(pg, &conf).unwrap_err();
+        assert!(err.contains("is empty"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// Commits stay in the log until the checkpoints task copies them into
     /// the database file.

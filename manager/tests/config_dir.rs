@@ -196,3 +196,77 @@ fn an_unreadable_file_in_the_directory_is_an_error_not_a_default() {
     );
     assert!(err.contains("RFAAS_CONFIG_DIR"), "{err}");
 }
+
+#[test]
+fn the_database_password_comes_from_its_own_file() {
+    let pg = rfaas_testkit::postgres::Postgres::start().unwrap_or_else(|e| panic!("{e}"));
+    let url = url_without_password(pg.url());
+    let dir = manager_dir("password");
+    std::fs::write(
+        dir.join("manager.toml"),
+        format!("listen = \"127.0.0.1:0\"\ndatabase = \"{url}\"\n"),
+    )
+    .unwrap();
+    // Without the file, PostgreSQL refuses the manager.
+    let o = command(env!("CARGO_BIN_EXE_rfaas-manager"))
+        .env("RFAAS_CONFIG_DIR", dir.path())
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", output_text(&o));
+    // A password file others may read is refused, naming it.
+    let file = dir.join("database.password");
+    let password = pg
+        .url()
+        .split(':')
+        .nth(2)
+        .unwrap()
+        .split('@')
+        .next()
+        .unwrap();
+    std::fs::write(&file, format!("{password}\n")).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = command(env!("CARGO_BIN_EXE_rfaas-manager"))
+        .env("RFAAS_CONFIG_DIR", dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{}", output_text(&o));
+    assert!(
+        err.contains(&format!(
+            "the database password file {} has mode 0644",
+            file.display()
+        )),
+        "{err}"
+    );
+    assert!(
+        !err.contains(password),
+        "the password is not printed: {err}"
+    );
+    // Private: the manager and rfaas-billing both connect with it.
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut cmd = command(env!("CARGO_BIN_EXE_rfaas-manager"));
+    cmd.env("RFAAS_CONFIG_DIR", dir.path());
+    let (_manager, url) = start(cmd);
+    let o = rfaasctl_nodes(&url, |c| {
+        c.env("RFAAS_CONFIG_DIR", dir.path());
+    });
+    assert!(o.status.success(), "{}", output_text(&o));
+    let o = command(
+        rfaas_testkit::accounting::billing_binary()
+            .to_str()
+            .unwrap(),
+    )
+    .env("RFAAS_CONFIG_DIR", dir.path())
+    .args(["budget", "list"])
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", output_text(&o));
+}
+
+/// `postgres://user:password@host/db` without its password.
+fn url_without_password(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (auth, host) = rest.split_once('@').unwrap();
+    let user = auth.split(':').next().unwrap();
+    format!("{scheme}://{user}@{host}")
+}

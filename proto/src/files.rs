@@ -39,6 +39,9 @@ pub const LEASE_KEYS_PUB: &str = "lease-keys.pub";
 /// A node's credential, with which its executor daemon speaks to the
 /// managers and the accounting services (root only).
 pub const NODE_CREDENTIAL: &str = "node.credential";
+/// The PostgreSQL password of a `database` URL that names none, so the
+/// configuration files need not hold it (root only).
+pub const DATABASE_PASSWORD: &str = "database.password";
 
 /// The configuration directory a process runs with, and what chose it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -10,6 +10,7 @@ use rfaas_accounting::rates::{self, BillingConfig};
 use rfaas_accounting::report::format::{self, Output, Sheet, MONEY_DECIMALS};
 use rfaas_accounting::report::{budgets, group, query, time, BillingError, Filters, Key, Period};
 use rfaas_manager::config::{self, FileConfig as ManagerFile};
+use rfaas_manager::db;
 use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML, BILLING_TOML, MANAGER_TOML};
 use serde_json::{json, Map};
 
@@ -186,14 +187,22 @@ impl Args {
     }
 
     /// The database URL: `--database`, else billing.toml's, else the
-    /// accounting service's, else the manager's.
+    /// accounting service's, else the manager's; with the password of
+    /// `database.password` when it names none.
     fn database(&self, billing: Option<&BillingConfig>) -> Result<String, BillingError> {
-        if let Some(url) = &self.database {
-            return Ok(url.clone());
-        }
-        if let Some(url) = billing.and_then(|b| b.database.clone()) {
-            return Ok(url);
-        }
+        let url = match self
+            .database
+            .clone()
+            .or_else(|| billing.and_then(|b| b.database.clone()))
+        {
+            Some(url) => url,
+            None => self.configured_database()?,
+        };
+        db::with_password_file(&url, &self.config_dir()).map_err(BillingError::ManagerConfig)
+    }
+
+    /// The accounting service's database, else the manager's.
+    fn configured_database(&self) -> Result<String, BillingError> {
         let dir = self.config_dir();
         let unusable = |file: &str, e: &dyn std::fmt::Display| {
             BillingError::ManagerConfig(format!(
