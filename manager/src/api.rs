@@ -148,6 +148,12 @@ fn check_name(what: &str, name: &str) -> ApiResult<()> {
     }
 }
 
+/// Refuses a node name that does not follow the one pattern
+/// ([`rfaas_proto::node_name`]), naming it.
+fn check_node_name(name: &str) -> ApiResult<()> {
+    rfaas_proto::node_name::check(name).map_err(|e| ApiFailure::malformed(e.to_string()))
+}
+
 /// Refuses control characters (NUL above all: PostgreSQL cannot store it
 /// in text) in a free-text field.
 fn check_text(what: &str, text: &str) -> ApiResult<()> {
@@ -239,7 +245,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
 
 /// Register a node, or update its record. Idempotent.
 #[utoipa::path(put, path = "/v1/nodes/{name}", request_body = RegisterNode,
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = Registered), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
 async fn register_node(
     State(app): AppState,
@@ -248,7 +254,7 @@ async fn register_node(
     Json(body): Json<RegisterNode>,
 ) -> ApiResult<Json<Registered>> {
     let c = caller(&app, &headers).await?;
-    check_name("node name", &name)?;
+    check_node_name(&name)?;
     node_or_admin(&c, &name)?;
     check_register(&body)?;
     let read = app.store.register(&name, &body, now_ms()).await?;
@@ -265,7 +271,7 @@ async fn register_node(
 /// A node's heartbeat: its free capacity and the leases it holds. The
 /// answer lists those that have ended. `404`: register again.
 #[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = HeartbeatReply), (status = 404, body = ApiError), (status = "4XX", body = ApiError)))]
 async fn heartbeat(
     State(app): AppState,
@@ -274,7 +280,7 @@ async fn heartbeat(
     Json(body): Json<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatReply>> {
     let c = caller(&app, &headers).await?;
-    check_name("node name", &name)?;
+    check_node_name(&name)?;
     node_or_admin(&c, &name)?;
     match app.store.heartbeat(&name, &body, now_ms()).await? {
         Some((node, ended_leases)) => {
@@ -315,7 +321,7 @@ async fn list_nodes(
 
 /// One node.
 #[utoipa::path(get, path = "/v1/nodes/{name}",
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn show_node(
     State(app): AppState,
@@ -336,7 +342,7 @@ async fn set_drained(
     drained: bool,
 ) -> ApiResult<Json<NodeView>> {
     admin_only(&caller(app, headers).await?)?;
-    check_name("node name", name)?;
+    check_node_name(name)?;
     let read = app
         .store
         .set_drained(name, drained)
@@ -350,7 +356,7 @@ async fn set_drained(
 
 /// Drain a node (admin): it is no longer offered; its leases run to their end.
 #[utoipa::path(post, path = "/v1/nodes/{name}/drain",
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn drain_node(
     State(app): AppState,
@@ -362,7 +368,7 @@ async fn drain_node(
 
 /// Resume a drained node (admin).
 #[utoipa::path(post, path = "/v1/nodes/{name}/resume",
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn resume_node(
     State(app): AppState,
@@ -399,7 +405,7 @@ fn check_lease_request(app: &App, r: &LeaseRequest) -> ApiResult<u32> {
         return Err(ApiFailure::malformed("nodes lists more than 1024 nodes"));
     }
     for n in &r.nodes {
-        check_name("node name", n)?;
+        check_node_name(n)?;
     }
     Ok(min)
 }
@@ -714,7 +720,10 @@ async fn create_credential(
     Json(body): Json<CredentialRequest>,
 ) -> ApiResult<(StatusCode, Json<Credential>)> {
     admin_only(&caller(&app, &headers).await?)?;
-    check_name("subject", &body.subject)?;
+    match body.role {
+        Role::Node => check_node_name(&body.subject)?,
+        Role::User => check_name("subject", &body.subject)?,
+    }
     let account = match body.role {
         Role::User => body.account.clone().unwrap_or_else(|| body.subject.clone()),
         Role::Node => String::new(),

@@ -408,6 +408,95 @@ fn path_names_are_checked_before_the_database(kind: &str) {
 }
 on_both!(path_names_are_checked_before_the_database);
 
+/// Node names follow one pattern (`rfaas_proto::node_name`): a name ends
+/// up in paths, logs, URLs and metric labels, so `.`, `..`, a slash, a
+/// control character or a leading `-` is refused wherever a node is named.
+fn node_names_follow_one_pattern(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let admin = m.admin();
+    let u = user(&m, "alice", "physics");
+    let refused = |what: &str, (s, e): (u16, serde_json::Value)| {
+        assert_eq!(
+            (s, e["error"].as_str()),
+            (400, Some("malformed_request")),
+            "{what}: {e}"
+        );
+        let message = e["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(rfaas_proto::node_name::PATTERN),
+            "{what}: the message does not give the pattern: {e}"
+        );
+    };
+    for name in [
+        ".",
+        "..",
+        "%2E",
+        "%2E%2E",
+        "a%2Fb",
+        "a%00b",
+        "a%0Ab",
+        "-n",
+        "_n",
+        "a..b",
+        "a.",
+        ".a",
+        "a%20b",
+        "a@b",
+        "n%C5%93ud",
+    ] {
+        let body = node_body(7100, 2, 1024);
+        refused(
+            &format!("register {name}"),
+            admin.call("PUT", &format!("/v1/nodes/{name}"), Some(&body)),
+        );
+        let hb = json!({"free_cores": 2, "free_memory_mib": 1024, "allocations": []});
+        refused(
+            &format!("heartbeat {name}"),
+            admin.call("POST", &format!("/v1/nodes/{name}/heartbeat"), Some(&hb)),
+        );
+        refused(
+            &format!("drain {name}"),
+            admin.call("POST", &format!("/v1/nodes/{name}/drain"), None),
+        );
+    }
+    for name in [".", "..", "a/b", "a\u{0}b", "-n", "a..b", "a@b"] {
+        refused(
+            &format!("a node credential for {name:?}"),
+            admin.call(
+                "POST",
+                "/v1/credentials",
+                Some(&json!({"role": "node", "subject": name})),
+            ),
+        );
+        refused(
+            &format!("a lease preferring {name:?}"),
+            u.call(
+                "POST",
+                "/v1/leases",
+                Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 60, "nodes": [name]})),
+            ),
+        );
+    }
+    let (s, nodes) = admin.call("GET", "/v1/nodes?fresh=true", None);
+    assert_eq!((s, nodes), (200, json!([])), "nothing was registered");
+    // Slurm's node names and host names pass.
+    for name in ["node01", "gpu-3", "cn_12", "node1.cluster", "N7"] {
+        register(&m, name, 1, 256);
+    }
+    let (s, p) = u.call(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 60, "nodes": ["node1.cluster"]})),
+    );
+    assert_eq!(
+        (s, p["leases"][0]["node"].as_str()),
+        (201, Some("node1.cluster")),
+        "{p}"
+    );
+}
+on_both!(node_names_follow_one_pattern);
+
 fn expired_leases_end_and_nodes_hear_of_it(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager();
@@ -522,6 +611,24 @@ fn openapi_document_and_metrics() {
         "{doc}"
     );
     assert!(doc["components"]["schemas"]["BillingSlot"].is_object());
+    // The node name pattern is rfaas-proto's, on every route that names a node.
+    for (path, method) in [
+        ("/v1/nodes/{name}", "put"),
+        ("/v1/nodes/{name}", "get"),
+        ("/v1/nodes/{name}/heartbeat", "post"),
+        ("/v1/nodes/{name}/drain", "post"),
+        ("/v1/nodes/{name}/resume", "post"),
+    ] {
+        let schema = &doc["paths"][path][method]["parameters"][0]["schema"];
+        assert_eq!(
+            (schema["pattern"].as_str(), schema["maxLength"].as_u64()),
+            (
+                Some(rfaas_proto::node_name::PATTERN),
+                Some(rfaas_proto::node_name::MAX_LEN as u64)
+            ),
+            "{path} {method}: {schema}"
+        );
+    }
     let (s, h) = open.call("GET", "/healthz", None);
     assert_eq!((s, h["status"].as_str()), (200, Some("ok")));
     let (s, text) = open.call("GET", "/metrics", None);
