@@ -649,7 +649,9 @@ async fn show_lease(
 /// Renew a grant (owner): its active node leases now end `duration_s` from
 /// now (never sooner than before), with new tokens to hand the executors,
 /// each with the billing slot it was granted. A spent budget does not
-/// refuse a renewal: leases granted run to their end.
+/// refuse a renewal: leases granted run to their end. From its
+/// `expires_at` second on, a grant has ended (`409 lease_ended`), whether
+/// or not the reaper has marked it yet.
 #[utoipa::path(post, path = "/v1/leases/{id}/renew", request_body = RenewRequest,
     params(("id" = u64, Path, description = "The grant's id")),
     responses((status = 200, body = LeaseGrant), (status = 409, description = "The lease has ended", body = ApiError), (status = "4XX", body = ApiError)))]
@@ -667,13 +669,17 @@ async fn renew_lease(
         )));
     }
     owned_grant(&app, &c, id).await?;
-    let rows = app.store.renew(id, now_s() + body.duration_s).await?;
+    let now = now_ms();
+    let rows = app
+        .store
+        .renew(id, now / 1000 + body.duration_s, now)
+        .await?;
     if rows.is_empty() {
         return Err(ApiFailure::new(
             409,
             "lease_ended",
             format!(
-                "lease {id} has ended (released, expired or its nodes lost); request a new lease"
+                "lease {id} has ended (released, expired, or its nodes lost) and cannot be renewed; request a new lease"
             ),
         ));
     }

@@ -915,16 +915,28 @@ impl Store {
     /// was shown, so a shorter one would let the manager lease cores the
     /// executor still serves. Returns them (empty: nothing active).
     ///
+    /// A lease has ended at its `expires_at` second (Unix ms `now_ms`
+    /// from `expires_at * 1000` on), as the reaper and the executors
+    /// count, whether or not the reaper has marked it yet: such leases are
+    /// not renewed, so a late renewal never brings back a lease whose
+    /// workers the executors have stopped.
+    ///
     /// Each keeps the billing slot it was granted with (the tokens of a
     /// renewal name the same slot), read with the instance's current
     /// address.
-    pub async fn renew(&self, grant_id: u64, expires_at: u64) -> Result<Vec<LeaseRow>, DbError> {
+    pub async fn renew(
+        &self,
+        grant_id: u64,
+        expires_at: u64,
+        now_ms: u64,
+    ) -> Result<Vec<LeaseRow>, DbError> {
         let rows = sqlx::query(&format!(
             "UPDATE leases SET expires_at = CASE WHEN expires_at > $2 THEN expires_at ELSE $2 END
-             WHERE grant_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
+             WHERE grant_id = $1 AND state = 'active' AND expires_at * 1000 > $3 RETURNING {LEASE_COLS}"
         ))
         .bind(i(grant_id))
         .bind(i(expires_at))
+        .bind(i(now_ms))
         .fetch_all(&self.pool)
         .await?;
         let mut leases = rows

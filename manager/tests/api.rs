@@ -545,6 +545,62 @@ fn expired_leases_end_and_nodes_hear_of_it(kind: &str) {
 }
 on_both!(expired_leases_end_and_nodes_hear_of_it);
 
+/// A lease has ended at its `expires_at` (Unix seconds), whether or not
+/// the reaper has marked it yet: a renewal from then on is refused, and
+/// the lease keeps its end. Executors stop its workers at that second.
+fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
+    let mut db = Db::new(kind);
+    // No reaper round during the test.
+    let m = db.manager_with("refresh_ms = 600000\nlost_after_ms = 600000\n", None);
+    register(&m, "a", 2, 1024);
+    let u = user(&m, "alice", "physics");
+    let (s, g) = lease(&u, 1, None, 64, 1);
+    assert_eq!(s, 201, "{g}");
+    let id = g["id"].as_u64().unwrap();
+    let end_ms = g["expires_at"].as_u64().unwrap() * 1000;
+    wait_for(10, "the lease's end", || {
+        (rfaas_manager::now_ms() > end_ms).then_some(())
+    });
+    let (s, e) = u.call(
+        "POST",
+        &format!("/v1/leases/{id}/renew"),
+        Some(&json!({"duration_s": 600})),
+    );
+    assert_eq!((s, e["error"].as_str()), (409, Some("lease_ended")), "{e}");
+    let (s, shown) = u.call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(s, 200, "{shown}");
+    assert_eq!(
+        shown[0]["expires_at"].as_u64(),
+        Some(end_ms / 1000),
+        "the refused renewal moved the end: {shown}"
+    );
+    // To the millisecond, through the store: at the end and 1 ms after it
+    // the grant is over; 1 ms before, it renews.
+    let (s, g) = lease(&u, 1, None, 64, 60);
+    assert_eq!(s, 201, "{g}");
+    let id = g["id"].as_u64().unwrap();
+    let end = g["expires_at"].as_u64().unwrap();
+    let url = db.url();
+    let renewed = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let backend = rfaas_manager::db::Backend::of(&url);
+            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
+            let store = rfaas_manager::store::Store::new(pool, backend);
+            let mut renewed = Vec::new();
+            for now_ms in [end * 1000 + 1, end * 1000, end * 1000 - 1] {
+                let rows = store.renew(id, end + 60, now_ms).await.unwrap();
+                renewed.push(rows.iter().map(|r| r.view.expires_at).collect::<Vec<_>>());
+            }
+            store.pool().close().await;
+            renewed
+        });
+    assert_eq!(renewed, [vec![], vec![], vec![end + 60]]);
+}
+on_both!(a_renewal_after_the_end_is_refused_before_the_reaper_runs);
+
 fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager();
