@@ -243,7 +243,10 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
     Ok(())
 }
 
-/// Register a node, or update its record. Idempotent.
+/// Register a node, or update its record. Idempotent. With fewer cores or
+/// less memory than it has leased, the node keeps its leases and takes no
+/// new one until they fit: its `draining_cores` and `draining_memory_mib`
+/// say how much leaves as they end.
 #[utoipa::path(put, path = "/v1/nodes/{name}", request_body = RegisterNode,
     params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = Registered), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
@@ -261,6 +264,16 @@ async fn register_node(
     let node = read.node.clone();
     app.view.upsert(read);
     tracing::info!(node = %name, cores = body.cores, addr = %body.control_addr, "node registered");
+    if node.draining_cores > 0 || node.draining_memory_mib > 0 {
+        tracing::warn!(
+            node = %name,
+            cores = body.cores,
+            memory_mib = body.memory_mib,
+            leased_cores = node.leased_cores,
+            leased_memory_mib = node.leased_memory_mib,
+            "node registered with less than it has leased: its leases run on, it takes no new one until they fit, and the difference drains as they end"
+        );
+    }
     Ok(Json(Registered {
         node,
         heartbeat_interval_ms: app.settings.heartbeat_interval_ms,

@@ -39,23 +39,45 @@ pub struct View {
 /// counters only if they are newer.
 fn merge(read: StoredNode, held: Option<&StoredNode>) -> StoredNode {
     match held {
-        Some(h) if h.lease_seq > read.lease_seq => StoredNode {
-            node: NodeView {
-                leased_cores: h.node.leased_cores,
-                leased_memory_mib: h.node.leased_memory_mib,
-                ..read.node
-            },
-            lease_seq: h.lease_seq,
-        },
+        Some(h) if h.lease_seq > read.lease_seq => {
+            let mut node = read.node;
+            set_leased(&mut node, h.node.leased_cores, h.node.leased_memory_mib);
+            StoredNode {
+                node,
+                lease_seq: h.lease_seq,
+            }
+        }
         _ => read,
     }
 }
 
-/// Cores of `n` neither leased nor withheld by the node.
+/// Sets what `n` has leased, and its capacity as the database settles it
+/// then (`store::NODE_CAPACITY`): what it registered, or what is leased
+/// if that is more, the difference draining.
+fn set_leased(n: &mut NodeView, cores: u32, memory_mib: u64) {
+    let registered_cores = n.cores.saturating_sub(n.draining_cores);
+    let registered_memory = n.memory_mib.saturating_sub(n.draining_memory_mib);
+    n.leased_cores = cores;
+    n.leased_memory_mib = memory_mib;
+    n.cores = registered_cores.max(cores);
+    n.draining_cores = n.cores - registered_cores;
+    n.memory_mib = registered_memory.max(memory_mib);
+    n.draining_memory_mib = n.memory_mib - registered_memory;
+}
+
+/// Cores of `n` neither leased, withheld by the node, nor draining.
 fn lendable(n: &NodeView) -> u32 {
     n.cores
+        .saturating_sub(n.draining_cores)
         .saturating_sub(n.leased_cores)
         .saturating_sub(n.withheld_cores)
+}
+
+/// Memory of `n` neither leased nor draining, MiB.
+fn lendable_memory(n: &NodeView) -> u64 {
+    n.memory_mib
+        .saturating_sub(n.draining_memory_mib)
+        .saturating_sub(n.leased_memory_mib)
 }
 
 impl View {
@@ -90,8 +112,7 @@ impl View {
         match nodes.get_mut(name) {
             Some(n) => {
                 if seq > n.lease_seq {
-                    n.node.leased_cores = cores;
-                    n.node.leased_memory_mib = memory_mib;
+                    set_leased(&mut n.node, cores, memory_mib);
                     n.lease_seq = seq;
                 }
                 true
@@ -128,9 +149,7 @@ impl View {
     pub fn candidates(&self, memory_mib: u64, preferred: &[String]) -> Vec<(String, u32)> {
         let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
         let fits = |n: &NodeView| {
-            n.state == NodeState::Up
-                && lendable(n) > 0
-                && n.leased_memory_mib.saturating_add(memory_mib) <= n.memory_mib
+            n.state == NodeState::Up && lendable(n) > 0 && memory_mib <= lendable_memory(n)
         };
         let mut out: Vec<(String, u32)> = preferred
             .iter()
@@ -228,6 +247,8 @@ mod tests {
             last_heartbeat_ms: 0,
             harvested: false,
             withheld_cores: 0,
+            draining_cores: 0,
+            draining_memory_mib: 0,
         }
     }
 
@@ -247,6 +268,48 @@ mod tests {
         b.withheld_cores = 4;
         v.replace_all(read(vec![a, b]));
         assert_eq!(v.candidates(1, &[]), [("a".to_string(), 1)]);
+    }
+
+    #[test]
+    fn a_draining_node_shrinks_with_its_leases_and_is_not_offered() {
+        let v = View::default();
+        let caps = |v: &View| {
+            v.get("a").map(|n| {
+                (
+                    n.cores,
+                    n.leased_cores,
+                    n.draining_cores,
+                    n.memory_mib,
+                    n.leased_memory_mib,
+                    n.draining_memory_mib,
+                )
+            })
+        };
+        // Registered as 1 core and 1000 MiB while 4 and 2048 are leased.
+        let mut a = node("a", 4, 4, NodeState::Up);
+        (a.draining_cores, a.memory_mib, a.leased_memory_mib) = (3, 2048, 2048);
+        a.draining_memory_mib = 1048;
+        v.replace_all(read(vec![a]));
+        assert!(v.candidates(1, &[]).is_empty());
+        // A release another replica announces: 1 core and 1024 MiB left.
+        assert!(v.set_leased("a", 1, 1024, 1));
+        assert_eq!(caps(&v), Some((1, 1, 0, 1024, 1024, 24)));
+        assert!(v.candidates(1, &[]).is_empty(), "memory still drains");
+        // A reload that read the row before that release keeps the newer
+        // counters and the capacity they settle.
+        let mut old = node("a", 4, 4, NodeState::Up);
+        (old.draining_cores, old.memory_mib, old.leased_memory_mib) = (3, 2048, 2048);
+        old.draining_memory_mib = 1048;
+        v.upsert(StoredNode {
+            node: old,
+            lease_seq: 0,
+        });
+        assert_eq!(caps(&v), Some((1, 1, 0, 1024, 1024, 24)));
+        // Every lease gone: what the node registered.
+        assert!(v.set_leased("a", 0, 0, 2));
+        assert_eq!(caps(&v), Some((1, 0, 0, 1000, 0, 0)));
+        assert_eq!(v.candidates(1000, &[]), [("a".to_string(), 1)]);
+        assert!(v.candidates(1001, &[]).is_empty());
     }
 
     #[test]

@@ -554,8 +554,7 @@ fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
     let m = db.manager_with("refresh_ms = 600000\nlost_after_ms = 600000\n", None);
     register(&m, "a", 2, 1024);
     let u = user(&m, "alice", "physics");
-    let (s, g) = lease(&u, 1, None, 64, 1);
-    assert_eq!(s, 201, "{g}");
+    let g = granted(&u, 1, 64, 1);
     let id = g["id"].as_u64().unwrap();
     let end_ms = g["expires_at"].as_u64().unwrap() * 1000;
     wait_for(10, "the lease's end", || {
@@ -576,8 +575,7 @@ fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
     );
     // To the millisecond, through the store: at the end and 1 ms after it
     // the grant is over; 1 ms before, it renews.
-    let (s, g) = lease(&u, 1, None, 64, 60);
-    assert_eq!(s, 201, "{g}");
+    let g = granted(&u, 1, 64, 60);
     let id = g["id"].as_u64().unwrap();
     let end = g["expires_at"].as_u64().unwrap();
     let url = db.url();
@@ -600,6 +598,100 @@ fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
     assert_eq!(renewed, [vec![], vec![], vec![end + 60]]);
 }
 on_both!(a_renewal_after_the_end_is_refused_before_the_reaper_runs);
+
+/// A node that registers again with fewer cores or less memory than it
+/// has leased (a restart with a smaller configuration) keeps its leases:
+/// the difference drains as they end. Its capacity stays at least what is
+/// leased, in the database and in every replica's view, it takes no new
+/// lease until one fits its new size, and once its leases are gone it
+/// offers what it registered.
+fn a_registration_below_the_leases_drains_the_difference(kind: &str) {
+    let mut db = Db::new(kind);
+    let quiet = "lost_after_ms = 600000\n";
+    let m = db.manager_with(quiet, None);
+    // A second replica that learns only from notices (or SQLite's watch).
+    let m2 = db.manager_with(&format!("{quiet}refresh_ms = 3600000\n"), Some(&m));
+    let node = register(&m, "a", 4, 4096);
+    let u = user(&m, "alice", "physics");
+    let big = granted(&u, 3, 1024, 600);
+    let small = granted(&u, 1, 1024, 600);
+    // cores, leased, draining; memory, leased, draining.
+    let figures = |n: &serde_json::Value| {
+        [
+            "cores",
+            "leased_cores",
+            "draining_cores",
+            "memory_mib",
+            "leased_memory_mib",
+            "draining_memory_mib",
+        ]
+        .map(|k| n[k].as_u64().unwrap_or(u64::MAX))
+    };
+    // The database and both replicas' views hold `want`, and every view
+    // on the way kept leased within capacity.
+    let everywhere = |want: [u64; 6]| {
+        let stored = db.sql(&["SELECT cores, leased_cores, draining_cores, memory_mib, leased_memory_mib, draining_memory_mib FROM nodes WHERE name = 'a'"]);
+        assert_eq!(stored, [want.map(|v| v as i64).to_vec()]);
+        for (replica, what) in [(&m, "this replica"), (&m2, "another replica")] {
+            let admin = replica.admin();
+            let mut last = serde_json::Value::Null;
+            let until = Instant::now() + Duration::from_secs(20);
+            while figures(&last) != want {
+                assert!(
+                    Instant::now() < until,
+                    "{what} never showed {want:?}: {last}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+                let (s, n) = admin.call("GET", "/v1/nodes/a", None);
+                assert_eq!((s, n["state"].as_str()), (200, Some("up")), "{n}");
+                assert!(
+                    n["leased_cores"].as_u64() <= n["cores"].as_u64()
+                        && n["leased_memory_mib"].as_u64() <= n["memory_mib"].as_u64(),
+                    "{what} holds more leased than the node's capacity: {n}"
+                );
+                last = n;
+            }
+        }
+        assert_eq!(check_no_core_leased_twice(&m), want[1]);
+    };
+    let nothing_fits = || {
+        let (s, e) = lease(&u, 1, None, 64, 60);
+        assert_eq!((s, e["error"].as_str()), (503, Some("no_capacity")), "{e}");
+    };
+    let release = |g: &serde_json::Value| {
+        let (s, e) = u.call("DELETE", &format!("/v1/leases/{}", g["id"]), None);
+        assert_eq!(s, 204, "{e}");
+    };
+
+    // Re-registered as 1 core and 1000 MiB while it holds 4 and 2048.
+    let (s, r) = node.call("PUT", "/v1/nodes/a", Some(&node_body(7100, 1, 1000)));
+    assert_eq!(s, 200, "{r}");
+    let draining = [4, 4, 3, 2048, 2048, 1048];
+    assert_eq!(figures(&r["node"]), draining, "{r}");
+    everywhere(draining);
+    nothing_fits();
+    assert_eq!(metric(&m, "rfaas_manager_cores{state=\"free\"}"), 0.0);
+
+    // The big lease ends: 1 core and 1024 MiB are leased, the memory still
+    // drains by 24 MiB.
+    release(&big);
+    everywhere([1, 1, 0, 1024, 1024, 24]);
+    nothing_fits();
+
+    // The last one ends: the node offers what it registered.
+    release(&small);
+    everywhere([1, 0, 0, 1000, 0, 0]);
+    assert_eq!(metric(&m, "rfaas_manager_cores{state=\"free\"}"), 1.0);
+    let u2 = rfaas_testkit::manager::Api::new(m2.url(), u.token());
+    assert_eq!(granted_cores(&granted(&u2, 1, 1000, 60)), 1);
+    assert_eq!(check_no_core_leased_twice(&m), 1);
+
+    // Registering larger again ends any drain at once.
+    let (s, r) = node.call("PUT", "/v1/nodes/a", Some(&node_body(7100, 4, 4096)));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(figures(&r["node"]), [4, 1, 0, 4096, 1000, 0], "{r}");
+}
+on_both!(a_registration_below_the_leases_drains_the_difference);
 
 fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
     let mut db = Db::new(kind);
