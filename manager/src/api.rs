@@ -21,6 +21,7 @@ use rfaas_proto::manager::{
     JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseView, NodeLease,
     NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role, SetBudget,
 };
+use rfaas_proto::text::count;
 use serde::Deserialize;
 use utoipa::OpenApi;
 
@@ -40,6 +41,11 @@ const MAX_NAME: usize = 253;
 /// Largest budget: far above any real one, and exact to a cent in a
 /// double.
 const MAX_BUDGET: f64 = 1e15;
+
+/// The longest `Retry-After` of a `503 no_capacity`, seconds: the soonest
+/// expiry is only the latest moment a core frees up (a release frees one
+/// at any time).
+const MAX_RETRY_AFTER_S: u64 = 60;
 
 type AppState = State<Arc<App>>;
 type ApiResult<T> = Result<T, ApiFailure>;
@@ -466,7 +472,8 @@ fn grant_body(app: &App, grant_id: u64, leases: &[LeaseRow]) -> LeaseGrant {
 /// and, when an accounting service is up, its own billing slot.
 #[utoipa::path(post, path = "/v1/leases", request_body = LeaseRequest,
     responses((status = 201, body = LeaseGrant),
-        (status = 503, description = "no_capacity: nothing fits now, Retry-After says when the soonest lease ends; accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
+        (status = 503, description = "no_capacity: nothing fits now (or no node has registered yet); retry after Retry-After, 1 to 60 s (when the soonest lease ends, at most 60 s); accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
+        (status = 422, description = "request_exceeds_cluster: no node that ever registered could hold the request, at the capacity it registered, whatever its state now: more memory per node lease than the largest node, or more cores (min_cores) than the nodes with that memory together. Not retryable; the message and largest_node_cores, largest_node_memory_mib, cluster_cores, nodes and cores_with_memory give the largest offer", body = ApiError),
         (status = 403, description = "forbidden; quota_exceeded with cap and in_use; budget_exhausted with budget and spend", body = ApiError),
         (status = "4XX", body = ApiError)))]
 async fn request_lease(
@@ -486,6 +493,7 @@ async fn request_lease(
         ));
     };
     let min_cores = check_lease_request(&app, &body)?;
+    beyond_cluster(&app, &body, min_cores)?;
     let now = now_s();
     let cap = app.settings.quota.cap(account);
     let accounting = app.settings.accounting;
@@ -514,6 +522,7 @@ async fn request_lease(
     if outcome == GrantOutcome::NoCapacity {
         // The view may be behind: look at the database once before saying no.
         app.view.replace_all(app.store.nodes().await?);
+        beyond_cluster(&app, &body, min_cores)?;
         plan.candidates = app.view.candidates(body.memory_mib, &body.nodes);
         outcome = retrying(|| app.store.grant(&plan)).await?;
     }
@@ -535,15 +544,17 @@ async fn request_lease(
                 .with_label_values(&["no_capacity"])
                 .inc();
             let wait = match app.store.soonest_expiry().await? {
-                Some(at) => at.saturating_sub(now_s()).clamp(1, 60),
+                Some(at) => at.saturating_sub(now_s()).clamp(1, MAX_RETRY_AFTER_S),
                 None => 5,
             };
             Err(ApiFailure::new(
                 503,
                 "no_capacity",
                 format!(
-                    "no {} cores with {} MiB each are free now (at least {min_cores} wanted); retry after the Retry-After seconds",
-                    body.cores, body.memory_mib
+                    "{} with {} MiB each are not free now (at least {} wanted); retry after the Retry-After seconds",
+                    count(body.cores, "core"),
+                    body.memory_mib,
+                    count(min_cores, "core")
                 ),
             )
             .retry_after(wait))
@@ -583,6 +594,58 @@ async fn request_lease(
         }
         GrantOutcome::AccountingUnavailable => Err(accounting_unavailable(&app)),
     }
+}
+
+/// `422 request_exceeds_cluster` (counted as a denial) when no node that
+/// ever registered could hold `r` even with nothing leased: more memory per
+/// node lease than the largest node registered, or fewer than `min_cores`
+/// cores on the nodes that registered that much memory. Read from the
+/// view's sums: no query, no walk over the nodes. With no node known yet
+/// the cluster may still be coming up, and nothing is refused here.
+fn beyond_cluster(app: &App, r: &LeaseRequest, min_cores: u32) -> ApiResult<()> {
+    let o = app.view.offer(r.memory_mib);
+    let why = if o.nodes == 0 {
+        return Ok(());
+    } else if r.memory_mib > o.largest_memory_mib {
+        format!(
+            "each node lease asks for {} MiB, more than any node lends",
+            r.memory_mib
+        )
+    } else if u64::from(min_cores) > o.cores_with_memory && o.cores_with_memory < o.cluster_cores {
+        format!(
+            "it needs at least {}, and the nodes that lend {} MiB or more lend {} together",
+            count(min_cores, "core"),
+            r.memory_mib,
+            count(o.cores_with_memory, "core")
+        )
+    } else if u64::from(min_cores) > o.cores_with_memory {
+        format!(
+            "it needs at least {}, more than all nodes together lend",
+            count(min_cores, "core")
+        )
+    } else {
+        return Ok(());
+    };
+    app.metrics
+        .denials
+        .with_label_values(&["request_exceeds_cluster"])
+        .inc();
+    Err(ApiFailure::new(
+        422,
+        "request_exceeds_cluster",
+        format!(
+            "no node here could ever hold this request, so waiting will not help: {why}. The largest node lends {} and {} MiB; the whole cluster ({}) lends {}. Ask for less (with min_cores, a grant may take fewer cores)",
+            count(o.largest_cores, "core"),
+            o.largest_memory_mib,
+            count(o.nodes as u64, "node"),
+            count(o.cluster_cores, "core"),
+        ),
+    )
+    .with("largest_node_cores", o.largest_cores)
+    .with("largest_node_memory_mib", o.largest_memory_mib)
+    .with("cluster_cores", o.cluster_cores)
+    .with("nodes", o.nodes)
+    .with("cores_with_memory", o.cores_with_memory))
 }
 
 /// `503 accounting_unavailable`: billing is required and no live

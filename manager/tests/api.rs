@@ -141,7 +141,8 @@ on_both!(leases_span_nodes_all_or_nothing);
 
 fn no_capacity_says_when_to_retry(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager();
+    // No reaper round: an expired lease holds its core until the end.
+    let m = db.manager_with("refresh_ms = 600000\nlost_after_ms = 600000\n", None);
     register(&m, "a", 1, 1024);
     let u = user(&m, "alice", "physics");
     let (s, _) = lease(&u, 1, None, 64, 30);
@@ -162,7 +163,116 @@ fn no_capacity_says_when_to_retry(kind: &str) {
     register(&m, "b", 4, 128);
     let (s, e) = lease(&u, 1, None, 256, 30);
     assert_eq!(s, 503, "{e}");
+    // A lease that ends sooner than that: Retry-After is its end, never 0.
+    register(&m, "c", 1, 1024);
+    granted(&u, 1, 256, 2);
+    let (s, retry, e) = u.call_full(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 1, "memory_mib": 256, "duration_s": 30})),
+    );
+    assert_eq!(s, 503, "{e}");
+    assert!(matches!(retry, Some(1..=2)), "Retry-After {retry:?}: {e}");
 }
+
+/// A request no node could ever hold is refused at once, 422
+/// `request_exceeds_cluster` with the largest offer: waiting would not
+/// help. The nodes that count are every node that ever registered,
+/// whatever its state now (a lost, drained or withholding node may come
+/// back), at the capacity it registered. With no node yet, and for a
+/// request that fits but finds no room now, the answer stays a retryable
+/// 503.
+fn a_request_beyond_the_cluster_is_refused_at_once(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let admin = m.admin();
+    let u = user(&m, "alice", "physics");
+    let ask = |cores: u32, min: Option<u32>, memory: u64| {
+        let mut body = json!({"cores": cores, "memory_mib": memory, "duration_s": 60});
+        if let Some(min) = min {
+            body["min_cores"] = min.into();
+        }
+        u.call_full("POST", "/v1/leases", Some(&body))
+    };
+    let busy = |(s, retry, e): (u16, Option<u64>, serde_json::Value)| {
+        assert_eq!((s, e["error"].as_str()), (503, Some("no_capacity")), "{e}");
+        assert!(matches!(retry, Some(1..=5)), "Retry-After {retry:?}: {e}");
+    };
+    // The cluster may still be coming up.
+    busy(ask(64, None, 1 << 20));
+
+    // 2 cores with 2048 MiB, 2 with 1024, 4 with 512: every one of them
+    // stops heartbeating and is lost, c is drained, a withholds its cores.
+    let a = register(&m, "a", 2, 2048);
+    register(&m, "b", 2, 1024);
+    register(&m, "c", 4, 512);
+    let (s, v) = admin.call("POST", "/v1/nodes/c/drain", None);
+    assert_eq!(s, 200, "{v}");
+    let hb =
+        json!({"free_cores": 0, "free_memory_mib": 2048, "allocations": [], "withheld_cores": 2});
+    let (s, r) = a.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+    assert_eq!(s, 200, "{r}");
+    wait_for(20, "every node to be lost", || {
+        let (_, nodes) = admin.call("GET", "/v1/nodes", None);
+        let states: Vec<&str> = nodes
+            .as_array()?
+            .iter()
+            .filter_map(|n| n["state"].as_str())
+            .collect();
+        (states == ["lost"; 3]).then_some(())
+    });
+
+    let refused = [
+        // More cores than all nodes together.
+        (9, None, 64, "9 cores"),
+        // More memory than any node lends.
+        (1, None, 1 << 20, "1048576 MiB"),
+        // Only a and b lend 1024 MiB: 4 cores at most.
+        (5, None, 1024, "4 cores"),
+        (6, Some(5), 1024, "4 cores"),
+    ];
+    for (cores, min, memory, says) in refused {
+        let (s, retry, e) = ask(cores, min, memory);
+        let what = format!("{cores} cores (min {min:?}) with {memory} MiB");
+        assert_eq!(
+            (s, e["error"].as_str(), retry),
+            (422, Some("request_exceeds_cluster"), None),
+            "{what}: {e}"
+        );
+        let figures = [
+            "largest_node_cores",
+            "largest_node_memory_mib",
+            "cluster_cores",
+            "nodes",
+        ]
+        .map(|k| e[k].as_u64());
+        assert_eq!(
+            figures,
+            [Some(4), Some(2048), Some(8), Some(3)],
+            "{what}: {e}"
+        );
+        let message = e["message"].as_str().unwrap_or_default();
+        for words in [says, "4 cores", "2048 MiB", "8 cores", "3 nodes"] {
+            assert!(
+                message.contains(words),
+                "{what}: {words:?} not in {message:?}"
+            );
+        }
+    }
+    assert_eq!(
+        metric(
+            &m,
+            "rfaas_manager_denials_total{reason=\"request_exceeds_cluster\"}"
+        ),
+        refused.len() as f64
+    );
+    // They fit what the nodes registered, though none is up now.
+    busy(ask(8, None, 512));
+    busy(ask(4, None, 1024));
+    busy(ask(64, Some(8), 64));
+    busy(ask(1, None, 2048));
+}
+on_both!(a_request_beyond_the_cluster_is_refused_at_once);
 on_both!(no_capacity_says_when_to_retry);
 
 /// A release and a renewal look a grant's active leases up in one index
@@ -759,6 +869,13 @@ fn openapi_document_and_metrics() {
         "{doc}"
     );
     assert!(doc["components"]["schemas"]["BillingSlot"].is_object());
+    let refusals = &doc["paths"]["/v1/leases"]["post"]["responses"];
+    assert!(
+        refusals["422"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("request_exceeds_cluster")),
+        "{refusals}"
+    );
     // The node name pattern is rfaas-proto's, on every route that names a node.
     for (path, method) in [
         ("/v1/nodes/{name}", "put"),
@@ -789,6 +906,7 @@ fn openapi_document_and_metrics() {
         "rfaas_manager_cores{state=\"leased\"} 1",
         "rfaas_manager_denials_total{reason=\"no_capacity\"} 0",
         "rfaas_manager_denials_total{reason=\"budget_exhausted\"} 0",
+        "rfaas_manager_denials_total{reason=\"request_exceeds_cluster\"} 0",
         "rfaas_manager_unbilled_leases_total 1",
         "rfaas_manager_accounting_instances{state=\"live\"} 0",
     ] {

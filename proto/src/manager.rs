@@ -422,9 +422,10 @@ pub struct BudgetView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
-    /// Stable, `snake_case`: `no_capacity`, `quota_exceeded`,
-    /// `budget_exhausted`, `accounting_unavailable`, `unauthorized`,
-    /// `forbidden`, `malformed_request`, `not_found`, ...
+    /// Stable, `snake_case`: `no_capacity`, `request_exceeds_cluster`,
+    /// `quota_exceeded`, `budget_exhausted`, `accounting_unavailable`,
+    /// `lease_ended`, `unauthorized`, `forbidden`, `malformed_request`,
+    /// `not_found`, ...
     pub error: String,
     /// What happened and what to do.
     pub message: String,
