@@ -348,6 +348,7 @@ async fn show_node(
     Path(name): Path<String>,
 ) -> ApiResult<Json<NodeView>> {
     caller(&app, &headers).await?;
+    check_node_name(&name)?;
     app.view
         .get(&name)
         .map(Json)

@@ -569,6 +569,10 @@ fn node_names_follow_one_pattern(kind: &str) {
             &format!("drain {name}"),
             admin.call("POST", &format!("/v1/nodes/{name}/drain"), None),
         );
+        refused(
+            &format!("show {name}"),
+            admin.call("GET", &format!("/v1/nodes/{name}"), None),
+        );
     }
     for name in [".", "..", "a/b", "a\u{0}b", "-n", "a..b", "a@b"] {
         refused(
