@@ -21,6 +21,7 @@ use rfaas_proto::manager::{
     JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseView, NodeLease,
     NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role, SetBudget,
 };
+use rfaas_proto::text::count;
 use serde::Deserialize;
 use utoipa::OpenApi;
 
@@ -40,6 +41,11 @@ const MAX_NAME: usize = 253;
 /// Largest budget: far above any real one, and exact to a cent in a
 /// double.
 const MAX_BUDGET: f64 = 1e15;
+
+/// The longest `Retry-After` of a `503 no_capacity`, seconds: the soonest
+/// expiry is only the latest moment a core frees up (a release frees one
+/// at any time).
+const MAX_RETRY_AFTER_S: u64 = 60;
 
 type AppState = State<Arc<App>>;
 type ApiResult<T> = Result<T, ApiFailure>;
@@ -148,6 +154,12 @@ fn check_name(what: &str, name: &str) -> ApiResult<()> {
     }
 }
 
+/// Refuses a node name that does not follow the one pattern
+/// ([`rfaas_proto::node_name`]), naming it.
+fn check_node_name(name: &str) -> ApiResult<()> {
+    rfaas_proto::node_name::check(name).map_err(|e| ApiFailure::malformed(e.to_string()))
+}
+
 /// Refuses control characters (NUL above all: PostgreSQL cannot store it
 /// in text) in a free-text field.
 fn check_text(what: &str, text: &str) -> ApiResult<()> {
@@ -237,9 +249,12 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
     Ok(())
 }
 
-/// Register a node, or update its record. Idempotent.
+/// Register a node, or update its record. Idempotent. With fewer cores or
+/// less memory than it has leased, the node keeps its leases and takes no
+/// new one until they fit: its `draining_cores` and `draining_memory_mib`
+/// say how much leaves as they end.
 #[utoipa::path(put, path = "/v1/nodes/{name}", request_body = RegisterNode,
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = Registered), (status = "4XX", body = ApiError), (status = 503, body = ApiError)))]
 async fn register_node(
     State(app): AppState,
@@ -248,13 +263,23 @@ async fn register_node(
     Json(body): Json<RegisterNode>,
 ) -> ApiResult<Json<Registered>> {
     let c = caller(&app, &headers).await?;
-    check_name("node name", &name)?;
+    check_node_name(&name)?;
     node_or_admin(&c, &name)?;
     check_register(&body)?;
     let read = app.store.register(&name, &body, now_ms()).await?;
     let node = read.node.clone();
     app.view.upsert(read);
     tracing::info!(node = %name, cores = body.cores, addr = %body.control_addr, "node registered");
+    if node.draining_cores > 0 || node.draining_memory_mib > 0 {
+        tracing::warn!(
+            node = %name,
+            cores = body.cores,
+            memory_mib = body.memory_mib,
+            leased_cores = node.leased_cores,
+            leased_memory_mib = node.leased_memory_mib,
+            "node registered with less than it has leased: its leases run on, it takes no new one until they fit, and the difference drains as they end"
+        );
+    }
     Ok(Json(Registered {
         node,
         heartbeat_interval_ms: app.settings.heartbeat_interval_ms,
@@ -265,7 +290,7 @@ async fn register_node(
 /// A node's heartbeat: its free capacity and the leases it holds. The
 /// answer lists those that have ended. `404`: register again.
 #[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = HeartbeatReply), (status = 404, body = ApiError), (status = "4XX", body = ApiError)))]
 async fn heartbeat(
     State(app): AppState,
@@ -274,7 +299,7 @@ async fn heartbeat(
     Json(body): Json<Heartbeat>,
 ) -> ApiResult<Json<HeartbeatReply>> {
     let c = caller(&app, &headers).await?;
-    check_name("node name", &name)?;
+    check_node_name(&name)?;
     node_or_admin(&c, &name)?;
     match app.store.heartbeat(&name, &body, now_ms()).await? {
         Some((node, ended_leases)) => {
@@ -315,7 +340,7 @@ async fn list_nodes(
 
 /// One node.
 #[utoipa::path(get, path = "/v1/nodes/{name}",
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn show_node(
     State(app): AppState,
@@ -323,6 +348,7 @@ async fn show_node(
     Path(name): Path<String>,
 ) -> ApiResult<Json<NodeView>> {
     caller(&app, &headers).await?;
+    check_node_name(&name)?;
     app.view
         .get(&name)
         .map(Json)
@@ -336,7 +362,7 @@ async fn set_drained(
     drained: bool,
 ) -> ApiResult<Json<NodeView>> {
     admin_only(&caller(app, headers).await?)?;
-    check_name("node name", name)?;
+    check_node_name(name)?;
     let read = app
         .store
         .set_drained(name, drained)
@@ -350,7 +376,7 @@ async fn set_drained(
 
 /// Drain a node (admin): it is no longer offered; its leases run to their end.
 #[utoipa::path(post, path = "/v1/nodes/{name}/drain",
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn drain_node(
     State(app): AppState,
@@ -362,7 +388,7 @@ async fn drain_node(
 
 /// Resume a drained node (admin).
 #[utoipa::path(post, path = "/v1/nodes/{name}/resume",
-    params(("name" = String, Path, description = "The node's name", pattern = r"^[A-Za-z0-9._@-]{1,253}$")),
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = NodeView), (status = "4XX", body = ApiError)))]
 async fn resume_node(
     State(app): AppState,
@@ -399,7 +425,7 @@ fn check_lease_request(app: &App, r: &LeaseRequest) -> ApiResult<u32> {
         return Err(ApiFailure::malformed("nodes lists more than 1024 nodes"));
     }
     for n in &r.nodes {
-        check_name("node name", n)?;
+        check_node_name(n)?;
     }
     Ok(min)
 }
@@ -447,7 +473,8 @@ fn grant_body(app: &App, grant_id: u64, leases: &[LeaseRow]) -> LeaseGrant {
 /// and, when an accounting service is up, its own billing slot.
 #[utoipa::path(post, path = "/v1/leases", request_body = LeaseRequest,
     responses((status = 201, body = LeaseGrant),
-        (status = 503, description = "no_capacity: nothing fits now, Retry-After says when the soonest lease ends; accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
+        (status = 503, description = "no_capacity: nothing fits now (or no node has registered yet); retry after Retry-After, 1 to 60 s (when the soonest lease ends, at most 60 s); accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
+        (status = 422, description = "request_exceeds_cluster: no node that ever registered could hold the request, at the capacity it registered, whatever its state now: more memory per node lease than the largest node, or more cores (min_cores) than the nodes with that memory together. Not retryable; the message and largest_node_cores, largest_node_memory_mib, cluster_cores, nodes and cores_with_memory give the largest offer", body = ApiError),
         (status = 403, description = "forbidden; quota_exceeded with cap and in_use; budget_exhausted with budget and spend", body = ApiError),
         (status = "4XX", body = ApiError)))]
 async fn request_lease(
@@ -467,6 +494,7 @@ async fn request_lease(
         ));
     };
     let min_cores = check_lease_request(&app, &body)?;
+    beyond_cluster(&app, &body, min_cores)?;
     let now = now_s();
     let cap = app.settings.quota.cap(account);
     let accounting = app.settings.accounting;
@@ -495,6 +523,7 @@ async fn request_lease(
     if outcome == GrantOutcome::NoCapacity {
         // The view may be behind: look at the database once before saying no.
         app.view.replace_all(app.store.nodes().await?);
+        beyond_cluster(&app, &body, min_cores)?;
         plan.candidates = app.view.candidates(body.memory_mib, &body.nodes);
         outcome = retrying(|| app.store.grant(&plan)).await?;
     }
@@ -516,15 +545,17 @@ async fn request_lease(
                 .with_label_values(&["no_capacity"])
                 .inc();
             let wait = match app.store.soonest_expiry().await? {
-                Some(at) => at.saturating_sub(now_s()).clamp(1, 60),
+                Some(at) => at.saturating_sub(now_s()).clamp(1, MAX_RETRY_AFTER_S),
                 None => 5,
             };
             Err(ApiFailure::new(
                 503,
                 "no_capacity",
                 format!(
-                    "no {} cores with {} MiB each are free now (at least {min_cores} wanted); retry after the Retry-After seconds",
-                    body.cores, body.memory_mib
+                    "{} with {} MiB each are not free now (at least {} wanted); retry after the Retry-After seconds",
+                    count(body.cores, "core"),
+                    body.memory_mib,
+                    count(min_cores, "core")
                 ),
             )
             .retry_after(wait))
@@ -564,6 +595,58 @@ async fn request_lease(
         }
         GrantOutcome::AccountingUnavailable => Err(accounting_unavailable(&app)),
     }
+}
+
+/// `422 request_exceeds_cluster` (counted as a denial) when no node that
+/// ever registered could hold `r` even with nothing leased: more memory per
+/// node lease than the largest node registered, or fewer than `min_cores`
+/// cores on the nodes that registered that much memory. Read from the
+/// view's sums: no query, no walk over the nodes. With no node known yet
+/// the cluster may still be coming up, and nothing is refused here.
+fn beyond_cluster(app: &App, r: &LeaseRequest, min_cores: u32) -> ApiResult<()> {
+    let o = app.view.offer(r.memory_mib);
+    let why = if o.nodes == 0 {
+        return Ok(());
+    } else if r.memory_mib > o.largest_memory_mib {
+        format!(
+            "each node lease asks for {} MiB, more than any node lends",
+            r.memory_mib
+        )
+    } else if u64::from(min_cores) > o.cores_with_memory && o.cores_with_memory < o.cluster_cores {
+        format!(
+            "it needs at least {}, and the nodes that lend {} MiB or more lend {} together",
+            count(min_cores, "core"),
+            r.memory_mib,
+            count(o.cores_with_memory, "core")
+        )
+    } else if u64::from(min_cores) > o.cores_with_memory {
+        format!(
+            "it needs at least {}, more than all nodes together lend",
+            count(min_cores, "core")
+        )
+    } else {
+        return Ok(());
+    };
+    app.metrics
+        .denials
+        .with_label_values(&["request_exceeds_cluster"])
+        .inc();
+    Err(ApiFailure::new(
+        422,
+        "request_exceeds_cluster",
+        format!(
+            "no node here could ever hold this request, so waiting will not help: {why}. The largest node lends {} and {} MiB; the whole cluster ({}) lends {}. Ask for less (with min_cores, a grant may take fewer cores)",
+            count(o.largest_cores, "core"),
+            o.largest_memory_mib,
+            count(o.nodes as u64, "node"),
+            count(o.cluster_cores, "core"),
+        ),
+    )
+    .with("largest_node_cores", o.largest_cores)
+    .with("largest_node_memory_mib", o.largest_memory_mib)
+    .with("cluster_cores", o.cluster_cores)
+    .with("nodes", o.nodes)
+    .with("cores_with_memory", o.cores_with_memory))
 }
 
 /// `503 accounting_unavailable`: billing is required and no live
@@ -643,7 +726,9 @@ async fn show_lease(
 /// Renew a grant (owner): its active node leases now end `duration_s` from
 /// now (never sooner than before), with new tokens to hand the executors,
 /// each with the billing slot it was granted. A spent budget does not
-/// refuse a renewal: leases granted run to their end.
+/// refuse a renewal: leases granted run to their end. From its
+/// `expires_at` second on, a grant has ended (`409 lease_ended`), whether
+/// or not the reaper has marked it yet.
 #[utoipa::path(post, path = "/v1/leases/{id}/renew", request_body = RenewRequest,
     params(("id" = u64, Path, description = "The grant's id")),
     responses((status = 200, body = LeaseGrant), (status = 409, description = "The lease has ended", body = ApiError), (status = "4XX", body = ApiError)))]
@@ -661,13 +746,17 @@ async fn renew_lease(
         )));
     }
     owned_grant(&app, &c, id).await?;
-    let rows = app.store.renew(id, now_s() + body.duration_s).await?;
+    let now = now_ms();
+    let rows = app
+        .store
+        .renew(id, now / 1000 + body.duration_s, now)
+        .await?;
     if rows.is_empty() {
         return Err(ApiFailure::new(
             409,
             "lease_ended",
             format!(
-                "lease {id} has ended (released, expired or its nodes lost); request a new lease"
+                "lease {id} has ended (released, expired, or its nodes lost) and cannot be renewed; request a new lease"
             ),
         ));
     }
@@ -714,7 +803,10 @@ async fn create_credential(
     Json(body): Json<CredentialRequest>,
 ) -> ApiResult<(StatusCode, Json<Credential>)> {
     admin_only(&caller(&app, &headers).await?)?;
-    check_name("subject", &body.subject)?;
+    match body.role {
+        Role::Node => check_node_name(&body.subject)?,
+        Role::User => check_name("subject", &body.subject)?,
+    }
     let account = match body.role {
         Role::User => body.account.clone().unwrap_or_else(|| body.subject.clone()),
         Role::Node => String::new(),

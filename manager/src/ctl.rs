@@ -296,6 +296,8 @@ pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
         ("WITHHELD", true),
         ("MEMORY(MiB)", true),
         ("LEASED_MIB", true),
+        ("DRAINING", true),
+        ("DRAINING_MIB", true),
         ("LAST_HEARTBEAT", false),
         ("HARVESTED", false),
         ("ADDRESS", false),
@@ -309,6 +311,8 @@ pub fn nodes_table(nodes: &[NodeView], now_ms: u64) -> String {
             n.withheld_cores.to_string(),
             n.memory_mib.to_string(),
             n.leased_memory_mib.to_string(),
+            n.draining_cores.to_string(),
+            n.draining_memory_mib.to_string(),
             heartbeat_age(n.last_heartbeat_ms, now_ms),
             yes_no(n.harvested),
             n.control_addr.clone(),
@@ -348,16 +352,31 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
     line("state", state_name(&n.state));
     line("address", n.control_addr.clone());
     line("providers", providers.join(", "));
+    let draining = |amount: u64, unit: &str| {
+        if amount == 0 {
+            String::new()
+        } else {
+            format!(", {amount}{unit} draining: they leave as their leases end")
+        }
+    };
     line(
         "cores",
         format!(
-            "{} ({} leased, {} withheld)",
-            n.cores, n.leased_cores, n.withheld_cores
+            "{} ({} leased, {} withheld{})",
+            n.cores,
+            n.leased_cores,
+            n.withheld_cores,
+            draining(n.draining_cores.into(), "")
         ),
     );
     line(
         "memory",
-        format!("{} MiB ({} MiB leased)", n.memory_mib, n.leased_memory_mib),
+        format!(
+            "{} MiB ({} MiB leased{})",
+            n.memory_mib,
+            n.leased_memory_mib,
+            draining(n.draining_memory_mib, " MiB")
+        ),
     );
     line("last heartbeat", heartbeat_age(n.last_heartbeat_ms, now_ms));
     line("harvested", yes_no(n.harvested));
@@ -545,16 +564,46 @@ mod tests {
             last_heartbeat_ms: 95_000,
             harvested: cores > 64,
             withheld_cores: if cores > 64 { 0 } else { 2 },
+            draining_cores: 0,
+            draining_memory_mib: 0,
         };
-        let text = nodes_table(&[node("node10", 128), node("n1", 4)], 100_000);
+        // Registered at 1 core and 1000 MiB under 4 and 2048 leased.
+        let shrunk = NodeView {
+            leased_cores: 4,
+            draining_cores: 3,
+            memory_mib: 2048,
+            leased_memory_mib: 2048,
+            draining_memory_mib: 1048,
+            withheld_cores: 0,
+            ..node("n2", 4)
+        };
+        let text = nodes_table(
+            &[node("node10", 128), node("n1", 4), shrunk.clone()],
+            100_000,
+        );
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines,
             [
-                "NAME    STATE    CORES  LEASED  WITHHELD  MEMORY(MiB)  LEASED_MIB  LAST_HEARTBEAT  HARVESTED  ADDRESS",
-                "n1      drained      4       1         2         4096          64  5s ago          no         10.0.0.1:7100",
-                "node10  drained    128       1         0         4096          64  5s ago          yes        10.0.0.1:7100",
+                "NAME    STATE    CORES  LEASED  WITHHELD  MEMORY(MiB)  LEASED_MIB  DRAINING  DRAINING_MIB  LAST_HEARTBEAT  HARVESTED  ADDRESS",
+                "n1      drained      4       1         2         4096          64         0             0  5s ago          no         10.0.0.1:7100",
+                "n2      drained      4       4         0         2048        2048         3          1048  5s ago          no         10.0.0.1:7100",
+                "node10  drained    128       1         0         4096          64         0             0  5s ago          yes        10.0.0.1:7100",
             ]
+        );
+        let detail = node_detail(&shrunk, 100_000);
+        assert!(
+            detail.contains("cores           4 (4 leased, 0 withheld, 3 draining: they leave as their leases end)"),
+            "{detail}"
+        );
+        assert!(
+            detail.contains("memory          2048 MiB (2048 MiB leased, 1048 MiB draining: they leave as their leases end)"),
+            "{detail}"
+        );
+        assert!(
+            node_detail(&node("n1", 4), 100_000)
+                .contains("cores           4 (1 leased, 2 withheld)\n"),
+            "nothing drains"
         );
     }
 

@@ -11,6 +11,12 @@
 //! is leased twice under any concurrency, without `SELECT ... FOR UPDATE`
 //! (which SQLite lacks).
 //!
+//! A node's capacity (`nodes.cores`, `nodes.memory_mib`) never falls
+//! below what is leased on it: a registration below its leases keeps the
+//! leased figures and records the difference as draining
+//! (`draining_cores`, `draining_memory_mib`), which releases give up as
+//! the leases end ([`crate::store::Store::register`]).
+//!
 //! A billing slot (`billing_slots.lease_id`, 0 when free) is taken the
 //! same way: `UPDATE billing_slots SET lease_id = $1 ... WHERE instance =
 //! $3 AND lease_id = 0 AND slot = (the first free slot from a random
@@ -310,6 +316,17 @@ ALTER TABLE nodes ADD COLUMN lease_seq BIGINT NOT NULL DEFAULT 0;
         "
 DROP INDEX leases_by_grant;
 CREATE INDEX leases_by_grant_state ON leases (grant_id, state);
+",
+    ),
+    (
+        6,
+        "Nodes registered below their leases drain the difference",
+        "
+ALTER TABLE nodes ADD COLUMN draining_cores BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE nodes ADD COLUMN draining_memory_mib BIGINT NOT NULL DEFAULT 0;
+UPDATE nodes SET draining_cores = leased_cores - cores, cores = leased_cores WHERE leased_cores > cores;
+UPDATE nodes SET draining_memory_mib = leased_memory_mib - memory_mib, memory_mib = leased_memory_mib
+    WHERE leased_memory_mib > memory_mib;
 ",
     ),
 ];

@@ -136,6 +136,7 @@ impl Metrics {
             "quota_exceeded",
             "budget_exhausted",
             "accounting_unavailable",
+            "request_exceeds_cluster",
         ] {
             denials.with_label_values(&[reason]);
         }

@@ -19,7 +19,22 @@ use crate::db::{i, text_col, u64_col, Backend, DbError};
 use crate::view::View;
 
 /// The columns of a node, in the order [`node_from_row`] reads them.
-const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, lease_seq";
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq";
+
+/// A release's settling of a node's capacity, `$2` cores and `$3` MiB
+/// fewer leased: a node's `cores` is what it registered (`cores -
+/// draining_cores`) or what is leased, whichever is more, so it never
+/// holds less than is leased, and what drains leaves with the leases
+/// (memory alike). Grants need none of it: they place nothing on a
+/// draining node, whose leased cores or memory fill its capacity.
+const NODE_CAPACITY: &str = "
+    cores = CASE WHEN leased_cores - $2 > cores - draining_cores THEN leased_cores - $2 ELSE cores - draining_cores END,
+    draining_cores = CASE WHEN leased_cores - $2 > cores - draining_cores
+        THEN leased_cores - $2 - (cores - draining_cores) ELSE 0 END,
+    memory_mib = CASE WHEN leased_memory_mib - $3 > memory_mib - draining_memory_mib
+        THEN leased_memory_mib - $3 ELSE memory_mib - draining_memory_mib END,
+    draining_memory_mib = CASE WHEN leased_memory_mib - $3 > memory_mib - draining_memory_mib
+        THEN leased_memory_mib - $3 - (memory_mib - draining_memory_mib) ELSE 0 END";
 
 /// A node as stored: what the API shows, and how many grants and releases
 /// have changed its leased counters (`lease_seq`), which orders the
@@ -273,6 +288,8 @@ fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
         last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
         harvested: u64_col(row, "harvested")? != 0,
         withheld_cores: u64_col(row, "withheld_cores")? as u32,
+        draining_cores: u64_col(row, "draining_cores")? as u32,
+        draining_memory_mib: u64_col(row, "draining_memory_mib")?,
     };
     Ok(StoredNode {
         node,
@@ -407,6 +424,10 @@ impl Store {
     }
 
     /// Registers `name`, or updates its record; a lost node comes back.
+    ///
+    /// A node registered with fewer cores or less memory than it has
+    /// leased keeps its leases: its capacity stays at what is leased, and
+    /// the difference is recorded as draining (see `NODE_CAPACITY`).
     pub async fn register(
         &self,
         name: &str,
@@ -419,7 +440,12 @@ impl Store {
             "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested)
              VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8)
              ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, providers = excluded.providers,
-                cores = excluded.cores, memory_mib = excluded.memory_mib, version = excluded.version,
+                cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores ELSE excluded.cores END,
+                draining_cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores - excluded.cores ELSE 0 END,
+                memory_mib = CASE WHEN nodes.leased_memory_mib > excluded.memory_mib THEN nodes.leased_memory_mib ELSE excluded.memory_mib END,
+                draining_memory_mib = CASE WHEN nodes.leased_memory_mib > excluded.memory_mib
+                    THEN nodes.leased_memory_mib - excluded.memory_mib ELSE 0 END,
+                version = excluded.version,
                 registered_ms = excluded.registered_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
                 harvested = excluded.harvested
              RETURNING {NODE_COLS}"
@@ -643,7 +669,8 @@ impl Store {
                     continue;
                 }
                 let row = sqlx::query(
-                    "SELECT cores - leased_cores - withheld_cores AS free FROM nodes WHERE name = $1 AND admin_state = 'up' AND lost = 0 AND leased_memory_mib + $2 <= memory_mib",
+                    "SELECT cores - draining_cores - leased_cores - withheld_cores AS free FROM nodes
+                     WHERE name = $1 AND admin_state = 'up' AND lost = 0 AND leased_memory_mib + $2 <= memory_mib - draining_memory_mib",
                 )
                 .bind(name.as_str())
                 .bind(i(plan.memory_mib))
@@ -749,7 +776,8 @@ impl Store {
             "UPDATE nodes SET leased_cores = leased_cores + $2, leased_memory_mib = leased_memory_mib + $3,
                 lease_seq = lease_seq + 1
              WHERE name = $1 AND admin_state = 'up' AND lost = 0
-               AND leased_cores + withheld_cores + $2 <= cores AND leased_memory_mib + $3 <= memory_mib
+               AND leased_cores + withheld_cores + $2 <= cores - draining_cores
+               AND leased_memory_mib + $3 <= memory_mib - draining_memory_mib
              RETURNING leased_cores, leased_memory_mib, lease_seq",
         )
         .bind(node)
@@ -785,11 +813,11 @@ impl Store {
         }
         let mut leased = Vec::with_capacity(nodes.len());
         for (node, (cores, mem)) in &nodes {
-            let row = sqlx::query(
+            let row = sqlx::query(&format!(
                 "UPDATE nodes SET leased_cores = leased_cores - $2, leased_memory_mib = leased_memory_mib - $3,
-                    lease_seq = lease_seq + 1 WHERE name = $1
-                 RETURNING leased_cores, leased_memory_mib, lease_seq",
-            )
+                    {NODE_CAPACITY}, lease_seq = lease_seq + 1 WHERE name = $1
+                 RETURNING leased_cores, leased_memory_mib, lease_seq"
+            ))
             .bind(*node)
             .bind(i(*cores))
             .bind(i(*mem))
@@ -915,16 +943,28 @@ impl Store {
     /// was shown, so a shorter one would let the manager lease cores the
     /// executor still serves. Returns them (empty: nothing active).
     ///
+    /// A lease has ended at its `expires_at` second (Unix ms `now_ms`
+    /// from `expires_at * 1000` on), as the reaper and the executors
+    /// count, whether or not the reaper has marked it yet: such leases are
+    /// not renewed, so a late renewal never brings back a lease whose
+    /// workers the executors have stopped.
+    ///
     /// Each keeps the billing slot it was granted with (the tokens of a
     /// renewal name the same slot), read with the instance's current
     /// address.
-    pub async fn renew(&self, grant_id: u64, expires_at: u64) -> Result<Vec<LeaseRow>, DbError> {
+    pub async fn renew(
+        &self,
+        grant_id: u64,
+        expires_at: u64,
+        now_ms: u64,
+    ) -> Result<Vec<LeaseRow>, DbError> {
         let rows = sqlx::query(&format!(
             "UPDATE leases SET expires_at = CASE WHEN expires_at > $2 THEN expires_at ELSE $2 END
-             WHERE grant_id = $1 AND state = 'active' RETURNING {LEASE_COLS}"
+             WHERE grant_id = $1 AND state = 'active' AND expires_at * 1000 > $3 RETURNING {LEASE_COLS}"
         ))
         .bind(i(grant_id))
         .bind(i(expires_at))
+        .bind(i(now_ms))
         .fetch_all(&self.pool)
         .await?;
         let mut leases = rows

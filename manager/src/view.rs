@@ -16,6 +16,12 @@
 //! order: a batch, this replica's own commit, or a reload that read the
 //! row before a commit the view already has.
 //!
+//! It also keeps what the nodes could ever hold ([`View::offer`]): every
+//! node that ever registered, whatever its state now, at the capacity it
+//! registered, summed up when a reload or a registration changes it, so
+//! that a request no node could ever hold is told so without a query and
+//! without walking the nodes.
+//!
 //! It also holds the accounting instances (`accounting_instances`, which
 //! the accounting services write), reloaded with the nodes every
 //! `refresh_ms`, so a grant picks a live instance for its billing slots
@@ -32,30 +38,117 @@ use crate::store::{AccountingInstance, LeaseRow, StoredNode};
 #[derive(Debug, Default)]
 pub struct View {
     nodes: RwLock<HashMap<String, StoredNode>>,
+    /// Summed up from `nodes` (lock order: `nodes` first).
+    reach: RwLock<Reach>,
     instances: RwLock<Vec<AccountingInstance>>,
+}
+
+/// What the nodes the view knows could ever hold, for a request of some
+/// memory per node lease ([`View::offer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    /// Nodes that ever registered.
+    pub nodes: usize,
+    /// The most cores one node registered.
+    pub largest_cores: u32,
+    /// The most memory one node registered, MiB.
+    pub largest_memory_mib: u64,
+    /// The cores of every node together.
+    pub cluster_cores: u64,
+    /// The cores of the nodes that registered at least the request's
+    /// memory: the most one grant could ever span.
+    pub cores_with_memory: u64,
+}
+
+/// Every known node's registered capacity, summed up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Reach {
+    largest_cores: u32,
+    cores: u64,
+    /// Each node's registered memory, largest first, with the cores of
+    /// the nodes that registered at least as much (a running sum).
+    by_memory: Vec<(u64, u64)>,
+}
+
+/// What `n` registered (its capacity without what drains), cores and MiB:
+/// what it may offer again, whatever its state or withheld cores now.
+fn registered(n: &NodeView) -> (u32, u64) {
+    (
+        n.cores.saturating_sub(n.draining_cores),
+        n.memory_mib.saturating_sub(n.draining_memory_mib),
+    )
+}
+
+impl Reach {
+    fn of(nodes: &HashMap<String, StoredNode>) -> Reach {
+        let mut by_memory: Vec<(u64, u64)> = nodes
+            .values()
+            .map(|n| {
+                let (cores, memory) = registered(&n.node);
+                (memory, u64::from(cores))
+            })
+            .collect();
+        by_memory.sort_unstable_by(|a, b| b.cmp(a));
+        let mut sum = 0;
+        for entry in &mut by_memory {
+            sum += entry.1;
+            entry.1 = sum;
+        }
+        Reach {
+            largest_cores: nodes
+                .values()
+                .map(|n| registered(&n.node).0)
+                .max()
+                .unwrap_or(0),
+            cores: sum,
+            by_memory,
+        }
+    }
 }
 
 /// `read` as the view takes it over `held`: all of it, but the leased
 /// counters only if they are newer.
 fn merge(read: StoredNode, held: Option<&StoredNode>) -> StoredNode {
     match held {
-        Some(h) if h.lease_seq > read.lease_seq => StoredNode {
-            node: NodeView {
-                leased_cores: h.node.leased_cores,
-                leased_memory_mib: h.node.leased_memory_mib,
-                ..read.node
-            },
-            lease_seq: h.lease_seq,
-        },
+        Some(h) if h.lease_seq > read.lease_seq => {
+            let mut node = read.node;
+            set_leased(&mut node, h.node.leased_cores, h.node.leased_memory_mib);
+            StoredNode {
+                node,
+                lease_seq: h.lease_seq,
+            }
+        }
         _ => read,
     }
 }
 
-/// Cores of `n` neither leased nor withheld by the node.
+/// Sets what `n` has leased, and its capacity as the database settles it
+/// then (`store::NODE_CAPACITY`): what it registered, or what is leased
+/// if that is more, the difference draining.
+fn set_leased(n: &mut NodeView, cores: u32, memory_mib: u64) {
+    let registered_cores = n.cores.saturating_sub(n.draining_cores);
+    let registered_memory = n.memory_mib.saturating_sub(n.draining_memory_mib);
+    n.leased_cores = cores;
+    n.leased_memory_mib = memory_mib;
+    n.cores = registered_cores.max(cores);
+    n.draining_cores = n.cores - registered_cores;
+    n.memory_mib = registered_memory.max(memory_mib);
+    n.draining_memory_mib = n.memory_mib - registered_memory;
+}
+
+/// Cores of `n` neither leased, withheld by the node, nor draining.
 fn lendable(n: &NodeView) -> u32 {
     n.cores
+        .saturating_sub(n.draining_cores)
         .saturating_sub(n.leased_cores)
         .saturating_sub(n.withheld_cores)
+}
+
+/// Memory of `n` neither leased nor draining, MiB.
+fn lendable_memory(n: &NodeView) -> u64 {
+    n.memory_mib
+        .saturating_sub(n.draining_memory_mib)
+        .saturating_sub(n.leased_memory_mib)
 }
 
 impl View {
@@ -72,6 +165,7 @@ impl View {
             })
             .collect();
         *nodes = map;
+        *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes);
     }
 
     /// Adds or replaces one node, keeping newer leased counters.
@@ -79,7 +173,29 @@ impl View {
         let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
         let name = read.node.name.clone();
         let n = merge(read, nodes.get(&name));
+        let before = nodes.get(&name).map(|held| registered(&held.node));
+        let changed = before != Some(registered(&n.node));
         nodes.insert(name, n);
+        // Heartbeats change nothing here; registrations may.
+        if changed {
+            *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes);
+        }
+    }
+
+    /// What the known nodes could ever hold of a request for `memory_mib`
+    /// per node lease: every node that ever registered, whatever its state
+    /// now (a lost, drained or withholding node may come back), at the
+    /// capacity it registered. Reads sums kept up to date, never the nodes.
+    pub fn offer(&self, memory_mib: u64) -> Offer {
+        let reach = self.reach.read().unwrap_or_else(|p| p.into_inner());
+        let fitting = reach.by_memory.partition_point(|(m, _)| *m >= memory_mib);
+        Offer {
+            nodes: reach.by_memory.len(),
+            largest_cores: reach.largest_cores,
+            largest_memory_mib: reach.by_memory.first().map_or(0, |(m, _)| *m),
+            cluster_cores: reach.cores,
+            cores_with_memory: fitting.checked_sub(1).map_or(0, |k| reach.by_memory[k].1),
+        }
     }
 
     /// Sets what `name` has leased after the commit that set its
@@ -90,8 +206,7 @@ impl View {
         match nodes.get_mut(name) {
             Some(n) => {
                 if seq > n.lease_seq {
-                    n.node.leased_cores = cores;
-                    n.node.leased_memory_mib = memory_mib;
+                    set_leased(&mut n.node, cores, memory_mib);
                     n.lease_seq = seq;
                 }
                 true
@@ -128,9 +243,7 @@ impl View {
     pub fn candidates(&self, memory_mib: u64, preferred: &[String]) -> Vec<(String, u32)> {
         let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
         let fits = |n: &NodeView| {
-            n.state == NodeState::Up
-                && lendable(n) > 0
-                && n.leased_memory_mib.saturating_add(memory_mib) <= n.memory_mib
+            n.state == NodeState::Up && lendable(n) > 0 && memory_mib <= lendable_memory(n)
         };
         let mut out: Vec<(String, u32)> = preferred
             .iter()
@@ -228,6 +341,8 @@ mod tests {
             last_heartbeat_ms: 0,
             harvested: false,
             withheld_cores: 0,
+            draining_cores: 0,
+            draining_memory_mib: 0,
         }
     }
 
@@ -247,6 +362,93 @@ mod tests {
         b.withheld_cores = 4;
         v.replace_all(read(vec![a, b]));
         assert_eq!(v.candidates(1, &[]), [("a".to_string(), 1)]);
+    }
+
+    #[test]
+    fn a_draining_node_shrinks_with_its_leases_and_is_not_offered() {
+        let v = View::default();
+        let caps = |v: &View| {
+            v.get("a").map(|n| {
+                (
+                    n.cores,
+                    n.leased_cores,
+                    n.draining_cores,
+                    n.memory_mib,
+                    n.leased_memory_mib,
+                    n.draining_memory_mib,
+                )
+            })
+        };
+        // Registered as 1 core and 1000 MiB while 4 and 2048 are leased.
+        let mut a = node("a", 4, 4, NodeState::Up);
+        (a.draining_cores, a.memory_mib, a.leased_memory_mib) = (3, 2048, 2048);
+        a.draining_memory_mib = 1048;
+        v.replace_all(read(vec![a]));
+        assert!(v.candidates(1, &[]).is_empty());
+        // A release another replica announces: 1 core and 1024 MiB left.
+        assert!(v.set_leased("a", 1, 1024, 1));
+        assert_eq!(caps(&v), Some((1, 1, 0, 1024, 1024, 24)));
+        assert!(v.candidates(1, &[]).is_empty(), "memory still drains");
+        // A reload that read the row before that release keeps the newer
+        // counters and the capacity they settle.
+        let mut old = node("a", 4, 4, NodeState::Up);
+        (old.draining_cores, old.memory_mib, old.leased_memory_mib) = (3, 2048, 2048);
+        old.draining_memory_mib = 1048;
+        v.upsert(StoredNode {
+            node: old,
+            lease_seq: 0,
+        });
+        assert_eq!(caps(&v), Some((1, 1, 0, 1024, 1024, 24)));
+        // Every lease gone: what the node registered.
+        assert!(v.set_leased("a", 0, 0, 2));
+        assert_eq!(caps(&v), Some((1, 0, 0, 1000, 0, 0)));
+        assert_eq!(v.candidates(1000, &[]), [("a".to_string(), 1)]);
+        assert!(v.candidates(1001, &[]).is_empty());
+    }
+
+    #[test]
+    fn the_offer_counts_every_node_ever_registered_at_its_registered_size() {
+        let v = View::default();
+        assert_eq!(v.offer(1).nodes, 0);
+        let mut a = node("a", 2, 0, NodeState::Lost);
+        a.memory_mib = 2048;
+        let mut b = node("b", 2, 0, NodeState::Up);
+        b.withheld_cores = 2;
+        // Registered at 4 cores and 512 MiB under 6 and 600 leased.
+        let mut c = node("c", 6, 6, NodeState::Drained);
+        (c.draining_cores, c.memory_mib, c.leased_memory_mib) = (2, 600, 600);
+        c.draining_memory_mib = 88;
+        v.replace_all(read(vec![a, b, c]));
+        let offer = |m| {
+            let o = v.offer(m);
+            (
+                o.nodes,
+                o.largest_cores,
+                o.largest_memory_mib,
+                o.cluster_cores,
+                o.cores_with_memory,
+            )
+        };
+        assert_eq!(offer(1), (3, 4, 2048, 8, 8));
+        assert_eq!(offer(512), (3, 4, 2048, 8, 8));
+        assert_eq!(offer(513), (3, 4, 2048, 8, 4));
+        assert_eq!(offer(1024), (3, 4, 2048, 8, 4));
+        assert_eq!(offer(1025), (3, 4, 2048, 8, 2));
+        assert_eq!(offer(2049), (3, 4, 2048, 8, 0));
+        // A heartbeat changes nothing; a registration does.
+        v.upsert(StoredNode {
+            node: node("b", 2, 1, NodeState::Up),
+            lease_seq: 1,
+        });
+        assert_eq!(offer(1), (3, 4, 2048, 8, 8));
+        v.upsert(StoredNode {
+            node: node("d", 16, 0, NodeState::Up),
+            lease_seq: 0,
+        });
+        assert_eq!(offer(1024), (4, 16, 2048, 24, 20));
+        // Released leases leave what c registered.
+        assert!(v.set_leased("c", 0, 0, 1));
+        assert_eq!(offer(1), (4, 16, 2048, 24, 24));
     }
 
     #[test]

@@ -141,7 +141,8 @@ on_both!(leases_span_nodes_all_or_nothing);
 
 fn no_capacity_says_when_to_retry(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager();
+    // No reaper round: an expired lease holds its core until the end.
+    let m = db.manager_with("refresh_ms = 600000\nlost_after_ms = 600000\n", None);
     register(&m, "a", 1, 1024);
     let u = user(&m, "alice", "physics");
     let (s, _) = lease(&u, 1, None, 64, 30);
@@ -162,7 +163,116 @@ fn no_capacity_says_when_to_retry(kind: &str) {
     register(&m, "b", 4, 128);
     let (s, e) = lease(&u, 1, None, 256, 30);
     assert_eq!(s, 503, "{e}");
+    // A lease that ends sooner than that: Retry-After is its end, never 0.
+    register(&m, "c", 1, 1024);
+    granted(&u, 1, 256, 2);
+    let (s, retry, e) = u.call_full(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 1, "memory_mib": 256, "duration_s": 30})),
+    );
+    assert_eq!(s, 503, "{e}");
+    assert!(matches!(retry, Some(1..=2)), "Retry-After {retry:?}: {e}");
 }
+
+/// A request no node could ever hold is refused at once, 422
+/// `request_exceeds_cluster` with the largest offer: waiting would not
+/// help. The nodes that count are every node that ever registered,
+/// whatever its state now (a lost, drained or withholding node may come
+/// back), at the capacity it registered. With no node yet, and for a
+/// request that fits but finds no room now, the answer stays a retryable
+/// 503.
+fn a_request_beyond_the_cluster_is_refused_at_once(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let admin = m.admin();
+    let u = user(&m, "alice", "physics");
+    let ask = |cores: u32, min: Option<u32>, memory: u64| {
+        let mut body = json!({"cores": cores, "memory_mib": memory, "duration_s": 60});
+        if let Some(min) = min {
+            body["min_cores"] = min.into();
+        }
+        u.call_full("POST", "/v1/leases", Some(&body))
+    };
+    let busy = |(s, retry, e): (u16, Option<u64>, serde_json::Value)| {
+        assert_eq!((s, e["error"].as_str()), (503, Some("no_capacity")), "{e}");
+        assert!(matches!(retry, Some(1..=5)), "Retry-After {retry:?}: {e}");
+    };
+    // The cluster may still be coming up.
+    busy(ask(64, None, 1 << 20));
+
+    // 2 cores with 2048 MiB, 2 with 1024, 4 with 512: every one of them
+    // stops heartbeating and is lost, c is drained, a withholds its cores.
+    let a = register(&m, "a", 2, 2048);
+    register(&m, "b", 2, 1024);
+    register(&m, "c", 4, 512);
+    let (s, v) = admin.call("POST", "/v1/nodes/c/drain", None);
+    assert_eq!(s, 200, "{v}");
+    let hb =
+        json!({"free_cores": 0, "free_memory_mib": 2048, "allocations": [], "withheld_cores": 2});
+    let (s, r) = a.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+    assert_eq!(s, 200, "{r}");
+    wait_for(20, "every node to be lost", || {
+        let (_, nodes) = admin.call("GET", "/v1/nodes", None);
+        let states: Vec<&str> = nodes
+            .as_array()?
+            .iter()
+            .filter_map(|n| n["state"].as_str())
+            .collect();
+        (states == ["lost"; 3]).then_some(())
+    });
+
+    let refused = [
+        // More cores than all nodes together.
+        (9, None, 64, "9 cores"),
+        // More memory than any node lends.
+        (1, None, 1 << 20, "1048576 MiB"),
+        // Only a and b lend 1024 MiB: 4 cores at most.
+        (5, None, 1024, "4 cores"),
+        (6, Some(5), 1024, "4 cores"),
+    ];
+    for (cores, min, memory, says) in refused {
+        let (s, retry, e) = ask(cores, min, memory);
+        let what = format!("{cores} cores (min {min:?}) with {memory} MiB");
+        assert_eq!(
+            (s, e["error"].as_str(), retry),
+            (422, Some("request_exceeds_cluster"), None),
+            "{what}: {e}"
+        );
+        let figures = [
+            "largest_node_cores",
+            "largest_node_memory_mib",
+            "cluster_cores",
+            "nodes",
+        ]
+        .map(|k| e[k].as_u64());
+        assert_eq!(
+            figures,
+            [Some(4), Some(2048), Some(8), Some(3)],
+            "{what}: {e}"
+        );
+        let message = e["message"].as_str().unwrap_or_default();
+        for words in [says, "4 cores", "2048 MiB", "8 cores", "3 nodes"] {
+            assert!(
+                message.contains(words),
+                "{what}: {words:?} not in {message:?}"
+            );
+        }
+    }
+    assert_eq!(
+        metric(
+            &m,
+            "rfaas_manager_denials_total{reason=\"request_exceeds_cluster\"}"
+        ),
+        refused.len() as f64
+    );
+    // They fit what the nodes registered, though none is up now.
+    busy(ask(8, None, 512));
+    busy(ask(4, None, 1024));
+    busy(ask(64, Some(8), 64));
+    busy(ask(1, None, 2048));
+}
+on_both!(a_request_beyond_the_cluster_is_refused_at_once);
 on_both!(no_capacity_says_when_to_retry);
 
 /// A release and a renewal look a grant's active leases up in one index
@@ -408,6 +518,99 @@ fn path_names_are_checked_before_the_database(kind: &str) {
 }
 on_both!(path_names_are_checked_before_the_database);
 
+/// Node names follow one pattern (`rfaas_proto::node_name`): a name ends
+/// up in paths, logs, URLs and metric labels, so `.`, `..`, a slash, a
+/// control character or a leading `-` is refused wherever a node is named.
+fn node_names_follow_one_pattern(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let admin = m.admin();
+    let u = user(&m, "alice", "physics");
+    let refused = |what: &str, (s, e): (u16, serde_json::Value)| {
+        assert_eq!(
+            (s, e["error"].as_str()),
+            (400, Some("malformed_request")),
+            "{what}: {e}"
+        );
+        let message = e["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(rfaas_proto::node_name::PATTERN),
+            "{what}: the message does not give the pattern: {e}"
+        );
+    };
+    for name in [
+        ".",
+        "..",
+        "%2E",
+        "%2E%2E",
+        "a%2Fb",
+        "a%00b",
+        "a%0Ab",
+        "-n",
+        "_n",
+        "a..b",
+        "a.",
+        ".a",
+        "a%20b",
+        "a@b",
+        "n%C5%93ud",
+    ] {
+        let body = node_body(7100, 2, 1024);
+        refused(
+            &format!("register {name}"),
+            admin.call("PUT", &format!("/v1/nodes/{name}"), Some(&body)),
+        );
+        let hb = json!({"free_cores": 2, "free_memory_mib": 1024, "allocations": []});
+        refused(
+            &format!("heartbeat {name}"),
+            admin.call("POST", &format!("/v1/nodes/{name}/heartbeat"), Some(&hb)),
+        );
+        refused(
+            &format!("drain {name}"),
+            admin.call("POST", &format!("/v1/nodes/{name}/drain"), None),
+        );
+        refused(
+            &format!("show {name}"),
+            admin.call("GET", &format!("/v1/nodes/{name}"), None),
+        );
+    }
+    for name in [".", "..", "a/b", "a\u{0}b", "-n", "a..b", "a@b"] {
+        refused(
+            &format!("a node credential for {name:?}"),
+            admin.call(
+                "POST",
+                "/v1/credentials",
+                Some(&json!({"role": "node", "subject": name})),
+            ),
+        );
+        refused(
+            &format!("a lease preferring {name:?}"),
+            u.call(
+                "POST",
+                "/v1/leases",
+                Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 60, "nodes": [name]})),
+            ),
+        );
+    }
+    let (s, nodes) = admin.call("GET", "/v1/nodes?fresh=true", None);
+    assert_eq!((s, nodes), (200, json!([])), "nothing was registered");
+    // Slurm's node names and host names pass.
+    for name in ["node01", "gpu-3", "cn_12", "node1.cluster", "N7"] {
+        register(&m, name, 1, 256);
+    }
+    let (s, p) = u.call(
+        "POST",
+        "/v1/leases",
+        Some(&json!({"cores": 1, "memory_mib": 64, "duration_s": 60, "nodes": ["node1.cluster"]})),
+    );
+    assert_eq!(
+        (s, p["leases"][0]["node"].as_str()),
+        (201, Some("node1.cluster")),
+        "{p}"
+    );
+}
+on_both!(node_names_follow_one_pattern);
+
 fn expired_leases_end_and_nodes_hear_of_it(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager();
@@ -455,6 +658,154 @@ fn expired_leases_end_and_nodes_hear_of_it(kind: &str) {
     assert_eq!(s, 201, "{g}");
 }
 on_both!(expired_leases_end_and_nodes_hear_of_it);
+
+/// A lease has ended at its `expires_at` (Unix seconds), whether or not
+/// the reaper has marked it yet: a renewal from then on is refused, and
+/// the lease keeps its end. Executors stop its workers at that second.
+fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
+    let mut db = Db::new(kind);
+    // No reaper round during the test.
+    let m = db.manager_with("refresh_ms = 600000\nlost_after_ms = 600000\n", None);
+    register(&m, "a", 2, 1024);
+    let u = user(&m, "alice", "physics");
+    let g = granted(&u, 1, 64, 1);
+    let id = g["id"].as_u64().unwrap();
+    let end_ms = g["expires_at"].as_u64().unwrap() * 1000;
+    wait_for(10, "the lease's end", || {
+        (rfaas_manager::now_ms() > end_ms).then_some(())
+    });
+    let (s, e) = u.call(
+        "POST",
+        &format!("/v1/leases/{id}/renew"),
+        Some(&json!({"duration_s": 600})),
+    );
+    assert_eq!((s, e["error"].as_str()), (409, Some("lease_ended")), "{e}");
+    let (s, shown) = u.call("GET", &format!("/v1/leases/{id}"), None);
+    assert_eq!(s, 200, "{shown}");
+    assert_eq!(
+        shown[0]["expires_at"].as_u64(),
+        Some(end_ms / 1000),
+        "the refused renewal moved the end: {shown}"
+    );
+    // To the millisecond, through the store: at the end and 1 ms after it
+    // the grant is over; 1 ms before, it renews.
+    let g = granted(&u, 1, 64, 60);
+    let id = g["id"].as_u64().unwrap();
+    let end = g["expires_at"].as_u64().unwrap();
+    let url = db.url();
+    let renewed = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let backend = rfaas_manager::db::Backend::of(&url);
+            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
+            let store = rfaas_manager::store::Store::new(pool, backend);
+            let mut renewed = Vec::new();
+            for now_ms in [end * 1000 + 1, end * 1000, end * 1000 - 1] {
+                let rows = store.renew(id, end + 60, now_ms).await.unwrap();
+                renewed.push(rows.iter().map(|r| r.view.expires_at).collect::<Vec<_>>());
+            }
+            store.pool().close().await;
+            renewed
+        });
+    assert_eq!(renewed, [vec![], vec![], vec![end + 60]]);
+}
+on_both!(a_renewal_after_the_end_is_refused_before_the_reaper_runs);
+
+/// A node that registers again with fewer cores or less memory than it
+/// has leased (a restart with a smaller configuration) keeps its leases:
+/// the difference drains as they end. Its capacity stays at least what is
+/// leased, in the database and in every replica's view, it takes no new
+/// lease until one fits its new size, and once its leases are gone it
+/// offers what it registered.
+fn a_registration_below_the_leases_drains_the_difference(kind: &str) {
+    let mut db = Db::new(kind);
+    let quiet = "lost_after_ms = 600000\n";
+    let m = db.manager_with(quiet, None);
+    // A second replica that learns only from notices (or SQLite's watch).
+    let m2 = db.manager_with(&format!("{quiet}refresh_ms = 3600000\n"), Some(&m));
+    let node = register(&m, "a", 4, 4096);
+    let u = user(&m, "alice", "physics");
+    let big = granted(&u, 3, 1024, 600);
+    let small = granted(&u, 1, 1024, 600);
+    // cores, leased, draining; memory, leased, draining.
+    let figures = |n: &serde_json::Value| {
+        [
+            "cores",
+            "leased_cores",
+            "draining_cores",
+            "memory_mib",
+            "leased_memory_mib",
+            "draining_memory_mib",
+        ]
+        .map(|k| n[k].as_u64().unwrap_or(u64::MAX))
+    };
+    // The database and both replicas' views hold `want`, and every view
+    // on the way kept leased within capacity.
+    let everywhere = |want: [u64; 6]| {
+        let stored = db.sql(&["SELECT cores, leased_cores, draining_cores, memory_mib, leased_memory_mib, draining_memory_mib FROM nodes WHERE name = 'a'"]);
+        assert_eq!(stored, [want.map(|v| v as i64).to_vec()]);
+        for (replica, what) in [(&m, "this replica"), (&m2, "another replica")] {
+            let admin = replica.admin();
+            let mut last = serde_json::Value::Null;
+            let until = Instant::now() + Duration::from_secs(20);
+            while figures(&last) != want {
+                assert!(
+                    Instant::now() < until,
+                    "{what} never showed {want:?}: {last}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+                let (s, n) = admin.call("GET", "/v1/nodes/a", None);
+                assert_eq!((s, n["state"].as_str()), (200, Some("up")), "{n}");
+                assert!(
+                    n["leased_cores"].as_u64() <= n["cores"].as_u64()
+                        && n["leased_memory_mib"].as_u64() <= n["memory_mib"].as_u64(),
+                    "{what} holds more leased than the node's capacity: {n}"
+                );
+                last = n;
+            }
+        }
+        assert_eq!(check_no_core_leased_twice(&m), want[1]);
+    };
+    let nothing_fits = || {
+        let (s, e) = lease(&u, 1, None, 64, 60);
+        assert_eq!((s, e["error"].as_str()), (503, Some("no_capacity")), "{e}");
+    };
+    let release = |g: &serde_json::Value| {
+        let (s, e) = u.call("DELETE", &format!("/v1/leases/{}", g["id"]), None);
+        assert_eq!(s, 204, "{e}");
+    };
+
+    // Re-registered as 1 core and 1000 MiB while it holds 4 and 2048.
+    let (s, r) = node.call("PUT", "/v1/nodes/a", Some(&node_body(7100, 1, 1000)));
+    assert_eq!(s, 200, "{r}");
+    let draining = [4, 4, 3, 2048, 2048, 1048];
+    assert_eq!(figures(&r["node"]), draining, "{r}");
+    everywhere(draining);
+    nothing_fits();
+    assert_eq!(metric(&m, "rfaas_manager_cores{state=\"free\"}"), 0.0);
+
+    // The big lease ends: 1 core and 1024 MiB are leased, the memory still
+    // drains by 24 MiB.
+    release(&big);
+    everywhere([1, 1, 0, 1024, 1024, 24]);
+    nothing_fits();
+
+    // The last one ends: the node offers what it registered.
+    release(&small);
+    everywhere([1, 0, 0, 1000, 0, 0]);
+    assert_eq!(metric(&m, "rfaas_manager_cores{state=\"free\"}"), 1.0);
+    let u2 = rfaas_testkit::manager::Api::new(m2.url(), u.token());
+    assert_eq!(granted_cores(&granted(&u2, 1, 1000, 60)), 1);
+    assert_eq!(check_no_core_leased_twice(&m), 1);
+
+    // Registering larger again ends any drain at once.
+    let (s, r) = node.call("PUT", "/v1/nodes/a", Some(&node_body(7100, 4, 4096)));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(figures(&r["node"]), [4, 1, 0, 4096, 1000, 0], "{r}");
+}
+on_both!(a_registration_below_the_leases_drains_the_difference);
 
 fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
     let mut db = Db::new(kind);
@@ -522,6 +873,31 @@ fn openapi_document_and_metrics() {
         "{doc}"
     );
     assert!(doc["components"]["schemas"]["BillingSlot"].is_object());
+    let refusals = &doc["paths"]["/v1/leases"]["post"]["responses"];
+    assert!(
+        refusals["422"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("request_exceeds_cluster")),
+        "{refusals}"
+    );
+    // The node name pattern is rfaas-proto's, on every route that names a node.
+    for (path, method) in [
+        ("/v1/nodes/{name}", "put"),
+        ("/v1/nodes/{name}", "get"),
+        ("/v1/nodes/{name}/heartbeat", "post"),
+        ("/v1/nodes/{name}/drain", "post"),
+        ("/v1/nodes/{name}/resume", "post"),
+    ] {
+        let schema = &doc["paths"][path][method]["parameters"][0]["schema"];
+        assert_eq!(
+            (schema["pattern"].as_str(), schema["maxLength"].as_u64()),
+            (
+                Some(rfaas_proto::node_name::PATTERN),
+                Some(rfaas_proto::node_name::MAX_LEN as u64)
+            ),
+            "{path} {method}: {schema}"
+        );
+    }
     let (s, h) = open.call("GET", "/healthz", None);
     assert_eq!((s, h["status"].as_str()), (200, Some("ok")));
     let (s, text) = open.call("GET", "/metrics", None);
@@ -534,6 +910,7 @@ fn openapi_document_and_metrics() {
         "rfaas_manager_cores{state=\"leased\"} 1",
         "rfaas_manager_denials_total{reason=\"no_capacity\"} 0",
         "rfaas_manager_denials_total{reason=\"budget_exhausted\"} 0",
+        "rfaas_manager_denials_total{reason=\"request_exceeds_cluster\"} 0",
         "rfaas_manager_unbilled_leases_total 1",
         "rfaas_manager_accounting_instances{state=\"live\"} 0",
     ] {

@@ -29,6 +29,8 @@
 //!   files.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the
 //!   manager, the executor daemon and the client library.
+//! - [`node_name`]: the one pattern node names follow (no `.`, `..`, `/`
+//!   or control characters), checked by the manager and executord alike.
 //! - [`meter`]: the meter area, shared memory in which a worker's lanes
 //!   publish their counters for the executor daemon.
 //! - [`shm_control`]: the control messages of the fabric's `shm` provider
@@ -141,6 +143,7 @@ pub mod imm;
 pub mod lease;
 pub mod manager;
 pub mod meter;
+pub mod node_name;
 pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;

@@ -152,9 +152,12 @@ pub struct NodeView {
     pub control_addr: String,
     /// The providers it serves.
     pub providers: Vec<NodeProvider>,
-    /// Cores it lends.
+    /// Cores it lends now: what it registered, or what is leased on it if
+    /// that is more (see `draining_cores`). Never less than
+    /// `leased_cores`.
     pub cores: u32,
-    /// Memory it lends, MiB.
+    /// Memory it lends now, MiB: what it registered, or what is leased on
+    /// it if that is more. Never less than `leased_memory_mib`.
     pub memory_mib: u64,
     /// Cores under live leases.
     pub leased_cores: u32,
@@ -169,6 +172,16 @@ pub struct NodeView {
     /// drains): not leased until it lends them again.
     #[serde(default)]
     pub withheld_cores: u32,
+    /// Cores leased beyond what the node last registered (it registered
+    /// with fewer than it had leased): they leave `cores` as their leases
+    /// end, and the node takes no new lease meanwhile. `cores -
+    /// draining_cores` is what it registered.
+    #[serde(default)]
+    pub draining_cores: u32,
+    /// Memory leased beyond what the node last registered, MiB, as
+    /// `draining_cores`.
+    #[serde(default)]
+    pub draining_memory_mib: u64,
 }
 
 /// `POST /v1/leases`: a job asks for cores.
@@ -409,9 +422,10 @@ pub struct BudgetView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
-    /// Stable, `snake_case`: `no_capacity`, `quota_exceeded`,
-    /// `budget_exhausted`, `accounting_unavailable`, `unauthorized`,
-    /// `forbidden`, `malformed_request`, `not_found`, ...
+    /// Stable, `snake_case`: `no_capacity`, `request_exceeds_cluster`,
+    /// `quota_exceeded`, `budget_exhausted`, `accounting_unavailable`,
+    /// `lease_ended`, `unauthorized`, `forbidden`, `malformed_request`,
+    /// `not_found`, ...
     pub error: String,
     /// What happened and what to do.
     pub message: String,

@@ -568,6 +568,14 @@ impl Config {
                 )
             })?,
         };
+        // The host name too: it must be a name the managers take.
+        rfaas_proto::node_name::check(&node_name).map_err(|e| {
+            invalid(
+                "node_name",
+                &node_name,
+                &format!("{e}; set node_name to the node's name in Slurm"),
+            )
+        })?;
         let listen = self.control_listen.as_deref().unwrap_or("0.0.0.0:7100");
         let control_listen: SocketAddr = listen.parse().map_err(|e| {
             invalid(
@@ -892,6 +900,30 @@ mod tests {
         assert!(parse_cpulist("a").unwrap_err().contains("not a CPU number"));
         assert_eq!(format_cpulist(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
         assert_eq!(format_cpulist(&[]), "");
+    }
+
+    #[test]
+    fn node_names_follow_the_one_pattern() {
+        let resolve = |name: &str| {
+            let name = toml::Value::String(name.into());
+            Config::parse(&format!(
+                "node_name = {name}\ncpus = \"0\"\nmemory_mib = 64\n"
+            ))
+            .unwrap()
+            .resolve()
+        };
+        for name in [
+            ".", "..", "../n1", "a/b", "a\u{7}b", "-n", "a..b", "n1.", "n 1",
+        ] {
+            let err = resolve(name).unwrap_err().to_string();
+            assert!(
+                err.contains("node_name") && err.contains(rfaas_proto::node_name::PATTERN),
+                "{name:?}: {err}"
+            );
+        }
+        for name in ["node01", "gpu-3", "cn_12", "node1.cluster"] {
+            assert_eq!(resolve(name).unwrap().node_name, name);
+        }
     }
 
     #[test]

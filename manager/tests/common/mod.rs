@@ -240,6 +240,13 @@ pub fn lease(api: &Api, cores: u32, min: Option<u32>, memory: u64, secs: u64) ->
     api.call("POST", "/v1/leases", Some(&body))
 }
 
+/// `POST /v1/leases`, which must grant: the grant.
+pub fn granted(api: &Api, cores: u32, memory: u64, secs: u64) -> Value {
+    let (s, g) = lease(api, cores, None, memory, secs);
+    assert_eq!(s, 201, "{g}");
+    g
+}
+
 /// Cores granted in a grant body.
 pub fn granted_cores(grant: &Value) -> u64 {
     grant["leases"]
