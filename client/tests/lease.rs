@@ -1,16 +1,13 @@
 //! Leases from a real `rfaas-manager`, with the retry schedule driven by
 //! an injected clock: the test's clock "sleeps" by moving its own time
-//! and running what the scenario does at that retry, so nothing waits. A
-//! refusal the test managers do not give comes from a loopback server
-//! giving the manager's reply ([`FixedAnswer`]).
+//! and running what the scenario does at that retry, so nothing waits.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rfaas_client::lease::{Backoff, Clock, Jitter, Lease, LeaseRequest, Managers};
 use rfaas_client::{Error, Next};
-use rfaas_testkit::manager::{exceeds_cluster_reply, Api, FixedAnswer, Manager, ManagerOptions};
-use serde_json::json;
+use rfaas_testkit::manager::{Manager, ManagerOptions};
 
 type Hook = Box<dyn FnMut(u32) + Send>;
 
@@ -72,10 +69,7 @@ const BACKOFF: Backoff = Backoff {
 };
 
 fn node(m: &Manager, name: &str, cores: u32) {
-    let api = Api::new(m.url(), &m.credential("node", name, None));
-    let body = json!({"control_addr": "127.0.0.1:7100", "providers": [{"name": "tcp", "host": "127.0.0.1"}], "cores": cores, "memory_mib": 4096});
-    let (s, r) = api.call("PUT", &format!("/v1/nodes/{name}"), Some(&body));
-    assert_eq!(s, 200, "{r}");
+    m.register_node(name, cores, 4096);
 }
 
 fn request(cores: u32) -> LeaseRequest {
@@ -114,7 +108,7 @@ fn alice(m: &Manager, clock: &Arc<TestClock>) -> Managers {
 }
 
 /// A manager whose one node, "a", has its one core leased to bob (for
-/// 600 s, so Retry-After says 60, the manager's cap); the lease, for a
+/// 600 s, so Retry-After says 10, the manager's cap); the lease, for a
 /// test's clock to release.
 fn a_full_node() -> (Manager, Arc<Mutex<Option<Lease>>>) {
     let m = manager();
@@ -141,10 +135,10 @@ fn no_capacity_three_times_then_a_grant() {
     let sleeps = clock.sleeps();
     assert_eq!(sleeps.len(), 3, "{sleeps:?}");
     // Each wait honours Retry-After: bob's lease ends in 600 s, the manager
-    // says 60 (its cap), above the backoff's own 100, 200, 400 ms.
+    // says 10 (its cap), above the backoff's own 100, 200, 400 ms.
     for s in &sleeps {
         assert!(
-            *s >= Duration::from_secs(59),
+            *s >= Duration::from_secs(9),
             "a wait shorter than Retry-After: {sleeps:?}"
         );
     }
@@ -203,7 +197,7 @@ fn the_deadline_ends_the_waiting_with_the_managers_reason() {
     let (m, _held) = a_full_node();
     let clock = TestClock::new(|_| {});
     let err = alice(&m, &clock)
-        .request(&request(1), Duration::from_secs(150))
+        .request(&request(1), Duration::from_secs(25))
         .unwrap_err();
     match &err {
         Error::Manager { status, kind, .. } => {
@@ -211,14 +205,14 @@ fn the_deadline_ends_the_waiting_with_the_managers_reason() {
         }
         other => panic!("not the manager's refusal: {other}"),
     }
-    // 60 s waits fit twice in 150 s; the third ends at the deadline, for
+    // 10 s waits fit twice in 25 s; the third ends at the deadline, for
     // the last try.
     let secs: Vec<u64> = clock.sleeps().iter().map(Duration::as_secs).collect();
-    assert_eq!(secs, [60, 60, 30]);
+    assert_eq!(secs, [10, 10, 5]);
 }
 
 /// A request that fits, on a node that is full now, waits up to its
-/// deadline, even when the manager's Retry-After (the soonest expiry, 60 s
+/// deadline, even when the manager's Retry-After (the soonest expiry, 10 s
 /// at most) lies beyond it: cores released before then are granted at
 /// the deadline.
 #[test]
@@ -231,22 +225,24 @@ fn a_full_node_is_waited_for_until_the_deadline() {
         }
     });
     let lease = alice(&m, &clock)
-        .request(&request(1), Duration::from_secs(20))
+        .request(&request(1), Duration::from_secs(4))
         .unwrap_or_else(|e| panic!("alice got no lease: {e}"));
     assert_eq!(lease.nodes()[0].node, "a");
-    // One wait, to the deadline: Retry-After said 60 s.
-    assert_eq!(clock.sleeps(), [Duration::from_secs(20)]);
+    // One wait, to the deadline: Retry-After said 10 s.
+    assert_eq!(clock.sleeps(), [Duration::from_secs(4)]);
     lease.release().unwrap();
 }
 
 /// The manager's refusal of a request no node can ever hold comes back at
 /// once, not retryable, with the largest offer in its figures and words.
-/// The answer comes from a loopback server giving the manager's reply.
 #[test]
 fn a_request_beyond_the_cluster_is_refused_at_once_with_the_largest_offer() {
-    let manager = FixedAnswer::start(422, &exceeds_cluster_reply());
+    let manager = manager();
+    for name in ["a", "b", "c"] {
+        manager.register_node(name, 2, 2048);
+    }
     let clock = TestClock::new(|_| {});
-    let err = on_clock(&[manager.url()], "rfaasc.alice", &clock)
+    let err = alice(&manager, &clock)
         .request(&request(64), Duration::from_secs(3600))
         .unwrap_err();
     match &err {
@@ -268,7 +264,6 @@ fn a_request_beyond_the_cluster_is_refused_at_once_with_the_largest_offer() {
     let text = err.to_string();
     assert!(text.contains("2 cores and 2048 MiB"), "{text}");
     assert!(clock.sleeps().is_empty(), "{:?}", clock.sleeps());
-    assert_eq!(manager.requests(), 1);
 }
 
 #[test]

@@ -44,8 +44,9 @@ const MAX_BUDGET: f64 = 1e15;
 
 /// The longest `Retry-After` of a `503 no_capacity`, seconds: the soonest
 /// expiry is only the latest moment a core frees up (a release frees one
-/// at any time).
-const MAX_RETRY_AFTER_S: u64 = 60;
+/// at any time), so clients are not told to wait longer than their own
+/// backoff's cap (the client library's default, 10 s) would have them.
+const MAX_RETRY_AFTER_S: u64 = 10;
 
 type AppState = State<Arc<App>>;
 type ApiResult<T> = Result<T, ApiFailure>;

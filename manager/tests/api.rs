@@ -154,10 +154,9 @@ fn no_capacity_says_when_to_retry(kind: &str) {
     );
     assert_eq!((s, e["error"].as_str()), (503, Some("no_capacity")), "{e}");
     let retry = retry.expect("a Retry-After header");
-    assert!(
-        (25..=30).contains(&retry),
-        "Retry-After {retry} is not the soonest expiry"
-    );
+    // The soonest expiry, 25 to 30 s away, beyond the cap: a release may
+    // free the core at any time, so clients hear 10 s at most.
+    assert_eq!(retry, 10, "Retry-After {retry} is not the cap");
     assert_eq!(e["retry_after_s"], retry);
     // Memory counts too.
     register(&m, "b", 4, 128);

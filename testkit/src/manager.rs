@@ -248,6 +248,35 @@ impl Manager {
         reply["token"].as_str().expect("a token").to_owned()
     }
 
+    /// Registers node `name` with `cores` and `memory_mib`, as its
+    /// executor daemon would (with a node credential of its own), without
+    /// a daemon: for tests of what the manager makes of its nodes.
+    pub fn register_node(&self, name: &str, cores: u32, memory_mib: u64) {
+        let api = Api::new(&self.url, &self.credential("node", name, None));
+        let body = serde_json::json!({
+            "control_addr": "127.0.0.1:7100",
+            "providers": [{"name": "tcp", "host": "127.0.0.1"}],
+            "cores": cores,
+            "memory_mib": memory_mib,
+        });
+        let (status, reply) = api.call("PUT", &format!("/v1/nodes/{name}"), Some(&body));
+        assert_eq!(status, 200, "registering {name}: {reply}");
+    }
+
+    /// Lease requests this replica refused for `reason` (`no_capacity`,
+    /// `request_exceeds_cluster`, ...), from its `/metrics`.
+    pub fn denials(&self, reason: &str) -> u64 {
+        let (_, metrics) = Api::new(&self.url, "").call("GET", "/metrics", None);
+        let prefix = format!("rfaas_manager_denials_total{{reason=\"{reason}\"}} ");
+        metrics
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Options for an executor daemon named `name` that registers with
     /// this manager (its node credential written, private, into `dir`)
     /// and accepts this manager's leases.
@@ -386,109 +415,5 @@ impl Api {
             serde_json::from_str(&text).unwrap_or(Value::String(text))
         };
         (status, retry, v)
-    }
-}
-
-/// The manager's `422` refusal of a request no node can ever hold, as its
-/// API words it, for a cluster whose largest node offers 2 cores and
-/// 2048 MiB, with 6 cores on 3 nodes.
-pub fn exceeds_cluster_reply() -> Value {
-    serde_json::json!({
-        "error": "request_exceeds_cluster",
-        "message": "no node can hold 64 cores: the largest offers 2 cores and 2048 MiB",
-        "largest_node_cores": 2,
-        "largest_node_memory_mib": 2048,
-        "cluster_cores": 6,
-        "nodes": 3,
-    })
-}
-
-/// A loopback HTTP server that gives every request the same answer, as a
-/// manager replica would give it: for how a client takes an answer the
-/// test managers cannot be brought to give. It stands in for the wire
-/// answer only, not for any of the manager's logic. Stopped on drop.
-#[derive(Debug)]
-pub struct FixedAnswer {
-    url: String,
-    addr: std::net::SocketAddr,
-    requests: std::sync::Arc<AtomicU32>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl FixedAnswer {
-    /// Answers `status` with the JSON `body` (and `Retry-After: 1` for a
-    /// `503`) to every request, on a free 127.0.0.1 port.
-    pub fn start(status: u16, body: &Value) -> FixedAnswer {
-        use std::io::{Read, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-        let addr = listener.local_addr().expect("its address");
-        let body = body.to_string();
-        let retry = if status == 503 {
-            "Retry-After: 1\r\n"
-        } else {
-            ""
-        };
-        let answer = format!(
-            "HTTP/1.1 {status} Answer\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{retry}Connection: close\r\n\r\n{body}",
-            body.len()
-        );
-        let requests = std::sync::Arc::new(AtomicU32::new(0));
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let thread = {
-            let (requests, stop) = (requests.clone(), stop.clone());
-            std::thread::spawn(move || {
-                for conn in listener.incoming() {
-                    if stop.load(Ordering::Acquire) {
-                        return;
-                    }
-                    let Ok(mut conn) = conn else { continue };
-                    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-                    // The head, then as much body as it announces.
-                    let mut seen = Vec::new();
-                    let mut byte = [0u8; 1];
-                    while !seen.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
-                        seen.push(byte[0]);
-                    }
-                    let head = String::from_utf8_lossy(&seen).to_ascii_lowercase();
-                    let length = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .and_then(|n| n.trim().parse::<u64>().ok())
-                        .unwrap_or(0);
-                    let _ = std::io::copy(&mut (&mut conn).take(length), &mut std::io::sink());
-                    requests.fetch_add(1, Ordering::AcqRel);
-                    let _ = conn.write_all(answer.as_bytes());
-                }
-            })
-        };
-        FixedAnswer {
-            url: format!("http://{addr}"),
-            addr,
-            requests,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    /// `http://127.0.0.1:port`.
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
-    /// Requests answered so far.
-    pub fn requests(&self) -> u32 {
-        self.requests.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for FixedAnswer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Wakes the accept loop to see the stop.
-        let _ = std::net::TcpStream::connect(self.addr);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }

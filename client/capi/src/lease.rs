@@ -125,7 +125,7 @@ pub unsafe extern "C" fn rfaas_managers_free(managers: *mut rfaas_managers) {
 /// The waits between tries grow exponentially (50 ms, 100 ms, ... up to
 /// 10 s) with full jitter, and are never shorter than the manager's
 /// `Retry-After`, but none ends past the deadline: a wait that would (a
-/// `Retry-After` of 60 s with 10 s left) ends at the deadline instead,
+/// `Retry-After` of 10 s with 4 s left) ends at the deadline instead,
 /// for a last try there, since a release can free cores sooner than
 /// `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
 ///

@@ -9,7 +9,7 @@ use std::ptr::{null, null_mut};
 
 use rfaas::*;
 use rfaas_testkit::functions::c_library;
-use rfaas_testkit::manager::{exceeds_cluster_reply, FixedAnswer};
+use rfaas_testkit::manager::{Manager, ManagerOptions};
 
 fn last_error() -> String {
     // SAFETY: rfaas_last_error returns this thread's NUL-terminated
@@ -498,9 +498,15 @@ fn status_names_and_retryability() {
 
 #[test]
 fn a_request_beyond_the_cluster_is_its_own_status_at_once() {
-    let manager = FixedAnswer::start(422, &exceeds_cluster_reply());
+    let manager = Manager::start(ManagerOptions {
+        extra_config: "lost_after_ms = 600000\n".into(),
+        ..ManagerOptions::default()
+    });
+    for name in ["a", "b", "c"] {
+        manager.register_node(name, 2, 2048);
+    }
     let url = CString::new(manager.url()).unwrap();
-    let credential = CString::new("rfaasc.alice").unwrap();
+    let credential = CString::new(manager.credential("user", "alice", None)).unwrap();
     let mut managers = null_mut();
     let mut lease = null_mut();
     // SAFETY: C strings and writable out-pointers; an hour's deadline,
@@ -520,7 +526,8 @@ fn a_request_beyond_the_cluster_is_its_own_status_at_once() {
     assert!(lease.is_null());
     assert!(!rfaas_status_is_retryable(st as u32));
     assert_eq!(rfaas_last_error_info().next, rfaas_next::RFAAS_NEXT_FIX);
-    assert_eq!(manager.requests(), 1);
+    // At once: one request, refused, no retry.
+    assert_eq!(manager.denials("request_exceeds_cluster"), 1);
     // SAFETY: rfaas_status_name returns a static C string.
     let name = unsafe { CStr::from_ptr(rfaas_status_name(st as u32)) };
     assert_eq!(name.to_str().unwrap(), "RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER");

@@ -182,18 +182,6 @@ fn whereabouts(alloc: *const rfaas_allocation) -> (String, String, u64) {
     (text(&node), text(&executor), moves)
 }
 
-/// The manager's count of lease requests it refused for want of room.
-fn no_capacity_denials(m: &Manager) -> u64 {
-    let (_, metrics) = Api::new(m.url(), "").call("GET", "/metrics", None);
-    metrics
-        .as_str()
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("rfaas_manager_denials_total{reason=\"no_capacity\"} "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn a_leased_allocation_serves_and_deallocation_releases_its_lease() {
     let m = manager();
@@ -237,7 +225,7 @@ fn a_full_node_is_waited_for_until_the_deadline() {
         // Bob lets go once the manager has told the job there is no room.
         scope.spawn(|| {
             let until = Instant::now() + Duration::from_secs(60);
-            while no_capacity_denials(&m) == 0 {
+            while m.denials("no_capacity") == 0 {
                 assert!(Instant::now() < until, "the job never asked");
                 std::thread::sleep(Duration::from_millis(10));
             }
