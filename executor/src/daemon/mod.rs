@@ -91,11 +91,10 @@ use supervise::SpawnJob;
 #[non_exhaustive]
 pub enum StartError {
     /// A lease key file is unusable.
-    #[error("{source}; {hint}")]
+    #[error("{why}; {hint}")]
     Keys {
-        /// Why.
-        #[source]
-        source: KeyFileError,
+        /// Why (its message says all its causes).
+        why: KeyFileError,
         /// What names other files
         /// ([`ConfigDir::hint`](rfaas_proto::files::ConfigDir::hint)).
         hint: String,
@@ -145,8 +144,8 @@ impl Daemon {
         };
         let dir = &settings.config_dir;
         let lease_keys =
-            keys::read_lease_keys(&settings.lease_keys).map_err(|source| StartError::Keys {
-                source,
+            keys::read_lease_keys(&settings.lease_keys).map_err(|why| StartError::Keys {
+                why,
                 hint: dir.hint(&["--lease-keys", "lease_keys in executord.toml"]),
             })?;
         tracing::info!(key_ids = ?lease_keys.key_ids().collect::<Vec<_>>(), "lease keys read");
