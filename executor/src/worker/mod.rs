@@ -352,7 +352,6 @@ fn prepare(
     if a.memory_limit_bytes > 0 {
         privileges::limit_memory(a.memory_limit_bytes)?;
     }
-    privileges::allow_pinning();
     privileges::drop_privileges(a.uid, a.gid)?;
 
     let t = Instant::now();
