@@ -255,10 +255,12 @@ fn a_moving_client_lets_go_of_its_allocation_first() {
             other => panic!("the drain answered {other:?}"),
         }
     });
-    assert_eq!(
-        message,
-        "drained: 0 allocations stopped after the 2000 ms grace period",
-        "{}",
+    assert!(
+        message.starts_with("drained in ")
+            && message.ends_with(
+                " ms: 1 allocation drained within the 2000 ms grace period, 0 stopped after it, 0 had finished already"
+            ),
+        "{message}\n{}",
         a.log()
     );
 }

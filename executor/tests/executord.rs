@@ -692,6 +692,70 @@ fn drain_refuses_allocations_until_resumed() {
 /// A Slurm job's prolog takes the node back with the grace (running
 /// workers are told, then stopped; clients hear `drained`), and the node is
 /// offered again only when the last Slurm job holding it has ended.
+/// The milliseconds a take-back's answer says it took ("in N ms").
+fn took_ms(message: &str) -> u64 {
+    let at = message
+        .find(" in ")
+        .unwrap_or_else(|| panic!("no time in {message:?}"));
+    message[at + 4..]
+        .split(" ms")
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no time in {message:?}"))
+}
+
+/// A drain says how long it took and what became of each allocation:
+/// those whose clients let go within the grace are drained, not stopped,
+/// and the drain is over as soon as they are gone, not at the grace's end.
+#[test]
+fn a_drain_says_how_long_it_took_and_what_it_ended() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let mut a = Control::connect(&d);
+    let a_ok = a.allocate(good_request(&d, 1), lib.clone()).unwrap();
+    let mut b = Control::connect(&d);
+    b.allocate(good_request(&d, 1), lib).unwrap();
+    let (reply, seen) = std::thread::scope(|scope| {
+        let asked = Instant::now();
+        let drain = scope.spawn(|| d.local(LocalRequest::Drain { grace_ms: 600_000 }));
+        d.wait_status(MINUTE, |s| {
+            matches!(s, LocalReply::Status { draining: true, .. })
+        });
+        // One client deallocates, the other closes its connection.
+        a.deallocate(a_ok.allocation_id);
+        drop(b);
+        (drain.join().unwrap(), asked.elapsed())
+    });
+    let LocalReply::Done { message } = reply else {
+        panic!("the drain answered {reply:?}");
+    };
+    assert!(
+        message.starts_with("drained in ")
+            && message.ends_with(
+                " ms: 2 allocations drained within the 600000 ms grace period, 0 stopped after it, 0 had finished already"
+            ),
+        "{message}"
+    );
+    assert!(
+        Duration::from_millis(took_ms(&message)) <= seen,
+        "{message}, but the test saw the drain take {seen:?}"
+    );
+    let log = d.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("drain done"))
+        .unwrap_or_else(|| panic!("no drain line:\n{log}"));
+    for field in [
+        "took_ms=",
+        "drained=2",
+        "stopped=0",
+        "finished=0",
+        "grace_ms=600000",
+    ] {
+        assert!(line.contains(field), "{field} not in {line}");
+    }
+}
+
 #[test]
 fn slurm_jobs_take_the_node_back_until_the_last_one_ends() {
     let d = start(ExecutordOptions::default());
@@ -810,9 +874,22 @@ fn a_slurm_job_takes_back_only_its_own_cpus() {
     let LocalReply::Done { message } = reply else {
         panic!("{reply:?}")
     };
+    let (head, tail) = message
+        .split_once(" in ")
+        .unwrap_or_else(|| panic!("{message}"));
     assert_eq!(
-        message,
-        "taken back for Slurm job 5: CPUs 0 withheld (Slurm's CPU_IDs 0); 1 allocation on them ended, 1 stopped after the 200 ms grace period; 2 CPUs free for rfaas"
+        head,
+        "taken back for Slurm job 5: CPUs 0 withheld (Slurm's CPU_IDs 0);"
+    );
+    assert!(
+        tail.ends_with(
+            " ms: 0 allocations on them drained within the 200 ms grace period, 1 stopped after it, 0 had finished already; 2 CPUs free for rfaas"
+        ),
+        "{message}"
+    );
+    assert!(
+        took_ms(&message) >= 200,
+        "stopped after the grace: {message}"
     );
     let exited = a.worker_exited();
     assert_eq!(exited.cause, ExitCause::Drained, "{}", exited.message);
