@@ -14,7 +14,7 @@ use rfaas_proto::control::{
 };
 use rfaas_proto::lease::LeaseSigner;
 use rfaas_testkit::executord::{request, wait_for_exit, Executord, ExecutordOptions};
-use rfaas_testkit::functions::c_library_bytes;
+use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
 const MINUTE: Duration = Duration::from_secs(60);
@@ -540,6 +540,59 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
     all_free(&d);
     let (draining, ..) = status(&d);
     assert!(!draining);
+}
+
+/// A request that fits its lease once a crashed worker of that lease is
+/// reaped is refused `allocation_ending` (retryable) until then, never
+/// `exceeds_lease`: the crashed worker's cores count as free only once it
+/// is reaped, and the client library retries such a refusal by itself.
+/// The crashing function touches 256 MiB first, so its worker takes a
+/// while to end, as a big one does.
+#[test]
+fn a_request_that_fits_once_a_crashed_worker_is_reaped_is_retryable() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let memory = 512;
+    let token = d.token("nobody", 1, memory, MINUTE);
+    let addr = d.control_addr().to_string();
+    let spec = AllocationSpec::new(lib.clone(), &["echo", "fault_segfault_once"])
+        .library_name("libfunctions.so")
+        .memory_mib(memory);
+    let client = || Client::new(ClientOptions::with_provider("tcp"));
+    let first = client()
+        .allocate(&addr, &token, &spec)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let f = first.function("fault_segfault_once").unwrap();
+    let marker = CrashOnce::new();
+    let bytes = marker.input(256);
+    let mut input = first.buffer::<u8>(bytes.len()).unwrap();
+    input.as_mut_slice().copy_from_slice(&bytes);
+    let mut output = first.buffer::<u8>(bytes.len()).unwrap();
+    let err = first
+        .invoke(f, &input, bytes.len(), &mut output)
+        .unwrap_err();
+    assert!(err.signal() == Some(11), "{err:?}");
+    // At once, on another connection, with the first allocation not let
+    // go: its worker is still exiting.
+    let mut c = Control::connect(&d);
+    let mut req = request(token.clone(), 1, &["echo"]);
+    req.memory_mib = memory;
+    match c.allocate(req, lib) {
+        Err(e) => {
+            assert_eq!(e.code, ErrorCode::AllocationEnding, "{e:?}");
+            assert!(e.code.is_retryable());
+            assert!(e.message.contains("retry in a moment"), "{}", e.message);
+        }
+        // The worker was reaped first.
+        Ok(ok) => {
+            c.deallocate(ok.allocation_id);
+        }
+    }
+    let second = client()
+        .allocate(&addr, &token, &spec)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    second.deallocate().unwrap();
+    drop(first);
 }
 
 #[test]
