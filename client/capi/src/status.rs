@@ -142,6 +142,12 @@ pub enum rfaas_status {
     /// Refused: a renewal's token is for another lease than the
     /// allocation's, or ends before it; the allocation is unchanged.
     RFAAS_ERR_REFUSED_LEASE_MISMATCH = 217,
+    /// Refused: the request fits the lease only once an ending allocation
+    /// of the same lease (a crashed worker not yet reaped) is gone. The
+    /// library asks again by itself, with a short backoff, up to the
+    /// client's allocation timeout; this comes back only past it.
+    /// Retryable.
+    RFAAS_ERR_REFUSED_ALLOCATION_ENDING = 218,
     /// The resource manager refused the request for another reason than
     /// those below (the message says which).
     RFAAS_ERR_MANAGER = 300,
@@ -161,7 +167,7 @@ pub enum rfaas_status {
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 51] = [
+const ALL: [rfaas_status; 52] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -208,6 +214,7 @@ const ALL: [rfaas_status; 51] = [
     RFAAS_ERR_REFUSED_INTERNAL,
     RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
     RFAAS_ERR_REFUSED_LEASE_MISMATCH,
+    RFAAS_ERR_REFUSED_ALLOCATION_ENDING,
     RFAAS_ERR_MANAGER,
     RFAAS_ERR_MANAGER_NO_CAPACITY,
     RFAAS_ERR_MANAGER_QUOTA,
@@ -253,6 +260,7 @@ impl rfaas_status {
             ErrorCode::Internal => RFAAS_ERR_REFUSED_INTERNAL,
             ErrorCode::MemoryTooSmall => RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
             ErrorCode::LeaseMismatch => RFAAS_ERR_REFUSED_LEASE_MISMATCH,
+            ErrorCode::AllocationEnding => RFAAS_ERR_REFUSED_ALLOCATION_ENDING,
             _ => RFAAS_ERR_REFUSED,
         }
     }
@@ -326,6 +334,7 @@ impl rfaas_status {
                 | RFAAS_ERR_REFUSED_NO_CAPACITY
                 | RFAAS_ERR_REFUSED_DRAINING
                 | RFAAS_ERR_REFUSED_INTERNAL
+                | RFAAS_ERR_REFUSED_ALLOCATION_ENDING
         )
     }
 
@@ -378,6 +387,7 @@ impl rfaas_status {
             RFAAS_ERR_REFUSED_INTERNAL => c"RFAAS_ERR_REFUSED_INTERNAL",
             RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL => c"RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL",
             RFAAS_ERR_REFUSED_LEASE_MISMATCH => c"RFAAS_ERR_REFUSED_LEASE_MISMATCH",
+            RFAAS_ERR_REFUSED_ALLOCATION_ENDING => c"RFAAS_ERR_REFUSED_ALLOCATION_ENDING",
             RFAAS_ERR_MANAGER => c"RFAAS_ERR_MANAGER",
             RFAAS_ERR_MANAGER_NO_CAPACITY => c"RFAAS_ERR_MANAGER_NO_CAPACITY",
             RFAAS_ERR_MANAGER_QUOTA => c"RFAAS_ERR_MANAGER_QUOTA",
@@ -546,6 +556,7 @@ mod tests {
             ErrorCode::Internal,
             ErrorCode::MemoryTooSmall,
             ErrorCode::LeaseMismatch,
+            ErrorCode::AllocationEnding,
         ] {
             let s = rfaas_status::from_refusal(code);
             assert_ne!(s, RFAAS_ERR_REFUSED, "{code:?} has its own status");
