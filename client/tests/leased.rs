@@ -347,6 +347,15 @@ fn after_a_crash_invoke_retrying_succeeds_on_the_same_lease(#[case] lanes: u16) 
     assert_eq!(&output.as_slice()[..n], &bytes[..]);
     assert_ne!(la.id(), first, "a new worker");
     assert_eq!(la.lease_grant_id(), lease, "the same lease");
+    // The executor names the crash as its worker's end, though the client
+    // let go of it at once.
+    let log = d.log();
+    assert!(
+        log.lines().any(|l| l.contains("worker ended")
+            && l.contains(&format!("allocation={first} "))
+            && l.contains("cause=Crashed")),
+        "{log}"
+    );
     let causes = la.retry_causes();
     assert!(
         matches!(

@@ -323,11 +323,15 @@ impl MeterArea {
             .store(u64::from(signal.unsigned_abs()).max(1), Ordering::Release);
     }
 
-    /// The daemon's side: whether the worker says a function crashed it.
-    /// Its word, not trusted: it only makes the daemon count the
-    /// allocation as ending.
-    pub fn crashed(&self) -> bool {
-        self.crashed_word().load(Ordering::Acquire) != 0
+    /// The daemon's side: the signal a function crashed the worker with,
+    /// as the worker says. Its word, not trusted: it only makes the daemon
+    /// count the allocation as ending, and name the crash as the cause of
+    /// a worker it killed meanwhile.
+    pub fn crashed(&self) -> Option<i32> {
+        match self.crashed_word().load(Ordering::Acquire) {
+            0 => None,
+            s => Some(i32::try_from(s).unwrap_or(i32::MAX)),
+        }
     }
 
     /// Lane `lane`'s record; `None` past the area's lanes.
@@ -390,9 +394,9 @@ mod tests {
         assert_eq!(daemon.record(0).unwrap().read(1).0, LaneValues::default());
         assert!(daemon.record(3).is_none());
         // A crash mark, and the header left as it was.
-        assert!(!daemon.crashed());
+        assert_eq!(daemon.crashed(), None);
         worker.mark_crashed(libc::SIGSEGV);
-        assert!(daemon.crashed());
+        assert_eq!(daemon.crashed(), Some(libc::SIGSEGV));
         let mut head = [0u8; meter::HEADER_LEN];
         File::from(fd).read_exact_at(&mut head, 0).unwrap();
         assert_eq!(

@@ -142,7 +142,7 @@ fn beyond_lease(
     node: &str,
 ) -> Refused {
     let (ids, cores, mib) = ending(st, claims.lease_id, |a| {
-        shared.usage.crashed(a.id) || a.pid.is_some_and(process::is_exiting)
+        shared.usage.crashed(a.id).is_some() || a.pid.is_some_and(process::is_exiting)
     });
     let fits = held.0.saturating_sub(cores) + u32::from(req.cores) <= u32::from(claims.cores)
         && held.1.saturating_sub(mib) + u64::from(req.memory_mib) <= u64::from(claims.memory_mib);
