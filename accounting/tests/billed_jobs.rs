@@ -41,16 +41,9 @@ fn jobs_are_billed_for_what_they_used(kind: &str) {
     // refuses (503, retried by the client) rather than grant unbilled.
     let env = Env::with_manager_config(kind, "[accounting]\nrequired = true\n");
     let _acct = env.accounting();
-    let dir = std::env::temp_dir().join(format!("rfaas-billed-jobs-{}-{kind}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("billed-jobs", kind);
     let nodes = [node(&env, &dir, "bill-a"), node(&env, &dir, "bill-b")];
-    let admin = env.manager.admin();
-    wait_until("both nodes are up", || {
-        let (_, all) = admin.call("GET", "/v1/nodes", None);
-        all.as_array()
-            .is_some_and(|a| a.iter().filter(|n| n["state"] == "up").count() == 2)
-    });
+    common::wait_nodes_up(&env, 2);
     let user = env.manager.credential("user", "nobody", Some("physics"));
     let managers = Managers::new([env.manager.url()], &user).unwrap();
     let library = rfaas_testkit::functions::c_library_bytes();
@@ -139,17 +132,10 @@ on_both!(jobs_are_billed_for_what_they_used);
 fn a_take_back_flushes_billing_at_once(kind: &str) {
     let env = Env::with_manager_config(kind, "[accounting]\nrequired = true\n");
     let _acct = env.accounting();
-    let dir = std::env::temp_dir().join(format!("rfaas-takeback-{}-{kind}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("takeback", kind);
     let (opts, _journal) = common::billing_node(&env, &dir, "flush-a", 60_000);
     let daemon = Executord::start(&daemon_binary(), opts);
-    let admin = env.manager.admin();
-    wait_until("the node is up", || {
-        let (_, all) = admin.call("GET", "/v1/nodes", None);
-        all.as_array()
-            .is_some_and(|a| a.iter().any(|n| n["state"] == "up"))
-    });
+    common::wait_nodes_up(&env, 1);
     let user = env.manager.credential("user", "nobody", Some("physics"));
     let managers = Managers::new([env.manager.url()], &user).unwrap();
     let spec = AllocationSpec::new(

@@ -243,19 +243,12 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
         slot_hold_s: SLOT_HOLD_S,
         ..env.options()
     });
-    let dir = std::env::temp_dir().join(format!("rfaas-faults-{}-{kind}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("faults", kind);
     let mut nodes: Vec<Node> = ["fault-a", "fault-b", "fault-c"]
         .iter()
         .map(|name| Node::new(&env, &dir, name))
         .collect();
-    let admin = env.manager.admin();
-    wait_until("every node is up", || {
-        let (_, all) = admin.call("GET", "/v1/nodes", None);
-        all.as_array()
-            .is_some_and(|a| a.iter().filter(|n| n["state"] == "up").count() == nodes.len())
-    });
+    common::wait_nodes_up(&env, nodes.len());
     let user = env.manager.credential("user", "nobody", Some("physics"));
     let managers = Managers::new([env.manager.url()], &user).unwrap();
     let spec = AllocationSpec::new(

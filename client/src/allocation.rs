@@ -93,6 +93,9 @@ pub struct Allocation {
     moves: u64,
     /// Deallocated explicitly.
     done: bool,
+    /// The failures the last `invoke_retrying` retried past, oldest first;
+    /// they follow the allocation into the ones that replace it.
+    retried: Vec<Error>,
 }
 
 /// What [`Client`] hands over to build an [`Allocation`].
@@ -144,6 +147,7 @@ impl Allocation {
             node,
             moves: 0,
             done: false,
+            retried: Vec::new(),
         }
     }
 
@@ -241,6 +245,16 @@ impl Allocation {
     /// Where the allocation's cold start spent its time.
     pub fn cold_start(&self) -> ColdStart {
         self.cold_start
+    }
+
+    /// What made the last [`invoke_retrying`](Self::invoke_retrying) (or
+    /// [`LeasedAllocation::invoke_retrying`](crate::LeasedAllocation::invoke_retrying))
+    /// try again: each failure it retried past, oldest first: the call's
+    /// failure (a crash, with its signal: [`Error::signal`]), and
+    /// re-allocations that failed and were tried again. Empty when its
+    /// first attempt stood; the final failure, if any, is what it returned.
+    pub fn retry_causes(&self) -> &[Error] {
+        &self.retried
     }
 
     /// Whether the worker is still there as far as the client knows (no
@@ -380,6 +394,13 @@ impl Allocation {
     /// [`AllocationSpec::fallback_executor`], and calls again; at most
     /// `retries` times in all (re-allocations that fail count too).
     ///
+    /// The old allocation is let go before the new one is asked for, so on
+    /// the same executor a crashed worker's cores (which the lease may
+    /// need again) are free first; a refusal while they are not
+    /// (`allocation_ending`) is waited out without counting as a retry
+    /// ([`Client::allocate`]). What it retried past stays readable:
+    /// [`retry_causes`](Self::retry_causes).
+    ///
     /// The new allocation keeps this one's protection domain, so every
     /// [`Buffer`] made by [`buffer`](Self::buffer) stays valid. It replaces
     /// `self`: ids, lanes and [`cold_start`](Self::cold_start) are the new
@@ -393,6 +414,7 @@ impl Allocation {
         retries: u32,
     ) -> Result<usize> {
         let mut attempts = 0u32;
+        self.retried.clear();
         loop {
             let err = match self.invoke(function, input, in_len, output) {
                 Ok(n) => return Ok(n),
@@ -403,6 +425,7 @@ impl Allocation {
             }
             let mut elsewhere = err.wants_other_executor();
             tracing::info!(error = %err, attempt = attempts + 1, retries, "invocation failed; allocating again");
+            self.retried.push(err);
             loop {
                 attempts += 1;
                 match self.reallocate(elsewhere) {
@@ -410,6 +433,7 @@ impl Allocation {
                     Err(e) if e.is_retryable() && attempts < retries => {
                         tracing::info!(error = %e, attempt = attempts + 1, retries, "re-allocation failed; trying again");
                         elsewhere |= e.wants_other_executor();
+                        self.retried.push(e);
                         std::thread::sleep(Duration::from_millis(50 * u64::from(attempts.min(20))));
                     }
                     Err(e) => return Err(e),
@@ -418,10 +442,23 @@ impl Allocation {
         }
     }
 
+    /// Starts a new list of [`retry_causes`](Self::retry_causes).
+    pub(crate) fn clear_retry_causes(&mut self) {
+        self.retried.clear();
+    }
+
+    /// Adds `cause` to [`retry_causes`](Self::retry_causes).
+    pub(crate) fn note_retry_cause(&mut self, cause: Error) {
+        self.retried.push(cause);
+    }
+
     /// Replaces this allocation by a new one with the same spec, in the
-    /// same domain.
+    /// same domain. This one is let go first: it serves nothing more, and
+    /// on the same executor its worker's cores (the lease's) are freed
+    /// before the new request is read.
     pub(crate) fn reallocate(&mut self, elsewhere: bool) -> Result<()> {
         self.take_renewed_token();
+        self.let_go();
         let target = if elsewhere {
             (self.target + 1) % self.executors.len()
         } else {
@@ -434,9 +471,17 @@ impl Allocation {
             Some(Arc::clone(&self.domain)),
         )?;
         new.moves = self.moves + u64::from(new.executor() != self.executor());
+        self.replace(new);
+        Ok(())
+    }
+
+    /// Becomes `new`, a replacement in the same domain, keeping
+    /// [`retry_causes`](Self::retry_causes).
+    pub(crate) fn replace(&mut self, new: Allocation) {
+        let retried = std::mem::take(&mut self.retried);
         // The old one is dropped here: best-effort deallocation.
         *self = new;
-        Ok(())
+        self.retried = retried;
     }
 
     /// Ends the allocation: the executor stops the worker and frees its
@@ -709,9 +754,10 @@ impl Allocation {
     /// Asks the executor to end the allocation now without waiting for
     /// its word, as a drop does; nothing is served on it afterwards.
     pub(crate) fn let_go(&mut self) {
-        // A worker that refuses calls (its node is being taken back) is
-        // still there, holding its cores until it is told to end.
-        if !self.done && !self.fate.gone() {
+        // A worker that refuses calls (its node is being taken back), or
+        // answered a crash and is dying, is still the executor's, holding
+        // its cores until told or reaped: the executor hears of it.
+        if !self.done && !self.fate.settled() {
             self.conn.deallocate_nowait(self.id);
         }
         self.done = true;

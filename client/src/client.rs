@@ -8,7 +8,7 @@ use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
     Opcode, ProviderKind, RemoteAddr,
 };
-use rfaas_proto::control::{AllocateRequest, Descriptor, Frame};
+use rfaas_proto::control::{AllocateRequest, Descriptor, ErrorCode, Frame};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
@@ -18,6 +18,14 @@ use crate::error::{Error, Result};
 use crate::lane::{Lane, CQ_DEPTH, ENDPOINT_DEPTH};
 use crate::spec::{AllocationSpec, ClientOptions};
 use rfaas_proto::text::count;
+
+/// The first pause before asking again when an ending allocation of the
+/// same lease still holds its cores (`allocation_ending`); it doubles up
+/// to [`ENDING_MAX_PAUSE`], within `allocation_timeout` in all.
+const ENDING_FIRST_PAUSE: Duration = Duration::from_millis(5);
+
+/// The longest pause between such requests.
+const ENDING_MAX_PAUSE: Duration = Duration::from_millis(100);
 
 /// The entry point: opens the fabric on first use and keeps one control
 /// connection per executor, shared by every allocation on it. Cheap to
@@ -53,7 +61,10 @@ impl Client {
 
     /// Allocates a worker on the executor at `executor` (its control
     /// address, `host:port`) under the lease `token`, loads `spec`'s library
-    /// there and connects its lanes.
+    /// there and connects its lanes. While an ending allocation of the same
+    /// lease still holds its cores there (`allocation_ending`: a crashed
+    /// worker the executor has not reaped yet), it asks again after a short
+    /// pause, up to [`ClientOptions::allocation_timeout`](crate::ClientOptions::allocation_timeout).
     pub fn allocate(
         &self,
         executor: &str,
@@ -82,9 +93,8 @@ impl Client {
         spec.check_memory()?;
         let fabric = self.fabric()?;
         let (conn, connect_control) = self.conn(executor)?;
-        let request_id = conn.next_request_id();
-        let req = AllocateRequest {
-            request_id,
+        let mut req = AllocateRequest {
+            request_id: 0,
             token: token.clone(),
             cores: spec.cores,
             memory_mib: spec.memory_mib,
@@ -98,22 +108,37 @@ impl Client {
             provider: self.inner.opts.provider.clone(),
             read_only_input: spec.read_only_input,
         };
-        let frame = Frame::new(&req, spec.library.to_vec());
-        let sent = Instant::now();
-        let reply = conn.request(&frame, request_id, self.inner.opts.allocation_timeout)?;
-        let round_trip = sent.elapsed();
-        let (ok, fate) = match reply {
-            Reply::Allocated(ok, fate) => (*ok, fate),
-            Reply::Refused(e) => {
-                return Err(Error::Refused {
-                    code: e.code,
-                    message: e.message,
-                })
-            }
-            Reply::Deallocated | Reply::Renewed(_) => {
-                return Err(Error::Protocol(
-                    "the executor answered an AllocateRequest with another request's reply".into(),
-                ))
+        let timeout = self.inner.opts.allocation_timeout;
+        let mut pause = ENDING_FIRST_PAUSE;
+        let (ok, fate, round_trip) = loop {
+            req.request_id = conn.next_request_id();
+            let frame = Frame::new(&req, spec.library.to_vec());
+            let sent = Instant::now();
+            match conn.request(&frame, req.request_id, timeout)? {
+                Reply::Allocated(ok, fate) => break (*ok, fate, sent.elapsed()),
+                // The lease's cores are still held by an allocation of it
+                // that is ending (a crashed worker not yet reaped): they
+                // are free in a moment.
+                Reply::Refused(e)
+                    if e.code == ErrorCode::AllocationEnding
+                        && started.elapsed() + pause < timeout =>
+                {
+                    tracing::debug!(executor = %executor, message = %e.message, ?pause, "the lease's cores are still held by an ending allocation; allocating again shortly");
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(ENDING_MAX_PAUSE);
+                }
+                Reply::Refused(e) => {
+                    return Err(Error::Refused {
+                        code: e.code,
+                        message: e.message,
+                    })
+                }
+                Reply::Deallocated | Reply::Renewed(_) => {
+                    return Err(Error::Protocol(
+                        "the executor answered an AllocateRequest with another request's reply"
+                            .into(),
+                    ))
+                }
             }
         };
         if ok.lanes.is_empty() || ok.functions != spec.functions {

@@ -118,6 +118,18 @@ impl Fate {
         self.cond.notify_all();
     }
 
+    /// Whether the executor needs no word of the allocation's end: it
+    /// reported the worker's exit itself, the connection is gone, or the
+    /// client deallocated already. A worker that only answered a crash in
+    /// band, or refuses calls, is still the executor's until told or
+    /// reaped.
+    pub(crate) fn settled(&self) -> bool {
+        matches!(
+            *lock(&self.state),
+            FateState::Exited(_) | FateState::ExecutorLost | FateState::Deallocated
+        )
+    }
+
     /// The error for an invocation whose lane failed: waits up to `grace`
     /// for the executor to say why.
     pub(crate) fn error(&self, grace: Duration) -> Error {

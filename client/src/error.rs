@@ -39,7 +39,10 @@ pub enum Next {
 #[non_exhaustive]
 pub enum Error {
     /// The executor refused the allocation. Retryable when `code` is
-    /// (no capacity, draining, an expired lease, an executor failure).
+    /// (no capacity, draining, an expired lease, an executor failure, an
+    /// ending allocation of the same lease whose cores are not free yet:
+    /// the client library waits that one out by itself, up to
+    /// [`ClientOptions::allocation_timeout`](crate::ClientOptions::allocation_timeout)).
     #[error("the executor refused the allocation ({}): {message}", code_name(*code))]
     Refused {
         /// The executor's stable error code.
@@ -282,7 +285,7 @@ impl Error {
             Error::Refused { code, .. } => match code {
                 ErrorCode::TokenExpired => Next::NewLease,
                 ErrorCode::NoCapacity | ErrorCode::Draining => Next::Elsewhere,
-                ErrorCode::Internal => Next::Reallocate,
+                ErrorCode::Internal | ErrorCode::AllocationEnding => Next::Reallocate,
                 ErrorCode::MalformedRequest => Next::Report,
                 _ => Next::Fix,
             },
@@ -570,6 +573,7 @@ mod tests {
             ErrorCode::Internal,
             ErrorCode::MalformedRequest,
             ErrorCode::ExceedsLease,
+            ErrorCode::AllocationEnding,
         ] {
             all.push(Error::Refused {
                 code,
@@ -711,6 +715,12 @@ mod tests {
         };
         assert_eq!(refused(ErrorCode::TokenExpired).next(), Next::NewLease);
         assert_eq!(refused(ErrorCode::NoCapacity).next(), Next::Elsewhere);
+        // An ending allocation of the same lease: the same executor, soon.
+        assert_eq!(
+            refused(ErrorCode::AllocationEnding).next(),
+            Next::Reallocate
+        );
+        assert!(refused(ErrorCode::AllocationEnding).is_retryable());
         assert!(refused(ErrorCode::NoCapacity)
             .to_string()
             .contains("(no_capacity)"));

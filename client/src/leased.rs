@@ -407,6 +407,12 @@ impl LeasedAllocation {
     /// [`LeaseOptions::retry_elsewhere`], under a new lease on another node
     /// when the executor refused, stopped or died or the lease ended.
     /// Buffers stay valid across all of it.
+    ///
+    /// After a crash, the new worker on the same node comes under the same
+    /// lease once the crashed one is gone (the old allocation is let go
+    /// first; the executor's `allocation_ending` meanwhile is waited out,
+    /// not counted as a retry). What it retried past stays readable:
+    /// [`Allocation::retry_causes`].
     pub fn invoke_retrying<I: Pod, O: Pod>(
         &mut self,
         function: FunctionId,
@@ -416,6 +422,7 @@ impl LeasedAllocation {
         retries: u32,
     ) -> Result<usize> {
         let mut attempts = 0u32;
+        self.alloc.clear_retry_causes();
         loop {
             let mut err = match self.alloc.invoke(function, input, in_len, output) {
                 Ok(n) => return Ok(n),
@@ -427,9 +434,11 @@ impl LeasedAllocation {
                 }
                 attempts += 1;
                 tracing::info!(error = %err, attempt = attempts, retries, "invocation failed; trying again");
-                let moved = match err.next() {
+                let (next, elsewhere) = (err.next(), moves(&err));
+                self.alloc.note_retry_cause(err);
+                let moved = match next {
                     Next::Retry => Ok(()),
-                    _ if self.options.retry_elsewhere && moves(&err) => self.move_elsewhere(),
+                    _ if self.options.retry_elsewhere && elsewhere => self.move_elsewhere(),
                     _ => self.alloc.reallocate(false),
                 };
                 match moved {
@@ -492,7 +501,7 @@ impl LeasedAllocation {
             renewer: alloc.renewer(),
         };
         drop(current);
-        self.alloc = alloc;
+        self.alloc.replace(alloc);
         Ok(())
     }
 

@@ -30,6 +30,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rfaas_proto::meter::{self, AreaError, AreaHeader, Clock, LaneRecord};
@@ -198,8 +199,8 @@ fn calibrate_tsc() -> Option<u64> {
 }
 
 /// A mapped meter area. The daemon maps it read-only, the worker
-/// read-write; either way only its records' atomics are touched after
-/// mapping.
+/// read-write; either way only its records' atomics, and the header's
+/// `crashed` word, are touched after mapping.
 #[derive(Debug)]
 pub struct MeterArea {
     ptr: NonNull<u8>,
@@ -300,6 +301,39 @@ impl MeterArea {
         self.header
     }
 
+    /// The header's `crashed` word.
+    fn crashed_word(&self) -> &AtomicU64 {
+        // SAFETY: the mapping holds at least the header; the offset is a
+        // multiple of 8 in a page-aligned mapping; the word is only ever
+        // accessed atomically, from either side.
+        unsafe {
+            &*self
+                .ptr
+                .as_ptr()
+                .add(meter::CRASHED_OFFSET)
+                .cast::<AtomicU64>()
+        }
+    }
+
+    /// The worker's side: a function crashed the worker with `signal`,
+    /// which is ending. Stored before the crash is answered, so the daemon
+    /// sees it before the client can ask again.
+    pub fn mark_crashed(&self, signal: i32) {
+        self.crashed_word()
+            .store(u64::from(signal.unsigned_abs()).max(1), Ordering::Release);
+    }
+
+    /// The daemon's side: the signal a function crashed the worker with,
+    /// as the worker says. Its word, not trusted: it only makes the daemon
+    /// count the allocation as ending, and name the crash as the cause of
+    /// a worker it killed meanwhile.
+    pub fn crashed(&self) -> Option<i32> {
+        match self.crashed_word().load(Ordering::Acquire) {
+            0 => None,
+            s => Some(i32::try_from(s).unwrap_or(i32::MAX)),
+        }
+    }
+
     /// Lane `lane`'s record; `None` past the area's lanes.
     pub fn record(&self, lane: u16) -> Option<&LaneRecord> {
         if lane >= self.header.lanes {
@@ -359,6 +393,17 @@ mod tests {
         assert_eq!(daemon.record(2).unwrap().read(1), (v, true));
         assert_eq!(daemon.record(0).unwrap().read(1).0, LaneValues::default());
         assert!(daemon.record(3).is_none());
+        // A crash mark, and the header left as it was.
+        assert_eq!(daemon.crashed(), None);
+        worker.mark_crashed(libc::SIGSEGV);
+        assert_eq!(daemon.crashed(), Some(libc::SIGSEGV));
+        let mut head = [0u8; meter::HEADER_LEN];
+        File::from(fd).read_exact_at(&mut head, 0).unwrap();
+        assert_eq!(
+            rfaas_proto::meter::AreaHeader::decode(&head, meter::area_len(3)).unwrap(),
+            daemon.header()
+        );
+        assert_eq!(head[meter::CRASHED_OFFSET], libc::SIGSEGV as u8);
     }
 
     #[test]

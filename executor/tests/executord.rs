@@ -14,7 +14,7 @@ use rfaas_proto::control::{
 };
 use rfaas_proto::lease::LeaseSigner;
 use rfaas_testkit::executord::{request, wait_for_exit, Executord, ExecutordOptions};
-use rfaas_testkit::functions::c_library_bytes;
+use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
 const MINUTE: Duration = Duration::from_secs(60);
@@ -228,31 +228,6 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
     // Pooled workers start niced; serving, every thread is back to 0.
     let nice = nice_of_threads(pid);
     assert!(!nice.is_empty() && nice.iter().all(|&n| n == 0), "{nice:?}");
-    // It may pin what it registers (verbs) up to its memory limit: the
-    // locked-memory limit is lifted where root may raise limits
-    // (CAP_SYS_RESOURCE; containers often drop it), and said otherwise.
-    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
-    let memlock = limits
-        .lines()
-        .find(|l| l.starts_with("Max locked memory"))
-        .unwrap();
-    if can_raise_memlock() {
-        assert!(
-            memlock.split_whitespace().nth(3) == Some("unlimited"),
-            "{memlock}"
-        );
-    } else {
-        // The worker logs it (to the daemon's stderr) before it loads the
-        // library, so before the AllocateOk above.
-        let log = d.log();
-        assert!(
-            log.contains("cannot lift the locked-memory limit"),
-            "no word of the memlock limit:\n{log}"
-        );
-        // It says what is missing: root without the capability is still root.
-        assert!(log.contains("without CAP_SYS_RESOURCE"), "{log}");
-    }
-
     let reply = c.deallocate(ok.allocation_id);
     let done: Deallocated = reply.parse().unwrap();
     assert_eq!(done.allocation_id, ok.allocation_id);
@@ -265,6 +240,68 @@ fn allocation_runs_a_pooled_worker_as_the_lease_user() {
     let again = c.deallocate(ok.allocation_id);
     let e: ErrorReply = again.parse().unwrap();
     assert_eq!(e.code, ErrorCode::UnknownAllocation);
+}
+
+/// How many lines of `d`'s log speak of the locked-memory limit.
+fn memlock_lines(d: &Executord) -> usize {
+    d.log().matches("RLIMIT_MEMLOCK").count()
+}
+
+/// The locked-memory limit matters to verbs alone, which pins what it
+/// registers: with verbs configured, the daemon lifts it at start for
+/// every worker where root may raise limits (CAP_SYS_RESOURCE; containers
+/// often drop it), and says once, at start, why it cannot otherwise;
+/// without verbs it leaves the limit alone and says nothing of it, however
+/// many allocations come.
+#[test]
+fn the_locked_memory_limit_is_lifted_for_verbs_only_and_said_once() {
+    let library = c_library_bytes();
+    let plain = start(ExecutordOptions {
+        providers: vec!["tcp".into()],
+        ..ExecutordOptions::default()
+    });
+    for _ in 0..3 {
+        plain
+            .allocate_and_deallocate(&library)
+            .unwrap_or_else(|e| panic!("{e}\n{}", plain.log()));
+    }
+    assert_eq!(memlock_lines(&plain), 0, "{}", plain.log());
+
+    let verbs = start(ExecutordOptions {
+        providers: vec!["tcp".into(), "verbs:rxe0".into()],
+        ..ExecutordOptions::default()
+    });
+    let mut c = Control::connect(&verbs);
+    let ok = c
+        .allocate(good_request(&verbs, 1), library.clone())
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", verbs.log()));
+    let pid = pid_of(&verbs, ok.allocation_id);
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let memlock = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))
+        .unwrap();
+    let log = verbs.log();
+    if can_raise_memlock() {
+        assert!(
+            memlock.split_whitespace().nth(3) == Some("unlimited"),
+            "{memlock}"
+        );
+    } else {
+        // It says what is missing: root without the capability is still
+        // root.
+        assert!(log.contains("without CAP_SYS_RESOURCE"), "{log}");
+        let said = log.find("RLIMIT_MEMLOCK").unwrap();
+        let granted = log.find("allocation granted").unwrap();
+        assert!(said < granted, "said at start, not per allocation:\n{log}");
+    }
+    c.deallocate(ok.allocation_id);
+    for _ in 0..2 {
+        verbs
+            .allocate_and_deallocate(&library)
+            .unwrap_or_else(|e| panic!("{e}\n{}", verbs.log()));
+    }
+    assert!(memlock_lines(&verbs) <= 1, "{}", verbs.log());
 }
 
 #[test]
@@ -505,6 +542,59 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
     assert!(!draining);
 }
 
+/// A request that fits its lease once a crashed worker of that lease is
+/// reaped is refused `allocation_ending` (retryable) until then, never
+/// `exceeds_lease`: the crashed worker's cores count as free only once it
+/// is reaped, and the client library retries such a refusal by itself.
+/// The crashing function touches 256 MiB first, so its worker takes a
+/// while to end, as a big one does.
+#[test]
+fn a_request_that_fits_once_a_crashed_worker_is_reaped_is_retryable() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let memory = 512;
+    let token = d.token("nobody", 1, memory, MINUTE);
+    let addr = d.control_addr().to_string();
+    let spec = AllocationSpec::new(lib.clone(), &["echo", "fault_segfault_once"])
+        .library_name("libfunctions.so")
+        .memory_mib(memory);
+    let client = || Client::new(ClientOptions::with_provider("tcp"));
+    let first = client()
+        .allocate(&addr, &token, &spec)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let f = first.function("fault_segfault_once").unwrap();
+    let marker = CrashOnce::new();
+    let bytes = marker.input(256);
+    let mut input = first.buffer::<u8>(bytes.len()).unwrap();
+    input.as_mut_slice().copy_from_slice(&bytes);
+    let mut output = first.buffer::<u8>(bytes.len()).unwrap();
+    let err = first
+        .invoke(f, &input, bytes.len(), &mut output)
+        .unwrap_err();
+    assert!(err.signal() == Some(11), "{err:?}");
+    // At once, on another connection, with the first allocation not let
+    // go: its worker is still exiting.
+    let mut c = Control::connect(&d);
+    let mut req = request(token.clone(), 1, &["echo"]);
+    req.memory_mib = memory;
+    match c.allocate(req, lib) {
+        Err(e) => {
+            assert_eq!(e.code, ErrorCode::AllocationEnding, "{e:?}");
+            assert!(e.code.is_retryable());
+            assert!(e.message.contains("retry in a moment"), "{}", e.message);
+        }
+        // The worker was reaped first.
+        Ok(ok) => {
+            c.deallocate(ok.allocation_id);
+        }
+    }
+    let second = client()
+        .allocate(&addr, &token, &spec)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    second.deallocate().unwrap();
+    drop(first);
+}
+
 #[test]
 fn capacity_is_never_granted_twice() {
     let d = start(ExecutordOptions {
@@ -655,6 +745,70 @@ fn drain_refuses_allocations_until_resumed() {
 /// A Slurm job's prolog takes the node back with the grace (running
 /// workers are told, then stopped; clients hear `drained`), and the node is
 /// offered again only when the last Slurm job holding it has ended.
+/// The milliseconds a take-back's answer says it took ("in N ms").
+fn took_ms(message: &str) -> u64 {
+    let at = message
+        .find(" in ")
+        .unwrap_or_else(|| panic!("no time in {message:?}"));
+    message[at + 4..]
+        .split(" ms")
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no time in {message:?}"))
+}
+
+/// A drain says how long it took and what became of each allocation:
+/// those whose clients let go within the grace are drained, not stopped,
+/// and the drain is over as soon as they are gone, not at the grace's end.
+#[test]
+fn a_drain_says_how_long_it_took_and_what_it_ended() {
+    let d = start(ExecutordOptions::default());
+    let lib = c_library_bytes();
+    let mut a = Control::connect(&d);
+    let a_ok = a.allocate(good_request(&d, 1), lib.clone()).unwrap();
+    let mut b = Control::connect(&d);
+    b.allocate(good_request(&d, 1), lib).unwrap();
+    let (reply, seen) = std::thread::scope(|scope| {
+        let asked = Instant::now();
+        let drain = scope.spawn(|| d.local(LocalRequest::Drain { grace_ms: 600_000 }));
+        d.wait_status(MINUTE, |s| {
+            matches!(s, LocalReply::Status { draining: true, .. })
+        });
+        // One client deallocates, the other closes its connection.
+        a.deallocate(a_ok.allocation_id);
+        drop(b);
+        (drain.join().unwrap(), asked.elapsed())
+    });
+    let LocalReply::Done { message } = reply else {
+        panic!("the drain answered {reply:?}");
+    };
+    assert!(
+        message.starts_with("drained in ")
+            && message.ends_with(
+                " ms: 2 allocations drained within the 600000 ms grace period, 0 stopped after it, 0 had finished already"
+            ),
+        "{message}"
+    );
+    assert!(
+        Duration::from_millis(took_ms(&message)) <= seen,
+        "{message}, but the test saw the drain take {seen:?}"
+    );
+    let log = d.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("drain done"))
+        .unwrap_or_else(|| panic!("no drain line:\n{log}"));
+    for field in [
+        "took_ms=",
+        "drained=2",
+        "stopped=0",
+        "finished=0",
+        "grace_ms=600000",
+    ] {
+        assert!(line.contains(field), "{field} not in {line}");
+    }
+}
+
 #[test]
 fn slurm_jobs_take_the_node_back_until_the_last_one_ends() {
     let d = start(ExecutordOptions::default());
@@ -773,9 +927,22 @@ fn a_slurm_job_takes_back_only_its_own_cpus() {
     let LocalReply::Done { message } = reply else {
         panic!("{reply:?}")
     };
+    let (head, tail) = message
+        .split_once(" in ")
+        .unwrap_or_else(|| panic!("{message}"));
     assert_eq!(
-        message,
-        "taken back for Slurm job 5: CPUs 0 withheld (Slurm's CPU_IDs 0); 1 allocation on them ended, 1 stopped after the 200 ms grace period; 2 CPUs free for rfaas"
+        head,
+        "taken back for Slurm job 5: CPUs 0 withheld (Slurm's CPU_IDs 0);"
+    );
+    assert!(
+        tail.ends_with(
+            " ms: 0 allocations on them drained within the 200 ms grace period, 1 stopped after it, 0 had finished already; 2 CPUs free for rfaas"
+        ),
+        "{message}"
+    );
+    assert!(
+        took_ms(&message) >= 200,
+        "stopped after the grace: {message}"
     );
     let exited = a.worker_exited();
     assert_eq!(exited.cause, ExitCause::Drained, "{}", exited.message);

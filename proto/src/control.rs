@@ -533,6 +533,13 @@ pub enum ErrorCode {
     /// A renewal's token is for another lease than the allocation's, or
     /// ends before the allocation's lease. Not retryable with that token.
     LeaseMismatch,
+    /// The request fits its lease only once allocations of the same lease
+    /// that are ending here are gone: their workers were told to stop, or
+    /// crashed and are exiting, and their cores and memory are counted
+    /// free only once the executor has reaped them. Retryable on the same
+    /// executor in a moment (a client library retries it by itself, with
+    /// a short backoff).
+    AllocationEnding,
 }
 
 impl ErrorCode {
@@ -544,6 +551,7 @@ impl ErrorCode {
                 | ErrorCode::NoCapacity
                 | ErrorCode::Draining
                 | ErrorCode::Internal
+                | ErrorCode::AllocationEnding
         )
     }
 }
@@ -1193,6 +1201,16 @@ mod tests {
         assert_eq!(serde_json::from_str::<LocalReply>(&json).unwrap(), reply);
     }
 
+    /// The bytes of a version 2 frame of kind `kind` with `json` (under
+    /// 256 bytes) and no blob: magic, version, kind, JSON length, blob
+    /// length, little-endian.
+    fn small_frame(kind: u8, json: &[u8]) -> Vec<u8> {
+        let mut b = vec![b'R', b'F', b'A', b'X', 2, 0, kind, 0, json.len() as u8];
+        b.extend_from_slice(&[0; 7]);
+        b.extend_from_slice(json);
+        b
+    }
+
     /// The renewal frames, byte for byte: header (kind 7, 8, 19) and JSON.
     #[test]
     fn renewal_frame_bytes() {
@@ -1202,25 +1220,7 @@ mod tests {
             token: "rfaas2.x.y".into(),
         };
         let json = br#"{"request_id":9,"allocation_id":4,"token":"rfaas2.x.y"}"#;
-        let mut want = vec![
-            b'R',
-            b'F',
-            b'A',
-            b'X',
-            2,
-            0,
-            7,
-            0,
-            json.len() as u8,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-        ];
-        want.extend_from_slice(json);
+        let want = small_frame(7, json);
         let frame = Frame::new(&renew, vec![]);
         assert_eq!(frame.to_bytes(), want);
         assert_eq!(frame.parse::<RenewLease>().unwrap(), renew);
@@ -1231,50 +1231,14 @@ mod tests {
             expires_at: 1_800_000_000,
         };
         let json = br#"{"request_id":9,"allocation_id":4,"expires_at":1800000000}"#;
-        let mut want = vec![
-            b'R',
-            b'F',
-            b'A',
-            b'X',
-            2,
-            0,
-            8,
-            0,
-            json.len() as u8,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-        ];
-        want.extend_from_slice(json);
+        let want = small_frame(8, json);
         assert_eq!(Frame::new(&renewed, vec![]).to_bytes(), want);
 
         let moved = ExpiryMoved {
             expires_at: 1_800_000_000,
         };
         let json = br#"{"expires_at":1800000000}"#;
-        let mut want = vec![
-            b'R',
-            b'F',
-            b'A',
-            b'X',
-            2,
-            0,
-            19,
-            0,
-            json.len() as u8,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-        ];
-        want.extend_from_slice(json);
+        let want = small_frame(19, json);
         let frame = Frame::new(&moved, vec![]);
         assert_eq!(frame.to_bytes(), want);
         let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
@@ -1288,5 +1252,22 @@ mod tests {
             r#""lease_mismatch""#
         );
         assert!(!ErrorCode::LeaseMismatch.is_retryable());
+    }
+
+    /// A refusal that passes once an ending allocation of the same lease
+    /// is reaped: its frame, byte by byte, and retryable.
+    #[test]
+    fn allocation_ending_refusal_bytes() {
+        let reply = ErrorReply {
+            request_id: 7,
+            code: ErrorCode::AllocationEnding,
+            message: "m".into(),
+        };
+        let json = br#"{"request_id":7,"code":"allocation_ending","message":"m"}"#;
+        let want = small_frame(3, json);
+        assert_eq!(Frame::new(&reply, vec![]).to_bytes(), want);
+        let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
+        assert_eq!(back.parse::<ErrorReply>().unwrap(), reply);
+        assert!(ErrorCode::AllocationEnding.is_retryable());
     }
 }

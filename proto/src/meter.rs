@@ -18,7 +18,8 @@
 //!  +--------------+--------------+-----+-------------+
 //! ```
 //!
-//! Header, [`HEADER_LEN`] bytes, written once by the daemon:
+//! Header, [`HEADER_LEN`] bytes, written once by the daemon but for
+//! `crashed`:
 //!
 //! | offset | field | |
 //! |---|---|---|
@@ -28,7 +29,8 @@
 //! | 12 | clock | u16, a [`Clock`] code: what a tick is |
 //! | 14 | reserved | u16, 0 |
 //! | 16 | ticks_per_sec | u64, the clock's rate as the daemon measured it (for people; the daemon keeps its own copy) |
-//! | 24 | reserved | zeros up to 128 |
+//! | 24 | crashed | u64, 0; the signal of a function's crash, which the worker stores ([`CRASHED_OFFSET`]) before it answers `function_crashed` and dies, so the daemon knows the worker is ending before it reaps it |
+//! | 32 | reserved | zeros up to 128 |
 //!
 //! Lane record, [`RECORD_LEN`] bytes (two cache lines, so the records of
 //! two lanes never share a line, nor a pair of lines the prefetcher moves
@@ -65,6 +67,9 @@ pub const VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 128;
 /// Bytes of one lane record.
 pub const RECORD_LEN: usize = 128;
+/// Offset of the header's `crashed` word, an aligned `u64` (an atomic for
+/// both sides): 0, or the signal a function crashed its worker with.
+pub const CRASHED_OFFSET: usize = 24;
 
 /// Bytes of an area with `lanes` records.
 pub const fn area_len(lanes: u16) -> usize {

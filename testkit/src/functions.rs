@@ -10,6 +10,8 @@
 //!   functions.cpp`, rFaaS's own example functions, with `c++`.
 //! - [`wait_in_sleep_ms`] waits until a worker runs `sleep_ms`, so a test
 //!   acts while a call is inside its function, not after a guessed delay.
+//! - [`CrashOnce`] is the marker file `fault_segfault_once` crashes on
+//!   creating.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -241,5 +243,50 @@ mod tests {
                 "{f} not exported:\n{symbols}"
             );
         }
+    }
+}
+
+/// The input of `fault_segfault_once`: a path in the system's temporary
+/// directory (which every user may create files in, the lease's user
+/// too) that does not exist yet. The first call with it creates the file
+/// and crashes; later ones echo it. The file is removed on drop.
+#[derive(Debug)]
+pub struct CrashOnce(PathBuf);
+
+impl CrashOnce {
+    /// A fresh marker path.
+    pub fn new() -> CrashOnce {
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("rfaas-crash-once-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        CrashOnce(path)
+    }
+
+    /// The function's input: `mib` of heap to touch before the crash,
+    /// then the path.
+    pub fn input(&self, mib: u32) -> Vec<u8> {
+        use std::os::unix::ffi::OsStrExt;
+        let mut v = mib.to_ne_bytes().to_vec();
+        v.extend_from_slice(self.0.as_os_str().as_bytes());
+        v
+    }
+
+    /// Whether the function has crashed on it (the file exists).
+    pub fn crashed(&self) -> bool {
+        self.0.exists()
+    }
+}
+
+impl Default for CrashOnce {
+    fn default() -> CrashOnce {
+        CrashOnce::new()
+    }
+}
+
+impl Drop for CrashOnce {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }

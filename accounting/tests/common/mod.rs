@@ -227,6 +227,25 @@ impl Env {
     }
 }
 
+/// A fresh private directory for the test `what` on a database of `kind`
+/// (the caller removes it).
+pub fn scratch_dir(what: &str, kind: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rfaas-{what}-{}-{kind}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Waits until `n` nodes are up at `env`'s manager.
+pub fn wait_nodes_up(env: &Env, n: usize) {
+    let admin = env.manager.admin();
+    wait_until(&format!("{n} nodes are up"), || {
+        let (_, all) = admin.call("GET", "/v1/nodes", None);
+        all.as_array()
+            .is_some_and(|a| a.iter().filter(|n| n["state"] == "up").count() == n)
+    });
+}
+
 /// Waits until `done` holds, at most 30 s, then panics naming `what`.
 pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let until = Instant::now() + Duration::from_secs(30);

@@ -251,6 +251,14 @@ enum rfaas_status
    */
   RFAAS_ERR_REFUSED_LEASE_MISMATCH = 217,
   /**
+   * Refused: the request fits the lease only once an ending allocation
+   * of the same lease (a crashed worker not yet reaped) is gone. The
+   * library asks again by itself, with a short backoff, up to the
+   * client's allocation timeout; this comes back only past it.
+   * Retryable.
+   */
+  RFAAS_ERR_REFUSED_ALLOCATION_ENDING = 218,
+  /**
    * The resource manager refused the request for another reason than
    * those below (the message says which).
    */
@@ -532,6 +540,17 @@ const char *rfaas_last_error(void);
  * changes only with its next failure.
  */
 struct rfaas_error_info rfaas_last_error_info(void);
+
+/**
+ * How many times the calling thread's last `rfaas_invoke_retrying`
+ * retried: 0 when its first attempt's outcome stands (or the thread has
+ * not called it). When it retried, `rfaas_last_error()` and
+ * `rfaas_last_error_info()` describe the last failure it retried past
+ * even if it then succeeded (a crash: status `RFAAS_ERR_WORKER_CRASHED`
+ * and its signal), or, if it failed in the end, that final failure, whose
+ * message also names the failure that made it retry first.
+ */
+uint32_t rfaas_last_retries(void);
 
 /**
  * The defaults: 1 core, 256 MiB, hot-then-warm with 5 ms of polling,
@@ -1024,6 +1043,18 @@ rfaas_status rfaas_invoke(const struct rfaas_allocation *alloc,
  * replaces the old one in `*alloc`: its buffers stay valid, nothing is
  * copied, and function indices are the same. With `retries` 0 it is
  * `rfaas_invoke`.
+ *
+ * The old allocation is let go first; on the same executor, and under a
+ * lease with no core to spare, the new worker comes once the crashed one
+ * is gone (`RFAAS_ERR_REFUSED_ALLOCATION_ENDING` meanwhile is waited out,
+ * not counted as a retry).
+ *
+ * What it retried past stays readable: `rfaas_last_retries()` says how
+ * many times it retried; when it did, `rfaas_last_error()` and
+ * `rfaas_last_error_info()` describe the last failure it retried past
+ * (a crash with its signal), even when it then returned `RFAAS_OK`. A
+ * final failure is the last error as usual, and its message names the
+ * failure that made it retry first.
  *
  * Not thread-safe: no other call may use the allocation meanwhile, and it
  * fails with `RFAAS_ERR_INVALID_ARGUMENT` while invocations of it are not

@@ -44,6 +44,8 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
     /// The rest of it.
     static LAST_INFO: Cell<rfaas_error_info> = const { Cell::new(NO_FAILURE) };
+    /// How many times this thread's last `rfaas_invoke_retrying` retried.
+    static LAST_RETRIES: Cell<u32> = const { Cell::new(0) };
 }
 
 /// A failed call: its status, the sentence `rfaas_last_error` returns, and
@@ -127,6 +129,11 @@ pub(crate) fn set_last_failure(failure: Failure) {
     // Interior NULs would cut the C string short; show them instead.
     let c = CString::new(failure.message.replace('\0', "\\0")).unwrap_or_default();
     LAST_ERROR.with(|slot| *slot.borrow_mut() = c);
+}
+
+/// Records how many times the thread's `rfaas_invoke_retrying` retried.
+pub(crate) fn set_last_retries(n: u32) {
+    LAST_RETRIES.with(|slot| slot.set(n));
 }
 
 /// Runs the body of the C call `call`: a failure sets the thread's last
@@ -245,6 +252,18 @@ pub extern "C" fn rfaas_last_error() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn rfaas_last_error_info() -> rfaas_error_info {
     call_infallible(NO_FAILURE, || LAST_INFO.with(Cell::get))
+}
+
+/// How many times the calling thread's last `rfaas_invoke_retrying`
+/// retried: 0 when its first attempt's outcome stands (or the thread has
+/// not called it). When it retried, `rfaas_last_error()` and
+/// `rfaas_last_error_info()` describe the last failure it retried past
+/// even if it then succeeded (a crash: status `RFAAS_ERR_WORKER_CRASHED`
+/// and its signal), or, if it failed in the end, that final failure, whose
+/// message also names the failure that made it retry first.
+#[no_mangle]
+pub extern "C" fn rfaas_last_retries() -> u32 {
+    call_infallible(0, || LAST_RETRIES.with(Cell::get))
 }
 
 #[cfg(test)]

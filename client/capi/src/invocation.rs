@@ -11,7 +11,10 @@ use rfaas_proto::text::count;
 
 use crate::buffer::rfaas_buffer;
 use crate::client::{no_invocations, rfaas_allocation, Held};
-use crate::ffi::{call, call_infallible, mut_arg, out_arg, ref_arg, CallResult, Failure};
+use crate::ffi::{
+    call, call_infallible, in_c_words, mut_arg, out_arg, ref_arg, set_last_failure,
+    set_last_retries, CallResult, Failure,
+};
 use crate::status::rfaas_status::{self, RFAAS_OK, RFAAS_PENDING};
 
 /// One call in flight, from `rfaas_submit`. Wait for it with `rfaas_wait`,
@@ -371,6 +374,18 @@ pub unsafe extern "C" fn rfaas_invoke(
 /// copied, and function indices are the same. With `retries` 0 it is
 /// `rfaas_invoke`.
 ///
+/// The old allocation is let go first; on the same executor, and under a
+/// lease with no core to spare, the new worker comes once the crashed one
+/// is gone (`RFAAS_ERR_REFUSED_ALLOCATION_ENDING` meanwhile is waited out,
+/// not counted as a retry).
+///
+/// What it retried past stays readable: `rfaas_last_retries()` says how
+/// many times it retried; when it did, `rfaas_last_error()` and
+/// `rfaas_last_error_info()` describe the last failure it retried past
+/// (a crash with its signal), even when it then returned `RFAAS_OK`. A
+/// final failure is the last error as usual, and its message names the
+/// failure that made it retry first.
+///
 /// Not thread-safe: no other call may use the allocation meanwhile, and it
 /// fails with `RFAAS_ERR_INVALID_ARGUMENT` while invocations of it are not
 /// freed (a re-allocation replaces the lanes they use).
@@ -398,11 +413,31 @@ pub unsafe extern "C" fn rfaas_invoke_retrying(
         // SAFETY: the caller's promises.
         let (f, input, output) =
             unsafe { buffers(CALL, handle.alloc(), function, r#in, in_bytes, out) }?;
-        let len = match &mut handle.held {
+        let result = match &mut handle.held {
             Held::Plain(a) => a.invoke_retrying(f, input, in_bytes, output, retries),
             Held::Leased(l) => l.invoke_retrying(f, input, in_bytes, output, retries),
-        }
-        .map_err(|e| Failure::client(CALL, &e))?;
+        };
+        let causes = handle.alloc().retry_causes();
+        set_last_retries(u32::try_from(causes.len()).unwrap_or(u32::MAX));
+        let len = match result {
+            Ok(len) => {
+                if let Some(last) = causes.last() {
+                    set_last_failure(Failure::client(CALL, last));
+                }
+                len
+            }
+            Err(e) => {
+                let mut failure = Failure::client(CALL, &e);
+                if let Some(first) = causes.first() {
+                    failure.message.push_str(&format!(
+                        " (retried {} before; the first time because: {})",
+                        count(causes.len() as u64, "time"),
+                        in_c_words(first)
+                    ));
+                }
+                return Err(failure);
+            }
+        };
         if !out_len.is_null() {
             // SAFETY: non-null and writable (caller's promise).
             unsafe { out_len.write(len) };

@@ -18,7 +18,8 @@
 //!   [`::rfaas_client::Error`];
 //!   `rfaas_next`; `rfaas_status_name`, `rfaas_status_is_retryable`.
 //! - [`ffi`]: the thread's last error (`rfaas_last_error`,
-//!   `rfaas_last_error_info`), panic containment, checked conversions of C
+//!   `rfaas_last_error_info`) and its last call's retries
+//!   (`rfaas_last_retries`), panic containment, checked conversions of C
 //!   pointers and strings, the client's errors in C's words.
 //! - [`options`]: `rfaas_alloc_options`, `rfaas_mode`.
 //! - [`lease`]: `rfaas_managers`, `rfaas_lease`: leases from the resource
@@ -48,7 +49,7 @@ pub mod invocation;
 
 pub use buffer::*;
 pub use client::*;
-pub use ffi::{rfaas_error_info, rfaas_last_error, rfaas_last_error_info};
+pub use ffi::{rfaas_error_info, rfaas_last_error, rfaas_last_error_info, rfaas_last_retries};
 pub use invocation::*;
 pub use lease::*;
 pub use options::*;

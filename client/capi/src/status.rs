@@ -149,6 +149,12 @@ pub enum rfaas_status {
     /// Refused: a renewal's token is for another lease than the
     /// allocation's, or ends before it; the allocation is unchanged.
     RFAAS_ERR_REFUSED_LEASE_MISMATCH = 217,
+    /// Refused: the request fits the lease only once an ending allocation
+    /// of the same lease (a crashed worker not yet reaped) is gone. The
+    /// library asks again by itself, with a short backoff, up to the
+    /// client's allocation timeout; this comes back only past it.
+    /// Retryable.
+    RFAAS_ERR_REFUSED_ALLOCATION_ENDING = 218,
     /// The resource manager refused the request for another reason than
     /// those below (the message says which).
     RFAAS_ERR_MANAGER = 300,
@@ -174,7 +180,7 @@ pub enum rfaas_status {
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 53] = [
+const ALL: [rfaas_status; 54] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -222,6 +228,7 @@ const ALL: [rfaas_status; 53] = [
     RFAAS_ERR_REFUSED_INTERNAL,
     RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
     RFAAS_ERR_REFUSED_LEASE_MISMATCH,
+    RFAAS_ERR_REFUSED_ALLOCATION_ENDING,
     RFAAS_ERR_MANAGER,
     RFAAS_ERR_MANAGER_NO_CAPACITY,
     RFAAS_ERR_MANAGER_QUOTA,
@@ -268,6 +275,7 @@ impl rfaas_status {
             ErrorCode::Internal => RFAAS_ERR_REFUSED_INTERNAL,
             ErrorCode::MemoryTooSmall => RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL,
             ErrorCode::LeaseMismatch => RFAAS_ERR_REFUSED_LEASE_MISMATCH,
+            ErrorCode::AllocationEnding => RFAAS_ERR_REFUSED_ALLOCATION_ENDING,
             _ => RFAAS_ERR_REFUSED,
         }
     }
@@ -346,6 +354,7 @@ impl rfaas_status {
                 | RFAAS_ERR_REFUSED_NO_CAPACITY
                 | RFAAS_ERR_REFUSED_DRAINING
                 | RFAAS_ERR_REFUSED_INTERNAL
+                | RFAAS_ERR_REFUSED_ALLOCATION_ENDING
         )
     }
 
@@ -399,6 +408,7 @@ impl rfaas_status {
             RFAAS_ERR_REFUSED_INTERNAL => c"RFAAS_ERR_REFUSED_INTERNAL",
             RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL => c"RFAAS_ERR_REFUSED_MEMORY_TOO_SMALL",
             RFAAS_ERR_REFUSED_LEASE_MISMATCH => c"RFAAS_ERR_REFUSED_LEASE_MISMATCH",
+            RFAAS_ERR_REFUSED_ALLOCATION_ENDING => c"RFAAS_ERR_REFUSED_ALLOCATION_ENDING",
             RFAAS_ERR_MANAGER => c"RFAAS_ERR_MANAGER",
             RFAAS_ERR_MANAGER_NO_CAPACITY => c"RFAAS_ERR_MANAGER_NO_CAPACITY",
             RFAAS_ERR_MANAGER_QUOTA => c"RFAAS_ERR_MANAGER_QUOTA",
@@ -568,6 +578,7 @@ mod tests {
             ErrorCode::Internal,
             ErrorCode::MemoryTooSmall,
             ErrorCode::LeaseMismatch,
+            ErrorCode::AllocationEnding,
         ] {
             let s = rfaas_status::from_refusal(code);
             assert_ne!(s, RFAAS_ERR_REFUSED, "{code:?} has its own status");

@@ -1,8 +1,9 @@
 //! `rfaas_leased_allocate` against a real `rfaas-manager` and real
 //! `rfaas-executord`s that accept the manager's tokens: an allocation that
 //! holds its own lease, whose `rfaas_deallocate` releases it; one that
-//! waits for a full node up to its deadline; and one that moves when its
-//! node is taken back, and says where it went.
+//! waits for a full node up to its deadline; one that moves when its
+//! node is taken back, and says where it went; and one whose function
+//! crashed, which `rfaas_invoke_retrying` brings back on the same lease.
 
 use std::ffi::{CStr, CString};
 use std::ptr::null_mut;
@@ -11,21 +12,24 @@ use std::time::{Duration, Instant};
 use rfaas::*;
 use rfaas_proto::control::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
-use rfaas_testkit::functions::c_library;
+use rfaas_testkit::functions::{c_library, CrashOnce};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
 use serde_json::json;
 
+#[track_caller]
 fn ok(status: rfaas_status) {
+    assert_eq!(status, rfaas_status::RFAAS_OK, "{}", last_error());
+}
+
+fn last_error() -> String {
     let why = rfaas_last_error();
-    let why = if why.is_null() {
-        String::new()
-    } else {
-        // SAFETY: non-null, NUL-terminated, valid until the next call.
-        unsafe { CStr::from_ptr(why) }
-            .to_string_lossy()
-            .into_owned()
-    };
-    assert_eq!(status, rfaas_status::RFAAS_OK, "{why}");
+    if why.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-null, NUL-terminated, valid until the next call.
+    unsafe { CStr::from_ptr(why) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// A manager that never loses the test's silent nodes.
@@ -85,12 +89,27 @@ impl Job {
     /// `rfaas_leased_allocate` of one warm core serving "echo", for 60 s,
     /// waiting up to `deadline_ms` for a lease.
     fn allocate(&self, deadline_ms: u64, retry_elsewhere: bool) -> *mut rfaas_allocation {
-        let library = CString::new(c_library().to_str().unwrap()).unwrap();
-        let echo = CString::new("echo").unwrap();
-        let names = [echo.as_ptr()];
         let mut opts = rfaas_alloc_options_default();
         opts.mode = rfaas_mode::RFAAS_MODE_WARM;
         opts.output_capacity = 4096;
+        self.allocate_with(deadline_ms, retry_elsewhere, &opts, &["echo"])
+    }
+
+    /// `rfaas_leased_allocate` of `functions` of the C library with
+    /// `opts`, for 60 s, waiting up to `deadline_ms` for a lease.
+    fn allocate_with(
+        &self,
+        deadline_ms: u64,
+        retry_elsewhere: bool,
+        opts: &rfaas_alloc_options,
+        functions: &[&str],
+    ) -> *mut rfaas_allocation {
+        let library = CString::new(c_library().to_str().unwrap()).unwrap();
+        let names: Vec<CString> = functions
+            .iter()
+            .map(|f| CString::new(*f).unwrap())
+            .collect();
+        let ptrs: Vec<_> = names.iter().map(|n| n.as_ptr()).collect();
         let mut alloc = null_mut();
         // SAFETY: live handles, C strings, a writable out-pointer.
         ok(unsafe {
@@ -100,10 +119,10 @@ impl Job {
                 60,
                 deadline_ms,
                 retry_elsewhere,
-                &opts,
+                opts,
                 library.as_ptr(),
-                names.as_ptr(),
-                1,
+                ptrs.as_ptr(),
+                ptrs.len(),
                 &mut alloc,
             )
         });
@@ -270,4 +289,70 @@ fn a_drained_node_is_left_and_the_allocation_says_where_it_went() {
     );
     // SAFETY: a live allocation, freed once.
     ok(unsafe { rfaas_deallocate(alloc) });
+}
+
+/// On a lease exactly the allocation's size, `rfaas_invoke_retrying` of a
+/// function that crashes once succeeds on a fresh worker under the same
+/// lease, and the crash stays readable: one retry, and the last error is
+/// the crash with its signal. The function touches 256 MiB before it
+/// crashes, so its worker takes a while to end, as a big one does.
+fn after_a_crash_invoke_retrying_succeeds(lanes: u32) {
+    let m = manager();
+    let d = executor(&m, "node-a");
+    let job = Job::new(&m);
+    let mut opts = rfaas_alloc_options_default();
+    opts.mode = rfaas_mode::RFAAS_MODE_WARM;
+    opts.cores = lanes;
+    opts.memory_mib = 512;
+    opts.output_capacity = 4096;
+    let alloc = job.allocate_with(10_000, true, &opts, &["echo", "fault_segfault_once"]);
+    let marker = CrashOnce::new();
+    let bytes = marker.input(256);
+    let name = CString::new("fault_segfault_once").unwrap();
+    let (mut index, mut input, mut output, mut len) = (0u32, null_mut(), null_mut(), 0usize);
+    // SAFETY: live handles; the buffers hold the input's bytes.
+    unsafe {
+        ok(rfaas_function_index(alloc, name.as_ptr(), &mut index));
+        ok(rfaas_buffer_new(alloc, bytes.len(), &mut input));
+        ok(rfaas_buffer_new(alloc, bytes.len(), &mut output));
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            rfaas_buffer_data(input).cast::<u8>(),
+            bytes.len(),
+        );
+        let st = rfaas_invoke_retrying(alloc, index, input, bytes.len(), output, &mut len, 1);
+        assert_eq!(st, rfaas_status::RFAAS_OK, "{}\n{}", last_error(), d.log());
+        assert_eq!(len, bytes.len());
+        assert_eq!(
+            std::slice::from_raw_parts(rfaas_buffer_data(output).cast::<u8>(), len),
+            &bytes[..]
+        );
+    }
+    assert!(marker.crashed(), "the first call crashed");
+    assert_eq!(rfaas_last_retries(), 1);
+    let info = rfaas_last_error_info();
+    assert_eq!(
+        info.status,
+        rfaas_status::RFAAS_ERR_WORKER_CRASHED,
+        "{}",
+        last_error()
+    );
+    assert_eq!(info.signal, 11);
+    assert!(last_error().contains("crashed"), "{}", last_error());
+    // SAFETY: live handles, freed once.
+    unsafe {
+        ok(rfaas_deallocate(alloc));
+        rfaas_buffer_free(input);
+        rfaas_buffer_free(output);
+    }
+}
+
+#[test]
+fn after_a_crash_invoke_retrying_succeeds_with_one_lane() {
+    after_a_crash_invoke_retrying_succeeds(1);
+}
+
+#[test]
+fn after_a_crash_invoke_retrying_succeeds_with_two_lanes() {
+    after_a_crash_invoke_retrying_succeeds(2);
 }

@@ -1,10 +1,12 @@
 /* Functions that misbehave on purpose, for the tests of what rfaas does
  * when user code fails. Not for production libraries. */
+#include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Dereferences a null pointer: the worker dies with SIGSEGV. */
 uint32_t fault_segfault(void *in, uint32_t in_len, void *out)
@@ -15,6 +17,36 @@ uint32_t fault_segfault(void *in, uint32_t in_len, void *out)
     volatile int *p = 0;
     *p = 1;
     return 0;
+}
+
+/* Crashes (SIGSEGV) the first time it is called with a given marker file:
+ * the input is a u32, MiB of heap to touch first, then the file's path
+ * (without a NUL). It creates the file, touches the memory, and faults;
+ * called again with the same input, on any worker, it echoes it. A
+ * function that fails once, for the tests of retrying after a crash (the
+ * memory makes its worker take a while to end, as a big one does); the
+ * path must be one the lease's user may create. */
+uint32_t fault_segfault_once(void *in, uint32_t in_len, void *out)
+{
+    char path[256];
+    uint32_t mib = 0;
+    if (in_len <= 4 || in_len - 4 >= sizeof path)
+        return 0;
+    memcpy(&mib, in, 4);
+    memcpy(path, (char *)in + 4, in_len - 4);
+    path[in_len - 4] = '\0';
+    int fd = open(path, O_CREAT | O_EXCL | O_WRONLY, 0600);
+    if (fd >= 0) {
+        close(fd);
+        size_t bytes = (size_t)mib << 20;
+        volatile unsigned char *heap = malloc(bytes);
+        for (size_t i = 0; heap != NULL && i < bytes; i += 4096)
+            heap[i] = 1;
+        volatile int *p = 0;
+        *p = 1;
+    }
+    memcpy(out, in, in_len);
+    return in_len;
 }
 
 /* One 4 KiB frame deeper per call, with no end before the stack's guard

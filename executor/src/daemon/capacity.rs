@@ -14,7 +14,12 @@ use std::collections::{BTreeSet, HashMap};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
     /// The lease's allocations on this node would hold more than it grants.
-    ExceedsLease(String),
+    ExceedsLease {
+        /// What failed and what to do.
+        message: String,
+        /// What the lease's allocations here hold: cores, MiB.
+        held: (u32, u64),
+    },
     /// Not enough free CPUs or memory.
     NoCapacity(String),
 }
@@ -109,12 +114,15 @@ impl Capacity {
         if held_cores + u32::from(cores) > u32::from(lease_cores)
             || held_mem + u64::from(memory_mib) > u64::from(lease_memory_mib)
         {
-            return Err(Refusal::ExceedsLease(format!(
-                "lease {lease_id} grants {} and {lease_memory_mib} MiB; its allocations here already hold {} and {held_mem} MiB, so {} more and {memory_mib} MiB do not fit; deallocate first or request a bigger lease",
-                count(lease_cores, "core"),
-                count(held_cores, "core"),
-                count(cores, "core")
-            )));
+            return Err(Refusal::ExceedsLease {
+                message: format!(
+                    "lease {lease_id} grants {} and {lease_memory_mib} MiB; its allocations here already hold {} and {held_mem} MiB, so {} more and {memory_mib} MiB do not fit; deallocate first or request a bigger lease",
+                    count(lease_cores, "core"),
+                    count(held_cores, "core"),
+                    count(cores, "core")
+                ),
+                held: (held_cores, held_mem),
+            });
         }
         if self.free.len() < usize::from(cores) || self.free_memory_mib < memory_mib {
             return Err(Refusal::NoCapacity(format!(
@@ -166,7 +174,7 @@ mod tests {
         assert_eq!(c.grant(1, 2, 600, 2, 300).unwrap(), [2, 3]);
         assert!(matches!(
             c.grant(1, 2, 600, 1, 10),
-            Err(Refusal::ExceedsLease(_))
+            Err(Refusal::ExceedsLease { held: (2, 300), .. })
         ));
         assert!(matches!(
             c.grant(2, 4, 4000, 2, 10),

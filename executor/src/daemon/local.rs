@@ -5,7 +5,7 @@
 //! of its own).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rfaas_proto::control::{
     AllocationStatus, ErrorCode, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
@@ -13,7 +13,7 @@ use rfaas_proto::control::{
 
 use super::control::refusal;
 use super::process;
-use super::state::{DoneGuard, Shared, Stop};
+use super::state::{DoneGuard, Shared};
 
 /// Limits for the node tools' frames: small JSON, no blob.
 pub(crate) const LIMITS: FrameLimits = FrameLimits {
@@ -151,6 +151,7 @@ fn status(shared: &Shared) -> LocalReply {
 /// invocations (SIGUSR1), waits up to `grace` for allocations to end, then
 /// stops the rest. Returns what it did, for people.
 fn drain(shared: &Shared, grace: Duration) -> String {
+    let start = Instant::now();
     let mut st = shared.lock();
     st.draining = true;
     shared.empty_pool(&mut st);
@@ -164,27 +165,16 @@ fn drain(shared: &Shared, grace: Duration) -> String {
             told += 1;
         }
     }
+    let targets: Vec<u64> = st.allocations.keys().copied().collect();
+    let ending = st.ending(&targets);
+    drop(st);
     tracing::info!(
         workers = told,
         grace_ms = grace.as_millis() as u64,
         "draining"
     );
-    let (st, _) = shared.wait_until(st, grace, |st| st.allocations.is_empty());
-    let ids: Vec<u64> = st.allocations.keys().copied().collect();
-    drop(st);
-    let left = shared.end_allocations(&ids, Stop::Drained, Duration::from_secs(10));
-    if told > 0 || !ids.is_empty() {
-        shared.flush_billing();
-    }
-    let message = if left > 0 {
-        format!("drained, but {left} workers did not end after SIGKILL")
-    } else {
-        format!(
-            "drained: {} allocations stopped after the {} ms grace period",
-            ids.len(),
-            grace.as_millis()
-        )
-    };
-    tracing::info!(%message, "drain done");
+    let taken = shared.take_back(&targets, &ending, grace, start);
+    let message = format!("drained {}", taken.describe(""));
+    taken.log("drain done", &message);
     message
 }

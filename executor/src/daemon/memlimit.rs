@@ -1,7 +1,8 @@
 //! How a worker's memory is limited: a cgroup v2 `memory.max` when the node
 //! has a unified hierarchy with the memory controller and the daemon may
 //! create groups in it, otherwise `RLIMIT_AS`, which the worker sets on
-//! itself from [`Assignment::memory_limit_bytes`](rfaas_proto::control::Assignment).
+//! itself from [`Assignment::memory_limit_bytes`](rfaas_proto::control::Assignment);
+//! and the locked-memory limit verbs needs ([`allow_pinning`]).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -168,6 +169,64 @@ fn probe_cgroup(root: &Path) -> Result<PathBuf, String> {
     Ok(ours)
 }
 
+/// Lifts the locked-memory limit (`RLIMIT_MEMLOCK`) of the daemon, which
+/// every worker it starts inherits, when a configured provider is verbs:
+/// verbs pins every registered buffer, and the default 8 MiB would refuse
+/// a lease's worth of them. Pinned pages stay inside the memory limit
+/// (`RLIMIT_AS`, or the cgroup's), which bounds a worker either way.
+/// Raising a hard limit takes `CAP_SYS_RESOURCE`, which root has unless a
+/// container or service manager dropped it; without it the limit stays as
+/// inherited, said once here (not fatal). Without verbs nothing is pinned:
+/// nothing is done, nor said. Called once, at start.
+pub fn allow_pinning(providers: &[String]) {
+    if !providers.iter().any(|p| p.starts_with("verbs:")) {
+        return;
+    }
+    let lim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads the struct we pass.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
+        let error = io::Error::last_os_error();
+        let cap_eff = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| effective_capabilities(&s));
+        // SAFETY: geteuid cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        tracing::warn!(%error, ?providers, "{}", memlock_warning(euid, cap_eff));
+    }
+}
+
+/// `CAP_SYS_RESOURCE`'s bit in a capability set.
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// The effective capability set (`CapEff:`) of a `/proc/<pid>/status` text.
+fn effective_capabilities(status: &str) -> Option<u64> {
+    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    u64::from_str_radix(hex.trim(), 16).ok()
+}
+
+/// Why the locked-memory limit could not be lifted, for a process running
+/// as `euid` with the effective capabilities `cap_eff` (when readable).
+fn memlock_warning(euid: u32, cap_eff: Option<u64>) -> String {
+    const WHAT: &str = "cannot lift the locked-memory limit (RLIMIT_MEMLOCK)";
+    const EFFECT: &str = "registering memory may fail on verbs";
+    let has_cap = cap_eff.map(|c| c & (1 << CAP_SYS_RESOURCE) != 0);
+    match has_cap {
+        Some(false) if euid == 0 => format!(
+            "{WHAT}: the executor runs as root but without CAP_SYS_RESOURCE (a container or \
+             the service manager dropped it; give it back, e.g. systemd \
+             AmbientCapabilities=CAP_SYS_RESOURCE or docker --cap-add SYS_RESOURCE); {EFFECT}"
+        ),
+        Some(false) => format!(
+            "{WHAT}: the executor runs as uid {euid}, without CAP_SYS_RESOURCE; run it as \
+             root; {EFFECT}"
+        ),
+        _ => format!("{WHAT}; {EFFECT}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,5 +272,38 @@ mod tests {
         let err = probe_cgroup(&dir).unwrap_err();
         assert!(err.contains("memory controller"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_memlock_warning_names_the_missing_capability() {
+        // Root in a container: every capability but CAP_SYS_RESOURCE.
+        let status = "Name:\trfaas-worker\nCapPrm:\t000001ffffffffff\nCapEff:\t000001fffeffffff\n";
+        let caps = effective_capabilities(status);
+        assert_eq!(caps, Some(0x1ff_feff_ffff));
+        let root = memlock_warning(0, caps);
+        assert!(
+            root.contains("runs as root but without CAP_SYS_RESOURCE"),
+            "{root}"
+        );
+        assert!(!root.contains("not run as root"), "{root}");
+
+        let user = memlock_warning(1000, Some(0));
+        assert!(
+            user.contains("uid 1000, without CAP_SYS_RESOURCE"),
+            "{user}"
+        );
+        assert!(user.contains("run it as root"), "{user}");
+
+        // With the capability (or unknown), the limit failed for another
+        // reason: no blame on either.
+        for caps in [Some(1 << CAP_SYS_RESOURCE), None] {
+            let other = memlock_warning(0, caps);
+            assert!(!other.contains("CAP_SYS_RESOURCE"), "{other}");
+            assert!(
+                other.starts_with("cannot lift the locked-memory limit"),
+                "{other}"
+            );
+        }
+        assert_eq!(effective_capabilities("CapEff:\tzz\n"), None);
     }
 }

@@ -18,7 +18,8 @@
 //!   with, and the secret key `rfaas-token` mints with.
 //! - `capacity`: free CPUs and memory, per-lease holdings.
 //! - `users`: the lease's user in the node's user database.
-//! - `memlimit`: cgroup v2 `memory.max` or `RLIMIT_AS`.
+//! - `memlimit`: cgroup v2 `memory.max` or `RLIMIT_AS`; the locked-memory
+//!   limit verbs needs.
 //! - `process`: spawning (plain or bubblewrap), signalling, waiting.
 //! - `state`: the shared state behind one lock; ending allocations.
 //! - `supervise`: the spawner and pool, worker watchers, lease expiry.
@@ -197,6 +198,7 @@ impl Daemon {
         };
 
         let limiter = MemoryLimiter::detect();
+        memlimit::allow_pinning(&settings.providers);
         if settings.sandbox == Sandbox::Bubblewrap && settings.pool_size > 0 {
             tracing::info!(
                 "sandbox = bubblewrap: every worker starts per allocation, the pool is not used"

@@ -254,6 +254,35 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     out
 }
 
+/// Whether process `pid`, or one below it (the worker, under
+/// bubblewrap), is exiting or has exited and waits to be reaped: its task
+/// flags say `PF_EXITING`, or it is a zombie. False when `/proc` cannot
+/// tell. The caller makes sure `pid` is not reaped meanwhile.
+pub fn is_exiting(pid: u32) -> bool {
+    let exiting = |p: u32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| stat_says_exiting(&s))
+    };
+    exiting(pid) || descendants(pid).into_iter().any(exiting)
+}
+
+/// The kernel's task flag of a task that runs its exit (`PF_EXITING`,
+/// include/linux/sched.h; `/proc/<pid>/stat`'s ninth field).
+const PF_EXITING: u64 = 0x4;
+
+/// Whether a `/proc/<pid>/stat` line is that of an exiting or exited task.
+fn stat_says_exiting(stat: &str) -> bool {
+    // The command name may hold spaces and parentheses: fields start after
+    // the last ')'.
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next();
+    // After the state: ppid, pgrp, session, tty_nr, tpgid, then flags.
+    let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok());
+    matches!(state, Some("Z" | "X" | "x")) || flags.is_some_and(|f| f & PF_EXITING != 0)
+}
+
 /// A signal's name (`SIGSEGV`), or its number.
 pub fn signal_name(sig: i32) -> String {
     let name = match sig {
@@ -283,6 +312,22 @@ pub fn signal_name(sig: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exiting_and_exited_tasks_are_told_by_their_stat() {
+        // Running, its flags without PF_EXITING (0x400040).
+        let live = "4242 (rfaas-worker) S 17 4242 4242 0 -1 4194368 211 0 0 0 3 1 0 0 20 0";
+        assert!(!stat_says_exiting(live));
+        // Tearing its memory down: PF_EXITING (0x400044).
+        let exiting = "4242 (rfaas-worker) R 17 4242 4242 0 -1 4194372 211 0 0 0 3 1 0 0 20 0";
+        assert!(stat_says_exiting(exiting));
+        // A zombie, with a command name that looks like fields.
+        let zombie = "4242 (a) Z 1 2 3) Z 17 4242 4242 0 -1 4194368 211 0 0 0 3 1 0 0 20 0";
+        assert!(stat_says_exiting(zombie));
+        assert!(!stat_says_exiting("garbage"));
+        // This process is neither.
+        assert!(!is_exiting(std::process::id()));
+    }
 
     #[test]
     fn spawn_wait_and_reap() {

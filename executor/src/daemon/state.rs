@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::control::{Frame, FrameLimits};
 use rfaas_proto::lease::LeaseKeys;
+use rfaas_proto::text::count;
 
 use super::capacity::Capacity;
 use super::config::Settings;
@@ -180,12 +181,84 @@ pub(crate) struct State {
     pub flush_billing: bool,
 }
 
+impl State {
+    /// Those of `ids` that are gone or ending for a reason of their own
+    /// (their client let go, their lease ended): a take-back that chose
+    /// them under this lock finds them finished, not drained.
+    pub(crate) fn ending(&self, ids: &[u64]) -> Vec<u64> {
+        ids.iter()
+            .copied()
+            .filter(|id| self.allocations.get(id).map_or(true, |a| a.stop.is_some()))
+            .collect()
+    }
+}
+
 /// Most ended leases remembered (16 bytes each); the oldest go first.
 pub(crate) const ENDED_LEASES_KEPT: usize = 65_536;
 
 /// How long an ended lease is remembered, seconds: longer than any lease a
 /// manager grants by default (`max_lease_s`, one day).
 pub(crate) const ENDED_LEASES_KEPT_S: u64 = 7 * 24 * 3600;
+
+/// How long an allocation may take to end after SIGKILL.
+pub(crate) const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// What a take-back (a drain, a Slurm job's prolog) did to the
+/// allocations it had to end, for its answer and its log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TakenBack {
+    /// From the take-back's start to its end.
+    pub took: Duration,
+    /// The grace period the allocations were given.
+    pub grace: Duration,
+    /// Over, or ending for another reason (their client let go, their
+    /// lease ended), when the take-back began to wait.
+    pub finished: usize,
+    /// Ended within the grace.
+    pub drained: usize,
+    /// Still running when the grace ran out: killed.
+    pub stopped: usize,
+    /// Of those, still there after SIGKILL.
+    pub stuck: usize,
+}
+
+impl TakenBack {
+    /// "in 20 ms: 1 allocation drained within the 5000 ms grace period, 0
+    /// stopped after it, 0 had finished already"; `on` follows each
+    /// "allocation" (" on them").
+    pub(crate) fn describe(&self, on: &str) -> String {
+        let mut text = format!(
+            "in {} ms: {}{on} drained within the {} ms grace period, {} stopped after it, {} had finished already",
+            self.took.as_millis(),
+            count(self.drained as u64, "allocation"),
+            self.grace.as_millis(),
+            self.stopped,
+            self.finished,
+        );
+        if self.stuck > 0 {
+            text.push_str(&format!(
+                "; {} did not end after SIGKILL",
+                count(self.stuck as u64, "worker")
+            ));
+        }
+        text
+    }
+
+    /// Logs it as `what` ("drain done", "take-back done"), with `message`,
+    /// the answer that says it in words.
+    pub(crate) fn log(&self, what: &str, message: &str) {
+        tracing::info!(
+            took_ms = self.took.as_millis() as u64,
+            grace_ms = self.grace.as_millis() as u64,
+            drained = self.drained,
+            stopped = self.stopped,
+            finished = self.finished,
+            stuck = self.stuck,
+            %message,
+            "{what}"
+        );
+    }
+}
 
 /// What every thread of the daemon shares.
 #[derive(Debug)]
@@ -335,6 +408,45 @@ impl Shared {
         ids.iter()
             .filter(|id| st.allocations.contains_key(id))
             .count()
+    }
+
+    /// Waits until the allocations in `targets` have ended, at most what
+    /// is left of `grace` since the take-back's `start`, then ends the
+    /// rest ([`Stop::Drained`]) and has their figures posted at once.
+    /// `ending`: those of them that were ending for another reason when
+    /// the take-back chose them ([`State::ending`]).
+    pub(crate) fn take_back(
+        &self,
+        targets: &[u64],
+        ending: &[u64],
+        grace: Duration,
+        start: Instant,
+    ) -> TakenBack {
+        let st = self.lock();
+        let (st, _) = self.wait_until(st, grace.saturating_sub(start.elapsed()), |st| {
+            targets.iter().all(|id| !st.allocations.contains_key(id))
+        });
+        let left: Vec<u64> = targets
+            .iter()
+            .copied()
+            .filter(|id| st.allocations.contains_key(id))
+            .collect();
+        drop(st);
+        let stuck = self.end_allocations(&left, Stop::Drained, KILL_WAIT);
+        if !targets.is_empty() {
+            self.flush_billing();
+        }
+        // One still there after the grace was stopped, whatever it was
+        // doing before.
+        let finished = ending.iter().filter(|id| !left.contains(id)).count();
+        TakenBack {
+            took: start.elapsed(),
+            grace,
+            finished,
+            drained: targets.len().saturating_sub(finished + left.len()),
+            stopped: left.len(),
+            stuck,
+        }
     }
 
     /// Ends the leases in `ids` as the manager asked: their allocations'

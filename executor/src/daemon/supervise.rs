@@ -177,6 +177,12 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
             .find(|a| a.pid == Some(pid))
             .map(|a| a.id)
         {
+            // A function that crashed its worker, killed meanwhile (its
+            // client let go at once): the crash is the cause.
+            let ended = match (ended, shared.usage.crashed(id)) {
+                (Ended::Signaled(libc::SIGKILL), Some(signal)) => Ended::Signaled(signal),
+                (ended, _) => ended,
+            };
             // Before its cgroup goes with the allocation.
             shared.usage.close(id, ended_at, cpu_ns);
             let a = st.allocations.get_mut(&id).expect("found above");

@@ -43,8 +43,9 @@
 //! once it is answered.
 //!
 //! A function that dies of a signal cannot answer; the [`watchdog`]
-//! answers for it, `function_crashed` with the signal (see `crash`), and the
-//! process then dies of that signal. The watchdog starts once every lane
+//! marks the crash in the meter area (so the daemon counts the worker as
+//! ending before it reaps it), answers for it, `function_crashed` with the
+//! signal (see `crash`), and the process then dies of that signal. The watchdog starts once every lane
 //! is connected, as the client library waits for before its first call; a
 //! crash before that is reported by the daemon alone.
 //!
@@ -352,7 +353,6 @@ fn prepare(
     if a.memory_limit_bytes > 0 {
         privileges::limit_memory(a.memory_limit_bytes)?;
     }
-    privileges::allow_pinning();
     privileges::drop_privileges(a.uid, a.gid)?;
 
     let t = Instant::now();
@@ -573,7 +573,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     }
     tracing::info!(lanes = threads.len(), "every lane is connected");
     let deadline = (a.deadline_ms > 0).then(|| Duration::from_millis(a.deadline_ms));
-    watchdog::spawn(watches, deadline)
+    watchdog::spawn(watches, deadline, p.meter)
         .map_err(|e| internal(format!("cannot start the watchdog: {e}")))?;
     for t in threads {
         if t.join().is_err() {

@@ -31,6 +31,7 @@ use rfaas_proto::{InvocationStatus, ResponseImm};
 
 use super::crash::{self, Crash};
 use super::EXIT_DEADLINE;
+use crate::meter::MeterArea;
 
 /// The longest the watchdog waits for its answer's write to complete
 /// before the process ends regardless (a client that stopped acknowledging
@@ -245,14 +246,19 @@ pub struct LaneWatch {
 }
 
 /// Starts the watchdog over `lanes`, with `deadline` for every function
-/// (`None`: no deadline, crashes only).
-pub fn spawn(lanes: Vec<LaneWatch>, deadline: Option<Duration>) -> std::io::Result<()> {
+/// (`None`: no deadline, crashes only); a crash is marked in `meter`, the
+/// daemon's meter area, before it is answered.
+pub fn spawn(
+    lanes: Vec<LaneWatch>,
+    deadline: Option<Duration>,
+    meter: Option<&'static MeterArea>,
+) -> std::io::Result<()> {
     let tick = deadline.map(|d| (d / 4).clamp(Duration::from_millis(1), Duration::from_millis(50)));
     thread::Builder::new()
         .name("rfaas-watchdog".into())
         .spawn(move || loop {
             if let Some(c) = crash::wait(tick) {
-                crashed(&lanes, c);
+                crashed(&lanes, c, meter);
             }
             let Some(deadline) = deadline else { continue };
             let deadline_ms = deadline.as_millis() as u64;
@@ -276,13 +282,18 @@ pub fn spawn(lanes: Vec<LaneWatch>, deadline: Option<Duration>) -> std::io::Resu
 /// Answers `function_crashed` for crash `c`, carrying the signal as a
 /// 4-byte little-endian output when the client's buffer takes it, lets it
 /// leave, and lets the crashed thread die. Never returns: the process is
-/// ending.
-fn crashed(lanes: &[LaneWatch], c: Crash) -> ! {
+/// ending. First it marks the crash in `meter`: a client that allocates
+/// again under the same lease at once finds the daemon counting this
+/// worker's cores as about to be free, not as taken for good.
+fn crashed(lanes: &[LaneWatch], c: Crash, meter: Option<&MeterArea>) -> ! {
     tracing::error!(
         lane = c.lane,
         signal = c.signal,
         "a function crashed; answering function_crashed and ending the worker"
     );
+    if let Some(m) = meter {
+        m.mark_crashed(c.signal);
+    }
     // The crashed lane is stopped inside its function, which cannot return.
     if let Some((lane, (id, remote, capacity))) = lanes.get(c.lane).and_then(|l| {
         let started = l.running.started()?;

@@ -5,9 +5,11 @@ use std::sync::Arc;
 
 use rfaas_proto::control::{AllocateRequest, ErrorCode};
 use rfaas_proto::lease::LeaseClaims;
+use rfaas_proto::text::count;
 
 use super::Refused;
 use crate::daemon::capacity::Refusal;
+use crate::daemon::process;
 use crate::daemon::state::{Allocation, Shared, State};
 use crate::daemon::users::{self, User};
 
@@ -51,41 +53,38 @@ pub(super) fn reserve(
             req.memory_mib,
         )
         .map_err(|r| match r {
-            Refusal::ExceedsLease(m) => (ErrorCode::ExceedsLease, m),
+            Refusal::ExceedsLease { message, held } => {
+                beyond_lease(shared, &st, claims, req, held, message, &s.node_name)
+            }
             // A node taken back whole has no free CPU; "draining" says
             // more than "full".
             Refusal::NoCapacity(_) if draining => draining_refusal(&st, &s.node_name),
             Refusal::NoCapacity(m) => (ErrorCode::NoCapacity, m),
         })?;
-    let refuse = |st: &mut State, code, m| {
+    let refuse = |st: &mut State, (code, m): Refused| {
         st.capacity.release(claims.lease_id, &cpus, req.memory_mib);
         Err((code, m))
     };
     if st.ended_leases.contains_key(&claims.lease_id) {
-        return refuse(
-            &mut st,
-            ErrorCode::TokenExpired,
-            format!(
-                "lease {} was ended by the manager (released or revoked) before its expiry; request a new lease",
-                claims.lease_id
-            ),
-        );
+        return refuse(&mut st, ended_lease_refusal(claims.lease_id));
     }
     if st.draining {
-        let (code, m) = draining_refusal(&st, &s.node_name);
-        return refuse(&mut st, code, m);
+        let refused = draining_refusal(&st, &s.node_name);
+        return refuse(&mut st, refused);
     }
     let user = match user {
         Ok(u) => u,
-        Err(m) => return refuse(&mut st, ErrorCode::UserRefused, m),
+        Err(m) => return refuse(&mut st, (ErrorCode::UserRefused, m)),
     };
     if !elf_ok {
         return refuse(
             &mut st,
-            ErrorCode::MalformedLibrary,
-            format!(
-                "the library {:?} is not an ELF shared object (it does not start with \\x7fELF); send the .so file's bytes",
-                req.library_name
+            (
+                ErrorCode::MalformedLibrary,
+                format!(
+                    "the library {:?} is not an ELF shared object (it does not start with \\x7fELF); send the .so file's bytes",
+                    req.library_name
+                ),
             ),
         );
     }
@@ -125,6 +124,75 @@ pub(super) fn reserve(
         user,
         runtime_dir,
     })
+}
+
+/// The refusal of a request beyond what lease `claims` grants here, where
+/// its allocations hold `held` (cores, MiB). When it fits once the lease's
+/// ending allocations are reaped (their cores are free only then), the
+/// refusal is the retryable `allocation_ending`, unless the lease has
+/// ended or the node drains, which retrying would not change; otherwise
+/// `exceeds_lease` with `message`.
+fn beyond_lease(
+    shared: &Shared,
+    st: &State,
+    claims: &LeaseClaims,
+    req: &AllocateRequest,
+    held: (u32, u64),
+    message: String,
+    node: &str,
+) -> Refused {
+    let (ids, cores, mib) = ending(st, claims.lease_id, |a| {
+        shared.usage.crashed(a.id).is_some() || a.pid.is_some_and(process::is_exiting)
+    });
+    let fits = held.0.saturating_sub(cores) + u32::from(req.cores) <= u32::from(claims.cores)
+        && held.1.saturating_sub(mib) + u64::from(req.memory_mib) <= u64::from(claims.memory_mib);
+    if ids.is_empty() || !fits {
+        return (ErrorCode::ExceedsLease, message);
+    }
+    if st.ended_leases.contains_key(&claims.lease_id) {
+        return ended_lease_refusal(claims.lease_id);
+    }
+    if st.draining {
+        return draining_refusal(st, node);
+    }
+    let (them, are, hold) = match ids.as_slice() {
+        [id] => (format!("allocation {id}"), "is", "holds"),
+        _ => (format!("allocations {ids:?}"), "are", "hold"),
+    };
+    (
+        ErrorCode::AllocationEnding,
+        format!(
+            "lease {}'s {them} here {are} ending (stopped, or crashed and exiting) and {hold} {} and {mib} MiB until reaped; the request fits once that is free: retry in a moment",
+            claims.lease_id,
+            count(cores, "core"),
+        ),
+    )
+}
+
+/// The allocations of lease `lease_id` that are ending, and the cores and
+/// MiB they hold until their workers are reaped: the daemon decided to
+/// end them, their worker ended before it was ready, or `dying` says so
+/// (a crash the worker marked, a process that is exiting).
+fn ending(st: &State, lease_id: u64, dying: impl Fn(&Allocation) -> bool) -> (Vec<u64>, u32, u64) {
+    let mut out = (Vec::new(), 0u32, 0u64);
+    for a in st.allocations.values().filter(|a| a.lease_id == lease_id) {
+        if a.stop.is_some() || a.ended.is_some() || dying(a) {
+            out.0.push(a.id);
+            out.1 += a.cpus.len() as u32;
+            out.2 += u64::from(a.memory_mib);
+        }
+    }
+    out
+}
+
+/// The refusal of a lease the manager ended.
+fn ended_lease_refusal(lease_id: u64) -> Refused {
+    (
+        ErrorCode::TokenExpired,
+        format!(
+            "lease {lease_id} was ended by the manager (released or revoked) before its expiry; request a new lease"
+        ),
+    )
 }
 
 /// The refusal of a draining (or stopping) executor.

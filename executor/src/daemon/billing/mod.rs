@@ -798,8 +798,11 @@ pub(crate) fn run(shared: Arc<Shared>, credential: String) {
     let tick = Duration::from_millis(100).min(Duration::from_millis(b.granularity_ms));
     loop {
         let st = shared.lock();
-        let (mut st, stopping) = shared.wait_until(st, tick, |st| st.stopping || st.flush_billing);
+        // Woken by a stop or by a take-back's flush: only a stop ends the
+        // thread, which posts and closes every lease of the node.
+        let (mut st, _) = shared.wait_until(st, tick, |st| st.stopping || st.flush_billing);
         let flush = std::mem::take(&mut st.flush_billing);
+        let stopping = st.stopping;
         drop(st);
         if stopping {
             break;

@@ -39,7 +39,7 @@ use rfaas_proto::text::count;
 
 use super::config::{format_cpulist, SlurmSettings};
 use super::process;
-use super::state::{Shared, State, Stop};
+use super::state::{Shared, State};
 use scontrol::{Phase, Scontrol, ScontrolError};
 
 /// How long a hook's word about a job keeps reconciliation off it, at
@@ -48,9 +48,6 @@ const EVENT_MEMORY: Duration = Duration::from_secs(600);
 
 /// Most jobs whose last hook event is remembered.
 const EVENTS_KEPT: usize = 65_536;
-
-/// How long an allocation may take to end after SIGKILL.
-const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// What the daemon withholds for one Slurm job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +113,8 @@ fn hook_spoke_since(st: &State, job: u64, since: Instant) -> bool {
 #[derive(Debug, Default)]
 struct Changed {
     targets: Vec<u64>,
+    /// Those of `targets` already ending for a reason of their own.
+    ending: Vec<u64>,
     undrained: bool,
 }
 
@@ -158,7 +157,11 @@ fn set_hold(shared: &Shared, st: &mut State, job: u64, hold: Option<Hold>) -> Ch
         }
     }
     shared.beat_now(st);
-    Changed { targets, undrained }
+    Changed {
+        ending: st.ending(&targets),
+        targets,
+        undrained,
+    }
 }
 
 /// Withholds the CPUs of every hold, and every CPU while a take-back
@@ -173,27 +176,6 @@ fn withhold(shared: &Shared, st: &mut State) {
             .collect()
     };
     st.capacity.set_withheld(&withheld);
-}
-
-/// Waits up to `grace` for allocations `ids` to end, then ends the rest.
-/// Returns how many were ended after the grace and how many did not end
-/// even after SIGKILL.
-fn stop_within(shared: &Shared, ids: &[u64], grace: Duration) -> (usize, usize) {
-    let st = shared.lock();
-    let (st, _) = shared.wait_until(st, grace, |st| {
-        ids.iter().all(|id| !st.allocations.contains_key(id))
-    });
-    let left: Vec<u64> = ids
-        .iter()
-        .copied()
-        .filter(|id| st.allocations.contains_key(id))
-        .collect();
-    drop(st);
-    let stuck = shared.end_allocations(&left, Stop::Drained, KILL_WAIT);
-    if !ids.is_empty() {
-        shared.flush_billing();
-    }
-    (left.len(), stuck)
 }
 
 /// What a job's end (or a reconciliation) left: "CPUs 2-3 stay with
@@ -271,7 +253,7 @@ pub(crate) fn retrieve(shared: &Arc<Shared>, job: u64, cpus: u32, grace: Duratio
             note_event(&mut st, job, start);
             set_hold(shared, &mut st, job, Some(Hold::whole(shared)))
         };
-        let message = wait_out(shared, &changed.targets, grace, start, true);
+        let message = wait_out(shared, &changed, grace, start, true);
         return Retrieval {
             message: format!("taken back for Slurm job {job}: {message}"),
             settling: None,
@@ -352,10 +334,10 @@ fn settle(
         shared.refill();
     }
     if hold.whole {
-        let message = wait_out(shared, &changed.targets, grace, start, true);
+        let message = wait_out(shared, &changed, grace, start, true);
         return format!("taken back for Slurm job {job} ({how}): {message}");
     }
-    let message = wait_out(shared, &changed.targets, grace, start, false);
+    let message = wait_out(shared, &changed, grace, start, false);
     if hold.cpus.is_empty() {
         return format!(
             "taken back for Slurm job {job}: none of its CPUs is rfaas's ({how}); {} free for rfaas",
@@ -421,41 +403,31 @@ impl Drop for Asking {
 }
 
 /// Ends `targets` within what is left of `grace` since `start`, and says
-/// so: "drained: ..." for the whole node, else about the allocations on
+/// so: "drained in ..." for the whole node, else about the allocations on
 /// the CPUs.
 fn wait_out(
     shared: &Shared,
-    targets: &[u64],
+    changed: &Changed,
     grace: Duration,
     start: Instant,
     whole: bool,
 ) -> String {
-    let left = grace.saturating_sub(start.elapsed());
+    let targets = &changed.targets;
     tracing::info!(
         allocations = targets.len(),
-        grace_ms = left.as_millis() as u64,
+        grace_ms = grace.saturating_sub(start.elapsed()).as_millis() as u64,
         whole,
         "Slurm takes CPUs back"
     );
-    let (ended, stuck) = stop_within(shared, targets, left);
-    let grace_ms = grace.as_millis();
-    let message = match (whole, targets.len(), stuck) {
-        (_, _, 1..) => format!(
-            "{}, but {} did not end after SIGKILL",
-            if whole { "drained" } else { "taken back" },
-            count(stuck as u64, "worker")
-        ),
-        (true, _, 0) => format!(
-            "drained: {} stopped after the {grace_ms} ms grace period",
-            count(ended as u64, "allocation")
-        ),
-        (false, 0, 0) => "no allocation ran on them".to_string(),
-        (false, n, 0) => format!(
-            "{} on them ended, {ended} stopped after the {grace_ms} ms grace period",
-            count(n as u64, "allocation")
-        ),
+    let taken = shared.take_back(targets, &changed.ending, grace, start);
+    let message = if whole {
+        format!("drained {}", taken.describe(""))
+    } else if targets.is_empty() {
+        "no allocation ran on them".to_string()
+    } else {
+        taken.describe(" on them")
     };
-    tracing::info!(%message, "take-back done");
+    taken.log("take-back done", &message);
     message
 }
 
@@ -608,7 +580,7 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
     let mut round = Round::default();
     let mut targets: Vec<u64> = Vec::new();
     let mut refill = false;
-    {
+    let ending = {
         let mut st = shared.lock();
         let held: Vec<(u64, Hold)> = st.slurm_jobs.iter().map(|(j, h)| (*j, h.clone())).collect();
         for (job, hold) in held {
@@ -689,25 +661,21 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
             targets.extend(changed.targets);
             round.taken.push(*job);
         }
-    }
+        targets.sort_unstable();
+        targets.dedup();
+        st.ending(&targets)
+    };
     if refill {
         shared.refill();
     }
-    targets.sort_unstable();
-    targets.dedup();
     if !targets.is_empty() {
         let s = Arc::clone(shared);
         let grace = Duration::from_millis(slurm.grace_ms);
         let spawned = std::thread::Builder::new()
             .name("slurm-take-back".into())
             .spawn(move || {
-                let (ended, stuck) = stop_within(&s, &targets, grace);
-                tracing::info!(
-                    allocations = targets.len(),
-                    ended_after_grace = ended,
-                    stuck,
-                    "reconciled take-back done"
-                );
+                let taken = s.take_back(&targets, &ending, grace, Instant::now());
+                taken.log("reconciled take-back done", &taken.describe(""));
             });
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start a thread to end the allocations on CPUs taken back; they were told to stop");
@@ -929,8 +897,8 @@ mod tests {
         let s = &d.shared;
         let m = retrieve(s, 7, 1, Duration::ZERO).finished();
         assert_eq!(
-            m,
-            "taken back for Slurm job 7: drained: 0 allocations stopped after the 0 ms grace period"
+            timeless(&m),
+            "taken back for Slurm job 7: drained in _ ms: 0 allocations drained within the 0 ms grace period, 0 stopped after it, 0 had finished already"
         );
         assert!(s.lock().draining);
         assert!(free(s).is_empty());
@@ -945,6 +913,32 @@ mod tests {
         assert_eq!(
             offer(s, 9),
             "Slurm job 9 ended; nothing was withheld for it here"
+        );
+    }
+
+    /// `m` with the time a take-back took ("in 12 ms") as "in _ ms".
+    fn timeless(m: &str) -> String {
+        let Some(at) = m.find(" in ") else {
+            return m.to_owned();
+        };
+        let rest = &m[at + 4..];
+        let digits = rest.chars().take_while(char::is_ascii_digit).count();
+        format!("{} in _{}", &m[..at], &rest[digits..])
+    }
+
+    #[test]
+    fn a_take_back_says_what_became_of_each_allocation() {
+        let t = super::super::state::TakenBack {
+            took: Duration::from_millis(20),
+            grace: Duration::from_secs(5),
+            finished: 1,
+            drained: 2,
+            stopped: 1,
+            stuck: 1,
+        };
+        assert_eq!(
+            t.describe(" on them"),
+            "in 20 ms: 2 allocations on them drained within the 5000 ms grace period, 1 stopped after it, 1 had finished already; 1 worker did not end after SIGKILL"
         );
     }
 
