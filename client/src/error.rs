@@ -5,7 +5,8 @@ use std::fmt;
 use std::time::Duration;
 
 use rfaas_proto::control::{ControlError, ErrorCode, ExitCause, WorkerExited};
-use rfaas_proto::manager::ApiError;
+pub use rfaas_proto::manager::ClusterOffer;
+use rfaas_proto::manager::{ApiError, REQUEST_EXCEEDS_CLUSTER};
 use rfaas_proto::text::count;
 use rfaas_proto::InvocationStatus;
 
@@ -153,10 +154,11 @@ pub enum Error {
         /// The manager's sentence: what failed and what to do.
         message: String,
     },
-    /// A manager refused the request for good: it asks for more than any
-    /// node the cluster has held (more cores or memory on one node than
-    /// the largest node offers, or more nodes than there are), so no wait
-    /// makes it fit (`422`, kind `request_exceeds_cluster`). Not
+    /// A manager refused the request for good: it asks for more than the
+    /// cluster has ever held (more memory per node lease than the largest
+    /// node offers, or more cores than the nodes with that memory hold
+    /// together), so no wait makes it fit (`422`, kind
+    /// `request_exceeds_cluster`). Not
     /// retryable: ask for at most the `offer`.
     #[error("{}", exceeds_cluster(offer, message))]
     ExceedsCluster {
@@ -180,40 +182,6 @@ pub enum Error {
     #[error(transparent)]
     Control(#[from] ControlError),
 }
-
-/// The largest request a cluster can ever hold, from a manager's
-/// `request_exceeds_cluster` refusal ([`Error::ExceedsCluster`]): one
-/// node lease holds at most `largest_node_cores` cores and
-/// `largest_node_memory_mib` MiB, and a grant spans at most `nodes` nodes
-/// with `cluster_cores` cores in all.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ClusterOffer {
-    /// Cores of the node with the most.
-    pub largest_node_cores: u64,
-    /// MiB of the node with the most memory.
-    pub largest_node_memory_mib: u64,
-    /// Cores of every node together.
-    pub cluster_cores: u64,
-    /// Nodes.
-    pub nodes: u64,
-}
-
-impl ClusterOffer {
-    /// The manager's figures, when its refusal carries every one of them
-    /// (flattened into the body, as every kind's figures are).
-    fn from_details(details: &serde_json::Map<String, serde_json::Value>) -> Option<ClusterOffer> {
-        let figure = |name: &str| details.get(name).and_then(serde_json::Value::as_u64);
-        Some(ClusterOffer {
-            largest_node_cores: figure("largest_node_cores")?,
-            largest_node_memory_mib: figure("largest_node_memory_mib")?,
-            cluster_cores: figure("cluster_cores")?,
-            nodes: figure("nodes")?,
-        })
-    }
-}
-
-/// The kind of a manager's refusal of a request no node can ever hold.
-pub const EXCEEDS_CLUSTER: &str = "request_exceeds_cluster";
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -325,7 +293,7 @@ impl Error {
 
     /// The error of a manager's refusal: `status`, and the body `api`.
     pub(crate) fn from_manager(status: u16, api: ApiError) -> Error {
-        if api.error == EXCEEDS_CLUSTER && (400..500).contains(&status) {
+        if api.error == REQUEST_EXCEEDS_CLUSTER && (400..500).contains(&status) {
             if let Some(offer) = ClusterOffer::from_details(&api.details) {
                 return Error::ExceedsCluster {
                     offer,
@@ -622,6 +590,7 @@ mod tests {
         largest_node_memory_mib: 2048,
         cluster_cores: 6,
         nodes: 3,
+        cores_with_memory: 6,
     };
 
     #[test]
@@ -735,9 +704,9 @@ mod tests {
         };
         let figures = serde_json::json!({
             "largest_node_cores": 2, "largest_node_memory_mib": 2048,
-            "cluster_cores": 6, "nodes": 3,
+            "cluster_cores": 6, "nodes": 3, "cores_with_memory": 6,
         });
-        let e = Error::from_manager(422, api(EXCEEDS_CLUSTER, figures.clone()));
+        let e = Error::from_manager(422, api(REQUEST_EXCEEDS_CLUSTER, figures.clone()));
         assert!(
             matches!(e, Error::ExceedsCluster { offer, .. } if offer == OFFER),
             "{e:?}"
@@ -754,9 +723,9 @@ mod tests {
             assert!(text.contains(words), "{words:?} not in {text}");
         }
         // Without its figures it is still the manager's refusal, for good.
-        let e = Error::from_manager(422, api(EXCEEDS_CLUSTER, serde_json::json!({})));
+        let e = Error::from_manager(422, api(REQUEST_EXCEEDS_CLUSTER, serde_json::json!({})));
         assert!(
-            matches!(e, Error::Manager { status: 422, ref kind, .. } if kind == EXCEEDS_CLUSTER),
+            matches!(e, Error::Manager { status: 422, ref kind, .. } if kind == REQUEST_EXCEEDS_CLUSTER),
             "{e:?}"
         );
         assert!(!e.is_retryable());

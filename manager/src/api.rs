@@ -20,6 +20,7 @@ use rfaas_proto::manager::{
     ApiError, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply,
     JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseView, NodeLease,
     NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role, SetBudget,
+    REQUEST_EXCEEDS_CLUSTER,
 };
 use rfaas_proto::text::count;
 use serde::Deserialize;
@@ -474,7 +475,7 @@ fn grant_body(app: &App, grant_id: u64, leases: &[LeaseRow]) -> LeaseGrant {
 /// and, when an accounting service is up, its own billing slot.
 #[utoipa::path(post, path = "/v1/leases", request_body = LeaseRequest,
     responses((status = 201, body = LeaseGrant),
-        (status = 503, description = "no_capacity: nothing fits now (or no node has registered yet); retry after Retry-After, 1 to 60 s (when the soonest lease ends, at most 60 s); accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
+        (status = 503, description = "no_capacity: nothing fits now (or no node has registered yet); retry after Retry-After, 1 to 10 s (when the soonest lease ends, at most 10 s: a release frees cores at any time); accounting_unavailable: billing is required and no accounting instance has a free slot", body = ApiError),
         (status = 422, description = "request_exceeds_cluster: no node that ever registered could hold the request, at the capacity it registered, whatever its state now: more memory per node lease than the largest node, or more cores (min_cores) than the nodes with that memory together. Not retryable; the message and largest_node_cores, largest_node_memory_mib, cluster_cores, nodes and cores_with_memory give the largest offer", body = ApiError),
         (status = 403, description = "forbidden; quota_exceeded with cap and in_use; budget_exhausted with budget and spend", body = ApiError),
         (status = "4XX", body = ApiError)))]
@@ -608,7 +609,7 @@ fn beyond_cluster(app: &App, r: &LeaseRequest, min_cores: u32) -> ApiResult<()> 
     let o = app.view.offer(r.memory_mib);
     let why = if o.nodes == 0 {
         return Ok(());
-    } else if r.memory_mib > o.largest_memory_mib {
+    } else if r.memory_mib > o.largest_node_memory_mib {
         format!(
             "each node lease asks for {} MiB, more than any node lends",
             r.memory_mib
@@ -630,24 +631,21 @@ fn beyond_cluster(app: &App, r: &LeaseRequest, min_cores: u32) -> ApiResult<()> 
     };
     app.metrics
         .denials
-        .with_label_values(&["request_exceeds_cluster"])
+        .with_label_values(&[REQUEST_EXCEEDS_CLUSTER])
         .inc();
-    Err(ApiFailure::new(
+    let mut failure = ApiFailure::new(
         422,
-        "request_exceeds_cluster",
+        REQUEST_EXCEEDS_CLUSTER,
         format!(
             "no node here could ever hold this request, so waiting will not help: {why}. The largest node lends {} and {} MiB; the whole cluster ({}) lends {}. Ask for less (with min_cores, a grant may take fewer cores)",
-            count(o.largest_cores, "core"),
-            o.largest_memory_mib,
-            count(o.nodes as u64, "node"),
+            count(o.largest_node_cores, "core"),
+            o.largest_node_memory_mib,
+            count(o.nodes, "node"),
             count(o.cluster_cores, "core"),
         ),
-    )
-    .with("largest_node_cores", o.largest_cores)
-    .with("largest_node_memory_mib", o.largest_memory_mib)
-    .with("cluster_cores", o.cluster_cores)
-    .with("nodes", o.nodes)
-    .with("cores_with_memory", o.cores_with_memory))
+    );
+    failure.body.details = o.to_details();
+    Err(failure)
 }
 
 /// `503 accounting_unavailable`: billing is required and no live

@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
-use rfaas_proto::manager::{NodeState, NodeView};
+use rfaas_proto::manager::{ClusterOffer, NodeState, NodeView};
 
 use crate::store::{AccountingInstance, LeaseRow, StoredNode};
 
@@ -41,23 +41,6 @@ pub struct View {
     /// Summed up from `nodes` (lock order: `nodes` first).
     reach: RwLock<Reach>,
     instances: RwLock<Vec<AccountingInstance>>,
-}
-
-/// What the nodes the view knows could ever hold, for a request of some
-/// memory per node lease ([`View::offer`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Offer {
-    /// Nodes that ever registered.
-    pub nodes: usize,
-    /// The most cores one node registered.
-    pub largest_cores: u32,
-    /// The most memory one node registered, MiB.
-    pub largest_memory_mib: u64,
-    /// The cores of every node together.
-    pub cluster_cores: u64,
-    /// The cores of the nodes that registered at least the request's
-    /// memory: the most one grant could ever span.
-    pub cores_with_memory: u64,
 }
 
 /// Every known node's registered capacity, summed up.
@@ -186,13 +169,13 @@ impl View {
     /// per node lease: every node that ever registered, whatever its state
     /// now (a lost, drained or withholding node may come back), at the
     /// capacity it registered. Reads sums kept up to date, never the nodes.
-    pub fn offer(&self, memory_mib: u64) -> Offer {
+    pub fn offer(&self, memory_mib: u64) -> ClusterOffer {
         let reach = self.reach.read().unwrap_or_else(|p| p.into_inner());
         let fitting = reach.by_memory.partition_point(|(m, _)| *m >= memory_mib);
-        Offer {
-            nodes: reach.by_memory.len(),
-            largest_cores: reach.largest_cores,
-            largest_memory_mib: reach.by_memory.first().map_or(0, |(m, _)| *m),
+        ClusterOffer {
+            nodes: reach.by_memory.len() as u64,
+            largest_node_cores: u64::from(reach.largest_cores),
+            largest_node_memory_mib: reach.by_memory.first().map_or(0, |(m, _)| *m),
             cluster_cores: reach.cores,
             cores_with_memory: fitting.checked_sub(1).map_or(0, |k| reach.by_memory[k].1),
         }
@@ -423,8 +406,8 @@ mod tests {
             let o = v.offer(m);
             (
                 o.nodes,
-                o.largest_cores,
-                o.largest_memory_mib,
+                o.largest_node_cores,
+                o.largest_node_memory_mib,
                 o.cluster_cores,
                 o.cores_with_memory,
             )

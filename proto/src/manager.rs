@@ -435,6 +435,45 @@ pub struct ApiError {
     pub details: serde_json::Map<String, serde_json::Value>,
 }
 
+/// The kind of [`ApiError`] a request no node could ever hold is refused
+/// with (`422`): waiting does not help.
+pub const REQUEST_EXCEEDS_CLUSTER: &str = "request_exceeds_cluster";
+
+/// The figures of a [`REQUEST_EXCEEDS_CLUSTER`] refusal, flattened into its
+/// [`ApiError`]: the largest request the cluster could ever hold, counting
+/// every node that ever registered at the capacity it registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClusterOffer {
+    /// Cores of the node with the most.
+    pub largest_node_cores: u64,
+    /// MiB of the node with the most memory.
+    pub largest_node_memory_mib: u64,
+    /// Cores of every node together.
+    pub cluster_cores: u64,
+    /// Nodes that ever registered.
+    pub nodes: u64,
+    /// Cores of the nodes that lend at least the request's memory per node
+    /// lease: the most one grant for it could ever span.
+    pub cores_with_memory: u64,
+}
+
+impl ClusterOffer {
+    /// The figures as [`ApiError::details`] holds them.
+    pub fn to_details(&self) -> serde_json::Map<String, serde_json::Value> {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        }
+    }
+
+    /// The figures of an [`ApiError`]'s details, when it carries all of
+    /// them (other figures, such as `retry_after_s`, are left alone).
+    pub fn from_details(details: &serde_json::Map<String, serde_json::Value>) -> Option<Self> {
+        serde_json::from_value(serde_json::Value::Object(details.clone())).ok()
+    }
+}
+
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} ({})", self.message, self.error)
@@ -538,5 +577,31 @@ mod tests {
         );
         let up: NodeState = serde_json::from_str(r#""up""#).unwrap();
         assert_eq!(up, NodeState::Up);
+    }
+
+    #[test]
+    fn a_refusal_beyond_the_cluster_is_the_documented_json() {
+        let offer = ClusterOffer {
+            largest_node_cores: 2,
+            largest_node_memory_mib: 2048,
+            cluster_cores: 6,
+            nodes: 3,
+            cores_with_memory: 4,
+        };
+        let e = ApiError {
+            error: REQUEST_EXCEEDS_CLUSTER.into(),
+            message: "m".into(),
+            details: offer.to_details(),
+        };
+        let json = serde_json::to_string(&e).unwrap();
+        assert_eq!(
+            json,
+            r#"{"error":"request_exceeds_cluster","message":"m","cluster_cores":6,"cores_with_memory":4,"largest_node_cores":2,"largest_node_memory_mib":2048,"nodes":3}"#
+        );
+        let back: ApiError = serde_json::from_str(&json).unwrap();
+        assert_eq!(ClusterOffer::from_details(&back.details), Some(offer));
+        let mut partial = back.details.clone();
+        partial.remove("nodes");
+        assert_eq!(ClusterOffer::from_details(&partial), None);
     }
 }

@@ -283,9 +283,9 @@ enum rfaas_status
    */
   RFAAS_ERR_MANAGER_UNREACHABLE = 304,
   /**
-   * No node of the cluster can ever hold the request: it asks for more
-   * cores or memory on one node than the largest node offers, or for
-   * more nodes than there are (`422`, `request_exceeds_cluster`). The
+   * The cluster can never hold the request: it asks for more memory per
+   * node than the largest node offers, or for more cores than the nodes
+   * with that memory hold together (`422`, `request_exceeds_cluster`). The
    * message gives the largest offer. Not retryable: waiting does not
    * help; ask for at most that.
    */
@@ -598,8 +598,9 @@ void rfaas_managers_free(struct rfaas_managers *managers);
  * for a last try there, since a release can free cores sooner than
  * `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
  *
- * A request no node can ever hold (more cores or memory on one node
- * than the largest node offers, more nodes than there are) fails at once
+ * A request the cluster can never hold (more memory per node than the
+ * largest node offers, or more cores than the nodes with that memory
+ * hold together) fails at once
  * with `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`, not retryable; the message
  * gives the largest offer. Other refusals waiting cannot change (a quota,
  * a credential) also come back at once.

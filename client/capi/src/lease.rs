@@ -129,8 +129,9 @@ pub unsafe extern "C" fn rfaas_managers_free(managers: *mut rfaas_managers) {
 /// for a last try there, since a release can free cores sooner than
 /// `Retry-After` counts on. `deadline_ms` 0 tries once and never waits.
 ///
-/// A request no node can ever hold (more cores or memory on one node
-/// than the largest node offers, more nodes than there are) fails at once
+/// A request the cluster can never hold (more memory per node than the
+/// largest node offers, or more cores than the nodes with that memory
+/// hold together) fails at once
 /// with `RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER`, not retryable; the message
 /// gives the largest offer. Other refusals waiting cannot change (a quota,
 /// a credential) also come back at once.

@@ -5,9 +5,9 @@
 
 use std::ffi::{c_char, CStr};
 
-use ::rfaas_client::error::EXCEEDS_CLUSTER;
 use ::rfaas_client::{Error, ExitCause, Next};
 use rfaas_proto::control::{ControlError, ErrorCode};
+use rfaas_proto::manager::REQUEST_EXCEEDS_CLUSTER;
 use rfaas_proto::InvocationStatus;
 
 /// What a call returned. `RFAAS_OK` (0) is success; `RFAAS_PENDING` is
@@ -169,9 +169,9 @@ pub enum rfaas_status {
     RFAAS_ERR_MANAGER_UNAUTHORIZED = 303,
     /// No manager answered until the request's deadline. Retryable.
     RFAAS_ERR_MANAGER_UNREACHABLE = 304,
-    /// No node of the cluster can ever hold the request: it asks for more
-    /// cores or memory on one node than the largest node offers, or for
-    /// more nodes than there are (`422`, `request_exceeds_cluster`). The
+    /// The cluster can never hold the request: it asks for more memory per
+    /// node than the largest node offers, or for more cores than the nodes
+    /// with that memory hold together (`422`, `request_exceeds_cluster`). The
     /// message gives the largest offer. Not retryable: waiting does not
     /// help; ask for at most that.
     RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER = 305,
@@ -309,7 +309,9 @@ impl rfaas_status {
             Error::Manager { status: 503, .. } => RFAAS_ERR_MANAGER_NO_CAPACITY,
             Error::ExceedsCluster { .. } => RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER,
             // An answer without the figures is the same refusal.
-            Error::Manager { status, kind, .. } if *status < 500 && kind == EXCEEDS_CLUSTER => {
+            Error::Manager { status, kind, .. }
+                if *status < 500 && kind == REQUEST_EXCEEDS_CLUSTER =>
+            {
                 RFAAS_ERR_REQUEST_EXCEEDS_CLUSTER
             }
             Error::Manager {
@@ -619,12 +621,13 @@ mod tests {
                     largest_node_memory_mib: 2048,
                     cluster_cores: 6,
                     nodes: 3,
+                    cores_with_memory: 6,
                 },
                 message: String::new(),
             },
             Error::Manager {
                 status: 422,
-                kind: EXCEEDS_CLUSTER.into(),
+                kind: REQUEST_EXCEEDS_CLUSTER.into(),
                 message: String::new(),
             },
         ];

@@ -45,9 +45,10 @@
 //! A function that dies of a signal cannot answer; the [`watchdog`]
 //! marks the crash in the meter area (so the daemon counts the worker as
 //! ending before it reaps it), answers for it, `function_crashed` with the
-//! signal (see `crash`), and the process then dies of that signal. The watchdog starts once every lane
-//! is connected, as the client library waits for before its first call; a
-//! crash before that is reported by the daemon alone.
+//! signal (see `crash`), and the process then dies of that signal. The
+//! watchdog starts once every lane is connected, as the client library
+//! waits for before its first call; a crash before that is reported by the
+//! daemon alone.
 //!
 //! # Output buffer and guard page
 //!

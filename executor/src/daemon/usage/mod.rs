@@ -458,8 +458,6 @@ impl Ledger {
             .collect()
     }
 
-    /// A renewal moved lease `lease_id`'s end to `expires_at` (Unix
-    /// seconds): it is not over before then.
     /// The signal allocation `id`'s worker marked its meter area with, if
     /// a function crashed it (it is ending; the worker's word, see
     /// [`MeterArea::crashed`]).
@@ -467,6 +465,8 @@ impl Ledger {
         self.lock().running.get(&id).and_then(|m| m.area.crashed())
     }
 
+    /// A renewal moved lease `lease_id`'s end to `expires_at` (Unix
+    /// seconds): it is not over before then.
     pub(crate) fn renewed(&self, lease_id: u64, expires_at: u64) {
         if let Some(l) = self.lock().leases.get_mut(&lease_id) {
             l.expires_at = l.expires_at.max(expires_at);
