@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rfaas_proto::files::{ConfigDir, ADMIN_TOKEN, LEASE_KEY_SECRET};
+use rfaas_proto::files::{self, ConfigDir, Unreadable, ADMIN_TOKEN, LEASE_KEY_SECRET};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
@@ -128,16 +128,8 @@ pub struct Settings {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file cannot be read.
-    #[error("cannot read the configuration {path}: {source}; {hint}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-        /// What moves it ([`ConfigDir::hint`]).
-        hint: String,
-    },
+    #[error(transparent)]
+    Read(#[from] Unreadable),
     /// The file is not valid TOML for the program.
     #[error("the configuration {path} is invalid: {message}")]
     Parse {
@@ -159,11 +151,7 @@ pub enum ConfigError {
 /// attributes refuse unknown keys): for the manager and the services that
 /// share its database.
 pub fn load_toml<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
-        hint: "give another with --config".into(),
-    })?;
+    let text = files::read_named(path)?;
     parse_toml(&text).map_err(|message| ConfigError::Parse {
         path: path.to_owned(),
         message,
@@ -184,18 +172,11 @@ pub fn load_or_default<T: DeserializeOwned + Default>(
     dir: &ConfigDir,
     name: &str,
 ) -> Result<T, ConfigError> {
-    if let Some(path) = path {
-        return load_toml(path);
-    }
-    let path = dir.file(name);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => parse_toml(&text).map_err(|message| ConfigError::Parse { path, message }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
-        Err(source) => Err(ConfigError::Read {
-            path,
-            source,
-            hint: dir.hint(&["--config"]),
-        }),
+    match dir.read_own(path, name)? {
+        Some((path, text)) => {
+            parse_toml(&text).map_err(|message| ConfigError::Parse { path, message })
+        }
+        None => Ok(T::default()),
     }
 }
 

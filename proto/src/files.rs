@@ -11,6 +11,7 @@
 
 use std::ffi::OsString;
 use std::fmt;
+use std::io;
 use std::path::{Path, PathBuf};
 
 /// The configuration directory when nothing moves it.
@@ -48,6 +49,19 @@ pub const DATABASE_PASSWORD: &str = "database.password";
 pub struct ConfigDir {
     path: PathBuf,
     chosen_by: ChosenBy,
+}
+
+/// A program's own file that exists, or was named, but cannot be read.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read the configuration file {path}: {source}; {hint}")]
+pub struct Unreadable {
+    /// The file.
+    pub path: PathBuf,
+    /// Why.
+    #[source]
+    pub source: io::Error,
+    /// What names another ([`ConfigDir::hint`]).
+    pub hint: String,
 }
 
 /// What chose the configuration directory.
@@ -98,6 +112,29 @@ impl ConfigDir {
         self.path.join(name)
     }
 
+    /// The text of a program's own file, and its path: `given` (its
+    /// `--config`), which must be read, else `name` in the directory when
+    /// it exists; `None` when it does not (the program's defaults apply).
+    pub fn read_own(
+        &self,
+        given: Option<&Path>,
+        name: &str,
+    ) -> Result<Option<(PathBuf, String)>, Unreadable> {
+        if let Some(path) = given {
+            return read_named(path).map(|text| Some((path.to_path_buf(), text)));
+        }
+        let path = self.file(name);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Ok(Some((path, text))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(Unreadable {
+                path,
+                source,
+                hint: self.hint(&["--config"]),
+            }),
+        }
+    }
+
     /// The end of a message about a file that cannot be read: what moves
     /// it. `own` names the flags, variables or keys that name this file
     /// alone (`["--token-file", "RFAAS_ADMIN_TOKEN_FILE"]`), if any.
@@ -127,6 +164,15 @@ impl ConfigDir {
             None => from,
         }
     }
+}
+
+/// The text of a configuration file named by `--config`.
+pub fn read_named(path: &Path) -> Result<String, Unreadable> {
+    std::fs::read_to_string(path).map_err(|source| Unreadable {
+        path: path.to_path_buf(),
+        source,
+        hint: "give another with --config".to_owned(),
+    })
 }
 
 impl Default for ConfigDir {
@@ -197,5 +243,34 @@ mod tests {
             d.hint(&[]),
             "the configuration directory /srv/x was set by --config-dir"
         );
+    }
+
+    #[test]
+    fn a_programs_own_file_is_read_or_absent_or_unreadable() {
+        let dir = std::env::temp_dir().join(format!("rfaas-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("manager.toml")).unwrap();
+        std::fs::write(dir.join("executord.toml"), "x = 1\n").unwrap();
+        let d = ConfigDir::from_parts(Some(&dir), None);
+        // Present: its text.
+        let (path, text) = d.read_own(None, EXECUTORD_TOML).unwrap().unwrap();
+        assert_eq!(
+            (path, text.as_str()),
+            (dir.join("executord.toml"), "x = 1\n")
+        );
+        // Absent from the directory: the defaults.
+        assert!(d.read_own(None, ACCOUNTING_TOML).unwrap().is_none());
+        // Named but absent, or there but unreadable: an error naming it.
+        let e = d
+            .read_own(Some(&dir.join("none.toml")), ACCOUNTING_TOML)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("none.toml") && e.hint.contains("--config"),
+            "{e}"
+        );
+        let e = d.read_own(None, MANAGER_TOML).unwrap_err();
+        assert_eq!(e.path, dir.join("manager.toml"));
+        assert!(e.to_string().contains("was set by --config-dir"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

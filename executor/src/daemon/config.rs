@@ -5,7 +5,9 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use rfaas_proto::files::{ConfigDir, EXECUTORD_TOML, LEASE_KEYS_PUB, NODE_CREDENTIAL};
+use rfaas_proto::files::{
+    self, ConfigDir, Unreadable, EXECUTORD_TOML, LEASE_KEYS_PUB, NODE_CREDENTIAL,
+};
 use serde::Deserialize;
 
 /// The configuration file as written: every key optional.
@@ -397,17 +399,8 @@ pub enum Sandbox {
 #[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read the configuration file {path}: {source}; {hint}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-        /// What names another file
-        /// ([`ConfigDir::hint`](rfaas_proto::files::ConfigDir::hint)).
-        hint: String,
-    },
+    #[error(transparent)]
+    Read(#[from] Unreadable),
     /// The file is not valid TOML for this daemon.
     #[error("the configuration file {path} is invalid: {message}")]
     Parse {
@@ -508,33 +501,23 @@ pub const DEFAULT_LOCAL_SOCKET: &str = rfaas_proto::control::DEFAULT_LOCAL_SOCKE
 impl Config {
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Config::read(path, "check --config".into())
+        let text = files::read_named(path)?;
+        Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        })
     }
 
     /// The configuration the daemon starts with: `path` (`--config`) when
     /// given (it must load), else `executord.toml` in `dir` when it exists,
     /// else the defaults.
     pub fn load_or_default(path: Option<&Path>, dir: &ConfigDir) -> Result<Config, ConfigError> {
-        if let Some(path) = path {
-            return Config::load(path);
+        match dir.read_own(path, EXECUTORD_TOML)? {
+            Some((path, text)) => {
+                Config::parse(&text).map_err(|message| ConfigError::Parse { path, message })
+            }
+            None => Ok(Config::default()),
         }
-        let path = dir.file(EXECUTORD_TOML);
-        if !path.exists() {
-            return Ok(Config::default());
-        }
-        Config::read(&path, dir.hint(&["--config"]))
-    }
-
-    fn read(path: &Path, hint: String) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-            hint,
-        })?;
-        Config::parse(&text).map_err(|message| ConfigError::Parse {
-            path: path.to_owned(),
-            message,
-        })
     }
 
     /// Parses TOML text.
