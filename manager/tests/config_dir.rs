@@ -191,7 +191,10 @@ fn an_unreadable_file_in_the_directory_is_an_error_not_a_default() {
     let err = String::from_utf8_lossy(&o.stderr);
     let path: &Path = &dir.join("manager.toml");
     assert!(
-        err.contains(&format!("cannot read the configuration file {}", path.display())),
+        err.contains(&format!(
+            "cannot read the configuration file {}",
+            path.display()
+        )),
         "{err}"
     );
     assert!(err.contains("RFAAS_CONFIG_DIR"), "{err}");
