@@ -37,6 +37,10 @@ echo "== lint"
 cargo clippy "${CI_BUILD[@]}" -- -D warnings
 cargo fmt --all -- --check
 
+echo "== docs/benchmarks.md renders from bench/results (scripts/bench-report.py)"
+python3 scripts/bench-report.py --self-test
+python3 scripts/bench-report.py --check
+
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run "${CI_FEATURES[@]}" --no-fail-fast
