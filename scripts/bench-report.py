@@ -7,10 +7,10 @@ Each table in the page sits between two markers:
     ...rendered...
     <!-- /bench-report -->
 
-KIND names a family of results files, bench/results/DATE-COMMIT-KIND[-N].jsonl
-(N tells several runs of one commit and day apart), and the table is rendered
-from the newest file of that family: the latest date, then the later commit
-(by its commit time in git), then the higher N. VIEW says how:
+KIND names a family of results files, bench/results/DATE-HHMM-COMMIT-KIND[-N].jsonl
+(HHMM the time of the run, UTC; N tells several runs of one commit and day
+apart), and the table is rendered from the newest file of that family: the
+latest date and time, then the higher N (no git history needed). VIEW says how:
 
     table           the bench's own table, as it prints it (stderr with --json)
     targets         every row with a target: its figure, bound and verdict
@@ -41,7 +41,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = os.path.join(ROOT, "bench", "results")
-NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-([0-9a-f]{7,40})-(.+?)(?:-(\d+))?\.jsonl$")
+NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-(\d{4})-([0-9a-f]{7,40})-(.+?)(?:-(\d+))?\.jsonl$")
 BLOCK = re.compile(
     r"(<!-- bench-report: ([\w-]+) ([\w-]+) -->\n)(.*?)(<!-- /bench-report -->)", re.S
 )
@@ -51,32 +51,18 @@ class Failure(Exception):
     """What went wrong, as a sentence for whoever runs the script."""
 
 
-def commit_time(commit):
-    """The commit's time in git, or 0 when git does not know it."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", ROOT, "log", "-1", "--format=%ct", commit],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return int(out or 0)
-    except (OSError, subprocess.CalledProcessError, ValueError):
-        return 0
-
-
 def newest(kind, results):
     """The newest results file of `kind`: (file name, date, commit)."""
     found = []
     for name in os.listdir(results):
         m = NAME.match(name)
-        if m and m.group(3) == kind:
-            date, commit, _, n = m.groups()
-            found.append((date, commit_time(commit), int(n or 1), name, commit))
+        if m and m.group(4) == kind:
+            date, hhmm, commit, _, n = m.groups()
+            found.append((date, hhmm, int(n or 1), name, commit))
     if not found:
         raise Failure(
             f"no results file of kind {kind!r} in {results}: save the bench's JSON "
-            f"lines there as DATE-COMMIT-{kind}.jsonl"
+            f"lines there as DATE-HHMM-COMMIT-{kind}.jsonl"
         )
     date, _, _, name, commit = max(found)
     return name, date, commit

@@ -29,7 +29,8 @@
 # slower than the host) and so is the NIC (rdma_rxe does RDMA in the guest
 # kernel). They show that the paths work and how the provider compares with
 # perftest on the same emulated device, never how fast RDMA is. Results go
-# to docs/benchmarks.md by hand, with this command.
+# to bench/results/ as a file of their own (see its README), and
+# scripts/bench-report.py --write renders them into docs/benchmarks.md.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
