@@ -73,11 +73,11 @@ fn jobs_are_billed_for_what_they_used(kind: &str) {
                     let f = la.function("burn_cpu_ms").unwrap();
                     let mut input = la.buffer::<u32>(1).unwrap();
                     let mut output = la.buffer::<u64>(2).unwrap();
-                    input.as_mut_slice()[0] = BURN_MS;
+                    input.write_from(0, &[BURN_MS]);
                     let mut burned = 0;
                     for _ in 0..CALLS {
                         la.invoke(f, &input, 1, &mut output).unwrap();
-                        burned += output.as_slice()[0];
+                        burned += output.to_vec()[0];
                     }
                     la.deallocate().unwrap();
                     (lease_id, burned)
@@ -159,7 +159,7 @@ fn a_take_back_flushes_billing_at_once(kind: &str) {
     let f = la.function("burn_cpu_ms").unwrap();
     let mut input = la.buffer::<u32>(1).unwrap();
     let mut output = la.buffer::<u64>(2).unwrap();
-    input.as_mut_slice()[0] = BURN_MS;
+    input.write_from(0, &[BURN_MS]);
     // The lease's first post goes out when the daemon first sees it (with
     // this call, or before it on a busy machine); the next would wait a
     // minute.

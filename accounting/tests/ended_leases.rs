@@ -170,7 +170,7 @@ fn slots_of_leases_ended_every_way_are_freed(kind: &str) {
     let sleep = la.function("sleep_ms").unwrap();
     let mut input = la.buffer::<u32>(1).unwrap();
     let mut output = la.buffer::<u32>(1).unwrap();
-    input.as_mut_slice()[0] = 5_000;
+    input.write_from(0, &[5_000]);
     let err = la.invoke(sleep, &input, 1, &mut output).unwrap_err();
     assert!(
         matches!(

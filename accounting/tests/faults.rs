@@ -168,15 +168,15 @@ fn client(managers: &Managers, spec: &AllocationSpec, stop: &AtomicBool) -> (Vec
         let f = la.function("burn_cpu_ms").unwrap();
         let mut input = la.buffer::<u32>(1).unwrap();
         let mut output = la.buffer::<u64>(2).unwrap();
-        input.as_mut_slice()[0] = BURN_MS;
+        input.write_from(0, &[BURN_MS]);
         let (mut calls, mut burned, mut failed) = (0, 0, None);
         let mut returns = Vec::new();
         for _ in 0..CALLS {
             match la.invoke(f, &input, 1, &mut output) {
                 Ok(_) => {
                     calls += 1;
-                    burned += output.as_slice()[0];
-                    returns.push((Instant::now(), output.as_slice()[0]));
+                    burned += output.to_vec()[0];
+                    returns.push((Instant::now(), output.to_vec()[0]));
                 }
                 Err(e) => {
                     failed = Some(e.to_string());

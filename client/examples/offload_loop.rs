@@ -126,6 +126,9 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let echo = alloc.function("echo")?;
     let mut input = alloc.buffer::<u8>(args.bytes)?;
     let mut output = alloc.buffer::<u8>(args.bytes)?;
+    // The buffers are copied to and from, never viewed in place: the
+    // worker keeps their keys (Buffer's "Reading and writing").
+    let (mut sent, mut echoed) = (vec![0u8; args.bytes], vec![0u8; args.bytes]);
     let mut node = alloc.node();
     println!("calling echo on {node} ({} bytes a call)", args.bytes);
     let (mut calls, mut failed, mut moves) = (0u64, 0u64, 0u64);
@@ -133,11 +136,16 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let until = Instant::now() + Duration::from_secs(args.seconds);
     while Instant::now() < until {
         let stamp = calls.to_le_bytes();
-        for (i, b) in input.as_mut_slice().iter_mut().enumerate() {
+        for (i, b) in sent.iter_mut().enumerate() {
             *b = stamp[i % 8] ^ (i as u8);
         }
-        match alloc.invoke_retrying(echo, &input, args.bytes, &mut output, 5) {
-            Ok(n) if n == args.bytes && output.as_slice() == input.as_slice() => {
+        input.write_from(0, &sent);
+        let answered = alloc.invoke_retrying(echo, &input, args.bytes, &mut output, 5);
+        if answered.is_ok() {
+            output.read_into(0, &mut echoed);
+        }
+        match answered {
+            Ok(n) if n == args.bytes && echoed == sent => {
                 calls += 1;
                 let now_on = alloc.node();
                 if now_on != node {

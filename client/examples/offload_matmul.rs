@@ -232,18 +232,15 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let phases = alloc.cold_start();
 
     // The request: {rows, n, k, 0} then rows of A, then B.
-    let mut input = alloc.buffer::<u8>(16 + 8 * (half * n + n * n))?;
-    {
-        let bytes = input.as_mut_slice();
-        for (i, v) in [half as u32, n as u32, n as u32, 0].iter().enumerate() {
-            bytes[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
-        }
-        let mut at = 16;
-        for v in a[..half * n].iter().chain(&b) {
-            bytes[at..at + 8].copy_from_slice(&v.to_le_bytes());
-            at += 8;
-        }
+    let mut request = Vec::with_capacity(16 + 8 * (half * n + n * n));
+    for v in [half as u32, n as u32, n as u32, 0] {
+        request.extend_from_slice(&v.to_le_bytes());
     }
+    for v in a[..half * n].iter().chain(&b) {
+        request.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut input = alloc.buffer::<u8>(request.len())?;
+    input.write_from(0, &request);
     let mut output = alloc.buffer::<f64>(half * n)?;
 
     let mut total = Vec::with_capacity(args.reps);
@@ -256,7 +253,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         total.push(t0.elapsed());
         assert_eq!(len, 8 * half * n, "the worker returned {len} bytes");
     }
-    c[..half * n].copy_from_slice(output.as_slice());
+    output.read_into(0, &mut c[..half * n]);
 
     let max_err = c
         .iter()

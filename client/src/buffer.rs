@@ -111,6 +111,58 @@ impl RegionShared {
 ///
 /// It stays valid across [`Allocation::invoke_retrying`]'s re-allocations:
 /// they keep the allocation's domain.
+///
+/// # Reading and writing
+///
+/// The buffer is registered for remote writes, and the workers of its
+/// allocation keep its remote key: a function may write it at any time, and
+/// on tcp the client's own progress thread lands those writes. So the safe
+/// accessors copy ([`read_into`](Self::read_into), [`to_vec`](Self::to_vec),
+/// [`write_from`](Self::write_from), [`fill`](Self::fill)) and never hold a
+/// reference to the data; in-place slices ([`as_slice`](Self::as_slice),
+/// [`as_mut_slice`](Self::as_mut_slice), [`as_bytes`](Self::as_bytes)) are
+/// `unsafe`: the caller promises that nothing writes the data while the
+/// slice lives.
+///
+/// ```
+/// # use std::time::Duration;
+/// # use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+/// # use rfaas_testkit::functions::c_library_bytes;
+/// use rfaas_client::{AllocationSpec, Client, ClientOptions};
+/// # fn main() -> rfaas_client::Result<()> {
+/// # let daemon = Executord::start(&daemon_binary(), ExecutordOptions::default());
+/// # let executor = daemon.control_addr().to_string();
+/// # let token = daemon.token("nobody", 1, 256, Duration::from_secs(600));
+/// # let library = c_library_bytes();
+/// let client = Client::new(ClientOptions::with_provider("tcp"));
+/// let spec = AllocationSpec::new(library, &["echo"]).memory_mib(256);
+/// let alloc = client.allocate(&executor, &token, &spec)?;
+/// let echo = alloc.function("echo")?;
+/// let mut input = alloc.buffer::<u32>(4)?;
+/// let mut output = alloc.buffer::<u32>(4)?;
+/// input.write_from(0, &[1, 2, 3, 4]);
+/// let bytes = alloc.invoke(echo, &input, 4, &mut output)?;
+/// assert_eq!(bytes, 16);
+/// assert_eq!(output.to_vec(), [1, 2, 3, 4]);
+/// let mut tail = [0; 2];
+/// output.read_into(2, &mut tail);
+/// assert_eq!(tail, [3, 4]);
+/// alloc.deallocate()?;
+/// # Ok(()) }
+/// ```
+///
+/// Not even a copy can be taken while a call that writes the buffer is in
+/// flight: the call borrows its output until it ends.
+///
+/// ```compile_fail,E0502
+/// # use rfaas_client::{Allocation, Buffer, FunctionId, Result};
+/// fn early(alloc: &Allocation, f: FunctionId, input: &Buffer<u32>, output: &mut Buffer<u32>) -> Result<Vec<u32>> {
+///     let call = alloc.submit(f, input, 4, output)?;
+///     let seen = output.to_vec(); // the worker may be writing it
+///     call.get()?;
+///     Ok(seen)
+/// }
+/// ```
 #[derive(Debug)]
 pub struct Buffer<T: Pod> {
     pub(crate) shared: Arc<RegionShared>,
@@ -183,22 +235,142 @@ impl<T: Pod> Buffer<T> {
         }
     }
 
-    /// The data.
+    /// Panics unless elements `offset..offset + count` lie in the buffer.
+    #[track_caller]
+    fn check_range(&self, offset: usize, count: usize) {
+        if !matches!(offset.checked_add(count), Some(end) if end <= self.len) {
+            panic!(
+                "elements {offset}..{} are outside this buffer of {} elements; make the \
+                 buffer larger or the copy shorter",
+                offset.saturating_add(count),
+                self.len
+            );
+        }
+    }
+
+    /// Copies elements `offset..offset + dst.len()` into `dst`. Safe
+    /// whatever the worker does meanwhile: it copies with volatile reads
+    /// and holds no reference to the buffer, so an element written during
+    /// the copy shows its old or its new bytes.
+    ///
+    /// # Panics
+    ///
+    /// When the range is outside the buffer, or the buffer
+    /// [`is_busy`](Self::is_busy).
+    #[track_caller]
+    pub fn read_into(&self, offset: usize, dst: &mut [T]) {
+        self.check_at_rest();
+        self.check_range(offset, dst.len());
+        let size = std::mem::size_of::<T>();
+        // SAFETY: T is Pod: no padding, and any bytes written into dst are
+        // a valid T; the byte view covers exactly dst, which it borrows.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                dst.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(dst),
+            )
+        };
+        self.shared
+            .region
+            .read_into(data_offset() + offset * size, bytes);
+    }
+
+    /// A copy of every element, made like [`read_into`](Self::read_into).
+    ///
+    /// # Panics
+    ///
+    /// When the buffer [`is_busy`](Self::is_busy).
+    #[track_caller]
+    pub fn to_vec(&self) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.len);
+        // SAFETY: the capacity holds len elements; zero bytes are a valid T
+        // (Pod), so all len elements are initialised before set_len.
+        unsafe {
+            std::ptr::write_bytes(out.as_mut_ptr(), 0, self.len);
+            out.set_len(self.len);
+        }
+        self.read_into(0, &mut out);
+        out
+    }
+
+    /// Copies `src` into elements `offset..offset + src.len()`, with
+    /// volatile writes and no reference to the buffer, like
+    /// [`read_into`](Self::read_into).
+    ///
+    /// # Panics
+    ///
+    /// When the range is outside the buffer, or the buffer
+    /// [`is_busy`](Self::is_busy).
+    #[track_caller]
+    pub fn write_from(&mut self, offset: usize, src: &[T]) {
+        self.check_at_rest();
+        self.check_range(offset, src.len());
+        let base = self.data_ptr();
+        for (i, &v) in src.iter().enumerate() {
+            // SAFETY: offset + i < len (checked above), inside the mapped
+            // data; the data is page-aligned, so aligned for T.
+            unsafe { std::ptr::write_volatile(base.add(offset + i), v) };
+        }
+    }
+
+    /// Sets every element to `value`, like [`write_from`](Self::write_from).
+    ///
+    /// # Panics
+    ///
+    /// When the buffer [`is_busy`](Self::is_busy).
+    #[track_caller]
+    pub fn fill(&mut self, value: T) {
+        self.check_at_rest();
+        let base = self.data_ptr();
+        for i in 0..self.len {
+            // SAFETY: i < len, inside the mapped, page-aligned data.
+            unsafe { std::ptr::write_volatile(base.add(i), value) };
+        }
+    }
+
+    /// The data, read in place, without a copy.
+    ///
+    /// # Safety
+    ///
+    /// Nothing may write the data while the returned slice lives:
+    ///
+    /// - no invocation that has this buffer as its output may be in flight:
+    ///   the invocation that wrote it has returned its result (a call
+    ///   borrows its output mutably until then, and one dropped before it
+    ///   ended leaves the buffer [busy](Self::is_busy), which panics here);
+    /// - the functions of the allocation write it only when asked: every
+    ///   worker that was sent the buffer's descriptor (an invocation that
+    ///   used it as its output, or pulled it as a large input) keeps its
+    ///   remote key while the allocation lives, and a function that writes
+    ///   through it outside its own invocation breaks this promise. Load
+    ///   only functions you trust to do so;
+    /// - no other thread writes it through [`data_ptr`](Self::data_ptr).
+    ///
+    /// Where that cannot be known, copy with [`read_into`](Self::read_into)
+    /// or [`to_vec`](Self::to_vec) instead.
+    ///
+    /// Safe code cannot take the slice:
+    ///
+    /// ```compile_fail,E0133
+    /// fn peek(output: &rfaas_client::Buffer<u32>) -> &[u32] {
+    ///     output.as_slice()
+    /// }
+    /// ```
     ///
     /// # Panics
     ///
     /// When the buffer [`is_busy`](Self::is_busy): the late answer of a
     /// dropped invocation may still be written into it.
     #[track_caller]
-    pub fn as_slice(&self) -> &[T] {
+    pub unsafe fn as_slice(&self) -> &[T] {
         self.check_at_rest();
         // SAFETY: the region holds data_offset() + len * size_of::<T>()
         // bytes, mapped while self.shared lives; the data starts at a page
         // boundary, which satisfies T's alignment; T is Pod, so any bytes
         // (zeroed at registration, or written by a function) are valid.
-        // Nothing writes them meanwhile: an invocation in flight borrows
-        // its output mutably, and one dropped unfinished leaves the buffer
-        // busy (checked above; the Acquire load orders its answer before).
+        // The caller promises that nothing writes them while the slice
+        // lives; a dropped invocation's late answer is excluded by the
+        // busy check above (its Acquire load orders that answer before).
         unsafe {
             std::slice::from_raw_parts(
                 self.shared.region.as_ptr().add(data_offset()).cast::<T>(),
@@ -207,17 +379,27 @@ impl<T: Pod> Buffer<T> {
         }
     }
 
-    /// The data, to fill an input or reuse an output.
+    /// The data, written in place, without a copy: to fill an input or
+    /// reuse an output.
+    ///
+    /// # Safety
+    ///
+    /// As for [`as_slice`](Self::as_slice), and nothing may read the data
+    /// either while the returned slice lives: no invocation that has this
+    /// buffer as its input may be in flight, including one dropped before
+    /// it ended (its worker may still be pulling a large input). Where
+    /// that cannot be known, copy with [`write_from`](Self::write_from)
+    /// or [`fill`](Self::fill) instead.
     ///
     /// # Panics
     ///
     /// When the buffer [`is_busy`](Self::is_busy), as
     /// [`as_slice`](Self::as_slice).
     #[track_caller]
-    pub fn as_mut_slice(&mut self) -> &mut [T] {
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [T] {
         self.check_at_rest();
         // SAFETY: as in as_slice; &mut self makes this the only reference
-        // handed out.
+        // handed out, and the caller promises nothing else touches the data.
         unsafe {
             std::slice::from_raw_parts_mut(
                 self.shared.region.as_ptr().add(data_offset()).cast::<T>(),
@@ -227,21 +409,26 @@ impl<T: Pod> Buffer<T> {
     }
 
     /// The data's first byte, for the C API, which hands it out as a
-    /// pointer and leaves the rules to its caller.
+    /// pointer; `rfaas.h` says when its caller may touch the bytes.
     #[doc(hidden)]
     pub fn data_ptr(&self) -> *mut T {
         // SAFETY: data_offset() is inside the region (one page of it).
         unsafe { self.shared.region.as_ptr().add(data_offset()).cast::<T>() }
     }
 
-    /// The data as bytes.
+    /// The data as bytes, read in place.
+    ///
+    /// # Safety
+    ///
+    /// As for [`as_slice`](Self::as_slice).
     ///
     /// # Panics
     ///
     /// As [`as_slice`](Self::as_slice).
     #[track_caller]
-    pub fn as_bytes(&self) -> &[u8] {
-        let s = self.as_slice();
+    pub unsafe fn as_bytes(&self) -> &[u8] {
+        // SAFETY: the caller's promise, passed on.
+        let s = unsafe { self.as_slice() };
         // SAFETY: T is Pod: no padding, so every byte is initialised.
         unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), self.capacity_bytes()) }
     }
@@ -268,7 +455,7 @@ mod tests {
         for len in [0usize, 1, 3, 1000, 5000] {
             let b = Buffer::<u64>::new(&d, len).unwrap();
             let base = b.shared.region.as_ptr() as usize;
-            let data = b.as_slice().as_ptr() as usize;
+            let data = b.data_ptr() as usize;
             assert_eq!(data - base, page, "len {len}");
             assert_eq!(data % page, 0, "len {len}");
             assert_eq!(b.shared.data_addr(), data as u64);
@@ -284,7 +471,7 @@ mod tests {
     fn the_header_lands_right_before_the_data() {
         let d = domain();
         let mut b = Buffer::<u8>::new(&d, 16).unwrap();
-        b.as_mut_slice().copy_from_slice(&[7; 16]);
+        b.write_from(0, &[7; 16]);
         let header = InvocationHeader {
             output_addr: 0x1122_3344_5566_7788,
             output_rkey: 9,
@@ -301,18 +488,57 @@ mod tests {
         assert_eq!(InvocationHeader::decode(&region[at..]).unwrap(), header);
         assert_eq!(&region[at + 32..at + 48], &[7; 16]);
         assert!(region[..at].iter().all(|&x| x == 0));
-        assert_eq!(b.as_slice(), &[7; 16]);
+        assert_eq!(b.to_vec(), [7; 16]);
     }
 
     #[test]
     fn typed_views_and_pod_arrays() {
         let d = domain();
         let mut b = Buffer::<[f32; 3]>::new(&d, 4).unwrap();
-        b.as_mut_slice()[2] = [1.0, 2.0, 3.0];
+        b.write_from(2, &[[1.0, 2.0, 3.0]]);
         assert_eq!(b.capacity_bytes(), 48);
-        assert_eq!(&b.as_bytes()[24..28], &1.0f32.to_ne_bytes());
+        // SAFETY: the buffer was never sent to a worker; nothing else
+        // writes it.
+        assert_eq!(unsafe { &b.as_bytes()[24..28] }, &1.0f32.to_ne_bytes());
+        let mut two = [[0.0; 3]; 2];
+        b.read_into(1, &mut two);
+        assert_eq!(two, [[0.0; 3], [1.0, 2.0, 3.0]]);
         assert!(!b.is_empty());
         assert!(Buffer::<u8>::new(&d, 0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn copies_fill_and_stay_inside_the_data() {
+        let d = domain();
+        let mut b = Buffer::<u16>::new(&d, 5).unwrap();
+        b.fill(0x0102);
+        b.write_from(3, &[7, 8]);
+        assert_eq!(b.to_vec(), [0x0102, 0x0102, 0x0102, 7, 8]);
+        b.write_from(0, &[]);
+        let region = b.shared.region.read_to_vec(..);
+        let at = data_offset();
+        assert!(region[..at].iter().all(|&x| x == 0), "before the data");
+        assert_eq!(&region[at + 6..at + 10], &[7, 0, 8, 0]);
+        let message = |e: Box<dyn std::any::Any + Send>| {
+            e.downcast_ref::<String>().cloned().unwrap_or_default()
+        };
+        let read =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.read_into(4, &mut [0; 2])));
+        let msg = message(read.unwrap_err());
+        assert!(
+            msg.contains("elements 4..6 are outside this buffer of 5"),
+            "{msg}"
+        );
+        let write = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            b.write_from(usize::MAX, &[1])
+        }));
+        let msg = message(write.unwrap_err());
+        assert!(msg.contains("outside this buffer of 5 elements"), "{msg}");
+        assert_eq!(
+            b.to_vec(),
+            [0x0102, 0x0102, 0x0102, 7, 8],
+            "nothing written"
+        );
     }
 
     #[test]

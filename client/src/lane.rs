@@ -802,7 +802,7 @@ mod tests {
         let mut l = in_flight();
         let domain = Fabric::open("tcp").unwrap().domain().unwrap();
         let mut output = crate::buffer::Buffer::<i32>::new(&domain, 1).unwrap();
-        output.as_mut_slice()[0] = 7;
+        output.write_from(0, &[7]);
         let shared = output.shared.clone();
         shared.output_busy.store(true, Ordering::Relaxed);
         l.output_hold = Some(shared.clone());

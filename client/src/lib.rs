@@ -20,10 +20,10 @@
 //! let echo = alloc.function("echo")?;
 //! let mut input = alloc.buffer::<f64>(1024)?;
 //! let mut output = alloc.buffer::<f64>(1024)?;
-//! input.as_mut_slice().fill(1.5);
+//! input.fill(1.5);
 //! let bytes = alloc.submit(echo, &input, 1024, &mut output)?.get()?;
 //! assert_eq!(bytes, 1024 * 8);
-//! assert_eq!(output.as_slice()[0], 1.5);
+//! assert_eq!(output.to_vec()[0], 1.5);
 //! alloc.deallocate()?;
 //! # Ok(()) }
 //! ```
@@ -41,7 +41,9 @@
 //! - [`allocation`]: [`Allocation`] (submit, invoke, retry, renew,
 //!   deallocate), [`Renewer`], [`FunctionId`], [`ColdStart`].
 //! - [`buffer`]: [`Buffer`], registered memory with the request header's
-//!   slot in front of page-aligned data, and the [`Pod`] marker.
+//!   slot in front of page-aligned data, read and written by copies (its
+//!   in-place slices are `unsafe`: workers may write it), and the [`Pod`]
+//!   marker.
 //! - [`invocation`]: [`Invocation`], waited for by blocking, spinning,
 //!   polling or as a future.
 //! - `lane`: one endpoint, completion queue and in-flight invocation; who

@@ -101,7 +101,7 @@ fn kill(pid: i32, signal: i32) {
 
 fn u32_input(alloc: &Allocation, value: u32) -> rfaas_client::Buffer<u32> {
     let mut b = alloc.buffer::<u32>(1).unwrap();
-    b.as_mut_slice()[0] = value;
+    b.write_from(0, &[value]);
     b
 }
 
@@ -138,8 +138,8 @@ fn echo_inline_and_bulk_sizes(#[case] provider: &str) {
     ];
     for (seed, &n) in sizes.iter().enumerate() {
         let data = pattern(n, seed as u32);
-        input.as_mut_slice()[..n].copy_from_slice(&data);
-        output.as_mut_slice()[..n.min(64)].fill(0xee);
+        input.write_from(0, &data);
+        output.write_from(0, &[0xee; 64][..n.min(64)]);
         let got = alloc
             .submit(echo, &input, n, &mut output)
             .unwrap()
@@ -147,7 +147,7 @@ fn echo_inline_and_bulk_sizes(#[case] provider: &str) {
             .unwrap_or_else(|e| panic!("echo of {n} bytes failed: {e}\n{}", d.log()));
         assert_eq!(got, n, "output length of a {n}-byte echo");
         assert!(
-            output.as_slice()[..n] == data[..],
+            output.to_vec()[..n] == data[..],
             "output of a {n}-byte echo differs"
         );
     }
@@ -168,7 +168,7 @@ fn many_echoes_with_checked_outputs(#[case] provider: &str) {
     for i in 0..300u32 {
         let n = (i as usize * 7919) % (64 << 10);
         let data = pattern(n, i);
-        input.as_mut_slice()[..n].copy_from_slice(&data);
+        input.write_from(0, &data);
         // Alternate the ways of waiting.
         let inv = alloc.submit(echo, &input, n, &mut output).unwrap();
         let got = match i % 3 {
@@ -187,18 +187,17 @@ fn many_echoes_with_checked_outputs(#[case] provider: &str) {
         .unwrap();
         assert_eq!(got, n);
         assert!(
-            output.as_slice()[..n] == data[..],
+            output.to_vec()[..n] == data[..],
             "invocation {i}: output differs"
         );
     }
     // Typed buffers: f64 in, f64 out.
     let mut fin = alloc.buffer::<f64>(1000).unwrap();
     let mut fout = alloc.buffer::<f64>(1000).unwrap();
-    for (i, x) in fin.as_mut_slice().iter_mut().enumerate() {
-        *x = i as f64 * 0.5;
-    }
+    let halves: Vec<f64> = (0..1000).map(|i| i as f64 * 0.5).collect();
+    fin.write_from(0, &halves);
     assert_eq!(alloc.invoke(echo, &fin, 1000, &mut fout).unwrap(), 8000);
-    assert_eq!(fout.as_slice(), fin.as_slice());
+    assert_eq!(fout.to_vec(), halves);
 }
 
 #[rstest]
@@ -219,9 +218,9 @@ fn concurrent_clients(#[case] provider: &'static str) {
                 for i in 0..100u32 {
                     let n = ((i * 37 + t) % 4096) as usize;
                     let data = pattern(n, t * 1000 + i);
-                    input.as_mut_slice()[..n].copy_from_slice(&data);
+                    input.write_from(0, &data);
                     assert_eq!(alloc.invoke(echo, &input, n, &mut output).unwrap(), n);
-                    assert!(output.as_slice()[..n] == data[..], "client {t} call {i}");
+                    assert!(output.to_vec()[..n] == data[..], "client {t} call {i}");
                 }
                 alloc.deallocate().unwrap();
             })
@@ -258,8 +257,8 @@ fn parallel_submissions_across_two_lanes(#[case] provider: &str) {
     ));
     assert_eq!(b.get().unwrap(), 4);
     assert_eq!(a.get().unwrap(), 4);
-    assert_eq!(a_out.as_slice(), &[300]);
-    assert_eq!(b_out.as_slice(), &[300]);
+    assert_eq!(a_out.to_vec(), [300]);
+    assert_eq!(b_out.to_vec(), [300]);
 
     // Threads sharing the allocation, one input buffer on both lanes.
     let shared_in = u32_input(&alloc, 1);
@@ -269,7 +268,7 @@ fn parallel_submissions_across_two_lanes(#[case] provider: &str) {
                 let mut out = alloc.buffer::<u32>(1).unwrap();
                 for _ in 0..50 {
                     assert_eq!(alloc.invoke(sleep, &shared_in, 1, &mut out).unwrap(), 4);
-                    assert_eq!(out.as_slice(), &[1]);
+                    assert_eq!(out.to_vec(), [1]);
                 }
             });
         }
@@ -320,7 +319,7 @@ fn hot_then_warm_switches_and_keeps_working(#[case] provider: &str) {
     let mut output = alloc.buffer::<u32>(1).unwrap();
     for round in 0..2 {
         assert_eq!(alloc.invoke(echo, &input, 1, &mut output).unwrap(), 4);
-        assert_eq!(output.as_slice(), &[42]);
+        assert_eq!(output.to_vec(), [42]);
         // Hot: the lane thread polls, so it runs.
         assert!(
             eventually(Duration::from_secs(1), || thread_states(pid).contains(&'R')),
@@ -383,8 +382,8 @@ fn async_invocations(#[case] provider: &str) {
         let b = alloc.submit(sleep, &b_in, 1, &mut b_out).unwrap();
         assert_eq!(block_on(b).unwrap(), 4);
         assert_eq!(block_on(a).unwrap(), 4);
-        assert_eq!(a_out.as_slice(), &[100]);
-        assert_eq!(b_out.as_slice(), &[50]);
+        assert_eq!(a_out.to_vec(), [100]);
+        assert_eq!(b_out.to_vec(), [50]);
     }
     // Polled once as a future (handed to the helper), then waited for.
     let mut inv = alloc.submit(sleep, &a_in, 1, &mut a_out).unwrap();
@@ -427,7 +426,7 @@ fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
             .unwrap(),
         4
     );
-    assert_eq!(out.as_slice(), &[7]);
+    assert_eq!(out.to_vec(), [7]);
 
     // The same, abandoned while awaited as a future.
     let mut inv = alloc.submit(sleep, &slow, 1, &mut out).unwrap();
@@ -437,15 +436,15 @@ fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
         .is_pending());
     drop(inv);
     assert_eq!(alloc.invoke(echo, &fast, 1, &mut other).unwrap(), 4);
-    assert_eq!(other.as_slice(), &[7]);
+    assert_eq!(other.to_vec(), [7]);
 
     // A buffer a late answer may still land in cannot be read until it
     // is reclaimed; reclaim waits for that answer.
     alloc.reclaim(&out, Duration::from_secs(60)).unwrap();
-    out.as_mut_slice()[0] = 0;
+    out.write_from(0, &[0]);
     drop(alloc.submit_wait(sleep, &slow, 1, &mut out).unwrap());
     assert!(out.is_busy());
-    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| out.as_slice()[0]));
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| out.to_vec()[0]));
     let payload = read.unwrap_err();
     let msg = payload
         .downcast_ref::<&str>()
@@ -456,7 +455,7 @@ fn dropped_invocations_leave_the_lane_usable(#[case] provider: &str) {
     alloc.reclaim(&out, Duration::from_secs(60)).unwrap();
     assert!(!out.is_busy());
     // Reclaimed once the late answer (sleep_ms echoes its input) is in.
-    assert_eq!(out.as_slice(), &[300]);
+    assert_eq!(out.to_vec(), [300]);
 }
 
 /// With read-only input promised, shm reads bulk payloads in place (a
@@ -482,11 +481,11 @@ fn read_only_input_is_read_in_place_on_shm(#[case] provider: &str) {
         .enumerate()
     {
         let data = pattern(n, seed as u32);
-        input.as_mut_slice()[..n].copy_from_slice(&data);
+        input.write_from(0, &data);
         let got = alloc.invoke(echo, &input, n, &mut output).unwrap();
         assert_eq!(got, n);
         assert!(
-            output.as_slice()[..n] == data[..],
+            output.to_vec()[..n] == data[..],
             "echo of {n} bytes differs"
         );
     }
@@ -494,7 +493,7 @@ fn read_only_input_is_read_in_place_on_shm(#[case] provider: &str) {
     let scribble = alloc.function("fault_scribble_input").unwrap();
     let n = 1 << 20;
     let data = pattern(n, 99);
-    input.as_mut_slice()[..n].copy_from_slice(&data);
+    input.write_from(0, &data);
     let result = alloc.invoke(scribble, &input, n, &mut output);
     if provider == "shm" {
         let err = result.unwrap_err();
@@ -510,10 +509,10 @@ fn read_only_input_is_read_in_place_on_shm(#[case] provider: &str) {
         );
     } else {
         assert_eq!(result.unwrap(), n, "tcp copies: the input is the worker's");
-        assert_eq!(output.as_slice()[0], input.as_slice()[0] ^ 1);
+        assert_eq!(output.to_vec()[0], input.to_vec()[0] ^ 1);
     }
     // The client's buffer is untouched either way.
-    assert!(input.as_slice()[..n] == data[..]);
+    assert!(input.to_vec()[..n] == data[..]);
 }
 
 #[rstest]
@@ -583,10 +582,10 @@ fn a_function_past_the_memory_limit_ends_its_worker(#[case] provider: &str) {
     let mut output = alloc.buffer::<u8>(4).unwrap();
     // A sixteenth of the allocation's 256 MiB is fine (RLIMIT_AS counts
     // the worker's whole address space, so not much more is).
-    input.as_mut_slice()[0] = 16;
+    input.write_from(0, &[16]);
     assert_eq!(alloc.invoke(hog, &input, 1, &mut output).unwrap(), 0);
     // Four times it is not.
-    input.as_mut_slice()[0] = 1024;
+    input.write_from(0, &[1024]);
     let err = alloc.invoke(hog, &input, 1, &mut output).unwrap_err();
     let expected = if cgroup {
         (ExitCause::OutOfMemory, libc::SIGKILL)
@@ -835,7 +834,7 @@ fn invoke_retrying_recovers_on_a_new_worker(#[case] provider: &str) {
         .invoke_retrying(echo, &input, 1, &mut output, 3)
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     assert_eq!(n, 4);
-    assert_eq!(output.as_slice(), &[0xabcd]);
+    assert_eq!(output.to_vec(), [0xabcd]);
     assert_ne!(alloc.id(), first);
     assert!(alloc.is_alive());
 
@@ -897,7 +896,7 @@ fn invoke_retrying_moves_to_a_fallback_executor() {
         .invoke_retrying(echo, &input, 1, &mut output, 2)
         .unwrap_or_else(|e| panic!("{e}\n{}", second.log()));
     assert_eq!(n, 4);
-    assert_eq!(output.as_slice(), &[99]);
+    assert_eq!(output.to_vec(), [99]);
     assert_eq!(alloc.executor(), fallback);
     assert_eq!(alloc.node(), "node-b");
     assert_eq!(alloc.moves(), 1);
@@ -939,9 +938,9 @@ fn spinning_on_the_workers_cpu_turns_to_sleeping() {
             "{calls} spins on the worker's CPU went unnoticed"
         );
         // It answers on, sleeping.
-        output.as_mut_slice()[0] = 0;
+        output.write_from(0, &[0]);
         let n = alloc.submit(echo, &input, 1, &mut output).unwrap().spin();
-        assert_eq!((n.unwrap(), output.as_slice()[0]), (4, 7));
+        assert_eq!((n.unwrap(), output.to_vec()[0]), (4, 7));
     })
     .join()
     .unwrap();
@@ -1200,7 +1199,7 @@ fn a_renewed_lease_serves_past_its_old_end() {
         let n = alloc
             .invoke(echo, &input, 1, &mut out)
             .unwrap_or_else(|e| panic!("{e}\ndaemon log:\n{}", d.log()));
-        assert_eq!((n, out.as_slice()[0]), (4, v));
+        assert_eq!((n, out.to_vec()[0]), (4, v));
     }
     assert!(alloc.is_alive());
     alloc.deallocate().unwrap();
@@ -1257,7 +1256,7 @@ fn a_renewal_for_another_lease_is_refused_and_the_allocation_goes_on() {
     let input = u32_input(&alloc, 7);
     let mut out = alloc.buffer::<u32>(1).unwrap();
     assert_eq!(alloc.invoke(echo, &input, 1, &mut out).unwrap(), 4);
-    assert_eq!(out.as_slice()[0], 7);
+    assert_eq!(out.to_vec()[0], 7);
     // And the good renewal still goes through afterwards.
     assert_eq!(alloc.renew(&d.mint(&later)).unwrap(), later.expires_at);
     alloc.deallocate().unwrap();

@@ -88,10 +88,10 @@ fn echo(la: &mut LeasedAllocation, value: u32) -> rfaas_client::Result<u32> {
     let f = la.function("echo")?;
     let mut input = la.buffer::<u32>(1)?;
     let mut output = la.buffer::<u32>(1)?;
-    input.as_mut_slice()[0] = value;
+    input.write_from(0, &[value]);
     let n = la.invoke_retrying(f, &input, 1, &mut output, 3)?;
     assert_eq!(n, 4);
-    Ok(output.as_slice()[0])
+    Ok(output.to_vec()[0])
 }
 
 /// The states of grant `id`'s node leases, as the manager shows them.
@@ -144,10 +144,10 @@ fn a_short_lease_is_kept_renewed_past_its_end() {
         let f = la.function("echo").unwrap();
         let mut input = la.buffer::<u32>(1).unwrap();
         let mut output = la.buffer::<u32>(1).unwrap();
-        input.as_mut_slice()[0] = i;
+        input.write_from(0, &[i]);
         la.invoke(f, &input, 1, &mut output)
             .unwrap_or_else(|e| panic!("call {i}: {e}\n{}", d.log()));
-        assert_eq!(output.as_slice()[0], i);
+        assert_eq!(output.to_vec()[0], i);
         std::thread::sleep(Duration::from_millis(250));
     }
     assert!(la.renewals() >= 2, "renewals: {}", la.renewals());
@@ -341,13 +341,13 @@ fn after_a_crash_invoke_retrying_succeeds_on_the_same_lease(#[case] lanes: u16) 
     let marker = CrashOnce::new();
     let bytes = marker.input(HEAP_MIB);
     let mut input = la.buffer::<u8>(bytes.len()).unwrap();
-    input.as_mut_slice().copy_from_slice(&bytes);
+    input.write_from(0, &bytes);
     let mut output = la.buffer::<u8>(bytes.len()).unwrap();
     let n = la
         .invoke_retrying(f, &input, bytes.len(), &mut output, 1)
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     assert!(marker.crashed(), "the first call crashed");
-    assert_eq!(&output.as_slice()[..n], &bytes[..]);
+    assert_eq!(&output.to_vec()[..n], &bytes[..]);
     assert_ne!(la.id(), first, "a new worker");
     assert_eq!(la.lease_grant_id(), lease, "the same lease");
     // The executor names the crash as its worker's end, though the client

@@ -566,7 +566,7 @@ fn a_request_that_fits_once_a_crashed_worker_is_reaped_is_retryable() {
     let marker = CrashOnce::new();
     let bytes = marker.input(256);
     let mut input = first.buffer::<u8>(bytes.len()).unwrap();
-    input.as_mut_slice().copy_from_slice(&bytes);
+    input.write_from(0, &bytes);
     let mut output = first.buffer::<u8>(bytes.len()).unwrap();
     let err = first
         .invoke(f, &input, bytes.len(), &mut output)

@@ -163,11 +163,11 @@ fn worker_pid(d: &Executord, allocation: u64) -> u32 {
 fn call(alloc: &Allocation, function: &str, ms: u32) -> (u64, bool) {
     let f = alloc.function(function).unwrap();
     let mut input = alloc.buffer::<u32>(1).unwrap();
-    input.as_mut_slice()[0] = ms;
+    input.write_from(0, &[ms]);
     let mut output = alloc.buffer::<u64>(2).unwrap();
     let n = alloc.invoke(f, &input, 1, &mut output).unwrap();
     assert_eq!(n, 16);
-    let out = output.as_slice();
+    let out = output.to_vec();
     (out[0], out[1] == 1)
 }
 
@@ -299,7 +299,7 @@ fn a_worker_killed_in_a_call_still_has_its_final_usage() {
         let call = s.spawn(|| {
             let f = alloc.function("burn_cpu_ms").unwrap();
             let mut input = alloc.buffer::<u32>(1).unwrap();
-            input.as_mut_slice()[0] = 60_000;
+            input.write_from(0, &[60_000]);
             let mut output = alloc.buffer::<u64>(2).unwrap();
             alloc.invoke(f, &input, 1, &mut output)
         });

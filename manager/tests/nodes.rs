@@ -319,7 +319,7 @@ fn a_lease_storm_onto_executords_holds_no_core_twice_and_survives_the_database()
         let echo = alloc.function("echo").unwrap();
         let mut input = alloc.buffer::<u8>(64).unwrap();
         let mut output = alloc.buffer::<u8>(64).unwrap();
-        input.as_mut_slice().fill(7);
+        input.fill(7);
         for _ in 0..50 {
             let n = alloc.invoke(echo, &input, 64, &mut output).unwrap();
             assert_eq!(n, 64);

@@ -390,8 +390,21 @@ typedef struct rfaas_allocation rfaas_allocation;
  * Bytes registered for one allocation's invocations: the data starts at a
  * page boundary (so any element type is aligned), with room for the
  * request header in front. Not synchronised: one thread writes it at a
- * time, and nobody touches an output buffer while an invocation that
- * writes it is in flight.
+ * time.
+ *
+ * When its bytes (`rfaas_buffer_data`) may be touched: the buffer is
+ * registered for remote writes, and the worker may write an output or
+ * read an input at any moment while an invocation that uses it is in
+ * flight. So read or write a buffer only while no invocation that uses
+ * it (as input or output) is in flight: before `rfaas_submit`, and after
+ * `rfaas_wait`, `rfaas_spin` or `rfaas_test` said the invocation ended
+ * (any status but `RFAAS_PENDING`), or `rfaas_invoke` returned. An
+ * invocation freed before it ended is still in flight until its late
+ * response arrives: its output is refused (`RFAAS_ERR_BUFFER_BUSY`) until
+ * then, and its input may still be read by the worker. The output's
+ * bytes are the function's answer only once the wait returned `RFAAS_OK`.
+ * The worker keeps the buffer's key while the allocation lives: load only
+ * functions trusted to write nothing but the output of their own call.
  */
 typedef struct rfaas_buffer rfaas_buffer;
 
@@ -903,7 +916,9 @@ rfaas_status rfaas_buffer_new(const struct rfaas_allocation *alloc,
 
 /**
  * The buffer's data: page-aligned, `rfaas_buffer_size` bytes, valid until
- * `rfaas_buffer_free`. NULL for a NULL buffer.
+ * `rfaas_buffer_free`. NULL for a NULL buffer. Touch the bytes only while
+ * no invocation that uses the buffer is in flight (see `rfaas_buffer`):
+ * fill an input before `rfaas_submit`, read an output after the wait.
  *
  * # Safety
  *
@@ -942,8 +957,10 @@ void rfaas_buffer_free(struct rfaas_buffer *buf);
  * # Safety
  *
  * Each pointer is NULL or valid: a live allocation, two distinct live
- * buffers of it, a writable `inv`. Both buffers must stay alive, and `out`
- * untouched, until the invocation is waited for or freed.
+ * buffers of it, a writable `inv`. Both buffers must stay alive until
+ * the invocation is waited for or freed, and their bytes untouched by the
+ * caller (the worker may read `in` and write `out`) until `rfaas_wait`,
+ * `rfaas_spin` or `rfaas_test` says it ended (see `rfaas_buffer`).
  */
 rfaas_status rfaas_submit(const struct rfaas_allocation *alloc,
                           uint32_t function,

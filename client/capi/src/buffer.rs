@@ -11,8 +11,21 @@ use crate::status::rfaas_status::{self, RFAAS_OK};
 /// Bytes registered for one allocation's invocations: the data starts at a
 /// page boundary (so any element type is aligned), with room for the
 /// request header in front. Not synchronised: one thread writes it at a
-/// time, and nobody touches an output buffer while an invocation that
-/// writes it is in flight.
+/// time.
+///
+/// When its bytes (`rfaas_buffer_data`) may be touched: the buffer is
+/// registered for remote writes, and the worker may write an output or
+/// read an input at any moment while an invocation that uses it is in
+/// flight. So read or write a buffer only while no invocation that uses
+/// it (as input or output) is in flight: before `rfaas_submit`, and after
+/// `rfaas_wait`, `rfaas_spin` or `rfaas_test` said the invocation ended
+/// (any status but `RFAAS_PENDING`), or `rfaas_invoke` returned. An
+/// invocation freed before it ended is still in flight until its late
+/// response arrives: its output is refused (`RFAAS_ERR_BUFFER_BUSY`) until
+/// then, and its input may still be read by the worker. The output's
+/// bytes are the function's answer only once the wait returned `RFAAS_OK`.
+/// The worker keeps the buffer's key while the allocation lives: load only
+/// functions trusted to write nothing but the output of their own call.
 #[derive(Debug)]
 pub struct rfaas_buffer {
     pub(crate) buf: Buffer<u8>,
@@ -53,7 +66,9 @@ pub unsafe extern "C" fn rfaas_buffer_new(
 }
 
 /// The buffer's data: page-aligned, `rfaas_buffer_size` bytes, valid until
-/// `rfaas_buffer_free`. NULL for a NULL buffer.
+/// `rfaas_buffer_free`. NULL for a NULL buffer. Touch the bytes only while
+/// no invocation that uses the buffer is in flight (see `rfaas_buffer`):
+/// fill an input before `rfaas_submit`, read an output after the wait.
 ///
 /// # Safety
 ///

@@ -146,8 +146,10 @@ unsafe fn buffers<'a>(
 /// # Safety
 ///
 /// Each pointer is NULL or valid: a live allocation, two distinct live
-/// buffers of it, a writable `inv`. Both buffers must stay alive, and `out`
-/// untouched, until the invocation is waited for or freed.
+/// buffers of it, a writable `inv`. Both buffers must stay alive until
+/// the invocation is waited for or freed, and their bytes untouched by the
+/// caller (the worker may read `in` and write `out`) until `rfaas_wait`,
+/// `rfaas_spin` or `rfaas_test` says it ended (see `rfaas_buffer`).
 #[no_mangle]
 pub unsafe extern "C" fn rfaas_submit(
     alloc: *const rfaas_allocation,
