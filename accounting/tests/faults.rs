@@ -25,12 +25,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{journaled, wait_until, Env};
+use common::{journaled, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 use sqlx::Row;
 
 /// The seed when `RFAAS_FAULTS_SEED` is not set.
@@ -351,9 +353,11 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
     // its executor closes it (or the slot hold passes, for leases of the
     // killed daemon), and the flusher writes its final totals.
     for l in &leased {
-        wait_until(&format!("lease {}'s usage is final", l.lease_id), || {
-            env.usage(l.lease_id).is_some_and(|u| u.finalized)
-        });
+        wait_until(
+            &format!("lease {}'s usage is final", l.lease_id),
+            TIMEOUT,
+            || env.usage(l.lease_id).is_some_and(|u| u.finalized),
+        );
     }
     stray_adds += strays(&acct);
 

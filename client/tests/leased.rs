@@ -7,16 +7,18 @@
 //! Renewal runs on real time here: the executor ends a worker at its
 //! token's expiry, and leases count in whole seconds.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{
     AllocationSpec, Client, ClientOptions, Error, LeaseOptions, LeasedAllocation, Mode,
 };
 use rfaas_proto::control::{LocalReply, LocalRequest};
-use rfaas_testkit::executord::{daemon_binary, wait_for_exit, Executord, ExecutordOptions};
+use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use rfaas_testkit::process::wait_for_exit;
+use rfaas_testkit::wait::wait_until;
 use rstest::rstest;
 use serde_json::{json, Value};
 
@@ -94,6 +96,14 @@ fn echo(la: &mut LeasedAllocation, value: u32) -> rfaas_client::Result<u32> {
     Ok(output.as_slice()[0])
 }
 
+/// The time, Unix seconds (as a lease's end is given).
+fn unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is after 1970")
+        .as_secs()
+}
+
 /// The states of grant `id`'s node leases, as the manager shows them.
 fn states(api: &Api, id: u64) -> Vec<String> {
     let (s, r) = api.call("GET", &format!("/v1/leases/{id}"), None);
@@ -135,22 +145,26 @@ fn a_short_lease_is_kept_renewed_past_its_end() {
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     let first_end = la.expires_at();
     let id = la.lease_grant_id().unwrap();
-    let started = Instant::now();
     let mut i = 0;
-    // Past two full lease durations: without renewal the executor would
-    // have ended the worker at about 3 s.
-    while started.elapsed() < Duration::from_millis(6_500) {
-        i += 1;
-        let f = la.function("echo").unwrap();
-        let mut input = la.buffer::<u32>(1).unwrap();
-        let mut output = la.buffer::<u32>(1).unwrap();
-        input.as_mut_slice()[0] = i;
-        la.invoke(f, &input, 1, &mut output)
-            .unwrap_or_else(|e| panic!("call {i}: {e}\n{}", d.log()));
-        assert_eq!(output.as_slice()[0], i);
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    assert!(la.renewals() >= 2, "renewals: {}", la.renewals());
+    // The clock is the subject: the lease's first end (3 s after the
+    // grant), when the executor would end the worker without a renewal,
+    // must have passed by more than a second while every call is served.
+    // Calls go on until that is so and the lease was renewed twice.
+    wait_until(
+        "two renewals and the lease's first end passed",
+        Duration::from_secs(30),
+        || {
+            i += 1;
+            let f = la.function("echo").unwrap();
+            let mut input = la.buffer::<u32>(1).unwrap();
+            let mut output = la.buffer::<u32>(1).unwrap();
+            input.as_mut_slice()[0] = i;
+            la.invoke(f, &input, 1, &mut output)
+                .unwrap_or_else(|e| panic!("call {i}: {e}\n{}", d.log()));
+            assert_eq!(output.as_slice()[0], i);
+            la.renewals() >= 2 && unix_s() > first_end + 1
+        },
+    );
     assert!(
         la.expires_at() > first_end,
         "the allocation's end did not move"
@@ -248,11 +262,9 @@ fn a_moving_client_lets_go_of_its_allocation_first() {
 
     let message = std::thread::scope(|scope| {
         let drain = scope.spawn(|| a.local(LocalRequest::Drain { grace_ms: 2000 }));
-        let until = Instant::now() + Duration::from_secs(10);
-        while !matches!(a.status(), LocalReply::Status { draining: true, .. }) {
-            assert!(Instant::now() < until, "node-a never drained");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until("node-a to drain", Duration::from_secs(10), || {
+            matches!(a.status(), LocalReply::Status { draining: true, .. })
+        });
         // No node has room: the client's search fails, but its allocation
         // on node-a ends before the drain's grace does.
         assert!(echo(&mut la, 2).is_err());
