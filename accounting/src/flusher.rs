@@ -379,6 +379,7 @@ mod tests {
     use super::*;
     use crate::store::Instance;
     use rfaas_manager::db;
+    use rfaas_testkit::on_both;
     use sqlx::Row;
 
     /// A database, a region of 8 slots and an instance `t` on them.
@@ -620,28 +621,7 @@ mod tests {
         assert_eq!(b.region.read_slot(5), SlotTotals::default());
     }
 
-    macro_rules! on_both {
-        ($name:ident) => {
-            mod $name {
-                fn run(kind: &str) {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap()
-                        .block_on(super::$name(kind));
-                }
-                #[test]
-                fn sqlite() {
-                    run("sqlite");
-                }
-                #[test]
-                fn postgres() {
-                    run("postgres");
-                }
-            }
-        };
-    }
-    on_both!(crashes_replay_to_the_same_totals);
-    on_both!(a_late_add_keeps_the_slot);
-    on_both!(strays_are_cleared);
+    on_both!(async crashes_replay_to_the_same_totals);
+    on_both!(async a_late_add_keeps_the_slot);
+    on_both!(async strays_are_cleared);
 }

@@ -9,10 +9,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{journaled, wait_until, Env};
+use common::{journaled, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord};
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 
 /// The executors post at most this often.
 const GRANULARITY_MS: u64 = 200;
@@ -90,7 +92,7 @@ fn jobs_are_billed_for_what_they_used(kind: &str) {
     // Each lease ends (released), its executor posts the rest and closes
     // its slot, and the flusher writes the final totals.
     for (lease_id, _) in &measured {
-        wait_until("the lease's usage is final", || {
+        wait_until("the lease's usage is final", TIMEOUT, || {
             env.usage(*lease_id).is_some_and(|u| u.finalized)
         });
     }
@@ -117,7 +119,7 @@ fn jobs_are_billed_for_what_they_used(kind: &str) {
         assert!(t.alloc_mib_ms > 0);
         spent += common::cost(&t, false);
     }
-    wait_until("physics is charged for its leases", || {
+    wait_until("physics is charged for its leases", TIMEOUT, || {
         (env.spend("physics") - spent).abs() < 1e-6
     });
     drop(nodes);
@@ -164,7 +166,9 @@ fn a_take_back_flushes_billing_at_once(kind: &str) {
     // this call, or before it on a busy machine); the next would wait a
     // minute.
     la.invoke(f, &input, 1, &mut output).unwrap();
-    wait_until("the first post is stored", || env.usage(lease_id).is_some());
+    wait_until("the first post is stored", TIMEOUT, || {
+        env.usage(lease_id).is_some()
+    });
     for _ in 1..CALLS {
         la.invoke(f, &input, 1, &mut output).unwrap();
     }
@@ -175,7 +179,7 @@ fn a_take_back_flushes_billing_at_once(kind: &str) {
         "{reply:?}\n{}",
         daemon.log()
     );
-    wait_until("every call is stored", || {
+    wait_until("every call is stored", TIMEOUT, || {
         env.usage(lease_id)
             .is_some_and(|u| u.totals.invocations == CALLS as u64)
     });

@@ -6,24 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use rfaas_testkit::on_both;
 use rfaas_testkit::postgres::Postgres;
 use serde_json::{json, Value};
-
-/// Generates one test per backend from `fn $name(kind: &str)`.
-macro_rules! on_both {
-    ($name:ident) => {
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$name("sqlite");
-            }
-            #[test]
-            fn postgres() {
-                super::$name("postgres");
-            }
-        }
-    };
-}
 
 /// 2024-01-01T00:00:00Z, ms.
 const T0: u64 = 1_704_067_200_000;

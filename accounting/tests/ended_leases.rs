@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{wait_until, Env};
+use common::Env;
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{
     AllocationSpec, Client, ClientOptions, Error, InvocationStatus, LeaseOptions, LeasedAllocation,
@@ -18,6 +18,8 @@ use rfaas_client::{
 use rfaas_proto::control::{LocalReply, LocalRequest};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord};
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 use sqlx::Row;
 
 /// The accounting service's flush period, ms.
@@ -196,7 +198,9 @@ fn slots_of_leases_ended_every_way_are_freed(kind: &str) {
     let mut output = alloc.buffer::<u32>(1).unwrap();
     alloc.invoke(f, &input, 1, &mut output).unwrap();
     let end = UNIX_EPOCH + Duration::from_secs(short.expires_at());
-    wait_until("the lease has expired", || SystemTime::now() >= end);
+    wait_until("the lease has expired", TIMEOUT, || {
+        SystemTime::now() >= end
+    });
     assert_freed(&env, &d, &journal, "its expiry", node.lease_id, end);
     drop((input, output, alloc));
     // Released after its end: refused, and nothing changes.

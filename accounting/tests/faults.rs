@@ -25,12 +25,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{journaled, wait_until, Env};
+use common::{journaled, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
 use rfaas_proto::control::LocalReply;
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::{wait_for, wait_until, TIMEOUT};
 use sqlx::Row;
 
 /// The seed when `RFAAS_FAULTS_SEED` is not set.
@@ -213,22 +215,21 @@ fn downtime(rng: &mut fastrand::Rng) -> Duration {
 /// Kills the worker of a random allocation on a random node, waiting for
 /// one to run; returns the node and the allocation's lease.
 fn kill_a_worker(nodes: &[Node], rng: &mut fastrand::Rng) -> (String, u64) {
-    let until = Instant::now() + Duration::from_secs(30);
-    loop {
+    wait_for("a running worker to kill", Duration::from_secs(30), || {
         let n = &nodes[rng.usize(..nodes.len())];
-        if let LocalReply::Status { allocations, .. } = n.daemon().status() {
-            if !allocations.is_empty() {
-                let a = &allocations[rng.usize(..allocations.len())];
-                // SAFETY: kill has no memory preconditions.
-                let r = unsafe { libc::kill(a.pid as libc::pid_t, libc::SIGKILL) };
-                if r == 0 {
-                    return (n.name.clone(), a.lease_id);
-                }
-            }
+        let LocalReply::Status { allocations, .. } = n.daemon().status() else {
+            return None;
+        };
+        // A pid of 0 would be this test's own process group.
+        let running: Vec<_> = allocations.iter().filter(|a| a.pid > 0).collect();
+        if running.is_empty() {
+            return None;
         }
-        assert!(Instant::now() < until, "no worker ran to be killed");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        let a = running[rng.usize(..running.len())];
+        // SAFETY: kill has no memory preconditions.
+        let r = unsafe { libc::kill(a.pid as libc::pid_t, libc::SIGKILL) };
+        (r == 0).then(|| (n.name.clone(), a.lease_id))
+    })
 }
 
 fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
@@ -351,9 +352,11 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
     // its executor closes it (or the slot hold passes, for leases of the
     // killed daemon), and the flusher writes its final totals.
     for l in &leased {
-        wait_until(&format!("lease {}'s usage is final", l.lease_id), || {
-            env.usage(l.lease_id).is_some_and(|u| u.finalized)
-        });
+        wait_until(
+            &format!("lease {}'s usage is final", l.lease_id),
+            TIMEOUT,
+            || env.usage(l.lease_id).is_some_and(|u| u.finalized),
+        );
     }
     stray_adds += strays(&acct);
 

@@ -6,10 +6,12 @@
 
 mod common;
 
-use common::{cost, some_usage, wait_for_usage, wait_until, Env};
+use common::{cost, some_usage, wait_for_usage, Env};
 use rfaas_fabric::{RemoteAddr, Status};
 use rfaas_proto::accounting::{region_len, Counter, ReplyStatus, SlotTotals};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions, Peer};
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 
 /// Adds through the fabric become the lease's stored totals, priced into
 /// its account's spend, with snapshots; the instance's rows, budgets and
@@ -44,11 +46,11 @@ fn adds_reach_the_database(kind: &str) {
     );
     wait_for_usage(&env, 102, &b);
     let want = cost(&a, false) + cost(&b, true);
-    wait_until("the spend is priced", || {
+    wait_until("the spend is priced", TIMEOUT, || {
         (env.spend("physics") - want).abs() < 1e-9
     });
     // A snapshot a second: the latest holds the totals.
-    wait_until("a snapshot holds the totals", || {
+    wait_until("a snapshot holds the totals", TIMEOUT, || {
         env.snapshots(101).last().is_some_and(|s| s.totals == a)
     });
 
@@ -68,7 +70,9 @@ fn adds_reach_the_database(kind: &str) {
     );
     let hb = "SELECT last_heartbeat_ms FROM accounting_instances WHERE name = 'acct1'";
     let first = env.scalar(hb);
-    wait_until("the instance heartbeats", || env.scalar(hb) > first);
+    wait_until("the instance heartbeats", TIMEOUT, || {
+        env.scalar(hb) > first
+    });
 
     assert_eq!(acct.metric("rfaas_accounting_slots_in_use"), Some(2.0));
     assert_eq!(acct.metric("rfaas_accounting_slots"), Some(64.0));
@@ -90,7 +94,7 @@ fn adds_reach_the_database(kind: &str) {
 
     // The daemon goes away: its connection is dropped.
     drop(peer);
-    wait_until("the connection is dropped", || {
+    wait_until("the connection is dropped", TIMEOUT, || {
         acct.metric("rfaas_accounting_connections") == Some(0.0)
     });
 }
@@ -153,7 +157,7 @@ fn only_node_credentials_learn_the_region(kind: &str) {
         .and_then(|()| other.await_reply(std::time::Duration::from_secs(3)));
     assert!(answer.is_err(), "{answer:?}");
     // The silent ones are dropped after the hello deadline (2 s here).
-    wait_until("the silent connections are dropped", || {
+    wait_until("the silent connections are dropped", TIMEOUT, || {
         acct.metric("rfaas_accounting_hellos_total{result=\"dropped\"}") >= Some(2.0)
     });
     drop((silent, half));
@@ -272,7 +276,7 @@ fn a_kill_9_loses_no_add(kind: &str) {
     acct.restart().unwrap();
     let row = wait_for_usage(&env, 55, &sum);
     assert!(!row.finalized);
-    wait_until("the spend is priced", || {
+    wait_until("the spend is priced", TIMEOUT, || {
         (env.spend("physics") - cost(&sum, false)).abs() < 1e-6
     });
     let mut again = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
@@ -313,7 +317,7 @@ fn the_final_flush_frees_the_slot(kind: &str) {
     env.end_lease(1, rfaas_manager::now_ms());
     env.end_lease(2, rfaas_manager::now_ms() - 120_000);
     for (lease, slot, u) in [(1, 5, u1), (2, 6, u2)] {
-        wait_until(&format!("slot {slot} is freed"), || {
+        wait_until(&format!("slot {slot} is freed"), TIMEOUT, || {
             env.slot_lease("acct1", slot) == 0
         });
         let row = env.usage(lease).unwrap();
@@ -374,7 +378,7 @@ fn a_postgres_restart_loses_nothing() {
         peer.add(2, Counter::ComputeNs, i).unwrap();
         sum += i;
     }
-    wait_until("a flush fails", || {
+    wait_until("a flush fails", TIMEOUT, || {
         acct.metric("rfaas_accounting_flush_errors_total") > Some(errors)
     });
     let waiting = Peer::hello("tcp", acct.fabric_addr(), &later).unwrap();
@@ -509,7 +513,7 @@ fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
     );
     let ask = serde_json::json!({"cores": 1, "memory_mib": 64, "duration_s": 60});
     let mut granted = serde_json::Value::Null;
-    wait_until("a grant carries a billing slot", || {
+    wait_until("a grant carries a billing slot", TIMEOUT, || {
         let (status, grant) = user.call("POST", "/v1/leases", Some(&ask));
         assert_eq!(status, 201, "{grant}");
         let billed = !grant["leases"][0]["billing"].is_null();
@@ -538,11 +542,11 @@ fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
     let u = some_usage(1);
     daemon.add_totals(slot.slot, &u).unwrap();
     wait_for_usage(&env, lease_id, &u);
-    wait_until("chem's spend is priced", || {
+    wait_until("chem's spend is priced", TIMEOUT, || {
         (env.spend("chem") - cost(&u, false)).abs() < 1e-9
     });
     daemon.add(slot.slot, Counter::Closed, 1).unwrap();
-    wait_until("the slot is freed", || {
+    wait_until("the slot is freed", TIMEOUT, || {
         env.slot_lease("acct1", slot.slot) == 0
     });
     assert!(env.usage(lease_id).unwrap().finalized);

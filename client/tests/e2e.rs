@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rfaas_client::{
     Allocation, AllocationSpec, Client, ClientOptions, Error, ErrorCode, ExitCause,
@@ -15,6 +15,7 @@ use rfaas_proto::control::LocalReply;
 use rfaas_testkit::cpus;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, wait_in_sleep_ms};
+use rfaas_testkit::wait::{poll_for, thread_states, wait_until};
 use rstest::rstest;
 
 const FUNCTIONS: &[&str] = &[
@@ -275,33 +276,6 @@ fn parallel_submissions_across_two_lanes(#[case] provider: &str) {
     });
 }
 
-/// Thread states ('R', 'S', ...) of `pid`.
-fn thread_states(pid: i32) -> Vec<char> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return Vec::new();
-    };
-    tasks
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
-        .filter_map(|stat| {
-            // The state follows the ")" that ends the command name.
-            let rest = &stat[stat.rfind(')')? + 1..];
-            rest.trim_start().chars().next()
-        })
-        .collect()
-}
-
-/// Whether some sample within `within` satisfies `cond`.
-fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let until = Instant::now() + within;
-    while Instant::now() < until {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    false
-}
-
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
@@ -322,18 +296,22 @@ fn hot_then_warm_switches_and_keeps_working(#[case] provider: &str) {
         assert_eq!(output.to_vec(), [42]);
         // Hot: the lane thread polls, so it runs.
         assert!(
-            eventually(Duration::from_secs(1), || thread_states(pid).contains(&'R')),
+            poll_for(Duration::from_secs(1), || thread_states(pid as u32)
+                .contains(&'R')
+                .then_some(()))
+            .is_some(),
             "round {round}: no running thread after an invocation: {:?}",
-            thread_states(pid)
+            thread_states(pid as u32)
         );
         // Warm once the hot period is over: every thread sleeps.
         assert!(
-            eventually(Duration::from_secs(10), || {
-                let s = thread_states(pid);
-                !s.is_empty() && !s.contains(&'R')
-            }),
+            poll_for(Duration::from_secs(10), || {
+                let s = thread_states(pid as u32);
+                (!s.is_empty() && !s.contains(&'R')).then_some(())
+            })
+            .is_some(),
             "round {round}: still running long after the hot period: {:?}",
-            thread_states(pid)
+            thread_states(pid as u32)
         );
     }
 }
@@ -891,7 +869,11 @@ fn invoke_retrying_moves_to_a_fallback_executor() {
     let mut output = alloc.buffer::<u32>(1).unwrap();
     assert_eq!(alloc.invoke(echo, &input, 1, &mut output).unwrap(), 4);
     kill(first.pid() as i32, libc::SIGKILL);
-    assert!(eventually(Duration::from_secs(10), || !alloc.is_alive()));
+    wait_until(
+        "the allocation to see its executor gone",
+        Duration::from_secs(10),
+        || !alloc.is_alive(),
+    );
     let n = alloc
         .invoke_retrying(echo, &input, 1, &mut output, 2)
         .unwrap_or_else(|e| panic!("{e}\n{}", second.log()));

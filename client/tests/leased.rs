@@ -14,9 +14,11 @@ use rfaas_client::{
     AllocationSpec, Client, ClientOptions, Error, LeaseOptions, LeasedAllocation, Mode,
 };
 use rfaas_proto::control::{LocalReply, LocalRequest};
-use rfaas_testkit::executord::{daemon_binary, wait_for_exit, Executord, ExecutordOptions};
+use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use rfaas_testkit::process::wait_for_exit;
+use rfaas_testkit::wait::wait_until;
 use rstest::rstest;
 use serde_json::{json, Value};
 
@@ -138,7 +140,8 @@ fn a_short_lease_is_kept_renewed_past_its_end() {
     let started = Instant::now();
     let mut i = 0;
     // Past two full lease durations: without renewal the executor would
-    // have ended the worker at about 3 s.
+    // have ended the worker at about 3 s. The clock is the subject; the
+    // sleep paces the calls as a job between calls would.
     while started.elapsed() < Duration::from_millis(6_500) {
         i += 1;
         let f = la.function("echo").unwrap();
@@ -248,11 +251,9 @@ fn a_moving_client_lets_go_of_its_allocation_first() {
 
     let message = std::thread::scope(|scope| {
         let drain = scope.spawn(|| a.local(LocalRequest::Drain { grace_ms: 2000 }));
-        let until = Instant::now() + Duration::from_secs(10);
-        while !matches!(a.status(), LocalReply::Status { draining: true, .. }) {
-            assert!(Instant::now() < until, "node-a never drained");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until("node-a to drain", Duration::from_secs(10), || {
+            matches!(a.status(), LocalReply::Status { draining: true, .. })
+        });
         // No node has room: the client's search fails, but its allocation
         // on node-a ends before the drain's grace does.
         assert!(echo(&mut la, 2).is_err());

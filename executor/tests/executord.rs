@@ -13,8 +13,9 @@ use rfaas_proto::control::{
     FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, WorkerExited,
 };
 use rfaas_proto::lease::LeaseSigner;
-use rfaas_testkit::executord::{request, wait_for_exit, Executord, ExecutordOptions};
+use rfaas_testkit::executord::{request, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
+use rfaas_testkit::process::wait_for_exit;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
 const MINUTE: Duration = Duration::from_secs(60);

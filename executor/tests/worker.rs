@@ -25,6 +25,7 @@ use rfaas_proto::control::{
 };
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
+use rfaas_testkit::wait::{wait_for, wait_until, wait_until_all_asleep};
 use rstest::rstest;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -187,15 +188,11 @@ impl Worker {
 
     /// Waits for the worker to end.
     fn wait(&mut self) -> ExitStatus {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                self.status = Some(status);
-                return status;
-            }
-            assert!(start.elapsed() < TIMEOUT, "the worker did not end");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let status = wait_for("the worker to end", TIMEOUT, || {
+            self.child.try_wait().unwrap()
+        });
+        self.status = Some(status);
+        status
     }
 
     fn signal(&self, sig: libc::c_int) {
@@ -881,25 +878,8 @@ fn every_mode_serves(#[case] provider: &str, #[case] mode: Mode) {
         // Some gaps past the hot period: hot_then_warm goes to sleep, and
         // the next request has to wake it.
         if i % 5 == 0 && mode == Mode::HotThenWarm {
-            wait_until_asleep(worker.pid());
+            wait_until_all_asleep(worker.pid());
         }
-    }
-}
-
-/// Waits until no thread of process `pid` runs or is runnable.
-fn wait_until_asleep(pid: u32) {
-    let start = Instant::now();
-    loop {
-        let states: Vec<char> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .unwrap()
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
-            .filter_map(|stat| stat[stat.rfind(')')? + 1..].trim_start().chars().next())
-            .collect();
-        if !states.is_empty() && !states.contains(&'R') {
-            return;
-        }
-        assert!(start.elapsed() < TIMEOUT, "still running: {states:?}");
-        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -1140,16 +1120,13 @@ fn sigusr1_drains(#[case] provider: &str, #[case] mode: Mode) {
     assert_eq!(status, InvocationStatus::Ok);
     worker.signal(libc::SIGUSR1);
     // The signal lands asynchronously; requests turn to draining once it has.
-    let start = Instant::now();
-    loop {
+    wait_until("SIGUSR1 to turn requests to draining", TIMEOUT, || {
         let (status, _) = client.lanes[1].invoke(ECHO, b"after");
-        if status == InvocationStatus::ExecutorDraining {
-            break;
+        if status != InvocationStatus::ExecutorDraining {
+            assert_eq!(status, InvocationStatus::Ok);
         }
-        assert_eq!(status, InvocationStatus::Ok);
-        assert!(start.elapsed() < TIMEOUT, "SIGUSR1 never took effect");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+        status == InvocationStatus::ExecutorDraining
+    });
     let (status, _) = client.lanes[0].invoke(ECHO, b"again");
     assert_eq!(status, InvocationStatus::ExecutorDraining);
 }

@@ -3,9 +3,9 @@
 //! in `fabric/tests/`, which enables the `testing` feature to reach them.
 //! Not part of the fabric's API.
 //!
-//! They open providers, connect pairs of endpoints, wait for completions
-//! with a deadline, and wait for events (a condition, a thread asleep in
-//! the kernel) instead of sleeping for a guessed time.
+//! They open providers, connect pairs of endpoints and wait for
+//! completions with a deadline. Waiting for other events (a condition, a
+//! thread asleep in the kernel) is `rfaas_testkit::wait`'s.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -224,37 +224,6 @@ pub fn assert_no_completion(cq: &mut CompletionQueue) {
     let mut out = [Completion::EMPTY; 4];
     let n = cq.poll(&mut out);
     assert_eq!(n, 0, "unexpected completions: {:?}", &out[..n]);
-}
-
-/// Waits until `done()` holds, looking every 100 µs; fails the test,
-/// naming `what`, after [`TIMEOUT`].
-pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + TIMEOUT;
-    while !done() {
-        assert!(Instant::now() < deadline, "{what}: not within {TIMEOUT:?}");
-        std::thread::sleep(Duration::from_micros(100));
-    }
-}
-
-/// The calling thread's kernel thread id, for [`wait_until_asleep`].
-pub fn thread_id() -> i32 {
-    // SAFETY: gettid has no preconditions.
-    unsafe { libc::syscall(libc::SYS_gettid) as i32 }
-}
-
-/// Waits until thread `tid` of process `pid` sleeps in the kernel (state
-/// `S` in `/proc`): a test that must act while another thread, or another
-/// process, sleeps in `wait` waits for that instead of guessing how long
-/// it takes to fall asleep.
-pub fn wait_until_asleep(pid: u32, tid: i32) {
-    let path = format!("/proc/{pid}/task/{tid}/stat");
-    wait_until(&format!("thread {tid} of process {pid} asleep"), || {
-        let stat =
-            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-        // "tid (name) S ...": the name may hold spaces and parentheses.
-        let state = stat.rsplit_once(") ").map(|(_, rest)| rest.as_bytes()[0]);
-        state == Some(b'S')
-    });
 }
 
 /// A child process, killed and reaped when dropped.

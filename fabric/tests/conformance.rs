@@ -2,8 +2,9 @@
 //! provider. `tcp` and `shm` run everywhere; the cases named `verbs` need
 //! an RDMA device: they are ignored elsewhere and run by
 //! `scripts/test-verbs.sh` under Soft-RoCE. The fixtures (pairs of
-//! endpoints, waiting for completions and events) are the ones the
-//! providers' unit tests use, in `rfaas_fabric::testing`.
+//! endpoints, waiting for completions) are the ones the providers' unit
+//! tests use, in `rfaas_fabric::testing`; waiting for other events is
+//! `rfaas_testkit::wait`'s.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write as _};
@@ -12,12 +13,12 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::testing::{
-    at, connect_pair, listen_addr, pattern, poll_n, poll_one, thread_id, verbs, wait_until_asleep,
-    KillOnDrop, Pair, TIMEOUT,
+    at, connect_pair, listen_addr, pattern, poll_n, poll_one, verbs, KillOnDrop, Pair, TIMEOUT,
 };
 use rfaas_fabric::{
     Access, Completion, EndpointOptions, Error, Fabric, Opcode, RemoteAddr, Status,
 };
+use rfaas_testkit::wait::{thread_id, wait_until_asleep};
 use rstest::rstest;
 
 /// A raw connection below the fabric: a TCP stream, or a unix stream for

@@ -11,6 +11,7 @@ use common::*;
 use rfaas_proto::accounting::BillingSlot;
 use rfaas_proto::lease::LeaseKeys;
 use rfaas_testkit::manager::{Api, Manager};
+use rfaas_testkit::on_both;
 use serde_json::{json, Value};
 
 /// The billing slot of each node lease of `grant`, by lease id, after

@@ -7,19 +7,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rfaas_testkit::manager::Api;
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::wait_for;
 use serde_json::json;
-
-/// Polls `f` every 20 ms until it returns `Some`, for at most `secs`.
-fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let until = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < until, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 fn nodes_register_heartbeat_drain_resume(kind: &str) {
     let mut db = Db::new(kind);
@@ -211,7 +201,7 @@ fn a_request_beyond_the_cluster_is_refused_at_once(kind: &str) {
         json!({"free_cores": 0, "free_memory_mib": 2048, "allocations": [], "withheld_cores": 2});
     let (s, r) = a.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
     assert_eq!(s, 200, "{r}");
-    wait_for(20, "every node to be lost", || {
+    wait_for("every node to be lost", Duration::from_secs(20), || {
         let (_, nodes) = admin.call("GET", "/v1/nodes", None);
         let states: Vec<&str> = nodes
             .as_array()?
@@ -363,7 +353,7 @@ fn credentials_are_checked(kind: &str) {
     );
     assert_eq!(s, 201, "{c}");
     let eve = Api::new(m.url(), c["token"].as_str().unwrap());
-    let (s, e) = wait_for(5, "the credential to expire", || {
+    let (s, e) = wait_for("the credential to expire", Duration::from_secs(5), || {
         let r = eve.call("GET", "/v1/leases", None);
         (r.0 != 200).then_some(r)
     });
@@ -630,7 +620,7 @@ fn expired_leases_end_and_nodes_hear_of_it(kind: &str) {
     ]});
     // The short lease expires; the node hears it ended, not the long one,
     // nor the one the manager never granted.
-    let ended = wait_for(10, "the short lease to expire", || {
+    let ended = wait_for("the short lease to expire", Duration::from_secs(10), || {
         let (s, r) = node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
         assert_eq!(s, 200, "{r}");
         (r["ended_leases"] != json!([])).then_some(r["ended_leases"].clone())
@@ -670,7 +660,7 @@ fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
     let g = granted(&u, 1, 64, 1);
     let id = g["id"].as_u64().unwrap();
     let end_ms = g["expires_at"].as_u64().unwrap() * 1000;
-    wait_for(10, "the lease's end", || {
+    wait_for("the lease's end", Duration::from_secs(10), || {
         (rfaas_manager::now_ms() > end_ms).then_some(())
     });
     let (s, e) = u.call(
@@ -816,7 +806,7 @@ fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
     let lease_id = g["leases"][0]["lease_id"].as_u64().unwrap();
     // No heartbeats: lost after lost_after_ms (1 s here).
     let admin = m.admin();
-    wait_for(10, "the node to be lost", || {
+    wait_for("the node to be lost", Duration::from_secs(10), || {
         let (_, n) = admin.call("GET", "/v1/nodes/a", None);
         (n["state"] == "lost").then_some(())
     });
@@ -833,11 +823,15 @@ fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
         (200, json!([lease_id])),
         "{r}"
     );
-    let (s, g) = wait_for(5, "the node to be offered again", || {
-        let _ = node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
-        let r = lease(&u, 1, None, 64, 60);
-        (r.0 == 201).then_some(r)
-    });
+    let (s, g) = wait_for(
+        "the node to be offered again",
+        Duration::from_secs(5),
+        || {
+            let _ = node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+            let r = lease(&u, 1, None, 64, 60);
+            (r.0 == 201).then_some(r)
+        },
+    );
     assert_eq!(s, 201, "{g}");
 }
 on_both!(silent_nodes_are_lost_and_their_leases_end);
@@ -1044,10 +1038,14 @@ fn cores_a_node_withholds_are_not_leased_on_any_replica(kind: &str) {
     beat(3);
     for mgr in [&m, &m2] {
         let admin = mgr.admin();
-        wait_for(10, "the replica to see the withheld cores", || {
-            let (_, n) = admin.call("GET", "/v1/nodes/a", None);
-            (n["withheld_cores"] == 3).then_some(())
-        });
+        wait_for(
+            "the replica to see the withheld cores",
+            Duration::from_secs(10),
+            || {
+                let (_, n) = admin.call("GET", "/v1/nodes/a", None);
+                (n["withheld_cores"] == 3).then_some(())
+            },
+        );
     }
     let u = user(&m, "alice", "physics");
     let u2 = Api::new(m2.url(), u.token());
@@ -1060,10 +1058,14 @@ fn cores_a_node_withholds_are_not_leased_on_any_replica(kind: &str) {
     // Given back: the rest can be leased again.
     beat(0);
     let u2 = Api::new(m2.url(), u.token());
-    let g = wait_for(10, "the cores to be lent again", || {
-        let (s, g) = lease(&u2, 3, None, 64, 60);
-        (s == 201).then_some(g)
-    });
+    let g = wait_for(
+        "the cores to be lent again",
+        Duration::from_secs(10),
+        || {
+            let (s, g) = lease(&u2, 3, None, 64, 60);
+            (s == 201).then_some(g)
+        },
+    );
     assert_eq!(granted_cores(&g), 3, "{g}");
     assert_eq!(check_no_core_leased_twice(&m), 4);
 }

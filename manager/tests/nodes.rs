@@ -6,11 +6,12 @@ mod common;
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::manager::Manager;
+use rfaas_testkit::wait::wait_for;
 
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -56,17 +57,6 @@ fn executord(
     )
 }
 
-fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let until = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < until, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn executord_registers_heartbeats_and_serves_through_a_manager_outage() {
     let mut db = Db::new("sqlite");
@@ -74,7 +64,7 @@ fn executord_registers_heartbeats_and_serves_through_a_manager_outage() {
     let cred = credential_file(&m, "node-a");
     let d = executord("node-a", "0-1", &[&m], &cred, "", "harvested = true");
     let admin = m.admin();
-    let node = wait_for(20, "the node to register", || {
+    let node = wait_for("the node to register", Duration::from_secs(20), || {
         let (_, n) = admin.call("GET", "/v1/nodes/node-a", None);
         (n["state"] == "up").then_some(n)
     });
@@ -87,7 +77,9 @@ fn executord_registers_heartbeats_and_serves_through_a_manager_outage() {
         all[0]["last_heartbeat_ms"].as_u64().is_some_and(|h| h > t)
     };
     let first = node["last_heartbeat_ms"].as_u64().unwrap();
-    wait_for(10, "a heartbeat", || heartbeat_after(first).then_some(()));
+    wait_for("a heartbeat", Duration::from_secs(10), || {
+        heartbeat_after(first).then_some(())
+    });
     // Every manager down: the daemon goes on serving.
     m.stop();
     d.allocate_and_deallocate(&rfaas_testkit::functions::rust_library_bytes())
@@ -96,7 +88,7 @@ fn executord_registers_heartbeats_and_serves_through_a_manager_outage() {
     let back = rfaas_manager::now_ms();
     m.restart().unwrap();
     let admin = m.admin();
-    wait_for(20, "heartbeats to resume", || {
+    wait_for("heartbeats to resume", Duration::from_secs(20), || {
         let (_, all) = admin.call("GET", "/v1/nodes?fresh=true", None);
         all[0]["last_heartbeat_ms"]
             .as_u64()
@@ -208,7 +200,7 @@ fn a_lease_storm_onto_executords_holds_no_core_twice_and_survives_the_database()
         })
         .collect();
     let admin = first.admin();
-    wait_for(30, "three nodes up", || {
+    wait_for("three nodes up", Duration::from_secs(30), || {
         let (_, all) = admin.call("GET", "/v1/nodes", None);
         (all.as_array()
             .map(|a| a.iter().filter(|n| n["state"] == "up").count())

@@ -6,10 +6,12 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use rfaas_testkit::manager::{Api, Manager};
+use rfaas_testkit::on_both;
+use rfaas_testkit::wait::{poll_for, wait_until};
 use serde_json::{json, Value};
 
 /// What one storm saw: the grants it holds (id → cores per node), how
@@ -240,13 +242,11 @@ fn kill_9_of_a_replica_loses_no_granted_lease(kind: &str) {
     let seen = std::thread::scope(|s| {
         let storm = s.spawn(|| storm(&urls, &tokens, 16, 20, 11));
         // Kill it once it has served part of the storm.
-        let until = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < until {
-            if victim.log().matches("lease granted").count() >= 20 {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(
+            "the victim replica to grant 20 leases",
+            Duration::from_secs(30),
+            || victim.log().matches("lease granted").count() >= 20,
+        );
         victim.kill();
         storm.join().unwrap()
     });
@@ -274,15 +274,16 @@ fn other_replicas_see_changes_without_reloading(kind: &str) {
         nodes.as_array().cloned().unwrap_or_default()
     };
     register(&a, "seen", 8, 4096);
-    let until = Instant::now() + Duration::from_secs(20);
-    while !listed(&b).iter().any(|n| n["name"] == "seen") {
-        assert!(
-            Instant::now() < until,
-            "replica b never saw the node: {}",
+    let within = Duration::from_secs(20);
+    poll_for(within, || {
+        listed(&b).iter().any(|n| n["name"] == "seen").then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "replica b did not see the node within {within:?}: {}",
             b.log()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        )
+    });
     let u = Api::new(b.url(), &b.credential("user", "u", Some("physics")));
     let (status, grant) = lease(&u, 3, None, 256, 600);
     assert_eq!(status, 201, "{grant}");
@@ -292,17 +293,17 @@ fn other_replicas_see_changes_without_reloading(kind: &str) {
             .find(|n| n["name"] == "seen")
             .map(|n| n["leased_cores"].as_u64())
     };
-    let wait_for = |cores: u64, what: &str| {
-        while leased(&a) != Some(Some(cores)) {
-            assert!(
-                Instant::now() < until,
-                "replica a never saw the {what}: {:?}",
-                leased(&a)
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+    let wait_for_leased = |cores: u64, what: &str| {
+        let mut last = None;
+        poll_for(within, || {
+            last = leased(&a);
+            (last == Some(Some(cores))).then_some(())
+        })
+        .unwrap_or_else(|| {
+            panic!("replica a did not see the {what} within {within:?}: leased cores {last:?}")
+        });
     };
-    wait_for(3, "grant");
+    wait_for_leased(3, "grant");
     // A burst of grants and releases on b: a ends with the last counters,
     // whatever order their batches came in.
     let mut ids = Vec::new();
@@ -316,7 +317,7 @@ fn other_replicas_see_changes_without_reloading(kind: &str) {
         let (status, e) = u.call("DELETE", &format!("/v1/leases/{id}"), None);
         assert_eq!(status, 204, "{e}");
     }
-    wait_for(1, "releases");
+    wait_for_leased(1, "releases");
 }
 on_both!(other_replicas_see_changes_without_reloading);
 
@@ -345,6 +346,8 @@ fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
                 let hb = json!({"free_cores": 64, "free_memory_mib": 65536, "allocations": []});
                 while !stop.load(Ordering::Relaxed) {
                     let _ = node.call("POST", &format!("/v1/nodes/n{k}/heartbeat"), Some(&hb));
+                    // The heartbeat period, as executord keeps one: it
+                    // paces the beats and orders nothing.
                     std::thread::sleep(Duration::from_millis(100));
                 }
             });
@@ -372,13 +375,24 @@ fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
         assert!(retry.is_some(), "a 503 without Retry-After");
         let (st, _) = Api::new(m.url(), "").call("GET", "/healthz", None);
         assert_eq!(st, 503, "healthz while the database is down");
-        // Down for longer than lost_after (1 s): no node may be lost for it.
+        // Down for longer than lost_after (1 s): no node may be lost for
+        // it. The outage's length is what this test is about, so it is
+        // slept; what follows waits for the reaper, not for time.
         std::thread::sleep(Duration::from_millis(1500));
         pg.start_again().unwrap();
         let (st, g) = wait_for_grant(&u);
         assert_eq!(st, 201, "{g}");
-        // Give the reaper several rounds after the outage.
-        std::thread::sleep(Duration::from_millis(1500));
+        // A node that never heartbeats, registered now: once the reaper
+        // has marked it lost, it has run a round that may mark nodes lost
+        // after the outage, and the heartbeating nodes must have come
+        // through that round.
+        register(&m, "canary", 1, 64);
+        let admin = m.admin();
+        wait_until(
+            "the reaper to mark the silent canary node lost",
+            Duration::from_secs(20),
+            || admin.call("GET", "/v1/nodes/canary", None).1["state"] == "lost",
+        );
         for id in &before {
             let (st, l) = u.call("GET", &format!("/v1/leases/{id}"), None);
             assert_eq!(st, 200, "{l}");
@@ -392,14 +406,19 @@ fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
     assert_eq!(check_no_core_leased_twice(&m), 21);
 }
 
+/// Asks for a lease until one is granted (up to 20 s, then returns the
+/// last answer); every refusal on the way must be a 503.
 fn wait_for_grant(u: &Api) -> (u16, Value) {
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
+    let mut last = None;
+    poll_for(Duration::from_secs(20), || {
         let r = lease(u, 1, None, 64, 600);
-        if r.0 == 201 || Instant::now() > until {
-            return r;
+        if r.0 == 201 {
+            return Some(r);
         }
         assert_eq!(r.0, 503, "{}", r.1);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        last = Some(r);
+        None
+    })
+    .or(last)
+    .expect("at least one answer")
 }

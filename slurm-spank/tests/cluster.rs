@@ -20,12 +20,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::{LocalReply, LocalRequest};
 use rfaas_testkit::accounting::{billing_binary, Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, client_example, rust_library};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
 use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
+use rfaas_testkit::wait::{poll_for, wait_for};
 use serde_json::json;
 
 const HOOK: &str = env!("CARGO_BIN_EXE_rfaas-slurm-hook");
@@ -91,10 +92,10 @@ fn start(opts: SlurmOptions) -> SlurmCluster {
 /// Waits until every node is idle again (its epilog done) and checks that
 /// none is drained or down.
 fn nodes_idle_and_undrained(cluster: &SlurmCluster) {
-    let end = std::time::Instant::now() + JOB_BOUND;
-    loop {
-        let states = cluster.node_states().unwrap();
-        for (node, state) in &states {
+    let mut last = BTreeMap::new();
+    poll_for(JOB_BOUND, || {
+        last = cluster.node_states().unwrap();
+        for (node, state) in &last {
             assert!(
                 !state.contains("drain") && !state.contains("down") && !state.contains("fail"),
                 "{node} is {state}; its fields: {:?}\n{}",
@@ -102,15 +103,9 @@ fn nodes_idle_and_undrained(cluster: &SlurmCluster) {
                 cluster.slurmd_logs()
             );
         }
-        if states.len() == cluster.nodes().len() && states.values().all(|s| s == "idle") {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "nodes not idle after {JOB_BOUND:?}: {states:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        (last.len() == cluster.nodes().len() && last.values().all(|s| s == "idle")).then_some(())
+    })
+    .unwrap_or_else(|| panic!("nodes not idle after {JOB_BOUND:?}: {last:?}"));
 }
 
 #[test]
@@ -433,21 +428,6 @@ fn the_hook_reads_its_mode_and_exits_zero_by_hand() {
     assert!(!Path::new(&dir.path("none.sock")).exists());
 }
 
-/// Waits up to `JOB_BOUND` for `f` to give something.
-fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = std::time::Instant::now() + JOB_BOUND;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "no {what} after {JOB_BOUND:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// A manager, and on each Slurm node an executor daemon registered with
 /// it, whose socket the plugin finds through `socket=...-%n.sock`.
 /// With `billing`, an accounting service too, which every daemon posts
@@ -510,7 +490,7 @@ impl RfaasOnSlurm {
             accounting,
             manager,
         };
-        wait_for("registered nodes", || {
+        wait_for("registered nodes", JOB_BOUND, || {
             let (_, nodes) = env.manager.admin().call("GET", "/v1/nodes", None);
             let up = nodes
                 .as_array()?
@@ -569,7 +549,7 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
             ),
         ])
         .unwrap();
-    let vars = wait_for("job environment", || {
+    let vars = wait_for("job environment", JOB_BOUND, || {
         let vars = rfaas_vars(&std::fs::read_to_string(&out).ok()?);
         (!vars.is_empty()).then_some(vars)
     });
@@ -582,7 +562,7 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
     let credential = vars.get("RFAAS_CREDENTIAL").expect("a credential");
 
     // The manager hears that node1 lends nothing while the job runs.
-    wait_for("node1 withheld", || {
+    wait_for("node1 withheld", JOB_BOUND, || {
         let (_, n) = env.manager.admin().call("GET", "/v1/nodes/node1", None);
         (n["withheld_cores"] == 4).then_some(())
     });
@@ -608,7 +588,7 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
         .wait_job_state(job, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
         .unwrap();
     assert_eq!(state, "COMPLETED", "{}", env.logs(&dir));
-    let (s, e) = wait_for("the credential's revocation", || {
+    let (s, e) = wait_for("the credential's revocation", JOB_BOUND, || {
         let r = api.call("GET", "/v1/leases", None);
         (r.0 != 200).then_some(r)
     });
@@ -721,7 +701,7 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
             ),
         ])
         .unwrap();
-    let first = wait_for("the job's first node", || {
+    let first = wait_for("the job's first node", JOB_BOUND, || {
         let text = std::fs::read_to_string(&out).ok()?;
         let line = text.lines().find(|l| l.starts_with("calling echo on "))?;
         Some(line.split_whitespace().nth(3)?.to_owned())
@@ -731,7 +711,23 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
         "the job leased {first}, not another node\n{}",
         env.logs(&dir)
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // Mid-run: the node has served the job's calls (its executor counts
+    // them) before another job takes it.
+    let on_first = env
+        .executords
+        .iter()
+        .find(|d| d.node_name() == first)
+        .expect("an executor daemon on every node");
+    wait_for(
+        &format!("the job's calls served on {first}"),
+        JOB_BOUND,
+        || match on_first.local(LocalRequest::Usage { lease_id: None }) {
+            LocalReply::Usage { leases, .. } => {
+                leases.iter().any(|l| l.invocations > 0).then_some(())
+            }
+            other => panic!("{first}'s executor answered {other:?} to a usage request"),
+        },
+    );
 
     // A job lands on that node mid-run: it starts within the grace (and
     // 2 s), and the offloading job moves on.
@@ -750,7 +746,7 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
             &format!("date +%s.%N > {}; sleep 1", stamp.display()),
         ])
         .unwrap();
-    let started: f64 = wait_for("the second job's start", || {
+    let started: f64 = wait_for("the second job's start", JOB_BOUND, || {
         std::fs::read_to_string(&stamp).ok()?.trim().parse().ok()
     });
     let delay = started - submitted;
@@ -766,7 +762,7 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
     assert_eq!(state, "COMPLETED");
     // Offered again within a second of that job's end.
     let ended = unix_now();
-    wait_for("the node offered again", || {
+    wait_for("the node offered again", JOB_BOUND, || {
         let (_, n) = env
             .manager
             .admin()
@@ -835,22 +831,19 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
             String::from_utf8_lossy(&out.stderr)
         )
     };
-    let until = std::time::Instant::now() + JOB_BOUND;
-    let billed = loop {
-        let text = bill();
-        let row = text.lines().find(|l| l.starts_with(&format!("{job}|")));
-        if let Some(row) = row {
-            if row.rsplit('|').next().and_then(|n| n.parse::<u64>().ok()) >= Some(calls) {
-                break row.to_owned();
-            }
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "the job's {calls} calls were not billed: rfaas-billing says\n{text}\n{}",
+    let mut text = String::new();
+    let billed = poll_for(JOB_BOUND, || {
+        text = bill();
+        let row = text.lines().find(|l| l.starts_with(&format!("{job}|")))?;
+        (row.rsplit('|').next().and_then(|n| n.parse::<u64>().ok()) >= Some(calls))
+            .then(|| row.to_owned())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the job's {calls} calls were not billed within {JOB_BOUND:?}: rfaas-billing says\n{text}\n{}",
             acct.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+        )
+    });
     let fields: Vec<&str> = billed.split('|').collect();
     assert_eq!(
         &fields[..3],
@@ -987,16 +980,16 @@ fn on_a_shared_node_a_small_job_takes_back_only_its_cpu() {
             })
         })
     };
-    let end = std::time::Instant::now() + JOB_BOUND;
-    while !said(&cluster.slurmd_log("node1")) {
-        assert!(
-            std::time::Instant::now() < end,
-            "no {head:?}..{tail:?} in\n{}\nexecutord:\n{}",
+    poll_for(JOB_BOUND, || {
+        said(&cluster.slurmd_log("node1")).then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no {head:?}..{tail:?} in node1's slurmd log within {JOB_BOUND:?}:\n{}\nexecutord:\n{}",
             cluster.slurmd_log("node1"),
             d.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        )
+    });
     assert_eq!(
         free_and_allocations(&d),
         (vec![2, 3], vec![b.id()]),
@@ -1049,7 +1042,7 @@ fn reconciliation_takes_back_what_no_prolog_said_and_offers_what_no_epilog_said(
     let job = job_until(&cluster, 2, &done, &[]);
     // slurmctld says RUNNING before node1's prolog has run: wait for it.
     let line = format!("job {job} on node1: could not take 2 CPUs back");
-    wait_for(&format!("{line:?} in the hook's log"), || {
+    wait_for(&format!("{line:?} in the hook's log"), JOB_BOUND, || {
         let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
         hook.contains(&line).then_some(())
     });
@@ -1069,7 +1062,7 @@ fn reconciliation_takes_back_what_no_prolog_said_and_offers_what_no_epilog_said(
     end_job(&cluster, job, &done);
     nodes_idle_and_undrained(&cluster);
     let line = format!("job {job} on node1: could not offer");
-    wait_for(&format!("{line:?} in the hook's log"), || {
+    wait_for(&format!("{line:?} in the hook's log"), JOB_BOUND, || {
         let hook = std::fs::read_to_string(&hook_log).unwrap_or_default();
         hook.contains(&line).then_some(())
     });
@@ -1098,7 +1091,7 @@ fn timed_job(env: &RfaasOnSlurm, node: &str, stamp: &Path) -> (u32, f64) {
             &format!("date +%s.%N > {}", stamp.display()),
         ])
         .unwrap();
-    let started: f64 = wait_for("the job's start", || {
+    let started: f64 = wait_for("the job's start", JOB_BOUND, || {
         std::fs::read_to_string(stamp).ok()?.trim().parse().ok()
     });
     let state = env
@@ -1134,7 +1127,7 @@ fn with_the_manager_killed_jobs_start_on_time_and_nodes_come_back_with_it() {
     assert_eq!(free_cpus, [0, 1, 2, 3]);
     // The manager comes back: both nodes are up and lend every core.
     env.manager.restart().unwrap();
-    wait_for("both nodes lent again", || {
+    wait_for("both nodes lent again", JOB_BOUND, || {
         let (_, nodes) = env.manager.admin().call("GET", "/v1/nodes", None);
         let lent = nodes
             .as_array()?
@@ -1168,7 +1161,7 @@ fn with_executord_killed_jobs_start_on_time_and_no_worker_survives() {
     // The worker died with its daemon: nothing of rfaas holds the job's
     // cores.
     for pid in pids {
-        wait_for("the worker's end", || {
+        wait_for("the worker's end", JOB_BOUND, || {
             (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
         });
     }

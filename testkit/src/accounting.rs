@@ -12,9 +12,8 @@
 //! credential, and adds into slots with fetch-and-add, as the executor
 //! daemon's poster does.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -169,45 +168,23 @@ impl Accounting {
 
     /// Starts the process (again), on `listen` if given.
     fn spawn(&mut self, listen: Option<&str>) -> Result<(), String> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--config").arg(self.dir.join("accounting.toml"));
         if let Some(l) = listen {
             cmd.arg("--listen").arg(l);
         }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("start {}: {e}", self.binary.display()))?;
-        let stdout = child.stdout.take().expect("piped");
-        let mut line = String::new();
-        let read = BufReader::new(stdout).read_line(&mut line);
-        let addrs = line
-            .trim()
-            .strip_prefix("rfaas-accounting listening on ")
-            .and_then(|rest| rest.split_once(" metrics "));
-        match (read, addrs) {
-            (Ok(_), Some((fabric, metrics))) => {
-                self.fabric_addr = fabric.to_owned();
-                self.metrics_addr = metrics.to_owned();
-                self.child = Some(child);
-                Ok(())
-            }
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err(format!(
-                    "rfaas-accounting did not start; its log:\n{}",
-                    self.log()
-                ))
-            }
-        }
+        let (mut child, addrs) =
+            crate::process::spawn_ready(cmd, &self.log, "rfaas-accounting listening on ")?;
+        let Some((fabric, metrics)) = addrs.split_once(" metrics ") else {
+            crate::process::stop(&mut child, crate::process::STOP_GRACE);
+            return Err(format!(
+                "rfaas-accounting's ready line has no metrics address: {addrs:?}"
+            ));
+        };
+        self.fabric_addr = fabric.to_owned();
+        self.metrics_addr = metrics.to_owned();
+        self.child = Some(child);
+        Ok(())
     }
 
     /// The instance's name.
@@ -278,12 +255,16 @@ impl Accounting {
 
     /// kill -9.
     pub fn kill(&mut self) {
-        crate::kill_child(&mut self.child);
+        if let Some(mut c) = self.child.take() {
+            crate::process::kill(&mut c);
+        }
     }
 
     /// SIGTERM, then wait (SIGKILL after 10 s).
     pub fn stop(&mut self) {
-        crate::stop_child(&mut self.child);
+        if let Some(mut c) = self.child.take() {
+            crate::process::stop(&mut c, crate::process::STOP_GRACE);
+        }
     }
 
     /// Starts it again (after [`kill`](Self::kill) or [`stop`](Self::stop),

@@ -10,16 +10,13 @@
 //! [`daemon_binary`]. The worker binary is the daemon's default,
 //! `rfaas-worker` next to it (cargo builds both into the same directory).
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rfaas_proto::control::{
     AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind,
@@ -194,43 +191,22 @@ impl Executord {
         let config_file = dir.join("executord.toml");
         std::fs::write(&config_file, config).map_err(|e| format!("write the config: {e}"))?;
 
-        let log = std::fs::File::create(dir.join("executord.log"))
-            .map_err(|e| format!("create the log: {e}"))?;
-        let mut child = Command::new(daemon_bin)
-            .envs(opts.env.iter().map(|(k, v)| (k, v)))
+        let mut cmd = Command::new(daemon_bin);
+        cmd.envs(opts.env.iter().map(|(k, v)| (k, v)))
             .arg("--config")
-            .arg(&config_file)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("start {}: {e}", daemon_bin.display()))?;
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            let first = lines.next();
-            let _ = tx.send(first);
-            // Keep the pipe open (and drained) for the daemon's lifetime.
-            for _ in lines {}
-        });
-        let line = match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(Some(Ok(line))) => line,
-            other => {
-                stop_child(&mut child, Duration::from_secs(5));
-                let log = std::fs::read_to_string(dir.join("executord.log")).unwrap_or_default();
-                let status = child.try_wait().ok().flatten();
-                let _ = std::fs::remove_dir_all(&dir);
-                return Err(format!(
-                    "rfaas-executord did not print its ready line (got {other:?}, exit status {status:?}); its log:\n{log}"
-                ));
-            }
-        };
-        let parsed = parse_ready(&line);
-        let Some((control_addr, local)) = parsed else {
-            stop_child(&mut child, Duration::from_secs(5));
+            .arg(&config_file);
+        let (mut child, rest) = crate::process::spawn_ready(
+            cmd,
+            &dir.join("executord.log"),
+            "rfaas-executord ready control=",
+        )
+        .inspect_err(|_| {
+            let _ = std::fs::remove_dir_all(&dir);
+        })?;
+        let Some((control_addr, local)) = parse_ready(&rest) else {
+            crate::process::stop(&mut child, crate::process::STOP_GRACE);
             return Err(format!(
-                "unexpected ready line from rfaas-executord: {line:?}"
+                "unexpected ready line from rfaas-executord: {rest:?}"
             ));
         };
         Ok(Executord {
@@ -402,23 +378,27 @@ impl Executord {
         timeout: Duration,
         mut cond: impl FnMut(&LocalReply) -> bool,
     ) -> LocalReply {
-        let until = Instant::now() + timeout;
-        loop {
+        let mut last = None;
+        crate::wait::poll_for(timeout, || {
             let s = self.status();
             if cond(&s) {
-                return s;
+                return Some(s);
             }
-            if Instant::now() >= until {
-                panic!("status never matched; last: {s:?}\nlog:\n{}", self.log());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            last = Some(s);
+            None
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "waited {timeout:?} for the daemon's status to match; last: {last:?}\nlog:\n{}",
+                self.log()
+            )
+        })
     }
 }
 
 impl Drop for Executord {
     fn drop(&mut self) {
-        stop_child(&mut self.child, Duration::from_secs(10));
+        crate::process::stop(&mut self.child, crate::process::STOP_GRACE);
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
@@ -446,53 +426,9 @@ pub fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest
     }
 }
 
-/// SIGTERM (the daemon stops its workers), then SIGKILL after `grace`.
-fn stop_child(child: &mut Child, grace: Duration) {
-    if matches!(child.try_wait(), Ok(Some(_))) {
-        return;
-    }
-    let pid = child.id() as libc::pid_t;
-    // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
-    if !wait_for_exit(child.id(), grace) {
-        // SAFETY: as above (still unreaped: only `wait` below reaps it).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
-    let _ = child.wait();
-}
-
-/// Waits up to `timeout` for process `pid` to end, sleeping in `poll` on its
-/// pidfd (readable once the process has exited, reaped or not); true when
-/// it has ended or was already gone.
-pub fn wait_for_exit(pid: u32, timeout: Duration) -> bool {
-    // SAFETY: a plain system call with integer arguments.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-    }
-    // SAFETY: pidfd_open returned a fresh descriptor we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let until = Instant::now() + timeout;
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        let mut p = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = left.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd.
-        match unsafe { libc::poll(&mut p, 1, ms) } {
-            1.. => return true,
-            0 => return false,
-            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
-            _ => return false,
-        }
-    }
-}
-
-fn parse_ready(line: &str) -> Option<(SocketAddr, PathBuf)> {
-    let rest = line.strip_prefix("rfaas-executord ready control=")?;
+/// The control address and local socket in the rest of the ready line,
+/// after `rfaas-executord ready control=`.
+fn parse_ready(rest: &str) -> Option<(SocketAddr, PathBuf)> {
     let (addr, local) = rest.split_once(" local=")?;
     Some((addr.parse().ok()?, PathBuf::from(local)))
 }
@@ -502,19 +438,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn waiting_for_an_exit_sees_it_end() {
-        let mut child = Command::new("sleep").arg("60").spawn().unwrap();
-        assert!(!wait_for_exit(child.id(), Duration::from_millis(50)));
-        // SAFETY: kill has no memory preconditions; our unreaped child.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
-        assert!(wait_for_exit(child.id(), Duration::from_secs(60)));
-        child.wait().unwrap();
-    }
-
-    #[test]
     fn ready_line() {
         assert_eq!(
-            parse_ready("rfaas-executord ready control=127.0.0.1:4000 local=/tmp/x y.sock"),
+            parse_ready("127.0.0.1:4000 local=/tmp/x y.sock"),
             Some((
                 "127.0.0.1:4000".parse().unwrap(),
                 PathBuf::from("/tmp/x y.sock")

@@ -178,17 +178,15 @@ pub fn wait_in_sleep_ms(pid: u32) {
         comm.starts_with("rfaas-lane")
             && nr.is_some_and(|n| n == libc::SYS_clock_nanosleep || n == libc::SYS_nanosleep)
     };
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while std::time::Instant::now() < until {
-        let found = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .map(|tasks| tasks.filter_map(Result::ok).any(|t| in_sleep(t.path())))
-            .unwrap_or(false);
-        if found {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    panic!("no lane of worker {pid} entered sleep_ms within 10 s");
+    crate::wait::wait_until(
+        &format!("a lane of worker {pid} to enter sleep_ms"),
+        std::time::Duration::from_secs(10),
+        || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map(|tasks| tasks.filter_map(Result::ok).any(|t| in_sleep(t.path())))
+                .unwrap_or(false)
+        },
+    );
 }
 
 /// The client library's example program `name` (`client/examples/`),

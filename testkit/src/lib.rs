@@ -19,12 +19,18 @@
 //!   (a manager's reply no test manager gives).
 //! - [`postgres`]: a real PostgreSQL 15 server on loopback (through
 //!   `scripts/pg.sh`), stopped, crashed and started again with its data.
+//! - [`process`]: a service started and waited for until it prints its
+//!   ready line, stopped by pid (SIGTERM, then SIGKILL), and waiting for a
+//!   process to end.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and
 //!   queries through its HTTP API.
 //! - [`TempDir`] and [`output_text`]: a test's own directory, and a
 //!   finished command's output for an assertion's message.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
 //!   `scripts/slurm-cluster.sh`), and its clients (srun, sbatch, ...).
+//! - [`wait`]: waiting for an event (a condition polled until it holds,
+//!   a thread asleep in the kernel) instead of sleeping for a guessed time.
+//! - [`on_both!`]: one test per database (SQLite and PostgreSQL).
 
 pub mod abuse;
 pub mod accounting;
@@ -33,13 +39,14 @@ pub mod executord;
 pub mod functions;
 pub mod manager;
 pub mod postgres;
+pub mod process;
 pub mod prometheus;
 pub mod slurm;
+pub mod wait;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output};
+use std::process::Output;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
 
 /// The repository's root directory.
 pub fn repo_root() -> PathBuf {
@@ -106,28 +113,41 @@ pub fn output_text(o: &Output) -> String {
     )
 }
 
-/// kill -9 of a service's process, if it still runs, and its reaping.
-pub(crate) fn kill_child(child: &mut Option<Child>) {
-    if let Some(mut c) = child.take() {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
-}
-
-/// SIGTERM to a service's process, then a wait for it to end (SIGKILL
-/// after 10 s).
-pub(crate) fn stop_child(child: &mut Option<Child>) {
-    if let Some(mut c) = child.take() {
-        // SAFETY: kill has no memory preconditions; the pid is our child's.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if let Ok(Some(_)) = c.try_wait() {
-                return;
+/// Generates one test per database from `fn $name(kind: &str)`, called
+/// with `"sqlite"` and with `"postgres"`: `on_both!(name)` for a plain
+/// function, `on_both!(async name)` for an `async fn`, run on a
+/// current-thread tokio runtime (the calling crate's `tokio`).
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$name("sqlite");
             }
-            std::thread::sleep(Duration::from_millis(20));
+            #[test]
+            fn postgres() {
+                super::$name("postgres");
+            }
         }
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    };
+    (async $name:ident) => {
+        mod $name {
+            fn run(kind: &str) {
+                ::tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a tokio runtime")
+                    .block_on(super::$name(kind));
+            }
+            #[test]
+            fn sqlite() {
+                run("sqlite");
+            }
+            #[test]
+            fn postgres() {
+                run("postgres");
+            }
+        }
+    };
 }

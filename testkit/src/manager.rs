@@ -6,10 +6,9 @@
 //! [`Api`] is a small blocking REST caller that returns the status and
 //! JSON body, whatever the status, so tests can check error bodies.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -160,41 +159,16 @@ impl Manager {
 
     /// Starts the process (again), on `listen` if given.
     fn spawn(&mut self, listen: Option<&str>) -> Result<(), String> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .map_err(|e| e.to_string())?;
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--config").arg(self.dir.join("manager.toml"));
         if let Some(l) = listen {
             cmd.arg("--listen").arg(l);
         }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| format!("start {}: {e}", self.binary.display()))?;
-        let stdout = child.stdout.take().expect("piped");
-        let mut line = String::new();
-        let read = BufReader::new(stdout).read_line(&mut line);
-        let addr = line.trim().strip_prefix("rfaas-manager listening on ");
-        match (read, addr) {
-            (Ok(_), Some(addr)) => {
-                self.url = format!("http://{addr}");
-                self.child = Some(child);
-                Ok(())
-            }
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err(format!(
-                    "rfaas-manager did not start; its log:\n{}",
-                    std::fs::read_to_string(&self.log).unwrap_or_default()
-                ))
-            }
-        }
+        let (child, addr) =
+            crate::process::spawn_ready(cmd, &self.log, "rfaas-manager listening on ")?;
+        self.url = format!("http://{addr}");
+        self.child = Some(child);
+        Ok(())
     }
 
     /// Its base URL, `http://127.0.0.1:port`.
@@ -300,12 +274,16 @@ impl Manager {
 
     /// kill -9.
     pub fn kill(&mut self) {
-        crate::kill_child(&mut self.child);
+        if let Some(mut c) = self.child.take() {
+            crate::process::kill(&mut c);
+        }
     }
 
     /// SIGTERM, then wait (SIGKILL after 10 s).
     pub fn stop(&mut self) {
-        crate::stop_child(&mut self.child);
+        if let Some(mut c) = self.child.take() {
+            crate::process::stop(&mut c, crate::process::STOP_GRACE);
+        }
     }
 
     /// Starts it again on the same port, same database and keys.

@@ -5,7 +5,7 @@
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A running Prometheus.
 #[derive(Debug)]
@@ -70,20 +70,17 @@ impl Prometheus {
             dir,
             url: format!("http://127.0.0.1:{port}"),
         };
-        let until = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(resp) = ureq::get(&format!("{}/-/ready", p.url)).call() {
-                if resp.status() == 200 {
-                    return Ok(p);
-                }
-            }
-            if Instant::now() > until {
-                return Err(format!(
-                    "prometheus did not become ready in 60 s; its log:\n{}",
-                    p.log()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        let ready_url = format!("{}/-/ready", p.url);
+        let ready = crate::wait::poll_for(Duration::from_secs(60), || {
+            let resp = ureq::get(&ready_url).call().ok()?;
+            (resp.status() == 200).then_some(())
+        });
+        match ready {
+            Some(()) => Ok(p),
+            None => Err(format!(
+                "prometheus did not become ready in 60 s; its log:\n{}",
+                p.log()
+            )),
         }
     }
 
@@ -133,38 +130,27 @@ impl Prometheus {
         timeout: Duration,
         ok: impl Fn(f64) -> bool,
     ) -> Result<f64, String> {
-        let until = Instant::now() + timeout;
-        loop {
-            let last = match self.query(expr)? {
-                Some(v) if ok(v) => return Ok(v),
-                v => v,
-            };
-            if Instant::now() > until {
-                return Err(format!(
-                    "{expr} was {last:?} after {timeout:?}, not the value wanted; prometheus's log:\n{}",
-                    self.log()
-                ));
+        let mut last = None;
+        let got = crate::wait::poll_for(timeout, || match self.query(expr) {
+            Ok(Some(v)) if ok(v) => Some(Ok(v)),
+            Ok(v) => {
+                last = v;
+                None
             }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            Err(e) => Some(Err(e)),
+        });
+        got.unwrap_or_else(|| {
+            Err(format!(
+                "{expr} was {last:?} after {timeout:?}, not the value wanted; prometheus's log:\n{}",
+                self.log()
+            ))
+        })
     }
 }
 
 impl Drop for Prometheus {
     fn drop(&mut self) {
-        // SAFETY: kill has no memory preconditions; the pid is our child,
-        // not yet reaped.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                let _ = std::fs::remove_dir_all(&self.dir);
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::process::stop(&mut self.child, crate::process::STOP_GRACE);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What cluster to start.
 #[derive(Debug, Clone)]
@@ -196,20 +196,21 @@ impl SlurmCluster {
         states: &[&str],
         timeout: Duration,
     ) -> Result<String, String> {
-        let end = Instant::now() + timeout;
-        loop {
-            let state = self.job_state(job)?;
-            if states.contains(&state.as_str()) {
-                return Ok(state);
+        let mut last = String::new();
+        let got = crate::wait::poll_for(timeout, || match self.job_state(job) {
+            Ok(state) if states.contains(&state.as_str()) => Some(Ok(state)),
+            Ok(state) => {
+                last = state;
+                None
             }
-            if Instant::now() >= end {
-                return Err(format!(
-                    "job {job} is {state} after {timeout:?}, not one of {states:?}; its fields: {:?}",
-                    self.job(job)
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            Err(e) => Some(Err(e)),
+        });
+        got.unwrap_or_else(|| {
+            Err(format!(
+                "job {job} is {last} after {timeout:?}, not one of {states:?}; its fields: {:?}",
+                self.job(job)
+            ))
+        })
     }
 
     /// Every node's state as sinfo names it (`idle`, `mixed`, `allocated`,

@@ -7,7 +7,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use rfaas_accounting::store::{self, UsageRow};
 use rfaas_proto::accounting::{Counter, SlotTotals};
@@ -15,24 +14,8 @@ use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::ExecutordOptions;
 use rfaas_testkit::manager::{Manager, ManagerOptions};
 use rfaas_testkit::postgres::Postgres;
+use rfaas_testkit::wait::{poll_for, wait_until, TIMEOUT};
 use sqlx::{AnyPool, Row};
-
-/// Generates one test per database from `fn $name(kind: &str)`.
-#[macro_export]
-macro_rules! on_both {
-    ($name:ident) => {
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$name("sqlite");
-            }
-            #[test]
-            fn postgres() {
-                super::$name("postgres");
-            }
-        }
-    };
-}
 
 /// The billing configuration the tests price with.
 pub const BILLING: &str = "currency = \"CHF\"\n[rates]\nalloc_per_gib_s = 0.5\ncompute_per_s = 2.0\nhot_per_s = 1.0\nharvested_discount = 0.5\n[budgets]\nphysics = 100.0\n";
@@ -239,20 +222,11 @@ pub fn scratch_dir(what: &str, kind: &str) -> PathBuf {
 /// Waits until `n` nodes are up at `env`'s manager.
 pub fn wait_nodes_up(env: &Env, n: usize) {
     let admin = env.manager.admin();
-    wait_until(&format!("{n} nodes are up"), || {
+    wait_until(&format!("{n} nodes are up"), TIMEOUT, || {
         let (_, all) = admin.call("GET", "/v1/nodes", None);
         all.as_array()
             .is_some_and(|a| a.iter().filter(|n| n["state"] == "up").count() == n)
     });
-}
-
-/// Waits until `done` holds, at most 30 s, then panics naming `what`.
-pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + Duration::from_secs(30);
-    while !done() {
-        assert!(Instant::now() < until, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Waits until lease `id`'s stored totals are `want` (its `closed` word
@@ -260,14 +234,13 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 pub fn wait_for_usage(env: &Env, id: u64, want: &SlotTotals) -> UsageRow {
     let want = store::stored(want);
     let mut last = None;
-    wait_until(
-        &format!("lease {id}'s usage is {want:?} (last seen {last:?})"),
-        || {
-            last = env.usage(id);
-            last.as_ref().is_some_and(|u| u.totals == want)
-        },
-    );
-    last.expect("a usage row")
+    poll_for(TIMEOUT, || {
+        last = env.usage(id);
+        last.clone().filter(|u| u.totals == want)
+    })
+    .unwrap_or_else(|| {
+        panic!("waited {TIMEOUT:?} for lease {id}'s usage to be {want:?}; last seen {last:?}")
+    })
 }
 
 /// Some usage with every counter set.

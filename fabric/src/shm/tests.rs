@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use rstest::rstest;
 
+use rfaas_testkit::wait::{thread_id, wait_until_asleep};
+
 use crate::testing::{
-    assert_no_completion, at, connect_pair, pattern, rerun_test, thread_id, wait_one,
-    wait_until_asleep, KillOnDrop, Pair, TIMEOUT,
+    assert_no_completion, at, connect_pair, pattern, rerun_test, wait_one, KillOnDrop, Pair,
+    TIMEOUT,
 };
 use crate::{
     Access, Completion, CompletionQueue, Endpoint, EndpointOptions, Error, Fabric, Listener,

@@ -10,9 +10,11 @@ use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use crate::provider::{Endpoint as _, Local, LocalWord};
+use rfaas_testkit::wait::{thread_id, wait_until, wait_until_asleep};
+
 use crate::testing::{
-    connect_pair, listen_addr, rdma_device, rdma_ip, rerun_test, thread_id, verbs, wait_one,
-    wait_until, wait_until_asleep, wait_up_to, KillOnDrop, Pair, TIMEOUT,
+    connect_pair, listen_addr, rdma_device, rdma_ip, rerun_test, verbs, wait_one, wait_up_to,
+    KillOnDrop, Pair, TIMEOUT,
 };
 use crate::verbs::hello::Hello;
 use crate::verbs::{connect, VerbsCq, VerbsEndpoint};
@@ -178,7 +180,7 @@ fn a_write_with_immediate_waits_for_a_late_receive() {
     // retries forever (rnr_retry 7) until one is. Soft-RoCE counts the
     // NAKs; elsewhere the write cannot have completed yet, at least.
     match naks {
-        Some(before) => wait_until("an RNR NAK for the write", || {
+        Some(before) => wait_until("an RNR NAK for the write", TIMEOUT, || {
             rnr_naks_received().is_some_and(|now| now > before)
         }),
         None => assert_eq!(p.cq.poll(&mut [Completion::EMPTY; 1]), 0),
@@ -438,7 +440,7 @@ fn dropping_an_endpoint_with_work_outstanding_frees_its_slots() {
         .unwrap();
     let mut out = [Completion::EMPTY; 32];
     let mut got = Vec::new();
-    wait_until("the new connection's write completes", || {
+    wait_until("the new connection's write completes", TIMEOUT, || {
         let n = p.cq.poll(&mut out);
         got.extend_from_slice(&out[..n]);
         !got.is_empty()

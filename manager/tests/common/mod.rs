@@ -161,19 +161,18 @@ pub fn wait_for_instances(m: &Manager, live: u32, lost: u32) {
         format!("rfaas_manager_accounting_instances{{state=\"lost\"}} {lost}"),
     ];
     let open = Api::new(m.url(), "");
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let (_, text) = open.call("GET", "/metrics", None);
-        let text = text.as_str().unwrap_or("").to_owned();
-        if want.iter().all(|w| text.lines().any(|l| l == w)) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "the manager never saw {live} live and {lost} lost instances:\n{text}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let within = std::time::Duration::from_secs(20);
+    let mut text = String::new();
+    rfaas_testkit::wait::poll_for(within, || {
+        let (_, body) = open.call("GET", "/metrics", None);
+        text = body.as_str().unwrap_or("").to_owned();
+        want.iter()
+            .all(|w| text.lines().any(|l| l == w))
+            .then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!("waited {within:?} for the manager to see {live} live and {lost} lost instances:\n{text}")
+    });
 }
 
 /// A counter's value in `m`'s metrics.
@@ -183,23 +182,6 @@ pub fn metric(m: &Manager, line_start: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("{line_start} not in\n{text}"))
-}
-
-/// Generates one test per backend from `fn $name(kind: &str)`.
-#[macro_export]
-macro_rules! on_both {
-    ($name:ident) => {
-        mod $name {
-            #[test]
-            fn sqlite() {
-                super::$name("sqlite");
-            }
-            #[test]
-            fn postgres() {
-                super::$name("postgres");
-            }
-        }
-    };
 }
 
 /// A registration body.

@@ -1,7 +1,7 @@
 //! The poster against a small accounting peer on the tcp provider: a
 //! region registered for atomics and reads, and the hello's check.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -9,6 +9,8 @@ use rfaas_fabric::{Access, Completion, Endpoint, EndpointOptions, MemoryRegion, 
 use rfaas_proto::accounting::{
     region_len, word_offset, AccountingHello, AccountingReply, ReplyStatus, HELLO_IMMS, REPLY_IMM,
 };
+
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 
 use super::*;
 
@@ -22,6 +24,8 @@ struct Peer {
     region: Arc<MemoryRegion>,
     stop: Arc<AtomicBool>,
     drop_all: mpsc::Sender<()>,
+    /// How many times the peer dropped every connection it held.
+    dropped: Arc<AtomicU32>,
     refused: Arc<Mutex<u32>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -44,8 +48,14 @@ impl Peer {
         let stop = Arc::new(AtomicBool::new(false));
         let refused = Arc::new(Mutex::new(0));
         let (drop_all, drops) = mpsc::channel();
+        let dropped = Arc::new(AtomicU32::new(0));
         let thread = {
-            let (region, stop, refused) = (region.clone(), stop.clone(), refused.clone());
+            let (region, stop, refused, dropped) = (
+                region.clone(),
+                stop.clone(),
+                refused.clone(),
+                dropped.clone(),
+            );
             std::thread::spawn(move || {
                 let mut cq = fabric.completion_queue(1024).unwrap();
                 let opts = EndpointOptions {
@@ -56,6 +66,7 @@ impl Peer {
                 while !stop.load(Ordering::Relaxed) {
                     if drops.try_recv().is_ok() {
                         kept.clear();
+                        dropped.fetch_add(1, Ordering::Relaxed);
                     }
                     let Ok(ep) =
                         listener.accept(&domain, &mut cq, &opts, Some(Duration::from_millis(50)))
@@ -110,6 +121,7 @@ impl Peer {
             region,
             stop,
             drop_all,
+            dropped,
             refused,
             thread: Some(thread),
         }
@@ -302,7 +314,9 @@ fn a_lost_connection_keeps_the_usage_and_posts_it_once_when_back() {
     // The service drops every connection: the next post fails, and the
     // usage stays with the daemon.
     peer.drop_all.send(()).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until("the peer to drop its connections", TIMEOUT, || {
+        peer.dropped.load(Ordering::Relaxed) == 1
+    });
     now += Duration::from_secs(2);
     p.tick(&[usage(2, &slot, 3_000, 2, false)], now);
     assert_eq!(p.stats().pending, 1);
@@ -509,7 +523,14 @@ fn a_batch_too_old_to_read_is_journaled_unresolved() {
     let dir = Scratch::new("recover-old");
     let journal = dir.journal();
     die_during_a_batch(&peer, &journal, 12, Crash::AfterAdd);
-    std::thread::sleep(Duration::from_millis(5));
+    // The clock is the subject: the batch must be older than keep_ended
+    // (zero here), so the wall clock must have passed its millisecond.
+    let journaled = unix_ms();
+    wait_until(
+        "the wall clock to pass the batch's millisecond",
+        TIMEOUT,
+        || unix_ms() > journaled,
+    );
     let mut after = Poster::new(PosterSettings {
         keep_ended: Duration::ZERO,
         ..settings(Some(journal.clone()), CREDENTIAL)
