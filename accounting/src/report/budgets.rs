@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use rfaas_manager::db::{self, i};
+use rfaas_service::db::{self, i};
 use serde_json::{json, Map};
 use sqlx::{AnyPool, Row};
 
