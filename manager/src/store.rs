@@ -11,6 +11,7 @@ use rfaas_proto::manager::{
     BudgetView, Heartbeat, LeaseState, LeaseView, NodeProvider, NodeState, NodeView, RegisterNode,
     Role,
 };
+use rfaas_service::budgets;
 use rfaas_service::credentials::{self, CredentialRow};
 use sqlx::any::AnyRow;
 use sqlx::{Any, AnyPool, Row, Transaction};
@@ -1031,15 +1032,7 @@ impl Store {
         now_ms: u64,
     ) -> Result<BudgetView, DbError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO budgets (account, budget, updated_ms) VALUES ($1, $2, $3)
-             ON CONFLICT (account) DO UPDATE SET budget = excluded.budget, updated_ms = excluded.updated_ms",
-        )
-        .bind(account)
-        .bind(budget)
-        .bind(i(now_ms))
-        .execute(&mut *tx)
-        .await?;
+        budgets::set(&mut tx, account, budget, now_ms).await?;
         let view = budget_of(&mut tx, account)
             .await?
             .ok_or_else(|| DbError::Other(format!("the budget of {account:?} vanished")))?;
@@ -1049,11 +1042,8 @@ impl Store {
 
     /// Removes `account`'s budget. `false`: it had none.
     pub async fn clear_budget(&self, account: &str) -> Result<bool, DbError> {
-        let done = sqlx::query("DELETE FROM budgets WHERE account = $1")
-            .bind(account)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
+        let mut conn = self.pool.acquire().await?;
+        Ok(budgets::clear(&mut conn, account).await?.is_some())
     }
 
     /// A grant's leases, whatever their state.

@@ -13,6 +13,7 @@
 //!   password file.
 //! - [`schema`]: the migrations (`migrations/<owner>/NNNN_*.sql`), one
 //!   owner per table, and the runner [`db::open`] calls.
+//! - [`budgets`]: the one write path of the `budgets` table.
 //! - [`config`]: loading a program's TOML file, its errors, and logging.
 //! - [`credentials`]: credential hashing and the node-credential check the
 //!   accounting service makes against the manager's `credentials` table;
@@ -20,6 +21,7 @@
 //! - [`table`]: the plain-text tables `rfaasctl` and `rfaas-billing` print.
 //! - [`now_ms`], [`now_s`]: the clocks stored times are in.
 
+pub mod budgets;
 pub mod config;
 pub mod credentials;
 pub mod db;
