@@ -46,7 +46,9 @@ fn slot_leases(db: &Db, instance: &str) -> Vec<u64> {
 
 fn tokens_carry_a_slot_from_a_live_instance(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager_with(ACCOUNTING, None);
+    // The nodes never heartbeat: they must not be lost however long the
+    // test takes.
+    let m = db.manager_with(&format!("{ACCOUNTING}lost_after_ms = 600000\n"), None);
     db.add_instance("acct-a", 3, rfaas_service::now_ms());
     db.add_instance("acct-dead", 50, 1);
     wait_for_instances(&m, 1, 1);
