@@ -79,17 +79,27 @@ pub struct Settings {
     pub config_dir: ConfigDir,
 }
 
-pub use rfaas_manager::config::ConfigError;
+pub use rfaas_service::config::ConfigError;
+
+/// What `rfaas-billing` reads of the manager's `manager.toml`: its
+/// database, for a host where neither `billing.toml` nor
+/// `accounting.toml` names one. The rest of the file is the manager's to
+/// check.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ManagerDatabase {
+    /// `sqlite:///path/to/file.db` or `postgres://user@host:port/db`.
+    pub database: Option<String>,
+}
 
 impl FileConfig {
     /// Reads and parses `path`.
     pub fn load(path: &Path) -> Result<FileConfig, ConfigError> {
-        rfaas_manager::config::load_toml(path)
+        rfaas_service::config::load_toml(path)
     }
 
     /// Parses configuration text.
     pub fn parse(text: &str) -> Result<FileConfig, String> {
-        rfaas_manager::config::parse_toml(text)
+        rfaas_service::config::parse_toml(text)
     }
 
     /// Fills in defaults (files in `dir`) and checks the values.
@@ -105,10 +115,10 @@ impl FileConfig {
         };
         let s = Settings {
             name,
-            database: rfaas_manager::db::with_password_file(
+            database: rfaas_service::db::with_password_file(
                 &self
                     .database
-                    .unwrap_or_else(|| "sqlite:///var/lib/rfaas/manager.db".into()),
+                    .unwrap_or_else(|| rfaas_service::db::DEFAULT_URL.into()),
                 dir,
             )
             .map_err(ConfigError::Unusable)?,

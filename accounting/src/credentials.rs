@@ -1,19 +1,19 @@
 //! Who may add: executor daemons, which say hello with their node
 //! credential. Credentials are checked against the manager's
 //! `credentials` table with the manager's rules
-//! ([`rfaas_manager::auth::verify_node_credential`]); verdicts are kept
-//! for [`CACHE_TTL`], so daemons reconnecting together cost one query
-//! each, and a revocation takes effect within it.
+//! ([`rfaas_service::credentials::verify_node_credential`]); verdicts are
+//! kept for [`CACHE_TTL`], so daemons reconnecting together cost one
+//! query each, and a revocation takes effect within it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rfaas_manager::auth::{hash_secret, verify_node_credential, NodeRefusal};
-use rfaas_manager::store::Store;
+use rfaas_service::credentials::{hash_secret, verify_node_credential, NodeRefusal};
+use sqlx::AnyPool;
 
 /// How long a verdict is trusted (the manager's own credential cache's).
-pub const CACHE_TTL: Duration = rfaas_manager::auth::CACHE_TTL;
+pub const CACHE_TTL: Duration = rfaas_service::credentials::CACHE_TTL;
 
 /// What a hello's credential is worth.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,16 +29,16 @@ pub enum Verdict {
 /// Checks credentials, with a short cache.
 #[derive(Debug)]
 pub struct Verifier {
-    store: Store,
+    pool: AnyPool,
     /// By the credential's SHA-256, never the credential itself.
     cache: Mutex<HashMap<String, (Verdict, Instant)>>,
 }
 
 impl Verifier {
-    /// Checks against `store`'s database.
-    pub fn new(store: Store) -> Verifier {
+    /// Checks against the credentials in `pool`'s database.
+    pub fn new(pool: AnyPool) -> Verifier {
         Verifier {
-            store,
+            pool,
             cache: Mutex::new(HashMap::new()),
         }
     }
@@ -54,7 +54,7 @@ impl Verifier {
                 }
             }
         }
-        let verdict = match verify_node_credential(&self.store, credential, now_s).await {
+        let verdict = match verify_node_credential(&self.pool, credential, now_s).await {
             Ok(Ok(node)) => Verdict::Node(node),
             Ok(Err(why)) => Verdict::Refused(why),
             // Not kept: the next hello asks again.

@@ -40,8 +40,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rfaas_manager::db::{retrying, DbError};
 use rfaas_proto::accounting::{Counter, SlotTotals};
+use rfaas_service::db::{retrying, DbError};
 use sqlx::AnyPool;
 
 use crate::metrics::Metrics;
@@ -346,7 +346,7 @@ impl Flusher {
 
     /// [`flush_once`](Self::flush_once) now, with metrics and logs.
     pub async fn flush_logged(&mut self) {
-        let now = rfaas_manager::now_ms();
+        let now = rfaas_service::now_ms();
         match self.flush_once(now).await {
             Ok(r) => {
                 self.metrics.flushed(now);
@@ -378,7 +378,7 @@ impl Flusher {
 mod tests {
     use super::*;
     use crate::store::Instance;
-    use rfaas_manager::db;
+    use rfaas_service::db;
     use rfaas_testkit::on_both;
     use sqlx::Row;
 

@@ -501,7 +501,7 @@ fn start_check(imms: &[u32], p: &ListenerParts) -> Result<Stage, (Option<RemoteA
     let within = p.hello_timeout;
     p.runtime.spawn(async move {
         let credential = hello.credential;
-        let check = verifier.check(&credential, rfaas_manager::now_s());
+        let check = verifier.check(&credential, rfaas_service::now_s());
         let v = tokio::time::timeout(within, check)
             .await
             .unwrap_or_else(|_| Verdict::Unavailable("the check took too long".into()));

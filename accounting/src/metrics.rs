@@ -187,14 +187,14 @@ pub struct Health {
 async fn metrics(State(h): State<Health>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        h.metrics.render(rfaas_manager::now_ms()),
+        h.metrics.render(rfaas_service::now_ms()),
     )
 }
 
 /// `200` while flushes succeed, `503` once the last successful one is
 /// older than the allowed lag (the database is unreachable or refuses).
 async fn healthz(State(h): State<Health>) -> impl IntoResponse {
-    let lag = h.metrics.flush_lag(rfaas_manager::now_ms());
+    let lag = h.metrics.flush_lag(rfaas_service::now_ms());
     let ok = h.metrics.has_flushed() && lag <= h.max_lag.as_secs_f64();
     let body = serde_json::json!({
         "status": if ok { "ok" } else { "flush_lagging" },

@@ -334,7 +334,8 @@ fn create(path: &Path, slots: u32) -> Result<(), RegionError> {
     tmp.push(".new");
     let tmp = PathBuf::from(tmp);
     let region_id = loop {
-        let id = rfaas_manager::auth::random_bytes(8).map_err(|e| io("draw a region id for", e))?;
+        let id = rfaas_service::credentials::random_bytes(8)
+            .map_err(|e| io("draw a region id for", e))?;
         let id = u64::from_le_bytes(id.try_into().expect("8 bytes"));
         if id != 0 {
             break id;
@@ -343,7 +344,7 @@ fn create(path: &Path, slots: u32) -> Result<(), RegionError> {
     let header = RegionHeader {
         slots,
         region_id,
-        created_ms: rfaas_manager::now_ms(),
+        created_ms: rfaas_service::now_ms(),
     };
     let mut head = [0u8; REGION_HEADER_LEN];
     header

@@ -24,10 +24,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use rfaas_fabric::Fabric;
-use rfaas_manager::db::{self, Backend, DbError};
-use rfaas_manager::store::Store;
 use rfaas_proto::accounting::{AccountingReply, ReplyStatus};
 use rfaas_proto::files::ConfigDir;
+use rfaas_service::db::{self, Backend, DbError};
 use sqlx::AnyPool;
 
 use crate::config::Settings;
@@ -177,7 +176,7 @@ pub fn raise_open_file_limit() {
 /// Starts the service with `settings`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let (rates, budgets) = load_billing(&settings.billing_config, &settings.config_dir)?;
-    let started_ms = rfaas_manager::now_ms();
+    let started_ms = rfaas_service::now_ms();
     let metrics = Arc::new(Metrics::new(started_ms));
     let (http_listener, metrics_addr) = metrics::bind(&settings.metrics_listen)
         .await
@@ -216,7 +215,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     };
     // SQLite, shared with the manager, may report a conflict: retried.
     let before =
-        db::retrying(|| store::register_instance(&pool, &instance, rfaas_manager::now_ms()))
+        db::retrying(|| store::register_instance(&pool, &instance, rfaas_service::now_ms()))
             .await
             .context("write the instance's row")?;
     if let Some(old) = before.filter(|old| *old != header.region_id) {
@@ -236,7 +235,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             "leases hold slots past the region's end (the slot count shrank); their usage is not counted"
         );
     }
-    match crate::report::budgets::sync(&pool, &budgets, rfaas_manager::now_ms()).await {
+    match crate::report::budgets::sync(&pool, &budgets, rfaas_service::now_ms()).await {
         Ok(synced) => tracing::debug!(
             budgets = synced.len(),
             "wrote the budgets of the billing configuration"
@@ -284,7 +283,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             domain: domain.clone(),
             listener: fabric_listener,
             offer,
-            verifier: Arc::new(Verifier::new(Store::new(pool.clone(), backend))),
+            verifier: Arc::new(Verifier::new(pool.clone())),
             runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
             hello_timeout: settings.hello_timeout,

@@ -1,5 +1,5 @@
 //! The accounting tables in SQL, one text for PostgreSQL and SQLite (see
-//! `rfaas_manager::db` for the dialect both run): the instance's row, its
+//! `rfaas_service::db` for the dialect both run): the instance's row, its
 //! billing slots, the flusher's writes (`usage`, `usage_snapshots`,
 //! `account_spend`), and readers of the stored usage.
 //!
@@ -14,8 +14,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use rfaas_manager::db::{i, text_col, u64_col, DbError};
 use rfaas_proto::accounting::{Counter, SlotTotals};
+use rfaas_service::db::{i, text_col, u64_col, DbError};
 use sqlx::any::AnyRow;
 use sqlx::{AnyPool, Row};
 

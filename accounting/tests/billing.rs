@@ -59,7 +59,7 @@ impl Db {
             .build()
             .unwrap();
         let pool = runtime
-            .block_on(rfaas_manager::db::open(&url, 2))
+            .block_on(rfaas_service::db::open(&url, 2))
             .unwrap_or_else(|e| panic!("open {url}: {e}"));
         Db {
             url,
@@ -243,7 +243,7 @@ fn seeded(kind: &str) -> Db {
     // Flushed an hour from now, so that "today" includes it whenever the
     // test runs; no snapshot yet.
     db.lease(5, "dave", "bio", None, "n3", false);
-    db.usage(5, rfaas_manager::now_ms() + 3_600_000, [1, 0, 0, 1, 0, 0]);
+    db.usage(5, rfaas_service::now_ms() + 3_600_000, [1, 0, 0, 1, 0, 0]);
     db
 }
 

@@ -314,8 +314,8 @@ fn the_final_flush_frees_the_slot(kind: &str) {
     assert!(!env.usage(1).unwrap().finalized);
     // Lease 1 is released; lease 2 ended two minutes ago and its daemon
     // never closed the slot.
-    env.end_lease(1, rfaas_manager::now_ms());
-    env.end_lease(2, rfaas_manager::now_ms() - 120_000);
+    env.end_lease(1, rfaas_service::now_ms());
+    env.end_lease(2, rfaas_service::now_ms() - 120_000);
     for (lease, slot, u) in [(1, 5, u1), (2, 6, u2)] {
         wait_until(&format!("slot {slot} is freed"), TIMEOUT, || {
             env.slot_lease("acct1", slot) == 0

@@ -11,7 +11,7 @@
 //! PostgreSQL 15 server ([`rfaas_testkit::postgres`], that is
 //! `scripts/pg.sh`: `fsync = off`, `shared_buffers = 32MB`), so neither
 //! finds the other's dead rows, on the peers' CPU, with the manager's schema
-//! ([`rfaas_manager::db::open`], four connections as the service opens);
+//! ([`rfaas_service::db::open`], four connections as the service opens);
 //! the flusher or the loop runs on the bench's CPU. One untimed pass
 //! inserts the rows; then [`PASSES`] passes are timed, each after every
 //! row's totals grew. The rate is the rows written over the passes' summed
@@ -31,8 +31,8 @@ use rfaas_accounting::metrics::Metrics;
 use rfaas_accounting::rates::Rates;
 use rfaas_accounting::region::Region;
 use rfaas_accounting::store::{self, Instance};
-use rfaas_manager::db::{self, DbError};
 use rfaas_proto::accounting::{Counter, SlotTotals};
+use rfaas_service::db::{self, DbError};
 use rfaas_testkit::postgres::Postgres;
 use sqlx::{AnyPool, Row as _};
 
@@ -163,7 +163,7 @@ async fn flush_passes(url: &str, dir: &std::path::Path) -> Result<(u64, Duration
     let (region, _) = Region::open(&domain, &dir.join("accounting.region"), SLOTS)
         .map_err(|e| Error::new(format!("{row}: {e}")))?;
     let region = Arc::new(region);
-    let now = rfaas_manager::now_ms();
+    let now = rfaas_service::now_ms();
     store::register_instance(
         &pool,
         &Instance {
@@ -201,7 +201,7 @@ async fn flush_passes(url: &str, dir: &std::path::Path) -> Result<(u64, Duration
         }
         let t0 = Instant::now();
         let report = flusher
-            .flush_once(rfaas_manager::now_ms())
+            .flush_once(rfaas_service::now_ms())
             .await
             .map_err(db_err(row))?;
         let took = t0.elapsed();
@@ -314,7 +314,7 @@ async fn upsert_passes(url: &str) -> Result<(u64, Duration)> {
             }
             *t = SlotTotals::from_words(w);
         }
-        let now = db::i(rfaas_manager::now_ms());
+        let now = db::i(rfaas_service::now_ms());
         let t0 = Instant::now();
         let written = upsert_all(&pool, &totals, now)
             .await

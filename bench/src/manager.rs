@@ -26,10 +26,10 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use rfaas_manager::config::DEFAULT_ACCOUNTING_LOST_AFTER_MS;
-use rfaas_manager::db::{self, retrying, Backend};
 use rfaas_manager::store::{GrantOutcome, GrantPlan, Store};
 use rfaas_manager::view::View;
 use rfaas_proto::manager::{LeaseState, NodeState};
+use rfaas_service::db::{self, retrying, Backend};
 use rfaas_testkit::manager::{write_lease_key, Manager, ManagerOptions};
 use rfaas_testkit::postgres::Postgres;
 
@@ -890,7 +890,7 @@ async fn raw_phase(
             {
                 let mut candidates = nodes.as_ref().clone();
                 fastrand::shuffle(&mut candidates);
-                let now = rfaas_manager::now_s();
+                let now = rfaas_service::now_s();
                 let plan = GrantPlan {
                     owner: format!("user:{account}"),
                     user: account.clone(),
@@ -904,7 +904,7 @@ async fn raw_phase(
                     expires_at: now + GRANT_DURATION_S,
                     job_id: None,
                     billing: instances.billing_candidates(
-                        rfaas_manager::now_ms(),
+                        rfaas_service::now_ms(),
                         DEFAULT_ACCOUNTING_LOST_AFTER_MS,
                     ),
                     billing_required: false,
@@ -922,7 +922,7 @@ async fn raw_phase(
                     }
                 };
                 retrying(|| {
-                    store.end_grant(grant_id, LeaseState::Released, rfaas_manager::now_ms())
+                    store.end_grant(grant_id, LeaseState::Released, rfaas_service::now_ms())
                 })
                 .await
                 .map_err(raw_err)?;

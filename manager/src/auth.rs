@@ -9,25 +9,20 @@
 //!   [`CACHE_TTL`], so a revocation takes effect everywhere within it.
 
 use std::collections::HashMap;
-use std::io::Read;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use rfaas_proto::manager::Role;
-use sha2::{Digest, Sha256};
+use rfaas_service::credentials::{
+    check_private_file, constant_time_eq, hash_secret, random_bytes, CredentialRow, CACHE_TTL,
+    CREDENTIAL_PREFIX,
+};
 
 use crate::error::ApiFailure;
-use crate::store::{CredentialRow, Store};
-
-/// How long a replica trusts a credential it has checked.
-pub const CACHE_TTL: Duration = Duration::from_secs(5);
-
-/// The credentials' prefix.
-pub const CREDENTIAL_PREFIX: &str = "rfaasc";
+use crate::store::Store;
 
 /// A caller, authenticated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,26 +64,6 @@ fn unauthorized(kind: &str, message: String) -> ApiFailure {
     ApiFailure::new(401, kind, message)
 }
 
-/// Compares two byte strings in time that depends only on their lengths.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// SHA-256 of `secret`, hex.
-pub fn hash_secret(secret: &str) -> String {
-    Sha256::digest(secret.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// `n` random bytes from the kernel.
-pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
-    let mut buf = vec![0u8; n];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
-    Ok(buf)
-}
-
 /// A new credential: its stored row and its bearer token.
 pub fn new_credential(
     role: Role,
@@ -123,33 +98,6 @@ pub fn new_job_credential(
         job_id,
     };
     Ok((row, format!("{CREDENTIAL_PREFIX}.{id}.{secret}")))
-}
-
-/// Checks that `path` is private to its owner: no access for group or
-/// others, and owned by root when this process runs as root. `what` names
-/// the file in the message.
-pub fn check_private_file(path: &Path, what: &str) -> Result<(), String> {
-    let meta = std::fs::metadata(path)
-        .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
-    let mode = meta.mode() & 0o7777;
-    if mode & 0o077 != 0 {
-        return Err(format!(
-            "{what} {} has mode {mode:04o}: others than its owner may access it; run `chmod 600 {}`",
-            path.display(),
-            path.display()
-        ));
-    }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    if euid == 0 && meta.uid() != 0 {
-        return Err(format!(
-            "{what} {} is owned by uid {} and read by root: it must be owned by root; run `chown root {}`",
-            path.display(),
-            meta.uid(),
-            path.display()
-        ));
-    }
-    Ok(())
 }
 
 /// Reads the admin token: one line of at least 16 characters, in a file
@@ -284,69 +232,10 @@ impl Auth {
     }
 }
 
-/// Why [`verify_node_credential`] refused a credential.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NodeRefusal {
-    /// Not `rfaasc.<id>.<secret>`.
-    Malformed,
-    /// No credential has that id.
-    Unknown,
-    /// The secret does not match.
-    WrongSecret,
-    /// Revoked by an admin.
-    Revoked,
-    /// Past its expiry.
-    Expired,
-    /// A user's credential, not a node's.
-    NotANode,
-}
-
-/// Checks a node credential (`rfaasc.<id>.<secret>`) as the manager checks
-/// a node's bearer token: a stored credential of role node, whose secret
-/// matches, neither revoked nor expired at `now_s`. `Ok(Ok(node))` names
-/// the node it was minted for. For services that share the manager's
-/// database (the accounting service); it reads the database every time,
-/// so cache the verdicts.
-///
-/// # Errors
-///
-/// The database's failure, when it cannot answer.
-pub async fn verify_node_credential(
-    store: &Store,
-    token: &str,
-    now_s: u64,
-) -> Result<Result<String, NodeRefusal>, crate::db::DbError> {
-    let Some(rest) = token
-        .strip_prefix(CREDENTIAL_PREFIX)
-        .and_then(|r| r.strip_prefix('.'))
-    else {
-        return Ok(Err(NodeRefusal::Malformed));
-    };
-    let (id, secret) = rest.split_once('.').unwrap_or((rest, ""));
-    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Ok(Err(NodeRefusal::Malformed));
-    }
-    let Some(row) = store.credential(id).await? else {
-        return Ok(Err(NodeRefusal::Unknown));
-    };
-    Ok(
-        if !constant_time_eq(hash_secret(secret).as_bytes(), row.secret_hash.as_bytes()) {
-            Err(NodeRefusal::WrongSecret)
-        } else if row.revoked {
-            Err(NodeRefusal::Revoked)
-        } else if row.expires_at != 0 && now_s >= row.expires_at {
-            Err(NodeRefusal::Expired)
-        } else if row.role != Role::Node {
-            Err(NodeRefusal::NotANode)
-        } else {
-            Ok(row.subject)
-        },
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rfaas_service::credentials::{verify_node_credential, NodeRefusal};
     use std::os::unix::fs::PermissionsExt;
 
     #[test]
@@ -365,8 +254,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rfaas-auth-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("sqlite://{}", dir.join("m.db").display());
-        let pool = crate::db::open(&url, 2).await.unwrap();
-        let store = Store::new(pool, crate::db::Backend::Sqlite);
+        let pool = rfaas_service::db::open(&url, 2).await.unwrap();
+        let store = Store::new(pool, rfaas_service::db::Backend::Sqlite);
         let mint = |role, expires_at| new_credential(role, "n1", "", expires_at).unwrap();
         let (node, node_token) = mint(Role::Node, 0);
         let (user, user_token) = mint(Role::User, 0);
@@ -376,7 +265,7 @@ mod tests {
         }
         let check = |t: String| {
             let store = store.clone();
-            async move { verify_node_credential(&store, &t, 200).await.unwrap() }
+            async move { verify_node_credential(store.pool(), &t, 200).await.unwrap() }
         };
         assert_eq!(check(node_token.clone()).await, Ok("n1".to_owned()));
         assert_eq!(check(user_token).await, Err(NodeRefusal::NotANode));
@@ -389,13 +278,6 @@ mod tests {
         assert!(store.revoke_credential(&node.id).await.unwrap());
         assert_eq!(check(node_token).await, Err(NodeRefusal::Revoked));
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn constant_time_eq_compares() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
     }
 
     #[test]

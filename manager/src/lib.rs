@@ -9,10 +9,10 @@
 //!
 //! - [`api`]: the REST API under `/v1`, `/healthz`, `/metrics`, and the
 //!   OpenAPI document generated from the handlers.
-//! - [`store`] and [`db`]: every read and write, one transaction each, one
-//!   SQL text for both databases; grants by conditional updates, so no core
-//!   is leased twice and no billing slot given to two leases under any
-//!   concurrency.
+//! - [`store`]: every read and write, one transaction each, one SQL text
+//!   for both databases ([`rfaas_service::db`]); grants by conditional
+//!   updates, so no core is leased twice and no billing slot given to two
+//!   leases under any concurrency.
 //! - [`view`]: each replica's in-memory view of the nodes, which placement
 //!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
 //! - [`announce`]: grants' and releases' counters for the other replicas,
@@ -27,14 +27,13 @@
 //! that stopped heartbeating (only once the replica itself has reached the
 //! database for `lost_after`, so a database outage never loses every
 //! node); on SQLite also checkpoint the write-ahead log
-//! ([`db::checkpoints`]).
+//! ([`rfaas_service::db::checkpoints`]).
 
 pub mod announce;
 pub mod api;
 pub mod auth;
 pub mod config;
 pub mod ctl;
-pub mod db;
 pub mod error;
 pub mod metrics;
 pub mod signer;
@@ -44,9 +43,15 @@ pub mod view;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+
+// The database layer and the clocks the manager shares with the accounting
+// service, under the names every module here uses (`crate::db`,
+// `crate::now_ms`).
+use rfaas_service::db;
+use rfaas_service::{now_ms, now_s};
 
 use crate::auth::Auth;
 use crate::config::Settings;
@@ -55,18 +60,6 @@ use crate::metrics::Metrics;
 use crate::signer::Signer;
 use crate::store::Store;
 use crate::view::View;
-
-/// Unix time, ms.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-/// Unix time, seconds.
-pub fn now_s() -> u64 {
-    now_ms() / 1000
-}
 
 /// One replica's state, shared by its handlers and background tasks.
 #[derive(Debug)]

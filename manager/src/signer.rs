@@ -4,8 +4,7 @@
 use std::path::Path;
 
 use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
-
-use crate::auth::check_private_file;
+use rfaas_service::credentials::check_private_file;
 
 /// Signs lease claims into tokens executors check.
 #[derive(Debug)]

@@ -11,6 +11,8 @@ use rfaas_proto::manager::{
     BudgetView, Heartbeat, LeaseState, LeaseView, NodeProvider, NodeState, NodeView, RegisterNode,
     Role,
 };
+use rfaas_service::budgets;
+use rfaas_service::credentials::{self, CredentialRow};
 use sqlx::any::AnyRow;
 use sqlx::{Any, AnyPool, Row, Transaction};
 
@@ -155,27 +157,6 @@ pub enum GrantOutcome {
     },
     /// A node lease found no free billing slot, and billing is required.
     AccountingUnavailable,
-}
-
-/// A credential as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CredentialRow {
-    /// Its id.
-    pub id: String,
-    /// SHA-256 of its secret, hex.
-    pub secret_hash: String,
-    /// Its role.
-    pub role: Role,
-    /// The node or user.
-    pub subject: String,
-    /// The account (users).
-    pub account: String,
-    /// Unix seconds, 0 for never.
-    pub expires_at: u64,
-    /// Revoked by an admin.
-    pub revoked: bool,
-    /// The Slurm job of a job credential.
-    pub job_id: Option<u64>,
 }
 
 /// The manager's database.
@@ -1051,15 +1032,7 @@ impl Store {
         now_ms: u64,
     ) -> Result<BudgetView, DbError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO budgets (account, budget, updated_ms) VALUES ($1, $2, $3)
-             ON CONFLICT (account) DO UPDATE SET budget = excluded.budget, updated_ms = excluded.updated_ms",
-        )
-        .bind(account)
-        .bind(budget)
-        .bind(i(now_ms))
-        .execute(&mut *tx)
-        .await?;
+        budgets::set(&mut tx, account, budget, now_ms).await?;
         let view = budget_of(&mut tx, account)
             .await?
             .ok_or_else(|| DbError::Other(format!("the budget of {account:?} vanished")))?;
@@ -1069,11 +1042,8 @@ impl Store {
 
     /// Removes `account`'s budget. `false`: it had none.
     pub async fn clear_budget(&self, account: &str) -> Result<bool, DbError> {
-        let done = sqlx::query("DELETE FROM budgets WHERE account = $1")
-            .bind(account)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected() == 1)
+        let mut conn = self.pool.acquire().await?;
+        Ok(budgets::clear(&mut conn, account).await?.is_some())
     }
 
     /// A grant's leases, whatever their state.
@@ -1155,24 +1125,19 @@ impl Store {
 
     /// One credential by id.
     pub async fn credential(&self, id: &str) -> Result<Option<CredentialRow>, DbError> {
-        let row = sqlx::query(
-            "SELECT id, secret_hash, role, subject, account, expires_at, revoked, job_id FROM credentials WHERE id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?;
-        row.as_ref().map(credential_from_row).transpose()
+        credentials::find(&self.pool, id).await
     }
 
     /// Every credential not revoked.
     pub async fn credentials(&self) -> Result<Vec<CredentialRow>, DbError> {
-        sqlx::query(
-            "SELECT id, secret_hash, role, subject, account, expires_at, revoked, job_id FROM credentials WHERE revoked = 0 ORDER BY subject, id",
-        )
+        sqlx::query(&format!(
+            "SELECT {} FROM credentials WHERE revoked = 0 ORDER BY subject, id",
+            credentials::COLUMNS
+        ))
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(credential_from_row)
+        .map(credentials::from_row)
         .collect()
     }
 
@@ -1305,24 +1270,6 @@ pub fn role_name(r: Role) -> &'static str {
         Role::Node => "node",
         Role::User => "user",
     }
-}
-
-fn credential_from_row(row: &AnyRow) -> Result<CredentialRow, DbError> {
-    let role = match text_col(row, "role")?.as_str() {
-        "node" => Role::Node,
-        "user" => Role::User,
-        other => return Err(DbError::Other(format!("stored credential role {other:?}"))),
-    };
-    Ok(CredentialRow {
-        id: text_col(row, "id")?,
-        secret_hash: text_col(row, "secret_hash")?,
-        role,
-        subject: text_col(row, "subject")?,
-        account: text_col(row, "account")?,
-        expires_at: u64_col(row, "expires_at")?,
-        revoked: u64_col(row, "revoked")? != 0,
-        job_id: row.try_get::<Option<i64>, _>("job_id")?.map(|v| v as u64),
-    })
 }
 
 #[cfg(test)]

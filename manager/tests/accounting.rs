@@ -47,8 +47,10 @@ fn slot_leases(db: &Db, instance: &str) -> Vec<u64> {
 
 fn tokens_carry_a_slot_from_a_live_instance(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager_with(ACCOUNTING, None);
-    db.add_instance("acct-a", 3, rfaas_manager::now_ms());
+    // The nodes never heartbeat: they must not be lost however long the
+    // test takes.
+    let m = db.manager_with(&format!("{ACCOUNTING}lost_after_ms = 600000\n"), None);
+    db.add_instance("acct-a", 3, rfaas_service::now_ms());
     db.add_instance("acct-dead", 50, 1);
     wait_for_instances(&m, 1, 1);
     register(&m, "n1", 2, 4096);
@@ -198,7 +200,7 @@ fn required_accounting_refuses_unbilled_leases(kind: &str) {
     refused(&u);
     // A live one with one slot: one lease, then none (and no core is
     // held by the refused grant).
-    db.add_instance("acct-a", 1, rfaas_manager::now_ms());
+    db.add_instance("acct-a", 1, rfaas_service::now_ms());
     wait_for_instances(&m, 1, 1);
     let (s, g) = lease(&u, 1, None, 64, 60);
     assert_eq!(s, 201, "{g}");

@@ -661,7 +661,7 @@ fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
     let id = g["id"].as_u64().unwrap();
     let end_ms = g["expires_at"].as_u64().unwrap() * 1000;
     wait_for("the lease's end", Duration::from_secs(10), || {
-        (rfaas_manager::now_ms() > end_ms).then_some(())
+        (rfaas_service::now_ms() > end_ms).then_some(())
     });
     let (s, e) = u.call(
         "POST",
@@ -687,8 +687,8 @@ fn a_renewal_after_the_end_is_refused_before_the_reaper_runs(kind: &str) {
         .build()
         .unwrap()
         .block_on(async {
-            let backend = rfaas_manager::db::Backend::of(&url);
-            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
+            let backend = rfaas_service::db::Backend::of(&url);
+            let pool = rfaas_service::db::open(&url, 1).await.unwrap();
             let store = rfaas_manager::store::Store::new(pool, backend);
             let mut renewed = Vec::new();
             for now_ms in [end * 1000 + 1, end * 1000, end * 1000 - 1] {

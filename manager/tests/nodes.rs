@@ -85,7 +85,7 @@ fn executord_registers_heartbeats_and_serves_through_a_manager_outage() {
     d.allocate_and_deallocate(&rfaas_testkit::functions::rust_library_bytes())
         .expect("the daemon serves while no manager answers");
     // Back on the same database and port: heartbeats resume.
-    let back = rfaas_manager::now_ms();
+    let back = rfaas_service::now_ms();
     m.restart().unwrap();
     let admin = m.admin();
     wait_for("heartbeats to resume", Duration::from_secs(20), || {

@@ -137,8 +137,8 @@ const QUIET_NODES: &str = "lost_after_ms = 600000\n";
 /// least 40), over two live instances and a dead one: grants compete for
 /// the last slots too.
 fn add_instances(db: &Db) {
-    db.add_instance("acct-a", 16, rfaas_manager::now_ms());
-    db.add_instance("acct-b", 16, rfaas_manager::now_ms());
+    db.add_instance("acct-a", 16, rfaas_service::now_ms());
+    db.add_instance("acct-b", 16, rfaas_service::now_ms());
     db.add_instance("acct-dead", 100, 1);
 }
 

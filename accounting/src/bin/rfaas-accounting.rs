@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use rfaas_accounting::config::FileConfig;
-use rfaas_manager::config;
 use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML};
+use rfaas_service::config;
 
 /// Serve an rfaas accounting instance: executor daemons add their leases'
 /// usage into its counter region over the fabric; it flushes the totals to

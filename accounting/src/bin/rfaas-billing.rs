@@ -5,13 +5,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use rfaas_accounting::config::FileConfig as AccountingFile;
+use rfaas_accounting::config::{FileConfig as AccountingFile, ManagerDatabase};
 use rfaas_accounting::rates::{self, BillingConfig};
 use rfaas_accounting::report::format::{self, Output, Sheet, MONEY_DECIMALS};
 use rfaas_accounting::report::{budgets, group, query, time, BillingError, Filters, Key, Period};
-use rfaas_manager::config::{self, FileConfig as ManagerFile};
-use rfaas_manager::db;
 use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML, BILLING_TOML, MANAGER_TOML};
+use rfaas_service::{config, db};
 use serde_json::{json, Map};
 
 /// Report the usage and cost of rfaas leases per user, account, job, node
@@ -214,18 +213,17 @@ impl Args {
         if let Some(url) = accounting.database {
             return Ok(url);
         }
-        let manager: ManagerFile = config::load_or_default(None, &dir, MANAGER_TOML)
+        let manager: ManagerDatabase = config::load_or_default(None, &dir, MANAGER_TOML)
             .map_err(|e| unusable(MANAGER_TOML, &e))?;
-        manager
-            .settings(&dir)
-            .map(|s| s.database)
-            .map_err(|e| unusable(MANAGER_TOML, &e))
+        Ok(manager
+            .database
+            .unwrap_or_else(|| db::DEFAULT_URL.to_owned()))
     }
 }
 
 async fn report(args: &Args) -> Result<String, BillingError> {
     let billing = args.billing()?;
-    let now_ms = rfaas_manager::now_ms();
+    let now_ms = rfaas_service::now_ms();
     let at = |flag: &str, input: &str| {
         time::parse(input, now_ms).map_err(|e| BillingError::Usage(format!("{flag}: {e}")))
     };
@@ -299,7 +297,7 @@ async fn budget(args: &Args, op: &BudgetOp) -> Result<String, BillingError> {
         }
     }
     let pool = query::connect(&args.database(billing.as_ref())?).await?;
-    let now_ms = rfaas_manager::now_ms();
+    let now_ms = rfaas_service::now_ms();
     Ok(match op {
         BudgetOp::Set { account, amount } => {
             let was = budgets::set(&pool, account, *amount, now_ms).await?;

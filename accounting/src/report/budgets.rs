@@ -1,10 +1,11 @@
 //! `rfaas-billing budget`: the `budgets` table the manager reads on every
 //! grant (an account whose spend has reached its budget gets no new
 //! lease), next to the `account_spend` the accounting services keep.
+//! Writes go through [`rfaas_service::budgets`], as the manager's do.
 
 use std::collections::BTreeMap;
 
-use rfaas_manager::db::{self, i};
+use rfaas_service::{budgets, db};
 use serde_json::{json, Map};
 use sqlx::{AnyPool, Row};
 
@@ -39,45 +40,20 @@ pub async fn set(
     now_ms: u64,
 ) -> Result<Option<f64>, BillingError> {
     let mut tx = pool.begin().await?;
-    let old: Option<f64> = sqlx::query("SELECT budget FROM budgets WHERE account = $1")
-        .bind(account)
-        .fetch_optional(&mut *tx)
-        .await?
-        .map(|r| r.try_get("budget"))
-        .transpose()?;
-    sqlx::query(
-        "INSERT INTO budgets (account, budget, updated_ms) VALUES ($1, $2, $3) \
-         ON CONFLICT (account) DO UPDATE SET budget = excluded.budget, updated_ms = excluded.updated_ms",
-    )
-    .bind(account)
-    .bind(amount)
-    .bind(i(now_ms))
-    .execute(&mut *tx)
-    .await?;
+    let old = budgets::set(&mut tx, account, amount, now_ms).await?;
     tx.commit().await?;
     Ok(old)
 }
 
 /// Removes `account`'s budget; `Unknown` if it had none.
 pub async fn clear(pool: &AnyPool, account: &str) -> Result<f64, BillingError> {
-    let mut tx = pool.begin().await?;
-    let old: Option<f64> = sqlx::query("SELECT budget FROM budgets WHERE account = $1")
-        .bind(account)
-        .fetch_optional(&mut *tx)
+    budgets::clear(&mut *pool.acquire().await?, account)
         .await?
-        .map(|r| r.try_get("budget"))
-        .transpose()?;
-    let Some(old) = old else {
-        return Err(BillingError::Unknown(format!(
-            "account {account:?} has no budget; `rfaas-billing budget list` shows those that do"
-        )));
-    };
-    sqlx::query("DELETE FROM budgets WHERE account = $1")
-        .bind(account)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(old)
+        .ok_or_else(|| {
+            BillingError::Unknown(format!(
+                "account {account:?} has no budget; `rfaas-billing budget list` shows those that do"
+            ))
+        })
 }
 
 /// Every account with a budget or a spend, by name; only `accounts` if
@@ -129,12 +105,7 @@ pub async fn sync(
 ) -> Result<Vec<(String, f64, Option<f64>)>, BillingError> {
     let mut out = Vec::new();
     for (account, &amount) in budgets {
-        let before: Option<f64> = sqlx::query("SELECT budget FROM budgets WHERE account = $1")
-            .bind(account)
-            .fetch_optional(pool)
-            .await?
-            .map(|r| r.try_get("budget"))
-            .transpose()?;
+        let before = budgets::current(&mut *pool.acquire().await?, account).await?;
         if before != Some(amount) {
             set(pool, account, amount, now_ms).await?;
         }

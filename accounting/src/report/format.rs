@@ -8,7 +8,7 @@
 
 use std::fmt::Write as _;
 
-use rfaas_manager::ctl::Table;
+use rfaas_service::table::Table;
 use serde_json::{json, Map, Value};
 
 use super::{BillingError, Key, Row};

@@ -82,8 +82,8 @@ impl From<sqlx::Error> for BillingError {
     }
 }
 
-impl From<rfaas_manager::db::DbError> for BillingError {
-    fn from(e: rfaas_manager::db::DbError) -> BillingError {
+impl From<rfaas_service::db::DbError> for BillingError {
+    fn from(e: rfaas_service::db::DbError) -> BillingError {
         BillingError::Database(e.to_string())
     }
 }

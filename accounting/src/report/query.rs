@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rfaas_manager::db::{self, i};
 use rfaas_proto::accounting::SlotTotals;
+use rfaas_service::db::{self, i};
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, AnyPool, Connection, Row};
 

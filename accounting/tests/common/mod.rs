@@ -66,8 +66,8 @@ impl Env {
             .block_on(async {
                 let mut tries = 0;
                 loop {
-                    match rfaas_manager::db::open(&url, 2).await {
-                        Err(rfaas_manager::db::DbError::Unavailable(_)) if tries < 5 => tries += 1,
+                    match rfaas_service::db::open(&url, 2).await {
+                        Err(rfaas_service::db::DbError::Unavailable(_)) if tries < 5 => tries += 1,
                         other => break other,
                     }
                 }
@@ -113,7 +113,7 @@ impl Env {
 
     /// Inserts an active lease `id` of `account`, as a grant would.
     pub fn insert_lease(&self, id: u64, account: &str, harvested: bool) {
-        let now = rfaas_manager::now_ms() as i64;
+        let now = rfaas_service::now_ms() as i64;
         let p = &self.pool;
         self.rt.block_on(async {
             sqlx::query(
@@ -155,7 +155,7 @@ impl Env {
             .bind(instance)
             .bind(i64::from(slot))
             .bind(id as i64)
-            .bind(rfaas_manager::now_ms() as i64)
+            .bind(rfaas_service::now_ms() as i64)
             .execute(p)
             .await
             .unwrap()

@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use rfaas_manager::config::{self, FileConfig};
+use rfaas_manager::config::FileConfig;
 use rfaas_proto::files::{ConfigDir, MANAGER_TOML};
+use rfaas_service::config;
 
 /// Serve rfaas's resource manager: nodes register here, jobs lease cores
 /// here. Run several replicas on one PostgreSQL database for availability.

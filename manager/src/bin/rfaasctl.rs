@@ -198,7 +198,7 @@ fn print_json(v: &Value) {
 fn run(args: &Args) -> Result<(), CtlError> {
     let urls = args.managers.clone();
     let ctl = Ctl::new(urls.clone(), token(args)?);
-    let now_ms = rfaas_manager::now_ms();
+    let now_ms = rfaas_service::now_ms();
     let now = now_ms / 1000;
     match &args.command {
         Command::Nodes { fresh } => {

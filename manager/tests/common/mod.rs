@@ -89,7 +89,7 @@ impl Db {
             .build()
             .unwrap();
         rt.block_on(async {
-            let pool = rfaas_manager::db::open(&url, 1).await.unwrap();
+            let pool = rfaas_service::db::open(&url, 1).await.unwrap();
             let mut tx = pool.begin().await.unwrap();
             let mut rows = Vec::new();
             for stmt in statements {

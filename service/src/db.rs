@@ -1,5 +1,5 @@
-//! The manager's state in SQL: one code path for PostgreSQL and SQLite,
-//! through sqlx's `Any` driver.
+//! The database the manager and the accounting service share: one code
+//! path for PostgreSQL and SQLite, through sqlx's `Any` driver.
 //!
 //! Every statement is plain SQL both databases run as written: `$N`
 //! parameters, `BIGINT` and `TEXT` columns, `ON CONFLICT` upserts,
@@ -15,7 +15,7 @@
 //! below what is leased on it: a registration below its leases keeps the
 //! leased figures and records the difference as draining
 //! (`draining_cores`, `draining_memory_mib`), which releases give up as
-//! the leases end ([`crate::store::Store::register`]).
+//! the leases end (the manager's `Store::register`).
 //!
 //! A billing slot (`billing_slots.lease_id`, 0 when free) is taken the
 //! same way: `UPDATE billing_slots SET lease_id = $1 ... WHERE instance =
@@ -64,6 +64,11 @@ impl Backend {
     }
 }
 
+/// The database when none is configured: a SQLite file of the manager's,
+/// which the accounting service and `rfaas-billing` on the same host
+/// share.
+pub const DEFAULT_URL: &str = "sqlite:///var/lib/rfaas/manager.db";
+
 /// `url` with the password of `database.password` in the configuration
 /// directory, when `url` is PostgreSQL's and names no password and that
 /// file exists; otherwise `url` as it is. The file must be private to its
@@ -84,7 +89,8 @@ pub fn with_password_file(url: &str, dir: &ConfigDir) -> Result<String, String> 
         return Ok(url.to_owned());
     }
     let unusable = |e: String| format!("{e}; {}", dir.hint(&[]));
-    crate::auth::check_private_file(&file, "the database password file").map_err(unusable)?;
+    crate::credentials::check_private_file(&file, "the database password file")
+        .map_err(unusable)?;
     let text = std::fs::read_to_string(&file).map_err(|e| {
         unusable(format!(
             "cannot read the database password file {}: {e}",
@@ -172,165 +178,6 @@ where
     }
 }
 
-/// The schema, in order. Each step runs once, in a transaction, and is
-/// recorded in `rfaas_schema`. Never edit a step that has shipped: add one.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "nodes, leases, accounts, credentials",
-        "
-CREATE TABLE nodes (
-    name TEXT PRIMARY KEY,
-    admin_state TEXT NOT NULL,
-    lost BIGINT NOT NULL,
-    control_addr TEXT NOT NULL,
-    providers TEXT NOT NULL,
-    cores BIGINT NOT NULL,
-    memory_mib BIGINT NOT NULL,
-    leased_cores BIGINT NOT NULL,
-    leased_memory_mib BIGINT NOT NULL,
-    free_cores BIGINT NOT NULL,
-    free_memory_mib BIGINT NOT NULL,
-    version TEXT NOT NULL,
-    registered_ms BIGINT NOT NULL,
-    last_heartbeat_ms BIGINT NOT NULL
-);
-CREATE TABLE leases (
-    id BIGINT PRIMARY KEY,
-    grant_id BIGINT NOT NULL,
-    node TEXT NOT NULL,
-    owner TEXT NOT NULL,
-    user_name TEXT NOT NULL,
-    account TEXT NOT NULL,
-    cores BIGINT NOT NULL,
-    memory_mib BIGINT NOT NULL,
-    issued_at BIGINT NOT NULL,
-    expires_at BIGINT NOT NULL,
-    state TEXT NOT NULL,
-    ended_ms BIGINT NOT NULL
-);
-CREATE INDEX leases_by_grant ON leases (grant_id);
-CREATE INDEX leases_by_state ON leases (state, expires_at);
-CREATE INDEX leases_by_node ON leases (node, state);
-CREATE TABLE accounts (
-    name TEXT PRIMARY KEY,
-    leased_cores BIGINT NOT NULL
-);
-CREATE TABLE credentials (
-    id TEXT PRIMARY KEY,
-    secret_hash TEXT NOT NULL,
-    role TEXT NOT NULL,
-    subject TEXT NOT NULL,
-    account TEXT NOT NULL,
-    created_ms BIGINT NOT NULL,
-    expires_at BIGINT NOT NULL,
-    revoked BIGINT NOT NULL
-);
-",
-    ),
-    (
-        2,
-        "accounting: instances, billing slots, usage, snapshots, budgets",
-        "
-ALTER TABLE nodes ADD COLUMN harvested BIGINT NOT NULL DEFAULT 0;
-ALTER TABLE leases ADD COLUMN job_id BIGINT;
-ALTER TABLE leases ADD COLUMN harvested BIGINT NOT NULL DEFAULT 0;
-CREATE TABLE accounting_instances (
-    name TEXT PRIMARY KEY,
-    provider TEXT NOT NULL,
-    fabric_addr TEXT NOT NULL,
-    metrics_addr TEXT NOT NULL,
-    slots BIGINT NOT NULL,
-    region_id BIGINT NOT NULL,
-    started_ms BIGINT NOT NULL,
-    last_heartbeat_ms BIGINT NOT NULL
-);
-CREATE TABLE billing_slots (
-    instance TEXT NOT NULL,
-    slot BIGINT NOT NULL,
-    lease_id BIGINT NOT NULL,
-    assigned_ms BIGINT NOT NULL,
-    PRIMARY KEY (instance, slot)
-);
-CREATE INDEX billing_slots_by_lease ON billing_slots (lease_id);
-CREATE TABLE usage (
-    lease_id BIGINT PRIMARY KEY,
-    instance TEXT NOT NULL,
-    slot BIGINT NOT NULL,
-    alloc_mib_ms BIGINT NOT NULL,
-    compute_ns BIGINT NOT NULL,
-    hot_ns BIGINT NOT NULL,
-    warm_ns BIGINT NOT NULL,
-    invocations BIGINT NOT NULL,
-    bytes_in BIGINT NOT NULL,
-    bytes_out BIGINT NOT NULL,
-    finalized BIGINT NOT NULL,
-    first_ms BIGINT NOT NULL,
-    updated_ms BIGINT NOT NULL
-);
-CREATE TABLE usage_snapshots (
-    lease_id BIGINT NOT NULL,
-    at_ms BIGINT NOT NULL,
-    alloc_mib_ms BIGINT NOT NULL,
-    compute_ns BIGINT NOT NULL,
-    hot_ns BIGINT NOT NULL,
-    warm_ns BIGINT NOT NULL,
-    invocations BIGINT NOT NULL,
-    bytes_in BIGINT NOT NULL,
-    bytes_out BIGINT NOT NULL,
-    PRIMARY KEY (lease_id, at_ms)
-);
-CREATE INDEX usage_snapshots_by_time ON usage_snapshots (at_ms);
-CREATE TABLE budgets (
-    account TEXT PRIMARY KEY,
-    budget DOUBLE PRECISION NOT NULL,
-    updated_ms BIGINT NOT NULL
-);
-CREATE TABLE account_spend (
-    account TEXT PRIMARY KEY,
-    spend DOUBLE PRECISION NOT NULL,
-    updated_ms BIGINT NOT NULL
-);
-",
-    ),
-    (
-        3,
-        "Slurm: job credentials, leases by job, cores withheld by nodes",
-        "
-ALTER TABLE credentials ADD COLUMN job_id BIGINT;
-ALTER TABLE nodes ADD COLUMN withheld_cores BIGINT NOT NULL DEFAULT 0;
-CREATE INDEX credentials_by_job ON credentials (job_id);
-CREATE INDEX leases_by_job ON leases (job_id, state);
-",
-    ),
-    (
-        4,
-        "Nodes count the changes to their leased counters",
-        "
-ALTER TABLE nodes ADD COLUMN lease_seq BIGINT NOT NULL DEFAULT 0;
-",
-    ),
-    (
-        5,
-        "Leases are found by grant and state in one index",
-        "
-DROP INDEX leases_by_grant;
-CREATE INDEX leases_by_grant_state ON leases (grant_id, state);
-",
-    ),
-    (
-        6,
-        "Nodes registered below their leases drain the difference",
-        "
-ALTER TABLE nodes ADD COLUMN draining_cores BIGINT NOT NULL DEFAULT 0;
-ALTER TABLE nodes ADD COLUMN draining_memory_mib BIGINT NOT NULL DEFAULT 0;
-UPDATE nodes SET draining_cores = leased_cores - cores, cores = leased_cores WHERE leased_cores > cores;
-UPDATE nodes SET draining_memory_mib = leased_memory_mib - memory_mib, memory_mib = leased_memory_mib
-    WHERE leased_memory_mib > memory_mib;
-",
-    ),
-];
-
 /// How often [`checkpoints`] copies SQLite's write-ahead log into the
 /// database file. Often, so each one has little to sync: a checkpoint's
 /// syncs stall the commits appending to the log meanwhile, for longer the
@@ -342,9 +189,10 @@ pub const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 /// looks after (SQLite's default is 1000, about 4 MiB).
 const AUTOCHECKPOINT_PAGES: u32 = 16_384;
 
-/// Opens a pool on `url` and brings the schema up to date.
+/// Opens a pool on `url` and brings the schema of every owner of tables
+/// up to date ([`crate::schema`]).
 ///
-/// SQLite files are created if missing. Replicas starting together on
+/// SQLite files are created if missing. Processes starting together on
 /// PostgreSQL take an advisory lock around the migrations, so exactly one
 /// applies each step.
 pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
@@ -391,7 +239,7 @@ pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
             .fetch_all(&pool)
             .await?;
     }
-    migrate(&pool, backend).await?;
+    crate::schema::migrate(&mut *pool.acquire().await?, backend).await?;
     Ok(pool)
 }
 
@@ -419,53 +267,6 @@ pub async fn checkpoints(url: String, mut stop: tokio::sync::watch::Receiver<boo
             conn = None;
         }
     }
-}
-
-async fn migrate(pool: &AnyPool, backend: Backend) -> Result<(), DbError> {
-    let mut conn = pool.acquire().await?;
-    if backend == Backend::Postgres {
-        sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_advisory_lock(7300001)) AS locked")
-            .execute(&mut *conn)
-            .await?;
-    }
-    let result = async {
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS rfaas_schema (version BIGINT PRIMARY KEY, description TEXT NOT NULL, applied_ms BIGINT NOT NULL)",
-        )
-        .execute(&mut *conn)
-        .await?;
-        let done: Vec<i64> = sqlx::query("SELECT version FROM rfaas_schema")
-            .fetch_all(&mut *conn)
-            .await?
-            .iter()
-            .map(|r| r.try_get::<i64, _>(0))
-            .collect::<Result<_, _>>()?;
-        for (version, description, sql) in MIGRATIONS {
-            if done.contains(version) {
-                continue;
-            }
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            for stmt in sql.split(';').map(str::trim).filter(|s| !s.is_empty()) {
-                sqlx::query(stmt).execute(&mut *tx).await?;
-            }
-            sqlx::query("INSERT INTO rfaas_schema (version, description, applied_ms) VALUES ($1, $2, $3)")
-                .bind(*version)
-                .bind(*description)
-                .bind(crate::now_ms() as i64)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            tracing::info!(version, description, "applied schema step");
-        }
-        Ok::<(), sqlx::Error>(())
-    }
-    .await;
-    if backend == Backend::Postgres {
-        sqlx::query("SELECT COUNT(*) AS n FROM (SELECT pg_advisory_unlock(7300001)) AS unlocked")
-            .execute(&mut *conn)
-            .await?;
-    }
-    result.map_err(DbError::from)
 }
 
 /// Reads column `name` as an unsigned number (the schema keeps every
