@@ -169,7 +169,7 @@ fn a_take_back_flushes_billing_at_once(kind: &str) {
         la.invoke(f, &input, 1, &mut output).unwrap();
     }
     let drained = std::time::Instant::now();
-    let reply = daemon.local(rfaas_proto::control::LocalRequest::Drain { grace_ms: 0 });
+    let reply = daemon.local(rfaas_proto::control::local::LocalRequest::Drain { grace_ms: 0 });
     assert!(
         format!("{reply:?}").contains("drained"),
         "{reply:?}\n{}",

@@ -15,7 +15,7 @@ use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{
     AllocationSpec, Client, ClientOptions, Error, InvocationStatus, LeaseOptions, LeasedAllocation,
 };
-use rfaas_proto::control::{LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord};
 use sqlx::Row;

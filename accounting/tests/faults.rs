@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use common::{journaled, wait_until, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::local::LocalReply;
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use sqlx::Row;

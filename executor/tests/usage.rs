@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions, Mode};
-use rfaas_proto::control::{LeaseUsage, LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LeaseUsage, LocalReply, LocalRequest};
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 

@@ -24,7 +24,8 @@ use prometheus::{
     CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec,
     Opts, Registry, TextEncoder,
 };
-use rfaas_proto::control::{ErrorCode, Mode};
+use rfaas_proto::control::client::Mode;
+use rfaas_proto::control::ErrorCode;
 
 use super::state::Shared;
 use super::usage::Figures;

@@ -57,7 +57,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rfaas_proto::accounting::BillingSlot;
-use rfaas_proto::control::LeaseUsage;
+use rfaas_proto::control::local::LeaseUsage;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::meter::LaneState;
 
