@@ -65,7 +65,7 @@ fn assert_freed(env: &Env, d: &Executord, journal: &Path, how: &str, lease: u64,
         .usage(lease)
         .unwrap_or_else(|| panic!("{how}: no usage row"));
     assert!(usage.finalized, "{how}: lease {lease}'s usage is not final");
-    assert!(usage.totals.invocations >= 1, "{how}: {usage:?}");
+    assert!(usage.totals.usage.invocations >= 1, "{how}: {usage:?}");
     let closed = std::fs::read_to_string(journal)
         .unwrap_or_default()
         .lines()

@@ -25,7 +25,9 @@
 //!   between client and executor), [`control::local`] (node tools and the
 //!   daemon) and [`control::worker`] (the daemon and its workers).
 //! - [`accounting`]: the counter region of an accounting service, the slot
-//!   a lease's usage is added into, and the hello executors say to it.
+//!   a lease's usage is added into, and the hello executors say to it;
+//!   [`accounting::UsageFigures`], what a lease used, as executors measure
+//!   it and accounting stores and prices it.
 //! - [`lease`]: lease tokens, claims signed with Ed25519, and their key
 //!   files.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rfaas_accounting::store::{self, UsageRow};
-use rfaas_proto::accounting::{Counter, SlotTotals};
+use rfaas_proto::accounting::{Counter, SlotTotals, UsageFigures};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::ExecutordOptions;
 use rfaas_testkit::manager::{Manager, ManagerOptions};
@@ -273,13 +273,15 @@ pub fn wait_for_usage(env: &Env, id: u64, want: &SlotTotals) -> UsageRow {
 /// Some usage with every counter set.
 pub fn some_usage(seed: u64) -> SlotTotals {
     SlotTotals {
-        alloc_mib_ms: 2048 * 1000 * seed,
-        compute_ns: 1_000_000_000 * seed,
-        hot_ns: 500_000_000 * seed,
-        warm_ns: 7 * seed,
-        invocations: 11 * seed,
-        bytes_in: 13 * seed,
-        bytes_out: 17 * seed,
+        usage: UsageFigures {
+            alloc_mib_ms: 2048 * 1000 * seed,
+            compute_ns: 1_000_000_000 * seed,
+            hot_ns: 500_000_000 * seed,
+            warm_ns: 7 * seed,
+            invocations: 11 * seed,
+            bytes_in: 13 * seed,
+            bytes_out: 17 * seed,
+        },
         closed: 0,
     }
 }
@@ -289,7 +291,7 @@ pub fn cost(u: &SlotTotals, harvested: bool) -> f64 {
     rfaas_accounting::rates::BillingConfig::parse(BILLING)
         .unwrap()
         .rates
-        .cost(u, harvested)
+        .cost(&u.usage, harvested)
 }
 
 /// Asserts that a lease's stored `totals` are, counter by counter, what

@@ -3,7 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::ser::SerializeStruct;
+use serde::{Deserialize, Serialize, Serializer};
+
+use crate::accounting::UsageFigures;
 
 use super::frame::message_kinds;
 
@@ -77,7 +80,7 @@ pub enum LocalRequest {
 /// `warm_ns`, `invocations` and the bytes are the workers' word, bounded
 /// by what the daemon knows (see `docs/executor.md`, "What the executor
 /// measures").
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct LeaseUsage {
     /// The lease's id.
     pub lease_id: u64,
@@ -88,32 +91,46 @@ pub struct LeaseUsage {
     /// The account charged.
     pub account: String,
     /// The Slurm job, if the lease names one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub job_id: Option<u64>,
     /// No allocation of the lease runs now, and every worker it had is
     /// reaped: the figures are final unless the lease allocates again.
     pub ended: bool,
     /// Allocations of the lease metered so far (running and ended).
     pub allocations: u32,
-    /// Allocation wall time (the daemon's clock) times the allocation's
-    /// memory: MiB·ms.
-    pub alloc_mib_ms: u64,
     /// CPU time of the workers as the kernel measures it, ns.
     pub cpu_ns: u64,
-    /// CPU time not spent hot-polling: the functions and everything else
-    /// the workers did, ns.
-    pub compute_ns: u64,
-    /// CPU time of hot lanes polling for requests, ns.
-    pub hot_ns: u64,
-    /// Time warm lanes spent blocked waiting for requests, summed over
-    /// lanes, ns.
-    pub warm_ns: u64,
-    /// Functions called.
-    pub invocations: u64,
-    /// Input bytes handed to functions.
-    pub bytes_in: u64,
-    /// Output bytes functions returned.
-    pub bytes_out: u64,
+    /// The rest of the figures; `alloc_mib_ms` by the daemon's clock.
+    #[serde(flatten)]
+    pub usage: UsageFigures,
+}
+
+impl Serialize for LeaseUsage {
+    /// Field by field: `cpu_ns` sits among the usage figures, after
+    /// `alloc_mib_ms`, where the JSON has always had it.
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let u = &self.usage;
+        let mut m = s.serialize_struct("LeaseUsage", 14 + usize::from(self.job_id.is_some()))?;
+        m.serialize_field("lease_id", &self.lease_id)?;
+        m.serialize_field("node", &self.node)?;
+        m.serialize_field("user", &self.user)?;
+        m.serialize_field("account", &self.account)?;
+        match &self.job_id {
+            Some(job_id) => m.serialize_field("job_id", job_id)?,
+            None => m.skip_field("job_id")?,
+        }
+        m.serialize_field("ended", &self.ended)?;
+        m.serialize_field("allocations", &self.allocations)?;
+        m.serialize_field("alloc_mib_ms", &u.alloc_mib_ms)?;
+        m.serialize_field("cpu_ns", &self.cpu_ns)?;
+        m.serialize_field("compute_ns", &u.compute_ns)?;
+        m.serialize_field("hot_ns", &u.hot_ns)?;
+        m.serialize_field("warm_ns", &u.warm_ns)?;
+        m.serialize_field("invocations", &u.invocations)?;
+        m.serialize_field("bytes_in", &u.bytes_in)?;
+        m.serialize_field("bytes_out", &u.bytes_out)?;
+        m.end()
+    }
 }
 
 /// One allocation, as [`LocalReply::Status`] lists it.
@@ -239,6 +256,33 @@ mod tests {
         .is_err());
     }
 
+    /// A lease in a Slurm job names it after its account, as the
+    /// derived encoding did; the figures follow in their usual order.
+    #[test]
+    fn lease_usage_with_a_job_names_it() {
+        let usage = LeaseUsage {
+            lease_id: 1,
+            node: "n".into(),
+            user: "u".into(),
+            account: "a".into(),
+            job_id: Some(42),
+            ended: false,
+            allocations: 1,
+            cpu_ns: 3,
+            usage: UsageFigures {
+                compute_ns: 2,
+                hot_ns: 1,
+                ..UsageFigures::default()
+            },
+        };
+        let json = serde_json::to_string(&usage).unwrap();
+        assert_eq!(
+            json,
+            r#"{"lease_id":1,"node":"n","user":"u","account":"a","job_id":42,"ended":false,"allocations":1,"alloc_mib_ms":0,"cpu_ns":3,"compute_ns":2,"hot_ns":1,"warm_ns":0,"invocations":0,"bytes_in":0,"bytes_out":0}"#
+        );
+        assert_eq!(serde_json::from_str::<LeaseUsage>(&json).unwrap(), usage);
+    }
+
     #[test]
     fn usage_reply_json() {
         let reply = LocalReply::Usage {
@@ -251,14 +295,16 @@ mod tests {
                 job_id: None,
                 ended: true,
                 allocations: 2,
-                alloc_mib_ms: 1,
                 cpu_ns: 10,
-                compute_ns: 6,
-                hot_ns: 4,
-                warm_ns: 3,
-                invocations: 5,
-                bytes_in: 8,
-                bytes_out: 9,
+                usage: UsageFigures {
+                    alloc_mib_ms: 1,
+                    compute_ns: 6,
+                    hot_ns: 4,
+                    warm_ns: 3,
+                    invocations: 5,
+                    bytes_in: 8,
+                    bytes_out: 9,
+                },
             }],
         };
         let json = serde_json::to_string(&reply).unwrap();
