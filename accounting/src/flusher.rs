@@ -378,6 +378,7 @@ impl Flusher {
 mod tests {
     use super::*;
     use crate::store::Instance;
+    use rfaas_proto::accounting::UsageFigures;
     use rfaas_service::db;
     use rfaas_testkit::on_both;
     use sqlx::Row;
@@ -511,13 +512,15 @@ mod tests {
 
     fn usage(seed: u64) -> SlotTotals {
         SlotTotals {
-            alloc_mib_ms: 1024 * 1000 * seed,
-            compute_ns: 1_000_000_000 * seed,
-            hot_ns: 1_000_000_000 * seed,
-            warm_ns: seed,
-            invocations: seed,
-            bytes_in: seed,
-            bytes_out: seed,
+            usage: UsageFigures {
+                alloc_mib_ms: 1024 * 1000 * seed,
+                compute_ns: 1_000_000_000 * seed,
+                hot_ns: 1_000_000_000 * seed,
+                warm_ns: seed,
+                invocations: seed,
+                bytes_in: seed,
+                bytes_out: seed,
+            },
             closed: 0,
         }
     }
@@ -533,7 +536,7 @@ mod tests {
         let (u1, u2) = (usage(3), usage(2));
         b.region.restore_slot(2, &u1);
         b.region.restore_slot(3, &u2);
-        let once = RATES.cost(&u1, false) + RATES.cost(&u2, false);
+        let once = RATES.cost(&u1.usage, false) + RATES.cost(&u2.usage, false);
 
         // Lease 2 keeps running; its flush is replayed by fresh flushers.
         for _ in 0..3 {
@@ -608,7 +611,7 @@ mod tests {
         assert_eq!((r.finals, r.freed), (1, 1));
         assert_eq!(b.usage(1).await.totals, usage(2));
         assert_eq!(b.region.read_slot(0), SlotTotals::default());
-        let want = RATES.cost(&usage(2), false);
+        let want = RATES.cost(&usage(2).usage, false);
         assert!((b.spend().await - want).abs() < 1e-9);
     }
 

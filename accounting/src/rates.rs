@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rfaas_proto::accounting::SlotTotals;
+use rfaas_proto::accounting::UsageFigures;
 use serde::Deserialize;
 
 /// `billing.toml`, checked.
@@ -89,7 +89,7 @@ pub fn seconds(ns: u64) -> f64 {
 impl Rates {
     /// The cost of `totals` (a lease's usage, or a delta of it), less the
     /// harvested discount if the lease ran on a harvested node.
-    pub fn cost(&self, totals: &SlotTotals, harvested: bool) -> f64 {
+    pub fn cost(&self, totals: &UsageFigures, harvested: bool) -> f64 {
         let full = self.alloc_per_gib_s * alloc_gib_s(totals.alloc_mib_ms)
             + self.compute_per_s * seconds(totals.compute_ns)
             + self.hot_per_s * seconds(totals.hot_ns);
@@ -253,7 +253,7 @@ mod tests {
             hot_per_s: 1.0,
             harvested_discount: 0.25,
         };
-        let totals = SlotTotals {
+        let totals = UsageFigures {
             // 4 GiB-s, 3 s compute, 2 s hot; warm time, invocations and
             // bytes are not priced.
             alloc_mib_ms: 4 * 1024 * 1000,
@@ -263,10 +263,9 @@ mod tests {
             invocations: 9,
             bytes_in: 10,
             bytes_out: 11,
-            closed: 1,
         };
         assert_eq!(rates.cost(&totals, false), 2.0 + 6.0 + 2.0);
         assert_eq!(rates.cost(&totals, true), 7.5);
-        assert_eq!(rates.cost(&SlotTotals::default(), true), 0.0);
+        assert_eq!(rates.cost(&UsageFigures::default(), true), 0.0);
     }
 }

@@ -378,6 +378,7 @@ fn create(path: &Path, slots: u32) -> Result<(), RegionError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rfaas_proto::accounting::UsageFigures;
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("rfaas-region-{name}-{}", std::process::id()));
@@ -399,9 +400,11 @@ mod tests {
         let id = r.header().region_id;
         assert_ne!(id, 0);
         let t = SlotTotals {
-            compute_ns: 7,
+            usage: UsageFigures {
+                compute_ns: 7,
+                ..UsageFigures::default()
+            },
             closed: 1,
-            ..SlotTotals::default()
         };
         r.seed_slot(7, &t);
         r.sync_slots(7, 1).unwrap();

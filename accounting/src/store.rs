@@ -408,7 +408,7 @@ pub async fn write_usage(
         for (w, m) in chunk.iter().zip(&merged) {
             let Some(account) = &w.account else { continue };
             let prev = before.get(&w.lease_id).copied().unwrap_or_default();
-            let delta = rates.cost(m, w.harvested) - rates.cost(&prev, w.harvested);
+            let delta = rates.cost(&m.usage, w.harvested) - rates.cost(&prev.usage, w.harvested);
             if delta > 0.0 {
                 *spend.entry(account).or_default() += delta;
             }

@@ -103,20 +103,20 @@ fn jobs_are_billed_for_what_they_used(kind: &str) {
         let row = env.usage(*lease_id).unwrap();
         let t = row.totals;
         common::assert_journaled(&t, &sums[lease_id], &format!("lease {lease_id}"));
-        assert_eq!(t.invocations, CALLS as u64, "lease {lease_id}");
+        assert_eq!(t.usage.invocations, CALLS as u64, "lease {lease_id}");
         // The bill counts all the function's CPU, and the worker's own
         // work (its start, its polls) stays within the granularity.
         assert!(
-            t.compute_ns + t.hot_ns >= *burned,
+            t.usage.compute_ns + t.usage.hot_ns >= *burned,
             "lease {lease_id}: billed {} ns of CPU, the function burned {burned} ns",
-            t.compute_ns + t.hot_ns
+            t.usage.compute_ns + t.usage.hot_ns
         );
         assert!(
-            t.compute_ns + t.hot_ns <= burned + GRANULARITY_MS * 1_000_000,
+            t.usage.compute_ns + t.usage.hot_ns <= burned + GRANULARITY_MS * 1_000_000,
             "lease {lease_id}: billed {} ns of CPU, the function burned {burned} ns",
-            t.compute_ns + t.hot_ns
+            t.usage.compute_ns + t.usage.hot_ns
         );
-        assert!(t.alloc_mib_ms > 0);
+        assert!(t.usage.alloc_mib_ms > 0);
         spent += common::cost(&t, false);
     }
     wait_until("physics is charged for its leases", TIMEOUT, || {
@@ -173,7 +173,7 @@ fn a_take_back_flushes_billing_at_once(kind: &str) {
         la.invoke(f, &input, 1, &mut output).unwrap();
     }
     let drained = std::time::Instant::now();
-    let reply = daemon.local(rfaas_proto::control::LocalRequest::Drain { grace_ms: 0 });
+    let reply = daemon.local(rfaas_proto::control::local::LocalRequest::Drain { grace_ms: 0 });
     assert!(
         format!("{reply:?}").contains("drained"),
         "{reply:?}\n{}",
@@ -181,7 +181,7 @@ fn a_take_back_flushes_billing_at_once(kind: &str) {
     );
     wait_until("every call is stored", TIMEOUT, || {
         env.usage(lease_id)
-            .is_some_and(|u| u.totals.invocations == CALLS as u64)
+            .is_some_and(|u| u.totals.usage.invocations == CALLS as u64)
     });
     assert!(
         drained.elapsed() < std::time::Duration::from_secs(30),

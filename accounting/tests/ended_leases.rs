@@ -15,7 +15,7 @@ use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{
     AllocationSpec, Client, ClientOptions, Error, InvocationStatus, LeaseOptions, LeasedAllocation,
 };
-use rfaas_proto::control::{LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord};
 use rfaas_testkit::on_both;
@@ -67,7 +67,7 @@ fn assert_freed(env: &Env, d: &Executord, journal: &Path, how: &str, lease: u64,
         .usage(lease)
         .unwrap_or_else(|| panic!("{how}: no usage row"));
     assert!(usage.finalized, "{how}: lease {lease}'s usage is not final");
-    assert!(usage.totals.invocations >= 1, "{how}: {usage:?}");
+    assert!(usage.totals.usage.invocations >= 1, "{how}: {usage:?}");
     let closed = std::fs::read_to_string(journal)
         .unwrap_or_default()
         .lines()

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use common::{journaled, Env};
 use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{AllocationSpec, Client, ClientOptions, LeaseOptions};
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::local::LocalReply;
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::on_both;
@@ -401,7 +401,7 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
         // Exact: what is stored is what the executors say they added.
         common::assert_journaled(&t, &logged, &format!("lease {id} on {} ({l:?})", l.node));
         // Bounded: the bill is the function's CPU, give or take.
-        let billed = t.compute_ns + t.hot_ns;
+        let billed = t.usage.compute_ns + t.usage.hot_ns;
         let cut_short = if l.failed.is_some() { burn_ns } else { 0 };
         assert!(
             billed <= l.burned + cut_short + granularity_ns,
@@ -438,10 +438,10 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
         if l.node != killed_node {
             // A call cut short may or may not have counted.
             assert!(
-                t.invocations == l.calls as u64
-                    || (l.failed.is_some() && t.invocations == l.calls as u64 + 1),
+                t.usage.invocations == l.calls as u64
+                    || (l.failed.is_some() && t.usage.invocations == l.calls as u64 + 1),
                 "lease {id}: {} invocations billed, {} calls returned ({l:?})",
-                t.invocations,
+                t.usage.invocations,
                 l.calls
             );
         }

@@ -8,7 +8,7 @@ mod common;
 
 use common::{cost, some_usage, wait_for_usage, Env};
 use rfaas_fabric::{RemoteAddr, Status};
-use rfaas_proto::accounting::{region_len, Counter, ReplyStatus, SlotTotals};
+use rfaas_proto::accounting::{region_len, Counter, ReplyStatus, SlotTotals, UsageFigures};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions, Peer};
 use rfaas_testkit::on_both;
 use rfaas_testkit::wait::{wait_until, TIMEOUT};
@@ -35,7 +35,10 @@ fn adds_reach_the_database(kind: &str) {
     peer.add_totals(4, &b).unwrap();
     peer.add(4, Counter::ComputeNs, 5).unwrap();
     let b = SlotTotals {
-        compute_ns: b.compute_ns + 5,
+        usage: UsageFigures {
+            compute_ns: b.usage.compute_ns + 5,
+            ..b.usage
+        },
         ..b
     };
     assert_eq!(peer.read_slot(3).unwrap(), a);
@@ -228,8 +231,11 @@ fn bad_adds_fail_alone(kind: &str) {
     }
     b.add(1, Counter::ComputeNs, 1_000).unwrap();
     let want = SlotTotals {
-        compute_ns: 5_000,
-        ..SlotTotals::default()
+        usage: UsageFigures {
+            compute_ns: 5_000,
+            ..UsageFigures::default()
+        },
+        closed: 0,
     };
     wait_for_usage(&env, 7, &want);
     let whole = (0..64)
@@ -337,8 +343,11 @@ fn the_final_flush_frees_the_slot(kind: &str) {
     env.assign("acct1", 5, 3);
     peer.add(5, Counter::Invocations, 2).unwrap();
     let small = SlotTotals {
-        invocations: 2,
-        ..SlotTotals::default()
+        usage: UsageFigures {
+            invocations: 2,
+            ..UsageFigures::default()
+        },
+        closed: 0,
     };
     wait_for_usage(&env, 3, &small);
     assert_eq!(
@@ -367,8 +376,11 @@ fn a_postgres_restart_loses_nothing() {
         &env,
         9,
         &SlotTotals {
-            compute_ns: 1,
-            ..SlotTotals::default()
+            usage: UsageFigures {
+                compute_ns: 1,
+                ..UsageFigures::default()
+            },
+            closed: 0,
         },
     );
     let errors = acct.metric("rfaas_accounting_flush_errors_total").unwrap();
@@ -390,8 +402,11 @@ fn a_postgres_restart_loses_nothing() {
     }
     env.pg.as_mut().unwrap().start_again().unwrap();
     let want = SlotTotals {
-        compute_ns: sum,
-        ..SlotTotals::default()
+        usage: UsageFigures {
+            compute_ns: sum,
+            ..UsageFigures::default()
+        },
+        closed: 0,
     };
     wait_for_usage(&env, 9, &want);
     let back = Peer::hello("tcp", acct.fabric_addr(), &later).unwrap();
@@ -458,7 +473,10 @@ fn a_replaced_region_starts_from_the_stored_totals(kind: &str) {
     assert_eq!(peer.read_slot(1).unwrap(), u);
     peer.add(1, Counter::Invocations, 1).unwrap();
     let more = SlotTotals {
-        invocations: u.invocations + 1,
+        usage: UsageFigures {
+            invocations: u.usage.invocations + 1,
+            ..u.usage
+        },
         ..u
     };
     wait_for_usage(&env, 8, &more);

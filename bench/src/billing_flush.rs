@@ -31,7 +31,7 @@ use rfaas_accounting::metrics::Metrics;
 use rfaas_accounting::rates::Rates;
 use rfaas_accounting::region::Region;
 use rfaas_accounting::store::{self, Instance};
-use rfaas_proto::accounting::{Counter, SlotTotals};
+use rfaas_proto::accounting::{Counter, SlotTotals, UsageFigures};
 use rfaas_service::db::{self, DbError};
 use rfaas_testkit::postgres::Postgres;
 use sqlx::{AnyPool, Row as _};
@@ -125,13 +125,15 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 /// amounts that differ from lease to lease.
 fn growth(id: u64) -> SlotTotals {
     SlotTotals {
-        alloc_mib_ms: 1024 * 1000 + id,
-        compute_ns: 900_000_000 + id,
-        hot_ns: 50_000_000 + id,
-        warm_ns: 10_000 + id,
-        invocations: 1000 + id % 7,
-        bytes_in: 64_000 + id,
-        bytes_out: 32_000 + id,
+        usage: UsageFigures {
+            alloc_mib_ms: 1024 * 1000 + id,
+            compute_ns: 900_000_000 + id,
+            hot_ns: 50_000_000 + id,
+            warm_ns: 10_000 + id,
+            invocations: 1000 + id % 7,
+            bytes_in: 64_000 + id,
+            bytes_out: 32_000 + id,
+        },
         closed: 0,
     }
 }
@@ -345,7 +347,7 @@ async fn upsert_passes(url: &str) -> Result<(u64, Duration)> {
             r.try_get("compute_ns").map_err(sql_err(row))?,
             r.try_get("bytes_out").map_err(sql_err(row))?,
         );
-        if got != (db::i(want.compute_ns), db::i(want.bytes_out)) {
+        if got != (db::i(want.usage.compute_ns), db::i(want.usage.bytes_out)) {
             return Err(Error::new(format!(
                 "{row}: a row holds {got:?}, not the totals last written"
             )));

@@ -274,7 +274,7 @@ impl Daemon {
         let full = self.pool_size;
         catch_unwind(AssertUnwindSafe(|| {
             self.executord.wait_status(Duration::from_secs(30), |s| {
-                matches!(s, rfaas_proto::control::LocalReply::Status {
+                matches!(s, rfaas_proto::control::local::LocalReply::Status {
                     pool_idle, ..
                 } if *pool_idle >= full)
             })
@@ -286,7 +286,7 @@ impl Daemon {
             ))
         })?;
         let busy: Vec<u32> = match self.executord.status() {
-            rfaas_proto::control::LocalReply::Status { allocations, .. } => {
+            rfaas_proto::control::local::LocalReply::Status { allocations, .. } => {
                 allocations.iter().map(|a| a.pid).collect()
             }
             _ => Vec::new(),
@@ -313,7 +313,7 @@ impl Daemon {
     fn wait_idle(&self) -> Result<()> {
         catch_unwind(AssertUnwindSafe(|| {
             self.executord.wait_status(Duration::from_secs(30), |s| {
-                matches!(s, rfaas_proto::control::LocalReply::Status {
+                matches!(s, rfaas_proto::control::local::LocalReply::Status {
                     pool_idle, allocations, ..
                 } if *pool_idle >= 1 && allocations.is_empty())
             })

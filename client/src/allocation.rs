@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::Domain;
-use rfaas_proto::control::{Deallocate, ErrorCode, Frame, RenewLease};
+use rfaas_proto::control::client::{Deallocate, RenewLease};
+use rfaas_proto::control::{ErrorCode, Frame};
 use rfaas_proto::lease::read_claims_unverified;
 
 use crate::buffer::{Buffer, Pod};
@@ -105,7 +106,7 @@ pub(crate) struct Parts {
     pub(crate) target: usize,
     pub(crate) spec: AllocationSpec,
     pub(crate) conn: Arc<ControlConn>,
-    pub(crate) ok: rfaas_proto::control::AllocateOk,
+    pub(crate) ok: rfaas_proto::control::client::AllocateOk,
     pub(crate) fate: Arc<Fate>,
     pub(crate) lanes: Box<[Arc<Lane>]>,
     pub(crate) domain: Arc<Domain>,

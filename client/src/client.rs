@@ -8,7 +8,8 @@ use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
     Opcode, ProviderKind, RemoteAddr,
 };
-use rfaas_proto::control::{AllocateRequest, Descriptor, ErrorCode, Frame};
+use rfaas_proto::control::client::{AllocateRequest, Descriptor};
+use rfaas_proto::control::{ErrorCode, Frame};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
@@ -223,7 +224,7 @@ impl Client {
         &self,
         fabric: &Fabric,
         domain: &Arc<Domain>,
-        ok: &rfaas_proto::control::AllocateOk,
+        ok: &rfaas_proto::control::client::AllocateOk,
         fate: &Arc<Fate>,
     ) -> Result<Box<[Arc<Lane>]>> {
         let opts = EndpointOptions {

@@ -14,10 +14,10 @@ use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rfaas_proto::control::{
-    AllocateOk, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind, LeaseRenewed,
-    WorkerExited,
+use rfaas_proto::control::client::{
+    AllocateOk, Deallocate, Deallocated, LeaseRenewed, WorkerExited,
 };
+use rfaas_proto::control::{ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::InvocationStatus;
 
 use crate::error::{Error, Result};
@@ -421,7 +421,7 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rfaas_proto::control::ExitCause;
+    use rfaas_proto::control::client::ExitCause;
 
     #[test]
     fn the_executors_report_of_a_crash_replaces_the_workers() {

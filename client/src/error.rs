@@ -4,7 +4,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use rfaas_proto::control::{ControlError, ErrorCode, ExitCause, WorkerExited};
+use rfaas_proto::control::client::{ExitCause, WorkerExited};
+use rfaas_proto::control::{ControlError, ErrorCode};
 pub use rfaas_proto::manager::ClusterOffer;
 use rfaas_proto::manager::{ApiError, REQUEST_EXCEEDS_CLUSTER};
 use rfaas_proto::text::count;

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use rfaas_fabric::{
     Completion, CompletionQueue, Domain, Endpoint, MemoryRegion, Opcode, RemoteAddr, Status,
 };
-use rfaas_proto::control::Descriptor;
+use rfaas_proto::control::client::Descriptor;
 use rfaas_proto::{
     next_invocation_id, InvocationHeader, InvocationStatus, RequestImm, ResponseImm,
 };
@@ -692,7 +692,7 @@ fn helper_loop(lane: &Weak<Lane>, rx: &mpsc::Receiver<()>) {
 mod tests {
     use super::*;
     use rfaas_fabric::{Access, Fabric};
-    use rfaas_proto::control::{ExitCause, WorkerExited};
+    use rfaas_proto::control::client::{ExitCause, WorkerExited};
 
     /// A lane's state with one request in flight (id 5), as `start` leaves it.
     fn in_flight() -> LaneInner {

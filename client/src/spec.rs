@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use rfaas_proto::control::Mode;
+pub use rfaas_proto::control::client::Mode;
 
 /// How a [`Client`](crate::Client) connects and waits.
 #[derive(Debug, Clone)]

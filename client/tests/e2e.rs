@@ -11,7 +11,7 @@ use rfaas_client::{
     Allocation, AllocationSpec, Client, ClientOptions, Error, ErrorCode, ExitCause,
     InvocationStatus, Mode, Next,
 };
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::local::LocalReply;
 use rfaas_testkit::cpus;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, wait_in_sleep_ms};

@@ -13,7 +13,7 @@ use rfaas_client::lease::{LeaseRequest, Managers};
 use rfaas_client::{
     AllocationSpec, Client, ClientOptions, Error, LeaseOptions, LeasedAllocation, Mode,
 };
-use rfaas_proto::control::{LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};

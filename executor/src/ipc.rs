@@ -218,7 +218,7 @@ pub fn sealed_memfd(name: &str, bytes: &[u8]) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rfaas_proto::control::Deallocate;
+    use rfaas_proto::control::client::Deallocate;
     use std::os::fd::AsFd;
 
     fn frame(blob: Vec<u8>) -> Frame {

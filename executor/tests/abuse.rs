@@ -9,7 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits, LocalReply};
+use rfaas_proto::control::local::LocalReply;
+use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits};
 
 use rfaas_testkit::abuse::{self, Attack, Plan, Usage};
 use rfaas_testkit::executord::{request, Executord, ExecutordOptions};

@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use rfaas_client::{AllocationSpec, Client, ClientOptions};
 use rfaas_executor::daemon::Config;
-use rfaas_proto::control::{
-    AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, ExitCause, Frame,
-    FrameHeader, FrameLimits, Kind, LocalReply, LocalRequest, WorkerExited,
+use rfaas_proto::control::client::{
+    AllocateOk, AllocateRequest, Deallocate, Deallocated, ExitCause, WorkerExited,
 };
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
+use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameHeader, FrameLimits, Kind};
 use rfaas_proto::lease::LeaseSigner;
 use rfaas_testkit::executord::{request, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
@@ -123,7 +124,7 @@ fn status(
     Vec<u32>,
     u32,
     u32,
-    Vec<rfaas_proto::control::AllocationStatus>,
+    Vec<rfaas_proto::control::local::AllocationStatus>,
 ) {
     match d.status() {
         LocalReply::Status {
@@ -1304,7 +1305,7 @@ struct RawLane {
     ep: rfaas_fabric::Endpoint,
     input: rfaas_fabric::MemoryRegion,
     output: rfaas_fabric::MemoryRegion,
-    remote: rfaas_proto::control::Descriptor,
+    remote: rfaas_proto::control::client::Descriptor,
     next_id: u32,
 }
 

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions, Mode};
-use rfaas_proto::control::{LeaseUsage, LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LeaseUsage, LocalReply, LocalRequest};
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
@@ -119,7 +119,7 @@ fn sample(d: &Executord, lease: u64, pid: u32) -> Sample {
 fn assert_follows_the_kernel(a: &Sample, b: &Sample) {
     for s in [a, b] {
         let u = &s.usage;
-        assert_eq!(u.compute_ns + u.hot_ns, u.cpu_ns, "{u:?}");
+        assert_eq!(u.usage.compute_ns + u.usage.hot_ns, u.cpu_ns, "{u:?}");
     }
     let grew = b.usage.cpu_ns - a.usage.cpu_ns;
     let least = b.before.saturating_sub(a.after);
@@ -188,18 +188,18 @@ fn a_burning_function_is_billed_what_the_kernel_counted() {
     alloc.deallocate().unwrap();
     let end = final_usage(&d, lease);
 
-    assert_eq!(end.invocations, calls);
-    assert_eq!(end.bytes_in, 4 * calls);
-    assert_eq!(end.bytes_out, 16 * calls);
+    assert_eq!(end.usage.invocations, calls);
+    assert_eq!(end.usage.bytes_in, 4 * calls);
+    assert_eq!(end.usage.bytes_out, 16 * calls);
     assert_eq!(end.allocations, 1);
-    assert_eq!(end.compute_ns + end.hot_ns, end.cpu_ns);
+    assert_eq!(end.usage.compute_ns + end.usage.hot_ns, end.cpu_ns);
     // A warm lane never polls: every CPU nanosecond is compute.
-    assert_eq!(end.hot_ns, 0, "{end:?}");
+    assert_eq!(end.usage.hot_ns, 0, "{end:?}");
     assert!(end.cpu_ns >= live.usage.cpu_ns);
     // The functions' own time is in it, and little else: what the worker
     // did around the calls (loading, connecting, waking up, answering,
     // exiting) is milliseconds where the calls are 200 ms.
-    let compute = end.compute_ns - start.usage.compute_ns;
+    let compute = end.usage.compute_ns - start.usage.usage.compute_ns;
     assert!(
         compute >= own,
         "compute {compute} ns < the calls' own {own} ns"
@@ -209,10 +209,10 @@ fn a_burning_function_is_billed_what_the_kernel_counted() {
         "compute {compute} ns, the calls' own {own} ns: the worker's own work should be far less"
     );
     // Blocked between calls, and never more than the allocation lasted.
-    assert!(end.warm_ns > 0, "{end:?}");
-    assert!(end.alloc_mib_ms > 0);
+    assert!(end.usage.warm_ns > 0, "{end:?}");
+    assert!(end.usage.alloc_mib_ms > 0);
     assert!(
-        end.warm_ns / 1_000_000 * 256 <= end.alloc_mib_ms + 256,
+        end.usage.warm_ns / 1_000_000 * 256 <= end.usage.alloc_mib_ms + 256,
         "{end:?}"
     );
 }
@@ -229,12 +229,18 @@ fn a_hot_lane_splits_its_cpu_time_into_polling_and_compute() {
     }
     let live = sample(&d, lease, pid);
     assert_follows_the_kernel(&start, &live);
-    assert!(live.usage.hot_ns > start.usage.hot_ns, "{live:?}");
-    assert_eq!(live.usage.invocations, 4);
+    assert!(
+        live.usage.usage.hot_ns > start.usage.usage.hot_ns,
+        "{live:?}"
+    );
+    assert_eq!(live.usage.usage.invocations, 4);
     alloc.deallocate().unwrap();
     let end = final_usage(&d, lease);
-    assert_eq!(end.compute_ns + end.hot_ns, end.cpu_ns);
-    assert!(end.hot_ns >= live.usage.hot_ns && end.compute_ns >= live.usage.compute_ns);
+    assert_eq!(end.usage.compute_ns + end.usage.hot_ns, end.cpu_ns);
+    assert!(
+        end.usage.hot_ns >= live.usage.usage.hot_ns
+            && end.usage.compute_ns >= live.usage.usage.compute_ns
+    );
 }
 
 /// Functions that write huge values, or keep writing zeros, into their own
@@ -255,10 +261,13 @@ fn a_function_that_scribbles_on_its_meter_cannot_change_its_cpu_bill() {
     let inflated = sample(&d, lease, pid);
     assert_follows_the_kernel(&last, &inflated);
     let u = &inflated.usage;
-    assert!(u.invocations <= u.cpu_ns / 50, "{u:?}");
+    assert!(u.usage.invocations <= u.cpu_ns / 50, "{u:?}");
     // Warm time is the lanes' word, at most one lane's allocation time
     // (alloc_mib_ms is that time, ms, times 256 MiB).
-    assert!(u.warm_ns / 1_000_000 <= u.alloc_mib_ms / 256 + 1, "{u:?}");
+    assert!(
+        u.usage.warm_ns / 1_000_000 <= u.usage.alloc_mib_ms / 256 + 1,
+        "{u:?}"
+    );
     last = inflated;
 
     // Zeros, written while burning 600 ms; sampled all along.
@@ -272,7 +281,7 @@ fn a_function_that_scribbles_on_its_meter_cannot_change_its_cpu_bill() {
         while !done.load(Ordering::Acquire) {
             let next = sample(&d, lease, pid);
             assert_follows_the_kernel(&last, &next);
-            assert!(next.usage.invocations >= last.usage.invocations);
+            assert!(next.usage.usage.invocations >= last.usage.usage.invocations);
             last = next;
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -285,7 +294,7 @@ fn a_function_that_scribbles_on_its_meter_cannot_change_its_cpu_bill() {
 
     alloc.deallocate().unwrap();
     let end = final_usage(&d, lease);
-    assert_eq!(end.compute_ns + end.hot_ns, end.cpu_ns);
+    assert_eq!(end.usage.compute_ns + end.usage.hot_ns, end.cpu_ns);
     assert!(end.cpu_ns >= after.usage.cpu_ns);
 }
 
@@ -307,7 +316,7 @@ fn a_worker_killed_in_a_call_still_has_its_final_usage() {
         let until = std::time::Instant::now() + MINUTE;
         let started = loop {
             let s = sample(&d, lease, pid);
-            if s.usage.invocations == 1 {
+            if s.usage.usage.invocations == 1 {
                 break s;
             }
             assert!(std::time::Instant::now() < until, "the call never started");
@@ -324,8 +333,8 @@ fn a_worker_killed_in_a_call_still_has_its_final_usage() {
         assert!(call.join().unwrap().is_err(), "the call cannot succeed");
 
         let end = final_usage(&d, lease);
-        assert_eq!(end.invocations, 1);
-        assert_eq!(end.compute_ns + end.hot_ns, end.cpu_ns);
+        assert_eq!(end.usage.invocations, 1);
+        assert_eq!(end.usage.compute_ns + end.usage.hot_ns, end.cpu_ns);
         // The kernel's figure at reap holds everything up to the kill.
         let grew = end.cpu_ns - started.usage.cpu_ns;
         let least = killed_after - started.after;

@@ -19,10 +19,9 @@ use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
     Opcode, RemoteAddr, Status,
 };
-use rfaas_proto::control::{
-    Assignment, Descriptor, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, Mode, WorkerFailed,
-    WorkerReady,
-};
+use rfaas_proto::control::client::{Descriptor, Mode};
+use rfaas_proto::control::worker::{Assignment, WorkerFailed, WorkerReady};
+use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 use rfaas_testkit::wait::{wait_for, wait_until, wait_until_all_asleep};

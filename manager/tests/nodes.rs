@@ -266,7 +266,7 @@ fn a_lease_storm_onto_executords_holds_no_core_twice_and_survives_the_database()
     let (_, leases) = admin.call("GET", "/v1/leases?limit=100000", None);
     let (_, db_nodes) = admin.call("GET", "/v1/nodes?fresh=true", None);
     for d in &nodes {
-        let rfaas_proto::control::LocalReply::Status { allocations, .. } = d.status() else {
+        let rfaas_proto::control::local::LocalReply::Status { allocations, .. } = d.status() else {
             panic!("no status from {}", d.node_name());
         };
         let mut cpus: Vec<u32> = allocations.iter().flat_map(|a| a.cpus.clone()).collect();

@@ -233,23 +233,64 @@ pub fn region_len(slots: u32) -> u64 {
     REGION_HEADER_LEN as u64 + u64::from(slots) * SLOT_LEN as u64
 }
 
-/// A slot's words as numbers.
+/// What a lease used: the figures an executor daemon measures, adds into
+/// the lease's slot and reports to the node's tools, and that accounting
+/// stores, sums and prices. Each figure only grows while a lease runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageFigures {
+    /// Allocation wall time times the allocation's memory, MiB·ms
+    /// ([`Counter::AllocMibMs`]).
+    pub alloc_mib_ms: u64,
+    /// CPU time not spent hot-polling: the functions and everything else
+    /// the workers did, ns ([`Counter::ComputeNs`]).
+    pub compute_ns: u64,
+    /// CPU time of hot lanes polling for requests, ns ([`Counter::HotNs`]).
+    pub hot_ns: u64,
+    /// Time warm lanes spent blocked waiting for requests, summed over
+    /// lanes, ns ([`Counter::WarmNs`]).
+    pub warm_ns: u64,
+    /// Functions called ([`Counter::Invocations`]).
+    pub invocations: u64,
+    /// Input bytes handed to functions ([`Counter::BytesIn`]).
+    pub bytes_in: u64,
+    /// Output bytes functions returned ([`Counter::BytesOut`]).
+    pub bytes_out: u64,
+}
+
+impl UsageFigures {
+    /// Adds `other` in, each figure saturating at `u64::MAX`.
+    pub fn add(&mut self, other: &UsageFigures) {
+        self.alloc_mib_ms = self.alloc_mib_ms.saturating_add(other.alloc_mib_ms);
+        self.compute_ns = self.compute_ns.saturating_add(other.compute_ns);
+        self.hot_ns = self.hot_ns.saturating_add(other.hot_ns);
+        self.warm_ns = self.warm_ns.saturating_add(other.warm_ns);
+        self.invocations = self.invocations.saturating_add(other.invocations);
+        self.bytes_in = self.bytes_in.saturating_add(other.bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(other.bytes_out);
+    }
+
+    /// What grew from `start` to these figures, each never below zero
+    /// (figures only grow; a smaller one counts as no growth).
+    pub fn since(&self, start: &UsageFigures) -> UsageFigures {
+        UsageFigures {
+            alloc_mib_ms: self.alloc_mib_ms.saturating_sub(start.alloc_mib_ms),
+            compute_ns: self.compute_ns.saturating_sub(start.compute_ns),
+            hot_ns: self.hot_ns.saturating_sub(start.hot_ns),
+            warm_ns: self.warm_ns.saturating_sub(start.warm_ns),
+            invocations: self.invocations.saturating_sub(start.invocations),
+            bytes_in: self.bytes_in.saturating_sub(start.bytes_in),
+            bytes_out: self.bytes_out.saturating_sub(start.bytes_out),
+        }
+    }
+}
+
+/// A slot's words as numbers: a lease's usage and whether its daemon is
+/// done adding.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlotTotals {
-    /// [`Counter::AllocMibMs`].
-    pub alloc_mib_ms: u64,
-    /// [`Counter::ComputeNs`].
-    pub compute_ns: u64,
-    /// [`Counter::HotNs`].
-    pub hot_ns: u64,
-    /// [`Counter::WarmNs`].
-    pub warm_ns: u64,
-    /// [`Counter::Invocations`].
-    pub invocations: u64,
-    /// [`Counter::BytesIn`].
-    pub bytes_in: u64,
-    /// [`Counter::BytesOut`].
-    pub bytes_out: u64,
+    /// The first seven words.
+    #[serde(flatten)]
+    pub usage: UsageFigures,
     /// [`Counter::Closed`].
     pub closed: u64,
 }
@@ -257,14 +298,15 @@ pub struct SlotTotals {
 impl SlotTotals {
     /// The words in slot order.
     pub fn to_words(&self) -> [u64; SLOT_WORDS] {
+        let u = &self.usage;
         [
-            self.alloc_mib_ms,
-            self.compute_ns,
-            self.hot_ns,
-            self.warm_ns,
-            self.invocations,
-            self.bytes_in,
-            self.bytes_out,
+            u.alloc_mib_ms,
+            u.compute_ns,
+            u.hot_ns,
+            u.warm_ns,
+            u.invocations,
+            u.bytes_in,
+            u.bytes_out,
             self.closed,
         ]
     }
@@ -272,13 +314,15 @@ impl SlotTotals {
     /// From words in slot order.
     pub fn from_words(w: [u64; SLOT_WORDS]) -> SlotTotals {
         SlotTotals {
-            alloc_mib_ms: w[0],
-            compute_ns: w[1],
-            hot_ns: w[2],
-            warm_ns: w[3],
-            invocations: w[4],
-            bytes_in: w[5],
-            bytes_out: w[6],
+            usage: UsageFigures {
+                alloc_mib_ms: w[0],
+                compute_ns: w[1],
+                hot_ns: w[2],
+                warm_ns: w[3],
+                invocations: w[4],
+                bytes_in: w[5],
+                bytes_out: w[6],
+            },
             closed: w[7],
         }
     }
@@ -690,15 +734,61 @@ mod tests {
     }
 
     #[test]
+    fn usage_figures_add_saturating_and_grow_from_a_start() {
+        let start = UsageFigures {
+            alloc_mib_ms: u64::MAX - 1,
+            compute_ns: 5,
+            hot_ns: 1,
+            warm_ns: 2,
+            invocations: 3,
+            bytes_in: 4,
+            bytes_out: u64::MAX,
+        };
+        let mut sum = start;
+        sum.add(&UsageFigures {
+            alloc_mib_ms: 7,
+            compute_ns: 10,
+            hot_ns: 20,
+            warm_ns: 30,
+            invocations: 40,
+            bytes_in: 50,
+            bytes_out: 1,
+        });
+        let want = UsageFigures {
+            alloc_mib_ms: u64::MAX,
+            compute_ns: 15,
+            hot_ns: 21,
+            warm_ns: 32,
+            invocations: 43,
+            bytes_in: 54,
+            bytes_out: u64::MAX,
+        };
+        assert_eq!(sum, want);
+        let grew = UsageFigures {
+            alloc_mib_ms: 1,
+            compute_ns: 10,
+            hot_ns: 20,
+            warm_ns: 30,
+            invocations: 40,
+            bytes_in: 50,
+            bytes_out: 0,
+        };
+        assert_eq!(sum.since(&start), grew);
+        assert_eq!(start.since(&sum), UsageFigures::default(), "no growth");
+    }
+
+    #[test]
     fn slot_bytes_are_little_endian_words_in_counter_order() {
         let t = SlotTotals {
-            alloc_mib_ms: 1,
-            compute_ns: 0x0203,
-            hot_ns: 3,
-            warm_ns: 4,
-            invocations: 5,
-            bytes_in: 6,
-            bytes_out: 7,
+            usage: UsageFigures {
+                alloc_mib_ms: 1,
+                compute_ns: 0x0203,
+                hot_ns: 3,
+                warm_ns: 4,
+                invocations: 5,
+                bytes_in: 6,
+                bytes_out: 7,
+            },
             closed: 1,
         };
         let mut b = [0xffu8; SLOT_LEN];

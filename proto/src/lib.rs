@@ -20,11 +20,14 @@
 //!   of the files in it that rfaas's programs share.
 //! - [`hostlist`]: Slurm's host lists (`node[1-3]`), as its hooks and
 //!   `scontrol` name nodes.
-//! - [`control`]: the control channel (allocation between client and
-//!   executor, the daemon and its workers, node tools and the daemon):
-//!   JSON messages behind a 16-byte frame header.
+//! - [`control`]: the control channel, JSON messages behind a 16-byte
+//!   frame header, one module per channel: [`control::client`] (allocation
+//!   between client and executor), [`control::local`] (node tools and the
+//!   daemon) and [`control::worker`] (the daemon and its workers).
 //! - [`accounting`]: the counter region of an accounting service, the slot
-//!   a lease's usage is added into, and the hello executors say to it.
+//!   a lease's usage is added into, and the hello executors say to it;
+//!   [`accounting::UsageFigures`], what a lease used, as executors measure
+//!   it and accounting stores and prices it.
 //! - [`lease`]: lease tokens, claims signed with Ed25519, and their key
 //!   files.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the

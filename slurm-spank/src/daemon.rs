@@ -13,9 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use rfaas_proto::control::{
-    ControlError, ErrorCode, ErrorReply, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
-};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
+use rfaas_proto::control::{ControlError, ErrorCode, ErrorReply, Frame, FrameLimits, Kind};
 
 /// Why the daemon did not do what the hook asked. Every variant is a
 /// reason to let the job run regardless (fail open).

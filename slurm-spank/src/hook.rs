@@ -11,11 +11,11 @@ use std::any::Any;
 use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use rfaas_proto::control::LocalRequest;
+use rfaas_proto::control::local::LocalRequest;
 
 use std::collections::BTreeMap;
 
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::local::LocalReply;
 
 use crate::daemon::{ask, ask_reply, TalkError};
 use crate::job::JobOnNode;

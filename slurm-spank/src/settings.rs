@@ -9,7 +9,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rfaas_proto::control::DEFAULT_LOCAL_SOCKET;
+use rfaas_proto::control::local::DEFAULT_LOCAL_SOCKET;
 
 /// The grace period when `grace=` does not say, seconds.
 pub const DEFAULT_GRACE_SECS: u64 = 30;

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions};
-use rfaas_proto::control::{LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::accounting::{billing_binary, Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, client_example, rust_library};

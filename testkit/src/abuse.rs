@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rfaas_proto::control::{AllocateRequest, Frame, FrameHeader, Kind};
+use rfaas_proto::control::client::AllocateRequest;
+use rfaas_proto::control::{Frame, FrameHeader, Kind};
 
 /// Size of the library a stalled connection announces.
 pub const STALLED_LIBRARY: u32 = 64 << 20;

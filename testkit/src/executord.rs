@@ -18,10 +18,9 @@ use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rfaas_proto::control::{
-    AllocateOk, AllocateRequest, Deallocate, Deallocated, ErrorReply, Frame, FrameLimits, Kind,
-    LocalReply, LocalRequest, Mode,
-};
+use rfaas_proto::control::client::{AllocateOk, AllocateRequest, Deallocate, Deallocated, Mode};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
+use rfaas_proto::control::{ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
 
 /// How to configure the daemon. `Default` gives a test node: 4 logical CPU

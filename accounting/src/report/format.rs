@@ -364,18 +364,18 @@ fn csv_quote(s: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rfaas_proto::accounting::SlotTotals;
+    use rfaas_proto::accounting::UsageFigures;
 
     fn sheet() -> Sheet {
         let rows = [
             Row {
                 account: Some("physics, \"hep\"".into()),
                 leases: 2,
-                usage: SlotTotals {
+                usage: UsageFigures {
                     alloc_mib_ms: 1024 * 1500,
                     compute_ns: 2_500_000_000,
                     invocations: 12,
-                    ..SlotTotals::default()
+                    ..UsageFigures::default()
                 },
                 cost: 0.03126,
                 ..Row::default()

@@ -27,7 +27,7 @@ pub mod time;
 
 use std::collections::BTreeMap;
 
-use rfaas_proto::accounting::SlotTotals;
+use rfaas_proto::accounting::UsageFigures;
 
 use crate::rates::{Rates, RatesError};
 
@@ -175,8 +175,8 @@ pub struct LeaseUsage {
     pub node: String,
     /// Whether its node was harvested capacity.
     pub harvested: bool,
-    /// The usage (`closed` is 0).
-    pub usage: SlotTotals,
+    /// The usage.
+    pub usage: UsageFigures,
 }
 
 /// One row of a report: the totals of the leases that share its keys.
@@ -199,34 +199,9 @@ pub struct Row {
     /// How many leases the row sums.
     pub leases: u64,
     /// Their usage.
-    pub usage: SlotTotals,
+    pub usage: UsageFigures,
     /// Their cost.
     pub cost: f64,
-}
-
-/// `end - start` per counter, never below zero (totals only grow; a
-/// smaller end would be a damaged row, counted as nothing).
-pub fn since(end: &SlotTotals, start: &SlotTotals) -> SlotTotals {
-    SlotTotals {
-        alloc_mib_ms: end.alloc_mib_ms.saturating_sub(start.alloc_mib_ms),
-        compute_ns: end.compute_ns.saturating_sub(start.compute_ns),
-        hot_ns: end.hot_ns.saturating_sub(start.hot_ns),
-        warm_ns: end.warm_ns.saturating_sub(start.warm_ns),
-        invocations: end.invocations.saturating_sub(start.invocations),
-        bytes_in: end.bytes_in.saturating_sub(start.bytes_in),
-        bytes_out: end.bytes_out.saturating_sub(start.bytes_out),
-        closed: 0,
-    }
-}
-
-fn add(sum: &mut SlotTotals, u: &SlotTotals) {
-    sum.alloc_mib_ms = sum.alloc_mib_ms.saturating_add(u.alloc_mib_ms);
-    sum.compute_ns = sum.compute_ns.saturating_add(u.compute_ns);
-    sum.hot_ns = sum.hot_ns.saturating_add(u.hot_ns);
-    sum.warm_ns = sum.warm_ns.saturating_add(u.warm_ns);
-    sum.invocations = sum.invocations.saturating_add(u.invocations);
-    sum.bytes_in = sum.bytes_in.saturating_add(u.bytes_in);
-    sum.bytes_out = sum.bytes_out.saturating_add(u.bytes_out);
 }
 
 /// A row's place in the report: its keys, compared as they print.
@@ -265,7 +240,7 @@ pub fn group(leases: &[LeaseUsage], by: &[Key], rates: &Rates) -> Vec<Row> {
             }
         });
         row.leases += 1;
-        add(&mut row.usage, &l.usage);
+        row.usage.add(&l.usage);
         row.cost += rates.cost(&l.usage, l.harvested);
     }
     rows.into_values().collect()
@@ -283,10 +258,10 @@ mod tests {
             job,
             node: format!("n{}", id % 2),
             harvested,
-            usage: SlotTotals {
+            usage: UsageFigures {
                 compute_ns: id * 1_000_000_000,
                 invocations: id,
-                ..SlotTotals::default()
+                ..UsageFigures::default()
             },
         }
     }

@@ -5,12 +5,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rfaas_proto::accounting::SlotTotals;
+use rfaas_proto::accounting::{SlotTotals, UsageFigures, SLOT_WORDS};
 use rfaas_service::db::{self, i};
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, AnyPool, Connection, Row};
 
-use super::{since, BillingError, Filters, LeaseUsage, Period};
+use super::{BillingError, Filters, LeaseUsage, Period};
 
 /// `url` without its password, fit for a message.
 pub fn redact(url: &str) -> String {
@@ -92,8 +92,9 @@ const COUNTERS: [&str; 7] = [
 
 /// The totals in columns `{prefix}alloc_mib_ms`, ... (`None` if they are
 /// NULL: no such row).
-fn totals(row: &AnyRow, prefix: &str) -> Result<Option<SlotTotals>, BillingError> {
-    let mut w = [0u64; 7];
+fn totals(row: &AnyRow, prefix: &str) -> Result<Option<UsageFigures>, BillingError> {
+    // The slot's words less `closed`, which stays 0.
+    let mut w = [0u64; SLOT_WORDS];
     for (word, name) in w.iter_mut().zip(COUNTERS) {
         let col = format!("{prefix}{name}");
         let Some(v) = row.try_get::<Option<i64>, _>(col.as_str())? else {
@@ -102,16 +103,7 @@ fn totals(row: &AnyRow, prefix: &str) -> Result<Option<SlotTotals>, BillingError
         *word = u64::try_from(v)
             .map_err(|_| BillingError::Database(format!("column {name} holds {v}")))?;
     }
-    Ok(Some(SlotTotals {
-        alloc_mib_ms: w[0],
-        compute_ns: w[1],
-        hot_ns: w[2],
-        warm_ns: w[3],
-        invocations: w[4],
-        bytes_in: w[5],
-        bytes_out: w[6],
-        closed: 0,
-    }))
+    Ok(Some(SlotTotals::from_words(w).usage))
 }
 
 /// A value bound to the statement being built.
@@ -219,8 +211,8 @@ pub async fn lease_usage(
                 end = Some(u);
             }
         }
-        let usage = since(&end.unwrap_or_default(), &start);
-        if usage == SlotTotals::default() {
+        let usage = end.unwrap_or_default().since(&start);
+        if usage == UsageFigures::default() {
             continue;
         }
         let job: Option<i64> = row.try_get("job_id")?;

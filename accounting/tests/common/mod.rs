@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use rfaas_accounting::store::{self, UsageRow};
-use rfaas_proto::accounting::{Counter, SlotTotals};
+use rfaas_proto::accounting::{Counter, SlotTotals, UsageFigures};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::ExecutordOptions;
 use rfaas_testkit::manager::{Manager, ManagerOptions};
@@ -246,13 +246,15 @@ pub fn wait_for_usage(env: &Env, id: u64, want: &SlotTotals) -> UsageRow {
 /// Some usage with every counter set.
 pub fn some_usage(seed: u64) -> SlotTotals {
     SlotTotals {
-        alloc_mib_ms: 2048 * 1000 * seed,
-        compute_ns: 1_000_000_000 * seed,
-        hot_ns: 500_000_000 * seed,
-        warm_ns: 7 * seed,
-        invocations: 11 * seed,
-        bytes_in: 13 * seed,
-        bytes_out: 17 * seed,
+        usage: UsageFigures {
+            alloc_mib_ms: 2048 * 1000 * seed,
+            compute_ns: 1_000_000_000 * seed,
+            hot_ns: 500_000_000 * seed,
+            warm_ns: 7 * seed,
+            invocations: 11 * seed,
+            bytes_in: 13 * seed,
+            bytes_out: 17 * seed,
+        },
         closed: 0,
     }
 }
@@ -262,7 +264,7 @@ pub fn cost(u: &SlotTotals, harvested: bool) -> f64 {
     rfaas_accounting::rates::BillingConfig::parse(BILLING)
         .unwrap()
         .rates
-        .cost(u, harvested)
+        .cost(&u.usage, harvested)
 }
 
 /// Asserts that a lease's stored `totals` are, counter by counter, what

@@ -173,7 +173,7 @@ fn measure(d: &Executord, library: &[u8], iters: usize) -> Result<(Summary, u64)
 fn wait_pool(d: &Executord) -> Result<(), String> {
     let until = Instant::now() + Duration::from_secs(30);
     loop {
-        if let rfaas_proto::control::LocalReply::Status {
+        if let rfaas_proto::control::local::LocalReply::Status {
             pool_idle,
             allocations,
             ..

@@ -11,7 +11,7 @@ use std::ptr::{null, null_mut};
 use std::time::Duration;
 
 use rfaas::*;
-use rfaas_proto::control::LocalReply;
+use rfaas_proto::control::local::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library, wait_in_sleep_ms};
 

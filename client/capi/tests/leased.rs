@@ -10,7 +10,7 @@ use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use rfaas::*;
-use rfaas_proto::control::{LocalReply, LocalRequest};
+use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library, CrashOnce};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};

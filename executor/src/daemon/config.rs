@@ -496,7 +496,7 @@ pub struct Settings {
 
 /// The default place of the node tools' socket (one definition, in
 /// rfaas-proto, which the Slurm hooks share).
-pub const DEFAULT_LOCAL_SOCKET: &str = rfaas_proto::control::DEFAULT_LOCAL_SOCKET;
+pub const DEFAULT_LOCAL_SOCKET: &str = rfaas_proto::control::local::DEFAULT_LOCAL_SOCKET;
 
 impl Config {
     /// Reads and parses `path`.

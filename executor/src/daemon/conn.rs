@@ -448,7 +448,8 @@ impl Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rfaas_proto::control::{Deallocate, Frame};
+    use rfaas_proto::control::client::Deallocate;
+    use rfaas_proto::control::Frame;
 
     /// Feeds `chunks` one read at a time, then would block.
     struct Chunks(Vec<Vec<u8>>);

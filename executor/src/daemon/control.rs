@@ -8,9 +8,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rfaas_proto::control::{
-    AllocateRequest, Deallocate, Deallocated, ErrorCode, ErrorReply, Frame, Kind, RenewLease,
-};
+use rfaas_proto::control::client::{AllocateRequest, Deallocate, Deallocated, RenewLease};
+use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, Kind};
 
 use super::allocate::{self, Checked};
 use super::pool::Job;

@@ -15,7 +15,7 @@
 //! manager answers (after that the credential still expires with the
 //! job's time limit).
 //!
-//! [`LocalRequest::SlurmJobEnv`]: rfaas_proto::control::LocalRequest::SlurmJobEnv
+//! [`LocalRequest::SlurmJobEnv`]: rfaas_proto::control::local::LocalRequest::SlurmJobEnv
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -23,7 +23,8 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rfaas_proto::control::{ErrorCode, LocalReply};
+use rfaas_proto::control::local::LocalReply;
+use rfaas_proto::control::ErrorCode;
 use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded};
 
 use super::register::{Backoff, CallError, Managers};

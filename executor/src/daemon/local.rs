@@ -7,9 +7,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rfaas_proto::control::{
-    AllocationStatus, ErrorCode, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
-};
+use rfaas_proto::control::local::{AllocationStatus, LocalReply, LocalRequest};
+use rfaas_proto::control::{ErrorCode, Frame, FrameLimits, Kind};
 
 use super::control::refusal;
 use super::process;

@@ -1,7 +1,7 @@
 //! How a worker's memory is limited: a cgroup v2 `memory.max` when the node
 //! has a unified hierarchy with the memory controller and the daemon may
 //! create groups in it, otherwise `RLIMIT_AS`, which the worker sets on
-//! itself from [`Assignment::memory_limit_bytes`](rfaas_proto::control::Assignment);
+//! itself from [`Assignment::memory_limit_bytes`](rfaas_proto::control::worker::Assignment);
 //! and the locked-memory limit verbs needs ([`allow_pinning`]).
 
 use std::io;

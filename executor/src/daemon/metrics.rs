@@ -24,10 +24,11 @@ use prometheus::{
     CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec,
     Opts, Registry, TextEncoder,
 };
-use rfaas_proto::control::{ErrorCode, Mode};
+use rfaas_proto::accounting::UsageFigures;
+use rfaas_proto::control::client::Mode;
+use rfaas_proto::control::ErrorCode;
 
 use super::state::Shared;
-use super::usage::Figures;
 
 /// Longest request head read, bytes.
 const MAX_REQUEST: usize = 8192;
@@ -52,7 +53,7 @@ pub(crate) struct Metrics {
     warm: prometheus::Counter,
     /// The ledger's totals as last exposed: the counters grow by the
     /// difference.
-    exposed: Mutex<Figures>,
+    exposed: Mutex<UsageFigures>,
     billing_posts: IntCounterVec,
     billing_pending: Gauge,
     /// The poster's figures as last exposed.
@@ -204,7 +205,7 @@ impl Metrics {
 
     /// Brings the usage counters up to the ledger's `totals` (which only
     /// grow).
-    fn follow_usage(&self, totals: &Figures) {
+    fn follow_usage(&self, totals: &UsageFigures) {
         let mut exposed = self.exposed.lock().unwrap_or_else(|e| e.into_inner());
         let seconds = |new: u64, old: u64| new.saturating_sub(old) as f64 / 1e9;
         self.invocations
@@ -315,7 +316,7 @@ impl Metrics {
                 .with_label_values(&["allocated"])
                 .set(f64::from(mem - mem_free));
         }
-        self.follow_usage(&shared.usage.totals());
+        self.follow_usage(&shared.usage.totals().usage);
         self.registered
             .set(if self.manager_ok.load(Ordering::Relaxed) {
                 1.0

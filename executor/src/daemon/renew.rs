@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use rfaas_proto::control::{
-    ErrorCode, ExpiryMoved, Frame, FrameLimits, Kind, LeaseRenewed, RenewLease,
-};
+use rfaas_proto::control::client::{LeaseRenewed, RenewLease};
+use rfaas_proto::control::worker::ExpiryMoved;
+use rfaas_proto::control::{ErrorCode, Frame, FrameLimits, Kind};
 
 use super::allocate::lease_refusal;
 use super::allocate::Refused;

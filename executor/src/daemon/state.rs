@@ -131,7 +131,7 @@ pub(crate) struct Allocation {
     pub memory_mib: u32,
     pub expires_at: u64,
     /// Hot or warm lanes.
-    pub mode: rfaas_proto::control::Mode,
+    pub mode: rfaas_proto::control::client::Mode,
     /// The worker answered `WorkerReady` and the client was told.
     pub ready: bool,
     /// Set when the daemon decided to end the worker.

@@ -9,7 +9,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rfaas_proto::control::{ExitCause, Frame, WorkerExited};
+use rfaas_proto::control::client::{ExitCause, WorkerExited};
+use rfaas_proto::control::Frame;
 
 use super::config::Sandbox;
 use super::process::{self, Bwrap, Ended, Spawned};

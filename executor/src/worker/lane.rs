@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::{Access, Completion, Domain, MemoryRegion, Opcode, RemoteAddr, Status};
-use rfaas_proto::control::Mode;
+use rfaas_proto::control::client::Mode;
 use rfaas_proto::meter::LaneState;
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 

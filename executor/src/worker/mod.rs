@@ -97,10 +97,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::{Access, EndpointOptions, Fabric};
-use rfaas_proto::control::{
-    Assignment, ControlError, Descriptor, ErrorCode, ErrorReply, ExpiryMoved, Frame, FrameLimits,
-    Kind, WorkerFailed, WorkerReady,
-};
+use rfaas_proto::control::client::Descriptor;
+use rfaas_proto::control::worker::{Assignment, ExpiryMoved, WorkerFailed, WorkerReady};
+use rfaas_proto::control::{ControlError, ErrorCode, ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 

@@ -1,7 +1,8 @@
 //! The lease check: the token's signature, expiry and node, and the request
 //! against what the lease grants.
 
-use rfaas_proto::control::{AllocateRequest, ErrorCode};
+use rfaas_proto::control::client::AllocateRequest;
+use rfaas_proto::control::ErrorCode;
 use rfaas_proto::lease::{LeaseClaims, LeaseKeys, TokenError};
 use rfaas_proto::text::count;
 

@@ -11,7 +11,8 @@
 //! glibc kept to one malloc arena ([`MALLOC_ARENA_MAX`](super::super::memlimit)),
 //! rounded up.
 
-use rfaas_proto::control::{AllocateRequest, ErrorCode};
+use rfaas_proto::control::client::AllocateRequest;
+use rfaas_proto::control::ErrorCode;
 
 use super::Refused;
 
@@ -205,7 +206,7 @@ fn load_span(elf: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rfaas_proto::control::Mode;
+    use rfaas_proto::control::client::Mode;
 
     fn request(cores: u16, memory_mib: u32, provider: &str) -> AllocateRequest {
         AllocateRequest {

@@ -20,7 +20,8 @@ mod validate;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rfaas_proto::control::{AllocateOk, AllocatePhases, AllocateRequest, ErrorCode};
+use rfaas_proto::control::client::{AllocateOk, AllocatePhases, AllocateRequest};
+use rfaas_proto::control::ErrorCode;
 use rfaas_proto::hello::LaneKey;
 use rfaas_proto::lease::LeaseClaims;
 

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use rfaas_proto::control::{AllocateRequest, ErrorCode};
+use rfaas_proto::control::client::AllocateRequest;
+use rfaas_proto::control::ErrorCode;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::text::count;
 

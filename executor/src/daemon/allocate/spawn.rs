@@ -8,10 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rfaas_proto::control::{
-    AllocateRequest, Assignment, ControlError, ErrorCode, Frame, FrameLimits, Kind, WorkerFailed,
-    WorkerReady,
-};
+use rfaas_proto::control::client::AllocateRequest;
+use rfaas_proto::control::worker::{Assignment, WorkerFailed, WorkerReady};
+use rfaas_proto::control::{ControlError, ErrorCode, Frame, FrameLimits, Kind};
 use rfaas_proto::lease::LeaseClaims;
 
 use super::reserve::Reserved;

@@ -1,7 +1,8 @@
 //! The request's own shape, and the executor's limits on it: checks that
 //! need neither the token nor the node's state.
 
-use rfaas_proto::control::{AllocateRequest, ErrorCode};
+use rfaas_proto::control::client::AllocateRequest;
+use rfaas_proto::control::ErrorCode;
 
 use super::Refused;
 use crate::daemon::config::Settings;

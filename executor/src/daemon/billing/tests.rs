@@ -13,6 +13,7 @@ use rfaas_proto::accounting::{
 use rfaas_testkit::wait::{wait_until, TIMEOUT};
 
 use super::*;
+use rfaas_proto::accounting::UsageFigures;
 
 const CREDENTIAL: &str = "rfaasc.node1.secret";
 const SLOTS: u32 = 16;
@@ -193,10 +194,13 @@ fn usage(
         lease_id: id,
         billing: slot.clone(),
         totals: SlotTotals {
-            alloc_mib_ms: compute_ns / 1000,
-            compute_ns,
-            invocations,
-            ..SlotTotals::default()
+            usage: UsageFigures {
+                alloc_mib_ms: compute_ns / 1000,
+                compute_ns,
+                invocations,
+                ..UsageFigures::default()
+            },
+            closed: 0,
         },
         ended,
     }
@@ -381,14 +385,20 @@ fn an_ended_lease_unposted_past_keep_ended_is_dropped_and_journaled() {
 #[test]
 fn landed_counts_what_the_slot_gained_up_to_the_batch() {
     let expected = SlotTotals {
-        compute_ns: 100,
-        hot_ns: 50,
-        ..SlotTotals::default()
+        usage: UsageFigures {
+            compute_ns: 100,
+            hot_ns: 50,
+            ..UsageFigures::default()
+        },
+        closed: 0,
     };
     let read = SlotTotals {
-        compute_ns: 130,
-        hot_ns: 50,
-        ..SlotTotals::default()
+        usage: UsageFigures {
+            compute_ns: 130,
+            hot_ns: 50,
+            ..UsageFigures::default()
+        },
+        closed: 0,
     };
     let mut d = [0u64; SLOT_WORDS];
     d[Counter::ComputeNs.index()] = 30;

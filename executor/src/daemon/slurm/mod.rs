@@ -831,7 +831,7 @@ mod tests {
                 cpus: granted,
                 memory_mib: 10,
                 expires_at: u64::MAX,
-                mode: rfaas_proto::control::Mode::Warm,
+                mode: rfaas_proto::control::client::Mode::Warm,
                 ready: true,
                 stop: None,
                 ended: None,

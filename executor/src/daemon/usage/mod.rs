@@ -56,8 +56,8 @@ use std::sync::mpsc;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rfaas_proto::accounting::BillingSlot;
-use rfaas_proto::control::LeaseUsage;
+use rfaas_proto::accounting::{BillingSlot, UsageFigures};
+use rfaas_proto::control::local::LeaseUsage;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::meter::LaneState;
 
@@ -81,37 +81,21 @@ const FINALS_QUEUED: usize = 4096;
 /// that keeps its record's sequence odd cannot hold the daemon).
 const RECORD_TRIES: u32 = 8;
 
-/// Cumulative figures, of one allocation, one lease or the node.
+/// Cumulative figures, of one allocation, one lease or the node: the
+/// kernel's CPU time, which the usage figures split (`compute_ns + hot_ns
+/// == cpu_ns`), and the rest of them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Figures {
-    /// Allocation wall time times memory, MiB·ms.
-    pub alloc_mib_ms: u64,
     /// The kernel's CPU time, ns.
     pub cpu_ns: u64,
-    /// `cpu_ns - hot_ns`.
-    pub compute_ns: u64,
-    /// Hot-polling CPU time, ns.
-    pub hot_ns: u64,
-    /// Warm lanes' blocked time, ns.
-    pub warm_ns: u64,
-    /// Functions called.
-    pub invocations: u64,
-    /// Input bytes.
-    pub bytes_in: u64,
-    /// Output bytes.
-    pub bytes_out: u64,
+    /// `compute_ns` is `cpu_ns - hot_ns`.
+    pub usage: UsageFigures,
 }
 
 impl Figures {
     fn add(&mut self, o: &Figures) {
-        self.alloc_mib_ms = self.alloc_mib_ms.saturating_add(o.alloc_mib_ms);
         self.cpu_ns = self.cpu_ns.saturating_add(o.cpu_ns);
-        self.compute_ns = self.compute_ns.saturating_add(o.compute_ns);
-        self.hot_ns = self.hot_ns.saturating_add(o.hot_ns);
-        self.warm_ns = self.warm_ns.saturating_add(o.warm_ns);
-        self.invocations = self.invocations.saturating_add(o.invocations);
-        self.bytes_in = self.bytes_in.saturating_add(o.bytes_in);
-        self.bytes_out = self.bytes_out.saturating_add(o.bytes_out);
+        self.usage.add(&o.usage);
     }
 }
 
@@ -163,6 +147,7 @@ pub(crate) fn bound(
     lim: &Limits,
 ) -> Figures {
     let cpu = prev.cpu_ns.max(cpu_ns);
+    let prev = &prev.usage;
     // prev.hot + prev.compute == prev.cpu <= cpu, so both can only grow.
     let hot = between(rep.hot_ns, prev.hot_ns, cpu.saturating_sub(prev.compute_ns));
     let compute = cpu - hot;
@@ -188,14 +173,16 @@ pub(crate) fn bound(
         .alloc_mib_ms
         .max(u64::try_from(mib_ms).unwrap_or(u64::MAX));
     Figures {
-        alloc_mib_ms,
         cpu_ns: cpu,
-        compute_ns: compute,
-        hot_ns: hot,
-        warm_ns: warm,
-        invocations,
-        bytes_in,
-        bytes_out,
+        usage: UsageFigures {
+            alloc_mib_ms,
+            compute_ns: compute,
+            hot_ns: hot,
+            warm_ns: warm,
+            invocations,
+            bytes_in,
+            bytes_out,
+        },
     }
 }
 
@@ -408,11 +395,11 @@ impl Ledger {
             lease = lease_id,
             allocations = done.allocations,
             cpu_ns = done.cpu_ns,
-            compute_ns = done.compute_ns,
-            hot_ns = done.hot_ns,
-            warm_ns = done.warm_ns,
-            invocations = done.invocations,
-            alloc_mib_ms = done.alloc_mib_ms,
+            compute_ns = done.usage.compute_ns,
+            hot_ns = done.usage.hot_ns,
+            warm_ns = done.usage.warm_ns,
+            invocations = done.usage.invocations,
+            alloc_mib_ms = done.usage.alloc_mib_ms,
             "the lease's last allocation here ended; its usage is final"
         );
         if let Some(tx) = &inner.finals {
@@ -572,14 +559,8 @@ fn report(inner: &Inner, lease_id: u64) -> Option<LeaseUsage> {
         job_id: l.job_id,
         ended: l.running == 0,
         allocations: l.allocations,
-        alloc_mib_ms: f.alloc_mib_ms,
         cpu_ns: f.cpu_ns,
-        compute_ns: f.compute_ns,
-        hot_ns: f.hot_ns,
-        warm_ns: f.warm_ns,
-        invocations: f.invocations,
-        bytes_in: f.bytes_in,
-        bytes_out: f.bytes_out,
+        usage: f.usage,
     })
 }
 

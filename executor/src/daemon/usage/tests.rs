@@ -32,12 +32,15 @@ fn honest_reports_pass_through_and_compute_is_the_rest_of_the_cpu() {
         &LIMITS,
     );
     assert_eq!(f.cpu_ns, 1_000_000);
-    assert_eq!(f.hot_ns, 300_000);
-    assert_eq!(f.compute_ns, 700_000);
-    assert_eq!(f.warm_ns, 100_000);
-    assert_eq!((f.invocations, f.bytes_in, f.bytes_out), (7, 70, 7));
+    assert_eq!(f.usage.hot_ns, 300_000);
+    assert_eq!(f.usage.compute_ns, 700_000);
+    assert_eq!(f.usage.warm_ns, 100_000);
+    assert_eq!(
+        (f.usage.invocations, f.usage.bytes_in, f.usage.bytes_out),
+        (7, 70, 7)
+    );
     // 2 ms of 512 MiB.
-    assert_eq!(f.alloc_mib_ms, 1024);
+    assert_eq!(f.usage.alloc_mib_ms, 1024);
 }
 
 #[test]
@@ -51,12 +54,15 @@ fn huge_reports_get_their_bounds() {
         bytes_out: u64::MAX,
     };
     let f = bound(&Figures::default(), 1_000_000, 3_000_000, &huge, &LIMITS);
-    assert_eq!(f.hot_ns, 1_000_000, "hot-polling is at most the CPU time");
-    assert_eq!(f.compute_ns, 0);
-    assert_eq!(f.warm_ns, 6_000_000, "two lanes for 3 ms");
-    assert_eq!(f.invocations, 1_000_000 / MIN_INVOCATION_CPU_NS);
-    assert_eq!(f.bytes_in, f.invocations * 1000);
-    assert_eq!(f.bytes_out, f.invocations * 100);
+    assert_eq!(
+        f.usage.hot_ns, 1_000_000,
+        "hot-polling is at most the CPU time"
+    );
+    assert_eq!(f.usage.compute_ns, 0);
+    assert_eq!(f.usage.warm_ns, 6_000_000, "two lanes for 3 ms");
+    assert_eq!(f.usage.invocations, 1_000_000 / MIN_INVOCATION_CPU_NS);
+    assert_eq!(f.usage.bytes_in, f.usage.invocations * 1000);
+    assert_eq!(f.usage.bytes_out, f.usage.invocations * 100);
 }
 
 #[test]
@@ -71,11 +77,11 @@ fn figures_never_shrink_whatever_is_reported() {
     // The worker now writes zeros: nothing goes back; the new CPU time is
     // compute.
     let zeros = bound(&first, 1_500_000, 2_000_000, &Reported::default(), &LIMITS);
-    assert_eq!(zeros.hot_ns, 400_000);
-    assert_eq!(zeros.compute_ns, 1_100_000);
-    assert_eq!(zeros.warm_ns, 50_000);
-    assert_eq!(zeros.invocations, 10);
-    assert_eq!(zeros.bytes_in, 100);
+    assert_eq!(zeros.usage.hot_ns, 400_000);
+    assert_eq!(zeros.usage.compute_ns, 1_100_000);
+    assert_eq!(zeros.usage.warm_ns, 50_000);
+    assert_eq!(zeros.usage.invocations, 10);
+    assert_eq!(zeros.usage.bytes_in, 100);
     // A kernel reading that went back (it cannot, but a source may fail
     // and come back) keeps the last.
     let back = bound(&zeros, 10, 2_000_000, &reported(0, 0, 0), &LIMITS);
@@ -89,8 +95,8 @@ fn figures_never_shrink_whatever_is_reported() {
         &reported(5_000_000, 0, 10),
         &LIMITS,
     );
-    assert_eq!(jump.compute_ns, first.compute_ns);
-    assert_eq!(jump.hot_ns, 1_200_000 - first.compute_ns);
+    assert_eq!(jump.usage.compute_ns, first.usage.compute_ns);
+    assert_eq!(jump.usage.hot_ns, 1_200_000 - first.usage.compute_ns);
 }
 
 #[test]
@@ -117,17 +123,17 @@ fn any_sequence_of_reports_keeps_the_invariants() {
                 bytes_out: any(&mut rng),
             };
             let f = bound(&prev, cpu, wall, &rep, &LIMITS);
-            assert_eq!(f.compute_ns + f.hot_ns, f.cpu_ns, "{f:?}");
+            assert_eq!(f.usage.compute_ns + f.usage.hot_ns, f.cpu_ns, "{f:?}");
             assert_eq!(f.cpu_ns, cpu);
-            assert!(f.warm_ns <= wall * 2 || f.warm_ns == prev.warm_ns);
+            assert!(f.usage.warm_ns <= wall * 2 || f.usage.warm_ns == prev.usage.warm_ns);
             for (new, old) in [
-                (f.alloc_mib_ms, prev.alloc_mib_ms),
-                (f.compute_ns, prev.compute_ns),
-                (f.hot_ns, prev.hot_ns),
-                (f.warm_ns, prev.warm_ns),
-                (f.invocations, prev.invocations),
-                (f.bytes_in, prev.bytes_in),
-                (f.bytes_out, prev.bytes_out),
+                (f.usage.alloc_mib_ms, prev.usage.alloc_mib_ms),
+                (f.usage.compute_ns, prev.usage.compute_ns),
+                (f.usage.hot_ns, prev.usage.hot_ns),
+                (f.usage.warm_ns, prev.usage.warm_ns),
+                (f.usage.invocations, prev.usage.invocations),
+                (f.usage.bytes_in, prev.usage.bytes_in),
+                (f.usage.bytes_out, prev.usage.bytes_out),
             ] {
                 assert!(new >= old, "{prev:?} -> {f:?}");
             }
@@ -199,7 +205,7 @@ fn a_lease_adds_up_its_allocations_and_ends_with_the_last() {
     assert_eq!(snap.len(), 2);
     let seven = &snap[0];
     assert_eq!(seven.lease_id, 7);
-    assert_eq!(seven.invocations, 12, "both allocations, every lane");
+    assert_eq!(seven.usage.invocations, 12, "both allocations, every lane");
     assert_eq!(seven.allocations, 2);
     assert!(!seven.ended);
     assert_eq!(
@@ -211,7 +217,7 @@ fn a_lease_adds_up_its_allocations_and_ends_with_the_last() {
         ),
         ("node-1", "alice", "physics", Some(42))
     );
-    assert_eq!(seven.compute_ns + seven.hot_ns, seven.cpu_ns);
+    assert_eq!(seven.usage.compute_ns + seven.usage.hot_ns, seven.cpu_ns);
 
     // The first allocation ends: the lease runs on.
     assert!(ledger.close(1, ledger.now(), reaped()).is_none());
@@ -222,17 +228,17 @@ fn a_lease_adds_up_its_allocations_and_ends_with_the_last() {
         .close(2, ledger.now(), reaped())
         .expect("the last one");
     assert!(done.ended);
-    assert_eq!(done.invocations, 12);
+    assert_eq!(done.usage.invocations, 12);
     assert_eq!(finals.try_recv().unwrap(), done);
     assert_eq!(ledger.lease(7), Some(done.clone()));
     assert!(!ledger.lease(8).unwrap().ended);
 
     // The node's totals count every allocation, and only grow.
     let t = ledger.totals();
-    assert_eq!(t.invocations, 112);
+    assert_eq!(t.usage.invocations, 112);
     assert!(ledger.close(99, ledger.now(), None).is_none(), "unknown");
     assert!(ledger.close(3, ledger.now(), reaped()).is_some());
-    assert_eq!(ledger.totals().invocations, 112);
+    assert_eq!(ledger.totals().usage.invocations, 112);
 }
 
 #[test]
@@ -245,9 +251,9 @@ fn a_lease_that_allocates_again_goes_on_from_its_figures() {
     publish(&b, 0, 2);
     let again = ledger.lease(7).unwrap();
     assert!(!again.ended);
-    assert_eq!(again.invocations, 5);
+    assert_eq!(again.usage.invocations, 5);
     assert_eq!(again.allocations, 2);
-    assert!(again.alloc_mib_ms >= first.alloc_mib_ms);
+    assert!(again.usage.alloc_mib_ms >= first.usage.alloc_mib_ms);
 }
 
 #[test]
@@ -271,7 +277,7 @@ fn live_phases_count_up_to_now() {
     let inner = ledger.lock();
     let m = inner.running.get(&1).unwrap();
     let f = sample(m, ledger.clock(), later, Some(0));
-    assert_eq!(f.warm_ns, 5_001_000, "the phase under way, to now");
+    assert_eq!(f.usage.warm_ns, 5_001_000, "the phase under way, to now");
 }
 
 #[test]

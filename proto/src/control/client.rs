@@ -1,0 +1,357 @@
+//! Client ↔ executor daemon (TCP): allocation, renewal, deallocation, and
+//! the daemon's word when a worker ends.
+
+use serde::{Deserialize, Serialize};
+
+use super::frame::message_kinds;
+
+/// How a worker thread waits for invocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Busy-polls its completion queue: the lowest latency, a whole core.
+    Hot,
+    /// Sleeps in the kernel until a request comes.
+    Warm,
+    /// Busy-polls for `hot_timeout_us` after each invocation, then sleeps.
+    HotThenWarm,
+}
+
+/// A registered memory range of the worker, as the client names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Descriptor {
+    /// Address.
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+    /// Length in bytes.
+    pub len: u32,
+}
+
+/// Client → executor: start a worker for a lease. The frame's blob is the
+/// function library (an ELF shared object).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocateRequest {
+    /// Repeated in the reply.
+    pub request_id: u64,
+    /// The lease token ([`crate::lease`]).
+    pub token: String,
+    /// Worker threads (lanes), one core each; at most the lease's cores.
+    pub cores: u16,
+    /// Memory limit of the worker process, MiB; at most the lease's memory.
+    pub memory_mib: u32,
+    /// How the worker threads wait.
+    pub mode: Mode,
+    /// For [`Mode::HotThenWarm`]: how long a thread polls after an
+    /// invocation before it sleeps, in microseconds.
+    pub hot_timeout_us: u64,
+    /// Bytes of each lane's input buffer, header included; bigger payloads
+    /// are pulled by the worker in chunks.
+    pub input_capacity: u32,
+    /// Bytes a function may write per invocation (the worker's output
+    /// buffer; a guard page follows it).
+    pub output_capacity: u32,
+    /// Longest a function may run, in milliseconds; 0 means the executor's
+    /// default.
+    pub deadline_ms: u64,
+    /// The functions the client will call, by symbol name; their order is
+    /// the function table (index 0 is the first).
+    pub functions: Vec<String>,
+    /// A name for the library, for logs.
+    pub library_name: String,
+    /// The fabric provider the client speaks (`tcp`, `shm`, `verbs:<dev>`).
+    pub provider: String,
+    /// The client promises that the functions never write to their input.
+    /// On a provider that shares memory with the client (shm), a payload
+    /// bigger than the input buffer is then read in place, without a copy,
+    /// through a read-only mapping (a function that writes to it faults).
+    #[serde(default)]
+    pub read_only_input: bool,
+}
+
+/// Time spent in each phase of an allocation on the executor, nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatePhases {
+    /// Parsing the request and checking the token and capacity.
+    pub validate_ns: u64,
+    /// Taking a pooled worker, or spawning one.
+    pub worker_ns: u64,
+    /// The worker loading the library and building the function table.
+    pub load_ns: u64,
+    /// The worker registering buffers and listening.
+    pub listen_ns: u64,
+}
+
+/// Executor → client: the worker is ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocateOk {
+    /// The request's id.
+    pub request_id: u64,
+    /// The allocation's id on this executor.
+    pub allocation_id: u64,
+    /// The lease it runs under.
+    pub lease_id: u64,
+    /// The fabric address of the worker's listener; connect once per lane.
+    pub fabric_addr: String,
+    /// Input buffer of each lane, in lane order.
+    pub lanes: Vec<Descriptor>,
+    /// The allocation's lane key, 48 hex digits: the client's first write
+    /// on every lane is a [`LaneHello`](crate::hello::LaneHello) with it.
+    pub lane_key: String,
+    /// The function table: `functions[i]` is called with index `i`.
+    pub functions: Vec<String>,
+    /// The output capacity granted (bytes per invocation).
+    pub output_capacity: u32,
+    /// The function deadline in force, milliseconds.
+    pub deadline_ms: u64,
+    /// When the lease ends (Unix seconds); the worker refuses invocations
+    /// from then on.
+    pub expires_at: u64,
+    /// Whether a pre-spawned worker was used.
+    pub pooled: bool,
+    /// Where the executor spent its time.
+    pub phases: AllocatePhases,
+    /// The largest input (bytes) one invocation may carry: what the
+    /// allocation's memory leaves for pulling a payload bigger than the
+    /// input buffer. 0 from an executor that does not say.
+    #[serde(default)]
+    pub max_input_bytes: u64,
+}
+
+/// Client → executor: end an allocation and stop its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deallocate {
+    /// Repeated in the reply.
+    pub request_id: u64,
+    /// Which allocation.
+    pub allocation_id: u64,
+}
+
+/// Executor → client: the allocation is gone and its cores are free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deallocated {
+    /// The request's id.
+    pub request_id: u64,
+    /// Which allocation.
+    pub allocation_id: u64,
+}
+
+/// Client → executor: move an allocation's end to that of a new token for
+/// its lease (the manager renewed the lease). The token must verify, name
+/// this node and the allocation's lease, and end no earlier than the
+/// allocation does now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewLease {
+    /// Repeated in the reply.
+    pub request_id: u64,
+    /// Which allocation (made on this connection).
+    pub allocation_id: u64,
+    /// The renewed lease's token ([`crate::lease`]).
+    pub token: String,
+}
+
+/// Executor → client: the allocation now ends at `expires_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRenewed {
+    /// The request's id.
+    pub request_id: u64,
+    /// Which allocation.
+    pub allocation_id: u64,
+    /// The allocation's new end, Unix seconds.
+    pub expires_at: u64,
+}
+
+/// Why a worker process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ExitCause {
+    /// Killed by a signal it raised itself (a function crashed: SIGSEGV,
+    /// SIGBUS, SIGABRT, SIGFPE, SIGILL, ...).
+    Crashed,
+    /// A function ran past the deadline and the worker ended itself.
+    DeadlineExceeded,
+    /// The lease expired and the executor stopped the worker.
+    LeaseExpired,
+    /// The executor is shutting down and stopped the worker.
+    Stopped,
+    /// The worker exited on its own (an internal failure).
+    Exited,
+    /// The kernel killed the worker because the allocation used more memory
+    /// than it was given (a cgroup `memory.max`; under `RLIMIT_AS` the
+    /// function's allocation fails instead, and it usually crashes).
+    OutOfMemory,
+    /// The node is being retrieved (drained) and the executor stopped the
+    /// worker after the grace period.
+    Drained,
+}
+
+/// Executor → client, unsolicited: an allocation's worker ended. Its cores
+/// are free again; the allocation is gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerExited {
+    /// Which allocation.
+    pub allocation_id: u64,
+    /// Why.
+    pub cause: ExitCause,
+    /// The terminating signal, if a signal ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// The exit status, if it exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// For people: what happened, e.g. "worker 1234 killed by SIGSEGV".
+    pub message: String,
+}
+
+message_kinds! {
+    AllocateRequest => AllocateRequest,
+    AllocateOk => AllocateOk,
+    Deallocate => Deallocate,
+    Deallocated => Deallocated,
+    WorkerExited => WorkerExited,
+    RenewLease => RenewLease,
+    LeaseRenewed => LeaseRenewed,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::frame::small_frame;
+    use crate::control::local::LocalRequest;
+    use crate::control::worker::ExpiryMoved;
+    use crate::control::{ControlError, ErrorCode, ErrorReply, Frame, FrameLimits};
+
+    #[test]
+    fn frame_round_trip_with_blob() {
+        let req = AllocateRequest {
+            request_id: 3,
+            token: "rfaas2.x.y".into(),
+            cores: 2,
+            memory_mib: 256,
+            mode: Mode::HotThenWarm,
+            hot_timeout_us: 500,
+            input_capacity: 4096,
+            output_capacity: 4096,
+            deadline_ms: 0,
+            functions: vec!["echo".into(), "noop".into()],
+            library_name: "libfunctions.so".into(),
+            provider: "tcp".into(),
+            read_only_input: true,
+        };
+        let frame = Frame::new(&req, vec![0x7f, b'E', b'L', b'F']);
+        let bytes = frame.to_bytes();
+        assert_eq!(&bytes[..4], b"RFAX");
+        assert_eq!(&bytes[bytes.len() - 4..], b"\x7fELF");
+        let json_len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+        let json = std::str::from_utf8(&bytes[16..16 + json_len]).unwrap();
+        assert_eq!(
+            json,
+            r#"{"request_id":3,"token":"rfaas2.x.y","cores":2,"memory_mib":256,"mode":"hot_then_warm","hot_timeout_us":500,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["echo","noop"],"library_name":"libfunctions.so","provider":"tcp","read_only_input":true}"#
+        );
+        let back = Frame::read_from(&mut &bytes[..], FrameLimits::default()).unwrap();
+        assert_eq!(back, frame);
+        assert_eq!(back.parse::<AllocateRequest>().unwrap(), req);
+        let err = back.parse::<Deallocate>().unwrap_err();
+        assert!(matches!(err, ControlError::UnexpectedKind { .. }));
+        // A request without the field promises nothing.
+        let older = json.replace(r#","read_only_input":true"#, "");
+        let older: AllocateRequest = serde_json::from_str(&older).unwrap();
+        assert!(!older.read_only_input);
+    }
+
+    #[test]
+    fn message_json_shapes() {
+        let exited = WorkerExited {
+            allocation_id: 5,
+            cause: ExitCause::Crashed,
+            signal: Some(11),
+            exit_code: None,
+            message: "worker 9 killed by SIGSEGV".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&exited).unwrap(),
+            r#"{"allocation_id":5,"cause":"crashed","signal":11,"message":"worker 9 killed by SIGSEGV"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&ExitCause::OutOfMemory).unwrap(),
+            r#""out_of_memory""#
+        );
+        let err = ErrorReply {
+            request_id: 1,
+            code: ErrorCode::NoCapacity,
+            message: "no".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&err).unwrap(),
+            r#"{"request_id":1,"code":"no_capacity","message":"no"}"#
+        );
+        assert!(ErrorCode::NoCapacity.is_retryable());
+        assert!(!ErrorCode::TokenForged.is_retryable());
+        assert_eq!(
+            serde_json::to_string(&ErrorCode::MemoryTooSmall).unwrap(),
+            r#""memory_too_small""#
+        );
+        // Asking again with the same memory cannot succeed.
+        assert!(!ErrorCode::MemoryTooSmall.is_retryable());
+        assert_eq!(
+            serde_json::to_string(&LocalRequest::Drain { grace_ms: 100 }).unwrap(),
+            r#"{"command":"drain","grace_ms":100}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<LocalRequest>(r#"{"command":"status"}"#).unwrap(),
+            LocalRequest::Status
+        );
+        assert_eq!(
+            serde_json::to_string(&LocalRequest::Usage { lease_id: None }).unwrap(),
+            r#"{"command":"usage"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<LocalRequest>(r#"{"command":"usage","lease_id":3}"#).unwrap(),
+            LocalRequest::Usage { lease_id: Some(3) }
+        );
+    }
+
+    /// The renewal frames, byte for byte: header (kind 7, 8, 19) and JSON.
+    #[test]
+    fn renewal_frame_bytes() {
+        let renew = RenewLease {
+            request_id: 9,
+            allocation_id: 4,
+            token: "rfaas2.x.y".into(),
+        };
+        let json = br#"{"request_id":9,"allocation_id":4,"token":"rfaas2.x.y"}"#;
+        let want = small_frame(7, json);
+        let frame = Frame::new(&renew, vec![]);
+        assert_eq!(frame.to_bytes(), want);
+        assert_eq!(frame.parse::<RenewLease>().unwrap(), renew);
+
+        let renewed = LeaseRenewed {
+            request_id: 9,
+            allocation_id: 4,
+            expires_at: 1_800_000_000,
+        };
+        let json = br#"{"request_id":9,"allocation_id":4,"expires_at":1800000000}"#;
+        let want = small_frame(8, json);
+        assert_eq!(Frame::new(&renewed, vec![]).to_bytes(), want);
+
+        let moved = ExpiryMoved {
+            expires_at: 1_800_000_000,
+        };
+        let json = br#"{"expires_at":1800000000}"#;
+        let want = small_frame(19, json);
+        let frame = Frame::new(&moved, vec![]);
+        assert_eq!(frame.to_bytes(), want);
+        let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
+        assert_eq!(back.parse::<ExpiryMoved>().unwrap(), moved);
+        assert!(matches!(
+            back.parse::<LeaseRenewed>(),
+            Err(ControlError::UnexpectedKind { .. })
+        ));
+        assert_eq!(
+            serde_json::to_string(&ErrorCode::LeaseMismatch).unwrap(),
+            r#""lease_mismatch""#
+        );
+        assert!(!ErrorCode::LeaseMismatch.is_retryable());
+    }
+}

@@ -1,0 +1,127 @@
+//! Executor daemon ↔ worker process (a socket pair): the assignment, the
+//! worker's answer, and a renewal's new end.
+
+use serde::{Deserialize, Serialize};
+
+use super::client::{Descriptor, Mode};
+use super::frame::message_kinds;
+use super::ErrorReply;
+
+/// Daemon → serving worker: refuse invocations from `expires_at` (Unix
+/// seconds) on, instead of the assignment's end. The worker answers with
+/// the same message once its lanes use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpiryMoved {
+    /// The lease's new end, Unix seconds.
+    pub expires_at: u64,
+}
+
+/// Daemon → worker: serve an allocation. The library arrives as a memfd
+/// passed with this frame (SCM_RIGHTS), followed by the allocation's meter
+/// area ([`crate::meter`]) when the daemon meters it; the worker drops
+/// privileges to `uid`/`gid` before it loads the library.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment {
+    /// The allocation's id.
+    pub allocation_id: u64,
+    /// User to run as.
+    pub uid: u32,
+    /// Group to run as.
+    pub gid: u32,
+    /// CPUs to pin the lane threads to, one per lane, in lane order; empty
+    /// means no pinning.
+    pub cpus: Vec<u32>,
+    /// The allocation's lane key, 48 hex digits: a connection serves a
+    /// lane only after a [`LaneHello`](crate::hello::LaneHello) with it.
+    pub lane_key: String,
+    /// Lanes (worker threads).
+    pub lanes: u16,
+    /// Address-space limit for the process in bytes (0: none), used when
+    /// the daemon cannot apply a cgroup limit.
+    pub memory_limit_bytes: u64,
+    /// The allocation's memory, MiB, as asked for (for messages; 0 from a
+    /// daemon that does not say).
+    #[serde(default)]
+    pub memory_mib: u32,
+    /// The largest bulk payload a lane pulls, bytes (0: the worker's own
+    /// rule, `memory_limit_bytes` or a default).
+    #[serde(default)]
+    pub pull_limit_bytes: u64,
+    /// How lanes wait.
+    pub mode: Mode,
+    /// Hot period of [`Mode::HotThenWarm`], microseconds.
+    pub hot_timeout_us: u64,
+    /// Bytes of each lane's input buffer, header included.
+    pub input_capacity: u32,
+    /// Bytes of each lane's output buffer.
+    pub output_capacity: u32,
+    /// The deadline, milliseconds.
+    pub deadline_ms: u64,
+    /// When the lease ends, Unix seconds.
+    pub expires_at: u64,
+    /// Symbol names to resolve, in table order.
+    pub functions: Vec<String>,
+    /// The fabric provider.
+    pub provider: String,
+    /// Where to listen (`host:0` for tcp and verbs, a socket path for shm).
+    pub listen_addr: String,
+    /// As in
+    /// [`AllocateRequest::read_only_input`](super::client::AllocateRequest::read_only_input).
+    #[serde(default)]
+    pub read_only_input: bool,
+}
+
+/// Worker → daemon: the assignment is loaded and listening.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerReady {
+    /// The address clients connect to.
+    pub fabric_addr: String,
+    /// Each lane's input buffer.
+    pub lanes: Vec<Descriptor>,
+    /// Nanoseconds spent loading the library and resolving the functions.
+    pub load_ns: u64,
+    /// Nanoseconds spent creating the fabric resources and listening.
+    pub listen_ns: u64,
+}
+
+/// Worker → daemon: the assignment failed, with the refusal the daemon
+/// passes on to the client (the same JSON as an [`ErrorReply`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct WorkerFailed(pub ErrorReply);
+
+message_kinds! {
+    Assignment => Assignment,
+    WorkerReady => WorkerReady,
+    WorkerFailed => WorkerFailed,
+    ExpiryMoved => ExpiryMoved,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::{ControlError, ErrorCode, Frame, Kind};
+
+    #[test]
+    fn a_message_type_fixes_its_frame_kind() {
+        let reply = ErrorReply {
+            request_id: 4,
+            code: ErrorCode::MalformedLibrary,
+            message: "no".into(),
+        };
+        let as_error = Frame::new(&reply, vec![]);
+        let as_failed = Frame::new(&WorkerFailed(reply.clone()), vec![]);
+        assert_eq!(as_error.kind, Kind::Error);
+        assert_eq!(as_failed.kind, Kind::WorkerFailed);
+        // The same body, told apart only by the kind.
+        assert_eq!(as_error.json, as_failed.json);
+        assert_eq!(as_failed.parse::<WorkerFailed>().unwrap().0, reply);
+        assert!(matches!(
+            as_failed.parse::<ErrorReply>(),
+            Err(ControlError::UnexpectedKind {
+                expected: Kind::Error,
+                got: Kind::WorkerFailed
+            })
+        ));
+    }
+}
