@@ -37,6 +37,9 @@ echo "== lint"
 cargo clippy "${CI_BUILD[@]}" -- -D warnings
 cargo fmt --all -- --check
 
+echo "== import circles (scripts/check-imports.py)"
+python3 scripts/check-imports.py --self-test
+
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run "${CI_FEATURES[@]}" --no-fail-fast
