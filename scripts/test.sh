@@ -39,6 +39,7 @@ cargo fmt --all -- --check
 
 echo "== import circles (scripts/check-imports.py)"
 python3 scripts/check-imports.py --self-test
+python3 scripts/check-imports.py "${IMPORT_CHECKED_DIRS[@]}"
 
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then

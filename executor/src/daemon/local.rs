@@ -11,9 +11,10 @@ use rfaas_proto::control::{
     AllocationStatus, ErrorCode, Frame, FrameLimits, Kind, LocalReply, LocalRequest,
 };
 
-use super::control::refusal;
+use super::outbox::DoneGuard;
 use super::process;
-use super::state::{DoneGuard, Shared};
+use super::refusal::refusal;
+use super::shared::Shared;
 
 /// Limits for the node tools' frames: small JSON, no blob.
 pub(crate) const LIMITS: FrameLimits = FrameLimits {

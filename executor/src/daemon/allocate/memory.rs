@@ -13,7 +13,7 @@
 
 use rfaas_proto::control::{AllocateRequest, ErrorCode};
 
-use super::Refused;
+use crate::daemon::refusal::Refused;
 
 const MIB: u64 = 1 << 20;
 const PAGE: u64 = 4096;
