@@ -153,7 +153,7 @@ pub(crate) use endpoint::ShmEndpoint;
 pub(crate) use listener::ShmListener;
 
 use crate::error::{Error, Result};
-use crate::memory::{Access, Buffer, MemoryRegion, Registration};
+use crate::memory::{Access, Buffer, MemoryRegion};
 use crate::provider;
 use crate::registry::{Registry, SLOTS};
 use crate::EndpointOptions;
@@ -278,7 +278,7 @@ impl provider::Domain<ShmFabric> for ShmDomain {
             lkey: rkey,
             access,
             domain_id: self.state.registry.id(),
-            _registration: Registration::Soft(guard),
+            _registration: Box::new(guard),
         })
     }
 

@@ -1,5 +1,6 @@
 //! Protection domains and memory registration.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
@@ -81,6 +82,12 @@ impl MrHandle {
     /// Whether the MR belongs to `domain`'s PD.
     pub(crate) fn is_in(&self, domain: &Arc<DomainInner>) -> bool {
         Arc::ptr_eq(&self.domain, domain)
+    }
+}
+
+impl Registration for MrHandle {
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
@@ -195,7 +202,7 @@ impl provider::Domain<VerbsFabric> for VerbsDomain {
             lkey,
             access,
             domain_id: self.inner.id,
-            _registration: Registration::Verbs(MrHandle {
+            _registration: Box::new(MrHandle {
                 mr,
                 _buf: buf,
                 domain: self.inner.clone(),

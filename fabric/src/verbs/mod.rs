@@ -127,7 +127,7 @@ use rdma_sys::{
 
 pub(crate) use connect::VerbsListener;
 pub(crate) use cq::VerbsCq;
-pub(crate) use domain::{MrHandle, VerbsDomain};
+pub(crate) use domain::VerbsDomain;
 pub(crate) use endpoint::VerbsEndpoint;
 
 use crate::error::{Error, Result};
