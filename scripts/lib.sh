@@ -56,7 +56,7 @@ CI_BUILD=("${CI_FEATURES[@]}" --all-targets)
 # others, on a file that depends on it (scripts/check-imports.py,
 # docs/testing.md).
 # shellcheck disable=SC2034
-IMPORT_CHECKED_DIRS=(executor/src/daemon)
+IMPORT_CHECKED_DIRS=(executor/src/daemon fabric/src)
 
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then

@@ -10,8 +10,9 @@ use rdma_sys::{
     imm_data_invalidated_rkey_union_t, rdma_t, wr_t,
 };
 
-use super::conn::{Conn, Fate};
-use super::domain::MrHandle;
+use super::conn::Conn;
+use super::fate::Fate;
+use super::pd::MrHandle;
 use super::qp::QpInfo;
 use super::slots::SlotData;
 use super::sys::{errno_of, verb_error};
