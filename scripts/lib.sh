@@ -52,6 +52,12 @@ CI_FEATURES=(--workspace --features rfaas-fabric/verbs)
 # shellcheck disable=SC2034
 CI_BUILD=("${CI_FEATURES[@]}" --all-targets)
 
+# The source directories in which no file may depend, directly or through
+# others, on a file that depends on it (scripts/check-imports.py,
+# docs/testing.md).
+# shellcheck disable=SC2034
+IMPORT_CHECKED_DIRS=(executor/src/daemon fabric/src)
+
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
         [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"

@@ -41,6 +41,10 @@ echo "== docs/benchmarks.md renders from bench/results (scripts/bench-report.py)
 python3 scripts/bench-report.py --self-test
 python3 scripts/bench-report.py --check
 
+echo "== import circles (scripts/check-imports.py)"
+python3 scripts/check-imports.py --self-test
+python3 scripts/check-imports.py "${IMPORT_CHECKED_DIRS[@]}"
+
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run "${CI_FEATURES[@]}" --no-fail-fast

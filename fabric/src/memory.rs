@@ -1,6 +1,7 @@
 //! Registered memory: page-aligned buffers, access rights and the remote
 //! descriptors peers use to name them.
 
+use std::any::Any;
 use std::fmt;
 use std::ops::{Bound, RangeBounds};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -370,16 +371,19 @@ pub struct MemoryRegion {
     pub(crate) lkey: u32,
     pub(crate) access: Access,
     pub(crate) domain_id: u64,
-    pub(crate) _registration: Registration,
+    pub(crate) _registration: Box<dyn Registration>,
 }
 
-/// Provider-specific registration state; dropping it deregisters.
-pub(crate) enum Registration {
-    /// tcp and shm: a slot in the domain's region table.
-    Soft(#[allow(dead_code)] crate::registry::SlotGuard),
-    /// verbs: a memory region of the NIC.
-    #[cfg(feature = "verbs")]
-    Verbs(crate::verbs::MrHandle),
+/// What a provider keeps for a region it registered; dropping it
+/// deregisters the region (tcp and shm: its slot in the domain's region
+/// table; verbs: the NIC's memory region). The providers implement it, so
+/// this module names none of them. Made once per registration, never on
+/// a post or poll path.
+pub(crate) trait Registration: Send + Sync {
+    /// The provider's own type, for its checks of a region it is handed
+    /// (verbs: that the region is in the endpoint's protection domain).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    fn as_any(&self) -> &dyn Any;
 }
 
 impl MemoryRegion {

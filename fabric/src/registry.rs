@@ -6,12 +6,13 @@
 //! an rkey of another domain never matches. Deregistration clears the slot,
 //! then waits for lookups in flight to leave it before releasing the buffer.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::memory::{Access, Buffer};
+use crate::memory::{Access, Buffer, Registration};
 
 /// Slots per domain; the low bits of an rkey index them.
 pub(crate) const SLOTS: usize = 1024;
@@ -210,6 +211,12 @@ impl SlotGuard {
     }
 }
 
+impl Registration for SlotGuard {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         if let Some(hook) = self.on_release.take() {
@@ -233,6 +240,6 @@ pub(crate) fn register_soft(
         lkey: rkey,
         access,
         domain_id: registry.id(),
-        _registration: crate::memory::Registration::Soft(guard),
+        _registration: Box::new(guard),
     })
 }

@@ -723,7 +723,7 @@ fn a_rfaas_job_offloads_moves_when_its_node_is_taken_back_and_is_billed() {
         JOB_BOUND,
         || match on_first.local(LocalRequest::Usage { lease_id: None }) {
             LocalReply::Usage { leases, .. } => {
-                leases.iter().any(|l| l.invocations > 0).then_some(())
+                leases.iter().any(|l| l.usage.invocations > 0).then_some(())
             }
             other => panic!("{first}'s executor answered {other:?} to a usage request"),
         },

@@ -12,8 +12,11 @@ use rfaas_proto::control::client::{AllocateRequest, Deallocate, Deallocated, Ren
 use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, Kind};
 
 use super::allocate::{self, Checked};
+use super::outbox::DoneGuard;
 use super::pool::Job;
-use super::state::{DoneGuard, Shared, Stop};
+use super::refusal::refusal;
+use super::shared::Shared;
+use super::state::Stop;
 
 /// A checked allocation request whose library is still to come.
 #[derive(Debug)]
@@ -262,20 +265,6 @@ fn deallocate(shared: &Shared, conn: u64, d: Deallocate) -> Frame {
         &Deallocated {
             request_id: d.request_id,
             allocation_id: d.allocation_id,
-        },
-        Vec::new(),
-    )
-}
-
-/// An [`ErrorReply`] frame. Not logged here: refusals of requests not
-/// yet checked are counted in the loop's rate-limited summary instead, so
-/// a flood of them does not flood the log.
-pub(crate) fn refusal(request_id: u64, code: ErrorCode, message: String) -> Frame {
-    Frame::new(
-        &ErrorReply {
-            request_id,
-            code,
-            message,
         },
         Vec::new(),
     )

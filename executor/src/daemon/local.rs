@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use rfaas_proto::control::local::{AllocationStatus, LocalReply, LocalRequest};
 use rfaas_proto::control::{ErrorCode, Frame, FrameLimits, Kind};
 
-use super::control::refusal;
+use super::outbox::DoneGuard;
 use super::process;
-use super::state::{DoneGuard, Shared};
+use super::refusal::refusal;
+use super::shared::Shared;
 
 /// Limits for the node tools' frames: small JSON, no blob.
 pub(crate) const LIMITS: FrameLimits = FrameLimits {

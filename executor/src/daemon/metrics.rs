@@ -1,5 +1,4 @@
-//! Prometheus metrics and a health check, served on `metrics_listen`
-//! (`GET /metrics`, `GET /healthz`) by one small thread.
+//! Prometheus metrics, served by [`super::scrape`].
 //!
 //! Counters and the cold-start histogram are updated where things happen;
 //! gauges of the node's state (allocations, workers by state, lanes by
@@ -8,18 +7,10 @@
 //! CPU time split into compute and hot-polling, warm time) follow the
 //! usage ledger's node totals, sampled at each scrape: every allocation
 //! since the daemon started, running ones up to now.
-//!
-//! The server reads at most one request of 8 KiB per connection, with a
-//! short timeout, and answers only those two paths: a scrape is rare, and
-//! the port must not become a way to hold the daemon's resources.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Mutex;
 
-use super::billing::PosterStats;
 use prometheus::{
     CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec,
     Opts, Registry, TextEncoder,
@@ -28,12 +19,20 @@ use rfaas_proto::accounting::UsageFigures;
 use rfaas_proto::control::client::Mode;
 use rfaas_proto::control::ErrorCode;
 
-use super::state::Shared;
+use super::state::State;
 
-/// Longest request head read, bytes.
-const MAX_REQUEST: usize = 8192;
-/// How long a scraper may take to send its request.
-const READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// What the daemon has posted, for its metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PosterStats {
+    /// Batches of adds that landed.
+    pub batches: u64,
+    /// Leases closed.
+    pub closed: u64,
+    /// Leases given up.
+    pub dropped: u64,
+    /// Leases with figures not yet posted.
+    pub pending: u64,
+}
 
 /// The daemon's metrics.
 #[derive(Debug)]
@@ -263,60 +262,62 @@ impl Metrics {
         self.manager_ok.store(ok, Ordering::Relaxed);
     }
 
-    /// The text exposition, with the state's gauges read now.
-    pub(crate) fn render(&self, shared: &Shared) -> Vec<u8> {
-        {
-            let st = shared.lock();
-            self.allocations_now.set(st.allocations.len() as f64);
-            let serving = st
-                .allocations
-                .values()
-                .filter(|a| a.ready && a.pid.is_some())
-                .count();
-            let starting = st
-                .allocations
-                .values()
-                .filter(|a| !a.ready && a.pid.is_some())
-                .count();
-            self.workers
-                .with_label_values(&["pooled"])
-                .set(st.pool.len() as f64);
-            self.workers
-                .with_label_values(&["starting"])
-                .set(starting as f64);
-            self.workers
-                .with_label_values(&["serving"])
-                .set(serving as f64);
-            let (mut hot, mut warm) = (0usize, 0usize);
-            for a in st.allocations.values() {
-                match a.mode {
-                    Mode::Hot => hot += a.cpus.len(),
-                    _ => warm += a.cpus.len(),
-                }
+    /// Sets the gauges of the node's state from `st`, for a scrape.
+    pub(crate) fn gauge_state(&self, st: &State) {
+        self.allocations_now.set(st.allocations.len() as f64);
+        let serving = st
+            .allocations
+            .values()
+            .filter(|a| a.ready && a.pid.is_some())
+            .count();
+        let starting = st
+            .allocations
+            .values()
+            .filter(|a| !a.ready && a.pid.is_some())
+            .count();
+        self.workers
+            .with_label_values(&["pooled"])
+            .set(st.pool.len() as f64);
+        self.workers
+            .with_label_values(&["starting"])
+            .set(starting as f64);
+        self.workers
+            .with_label_values(&["serving"])
+            .set(serving as f64);
+        let (mut hot, mut warm) = (0usize, 0usize);
+        for a in st.allocations.values() {
+            match a.mode {
+                Mode::Hot => hot += a.cpus.len(),
+                _ => warm += a.cpus.len(),
             }
-            self.lanes.with_label_values(&["hot"]).set(hot as f64);
-            self.lanes.with_label_values(&["warm"]).set(warm as f64);
-            let total = st.capacity.cpus().len();
-            let free = st.capacity.free_cpus().len();
-            let granted = st.capacity.granted_cpus().len();
-            self.cores.with_label_values(&["free"]).set(free as f64);
-            self.cores
-                .with_label_values(&["allocated"])
-                .set(granted as f64);
-            // Withheld and not (or no longer) granted: the three add up.
-            self.cores
-                .with_label_values(&["withheld"])
-                .set((total - free - granted) as f64);
-            let mem = st.capacity.memory_mib();
-            let mem_free = st.capacity.free_memory_mib();
-            self.memory
-                .with_label_values(&["free"])
-                .set(f64::from(mem_free));
-            self.memory
-                .with_label_values(&["allocated"])
-                .set(f64::from(mem - mem_free));
         }
-        self.follow_usage(&shared.usage.totals().usage);
+        self.lanes.with_label_values(&["hot"]).set(hot as f64);
+        self.lanes.with_label_values(&["warm"]).set(warm as f64);
+        let total = st.capacity.cpus().len();
+        let free = st.capacity.free_cpus().len();
+        let granted = st.capacity.granted_cpus().len();
+        self.cores.with_label_values(&["free"]).set(free as f64);
+        self.cores
+            .with_label_values(&["allocated"])
+            .set(granted as f64);
+        // Withheld and not (or no longer) granted: the three add up.
+        self.cores
+            .with_label_values(&["withheld"])
+            .set((total - free - granted) as f64);
+        let mem = st.capacity.memory_mib();
+        let mem_free = st.capacity.free_memory_mib();
+        self.memory
+            .with_label_values(&["free"])
+            .set(f64::from(mem_free));
+        self.memory
+            .with_label_values(&["allocated"])
+            .set(f64::from(mem - mem_free));
+    }
+
+    /// The text exposition, with the usage counters following `usage`
+    /// (the ledger's node totals, read now).
+    pub(crate) fn render(&self, usage: &UsageFigures) -> Vec<u8> {
+        self.follow_usage(usage);
         self.registered
             .set(if self.manager_ok.load(Ordering::Relaxed) {
                 1.0
@@ -329,91 +330,4 @@ impl Metrics {
         }
         out
     }
-}
-
-/// Serves `/metrics` and `/healthz` on `listener` until the daemon stops.
-pub(crate) fn serve(shared: Arc<Shared>, listener: TcpListener) {
-    for conn in listener.incoming() {
-        if shared.lock().stopping {
-            return;
-        }
-        match conn {
-            Ok(stream) => {
-                if let Err(e) = answer(&shared, stream) {
-                    tracing::debug!(error = %e, "a metrics request failed");
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot accept on the metrics port");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-    }
-}
-
-fn answer(shared: &Shared, mut stream: TcpStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(READ_TIMEOUT))?;
-    stream.set_write_timeout(Some(READ_TIMEOUT))?;
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-        if head.len() > MAX_REQUEST {
-            return respond(
-                &mut stream,
-                "431 Request Header Fields Too Large",
-                "text/plain",
-                b"request too large\n",
-            );
-        }
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split(' ');
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    match (method, path) {
-        ("GET", "/metrics") => {
-            let body = shared.metrics.render(shared);
-            respond(&mut stream, "200 OK", "text/plain; version=0.0.4", &body)
-        }
-        ("GET", "/healthz") => {
-            let body = if shared.lock().stopping {
-                return respond(
-                    &mut stream,
-                    "503 Service Unavailable",
-                    "application/json",
-                    b"{\"status\":\"stopping\"}\n",
-                );
-            } else {
-                b"{\"status\":\"ok\"}\n".as_slice()
-            };
-            respond(&mut stream, "200 OK", "application/json", body)
-        }
-        ("GET", _) => respond(
-            &mut stream,
-            "404 Not Found",
-            "text/plain",
-            b"only /metrics and /healthz are served here\n",
-        ),
-        _ => respond(
-            &mut stream,
-            "405 Method Not Allowed",
-            "text/plain",
-            b"only GET is served here\n",
-        ),
-    }
-}
-
-fn respond(stream: &mut TcpStream, status: &str, kind: &str, body: &[u8]) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(body)?;
-    stream.flush()
 }

@@ -20,11 +20,18 @@
 //! - `users`: the lease's user in the node's user database.
 //! - `memlimit`: cgroup v2 `memory.max` or `RLIMIT_AS`; the locked-memory
 //!   limit verbs needs.
-//! - `process`: spawning (plain or bubblewrap), signalling, waiting.
-//! - `state`: the shared state behind one lock; ending allocations.
+//! - `process`: spawning (plain or bubblewrap), signalling, waiting; the
+//!   spawner's work.
+//! - `clock`: the wall clock leases count in.
+//! - `state`: the allocation table behind the daemon's one lock.
+//! - `shared`: what every thread shares: settings, keys, the table, and
+//!   the parts below, each owned by its module; ending allocations and
+//!   take-backs. The parts never name it, so it depends only downward.
+//! - `outbox`: the connection loop's inbox.
 //! - `supervise`: the spawner and pool, worker watchers, lease expiry.
 //! - `server`: the connection loop: accepting within the caps, deadlines,
 //!   reading frames, handing requests out, writing replies.
+//! - `refusal`: a refused request's code and sentence, and its frame.
 //! - `conn`: one connection: the frame reader and the outgoing buffer.
 //! - `epoll`, `pool`: the loop's epoll set and the request threads.
 //! - `control`: the clients' TCP protocol: what each request does, and the
@@ -33,6 +40,7 @@
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume, usage,
 //!   Slurm's take-back and offer).
+//! - `jobs`: Slurm jobs' credentials (`jobs::store` keeps them).
 //! - `slurm`: Slurm jobs on this node: taking back only their CPUs,
 //!   giving them back, and reconciling with `scontrol`'s view (when
 //!   `[slurm]` is set).
@@ -40,7 +48,8 @@
 //! - `billing`: posting each lease's usage into its accounting slot.
 //! - `renew`: moving a running allocation's end with a renewed lease's
 //!   token.
-//! - `metrics`: Prometheus metrics and the health check (`metrics_listen`).
+//! - `metrics`: Prometheus metrics; `scrape`: the port that serves them
+//!   and the health check (`metrics_listen`).
 //! - `usage`: what each lease used here, from the workers' meter areas
 //!   bounded by the kernel's CPU time (the figures accounting is built on).
 
@@ -50,6 +59,7 @@ pub mod keys;
 mod allocate;
 mod billing;
 mod capacity;
+mod clock;
 mod conn;
 mod control;
 mod epoll;
@@ -57,11 +67,15 @@ mod jobs;
 mod local;
 mod memlimit;
 mod metrics;
+mod outbox;
 mod pool;
 mod process;
+mod refusal;
 mod register;
 mod renew;
+mod scrape;
 mod server;
+mod shared;
 mod slurm;
 mod state;
 mod supervise;
@@ -83,9 +97,10 @@ pub use keys::KeyFileError;
 
 use epoll::Waker;
 use memlimit::MemoryLimiter;
+use outbox::{LoopMsg, Outbox};
+use process::SpawnJob;
 use server::Server;
-use state::{LoopMsg, Outbox, Shared};
-use supervise::SpawnJob;
+use shared::Shared;
 
 /// Why the daemon cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -270,7 +285,7 @@ impl Daemon {
         spawn("leases", Box::new(move || supervise::lease_ticker(s)))?;
         if let Some(listener) = metrics {
             let s = Arc::clone(&shared);
-            spawn("metrics", Box::new(move || metrics::serve(s, listener)))?;
+            spawn("metrics", Box::new(move || scrape::serve(s, listener)))?;
         }
         let mut billing = None;
         if let Some(credential) = credential {

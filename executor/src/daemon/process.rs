@@ -1,5 +1,5 @@
 //! Worker processes: spawning (directly or under bubblewrap), signalling by
-//! pid, and waiting for their end.
+//! pid, and waiting for their end; what the spawner thread is asked.
 
 use std::ffi::CString;
 use std::io;
@@ -9,6 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 
 /// A started worker: its pid and the daemon's end of its socket pair.
 #[derive(Debug)]
@@ -307,6 +308,19 @@ pub fn signal_name(sig: i32) -> String {
         _ => return format!("signal {sig}"),
     };
     name.to_owned()
+}
+
+/// Work for the spawner thread.
+#[derive(Debug)]
+pub(crate) enum SpawnJob {
+    /// Start a worker for an allocation and hand it back.
+    Direct {
+        bwrap: Option<Bwrap>,
+        cgroup_procs: Option<PathBuf>,
+        reply: mpsc::Sender<io::Result<Spawned>>,
+    },
+    /// Top the idle pool up to `pool_size`.
+    Refill,
 }
 
 #[cfg(test)]

@@ -20,9 +20,9 @@ use rfaas_proto::manager::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::clock::unix_now;
 use super::config::{ManagerSettings, Settings};
-use super::state::Shared;
-use super::supervise::unix_now;
+use super::shared::Shared;
 
 /// Timeout of one request to a manager.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);

@@ -10,10 +10,10 @@ use rfaas_proto::control::worker::ExpiryMoved;
 use rfaas_proto::control::{ErrorCode, Frame, FrameLimits, Kind};
 
 use super::allocate::lease_refusal;
-use super::allocate::Refused;
-use super::control::refusal;
-use super::state::{Allocation, Shared};
-use super::supervise::unix_now;
+use super::clock::unix_now;
+use super::refusal::{refusal, Refused};
+use super::shared::Shared;
+use super::state::Allocation;
 use crate::ipc;
 
 /// How long the worker has to acknowledge a new end.

@@ -44,8 +44,10 @@ use super::conn::{Conn, Peer, Phase, Step, Stream};
 use super::control::{self, Next};
 use super::epoll::{self, Epoll, Waker};
 use super::local::{self, LocalNext};
+use super::outbox::LoopMsg;
 use super::pool::{Job, Pool};
-use super::state::{LoopMsg, Shared};
+use super::refusal::refusal;
+use super::shared::Shared;
 
 /// JSON bytes beyond [`FREE_JSON`](super::conn::FREE_JSON) all connections together may hold
 /// before their messages are checked.
@@ -231,7 +233,7 @@ pub(crate) struct Server {
 
 impl Server {
     /// Sets the loop up on both listeners; `inbox` receives what the
-    /// shared [`Outbox`](super::state::Outbox) posts, `waker` is its wake.
+    /// shared [`Outbox`](super::outbox::Outbox) posts, `waker` is its wake.
     pub(crate) fn new(
         shared: Arc<Shared>,
         control: TcpListener,
@@ -586,7 +588,7 @@ impl Server {
                 Step::NoRoom => {
                     self.tally
                         .note("requests refused for lack of room for their JSON");
-                    let reply = control::refusal(
+                    let reply = refusal(
                         0,
                         ErrorCode::NoCapacity,
                         "the executor holds too many large requests not yet checked; \
@@ -617,7 +619,7 @@ impl Server {
                         _ => ErrorCode::MalformedRequest,
                     };
                     self.tally.note("connections refused for a broken frame");
-                    let reply = control::refusal(0, code, format!("{e}; closing the connection"));
+                    let reply = refusal(0, code, format!("{e}; closing the connection"));
                     self.queue(id, &reply.to_bytes());
                     self.start_closing(id);
                 }
@@ -801,7 +803,7 @@ impl Server {
             // the client reads the refusal instead of a reset.
             conn.reader.skip_rest();
             self.library_room += std::mem::take(&mut conn.held);
-            let reply = control::refusal(
+            let reply = refusal(
                 pending.request_id(),
                 ErrorCode::Draining,
                 format!("executor {node} is shutting down; allocate elsewhere"),

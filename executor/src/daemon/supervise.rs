@@ -7,14 +7,17 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use rfaas_proto::control::client::{ExitCause, WorkerExited};
 use rfaas_proto::control::Frame;
 
+use super::clock::unix_now;
 use super::config::Sandbox;
+use super::process::SpawnJob;
 use super::process::{self, Bwrap, Ended, Spawned};
-use super::state::{PoolWorker, Shared, Stop};
+use super::shared::Shared;
+use super::state::{PoolWorker, Stop};
 
 /// The nice value pooled workers start with. Starting one (exec, dynamic
 /// linking, its first pages) runs while allocations are being served; at
@@ -22,19 +25,6 @@ use super::state::{PoolWorker, Shared, Stop};
 /// daemon renices it to 0 when it hands it an allocation, before the
 /// worker starts any thread ([`process::renice`]).
 pub(crate) const POOL_NICE: i32 = 10;
-
-/// Work for the spawner thread.
-#[derive(Debug)]
-pub(crate) enum SpawnJob {
-    /// Start a worker for an allocation and hand it back.
-    Direct {
-        bwrap: Option<Bwrap>,
-        cgroup_procs: Option<PathBuf>,
-        reply: mpsc::Sender<io::Result<Spawned>>,
-    },
-    /// Top the idle pool up to `pool_size`.
-    Refill,
-}
 
 /// The spawner thread's loop: direct requests first, then one pool worker
 /// at a time while the pool is short.
@@ -319,13 +309,6 @@ pub(crate) fn lease_ticker(shared: Arc<Shared>) {
             }
         }
     }
-}
-
-/// Seconds since the Unix epoch.
-pub(crate) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 use rfaas_proto::shm_control::{Hello, HelloError, HelloKind, RejectReason, MSG_LEN, VERSION};
 
 use super::cq::ShmCq;
+use super::domain::{DomainState, VALIDITY_BYTES};
 use super::endpoint::ShmEndpoint;
 use super::link::Link;
 use super::progress::progress;
 use super::ring::{self, Inbound, Outbound};
 use super::sys::{self, Mapping};
-use super::{DomainState, VALIDITY_BYTES};
 use crate::error::{Error, Result};
 use crate::EndpointOptions;
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use super::link::Link;
+use super::queue::CqShared;
 use super::ring::{AWAKE, SLEEP_FUTEX, SLEEP_SOCKET};
 use super::sys::{self, FutexWaitv, Waited, FUTEX_WAITV_MAX};
 use crate::completion::{Completion, Opcode, Status};
@@ -18,88 +19,6 @@ use crate::provider;
 
 /// Epoll token of the queue's own eventfd; attached endpoint `i` uses `i + 1`.
 const OWN_EVENT: u64 = 0;
-
-/// The part of a completion queue its endpoints hold (possibly on other threads).
-#[derive(Debug)]
-pub(super) struct CqShared {
-    /// Local completions with the CQ slot of the endpoint that posted them.
-    queue: ArrayQueue<(Completion, u32)>,
-    /// Completions pushed or about to be pushed; never above `depth`, so a
-    /// reserved push cannot fail.
-    reserved: AtomicUsize,
-    depth: usize,
-    /// Whether and how the owner is (about to be) asleep in `wait`:
-    /// [`AWAKE`], [`SLEEP_FUTEX`] (on `futex`) or [`SLEEP_SOCKET`] (in
-    /// `epoll_wait`, on `event`).
-    sleeping: AtomicU32,
-    /// Private futex word the owner sleeps on (with its rings' words).
-    futex: AtomicU32,
-    /// Private eventfd the owner sleeps on in the epoll fallback (with the
-    /// wake-up sockets).
-    event: OwnedFd,
-}
-
-impl CqShared {
-    /// Capacity in completions.
-    pub(super) fn depth(&self) -> usize {
-        self.depth
-    }
-
-    /// Claims room for one completion. Hot path.
-    #[inline]
-    pub(super) fn reserve(&self) -> bool {
-        if self.reserved.fetch_add(1, Ordering::AcqRel) >= self.depth {
-            self.reserved.fetch_sub(1, Ordering::AcqRel);
-            return false;
-        }
-        true
-    }
-
-    /// Gives back a claim that will not be used. Hot path.
-    #[inline]
-    pub(super) fn unreserve(&self) {
-        self.reserved.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    /// Pushes a completion into reserved room and wakes a sleeping owner.
-    /// Hot path: no syscall unless the owner sleeps.
-    #[inline]
-    pub(super) fn push(&self, completion: Completion, slot: u32) {
-        let pushed = self.queue.push((completion, slot));
-        debug_assert!(pushed.is_ok(), "a reserved completion slot was taken");
-        self.wake_if_sleeping();
-    }
-
-    /// Wakes the owner if it announced it sleeps. Hot path: one fence and
-    /// one load when it does not.
-    #[inline]
-    pub(super) fn wake_if_sleeping(&self) {
-        // Pairs with the fence in `ShmCq::wait` between announcing sleep and
-        // the last poll: either the owner sees our push or we see its flag.
-        fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::Relaxed) != AWAKE {
-            match self.sleeping.swap(AWAKE, Ordering::AcqRel) {
-                AWAKE => {}
-                SLEEP_FUTEX => self.wake_futex(),
-                _ => os::eventfd_signal(self.event.as_raw_fd()),
-            }
-        }
-    }
-
-    /// Bumps the private futex word and wakes the owner sleeping on it.
-    fn wake_futex(&self) {
-        // Release: an owner that reads the new value sees what we published.
-        self.futex.fetch_add(1, Ordering::Release);
-        sys::futex_wake(&self.futex, true);
-    }
-
-    /// Wakes the owner unconditionally (peer loss, endpoint closed), on
-    /// whichever path it sleeps. Cold path.
-    pub(super) fn wake(&self) {
-        self.wake_futex();
-        os::eventfd_signal(self.event.as_raw_fd());
-    }
-}
 
 /// An endpoint attached to the queue.
 #[derive(Debug)]

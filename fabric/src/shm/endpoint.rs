@@ -8,12 +8,12 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::domain::validity_word;
 use super::grant::{self, Grant, GrantCache};
 use super::link::Link;
 use super::progress::Progress;
 use super::ring::{Outbound, Wake};
 use super::sys::{self, Mapping};
-use super::validity_word;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
 use crate::memory::{Access, PeerView, RemoteAddr};

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 
-use super::cq::CqShared;
+use super::domain::DomainState;
+use super::queue::CqShared;
 use super::ring::Inbound;
 use super::sys;
-use super::DomainState;
 use crate::completion::Status;
 use rfaas_proto::shm_control::{GrantInfo, MSG_LEN};
 

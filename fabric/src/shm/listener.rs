@@ -3,16 +3,17 @@
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rfaas_proto::shm_control::MSG_LEN;
 
 use super::connect::{self, Role};
+use super::cq::ShmCq;
+use super::domain::DomainState;
 use super::endpoint::ShmEndpoint;
 use super::sys;
-use super::{ShmCq, ShmDomain, ShmFabric};
 use crate::error::{Error, Result};
-use crate::provider;
 use crate::{os, EndpointOptions};
 
 static NEXT_NAME: AtomicU64 = AtomicU64::new(0);
@@ -60,11 +61,12 @@ impl ShmListener {
     }
 }
 
-impl provider::Listener<ShmFabric> for ShmListener {
-    /// Accepts one connection, waiting at most `timeout` (forever with `None`).
-    fn accept(
+impl ShmListener {
+    /// Accepts one connection into the domain of `state`, waiting at most
+    /// `timeout` (forever with `None`).
+    pub(super) fn accept_into(
         &self,
-        domain: &ShmDomain,
+        state: &Arc<DomainState>,
         cq: &mut ShmCq,
         opts: &EndpointOptions,
         timeout: Option<Duration>,
@@ -98,7 +100,7 @@ impl provider::Listener<ShmFabric> for ShmListener {
         let role = Role::Accept {
             listener: &self.addr,
         };
-        match connect::establish(peer.fd, role, &domain.state, cq, opts, hello_deadline) {
+        match connect::establish(peer.fd, role, state, cq, opts, hello_deadline) {
             Err(Error::Timeout(_)) => Err(Error::Connect {
                 addr: self.addr.clone(),
                 reason: format!(
@@ -111,7 +113,7 @@ impl provider::Listener<ShmFabric> for ShmListener {
     }
 
     /// The address peers connect to.
-    fn local_addr(&self) -> String {
+    pub(super) fn local(&self) -> String {
         self.addr.clone()
     }
 }

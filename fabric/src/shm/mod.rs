@@ -122,7 +122,9 @@
 //!
 //! - the hello and grant messages are `rfaas_proto::shm_control`.
 //! - [`ring`]: the immediate ring and its doorbells.
-//! - [`cq`]: the completion queue, `poll` and the wake-up protocol of `wait`.
+//! - [`cq`]: the completion queue, `poll` and the wake-up protocol of `wait`;
+//!   [`queue`]: the part of it endpoints hold.
+//! - [`domain`]: a protection domain's region and validity tables.
 //! - [`connect`]: connection set-up (dialling, the hello exchange).
 //! - [`endpoint`]: the data path: the one-sided operations.
 //! - [`grant`]: the peer's regions mapped here, fetched and cached.
@@ -133,29 +135,32 @@
 
 mod connect;
 mod cq;
+mod domain;
 mod endpoint;
 mod grant;
 mod link;
 mod listener;
 mod progress;
+mod queue;
 mod ring;
 mod sys;
 
 #[cfg(test)]
 mod tests;
 
-use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 pub(crate) use cq::ShmCq;
 pub(crate) use endpoint::ShmEndpoint;
 pub(crate) use listener::ShmListener;
 
-use crate::error::{Error, Result};
-use crate::memory::{Access, Buffer, MemoryRegion, Registration};
+use domain::DomainState;
+
+use crate::error::Result;
+use crate::memory::{Access, Buffer, MemoryRegion};
 use crate::provider;
-use crate::registry::{Registry, SLOTS};
 use crate::EndpointOptions;
 
 /// The shm provider.
@@ -189,62 +194,22 @@ impl provider::Provider for ShmFabric {
     }
 }
 
-/// Bytes of a validity table: one serial per registry slot.
-pub(super) const VALIDITY_BYTES: usize = SLOTS * 8;
-
 /// Source of registration serials; 0 means "no region".
 static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 
-/// The validity word of `rkey` in a table at `base`.
-///
-/// # Safety
-///
-/// `base` must point to a live, 8-byte aligned table of [`VALIDITY_BYTES`]
-/// bytes that outlives the returned reference.
-#[inline]
-pub(super) unsafe fn validity_word<'a>(base: *const u8, rkey: u32) -> &'a AtomicU64 {
-    let index = rkey as usize & (SLOTS - 1);
-    // SAFETY: index < SLOTS, so the word lies inside the table (caller's
-    // contract); it is only ever accessed atomically, by every process.
-    unsafe { &*base.cast::<AtomicU64>().add(index) }
-}
-
-/// A protection domain's state, shared with its endpoints' links and its
-/// regions' revocation hooks.
-#[derive(Debug)]
-pub(super) struct DomainState {
-    pub registry: Arc<Registry>,
-    /// Serial of the live registration in each registry slot (0: none).
-    validity: sys::Segment,
-    /// The table as a read-only file description, for peers.
-    pub validity_ro: OwnedFd,
-}
-
-impl DomainState {
-    fn new() -> Result<Arc<DomainState>> {
-        let validity = sys::Segment::new(c"rfaas-shm-validity", VALIDITY_BYTES)?;
-        let validity_ro = sys::reopen_read_only(validity.fd()).map_err(|e| {
-            Error::io(
-                "reopening the shm validity table read-only (is /proc mounted?)",
-                e,
-            )
-        })?;
-        Ok(Arc::new(DomainState {
-            registry: Registry::new(),
-            validity,
-            validity_ro,
-        }))
+impl provider::Listener<ShmFabric> for ShmListener {
+    fn accept(
+        &self,
+        domain: &ShmDomain,
+        cq: &mut ShmCq,
+        opts: &EndpointOptions,
+        timeout: Option<Duration>,
+    ) -> Result<ShmEndpoint> {
+        self.accept_into(&domain.state, cq, opts, timeout)
     }
 
-    fn word(&self, rkey: u32) -> &AtomicU64 {
-        // SAFETY: the segment is VALIDITY_BYTES long, page-aligned and lives
-        // as long as self.
-        unsafe { validity_word(self.validity.as_ptr(), rkey) }
-    }
-
-    /// The serial of the live registration in `rkey`'s slot (0: none).
-    pub(super) fn serial(&self, rkey: u32) -> u64 {
-        self.word(rkey).load(Ordering::Acquire)
+    fn local_addr(&self) -> String {
+        self.local()
     }
 }
 
@@ -278,7 +243,7 @@ impl provider::Domain<ShmFabric> for ShmDomain {
             lkey: rkey,
             access,
             domain_id: self.state.registry.id(),
-            _registration: Registration::Soft(guard),
+            _registration: Box::new(guard),
         })
     }
 

@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, HEADER_LEN};
 
-use super::{sys, TcpCq, TcpDomain, TcpEndpoint, TcpFabric};
+use super::cq::TcpCq;
+use super::endpoint::TcpEndpoint;
+use super::{progress, sys};
 use crate::error::{Error, Result};
 use crate::os;
-use crate::provider;
 use crate::registry::Registry;
 use crate::EndpointOptions;
 
@@ -65,10 +66,12 @@ pub(crate) struct TcpListener {
     pending: os::Pending,
 }
 
-impl provider::Listener<TcpFabric> for TcpListener {
-    fn accept(
+impl TcpListener {
+    /// Accepts one connection into the domain of `registry`
+    /// ([`Listener::accept`](crate::provider::Listener::accept)).
+    pub(super) fn accept_into(
         &self,
-        domain: &TcpDomain,
+        registry: &Arc<Registry>,
         cq: &mut TcpCq,
         opts: &EndpointOptions,
         timeout: Option<Duration>,
@@ -106,10 +109,10 @@ impl provider::Listener<TcpFabric> for TcpListener {
         stream
             .set_nonblocking(false)
             .map_err(|e| Error::io("fcntl (accept)", e))?;
-        establish(stream, &peer.label, &domain.registry, cq, opts)
+        establish(stream, &peer.label, registry, cq, opts)
     }
 
-    fn local_addr(&self) -> String {
+    pub(super) fn addr(&self) -> String {
         self.local.to_string()
     }
 }
@@ -159,12 +162,15 @@ fn establish(
     let peer_send_depth = usize::try_from(theirs.arg0)
         .unwrap_or(usize::MAX)
         .min(1 << 20);
-    Ok(TcpEndpoint::new(
+    let ep = TcpEndpoint::new(
         stream,
         peer.to_owned(),
         registry.clone(),
-        cq,
+        cq.shared().clone(),
         opts,
         peer_send_depth,
-    ))
+    );
+    cq.attach(ep.shared().clone(), opts);
+    progress::register(ep.shared().clone());
+    Ok(ep)
 }

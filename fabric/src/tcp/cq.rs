@@ -1,6 +1,6 @@
 //! Completion queues of the tcp provider.
 
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,59 +8,14 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::ArrayQueue;
 
 use super::endpoint::EpShared;
+use super::queue::CqShared;
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 use crate::os;
 use crate::provider;
 use crate::EndpointOptions;
 
-/// The part of a completion queue that endpoints and the progress thread see.
-pub(crate) struct CqShared {
-    queue: ArrayQueue<Completion>,
-    /// Bumped by every poll, so the progress thread can tell a queue that
-    /// somebody polls from an abandoned one.
-    pub(super) polls: AtomicU64,
-    /// Somebody sleeps in `wait` and drives the endpoints.
-    pub(super) waiting: AtomicBool,
-    /// Wakes a waiter when another thread produced completions.
-    eventfd: OwnedFd,
-    /// What a waiter sleeps on: the endpoints' sockets and the eventfd.
-    epfd: OwnedFd,
-}
-
 const EVENTFD_TOKEN: u64 = u64::MAX;
-
-impl CqShared {
-    /// Adds a completion; `false` when the queue is full.
-    #[inline]
-    pub(super) fn push(&self, completion: Completion) -> bool {
-        self.queue.push(completion).is_ok()
-    }
-
-    /// Free entries.
-    #[inline]
-    pub(super) fn free(&self) -> usize {
-        self.queue.capacity() - self.queue.len()
-    }
-
-    pub(super) fn capacity(&self) -> usize {
-        self.queue.capacity()
-    }
-
-    /// Wakes a thread sleeping in `wait`, if there is one. Called by threads
-    /// other than the waiter after they pushed completions.
-    pub(super) fn notify(&self) {
-        fence(Ordering::SeqCst);
-        if self.waiting.load(Ordering::SeqCst) {
-            os::eventfd_signal(self.eventfd.as_raw_fd());
-        }
-    }
-
-    /// Takes a closed endpoint's socket out of the waiter's set.
-    pub(super) fn forget(&self, fd: RawFd) {
-        let _ = os::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, 0, 0);
-    }
-}
 
 /// A completion queue: the application's handle.
 pub(crate) struct TcpCq {

@@ -34,8 +34,8 @@ use crossbeam_queue::ArrayQueue;
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, HEADER_LEN};
 
 use super::claim::{Claim, Claimable};
-use super::cq::{CqShared, TcpCq};
-use super::progress;
+use super::queue::CqShared;
+use super::wake;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
 use crate::memory::{Buffer, PeerView, RemoteAddr};
@@ -185,11 +185,17 @@ fn next_seq(seq: u32) -> u32 {
 }
 
 impl TcpEndpoint {
+    /// The connection's state, for its completion queue and the progress
+    /// thread.
+    pub(super) fn shared(&self) -> &Arc<EpShared> {
+        &self.shared
+    }
+
     pub(super) fn new(
         stream: TcpStream,
         peer: String,
         registry: Arc<Registry>,
-        cq: &mut TcpCq,
+        cq: Arc<CqShared>,
         opts: &EndpointOptions,
         peer_send_depth: usize,
     ) -> TcpEndpoint {
@@ -199,7 +205,7 @@ impl TcpEndpoint {
             stream,
             peer,
             registry,
-            cq: cq.shared().clone(),
+            cq,
             recvs: ArrayQueue::new(opts.recv_depth),
             send_depth: opts.send_depth,
             in_flight: AtomicUsize::new(0),
@@ -226,8 +232,6 @@ impl TcpEndpoint {
                 dead_reason: None,
             }),
         });
-        cq.attach(shared.clone(), opts);
-        progress::register(shared.clone());
         TcpEndpoint { shared }
     }
 }
@@ -511,8 +515,16 @@ impl EpShared {
         }
         if queued {
             // The socket is full: slow path only.
-            progress::kick(self);
+            self.kick();
         }
+    }
+
+    /// Tells the progress thread that a post left output queued here, so
+    /// it watches the socket for room. Lock-free: it flags the endpoint and
+    /// rings the thread's doorbell.
+    fn kick(&self) {
+        self.kicked.store(true, Ordering::Release);
+        wake::ring();
     }
 
     /// Takes the oldest outstanding operation off the send queue.

@@ -27,8 +27,10 @@
 //!   and carries out the peer's requests.
 //! - `claim`: the atomic claim on a connection's state that lets posting,
 //!   polling and the progress thread share it without a lock.
-//! - `cq`: completion queues, `poll` and `wait`.
-//! - `progress`: the passive-target progress thread.
+//! - `cq`: completion queues, `poll` and `wait`; `queue`: the part of
+//!   one that endpoints and the progress thread see.
+//! - `progress`: the passive-target progress thread; `wake`: its
+//!   doorbell.
 //! - `sys`: the few socket and epoll calls std does not offer.
 
 mod claim;
@@ -36,12 +38,15 @@ mod connect;
 mod cq;
 mod endpoint;
 mod progress;
+mod queue;
 mod sys;
+mod wake;
 
 #[cfg(test)]
 mod tests;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 pub(crate) use connect::TcpListener;
 pub(crate) use cq::TcpCq;
@@ -88,6 +93,22 @@ impl provider::Provider for TcpFabric {
 #[derive(Debug)]
 pub(crate) struct TcpDomain {
     registry: Arc<Registry>,
+}
+
+impl provider::Listener<TcpFabric> for TcpListener {
+    fn accept(
+        &self,
+        domain: &TcpDomain,
+        cq: &mut TcpCq,
+        opts: &EndpointOptions,
+        timeout: Option<Duration>,
+    ) -> Result<TcpEndpoint> {
+        self.accept_into(&domain.registry, cq, opts, timeout)
+    }
+
+    fn local_addr(&self) -> String {
+        self.addr()
+    }
 }
 
 impl provider::Domain<TcpFabric> for TcpDomain {

@@ -14,12 +14,13 @@
 //! acknowledgement its last poll left owed goes out as soon.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::endpoint::EpShared;
+use super::wake;
 use crate::os;
 
 /// Shortest interval between re-checks of disarmed endpoints.
@@ -30,7 +31,8 @@ const WAKE_TOKEN: u64 = 0;
 
 struct Thread {
     epfd: OwnedFd,
-    wake: OwnedFd,
+    /// The doorbell ([`wake`]), which lives as long as the process.
+    wake: RawFd,
     /// New endpoints, to be watched (connection set-up only).
     added: Mutex<Vec<Arc<EpShared>>>,
 }
@@ -51,11 +53,11 @@ fn thread() -> Option<&'static Arc<Thread>> {
 
 fn start() -> crate::Result<Arc<Thread>> {
     let epfd = os::epoll_create()?;
-    let wake = os::eventfd()?;
+    let wake = wake::set(os::eventfd()?);
     os::epoll_ctl(
         epfd.as_raw_fd(),
         libc::EPOLL_CTL_ADD,
-        wake.as_raw_fd(),
+        wake,
         libc::EPOLLIN as u32,
         WAKE_TOKEN,
     )?;
@@ -76,17 +78,7 @@ fn start() -> crate::Result<Arc<Thread>> {
 pub(super) fn register(ep: Arc<EpShared>) {
     if let Some(t) = thread() {
         t.added.lock().unwrap_or_else(|p| p.into_inner()).push(ep);
-        os::eventfd_signal(t.wake.as_raw_fd());
-    }
-}
-
-/// Tells the progress thread that a post left output queued on `ep`, so it
-/// watches the socket for room. Lock-free: it flags the endpoint and
-/// signals the thread's eventfd.
-pub(super) fn kick(ep: &EpShared) {
-    ep.kicked.store(true, Ordering::Release);
-    if let Some(t) = thread() {
-        os::eventfd_signal(t.wake.as_raw_fd());
+        wake::ring();
     }
 }
 
@@ -131,7 +123,7 @@ impl Thread {
             };
             for event in &events[..ready] {
                 if event.u64 == WAKE_TOKEN {
-                    os::eventfd_drain(self.wake.as_raw_fd());
+                    os::eventfd_drain(self.wake);
                     self.take_added(&mut entries);
                     self.take_kicks(&mut entries);
                     continue;

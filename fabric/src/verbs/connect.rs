@@ -17,14 +17,13 @@ use rdma_sys::{
 use super::cm::{reject_text, status_text, wait_event, CmEvent, CmId, EventChannel};
 use super::conn::Conn;
 use super::cq::VerbsCq;
-use super::domain::{DomainInner, VerbsDomain};
+use super::device::FabricInner;
 use super::endpoint::VerbsEndpoint;
 use super::hello::{self, Hello, HelloError, RejectReason};
+use super::pd::DomainInner;
 use super::qp::{Qp, RETRY_COUNT, RNR_RETRY};
 use super::sys::{deadline_after, last_errno_or, remaining_ms, resolve, to_sockaddr, verb_error};
-use super::{FabricInner, VerbsFabric};
 use crate::error::{Error, Result};
-use crate::provider;
 use crate::EndpointOptions;
 
 /// Read/atomic depths for a connection: ours capped by what the peer's CM
@@ -254,23 +253,24 @@ pub(crate) fn connect_with_hello(
     ))
 }
 
-impl provider::Listener<VerbsFabric> for VerbsListener {
-    fn local_addr(&self) -> String {
+impl VerbsListener {
+    /// The address peers connect to.
+    pub(super) fn local(&self) -> String {
         self.local.clone()
     }
 
     /// Waits for one connection request and establishes it (see the module
     /// doc for the sequence).
-    fn accept(
+    pub(super) fn accept_into(
         &self,
-        domain: &VerbsDomain,
+        domain: &Arc<DomainInner>,
         cq: &mut VerbsCq,
         opts: &EndpointOptions,
         timeout: Option<Duration>,
     ) -> Result<VerbsEndpoint> {
         let fabric = &*self.fabric;
         let device = fabric.device.as_str();
-        if domain.inner().fabric.ctx != fabric.ctx {
+        if domain.fabric.ctx != fabric.ctx {
             return Err(Error::DomainMismatch(
                 "the domain belongs to another RDMA device than the listener",
             ));
@@ -389,7 +389,7 @@ impl VerbsListener {
     fn establish(
         &self,
         request: CmEvent,
-        domain: &VerbsDomain,
+        domain: &Arc<DomainInner>,
         cq: &mut VerbsCq,
         opts: &EndpointOptions,
     ) -> Result<VerbsEndpoint> {
@@ -451,7 +451,7 @@ impl VerbsListener {
             (request.responder_resources, request.initiator_depth),
         );
         let setup = || -> Result<Qp> {
-            let qp = Qp::create(domain.inner(), cq.shared(), opts)?;
+            let qp = Qp::create(domain, cq.shared(), opts)?;
             qp.to_init(&id, opts.pkey_index)?;
             qp.to_rtr(&id, opts.service_level, max_dest)?;
             qp.to_rts(&id, max_rd)?;

@@ -15,12 +15,12 @@ use rdma_sys::{
     ibv_wc, ibv_wc_flags, ibv_wc_opcode, ibv_wc_status,
 };
 
-use super::conn::Fate;
+use super::device::FabricInner;
+use super::fate::Fate;
 use super::slots::{SlotData, SlotTable};
 use super::sys::{
     deadline_after, errno_of, last_errno_or, set_nonblocking, verb_error, wait_any_readable,
 };
-use super::FabricInner;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
 use crate::provider;

@@ -10,13 +10,15 @@ use rdma_sys::{
     imm_data_invalidated_rkey_union_t, rdma_t, wr_t,
 };
 
-use super::conn::{Conn, Fate};
+use super::conn::Conn;
+use super::fate::Fate;
+use super::pd::MrHandle;
 use super::qp::QpInfo;
 use super::slots::SlotData;
 use super::sys::{errno_of, verb_error};
 use crate::completion::{Opcode, Status};
 use crate::error::{Error, Result};
-use crate::memory::{PeerView, Registration, RemoteAddr};
+use crate::memory::{PeerView, RemoteAddr};
 use crate::provider::{self, Local, LocalWord};
 
 /// A connected RC endpoint of the verbs provider.
@@ -88,7 +90,12 @@ impl VerbsEndpoint {
         }
         let qp = &conn.qp;
         debug_assert!(
-            matches!(&local.region()._registration, Registration::Verbs(mr) if mr.is_in(&qp.domain)),
+            local
+                .region()
+                ._registration
+                .as_any()
+                .downcast_ref::<MrHandle>()
+                .is_some_and(|mr| mr.is_in(&qp.domain)),
             "the region is not registered in the endpoint's protection domain"
         );
         let len32 = len as u32; // regions hold at most u32::MAX bytes

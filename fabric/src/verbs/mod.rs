@@ -92,11 +92,13 @@
 //! # Files
 //!
 //! - [`connect`]: connection set-up over rdma_cm, both sides.
-//! - [`conn`]: an established connection and its fate.
+//! - [`conn`]: an established connection; [`fate`]: what became of it.
 //! - [`endpoint`]: the data path: posting work requests.
 //! - [`cq`]: completion queues, `poll` and `wait`; [`slots`]: what each
 //!   outstanding work request needs at its completion.
-//! - [`domain`]: protection domains and memory registration.
+//! - [`device`]: the opened device, its limits and ports.
+//! - [`domain`]: protection domains and memory registration; [`pd`]: the
+//!   `ibv_pd` and its memory regions.
 //! - [`qp`]: queue pair creation and state transitions; [`cm`]: rdma_cm
 //!   ids and event channels; [`monitor`]: the peer-loss monitor thread.
 //! - [`hello`], [`gid`], [`sys`]: the connection hello, GID checks, and
@@ -106,11 +108,14 @@ mod cm;
 mod conn;
 mod connect;
 mod cq;
+mod device;
 mod domain;
 mod endpoint;
+mod fate;
 pub(crate) mod gid;
 mod hello;
 mod monitor;
+mod pd;
 mod qp;
 mod slots;
 mod sys;
@@ -119,112 +124,29 @@ mod tests;
 
 use std::fmt;
 use std::sync::{Arc, Once};
+use std::time::Duration;
 
 use rdma_sys::{
-    ___ibv_query_port, ibv_context, ibv_device_attr, ibv_fork_init, ibv_get_device_name,
-    ibv_port_attr, ibv_port_state, ibv_query_device, rdma_free_devices, rdma_get_devices,
+    ___ibv_query_port, ibv_device_attr, ibv_fork_init, ibv_get_device_name, ibv_port_attr,
+    ibv_port_state, ibv_query_device, rdma_free_devices, rdma_get_devices,
 };
 
 pub(crate) use connect::VerbsListener;
 pub(crate) use cq::VerbsCq;
-pub(crate) use domain::{MrHandle, VerbsDomain};
+pub(crate) use domain::VerbsDomain;
 pub(crate) use endpoint::VerbsEndpoint;
 
 use crate::error::{Error, Result};
+use crate::memory::{Access, Buffer, MemoryRegion};
 use crate::provider;
+use crate::EndpointOptions;
+use device::{DeviceLimits, FabricInner, PortInfo};
 use monitor::Monitor;
 use sys::{c_str, errno_of, verb_error};
-
-/// `IBV_LINK_LAYER_INFINIBAND` (an anonymous enum in verbs.h that bindgen skips).
-pub(crate) const LINK_LAYER_INFINIBAND: u8 = 1;
-/// `IBV_LINK_LAYER_ETHERNET`.
-pub(crate) const LINK_LAYER_ETHERNET: u8 = 2;
 
 /// Reads and atomics one side may have in flight towards the other (capped
 /// by the device's limits).
 const RD_ATOMIC_DEPTH: u8 = 16;
-
-/// What the provider needs to know about the device.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct DeviceLimits {
-    pub(crate) max_qp_wr: u32,
-    pub(crate) max_cqe: u32,
-    /// Incoming reads/atomics a QP may serve at once (our responder resources).
-    pub(crate) responder_resources: u8,
-    /// Outgoing reads/atomics a QP may have in flight (our initiator depth).
-    pub(crate) initiator_depth: u8,
-}
-
-/// One port of the device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PortInfo {
-    pub(crate) num: u8,
-    pub(crate) state: u32,
-    pub(crate) link_layer: u8,
-    pub(crate) gid_tbl_len: u32,
-    pub(crate) pkey_tbl_len: u16,
-}
-
-/// The opened device, shared by everything created from it.
-pub(crate) struct FabricInner {
-    pub(crate) device: String,
-    pub(crate) ctx: *mut ibv_context,
-    devices: *mut *mut ibv_context,
-    pub(crate) limits: DeviceLimits,
-    pub(crate) ports: Vec<PortInfo>,
-    pub(crate) monitor: Monitor,
-}
-
-// SAFETY: ibv_context is thread-safe (libibverbs serialises internally), and
-// the device list is only freed in Drop, when no other reference exists.
-unsafe impl Send for FabricInner {}
-// SAFETY: as above; no field is mutated after open.
-unsafe impl Sync for FabricInner {}
-
-impl FabricInner {
-    /// The link layer of `port` (Ethernet for RoCE, InfiniBand for IB).
-    pub(crate) fn link_layer(&self, port: u8) -> u8 {
-        self.ports
-            .iter()
-            .find(|p| p.num == port)
-            .map_or(LINK_LAYER_ETHERNET, |p| p.link_layer)
-    }
-
-    /// The length of `port`'s P_Key table.
-    pub(crate) fn pkey_table_len(&self, port: u8) -> usize {
-        self.ports
-            .iter()
-            .find(|p| p.num == port)
-            .map_or(0, |p| usize::from(p.pkey_tbl_len))
-    }
-
-    /// The length of `port`'s GID table.
-    pub(crate) fn gid_table_len(&self, port: u8) -> usize {
-        self.ports
-            .iter()
-            .find(|p| p.num == port)
-            .map_or(0, |p| p.gid_tbl_len as usize)
-    }
-}
-
-impl Drop for FabricInner {
-    fn drop(&mut self) {
-        self.monitor.stop();
-        // SAFETY: `devices` came from rdma_get_devices and is freed once;
-        // every PD, CQ and QP of `ctx` is gone (they hold Arcs to self).
-        unsafe { rdma_free_devices(self.devices) };
-    }
-}
-
-impl fmt::Debug for FabricInner {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FabricInner")
-            .field("device", &self.device)
-            .field("limits", &self.limits)
-            .field("ports", &self.ports)
-            .finish()
-    }
-}
 
 /// The verbs provider opened on one device.
 pub(crate) struct VerbsFabric {
@@ -454,8 +376,44 @@ impl provider::Provider for VerbsFabric {
     }
 }
 
+impl provider::Domain<VerbsFabric> for VerbsDomain {
+    fn id(&self) -> u64 {
+        self.inner().id
+    }
+
+    fn register_buffer(&self, buf: Buffer, access: Access) -> Result<MemoryRegion> {
+        self.register_mr(buf, access)
+    }
+
+    fn connect(
+        &self,
+        addr: &str,
+        cq: &mut VerbsCq,
+        opts: &EndpointOptions,
+    ) -> Result<VerbsEndpoint> {
+        self.dial(addr, cq, opts)
+    }
+}
+
+impl provider::Listener<VerbsFabric> for VerbsListener {
+    fn local_addr(&self) -> String {
+        self.local()
+    }
+
+    fn accept(
+        &self,
+        domain: &VerbsDomain,
+        cq: &mut VerbsCq,
+        opts: &EndpointOptions,
+        timeout: Option<Duration>,
+    ) -> Result<VerbsEndpoint> {
+        self.accept_into(domain.inner(), cq, opts, timeout)
+    }
+}
+
 #[cfg(test)]
 mod unit_tests {
+    use super::device::LINK_LAYER_ETHERNET;
     use super::*;
 
     #[test]

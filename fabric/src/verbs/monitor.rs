@@ -14,14 +14,23 @@
 //! reference to one.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use super::conn::Conn;
 use super::sys::verb_error;
 use crate::error::Result;
+
+/// What the monitor needs of a connection it watches (the connection's
+/// module implements it, so the monitor names no connection type). Called
+/// on the monitor thread only, never on a post or poll path.
+pub(crate) trait Watched: Send + Sync {
+    /// The connection's rdma_cm event channel.
+    fn channel_fd(&self) -> RawFd;
+    /// Handles every queued rdma_cm event of the connection.
+    fn handle_cm_events(&self);
+}
 
 const WAKE: u64 = u64::MAX;
 const EVENTS: usize = 16;
@@ -31,12 +40,12 @@ pub(crate) struct MonitorShared {
     wake: OwnedFd,
     stop: AtomicBool,
     next_key: AtomicU64,
-    conns: Mutex<HashMap<u64, Arc<Conn>>>,
+    conns: Mutex<HashMap<u64, Arc<dyn Watched>>>,
     device: String,
 }
 
 impl MonitorShared {
-    fn conns(&self) -> MutexGuard<'_, HashMap<u64, Arc<Conn>>> {
+    fn conns(&self) -> MutexGuard<'_, HashMap<u64, Arc<dyn Watched>>> {
         self.conns
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -122,7 +131,7 @@ impl Monitor {
     }
 
     /// Watches `conn` until [`Monitor::unregister`]; returns its key.
-    pub(crate) fn register(&self, conn: Arc<Conn>) -> Result<u64> {
+    pub(crate) fn register(&self, conn: Arc<dyn Watched>) -> Result<u64> {
         let key = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
         let fd = conn.channel_fd();
         let mut conns = self.shared.conns();
@@ -151,7 +160,7 @@ impl Monitor {
 
     /// Stops watching; afterwards the monitor holds no reference to the
     /// connection and runs none of its code.
-    pub(crate) fn unregister(&self, key: u64) -> Option<Arc<Conn>> {
+    pub(crate) fn unregister(&self, key: u64) -> Option<Arc<dyn Watched>> {
         let mut conns = self.shared.conns();
         let conn = conns.remove(&key)?;
         // SAFETY: both descriptors are still open (conn owns the channel).

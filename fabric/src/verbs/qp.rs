@@ -24,10 +24,10 @@ use rdma_sys::{
 
 use super::cm::CmId;
 use super::cq::CqShared;
-use super::domain::DomainInner;
+use super::device::LINK_LAYER_INFINIBAND;
 use super::gid::{self, GidKind};
+use super::pd::DomainInner;
 use super::sys::{errno_of, last_errno_or, verb_error, verb_error_detail};
-use super::LINK_LAYER_INFINIBAND;
 use crate::error::{Error, Result};
 use crate::EndpointOptions;
 

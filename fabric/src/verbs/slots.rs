@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use crossbeam_queue::ArrayQueue;
 
-use super::conn::ConnShared;
+use super::fate::ConnShared;
 use crate::completion::Opcode;
 use crate::memory::Buffer;
 

@@ -6,9 +6,9 @@ use rfaas_proto::control::ErrorCode;
 use rfaas_proto::lease::{LeaseClaims, LeaseKeys, TokenError};
 use rfaas_proto::text::count;
 
-use super::Refused;
+use crate::daemon::clock::unix_now;
 use crate::daemon::config::Settings;
-use crate::daemon::supervise::unix_now;
+use crate::daemon::refusal::Refused;
 
 /// The lease's claims, if its token is good for this node now and the
 /// request fits in what it grants.

@@ -14,7 +14,7 @@
 use rfaas_proto::control::client::AllocateRequest;
 use rfaas_proto::control::ErrorCode;
 
-use super::Refused;
+use crate::daemon::refusal::Refused;
 
 const MIB: u64 = 1 << 20;
 const PAGE: u64 = 4096;

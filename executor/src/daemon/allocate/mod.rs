@@ -25,10 +25,8 @@ use rfaas_proto::control::ErrorCode;
 use rfaas_proto::hello::LaneKey;
 use rfaas_proto::lease::LeaseClaims;
 
-use super::state::Shared;
-
-/// A refusal: the code and the sentence for the client.
-pub(crate) type Refused = (ErrorCode, String);
+use super::refusal::Refused;
+use super::shared::Shared;
 
 /// A request that passed every check that needs neither the library's
 /// bytes nor the node's state.

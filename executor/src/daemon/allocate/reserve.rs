@@ -8,10 +8,11 @@ use rfaas_proto::control::ErrorCode;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::text::count;
 
-use super::Refused;
 use crate::daemon::capacity::Refusal;
 use crate::daemon::process;
-use crate::daemon::state::{Allocation, Shared, State};
+use crate::daemon::refusal::Refused;
+use crate::daemon::shared::Shared;
+use crate::daemon::state::{Allocation, State};
 use crate::daemon::users::{self, User};
 
 /// A starting allocation: its id, the CPUs and memory it holds, and the

@@ -14,10 +14,11 @@ use rfaas_proto::control::{ControlError, ErrorCode, Frame, FrameLimits, Kind};
 use rfaas_proto::lease::LeaseClaims;
 
 use super::reserve::Reserved;
-use super::Refused;
 use crate::daemon::config::Sandbox;
 use crate::daemon::process::{self, Bwrap, Ended};
-use crate::daemon::state::{Shared, Stop};
+use crate::daemon::refusal::Refused;
+use crate::daemon::shared::Shared;
+use crate::daemon::state::Stop;
 use crate::daemon::supervise;
 use crate::daemon::usage::cpu::CpuSource;
 use crate::daemon::usage::Limits;

@@ -4,8 +4,8 @@
 use rfaas_proto::control::client::AllocateRequest;
 use rfaas_proto::control::ErrorCode;
 
-use super::Refused;
 use crate::daemon::config::Settings;
+use crate::daemon::refusal::Refused;
 
 /// What a request must say to be a request at all, and a provider this
 /// executor serves.

@@ -71,7 +71,8 @@ use rfaas_proto::accounting::{BillingSlot, Counter, SlotTotals, SLOT_WORDS};
 
 use link::{Link, LinkError};
 
-use super::state::Shared;
+use super::metrics::PosterStats;
+use super::shared::Shared;
 
 /// One lease's cumulative usage as the daemon measured it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,19 +142,6 @@ enum LinkState {
         retry_at: Instant,
         backoff: Duration,
     },
-}
-
-/// What the daemon has posted, for its metrics.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PosterStats {
-    /// Batches of adds that landed.
-    pub batches: u64,
-    /// Leases closed.
-    pub closed: u64,
-    /// Leases given up.
-    pub dropped: u64,
-    /// Leases with figures not yet posted.
-    pub pending: u64,
 }
 
 /// A batch a previous run of the daemon journaled as `posting` without

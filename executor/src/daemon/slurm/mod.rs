@@ -29,6 +29,7 @@
 //! ids here cannot be read takes the whole node (a prolog: its count).
 //! When Slurm cannot be asked, nothing changes.
 
+pub(crate) mod hold;
 pub(crate) mod scontrol;
 
 use std::collections::BTreeSet;
@@ -39,7 +40,9 @@ use rfaas_proto::text::count;
 
 use super::config::{format_cpulist, SlurmSettings};
 use super::process;
-use super::state::{Shared, State};
+use super::shared::Shared;
+use super::state::State;
+use hold::Hold;
 use scontrol::{Phase, Scontrol, ScontrolError};
 
 /// How long a hook's word about a job keeps reconciliation off it, at
@@ -48,34 +51,6 @@ const EVENT_MEMORY: Duration = Duration::from_secs(600);
 
 /// Most jobs whose last hook event is remembered.
 const EVENTS_KEPT: usize = 65_536;
-
-/// What the daemon withholds for one Slurm job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Hold {
-    /// The daemon's CPUs the job has here (every CPU when `whole`).
-    pub cpus: BTreeSet<u32>,
-    /// The whole node: no allocation at all while the job runs.
-    pub whole: bool,
-}
-
-impl Hold {
-    /// Every CPU of the node.
-    fn whole(shared: &Shared) -> Hold {
-        Hold {
-            cpus: shared.settings.cpus.iter().copied().collect(),
-            whole: true,
-        }
-    }
-
-    /// `cpus`, or the whole node when they are every CPU of it.
-    fn of(shared: &Shared, cpus: BTreeSet<u32>) -> Hold {
-        if !cpus.is_empty() && cpus.len() == shared.settings.cpus.len() {
-            Hold::whole(shared)
-        } else {
-            Hold { cpus, whole: false }
-        }
-    }
-}
 
 fn scontrol(s: &SlurmSettings) -> Scontrol {
     Scontrol {
@@ -251,7 +226,12 @@ pub(crate) fn retrieve(shared: &Arc<Shared>, job: u64, cpus: u32, grace: Duratio
         let changed = {
             let mut st = shared.lock();
             note_event(&mut st, job, start);
-            set_hold(shared, &mut st, job, Some(Hold::whole(shared)))
+            set_hold(
+                shared,
+                &mut st,
+                job,
+                Some(Hold::whole(&shared.settings.cpus)),
+            )
         };
         let message = wait_out(shared, &changed, grace, start, true);
         return Retrieval {
@@ -438,7 +418,10 @@ fn decide(shared: &Shared, slurm: &SlurmSettings, job: u64, cpus: u32) -> (Hold,
     let guess = |why: String| -> (Hold, String) {
         if cpus == 0 || cpus as usize >= shared.settings.cpus.len() {
             tracing::warn!(job, %why, "taking the whole node back");
-            return (Hold::whole(shared), format!("the whole node: {why}"));
+            return (
+                Hold::whole(&shared.settings.cpus),
+                format!("the whole node: {why}"),
+            );
         }
         // Slurm hands out its lowest free ids first; so does this guess.
         // Reconciliation puts it right once Slurm answers.
@@ -459,7 +442,7 @@ fn decide(shared: &Shared, slurm: &SlurmSettings, job: u64, cpus: u32) -> (Hold,
             .collect();
         tracing::warn!(job, %why, cpus, "withholding CPUs by the hook's count");
         (
-            Hold::of(shared, picked),
+            Hold::of(&shared.settings.cpus, picked),
             format!("{} by the hook's count: {why}", count(cpus, "CPU")),
         )
     };
@@ -481,7 +464,7 @@ fn decide(shared: &Shared, slurm: &SlurmSettings, job: u64, cpus: u32) -> (Hold,
                         ));
                     }
                     let mine = slurm.cpu_map.to_cpus(&ids, &shared.settings.cpus);
-                    let hold = Hold::of(shared, mine.into_iter().collect());
+                    let hold = Hold::of(&shared.settings.cpus, mine.into_iter().collect());
                     let how = format!(
                         "Slurm's CPU_IDs {}",
                         format_cpulist(&ids.iter().copied().collect::<Vec<_>>())
@@ -500,7 +483,10 @@ fn decide(shared: &Shared, slurm: &SlurmSettings, job: u64, cpus: u32) -> (Hold,
         Err(ScontrolError::UnknownJob(_)) => guess(format!("Slurm does not know job {job}")),
         Err(e) => {
             tracing::warn!(job, error = %e, "cannot ask Slurm which CPUs the job has; taking the whole node back");
-            (Hold::whole(shared), format!("the whole node: {e}"))
+            (
+                Hold::whole(&shared.settings.cpus),
+                format!("the whole node: {e}"),
+            )
         }
     }
 }
@@ -617,7 +603,7 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
                         continue;
                     }
                     let mine = slurm.cpu_map.to_cpus(ids, &shared.settings.cpus);
-                    let want = Hold::of(shared, mine.into_iter().collect());
+                    let want = Hold::of(&shared.settings.cpus, mine.into_iter().collect());
                     if want != hold {
                         tracing::info!(
                             job,
@@ -645,9 +631,9 @@ pub(crate) fn reconcile(shared: &Arc<Shared>) -> Result<Round, ScontrolError> {
             let mine = slurm.cpu_map.to_cpus(&seen.cpu_ids, &shared.settings.cpus);
             // CPU ids it cannot read: the whole node, not none.
             let hold = if seen.cpu_ids.is_empty() {
-                Hold::whole(shared)
+                Hold::whole(&shared.settings.cpus)
             } else {
-                Hold::of(shared, mine.iter().copied().collect())
+                Hold::of(&shared.settings.cpus, mine.iter().copied().collect())
             };
             tracing::warn!(
                 job,
@@ -758,7 +744,8 @@ mod tests {
     use crate::daemon::config::Config;
     use crate::daemon::epoll::Waker;
     use crate::daemon::memlimit::MemoryLimiter;
-    use crate::daemon::state::{Allocation, Outbox};
+    use crate::daemon::outbox::Outbox;
+    use crate::daemon::state::Allocation;
     use std::path::{Path, PathBuf};
 
     #[test]
@@ -786,8 +773,8 @@ mod tests {
     /// `slurm` says (empty: none). The receivers are kept alive with it.
     struct Daemon {
         shared: Arc<Shared>,
-        _spawns: std::sync::mpsc::Receiver<crate::daemon::supervise::SpawnJob>,
-        _inbox: std::sync::mpsc::Receiver<crate::daemon::state::LoopMsg>,
+        _spawns: std::sync::mpsc::Receiver<crate::daemon::process::SpawnJob>,
+        _inbox: std::sync::mpsc::Receiver<crate::daemon::outbox::LoopMsg>,
     }
 
     fn daemon(slurm: &str) -> Daemon {
@@ -872,7 +859,7 @@ mod tests {
         assert_eq!(st.capacity.free_cpus(), [3]);
         assert_eq!(st.capacity.withheld_cpus(), [2]);
 
-        let c = set_hold(s, &mut st, 11, Some(Hold::whole(s)));
+        let c = set_hold(s, &mut st, 11, Some(Hold::whole(&s.settings.cpus)));
         assert_eq!(c.targets, [1, 2], "the whole node: every allocation");
         assert!(st.draining);
         assert!(st.capacity.free_cpus().is_empty());
@@ -928,7 +915,7 @@ mod tests {
 
     #[test]
     fn a_take_back_says_what_became_of_each_allocation() {
-        let t = super::super::state::TakenBack {
+        let t = super::super::shared::TakenBack {
             took: Duration::from_millis(20),
             grace: Duration::from_secs(5),
             finished: 1,

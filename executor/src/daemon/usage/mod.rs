@@ -587,7 +587,7 @@ fn prune(inner: &mut Inner, now: Instant, unix_now: u64) {
 }
 
 fn unix_now() -> u64 {
-    crate::daemon::supervise::unix_now()
+    crate::daemon::clock::unix_now()
 }
 
 #[cfg(test)]

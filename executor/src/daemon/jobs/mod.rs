@@ -20,17 +20,20 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rfaas_proto::control::local::LocalReply;
 use rfaas_proto::control::ErrorCode;
 use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded};
 
+pub(crate) mod store;
+
+use super::clock::unix_now;
 use super::register::{Backoff, CallError, Managers};
+use super::shared::Shared;
 use super::slurm::scontrol::run_bounded;
-use super::state::Shared;
-use super::supervise::unix_now;
+use store::Held;
 
 /// The least bound on asking Slurm about a job.
 pub(crate) const SLURM_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -51,21 +54,6 @@ pub(crate) const MANAGERS_VAR: &str = "RFAAS_MANAGERS";
 
 /// The environment variable holding the job's credential.
 pub(crate) const CREDENTIAL_VAR: &str = "RFAAS_CREDENTIAL";
-
-/// A job's credential, as handed out.
-#[derive(Debug, Clone)]
-struct Held {
-    uid: u32,
-    vars: BTreeMap<String, String>,
-    expires_at: u64,
-}
-
-/// The node credential and the job credentials this node handed out.
-#[derive(Debug)]
-pub(crate) struct Jobs {
-    node_credential: Option<String>,
-    held: Mutex<BTreeMap<u64, Held>>,
-}
 
 /// A job as `squeue` shows it on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,20 +102,6 @@ impl JobError {
                 ErrorCode::Internal
             }
         }
-    }
-}
-
-impl Jobs {
-    /// With the node's credential for the managers, if configured.
-    pub(crate) fn new(node_credential: Option<String>) -> Jobs {
-        Jobs {
-            node_credential,
-            held: Mutex::new(BTreeMap::new()),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Held>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

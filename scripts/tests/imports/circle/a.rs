@@ -1,0 +1,3 @@
+use super::b::B;
+
+pub struct A(pub B);

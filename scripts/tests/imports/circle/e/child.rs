@@ -1,0 +1,3 @@
+use super::Shared;
+
+pub fn work(_: &Shared) {}

@@ -1,0 +1,7 @@
+mod child;
+
+pub struct Shared;
+
+pub fn run() {
+    child::work(&Shared);
+}

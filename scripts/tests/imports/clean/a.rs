@@ -1,0 +1,3 @@
+use crate::b;
+
+pub struct A(pub b::B);
