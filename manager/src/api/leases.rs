@@ -17,7 +17,7 @@ use super::{ApiResult, AppState};
 use crate::auth::Caller;
 use crate::db::retrying;
 use crate::error::{ApiError, Kind, RefusalTable};
-use crate::store::{GrantPlan, LeaseAsk, LeaseRow, Refused};
+use crate::store::{Denied, GrantPlan, LeaseAsk, LeaseRow, Refused};
 use crate::{now_ms, now_s, App};
 
 /// The longest `Retry-After` of a `503 no_capacity`, seconds: the soonest
@@ -216,17 +216,17 @@ fn refusal(ask: &GrantPlan, refused: Refused) -> ApiError {
                 None => 5,
             },
         },
-        Refused::Quota { cap, in_use } => ApiError::QuotaExceeded {
+        Refused::Denied(Denied::Quota { cap, in_use }) => ApiError::QuotaExceeded {
             account: ask.account.clone(),
             cap,
             in_use,
         },
-        Refused::BudgetExhausted { budget, spend } => ApiError::BudgetExhausted {
+        Refused::Denied(Denied::BudgetExhausted { budget, spend }) => ApiError::BudgetExhausted {
             account: ask.account.clone(),
             budget,
             spend,
         },
-        Refused::AccountingUnavailable => ApiError::AccountingUnavailable,
+        Refused::Denied(Denied::AccountingUnavailable) => ApiError::AccountingUnavailable,
     }
 }
 

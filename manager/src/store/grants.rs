@@ -56,23 +56,8 @@ pub enum Refused {
         /// When the soonest active lease ends, Unix seconds.
         soonest_expiry: Option<u64>,
     },
-    /// The account's cap would be passed.
-    Quota {
-        /// The cap.
-        cap: u32,
-        /// Cores the account holds now.
-        in_use: u64,
-    },
-    /// The account has spent its budget.
-    BudgetExhausted {
-        /// Its budget.
-        budget: f64,
-        /// What it has spent.
-        spend: f64,
-    },
-    /// Billing is required and no live accounting instance had a free
-    /// slot.
-    AccountingUnavailable,
+    /// The account or billing said no.
+    Denied(Denied),
 }
 
 /// What a request asks beyond what the cluster could ever hold.
@@ -138,7 +123,7 @@ pub struct GrantPlan {
     /// Accounting instances to take billing slots from, best first (see
     /// [`crate::view::View::billing_candidates`]); empty: unbilled.
     pub billing: Vec<AccountingInstance>,
-    /// Refuse the grant ([`GrantOutcome::AccountingUnavailable`]) rather
+    /// Refuse the grant ([`Denied::AccountingUnavailable`]) rather
     /// than leave a node lease unbilled.
     pub billing_required: bool,
 }
@@ -155,6 +140,13 @@ pub enum GrantOutcome {
     },
     /// Not enough cores fit.
     NoCapacity,
+    /// The account or billing said no.
+    Denied(Denied),
+}
+
+/// A grant the account or billing refuses, whatever capacity is free.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Denied {
     /// The account's cap would be passed.
     Quota {
         /// The cap.
@@ -169,7 +161,8 @@ pub enum GrantOutcome {
         /// What it has spent.
         spend: f64,
     },
-    /// A node lease found no free billing slot, and billing is required.
+    /// A node lease found no free billing slot (or no accounting instance
+    /// is live), and billing is required.
     AccountingUnavailable,
 }
 
@@ -190,10 +183,10 @@ impl Store {
         if let Some(b) = budget_of(&mut tx, &plan.account).await? {
             if b.spend >= b.budget {
                 tx.rollback().await?;
-                return Ok(GrantOutcome::BudgetExhausted {
+                return Ok(GrantOutcome::Denied(Denied::BudgetExhausted {
                     budget: b.budget,
                     spend: b.spend,
-                });
+                }));
             }
         }
         let mut want = plan.cores;
@@ -207,7 +200,7 @@ impl Store {
             )?;
             let room = u64::from(cap).saturating_sub(in_use);
             if room < u64::from(plan.min_cores) {
-                return Ok(GrantOutcome::Quota { cap, in_use });
+                return Ok(GrantOutcome::Denied(Denied::Quota { cap, in_use }));
             }
             want = want.min(room as u32);
         }
@@ -304,7 +297,7 @@ impl Store {
                 assign_slot(&mut tx, lease_id, &plan.billing, &mut full, assigned_ms).await?;
             if slot.is_none() && plan.billing_required {
                 tx.rollback().await?;
-                return Ok(GrantOutcome::AccountingUnavailable);
+                return Ok(GrantOutcome::Denied(Denied::AccountingUnavailable));
             }
             slots.push((lease_id, slot));
         }
@@ -417,7 +410,7 @@ impl Store {
         let mut plan = ask.grant.clone();
         plan.billing = view.billing_candidates(crate::now_ms(), ask.accounting_lost_after_ms);
         if plan.billing_required && plan.billing.is_empty() {
-            return Ok(Err(Refused::AccountingUnavailable));
+            return Ok(Err(Refused::Denied(Denied::AccountingUnavailable)));
         }
         plan.candidates = view.candidates(memory_mib, ask.preferred);
         let mut outcome = retrying(|| self.grant(&plan)).await?;
@@ -437,11 +430,7 @@ impl Store {
             GrantOutcome::NoCapacity => Err(Refused::NoCapacity {
                 soonest_expiry: self.soonest_expiry().await?,
             }),
-            GrantOutcome::Quota { cap, in_use } => Err(Refused::Quota { cap, in_use }),
-            GrantOutcome::BudgetExhausted { budget, spend } => {
-                Err(Refused::BudgetExhausted { budget, spend })
-            }
-            GrantOutcome::AccountingUnavailable => Err(Refused::AccountingUnavailable),
+            GrantOutcome::Denied(denied) => Err(Refused::Denied(denied)),
         })
     }
 }

@@ -31,7 +31,7 @@ use crate::view::View;
 
 pub use billing::AccountingInstance;
 pub use credentials::{role_name, CredentialRow};
-pub use grants::{Beyond, Grant, GrantOutcome, GrantPlan, LeaseAsk, Refused};
+pub use grants::{Beyond, Denied, Grant, GrantOutcome, GrantPlan, LeaseAsk, Refused};
 pub use leases::{lease_state_name, LeaseRow};
 pub use nodes::StoredNode;
 
