@@ -21,7 +21,7 @@ use rfaas_service::credentials::{
     CREDENTIAL_PREFIX,
 };
 
-use crate::error::ApiFailure;
+use crate::error::ApiError;
 use crate::store::Store;
 
 /// A caller, authenticated.
@@ -60,8 +60,8 @@ pub struct Auth {
     cache: Mutex<HashMap<String, (CredentialRow, Instant)>>,
 }
 
-fn unauthorized(kind: &str, message: String) -> ApiFailure {
-    ApiFailure::new(401, kind, message)
+fn unauthorized(message: &str) -> ApiError {
+    ApiError::Unauthorized(message.to_owned())
 }
 
 /// A new credential: its stored row and its bearer token.
@@ -133,17 +133,15 @@ impl Auth {
         store: &Store,
         authorization: Option<&str>,
         now_s: u64,
-    ) -> Result<Caller, ApiFailure> {
+    ) -> Result<Caller, ApiError> {
         let Some(header) = authorization else {
             return Err(unauthorized(
-                "unauthorized",
-                "send a credential: Authorization: Bearer <token>".into(),
+                "send a credential: Authorization: Bearer <token>",
             ));
         };
         let Some(token) = header.strip_prefix("Bearer ").map(str::trim) else {
             return Err(unauthorized(
-                "unauthorized",
-                "the Authorization header must be `Bearer <token>`".into(),
+                "the Authorization header must be `Bearer <token>`",
             ));
         };
         if let Some(rest) = token
@@ -154,33 +152,22 @@ impl Auth {
             let row = self.lookup(store, id).await?;
             let Some(row) = row else {
                 return Err(unauthorized(
-                    "unauthorized",
-                    "the credential is not known to this manager; ask an admin for one (`rfaasctl credential`)".into(),
+                    "the credential is not known to this manager; ask an admin for one (`rfaasctl credential`)",
                 ));
             };
             if !constant_time_eq(hash_secret(secret).as_bytes(), row.secret_hash.as_bytes()) {
                 return Err(unauthorized(
-                    "unauthorized",
-                    "the credential's secret does not match: it was altered or forged; use the token exactly as it was issued".into(),
+                    "the credential's secret does not match: it was altered or forged; use the token exactly as it was issued",
                 ));
             }
             if row.revoked {
-                return Err(unauthorized(
-                    "credential_revoked",
-                    format!(
-                        "credential {} was revoked by an admin; ask for a new one",
-                        row.id
-                    ),
-                ));
+                return Err(ApiError::CredentialRevoked { id: row.id });
             }
             if row.expires_at != 0 && now_s >= row.expires_at {
-                return Err(unauthorized(
-                    "credential_expired",
-                    format!(
-                        "credential {} expired at {} (Unix seconds); ask for a new one",
-                        row.id, row.expires_at
-                    ),
-                ));
+                return Err(ApiError::CredentialExpired {
+                    id: row.id,
+                    expires_at: row.expires_at,
+                });
             }
             return Ok(match row.role {
                 Role::Node => Caller::Node(row.subject),
@@ -195,12 +182,11 @@ impl Auth {
             return Ok(Caller::Admin);
         }
         Err(unauthorized(
-            "unauthorized",
-            "the bearer token is neither a credential of this manager nor its admin token".into(),
+            "the bearer token is neither a credential of this manager nor its admin token",
         ))
     }
 
-    async fn lookup(&self, store: &Store, id: &str) -> Result<Option<CredentialRow>, ApiFailure> {
+    async fn lookup(&self, store: &Store, id: &str) -> Result<Option<CredentialRow>, ApiError> {
         if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Ok(None);
         }
@@ -212,7 +198,7 @@ impl Auth {
                 }
             }
         }
-        let row = store.credential(id).await.map_err(ApiFailure::from)?;
+        let row = store.credential(id).await.map_err(ApiError::from)?;
         if let Some(row) = &row {
             let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if cache.len() > 100_000 {

@@ -8,11 +8,13 @@
 //! for a single replica). Each replica serves any request:
 //!
 //! - [`api`]: the REST API under `/v1`, `/healthz`, `/metrics`, and the
-//!   OpenAPI document generated from the handlers.
+//!   OpenAPI document generated from the handlers; one file per resource,
+//!   and extractors that say who may call each handler.
+//! - [`error`]: every refusal the API gives, its status and wire kind.
 //! - [`store`]: every read and write, one transaction each, one SQL text
-//!   for both databases ([`rfaas_service::db`]); grants by conditional
-//!   updates, so no core is leased twice and no billing slot given to two
-//!   leases under any concurrency.
+//!   for both databases ([`rfaas_service::db`]), one file per resource;
+//!   grants by conditional updates, so no core is leased twice and no
+//!   billing slot given to two leases under any concurrency.
 //! - [`view`]: each replica's in-memory view of the nodes, which placement
 //!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
 //! - [`announce`]: grants' and releases' counters for the other replicas,

@@ -438,6 +438,77 @@ fn malformed_requests_get_json_errors(kind: &str) {
 }
 on_both!(malformed_requests_get_json_errors);
 
+/// Each handler says who may call it; every other caller is refused with
+/// what would serve, and a malformed body is refused as such before its
+/// sender is checked.
+fn handlers_refuse_callers_of_other_roles(kind: &str) {
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    let node = register(&m, "a", 2, 1024);
+    let u = user(&m, "alice", "physics");
+    let admin = m.admin();
+    let hb = json!({"free_cores": 2, "free_memory_mib": 1024, "allocations": []});
+    let ask = json!({"cores": 1, "memory_mib": 64, "duration_s": 60});
+    let job = json!({"user": "alice", "account": "physics", "expires_at": u64::MAX / 2});
+    let admin_only = "this needs the admin token (rfaasctl reads it from its file)";
+    let nodes_only = "registering and heartbeating need a node credential";
+    let users_only = "leases are asked for with a user credential (rfaasctl credential user ...)";
+    let jobs_only = "job credentials are asked for by a node's executor daemon (node credential), for a job it runs";
+    let cases: Vec<(&Api, &str, &str, Option<&serde_json::Value>, &str)> = vec![
+        (&u, "POST", "/v1/nodes/a/drain", None, admin_only),
+        (&node, "GET", "/v1/credentials", None, admin_only),
+        (&u, "GET", "/v1/budgets", None, admin_only),
+        (&u, "POST", "/v1/nodes/a/heartbeat", Some(&hb), nodes_only),
+        (
+            &node,
+            "POST",
+            "/v1/nodes/b/heartbeat",
+            Some(&hb),
+            "this credential is node \"a\"'s; it cannot speak for node \"b\"",
+        ),
+        (&node, "POST", "/v1/leases", Some(&ask), users_only),
+        (&admin, "POST", "/v1/leases", Some(&ask), users_only),
+        (&node, "GET", "/v1/leases", None, "nodes do not list leases"),
+        (&u, "POST", "/v1/jobs/7/credential", Some(&job), jobs_only),
+        (&u, "POST", "/v1/jobs/7/end", None, jobs_only),
+    ];
+    for (api, method, path, body, message) in cases {
+        let (s, e) = api.call(method, path, body);
+        assert_eq!(
+            (s, e["error"].as_str(), e["message"].as_str()),
+            (403, Some("forbidden"), Some(message)),
+            "{method} {path}"
+        );
+    }
+    // The admin may speak for any node, and a node for its own.
+    assert_eq!(
+        admin.call("POST", "/v1/nodes/a/heartbeat", Some(&hb)).0,
+        200
+    );
+    assert_eq!(node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb)).0, 200);
+    // A malformed body first, whoever sent it.
+    let anyone = Api::new(m.url(), "");
+    let (s, _, e) = anyone.raw("PUT", "/v1/nodes/a", Some("{".into()), "application/json");
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (400, Some("malformed_request")),
+        "{e}"
+    );
+    let (s, _, e) = u
+        .fresh()
+        .raw("POST", "/v1/jobs/0/end", None, "application/json");
+    assert_eq!((s, e["error"].as_str()), (403, Some("forbidden")), "{e}");
+    let (s, e) = node.call("POST", "/v1/jobs/0/end", None);
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (400, Some("malformed_request")),
+        "{e}"
+    );
+    let (s, e) = anyone.call("GET", "/v1/nodes", None);
+    assert_eq!((s, e["error"].as_str()), (401, Some("unauthorized")), "{e}");
+}
+on_both!(handlers_refuse_callers_of_other_roles);
+
 /// Fuzzing found these answered 500 on PostgreSQL, which refuses a NUL
 /// byte in text: a registration's free-text fields went to the database
 /// unchecked.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rfaas_proto::control::client::{AllocateRequest, Deallocate, Deallocated, RenewLease};
-use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, Kind};
+use rfaas_proto::control::{ErrorCode, Frame, Kind};
 
 use super::allocate::{self, Checked};
 use super::outbox::DoneGuard;

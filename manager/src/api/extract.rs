@@ -1,0 +1,216 @@
+//! Who may call a handler, said by its signature: each extractor here
+//! authenticates the bearer token ([`crate::auth`]) and refuses, `403
+//! forbidden`, a caller of another role.
+//!
+//! - [`Caller`]: anyone with a credential or the admin token;
+//! - [`Admin`]: the admin token;
+//! - [`User`]: a user credential;
+//! - [`Holder`]: a user credential or the admin token;
+//! - [`Node`]: a node credential or the admin token;
+//! - [`ThisNode`]: the credential of the node the path names, or the
+//!   admin token.
+//!
+//! [`Sent`] pairs one of them with a JSON body, checking the body first:
+//! a malformed body is refused as such whoever sent it.
+
+use std::sync::Arc;
+
+use axum::async_trait;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::de::DeserializeOwned;
+
+use super::check::check_node_name;
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::{now_s, App};
+
+/// Who sent `headers`' `Authorization`.
+async fn authenticate(app: &App, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .map(|v| v.to_str().unwrap_or(""));
+    app.auth.caller(&app.store, auth, now_s()).await
+}
+
+#[async_trait]
+impl FromRequestParts<Arc<App>> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Self, ApiError> {
+        authenticate(app, &parts.headers).await
+    }
+}
+
+/// The admin token.
+#[derive(Debug, Clone, Copy)]
+pub struct Admin;
+
+/// A user credential: the user, the account charged, and the Slurm job of
+/// a job credential.
+#[derive(Debug, Clone)]
+pub struct User {
+    /// The user.
+    pub user: String,
+    /// The account charged.
+    pub account: String,
+    /// The Slurm job, for a job credential.
+    pub job_id: Option<u64>,
+}
+
+/// A user credential or the admin token: who may hold, and list, leases.
+#[derive(Debug, Clone)]
+pub struct Holder {
+    /// The user's subject; `None` for the admin, who sees every lease.
+    pub owner: Option<String>,
+}
+
+/// A node credential (an executor daemon, for a job it runs) or the admin
+/// token.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// Who, for logs.
+    pub subject: String,
+}
+
+/// The credential of the node the path names (`{name}`), or the admin
+/// token. The name is checked against the node name pattern once the
+/// token is known good.
+#[derive(Debug, Clone, Copy)]
+pub struct ThisNode;
+
+/// A caller of one role, or the refusal of any other.
+trait Role: Sized {
+    fn admit(caller: Caller) -> Result<Self, ApiError>;
+}
+
+impl Role for Admin {
+    fn admit(caller: Caller) -> Result<Self, ApiError> {
+        match caller {
+            Caller::Admin => Ok(Admin),
+            _ => Err(ApiError::Forbidden(
+                "this needs the admin token (rfaasctl reads it from its file)".into(),
+            )),
+        }
+    }
+}
+
+impl Role for User {
+    fn admit(caller: Caller) -> Result<Self, ApiError> {
+        match caller {
+            Caller::User {
+                user,
+                account,
+                job_id,
+            } => Ok(User {
+                user,
+                account,
+                job_id,
+            }),
+            _ => Err(ApiError::Forbidden(
+                "leases are asked for with a user credential (rfaasctl credential user ...)".into(),
+            )),
+        }
+    }
+}
+
+impl User {
+    /// Who, for logs and lease ownership (as [`Caller::subject`]).
+    pub fn subject(&self) -> String {
+        format!("user:{}", self.user)
+    }
+}
+
+impl Role for Holder {
+    fn admit(caller: Caller) -> Result<Self, ApiError> {
+        match caller {
+            Caller::Admin => Ok(Holder { owner: None }),
+            Caller::User { .. } => Ok(Holder {
+                owner: Some(caller.subject()),
+            }),
+            Caller::Node(_) => Err(ApiError::Forbidden("nodes do not list leases".into())),
+        }
+    }
+}
+
+impl Role for Node {
+    fn admit(caller: Caller) -> Result<Self, ApiError> {
+        match caller {
+            Caller::Admin | Caller::Node(_) => Ok(Node {
+                subject: caller.subject(),
+            }),
+            Caller::User { .. } => Err(ApiError::Forbidden(
+                "job credentials are asked for by a node's executor daemon (node credential), for a job it runs".into(),
+            )),
+        }
+    }
+}
+
+macro_rules! extract_role {
+    ($($role:ty),*) => {$(
+        #[async_trait]
+        impl FromRequestParts<Arc<App>> for $role {
+            type Rejection = ApiError;
+
+            async fn from_request_parts(
+                parts: &mut Parts,
+                app: &Arc<App>,
+            ) -> Result<Self, ApiError> {
+                <$role as Role>::admit(authenticate(app, &parts.headers).await?)
+            }
+        }
+    )*};
+}
+
+extract_role!(Admin, User, Holder, Node);
+
+#[async_trait]
+impl FromRequestParts<Arc<App>> for ThisNode {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<App>) -> Result<Self, ApiError> {
+        let caller = authenticate(app, &parts.headers).await?;
+        let Path(name) = Path::<String>::from_request_parts(parts, app)
+            .await
+            .map_err(|e| ApiError::Malformed(e.body_text()))?;
+        check_node_name(&name)?;
+        match caller {
+            Caller::Admin => Ok(ThisNode),
+            Caller::Node(n) if n == name => Ok(ThisNode),
+            Caller::Node(n) => Err(ApiError::Forbidden(format!(
+                "this credential is node {n:?}'s; it cannot speak for node {name:?}"
+            ))),
+            Caller::User { .. } => Err(ApiError::Forbidden(
+                "registering and heartbeating need a node credential".into(),
+            )),
+        }
+    }
+}
+
+/// A JSON body of `T` sent by a `W` ([`Admin`], [`User`], ...). The body
+/// is read first: a malformed one is refused as such whoever sent it,
+/// then the sender is checked.
+#[derive(Debug)]
+pub struct Sent<W, T>(pub W, pub T);
+
+#[async_trait]
+impl<W, T> FromRequest<Arc<App>> for Sent<W, T>
+where
+    W: FromRequestParts<Arc<App>, Rejection = ApiError> + Send,
+    T: DeserializeOwned + Send,
+{
+    type Rejection = Response;
+
+    async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, Response> {
+        let (mut parts, body) = req.into_parts();
+        let who = W::from_request_parts(&mut parts, app).await;
+        let Json(body) = Json::<T>::from_request(Request::from_parts(parts, body), app)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let who = who.map_err(IntoResponse::into_response)?;
+        Ok(Sent(who, body))
+    }
+}

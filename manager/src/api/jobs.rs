@@ -1,0 +1,117 @@
+//! Slurm jobs (a node's executor daemon, or the admin): a job's own user
+//! credential, and its end.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded, Role};
+
+use super::check::check_name;
+use super::extract::{Node, Sent};
+use super::{ApiResult, AppState};
+use crate::auth::new_job_credential;
+use crate::db::retrying;
+use crate::error::{ApiError, Kind, RefusalTable};
+use crate::{now_ms, now_s};
+
+/// What each operation here refuses, for the OpenAPI document.
+pub(super) const REFUSALS: RefusalTable = &[
+    (
+        "job_credential",
+        &[
+            Kind::Malformed,
+            Kind::Forbidden,
+            Kind::Internal,
+            Kind::DatabaseUnavailable,
+        ],
+    ),
+    (
+        "end_job",
+        &[Kind::Malformed, Kind::Forbidden, Kind::DatabaseUnavailable],
+    ),
+];
+
+/// Refuses job 0: Slurm's job ids start at 1.
+fn check_job_id(job_id: u64) -> ApiResult<()> {
+    if job_id == 0 {
+        return Err(ApiError::Malformed(
+            "Slurm job ids start at 1; job 0 names no job".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Mint a user credential for a Slurm job (node or admin): what a job
+/// started with `--rfaas` finds in its environment. It expires with the
+/// job's time limit (at most `max_job_credential_s` from now), leases
+/// asked for with it name the job, and the job's end revokes it.
+#[utoipa::path(post, path = "/v1/jobs/{job_id}/credential",
+    params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
+    request_body = JobCredentialRequest,
+    responses((status = 201, body = Credential)))]
+pub(super) async fn job_credential(
+    State(app): AppState,
+    Path(job_id): Path<u64>,
+    Sent(node, body): Sent<Node, JobCredentialRequest>,
+) -> ApiResult<(StatusCode, Json<Credential>)> {
+    check_job_id(job_id)?;
+    check_name("user", &body.user)?;
+    check_name("account", &body.account)?;
+    let now = now_s();
+    if body.expires_at <= now {
+        return Err(ApiError::Malformed(format!(
+            "expires_at {} is not in the future (now {now}): the job's time is up",
+            body.expires_at
+        )));
+    }
+    let expires_at = body
+        .expires_at
+        .min(now.saturating_add(app.settings.max_job_credential_s));
+    let (row, token) = new_job_credential(
+        Role::User,
+        &body.user,
+        &body.account,
+        expires_at,
+        Some(job_id),
+    )
+    .map_err(|e| ApiError::Internal(format!("no randomness: {e}")))?;
+    app.store.add_credential(&row, now_ms()).await?;
+    tracing::info!(id = %row.id, job_id, user = %row.subject, account = %row.account, expires_at, by = %node.subject, "job credential minted");
+    Ok((
+        StatusCode::CREATED,
+        Json(Credential {
+            id: row.id,
+            role: Role::User,
+            subject: row.subject,
+            account: Some(row.account),
+            expires_at: Some(expires_at),
+            token: Some(token),
+            job_id: Some(job_id),
+        }),
+    ))
+}
+
+/// A Slurm job ended (node or admin): revoke its job credentials and
+/// release its leases. Every node of the job may say so; only the first
+/// changes anything.
+#[utoipa::path(post, path = "/v1/jobs/{job_id}/end",
+    params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
+    responses((status = 200, body = JobEnded)))]
+pub(super) async fn end_job(
+    State(app): AppState,
+    Path(job_id): Path<u64>,
+    node: Node,
+) -> ApiResult<Json<JobEnded>> {
+    check_job_id(job_id)?;
+    let (revoked, ended) = retrying(|| app.store.end_job(job_id, now_ms())).await?;
+    for id in &revoked {
+        app.auth.forget(id);
+    }
+    if !revoked.is_empty() || !ended.is_empty() {
+        tracing::info!(job_id, credentials = revoked.len(), leases = ended.len(), by = %node.subject, "Slurm job ended");
+    }
+    Ok(Json(JobEnded {
+        revoked: revoked.len() as u64,
+        released: ended.len() as u64,
+    }))
+}

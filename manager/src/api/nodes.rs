@@ -1,0 +1,232 @@
+//! Nodes: registration and heartbeats (the node itself, or the admin),
+//! listings (anyone), drain and resume (the admin).
+
+use axum::extract::{Path, Query, State};
+use axum::Json;
+use rfaas_proto::manager::{Heartbeat, HeartbeatReply, NodeView, RegisterNode, Registered};
+use serde::Deserialize;
+
+use super::check::{check_memory, check_node_name, check_text};
+use super::extract::{Admin, Sent, ThisNode};
+use super::{ApiResult, AppState};
+use crate::auth::Caller;
+use crate::error::{ApiError, Kind, RefusalTable};
+use crate::{now_ms, App};
+
+/// What each operation here refuses, for the OpenAPI document.
+pub(super) const REFUSALS: RefusalTable = &[
+    (
+        "register_node",
+        &[Kind::Malformed, Kind::Forbidden, Kind::DatabaseUnavailable],
+    ),
+    (
+        "heartbeat",
+        &[
+            Kind::Malformed,
+            Kind::Forbidden,
+            Kind::NotFound,
+            Kind::DatabaseUnavailable,
+        ],
+    ),
+    ("list_nodes", &[Kind::Malformed, Kind::DatabaseUnavailable]),
+    (
+        "show_node",
+        &[Kind::Malformed, Kind::NotFound, Kind::DatabaseUnavailable],
+    ),
+    (
+        "drain_node",
+        &[
+            Kind::Malformed,
+            Kind::Forbidden,
+            Kind::NotFound,
+            Kind::DatabaseUnavailable,
+        ],
+    ),
+    (
+        "resume_node",
+        &[
+            Kind::Malformed,
+            Kind::Forbidden,
+            Kind::NotFound,
+            Kind::DatabaseUnavailable,
+        ],
+    ),
+];
+
+fn check_register(r: &RegisterNode) -> ApiResult<()> {
+    if r.cores == 0 || r.cores > u32::from(u16::MAX) {
+        return Err(ApiError::Malformed(format!(
+            "cores is {}; a node lends 1 to 65535 cores",
+            r.cores
+        )));
+    }
+    check_memory(r.memory_mib)?;
+    let addr_ok = r
+        .control_addr
+        .rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+    check_text("control_addr", &r.control_addr)?;
+    if !addr_ok || r.control_addr.len() > 300 {
+        return Err(ApiError::Malformed(format!(
+            "control_addr {:?} is not host:port",
+            r.control_addr
+        )));
+    }
+    if r.providers.is_empty() || r.providers.len() > 16 {
+        return Err(ApiError::Malformed(
+            "providers must list 1 to 16 providers".into(),
+        ));
+    }
+    for p in &r.providers {
+        check_text("provider name", &p.name)?;
+        let known = p.name == "tcp" || p.name == "shm" || p.name.starts_with("verbs:");
+        if !known || p.name.len() > 64 || p.host.as_ref().is_some_and(|h| h.len() > 255) {
+            return Err(ApiError::Malformed(format!(
+                "provider {:?} is not tcp, shm or verbs:<device>",
+                p.name
+            )));
+        }
+        if let Some(h) = &p.host {
+            check_text("provider host", h)?;
+        }
+    }
+    check_text("version", &r.version)?;
+    if r.version.len() > 64 {
+        return Err(ApiError::Malformed(
+            "version is longer than 64 characters".into(),
+        ));
+    }
+    Ok(())
+}
+/// Register a node, or update its record. Idempotent. With fewer cores or
+/// less memory than it has leased, the node keeps its leases and takes no
+/// new one until they fit: its `draining_cores` and `draining_memory_mib`
+/// say how much leaves as they end.
+#[utoipa::path(put, path = "/v1/nodes/{name}", request_body = RegisterNode,
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
+    responses((status = 200, body = Registered)))]
+pub(super) async fn register_node(
+    State(app): AppState,
+    Path(name): Path<String>,
+    Sent(ThisNode, body): Sent<ThisNode, RegisterNode>,
+) -> ApiResult<Json<Registered>> {
+    check_register(&body)?;
+    let read = app.store.register(&name, &body, now_ms()).await?;
+    let node = read.node.clone();
+    app.view.upsert(read);
+    tracing::info!(node = %name, cores = body.cores, addr = %body.control_addr, "node registered");
+    if node.draining_cores > 0 || node.draining_memory_mib > 0 {
+        tracing::warn!(
+            node = %name,
+            cores = body.cores,
+            memory_mib = body.memory_mib,
+            leased_cores = node.leased_cores,
+            leased_memory_mib = node.leased_memory_mib,
+            "node registered with less than it has leased: its leases run on, it takes no new one until they fit, and the difference drains as they end"
+        );
+    }
+    Ok(Json(Registered {
+        node,
+        heartbeat_interval_ms: app.settings.heartbeat_interval_ms,
+        lost_after_ms: app.settings.lost_after_ms,
+    }))
+}
+
+/// A node's heartbeat: its free capacity and the leases it holds. The
+/// answer lists those that have ended. `404`: register again.
+#[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
+    responses((status = 200, body = HeartbeatReply)))]
+pub(super) async fn heartbeat(
+    State(app): AppState,
+    Path(name): Path<String>,
+    Sent(ThisNode, body): Sent<ThisNode, Heartbeat>,
+) -> ApiResult<Json<HeartbeatReply>> {
+    match app.store.heartbeat(&name, &body, now_ms()).await? {
+        Some((node, ended_leases)) => {
+            app.view.upsert(node);
+            Ok(Json(HeartbeatReply { ended_leases }))
+        }
+        None => Err(ApiError::NotFound(format!(
+            "node {name:?} is not registered here; register it (PUT /v1/nodes/{name})"
+        ))),
+    }
+}
+
+/// Query of `GET /v1/nodes`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NodesQuery {
+    /// Read the database, not this replica's view.
+    #[serde(default)]
+    fresh: bool,
+}
+
+/// Every node, as this replica sees it (at most `refresh_ms` old), or as
+/// the database has it now with `fresh=true`.
+#[utoipa::path(get, path = "/v1/nodes", params(NodesQuery),
+    responses((status = 200, body = Vec<NodeView>)))]
+pub(super) async fn list_nodes(
+    State(app): AppState,
+    Query(q): Query<NodesQuery>,
+    _: Caller,
+) -> ApiResult<Json<Vec<NodeView>>> {
+    if q.fresh {
+        let read = app.store.nodes().await?;
+        return Ok(Json(read.into_iter().map(|n| n.node).collect()));
+    }
+    Ok(Json(app.view.all()))
+}
+
+/// One node.
+#[utoipa::path(get, path = "/v1/nodes/{name}",
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
+    responses((status = 200, body = NodeView)))]
+pub(super) async fn show_node(
+    State(app): AppState,
+    Path(name): Path<String>,
+    _: Caller,
+) -> ApiResult<Json<NodeView>> {
+    check_node_name(&name)?;
+    app.view
+        .get(&name)
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no node is named {name:?}")))
+}
+
+async fn set_drained(app: &App, name: &str, drained: bool) -> ApiResult<Json<NodeView>> {
+    check_node_name(name)?;
+    let read = app
+        .store
+        .set_drained(name, drained)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no node is named {name:?}")))?;
+    let node = read.node.clone();
+    app.view.upsert(read);
+    tracing::info!(node = %name, drained, "node state set by an admin");
+    Ok(Json(node))
+}
+
+/// Drain a node (admin): it is no longer offered; its leases run to their end.
+#[utoipa::path(post, path = "/v1/nodes/{name}/drain",
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
+    responses((status = 200, body = NodeView)))]
+pub(super) async fn drain_node(
+    State(app): AppState,
+    Path(name): Path<String>,
+    _: Admin,
+) -> ApiResult<Json<NodeView>> {
+    set_drained(&app, &name, true).await
+}
+
+/// Resume a drained node (admin).
+#[utoipa::path(post, path = "/v1/nodes/{name}/resume",
+    params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
+    responses((status = 200, body = NodeView)))]
+pub(super) async fn resume_node(
+    State(app): AppState,
+    Path(name): Path<String>,
+    _: Admin,
+) -> ApiResult<Json<NodeView>> {
+    set_drained(&app, &name, false).await
+}

@@ -1,0 +1,63 @@
+//! Node and user credentials, stored by the hash of their secret.
+
+use rfaas_proto::manager::Role;
+use rfaas_service::credentials::{self, CredentialRow};
+
+use super::Store;
+use crate::db::{i, DbError};
+
+impl Store {
+    /// Stores a new credential.
+    pub async fn add_credential(&self, c: &CredentialRow, now_ms: u64) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO credentials (id, secret_hash, role, subject, account, created_ms, expires_at, revoked, job_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 0, $8)",
+        )
+        .bind(&c.id)
+        .bind(&c.secret_hash)
+        .bind(role_name(c.role))
+        .bind(&c.subject)
+        .bind(&c.account)
+        .bind(i(now_ms))
+        .bind(i(c.expires_at))
+        .bind(c.job_id.map(i))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// One credential by id.
+    pub async fn credential(&self, id: &str) -> Result<Option<CredentialRow>, DbError> {
+        credentials::find(&self.pool, id).await
+    }
+
+    /// Every credential not revoked.
+    pub async fn credentials(&self) -> Result<Vec<CredentialRow>, DbError> {
+        sqlx::query(&format!(
+            "SELECT {} FROM credentials WHERE revoked = 0 ORDER BY subject, id",
+            credentials::COLUMNS
+        ))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(credentials::from_row)
+        .collect()
+    }
+
+    /// Revokes a credential. `false`: unknown.
+    pub async fn revoke_credential(&self, id: &str) -> Result<bool, DbError> {
+        let done = sqlx::query("UPDATE credentials SET revoked = 1 WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+/// The stored name of a role.
+pub fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Node => "node",
+        Role::User => "user",
+    }
+}

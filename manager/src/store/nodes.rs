@@ -1,0 +1,258 @@
+//! Nodes: registrations, heartbeats, drains, and nodes lost.
+
+use rfaas_proto::manager::{Heartbeat, NodeProvider, NodeState, NodeView, RegisterNode};
+use sqlx::any::AnyRow;
+
+use super::leases::{LeaseRow, LEASE_COLS};
+use super::Store;
+use crate::announce::Leased;
+use crate::db::{i, text_col, u64_col, DbError};
+
+/// The columns of a node, in the order [`node_from_row`] reads them.
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq";
+
+/// A node as stored: what the API shows, and how many grants and releases
+/// have changed its leased counters (`lease_seq`), which orders the
+/// counters replicas hear of out of commit order (see [`crate::announce`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredNode {
+    /// The node.
+    pub node: NodeView,
+    /// Its `lease_seq` when read.
+    pub lease_seq: u64,
+}
+
+/// `node`'s `leased_cores, leased_memory_mib, lease_seq`.
+pub(super) fn leased_cols(node: &str, row: &AnyRow) -> Result<Leased, DbError> {
+    Ok(Leased {
+        node: node.to_owned(),
+        cores: u64_col(row, "leased_cores")? as u32,
+        memory_mib: u64_col(row, "leased_memory_mib")?,
+        seq: u64_col(row, "lease_seq")?,
+    })
+}
+
+fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
+    let admin: String = text_col(row, "admin_state")?;
+    let lost = u64_col(row, "lost")? != 0;
+    let state = if lost {
+        NodeState::Lost
+    } else if admin == "drained" {
+        NodeState::Drained
+    } else {
+        NodeState::Up
+    };
+    let providers: Vec<NodeProvider> = serde_json::from_str(&text_col(row, "providers")?)
+        .map_err(|e| DbError::Other(format!("stored providers: {e}")))?;
+    let node = NodeView {
+        name: text_col(row, "name")?,
+        state,
+        control_addr: text_col(row, "control_addr")?,
+        providers,
+        cores: u64_col(row, "cores")? as u32,
+        memory_mib: u64_col(row, "memory_mib")?,
+        leased_cores: u64_col(row, "leased_cores")? as u32,
+        leased_memory_mib: u64_col(row, "leased_memory_mib")?,
+        last_heartbeat_ms: u64_col(row, "last_heartbeat_ms")?,
+        harvested: u64_col(row, "harvested")? != 0,
+        withheld_cores: u64_col(row, "withheld_cores")? as u32,
+        draining_cores: u64_col(row, "draining_cores")? as u32,
+        draining_memory_mib: u64_col(row, "draining_memory_mib")?,
+    };
+    Ok(StoredNode {
+        node,
+        lease_seq: u64_col(row, "lease_seq")?,
+    })
+}
+
+impl Store {
+    /// Registers `name`, or updates its record; a lost node comes back.
+    ///
+    /// A node registered with fewer cores or less memory than it has
+    /// leased keeps its leases: its capacity stays at what is leased, and
+    /// the difference is recorded as draining (see `NODE_CAPACITY`).
+    pub async fn register(
+        &self,
+        name: &str,
+        r: &RegisterNode,
+        now_ms: u64,
+    ) -> Result<StoredNode, DbError> {
+        let providers = serde_json::to_string(&r.providers).expect("providers serialise");
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested)
+             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8)
+             ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, providers = excluded.providers,
+                cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores ELSE excluded.cores END,
+                draining_cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores - excluded.cores ELSE 0 END,
+                memory_mib = CASE WHEN nodes.leased_memory_mib > excluded.memory_mib THEN nodes.leased_memory_mib ELSE excluded.memory_mib END,
+                draining_memory_mib = CASE WHEN nodes.leased_memory_mib > excluded.memory_mib
+                    THEN nodes.leased_memory_mib - excluded.memory_mib ELSE 0 END,
+                version = excluded.version,
+                registered_ms = excluded.registered_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
+                harvested = excluded.harvested
+             RETURNING {NODE_COLS}"
+        ))
+        .bind(name)
+        .bind(&r.control_addr)
+        .bind(providers)
+        .bind(i(r.cores.into()))
+        .bind(i(r.memory_mib))
+        .bind(&r.version)
+        .bind(i(now_ms))
+        .bind(i64::from(r.harvested))
+        .fetch_one(&mut *tx)
+        .await?;
+        let node = node_from_row(&row)?;
+        self.notify(&mut tx, &[name]).await?;
+        tx.commit().await?;
+        Ok(node)
+    }
+
+    /// Records a heartbeat. `None`: the node is unknown (it must register).
+    /// Otherwise the leases the node holds that have ended.
+    pub async fn heartbeat(
+        &self,
+        name: &str,
+        h: &Heartbeat,
+        now_ms: u64,
+    ) -> Result<Option<(StoredNode, Vec<u64>)>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        // A lost node that heartbeats again is back: other replicas must
+        // hear of it, as of nothing else a heartbeat changes.
+        let was_lost = sqlx::query("UPDATE nodes SET lost = 0 WHERE name = $1 AND lost = 1")
+            .bind(name)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+            == 1;
+        // So is a change of the cores the node withholds: grants on other
+        // replicas must stop (or start) placing leases there.
+        let withheld_changed = sqlx::query(
+            "UPDATE nodes SET withheld_cores = $2 WHERE name = $1 AND withheld_cores <> $2",
+        )
+        .bind(name)
+        .bind(i(h.withheld_cores.into()))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        let row = sqlx::query(&format!(
+            "UPDATE nodes SET last_heartbeat_ms = $2, free_cores = $3, free_memory_mib = $4
+             WHERE name = $1 RETURNING {NODE_COLS}"
+        ))
+        .bind(name)
+        .bind(i(now_ms))
+        .bind(i(h.free_cores.into()))
+        .bind(i(h.free_memory_mib))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let node = node_from_row(&row)?;
+        let mut ended = Vec::new();
+        for chunk in h.allocations.chunks(500) {
+            let marks: Vec<String> = (0..chunk.len()).map(|k| format!("${}", k + 2)).collect();
+            let sql = format!(
+                "SELECT id FROM leases WHERE node = $1 AND state <> 'active' AND id IN ({})",
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql).bind(name);
+            for held in chunk {
+                q = q.bind(i(held.lease_id));
+            }
+            for row in q.fetch_all(&mut *tx).await? {
+                ended.push(u64_col(&row, "id")?);
+            }
+        }
+        if was_lost || withheld_changed {
+            self.notify(&mut tx, &[name]).await?;
+        }
+        tx.commit().await?;
+        Ok(Some((node, ended)))
+    }
+
+    /// Drains (`true`) or resumes a node. `None`: unknown.
+    pub async fn set_drained(
+        &self,
+        name: &str,
+        drained: bool,
+    ) -> Result<Option<StoredNode>, DbError> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "UPDATE nodes SET admin_state = $2 WHERE name = $1 RETURNING {NODE_COLS}"
+        ))
+        .bind(name)
+        .bind(if drained { "drained" } else { "up" })
+        .fetch_optional(&mut *tx)
+        .await?;
+        let node = row.as_ref().map(node_from_row).transpose()?;
+        if node.is_some() {
+            self.notify(&mut tx, &[name]).await?;
+        }
+        tx.commit().await?;
+        Ok(node)
+    }
+
+    /// Every node, by name.
+    pub async fn nodes(&self) -> Result<Vec<StoredNode>, DbError> {
+        sqlx::query(&format!("SELECT {NODE_COLS} FROM nodes ORDER BY name"))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(node_from_row)
+            .collect()
+    }
+
+    /// Some nodes by name (missing ones left out), 500 to a query.
+    pub async fn nodes_named(&self, names: &[&str]) -> Result<Vec<StoredNode>, DbError> {
+        let mut out = Vec::new();
+        for chunk in names.chunks(500) {
+            let marks: Vec<String> = (1..=chunk.len()).map(|k| format!("${k}")).collect();
+            let sql = format!(
+                "SELECT {NODE_COLS} FROM nodes WHERE name IN ({})",
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for name in chunk {
+                q = q.bind(*name);
+            }
+            for row in q.fetch_all(&self.pool).await? {
+                out.push(node_from_row(&row)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Marks nodes silent since before `cut_ms` lost, then ends the leases
+    /// of every lost node. Returns the nodes newly lost and the leases
+    /// ended.
+    pub async fn reap_lost(
+        &self,
+        cut_ms: u64,
+        now_ms: u64,
+    ) -> Result<(Vec<String>, Vec<LeaseRow>), DbError> {
+        let mut tx = self.pool.begin().await?;
+        let lost: Vec<String> = sqlx::query(
+            "UPDATE nodes SET lost = 1 WHERE lost = 0 AND last_heartbeat_ms < $1 RETURNING name",
+        )
+        .bind(i(cut_ms))
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(|r| text_col(r, "name"))
+        .collect::<Result<_, _>>()?;
+        let names: Vec<&str> = lost.iter().map(String::as_str).collect();
+        self.notify(&mut tx, &names).await?;
+        tx.commit().await?;
+
+        // Lease rows before node rows: a second transaction.
+        let sql = format!(
+            "UPDATE leases SET state = 'lost', ended_ms = $1 WHERE state = 'active'
+               AND node IN (SELECT name FROM nodes WHERE lost = 1) RETURNING {LEASE_COLS}"
+        );
+        let ended = self.end_leases(sqlx::query(&sql).bind(i(now_ms))).await?;
+        Ok((lost, ended))
+    }
+}
