@@ -19,7 +19,7 @@ use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord};
 use rfaas_testkit::on_both;
-use rfaas_testkit::wait::{wait_until, TIMEOUT};
+use rfaas_testkit::wait::{poll_for, wait_until, TIMEOUT};
 use sqlx::Row;
 
 /// The accounting service's flush period, ms.
@@ -49,20 +49,19 @@ fn slot_of(env: &Env, lease: u64) -> Option<i64> {
 /// show the close.
 fn assert_freed(env: &Env, d: &Executord, journal: &Path, how: &str, lease: u64, end: SystemTime) {
     let bound = Duration::from_millis(FLUSH_MS) * FLUSHES;
-    loop {
-        if slot_of(env, lease).is_none() {
-            break;
-        }
-        let since = SystemTime::now().duration_since(end).unwrap_or_default();
-        assert!(
-            since < bound,
-            "lease {lease}, ended by {how}, still holds its slot {since:?} after its end \
+    let since_end = || SystemTime::now().duration_since(end).unwrap_or_default();
+    poll_for(bound.saturating_sub(since_end()), || {
+        slot_of(env, lease).is_none().then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "lease {lease}, ended by {how}, still holds its slot {:?} after its end \
              (more than {FLUSHES} flushes of {FLUSH_MS} ms)\njournal:\n{}\nexecutor log:\n{}",
+            since_end(),
             std::fs::read_to_string(journal).unwrap_or_default(),
             d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        )
+    });
     let usage = env
         .usage(lease)
         .unwrap_or_else(|| panic!("{how}: no usage row"));

@@ -158,7 +158,8 @@ fn client(managers: &Managers, spec: &AllocationSpec, stop: &AtomicBool) -> (Vec
         let la = match managers.allocate(&client, &want, spec, &options) {
             Ok(la) => la,
             Err(e) => {
-                // A node or the database is down: try again.
+                // A node or the database is down: try again. The pause
+                // paces the retries, as a job's would; it orders nothing.
                 eprintln!("faults: no allocation: {e}");
                 refused += 1;
                 std::thread::sleep(Duration::from_millis(50));
@@ -285,6 +286,8 @@ fn usage_is_exact_and_losses_bounded_under_faults(kind: &str) {
                 s.spawn(move || client(managers, spec, stop))
             })
             .collect();
+        // The plan's times are the subject: each fault comes at its time
+        // into the load, and the load runs for LOAD.
         for (at, fault) in &plan {
             std::thread::sleep((start + *at).saturating_duration_since(Instant::now()));
             let now = Instant::now();

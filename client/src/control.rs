@@ -512,8 +512,10 @@ mod tests {
 
         let f = Arc::new(Fate::new("127.0.0.1:9".into()));
         let g = Arc::clone(&f);
+        let waiter = rfaas_testkit::wait::thread_id();
+        // The news comes once this thread waits for it.
         let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
+            rfaas_testkit::wait::wait_until_asleep(std::process::id(), waiter);
             g.set(FateState::ExecutorLost);
         });
         // Waits for the late news instead of answering WorkerLost.

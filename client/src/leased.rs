@@ -2,10 +2,11 @@
 //! [`Managers::allocate`].
 //!
 //! It asks the managers for a lease, allocates on the granted node, and
-//! keeps both alive from a background thread: at two thirds of the lease's
-//! duration (on the [`Managers`]' clock) the thread renews the lease and
-//! hands the new token to the executor, so the worker is not stopped at
-//! the old end. Deallocating, or dropping it, stops the thread and releases
+//! keeps both alive from a background thread: two thirds of the time the
+//! lease is sure to last after it was asked for (its duration less one
+//! second, as the manager counts its end in whole seconds), on the
+//! [`Managers`]' clock, the thread renews it and hands the new token to
+//! the executor, so the worker is not stopped at the old end. Deallocating, or dropping it, stops the thread and releases
 //! the lease.
 //!
 //! With [`LeaseOptions::retry_elsewhere`],
@@ -24,7 +25,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::allocation::{Allocation, FunctionId, Renewer};
 use crate::buffer::{Buffer, Pod};
@@ -73,6 +74,10 @@ impl LeaseOptions {
 /// The longest the renewal thread sleeps at once: how soon it notices it
 /// should stop.
 const SLICE: Duration = Duration::from_millis(50);
+
+/// What a lease may fall short of its duration: the manager sets its end
+/// in whole Unix seconds from the second it grants or renews it in.
+const WHOLE_SECOND: Duration = Duration::from_secs(1);
 
 /// Nodes a [`LeaseRequest`] may prefer.
 const MAX_PREFERRED: usize = 1024;
@@ -137,10 +142,11 @@ impl Managers {
         if request.duration_s < 3 {
             return Err(Error::InvalidArgument(format!(
                 "a lease renewed in the background needs duration_s of 3 or more (it is {}); \
-                 the renewal comes at two thirds of it",
+                 the renewal comes at two thirds of it less a second",
                 request.duration_s
             )));
         }
+        let asked = self.clock().now();
         let mut left = Vec::new();
         let attempts = if options.retry_elsewhere { 3 } else { 1 };
         let mut n = 0;
@@ -171,7 +177,7 @@ impl Managers {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name("rfaas-renew".into())
-                .spawn(move || shared.renew_forever())
+                .spawn(move || shared.renew_forever(asked))
                 .map_err(|e| {
                     Error::InvalidArgument(format!(
                         "cannot start the lease renewal thread: {e}; raise the process's thread limit"
@@ -271,13 +277,16 @@ fn preferred(
 }
 
 impl Shared {
-    /// The renewal thread: renews at two thirds of the duration until told
-    /// to stop.
-    fn renew_forever(&self) {
+    /// The renewal thread: renews at two thirds of what the lease asked
+    /// for at `asked` is sure to last, counted from when it was asked for
+    /// (so neither the allocation's start nor a renewal's own round trip
+    /// delays the next), until told to stop.
+    fn renew_forever(&self, mut asked: Instant) {
         let clock = self.managers.clock();
-        let period = self.duration * 2 / 3;
+        let lasts = self.duration.saturating_sub(WHOLE_SECOND);
+        let period = lasts * 2 / 3;
         loop {
-            let due = clock.now() + period;
+            let due = asked + period;
             loop {
                 if self.stop.load(Ordering::Acquire) {
                     return;
@@ -292,11 +301,12 @@ impl Shared {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
+            asked = clock.now();
             let Some(lease) = current.lease.as_ref() else {
                 continue;
             };
             // What is left of the lease is the time to get it renewed in.
-            let deadline = (self.duration - period).max(Duration::from_secs(1));
+            let deadline = (lasts - period).max(Duration::from_secs(1));
             let token = match lease.renew(self.duration, deadline) {
                 Ok(nodes) => nodes.into_iter().find(|n| n.node == current.node),
                 Err(e) => {

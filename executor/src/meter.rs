@@ -437,6 +437,7 @@ mod tests {
             }
         };
         let (t0, m0) = pair();
+        // Time is the subject: both clocks run 20 ms, then are compared.
         std::thread::sleep(Duration::from_millis(20));
         let (t1, m1) = pair();
         assert!(t1 > t0);

@@ -15,6 +15,7 @@ use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits};
 use rfaas_testkit::abuse::{self, Attack, Plan, Usage};
 use rfaas_testkit::executord::{request, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
+use rfaas_testkit::wait::wait_until;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
 const MINUTE: Duration = Duration::from_secs(60);
@@ -313,14 +314,9 @@ fn large_unchecked_json_is_bounded_in_all() {
     // The daemon reads at its own pace: wait until it has read every byte
     // sent (or refused the connection), so the count below does not depend
     // on how busy the machine is.
-    let until = std::time::Instant::now() + MINUTE;
-    while !open.iter().all(settled) {
-        assert!(
-            std::time::Instant::now() < until,
-            "the daemon stopped reading"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("the daemon to read every byte sent", MINUTE, || {
+        open.iter().all(settled)
+    });
     let held = Usage::of(d.pid());
     assert!(
         held.rss_kib <= quiet.rss_kib + (48 << 10),

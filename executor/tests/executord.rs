@@ -16,7 +16,8 @@ use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameHeader, FrameLimit
 use rfaas_proto::lease::LeaseSigner;
 use rfaas_testkit::executord::{request, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, CrashOnce};
-use rfaas_testkit::process::wait_for_exit;
+use rfaas_testkit::process::wait_gone;
+use rfaas_testkit::wait::poll_for;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
 const MINUTE: Duration = Duration::from_secs(60);
@@ -151,10 +152,6 @@ fn pid_of(d: &Executord, allocation_id: u64) -> u32 {
 
 fn process_exists(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
-}
-
-fn wait_gone(pid: u32) {
-    assert!(wait_for_exit(pid, MINUTE), "process {pid} still exists");
 }
 
 fn uid_of(pid: u32) -> u32 {
@@ -1015,14 +1012,8 @@ fn a_take_back_sends_a_heartbeat_at_once() {
         let (_, n) = admin.call("GET", "/v1/nodes/rfaas-test-node", None);
         (n["state"] == "up").then(|| n["last_heartbeat_ms"].as_u64().unwrap_or(0))
     };
-    let until = Instant::now() + MINUTE;
-    let registered = loop {
-        if let Some(t) = beat() {
-            break t;
-        }
-        assert!(Instant::now() < until, "never registered:\n{}", d.log());
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let registered =
+        poll_for(MINUTE, beat).unwrap_or_else(|| panic!("never registered:\n{}", d.log()));
     d.local(LocalRequest::SlurmRetrieve {
         job_id: 5,
         cpus: 1,
@@ -1030,15 +1021,10 @@ fn a_take_back_sends_a_heartbeat_at_once() {
     });
     // Half the heartbeat interval: only a heartbeat sent for the
     // take-back arrives before it.
-    let until = Instant::now() + Duration::from_secs(30);
-    while beat() <= Some(registered) {
-        assert!(
-            Instant::now() < until,
-            "no heartbeat after the take-back:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll_for(Duration::from_secs(30), || {
+        (beat() > Some(registered)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("no heartbeat after the take-back:\n{}", d.log()));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -22,6 +22,7 @@ use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions, Mode};
 use rfaas_proto::control::local::{LeaseUsage, LocalReply, LocalRequest};
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
+use rfaas_testkit::wait::{poll_for, wait_for, wait_until};
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
 const MINUTE: Duration = Duration::from_secs(60);
@@ -79,18 +80,16 @@ fn usage(d: &Executord, lease: u64) -> LeaseUsage {
 
 /// The figures once the lease has ended, waited for.
 fn final_usage(d: &Executord, lease: u64) -> LeaseUsage {
-    let until = std::time::Instant::now() + MINUTE;
-    loop {
+    let mut last = None;
+    poll_for(MINUTE, || {
         let u = usage(d, lease);
         if u.ended {
-            return u;
+            return Some(u);
         }
-        assert!(
-            std::time::Instant::now() < until,
-            "the lease never ended: {u:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        last = Some(u);
+        None
+    })
+    .unwrap_or_else(|| panic!("the lease never ended: {last:?}"))
 }
 
 /// A sample of the daemon's figures, with the worker's CPU clock read by
@@ -278,13 +277,13 @@ fn a_function_that_scribbles_on_its_meter_cannot_change_its_cpu_bill() {
             done.store(true, Ordering::Release);
             r
         });
-        while !done.load(Ordering::Acquire) {
+        wait_until("meter_zero_burn to return", MINUTE, || {
             let next = sample(&d, lease, pid);
             assert_follows_the_kernel(&last, &next);
             assert!(next.usage.usage.invocations >= last.usage.usage.invocations);
             last = next;
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            done.load(Ordering::Acquire)
+        });
         let (own, found) = burner.join().unwrap();
         assert!(found, "meter_zero_burn did not find its meter area");
         assert!(own >= 600_000_000);
@@ -313,19 +312,14 @@ fn a_worker_killed_in_a_call_still_has_its_final_usage() {
             alloc.invoke(f, &input, 1, &mut output)
         });
         // The call has started once the lane counted it.
-        let until = std::time::Instant::now() + MINUTE;
-        let started = loop {
+        let started = wait_for("the call to start", MINUTE, || {
             let s = sample(&d, lease, pid);
-            if s.usage.usage.invocations == 1 {
-                break s;
-            }
-            assert!(std::time::Instant::now() < until, "the call never started");
-            std::thread::sleep(Duration::from_millis(5));
-        };
+            (s.usage.usage.invocations == 1).then_some(s)
+        });
         // Let it burn another 100 ms of CPU, by the kernel, unsampled.
-        while worker_cpu_ns(pid) < started.after + 100_000_000 {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until("the call to burn 100 ms more CPU", MINUTE, || {
+            worker_cpu_ns(pid) >= started.after + 100_000_000
+        });
         let killed_after = worker_cpu_ns(pid);
         // SAFETY: kill has no memory preconditions; the pid is the worker
         // this test's allocation runs (the daemon has not reaped it).

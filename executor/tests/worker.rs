@@ -24,7 +24,7 @@ use rfaas_proto::control::worker::{Assignment, WorkerFailed, WorkerReady};
 use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
-use rfaas_testkit::wait::{wait_for, wait_until, wait_until_all_asleep};
+use rfaas_testkit::wait::{poll_for, wait_for, wait_until, wait_until_all_asleep};
 use rstest::rstest;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -331,32 +331,35 @@ impl ClientLane {
     }
 
     /// Whether the worker has closed this connection: a write to it fails
-    /// (at post or in its completion) within `TIMEOUT`.
+    /// (at post or in its completion) within `TIMEOUT`. One probe write is
+    /// in flight at a time; the next is posted once it completed.
     fn is_dropped(&mut self) -> bool {
-        let start = Instant::now();
+        const PROBE: u64 = 5;
         let mut done = [Completion::EMPTY; 8];
-        while start.elapsed() < TIMEOUT {
-            let to = RemoteAddr {
-                addr: self.remote.addr,
-                rkey: self.remote.rkey,
-            };
-            if self.ep.write(5, &self.input, 0, 8, to).is_err() {
-                return true;
-            }
-            let until = Instant::now() + Duration::from_millis(200);
-            while Instant::now() < until {
-                let n = self.cq.poll(&mut done);
-                if done[..n].iter().any(|c| c.status != Status::Success) {
-                    return true;
+        let mut in_flight = false;
+        poll_for(TIMEOUT, || {
+            if !in_flight {
+                let to = RemoteAddr {
+                    addr: self.remote.addr,
+                    rkey: self.remote.rkey,
+                };
+                if self.ep.write(PROBE, &self.input, 0, 8, to).is_err() {
+                    return Some(());
                 }
-                assert!(
-                    !done[..n].iter().any(|c| c.opcode == Opcode::RecvWithImm),
-                    "a connection without the lane key got an answer"
-                );
-                std::thread::sleep(Duration::from_millis(5));
+                in_flight = true;
             }
-        }
-        false
+            let n = self.cq.poll(&mut done);
+            if done[..n].iter().any(|c| c.status != Status::Success) {
+                return Some(());
+            }
+            assert!(
+                !done[..n].iter().any(|c| c.opcode == Opcode::RecvWithImm),
+                "a connection without the lane key got an answer"
+            );
+            in_flight &= !done[..n].iter().any(|c| c.wr_id == PROBE);
+            None
+        })
+        .is_some()
     }
 
     /// Invokes `function` on `payload`: inline when it fits the worker's

@@ -3,12 +3,12 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use rfaas_testkit::manager::Api;
 use rfaas_testkit::on_both;
-use rfaas_testkit::wait::wait_for;
+use rfaas_testkit::wait::{poll_for, wait_for};
 use serde_json::json;
 
 fn nodes_register_heartbeat_drain_resume(kind: &str) {
@@ -809,13 +809,7 @@ fn a_registration_below_the_leases_drains_the_difference(kind: &str) {
         for (replica, what) in [(&m, "this replica"), (&m2, "another replica")] {
             let admin = replica.admin();
             let mut last = serde_json::Value::Null;
-            let until = Instant::now() + Duration::from_secs(20);
-            while figures(&last) != want {
-                assert!(
-                    Instant::now() < until,
-                    "{what} never showed {want:?}: {last}"
-                );
-                std::thread::sleep(Duration::from_millis(20));
+            poll_for(Duration::from_secs(20), || {
                 let (s, n) = admin.call("GET", "/v1/nodes/a", None);
                 assert_eq!((s, n["state"].as_str()), (200, Some("up")), "{n}");
                 assert!(
@@ -824,7 +818,9 @@ fn a_registration_below_the_leases_drains_the_difference(kind: &str) {
                     "{what} holds more leased than the node's capacity: {n}"
                 );
                 last = n;
-            }
+                (figures(&last) == want).then_some(())
+            })
+            .unwrap_or_else(|| panic!("{what} never showed {want:?}: {last}"));
         }
         assert_eq!(check_no_core_leased_twice(&m), want[1]);
     };

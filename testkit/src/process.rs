@@ -5,7 +5,8 @@
 //! listening on ...`, `rfaas-executord ready ...`): [`spawn_ready`] starts
 //! one, its standard error appended to a log file, and waits for that
 //! line. [`stop`] ends a process with SIGTERM, then SIGKILL after a grace;
-//! [`wait_for_exit`] sleeps on a pidfd until a process is gone.
+//! [`wait_for_exit`] sleeps on a pidfd until a process is gone, and
+//! [`wait_gone`] fails the test when it is not.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -117,6 +118,16 @@ pub fn wait_for_exit(pid: u32, timeout: Duration) -> bool {
             _ => return false,
         }
     }
+}
+
+/// Waits up to [`crate::wait::TIMEOUT`] for process `pid` to end (gone,
+/// or a zombie); fails the test naming it when it has not.
+pub fn wait_gone(pid: u32) {
+    let within = crate::wait::TIMEOUT;
+    assert!(
+        wait_for_exit(pid, within),
+        "waited {within:?} for process {pid} to end, and it did not"
+    );
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use rfaas::*;
 use rfaas_proto::control::local::LocalReply;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library, wait_in_sleep_ms};
+use rfaas_testkit::process::wait_gone;
 
 const FUNCTIONS: &[&str] = &["echo", "noop", "fault_segfault", "sleep_ms"];
 
@@ -168,22 +169,6 @@ fn warm() -> rfaas_alloc_options {
 fn kill(pid: u32, signal: i32) {
     // SAFETY: kill has no memory preconditions.
     assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0, "kill {pid}");
-}
-
-/// Waits until process `pid` has ended (gone, or a zombie).
-fn wait_gone(pid: u32) {
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].trim_start().chars().next());
-        if matches!(state, None | Some('Z' | 'X')) {
-            return;
-        }
-        assert!(std::time::Instant::now() < until, "process {pid} lives on");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// A buffer, freed on drop.

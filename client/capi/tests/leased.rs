@@ -7,13 +7,13 @@
 
 use std::ffi::{CStr, CString};
 use std::ptr::null_mut;
-use std::time::{Duration, Instant};
 
 use rfaas::*;
 use rfaas_proto::control::local::{LocalReply, LocalRequest};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library, CrashOnce};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 use serde_json::json;
 
 #[track_caller]
@@ -243,11 +243,9 @@ fn a_full_node_is_waited_for_until_the_deadline() {
     let alloc = std::thread::scope(|scope| {
         // Bob lets go once the manager has told the job there is no room.
         scope.spawn(|| {
-            let until = Instant::now() + Duration::from_secs(60);
-            while m.denials("no_capacity") == 0 {
-                assert!(Instant::now() < until, "the job never asked");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            wait_until("the job to be denied for lack of room", TIMEOUT, || {
+                m.denials("no_capacity") > 0
+            });
             let (s, r) = bob.call("DELETE", &format!("/v1/leases/{}", grant["id"]), None);
             assert_eq!(s, 204, "{r}");
         });
@@ -275,11 +273,9 @@ fn a_drained_node_is_left_and_the_allocation_says_where_it_went() {
 
     std::thread::scope(|scope| {
         let drain = scope.spawn(|| a.local(LocalRequest::Drain { grace_ms: 5000 }));
-        let until = Instant::now() + Duration::from_secs(30);
-        while !matches!(a.status(), LocalReply::Status { draining: true, .. }) {
-            assert!(Instant::now() < until, "node-a never drained");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        a.wait_status(TIMEOUT, |s| {
+            matches!(s, LocalReply::Status { draining: true, .. })
+        });
         echo(alloc, 2);
         drain.join().unwrap();
     });
