@@ -99,6 +99,7 @@ fn meter_invocation(ctx: &Ctx, out: &mut Report) -> Result<()> {
     m.enter(LaneState::Hot);
     batches(ctx, METER_INVOCATION, out, || {
         m.enter_function(black_box(64));
-        m.leave_function(black_box(64), LaneState::Hot);
+        m.count_output(black_box(64));
+        m.leave_function(LaneState::Hot);
     })
 }

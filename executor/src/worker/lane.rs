@@ -342,10 +342,13 @@ impl Lane {
         } else {
             (InvocationStatus::Ok, returned as usize)
         };
+        // Before the answer: a worker stopped right after it (the client
+        // deallocates at once) still counts these bytes.
+        self.meter.count_output(len);
         let flow = self.respond(req.invocation_id, reply_to, status, len);
         // After the answer is on its way: the clock read is off the
         // client's path.
-        self.meter.leave_function(len, self.after_function);
+        self.meter.leave_function(self.after_function);
         flow
     }
 
