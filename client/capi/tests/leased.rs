@@ -276,7 +276,15 @@ fn a_drained_node_is_left_and_the_allocation_says_where_it_went() {
         a.wait_status(TIMEOUT, |s| {
             matches!(s, LocalReply::Status { draining: true, .. })
         });
-        echo(alloc, 2);
+        // The worker refuses once its SIGUSR1 has run, a moment after the
+        // daemon says it drains: every call succeeds, and one soon lands on
+        // node-b.
+        let mut n = 1;
+        wait_until("the allocation to leave the drained node", TIMEOUT, || {
+            n += 1;
+            echo(alloc, n);
+            whereabouts(alloc).0 == "node-b"
+        });
         drain.join().unwrap();
     });
     assert_eq!(
