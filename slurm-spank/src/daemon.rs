@@ -121,17 +121,32 @@ pub fn ask_reply(
 }
 
 fn exchange(path: &Path, req: &LocalRequest, limit: Duration) -> Result<LocalReply, TalkError> {
-    let protocol = |source: ControlError| TalkError::Protocol {
-        path: path.to_path_buf(),
-        source,
+    // A socket timeout is the bound running out on this side of the
+    // exchange: the same answer the waiting caller gives.
+    let protocol = |source: ControlError| match &source {
+        ControlError::Io(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            TalkError::Timeout {
+                path: path.to_path_buf(),
+                limit,
+            }
+        }
+        _ => TalkError::Protocol {
+            path: path.to_path_buf(),
+            source,
+        },
     };
     let mut sock = UnixStream::connect(path).map_err(|source| TalkError::Connect {
         path: path.to_path_buf(),
         source,
     })?;
-    let limit = limit.max(Duration::from_millis(1));
-    sock.set_read_timeout(Some(limit))
-        .and_then(|()| sock.set_write_timeout(Some(limit)))
+    let bound = limit.max(Duration::from_millis(1));
+    sock.set_read_timeout(Some(bound))
+        .and_then(|()| sock.set_write_timeout(Some(bound)))
         .map_err(|e| protocol(e.into()))?;
     Frame::new(req, Vec::new())
         .write_to(&mut sock)
