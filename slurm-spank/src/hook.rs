@@ -9,13 +9,14 @@
 
 use std::any::Any;
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use rfaas_proto::control::local::LocalRequest;
 
 use std::collections::BTreeMap;
 
-use rfaas_proto::control::local::LocalReply;
+use rfaas_proto::control::local::{LocalReply, JOB_ENV_VARS};
 
 use crate::daemon::{ask, ask_reply, TalkError};
 use crate::job::JobOnNode;
@@ -57,9 +58,14 @@ impl<'a, L: Log> Logger<'a, L> {
             now.subsec_millis(),
             std::process::id()
         );
+        // The plugin runs as root: a link at the path (planted where a
+        // user may write) is never followed, and a new file is the
+        // owner's alone.
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
         {
             let _ = f.write_all(text.as_bytes());
@@ -120,7 +126,14 @@ pub fn run(event: Event, settings: &Settings, job: &JobOnNode, log: &dyn Log) {
             "offer the idle CPUs to rfaas".to_string(),
         ),
     };
-    match ask(&settings.socket_for(job.node.as_deref()), req, limit) {
+    let socket = match settings.socket_for(job.node.as_deref()) {
+        Ok(socket) => socket,
+        Err(why) => {
+            log.error(&fail_open_line(event, job.job_id, node, &what, &why));
+            return;
+        }
+    };
+    match ask(&socket, req, limit) {
         Ok(message) => log.info(&format!("job {} on {node}: {what}: {message}", job.job_id)),
         Err(e) => log.error(&fail_open_line(event, job.job_id, node, &what, &e)),
     }
@@ -138,8 +151,27 @@ pub fn job_env(
     log: &dyn Log,
 ) -> Result<BTreeMap<String, String>, String> {
     let req = LocalRequest::SlurmJobEnv { job_id, uid };
-    let why = match ask_reply(&settings.socket_for(node), req, settings.timeout) {
-        Ok(LocalReply::JobEnv { vars, expires_at }) => {
+    let reply = settings
+        .socket_for(node)
+        .and_then(|socket| ask_reply(&socket, req, settings.timeout).map_err(|e| e.to_string()));
+    let why = match reply {
+        Ok(LocalReply::JobEnv {
+            mut vars,
+            expires_at,
+        }) => {
+            let unknown: Vec<String> = vars
+                .keys()
+                .filter(|name| !JOB_ENV_VARS.contains(&name.as_str()))
+                .cloned()
+                .collect();
+            if !unknown.is_empty() {
+                vars.retain(|name, _| JOB_ENV_VARS.contains(&name.as_str()));
+                log.error(&format!(
+                    "job {job_id}: the executor daemon's answer named variables the plugin does not set: {}; only {} are set",
+                    unknown.join(", "),
+                    JOB_ENV_VARS.join(", ")
+                ));
+            }
             let names: Vec<&str> = vars.keys().map(String::as_str).collect();
             log.info(&format!(
                 "job {job_id}: rfaas environment set ({}; the credential expires at {expires_at})",
@@ -151,7 +183,7 @@ pub fn job_env(
             reply: Box::new(other),
         }
         .to_string(),
-        Err(e) => e.to_string(),
+        Err(why) => why,
     };
     let line = no_env_line(job_id, &why);
     log.error(&line);
@@ -163,7 +195,13 @@ pub fn no_env_line(job_id: u64, why: &str) -> String {
     format!("job {job_id}: no rfaas environment: {why}; the job runs without rfaas")
 }
 
-fn fail_open_line(event: Event, job_id: u64, node: &str, what: &str, e: &TalkError) -> String {
+fn fail_open_line(
+    event: Event,
+    job_id: u64,
+    node: &str,
+    what: &str,
+    e: &dyn std::fmt::Display,
+) -> String {
     let then = match event {
         Event::Prolog => "the job starts anyway (fail open)",
         Event::Epilog => "the node is not offered to rfaas until the next job ends (fail open)",
@@ -201,6 +239,7 @@ fn panic_message(payload: &(dyn Any + Send)) -> &str {
 mod tests {
     use super::*;
     use std::cell::RefCell;
+    use std::os::unix::fs::PermissionsExt;
     use std::time::{Duration, Instant};
 
     #[derive(Default)]
@@ -271,6 +310,109 @@ mod tests {
         assert!(text.contains(" info one\n"), "{text}");
         assert!(text.contains(" error two\n"), "{text}");
         assert_eq!(lines.0.into_inner().len(), 2);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "a new log file is its owner's alone");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_link_at_the_log_path_is_not_followed() {
+        let dir = std::env::temp_dir().join(format!("rfaas-slurm-link-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("elsewhere");
+        std::fs::write(&target, "kept\n").unwrap();
+        let link = dir.join("rfaas.log");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let settings = Settings {
+            log_file: Some(link.clone()),
+            ..Settings::default()
+        };
+        let lines = Lines::default();
+        Logger::new(&lines, &settings).error("through the link?");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "kept\n");
+        assert_eq!(
+            lines.0.into_inner().len(),
+            1,
+            "the line still reaches Slurm's log"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A daemon socket that answers one `JobEnv` naming `vars`.
+    fn answering(
+        name: &str,
+        vars: &[(&str, &str)],
+    ) -> (std::path::PathBuf, std::thread::JoinHandle<()>) {
+        use rfaas_proto::control::{Frame, FrameLimits};
+        let path =
+            std::env::temp_dir().join(format!("rfaas-slurm-env-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let reply = LocalReply::JobEnv {
+            vars: vars
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            expires_at: 4_000_000_000,
+        };
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            Frame::read_from(&mut s, FrameLimits::default()).unwrap();
+            Frame::new(&reply, vec![]).write_to(&mut s).unwrap();
+        });
+        (path, server)
+    }
+
+    #[test]
+    fn only_the_rfaas_variables_reach_the_job() {
+        let (path, server) = answering(
+            "vars",
+            &[
+                ("RFAAS_MANAGERS", "https://m1:7000"),
+                ("RFAAS_CREDENTIAL", "jc-1.secret"),
+                ("LD_PRELOAD", "/tmp/evil.so"),
+                ("PATH", "/tmp/evil"),
+                ("RFAAS_SOMETHING_NEW", "x"),
+            ],
+        );
+        let settings = Settings {
+            socket: path.clone(),
+            ..Settings::default()
+        };
+        let lines = Lines::default();
+        let vars = job_env(&settings, Some("node1"), 7, 1000, &lines).unwrap();
+        server.join().unwrap();
+        assert_eq!(
+            vars.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["RFAAS_CREDENTIAL", "RFAAS_MANAGERS"]
+        );
+        let lines = lines.0.into_inner();
+        assert!(
+            lines.iter().any(|l| l.starts_with("error job 7:")
+                && l.contains("LD_PRELOAD, PATH, RFAAS_SOMETHING_NEW")),
+            "{lines:?}"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_node_name_from_outside_slurm_reaches_no_socket() {
+        let (mut settings, _) = Settings::parse(["socket=/tmp/rfaas-%n.sock"]);
+        settings.timeout = Duration::from_millis(100);
+        let lines = Lines::default();
+        let e = job_env(&settings, Some("../../x"), 7, 1000, &lines).unwrap_err();
+        assert!(e.contains("not a Slurm node name"), "{e}");
+        let job = JobOnNode {
+            job_id: 8,
+            node: Some("../x".into()),
+            cpus: 1,
+        };
+        run(Event::Epilog, &settings, &job, &lines);
+        let lines = lines.0.into_inner();
+        assert!(
+            lines.last().unwrap().contains("not a Slurm node name"),
+            "{lines:?}"
+        );
     }
 }

@@ -72,17 +72,42 @@ impl fmt::Display for BadWord {
     }
 }
 
+/// Refuses a node name that could take a path elsewhere: only ASCII
+/// letters, digits, `-`, `_` and `.`, not starting with `.`, at most 255
+/// bytes (what Slurm's own node names hold).
+pub fn check_node_name(name: &str) -> Result<(), String> {
+    let fits = !name.is_empty()
+        && name.len() <= 255
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if fits {
+        Ok(())
+    } else {
+        Err(format!(
+            "the node name {name:?} is not a Slurm node name (letters, digits, '-', '_' and '.', \
+             not starting with '.'); no socket path is made of it"
+        ))
+    }
+}
+
 impl Settings {
     /// The executor daemon's socket on Slurm node `node`: `%n` in
     /// `socket=` stands for the node's name (as in Slurm's own
     /// `SlurmdSpoolDir`), for hosts that run several slurmd. Without a
     /// name, `%n` stays as it is (and names no socket).
-    pub fn socket_for(&self, node: Option<&str>) -> PathBuf {
+    ///
+    /// `Err` says why `node` cannot stand in a path: a name with `/`, `..`
+    /// or anything a Slurm node name does not hold is refused, never
+    /// joined, because the plugin connects as root to what it names.
+    pub fn socket_for(&self, node: Option<&str>) -> Result<PathBuf, String> {
         match (node, self.socket.to_str()) {
             (Some(node), Some(path)) if path.contains("%n") => {
-                PathBuf::from(path.replace("%n", node))
+                check_node_name(node)?;
+                Ok(PathBuf::from(path.replace("%n", node)))
             }
-            _ => self.socket.clone(),
+            _ => Ok(self.socket.clone()),
         }
     }
 
@@ -270,19 +295,33 @@ mod tests {
         let (s, bad) = Settings::parse(["socket=/run/rfaas/executord-%n.sock"]);
         assert!(bad.is_empty(), "{bad:?}");
         assert_eq!(
-            s.socket_for(Some("node2")),
+            s.socket_for(Some("node2")).unwrap(),
             PathBuf::from("/run/rfaas/executord-node2.sock")
         );
         assert_eq!(
-            s.socket_for(None),
+            s.socket_for(None).unwrap(),
             PathBuf::from("/run/rfaas/executord-%n.sock")
         );
         let (plain, _) = Settings::parse(["socket=/run/rfaas/executord.sock"]);
         assert_eq!(
-            plain.socket_for(Some("node2")),
+            plain.socket_for(Some("node2")).unwrap(),
             PathBuf::from("/run/rfaas/executord.sock")
         );
         let (_, bad) = Settings::parse(["socket=/run/%h.sock"]);
         assert_eq!(bad.len(), 1, "{bad:?}");
+    }
+
+    #[test]
+    fn a_node_name_that_leaves_the_directory_names_no_socket() {
+        let (s, _) = Settings::parse(["socket=/run/rfaas/executord-%n.sock"]);
+        for name in [
+            "../../x", "a/b", "..", ".hidden", "", "n\n1", "node 1", "nöde",
+        ] {
+            let e = s.socket_for(Some(name)).unwrap_err();
+            assert!(e.contains("not a Slurm node name"), "{name:?}: {e}");
+        }
+        for name in ["node1", "cn-0042.cluster", "gpu_a100-7"] {
+            assert!(s.socket_for(Some(name)).is_ok(), "{name}");
+        }
     }
 }

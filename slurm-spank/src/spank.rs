@@ -414,8 +414,10 @@ fn step_env(sp: Spank, words: &[String]) {
         let _ = UNSERVED.set(line);
         return;
     }
-    let node = job_getenv(sp, c"SLURMD_NODENAME")
-        .or_else(|| std::env::var("SLURMD_NODENAME").ok())
+    // slurmstepd's own environment, which it sets from slurmd's
+    // configuration at start; never the job's, which the user writes.
+    let node = std::env::var("SLURMD_NODENAME")
+        .ok()
         .filter(|n| !n.is_empty());
     let vars = match hook::job_env(&settings, node.as_deref(), u64::from(id), uid, &log) {
         Ok(vars) => vars,

@@ -617,6 +617,44 @@ fn a_job_with_rfaas_gets_a_job_credential_that_ends_with_it() {
     assert!(text.contains("SLURM_JOB_ID="), "{text}");
 }
 
+/// The node's name comes from slurmstepd (slurmd's configuration), not
+/// from the job's environment: a user who names another node, or a path,
+/// reaches no other socket, and the job still gets its environment from
+/// its own node's daemon.
+#[test]
+fn the_jobs_own_slurmd_nodename_names_no_socket() {
+    let dir = TempDir::new("nodename");
+    let env = RfaasOnSlurm::start(&dir, 2, "grace=5", false);
+    let out = dir.path("job.out");
+    let job = env
+        .cluster
+        .sbatch(&[
+            "-N1",
+            "-w",
+            "node1",
+            "--rfaas",
+            "--export=ALL,SLURMD_NODENAME=../../forged",
+            "-o",
+            &out.display().to_string(),
+            "--wrap",
+            "env",
+        ])
+        .unwrap();
+    env.cluster
+        .wait_job_state(job, &["COMPLETED", "FAILED", "CANCELLED"], JOB_BOUND)
+        .unwrap();
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let vars = rfaas_vars(&text);
+    assert_eq!(
+        vars.get("RFAAS_MANAGERS").map(String::as_str),
+        Some(env.manager.url()),
+        "{text}\n{}",
+        env.logs(&dir)
+    );
+    let log = std::fs::read_to_string(dir.path("spank.log")).unwrap_or_default();
+    assert!(!log.contains("forged"), "{log}");
+}
+
 #[test]
 fn srun_alone_with_rfaas_gets_the_environment_on_every_node() {
     let dir = TempDir::new("srunenv");

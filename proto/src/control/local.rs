@@ -14,6 +14,23 @@ use super::frame::message_kinds;
 /// configuration does not say (`local_socket`).
 pub const DEFAULT_LOCAL_SOCKET: &str = "/run/rfaas/executord.sock";
 
+/// The variable naming the managers in a job's environment (the client
+/// library reads it).
+pub const MANAGERS_VAR: &str = "RFAAS_MANAGERS";
+
+/// The variable holding a job's credential.
+pub const CREDENTIAL_VAR: &str = "RFAAS_CREDENTIAL";
+
+/// The variable naming the CA file the client library trusts for
+/// `https://` managers.
+pub const CA_FILE_VAR: &str = "RFAAS_CA_FILE";
+
+/// Every variable a [`LocalReply::JobEnv`] may set in a job's environment.
+/// The Slurm plugin sets these and nothing else, whatever a reply names:
+/// the reply comes from a socket, and the plugin runs as root in every
+/// job's step.
+pub const JOB_ENV_VARS: [&str; 3] = [MANAGERS_VAR, CREDENTIAL_VAR, CA_FILE_VAR];
+
 /// Node tool → daemon (unix socket).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
@@ -187,7 +204,7 @@ pub enum LocalReply {
         leases: Vec<LeaseUsage>,
     },
     /// The answer to [`LocalRequest::SlurmJobEnv`]: variables for the
-    /// job's environment (`RFAAS_MANAGERS`, `RFAAS_CREDENTIAL`, ...).
+    /// job's environment, named in [`JOB_ENV_VARS`].
     JobEnv {
         /// Name → value.
         vars: BTreeMap<String, String>,

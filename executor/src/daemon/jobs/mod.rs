@@ -48,12 +48,7 @@ pub(crate) const END_RETRY_FOR: Duration = Duration::from_secs(300);
 /// seen); the ones expiring first go first.
 const KEPT: usize = 4096;
 
-/// The environment variable naming the managers (the client library reads
-/// it).
-pub(crate) const MANAGERS_VAR: &str = "RFAAS_MANAGERS";
-
-/// The environment variable holding the job's credential.
-pub(crate) const CREDENTIAL_VAR: &str = "RFAAS_CREDENTIAL";
+pub(crate) use rfaas_proto::control::local::{CREDENTIAL_VAR, MANAGERS_VAR};
 
 /// A job as `squeue` shows it on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
