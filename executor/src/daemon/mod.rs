@@ -410,7 +410,16 @@ fn bind_local(path: &Path) -> Result<UnixListener, StartError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(err("remove the stale socket", e)),
     }
-    let listener = UnixListener::bind(path).map_err(|e| err("bind", e))?;
+    // Bound under a umask that leaves the socket its owner's alone from
+    // the moment it exists (a chmod after bind leaves a window in which
+    // anyone may connect); the chmod then only makes sure of it.
+    // SAFETY: umask has no preconditions and cannot fail; the daemon binds
+    // this socket at start, before it creates files on other threads.
+    let before = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(before) };
+    let listener = bound.map_err(|e| err("bind", e))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| err("set the mode of", e))?;
     Ok(listener)

@@ -716,12 +716,16 @@ fn recovery_of(v: &serde_json::Value) -> Option<Recovery> {
 /// Opens the journal for appending. A file whose last line was cut short
 /// (a crash in the middle of a write, a full disk) gets a newline first,
 /// so the torn line stays alone and every line written from now on is
-/// whole.
+/// whole. A new journal is created 0600; a link at the path is refused
+/// (the daemon runs as root), never followed.
 fn open_journal(path: &std::path::Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .read(true)
         .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)?;
     let len = f.metadata()?.len();
     if len > 0 {

@@ -556,3 +556,23 @@ fn a_batch_too_old_to_read_is_journaled_unresolved() {
     );
     assert!(lines_with(&journal, 12, "recovered").is_empty());
 }
+
+#[test]
+fn the_journal_is_created_private_and_never_through_a_link() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = Scratch::new("journal-link");
+    let journal = dir.journal();
+    drop(Poster::new(settings(Some(journal.clone()), CREDENTIAL)).unwrap());
+    let mode = std::fs::metadata(&journal).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+
+    let target = dir.0.join("elsewhere");
+    std::fs::write(&target, "").unwrap();
+    let link = dir.0.join("linked.jsonl");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let e = Poster::new(settings(Some(link), CREDENTIAL))
+        .err()
+        .expect("a journal path that is a link is refused");
+    assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "");
+}
