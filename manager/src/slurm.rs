@@ -137,6 +137,12 @@ impl Slurm {
         Ok(job)
     }
 
+    /// Forgets what Slurm said about job `job_id` (its end was recorded:
+    /// the next question about it goes to Slurm).
+    pub fn forget(&self, job_id: u64) {
+        self.lock().remove(&job_id);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Instant, Option<SlurmJob>)>> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }

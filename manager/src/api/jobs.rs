@@ -174,6 +174,9 @@ pub(super) async fn end_job(
         check_on_node(job_id, &slurm_job(&app, job_id).await?, &node)?;
     }
     let (revoked, ended) = retrying(|| app.store.end_job(job_id, now_ms())).await?;
+    // A running state cached from before must not mint a credential the
+    // end already passed.
+    app.slurm.forget(job_id);
     for id in &revoked {
         app.auth.forget(id);
     }
