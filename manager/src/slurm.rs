@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use rfaas_proto::hostlist::hostlist_contains;
+use rfaas_proto::manager::slurm_job_account;
 use tokio::sync::Semaphore;
 
 /// Cached answers kept at most; expired ones go first when it is full.
@@ -58,8 +59,7 @@ pub struct SlurmJob {
     pub uid: u32,
     /// Its user's login name.
     pub user: String,
-    /// The account it is charged to; its user's name when Slurm keeps no
-    /// account for it (as the executor daemon asks).
+    /// The account it is charged to ([`slurm_job_account`]).
     pub account: String,
     /// Slurm's state (`RUNNING`, `COMPLETED`, ...).
     pub state: String,
@@ -213,15 +213,10 @@ fn parse_squeue(out: &str) -> Result<Option<SlurmJob>, String> {
         .trim()
         .parse()
         .map_err(|_| format!("unexpected uid in squeue line {line:?}"))?;
-    let user = user.to_owned();
-    let account = match account {
-        "" | "(null)" => user.clone(),
-        a => a.to_owned(),
-    };
     Ok(Some(SlurmJob {
         uid,
-        user,
-        account,
+        user: user.to_owned(),
+        account: slurm_job_account(account, user),
         state: state.to_owned(),
         nodes: nodes.to_owned(),
     }))
