@@ -68,16 +68,18 @@ GRACE=5
 echo "required $work/rfaas_spank.so grace=$GRACE socket=$work/%n/executord.sock log=$work/spank.log" \
     >"$work/plugstack.conf"
 
-echo "== starting rfaas-manager and rfaas-accounting"
-start_manager "$bin" "$work"
-start_accounting "$bin" "$work"
-
 echo "== starting a Slurm cluster on loopback (3 nodes x 2 CPUs), the plugin in its plugstack.conf"
 export RFAAS_SLURM_DIR="$work/slurm"
 slurm_up=yes
 NODES=3 CPUS=2 PLUGSTACK="$work/plugstack.conf" scripts/slurm-cluster.sh start
 # shellcheck disable=SC1091
 source "$RFAAS_SLURM_DIR/env"
+
+# The manager asks this cluster (squeue, with SLURM_CONF from its
+# environment) which jobs run where, as whom.
+echo "== starting rfaas-manager and rfaas-accounting"
+start_manager "$bin" "$work"
+start_accounting "$bin" "$work"
 
 echo "== starting an executor daemon on each Slurm node"
 for node in node1 node2 node3; do

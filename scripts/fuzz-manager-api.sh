@@ -132,6 +132,11 @@ lease_key_file = "$dir/lease-key.secret"
 # The registered node must stay up through the run without heartbeats.
 heartbeat_interval_ms = 1000
 lost_after_ms = 3600000
+# No Slurm here: the job routes take the caller's word for the job ids the
+# fuzzer makes up (unsafe, and said so in the log), so they reach the
+# store rather than stopping at 503 slurm_unavailable.
+[slurm]
+unchecked = true
 TOML
     "$bin/rfaas-manager" --config "$dir/manager.toml" </dev/null \
         >"$dir/manager.out" 2>"$dir/manager.log" &

@@ -541,6 +541,61 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
     assert!(!draining);
 }
 
+/// Workers never run as a system account (uid below `min_worker_uid`,
+/// by default login.defs' UID_MIN) nor as a user in `deny_users`, whatever
+/// a validly signed lease says; the refusal says which rule and how to
+/// change it.
+#[test]
+fn workers_never_run_as_system_accounts_or_denied_users() {
+    let refusal = |d: &Executord, user: &str| {
+        let mut c = Control::connect(d);
+        let reply = c.allocate_frame(
+            request(d.token(user, 1, 2048, MINUTE), 1, &["echo"]),
+            c_library_bytes(),
+        );
+        assert_eq!(
+            reply.kind,
+            Kind::Error,
+            "{user}: {:?}",
+            String::from_utf8_lossy(&reply.json)
+        );
+        let e: ErrorReply = reply.parse().unwrap();
+        assert_eq!(e.code, ErrorCode::UserRefused, "{user}: {}", e.message);
+        e.message
+    };
+    // `daemon` is uid 1 on every Debian system.
+    let d = start(ExecutordOptions::default());
+    let m = refusal(&d, "daemon");
+    assert!(
+        m.contains("\"daemon\" has uid 1, below") && m.contains("min_worker_uid"),
+        "{m}"
+    );
+    let m = refusal(&d, "root");
+    assert!(m.contains("root"), "{m}");
+    all_free(&d);
+    drop(d);
+
+    let d = start(ExecutordOptions {
+        extra_config: "deny_users = [\"root\", \"65534\"]\nmin_worker_uid = 1".into(),
+        ..Default::default()
+    });
+    let m = refusal(&d, "nobody");
+    assert!(m.contains("deny_users"), "{m}");
+    // uid 1 is allowed once the floor says so.
+    let mut c = Control::connect(&d);
+    let ok = c
+        .allocate(
+            request(d.token("daemon", 1, 2048, MINUTE), 1, &["echo", "noop"]),
+            c_library_bytes(),
+        )
+        .unwrap_or_else(|e| panic!("daemon above a floor of 1: {e:?}"));
+    assert_eq!(uid_of(pid_of(&d, ok.allocation_id)), 1);
+    c.deallocate(ok.allocation_id)
+        .parse::<Deallocated>()
+        .unwrap();
+    all_free(&d);
+}
+
 /// A request that fits its lease once a crashed worker of that lease is
 /// reaped is refused `allocation_ending` (retryable) until then, never
 /// `exceeds_lease`: the crashed worker's cores count as free only once it

@@ -39,6 +39,8 @@ pub enum Caller {
         account: String,
         /// The Slurm job, for a job credential.
         job_id: Option<u64>,
+        /// When the credential expires, Unix seconds (0: never).
+        expires_at: u64,
     },
 }
 
@@ -175,6 +177,7 @@ impl Auth {
                     user: row.subject,
                     account: row.account,
                     job_id: row.job_id,
+                    expires_at: row.expires_at,
                 },
             });
         }

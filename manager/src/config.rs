@@ -9,6 +9,8 @@ use rfaas_proto::files::{ConfigDir, ADMIN_TOKEN, LEASE_KEY_SECRET};
 use rfaas_service::config::{load_toml, parse_toml, ConfigError};
 use serde::Deserialize;
 
+use crate::slurm::SlurmSettings;
+
 /// `[accounting] lost_after_ms` when not set.
 pub const DEFAULT_ACCOUNTING_LOST_AFTER_MS: u64 = 10_000;
 
@@ -45,6 +47,28 @@ pub struct FileConfig {
     /// Billing slots from the accounting services.
     #[serde(default)]
     pub accounting: AccountingConfig,
+    /// How Slurm is asked about jobs.
+    #[serde(default)]
+    pub slurm: SlurmConfig,
+}
+
+/// `[slurm]`: how the manager asks Slurm about the jobs nodes speak for
+/// ([`crate::slurm`]).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SlurmConfig {
+    /// The `squeue` program (default: `squeue` from `PATH`).
+    pub squeue: Option<PathBuf>,
+    /// `SLURM_CONF` for it (default: Slurm's own).
+    pub conf: Option<PathBuf>,
+    /// How long an answer is reused, ms (default 2000).
+    pub cache_ms: Option<u64>,
+    /// The bound on one `squeue`, ms (default 5000).
+    pub timeout_ms: Option<u64>,
+    /// Unsafe: take a node's word for its jobs, never asking Slurm
+    /// (default false).
+    #[serde(default)]
+    pub unchecked: bool,
 }
 
 /// `[accounting]`: how grants use the accounting services' billing slots.
@@ -120,6 +144,8 @@ pub struct Settings {
     pub quota: QuotaConfig,
     /// Billing slots.
     pub accounting: AccountingSettings,
+    /// How Slurm is asked about jobs.
+    pub slurm: SlurmSettings,
     /// The configuration directory the defaults came from.
     pub config_dir: ConfigDir,
 }
@@ -174,6 +200,16 @@ impl FileConfig {
                     .unwrap_or(DEFAULT_ACCOUNTING_LOST_AFTER_MS),
                 required: self.accounting.required,
             },
+            slurm: {
+                let d = SlurmSettings::default();
+                SlurmSettings {
+                    squeue: self.slurm.squeue.unwrap_or(d.squeue),
+                    conf: self.slurm.conf,
+                    cache_ms: self.slurm.cache_ms.unwrap_or(d.cache_ms),
+                    timeout_ms: self.slurm.timeout_ms.unwrap_or(d.timeout_ms),
+                    unchecked: self.slurm.unchecked,
+                }
+            },
             config_dir: dir.clone(),
         };
         if s.accounting.lost_after_ms == 0 {
@@ -195,6 +231,11 @@ impl FileConfig {
         if s.max_lease_s == 0 || s.max_connections == 0 || s.max_job_credential_s == 0 {
             return Err(ConfigError::Invalid(
                 "max_lease_s, max_job_credential_s and max_connections must be above 0".into(),
+            ));
+        }
+        if s.slurm.timeout_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "[slurm] timeout_ms must be above 0 (squeue answers in milliseconds; 5000 is the default)".into(),
             ));
         }
         if !(s.database.starts_with("sqlite:") || s.database.starts_with("postgres")) {

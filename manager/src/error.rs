@@ -101,6 +101,8 @@ pub enum ApiError {
     AccountingUnavailable,
     /// The database cannot be reached now.
     DatabaseUnavailable,
+    /// Slurm cannot be asked about a job now.
+    SlurmUnavailable(String),
     /// A fault of the manager's own; the message says what, the log more.
     Internal(String),
 }
@@ -143,11 +145,13 @@ pub enum Kind {
     AccountingUnavailable,
     /// `503 database_unavailable`.
     DatabaseUnavailable,
+    /// `503 slurm_unavailable`.
+    SlurmUnavailable,
 }
 
 impl Kind {
     /// Every kind, in status order.
-    pub const ALL: [Kind; 17] = [
+    pub const ALL: [Kind; 18] = [
         Kind::Malformed,
         Kind::Unauthorized,
         Kind::CredentialRevoked,
@@ -165,6 +169,7 @@ impl Kind {
         Kind::NoCapacity,
         Kind::AccountingUnavailable,
         Kind::DatabaseUnavailable,
+        Kind::SlurmUnavailable,
     ];
 
     /// The kinds a credential check gives: every operation that needs a
@@ -195,6 +200,7 @@ impl Kind {
             Kind::NoCapacity => (503, "no_capacity", "nothing fits now (or no node has registered yet); retry after Retry-After, 1 to 10 s (when the soonest lease ends, at most 10 s: a release frees cores at any time)"),
             Kind::AccountingUnavailable => (503, "accounting_unavailable", "billing is required and no accounting instance has a free slot; retry after Retry-After"),
             Kind::DatabaseUnavailable => (503, "database_unavailable", "the manager's database cannot be reached now; retry after Retry-After"),
+            Kind::SlurmUnavailable => (503, "slurm_unavailable", "the manager cannot ask Slurm about the job now (squeue failed or did not answer), and grants nothing on a node's word; retry after Retry-After"),
         }
     }
 
@@ -242,6 +248,7 @@ impl ApiError {
             ApiError::NoCapacity { .. } => Kind::NoCapacity,
             ApiError::AccountingUnavailable => Kind::AccountingUnavailable,
             ApiError::DatabaseUnavailable => Kind::DatabaseUnavailable,
+            ApiError::SlurmUnavailable(_) => Kind::SlurmUnavailable,
             ApiError::Internal(_) => Kind::Internal,
         }
     }
@@ -250,7 +257,9 @@ impl ApiError {
     fn retry_after(&self) -> Option<u64> {
         match self {
             ApiError::NoCapacity { retry_after_s, .. } => Some(*retry_after_s),
-            ApiError::AccountingUnavailable | ApiError::DatabaseUnavailable => Some(1),
+            ApiError::AccountingUnavailable
+            | ApiError::DatabaseUnavailable
+            | ApiError::SlurmUnavailable(_) => Some(1),
             _ => None,
         }
     }
@@ -263,6 +272,9 @@ impl ApiError {
             | ApiError::Malformed(m)
             | ApiError::NotFound(m)
             | ApiError::Internal(m) => m.clone(),
+            ApiError::SlurmUnavailable(why) => format!(
+                "{why}; nothing is granted without Slurm's word: retry after the Retry-After seconds, and tell the admin if it lasts ([slurm] in manager.toml)"
+            ),
             ApiError::CredentialRevoked { id } => {
                 format!("credential {id} was revoked by an admin; ask for a new one")
             }
@@ -561,6 +573,7 @@ mod tests {
             Kind::NoCapacity => 14,
             Kind::AccountingUnavailable => 15,
             Kind::DatabaseUnavailable => 16,
+            Kind::SlurmUnavailable => 17,
         };
         let mut listed = [0; Kind::ALL.len()];
         for k in Kind::ALL {

@@ -21,6 +21,8 @@
 //!   one notice every 20 ms at most.
 //! - [`auth`]: the admin token and node and user credentials.
 //! - [`signer`]: the key that signs lease tokens.
+//! - [`slurm`]: Slurm's word on a job (its user, account, state and
+//!   nodes), which the job routes go by rather than a node's.
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
 //!   built on.
 //!
@@ -39,6 +41,7 @@ pub mod ctl;
 pub mod error;
 pub mod metrics;
 pub mod signer;
+pub mod slurm;
 pub mod store;
 pub mod view;
 
@@ -60,6 +63,7 @@ use crate::config::Settings;
 use crate::db::Backend;
 use crate::metrics::Metrics;
 use crate::signer::Signer;
+use crate::slurm::Slurm;
 use crate::store::Store;
 use crate::view::View;
 
@@ -78,6 +82,8 @@ pub struct App {
     pub metrics: Metrics,
     /// The lease signing key.
     pub signer: Signer,
+    /// Slurm's word on jobs.
+    pub slurm: Slurm,
     /// Since when the database has answered without a break.
     healthy_since: Mutex<Option<Instant>>,
 }
@@ -136,6 +142,12 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("listen on {}", settings.listen))?;
     let addr = listener.local_addr()?;
+    let settings_slurm = settings.slurm.clone();
+    if settings_slurm.unchecked {
+        tracing::warn!(
+            "[slurm] unchecked = true: job credentials are minted for whatever job, user and account a node names, without asking Slurm; any node's credential can act as any user. Never run so on a cluster with users"
+        );
+    }
     let app = Arc::new(App {
         settings,
         store,
@@ -143,6 +155,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         auth: Auth::new(admin),
         metrics: Metrics::new(),
         signer,
+        slurm: Slurm::new(settings_slurm),
         healthy_since: Mutex::new(Some(Instant::now())),
     });
     let (stop, mut stopped) = tokio::sync::watch::channel(false);

@@ -987,9 +987,12 @@ fn openapi_document_and_metrics() {
     );
 }
 
+/// What the store does with a job's credentials and leases, its jobs made
+/// up: on a manager told explicitly not to ask Slurm (`unchecked`);
+/// `slurm_jobs.rs` has what Slurm's word decides.
 fn slurm_jobs_get_credentials_and_their_end_releases_their_leases(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager();
+    let m = db.manager_with("[slurm]\nunchecked = true\n", None);
     let node = register(&m, "a", 4, 4096);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

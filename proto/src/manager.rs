@@ -313,6 +313,17 @@ pub struct Credential {
     pub job_id: Option<u64>,
 }
 
+/// The account a Slurm job's credential is charged to, from what `squeue`
+/// prints for it (`%a`) and its user: Slurm's account, or the user's name
+/// when Slurm keeps none (`(null)` or nothing). The executor daemon asks
+/// for it and the manager checks it with this one rule.
+pub fn slurm_job_account(squeue_account: &str, user: &str) -> String {
+    match squeue_account {
+        "" | "(null)" => user.to_owned(),
+        a => a.to_owned(),
+    }
+}
+
 /// `POST /v1/jobs/{job_id}/credential` (node): a user credential for one
 /// Slurm job running on the calling node, asked for by its executor daemon
 /// when the job starts with `--rfaas`. It expires with the job's time

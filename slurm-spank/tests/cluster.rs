@@ -441,9 +441,6 @@ struct RfaasOnSlurm {
 
 impl RfaasOnSlurm {
     fn start(dir: &TempDir, nodes: u32, plugin_args: &str, billing: bool) -> RfaasOnSlurm {
-        let manager = Manager::start(ManagerOptions::default());
-        let accounting =
-            billing.then(|| Accounting::start(AccountingOptions::new(manager.database())));
         let socket = |node: &str| dir.path(&format!("executord-{node}.sock"));
         let cluster = start(SlurmOptions {
             nodes,
@@ -457,6 +454,15 @@ impl RfaasOnSlurm {
             )),
             ..SlurmOptions::default()
         });
+        // The manager asks this cluster about the jobs the nodes speak for.
+        let mut opts = ManagerOptions::default();
+        opts.extra_config += &format!(
+            "[slurm]\nconf = {:?}\n",
+            cluster.conf().display().to_string()
+        );
+        let manager = Manager::start(opts);
+        let accounting =
+            billing.then(|| Accounting::start(AccountingOptions::new(manager.database())));
         let executords = cluster
             .nodes()
             .iter()

@@ -41,6 +41,11 @@ pub struct Config {
     pub worker_path: Option<PathBuf>,
     /// `none` or `bubblewrap`.
     pub sandbox: Option<Sandbox>,
+    /// Workers never run as a uid below this (default: `UID_MIN` from
+    /// `/etc/login.defs`, 1000 without it).
+    pub min_worker_uid: Option<u32>,
+    /// Users workers never run as, by name or uid (default `["root"]`).
+    pub deny_users: Option<Vec<String>>,
     /// The `bwrap` binary for `sandbox = "bubblewrap"` (default `bwrap`).
     pub bwrap_path: Option<PathBuf>,
     /// Largest function library accepted, MiB.
@@ -450,6 +455,10 @@ pub struct Settings {
     pub worker_path: PathBuf,
     /// Isolation.
     pub sandbox: Sandbox,
+    /// The lowest uid a worker runs as.
+    pub min_worker_uid: u32,
+    /// Users (names or uids) workers never run as.
+    pub deny_users: Vec<String>,
     /// The bwrap binary.
     pub bwrap_path: PathBuf,
     /// Largest library, bytes.
@@ -711,6 +720,13 @@ impl Config {
             pool_size: self.pool_size.unwrap_or(2),
             worker_path,
             sandbox: self.sandbox.unwrap_or(Sandbox::None),
+            min_worker_uid: self
+                .min_worker_uid
+                .unwrap_or_else(|| uid_min(Path::new(LOGIN_DEFS))),
+            deny_users: self
+                .deny_users
+                .clone()
+                .unwrap_or_else(|| vec!["root".to_owned()]),
             bwrap_path: self
                 .bwrap_path
                 .clone()
@@ -747,6 +763,25 @@ impl Config {
             config_dir: dir.clone(),
         })
     }
+}
+
+/// The system's account policy, read for `UID_MIN`.
+const LOGIN_DEFS: &str = "/etc/login.defs";
+
+/// `UID_MIN` from login.defs file `path` (the first uid of people, not
+/// system accounts); 1000, the common default, without it.
+pub fn uid_min(path: &Path) -> u32 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                let mut words = l.split_whitespace();
+                (words.next() == Some("UID_MIN"))
+                    .then(|| words.next()?.parse().ok())
+                    .flatten()
+            })
+        })
+        .unwrap_or(1000)
 }
 
 /// Parses a Linux cpulist (`"0-3,8,10-11"`) into ascending, distinct CPUs.
@@ -907,6 +942,46 @@ mod tests {
         for name in ["node01", "gpu-3", "cn_12", "node1.cluster"] {
             assert_eq!(resolve(name).unwrap().node_name, name);
         }
+    }
+
+    #[test]
+    fn uid_min_comes_from_login_defs() {
+        let dir = std::env::temp_dir().join(format!("rfaas-login-defs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let defs = dir.join("login.defs");
+        std::fs::write(
+            &defs,
+            "# UID_MIN 5
+UID_MAX 60000
+UID_MIN		 2000
+",
+        )
+        .unwrap();
+        assert_eq!(uid_min(&defs), 2000);
+        std::fs::write(
+            &defs,
+            "UID_MIN lots
+",
+        )
+        .unwrap();
+        assert_eq!(uid_min(&defs), 1000);
+        assert_eq!(uid_min(&dir.join("absent")), 1000);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let s = Config::parse(
+            "node_name = \"n1\"\nmin_worker_uid = 500\ndeny_users = [\"slurm\", \"0\"]\n",
+        )
+        .unwrap()
+        .resolve()
+        .unwrap();
+        assert_eq!(
+            (s.min_worker_uid, s.deny_users.as_slice()),
+            (500, &["slurm".to_owned(), "0".to_owned()][..])
+        );
+        let s = Config::parse("node_name = \"n1\"\n")
+            .unwrap()
+            .resolve()
+            .unwrap();
+        assert_eq!(s.deny_users, ["root"]);
     }
 
     #[test]

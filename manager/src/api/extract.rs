@@ -59,6 +59,9 @@ pub struct User {
     pub account: String,
     /// The Slurm job, for a job credential.
     pub job_id: Option<u64>,
+    /// When the credential expires, Unix seconds (0: never): no lease
+    /// asked for with it outlives it.
+    pub expires_at: u64,
 }
 
 /// A user credential or the admin token: who may hold, and list, leases.
@@ -74,6 +77,8 @@ pub struct Holder {
 pub struct Node {
     /// Who, for logs.
     pub subject: String,
+    /// The node's name; `None` for the admin.
+    pub name: Option<String>,
 }
 
 /// The credential of the node the path names (`{name}`), or the admin
@@ -105,10 +110,12 @@ impl Role for User {
                 user,
                 account,
                 job_id,
+                expires_at,
             } => Ok(User {
                 user,
                 account,
                 job_id,
+                expires_at,
             }),
             _ => Err(ApiError::Forbidden(
                 "leases are asked for with a user credential (rfaasctl credential user ...)".into(),
@@ -121,6 +128,16 @@ impl User {
     /// Who, for logs and lease ownership (as [`Caller::subject`]).
     pub fn subject(&self) -> String {
         format!("user:{}", self.user)
+    }
+}
+
+/// `expires_at`, cut to the expiry of the credential asking
+/// (`credential_expires_at`, 0: never): a lease never outlives the
+/// credential that asked for it.
+pub fn within_credential(expires_at: u64, credential_expires_at: u64) -> u64 {
+    match credential_expires_at {
+        0 => expires_at,
+        c => expires_at.min(c),
     }
 }
 
@@ -139,8 +156,13 @@ impl Role for Holder {
 impl Role for Node {
     fn admit(caller: Caller) -> Result<Self, ApiError> {
         match caller {
-            Caller::Admin | Caller::Node(_) => Ok(Node {
+            Caller::Admin => Ok(Node {
                 subject: caller.subject(),
+                name: None,
+            }),
+            Caller::Node(ref n) => Ok(Node {
+                subject: caller.subject(),
+                name: Some(n.clone()),
             }),
             Caller::User { .. } => Err(ApiError::Forbidden(
                 "job credentials are asked for by a node's executor daemon (node credential), for a job it runs".into(),

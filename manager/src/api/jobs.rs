@@ -1,5 +1,8 @@
 //! Slurm jobs (a node's executor daemon, or the admin): a job's own user
-//! credential, and its end.
+//! credential, and its end. What a node may do for a job is Slurm's word,
+//! not the node's ([`crate::slurm`]): a credential only for a job Slurm
+//! runs on that node, for the user and account Slurm has for it; an end
+//! only for a job Slurm placed on it. The admin speaks for any node.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -12,7 +15,8 @@ use super::{ApiResult, AppState};
 use crate::auth::new_job_credential;
 use crate::db::retrying;
 use crate::error::{ApiError, Kind, RefusalTable};
-use crate::{now_ms, now_s};
+use crate::slurm::SlurmJob;
+use crate::{now_ms, now_s, App};
 
 /// What each operation here refuses, for the OpenAPI document.
 pub(super) const REFUSALS: RefusalTable = &[
@@ -23,11 +27,17 @@ pub(super) const REFUSALS: RefusalTable = &[
             Kind::Forbidden,
             Kind::Internal,
             Kind::DatabaseUnavailable,
+            Kind::SlurmUnavailable,
         ],
     ),
     (
         "end_job",
-        &[Kind::Malformed, Kind::Forbidden, Kind::DatabaseUnavailable],
+        &[
+            Kind::Malformed,
+            Kind::Forbidden,
+            Kind::DatabaseUnavailable,
+            Kind::SlurmUnavailable,
+        ],
     ),
 ];
 
@@ -41,10 +51,64 @@ fn check_job_id(job_id: u64) -> ApiResult<()> {
     Ok(())
 }
 
+/// Job `job_id` as Slurm reports it; a job Slurm does not know is
+/// refused.
+async fn slurm_job(app: &App, job_id: u64) -> ApiResult<SlurmJob> {
+    app.slurm
+        .job(job_id)
+        .await
+        .map_err(|e| ApiError::SlurmUnavailable(e.to_string()))?
+        .ok_or_else(|| {
+            ApiError::Forbidden(format!(
+                "Slurm knows no job {job_id}: it was never submitted, or ended longer ago than Slurm keeps jobs (MinJobAge)"
+            ))
+        })
+}
+
+/// Refuses a node Slurm did not place job `job_id` on.
+fn check_on_node(job_id: u64, job: &SlurmJob, node: &Node) -> ApiResult<()> {
+    match &node.name {
+        Some(name) if !job.on(name) => Err(ApiError::Forbidden(format!(
+            "Slurm placed job {job_id} on {:?}, not on node {name:?}: a node speaks only for its own jobs",
+            job.nodes
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a job credential Slurm's word on job `job_id` does not back:
+/// the job must run, on the calling node, as `user` in `account`.
+async fn check_with_slurm(
+    app: &App,
+    job_id: u64,
+    node: &Node,
+    user: &str,
+    account: &str,
+) -> ApiResult<()> {
+    let job = slurm_job(app, job_id).await?;
+    if !job.running() {
+        return Err(ApiError::Forbidden(format!(
+            "Slurm reports job {job_id} {}, not running: credentials are only for running jobs",
+            job.state
+        )));
+    }
+    check_on_node(job_id, &job, node)?;
+    if job.user != user || job.account != account {
+        return Err(ApiError::Forbidden(format!(
+            "Slurm runs job {job_id} as user {:?} in account {:?}, not as user {user:?} in account {account:?}: a job credential is for the job's own user and account",
+            job.user, job.account
+        )));
+    }
+    Ok(())
+}
+
 /// Mint a user credential for a Slurm job (node or admin): what a job
-/// started with `--rfaas` finds in its environment. It expires with the
-/// job's time limit (at most `max_job_credential_s` from now), leases
-/// asked for with it name the job, and the job's end revokes it.
+/// started with `--rfaas` finds in its environment. Only for a job Slurm
+/// reports running on the calling node, as the user and in the account
+/// Slurm has for it (`403` otherwise; `503 slurm_unavailable` when Slurm
+/// cannot be asked). It expires with the job's time limit (at most
+/// `max_job_credential_s` from now), leases asked for with it name the
+/// job, and the job's end revokes it.
 #[utoipa::path(post, path = "/v1/jobs/{job_id}/credential",
     params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
     request_body = JobCredentialRequest,
@@ -63,6 +127,9 @@ pub(super) async fn job_credential(
             "expires_at {} is not in the future (now {now}): the job's time is up",
             body.expires_at
         )));
+    }
+    if !app.slurm.unchecked() {
+        check_with_slurm(&app, job_id, &node, &body.user, &body.account).await?;
     }
     let expires_at = body
         .expires_at
@@ -93,7 +160,7 @@ pub(super) async fn job_credential(
 
 /// A Slurm job ended (node or admin): revoke its job credentials and
 /// release its leases. Every node of the job may say so; only the first
-/// changes anything.
+/// changes anything. A node may end only a job Slurm placed on it.
 #[utoipa::path(post, path = "/v1/jobs/{job_id}/end",
     params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
     responses((status = 200, body = JobEnded)))]
@@ -103,7 +170,13 @@ pub(super) async fn end_job(
     node: Node,
 ) -> ApiResult<Json<JobEnded>> {
     check_job_id(job_id)?;
+    if node.name.is_some() && !app.slurm.unchecked() {
+        check_on_node(job_id, &slurm_job(&app, job_id).await?, &node)?;
+    }
     let (revoked, ended) = retrying(|| app.store.end_job(job_id, now_ms())).await?;
+    // A running state cached from before must not mint a credential the
+    // end already passed.
+    app.slurm.forget(job_id);
     for id in &revoked {
         app.auth.forget(id);
     }

@@ -12,7 +12,7 @@ use rfaas_proto::manager::{
 use serde::Deserialize;
 
 use super::check::{check_memory, check_node_name};
-use super::extract::{Holder, Sent, User};
+use super::extract::{within_credential, Holder, Sent, User};
 use super::{ApiResult, AppState};
 use crate::auth::Caller;
 use crate::db::retrying;
@@ -148,7 +148,9 @@ fn grant_body(app: &App, grant_id: u64, leases: &[LeaseRow]) -> LeaseGrant {
 
 /// Ask for cores (user credential). Granted all or nothing up to
 /// `min_cores`, possibly across nodes, each node lease with its own token
-/// and, when an accounting service is up, its own billing slot.
+/// and, when an accounting service is up, its own billing slot. It ends
+/// `duration_s` from now, or when the credential asking expires if that
+/// is sooner: a lease never outlives its credential.
 #[utoipa::path(post, path = "/v1/leases", request_body = LeaseRequest,
     responses((status = 201, body = LeaseGrant)))]
 pub(super) async fn request_lease(
@@ -168,7 +170,7 @@ pub(super) async fn request_lease(
             min_cores,
             memory_mib: body.memory_mib,
             issued_at: now,
-            expires_at: now + body.duration_s,
+            expires_at: within_credential(now + body.duration_s, user.expires_at),
             job_id: user.job_id,
             billing: Vec::new(),
             billing_required: app.settings.accounting.required,
@@ -286,7 +288,8 @@ pub(super) async fn show_lease(
 
 /// Renew a grant (owner): its active node leases now end `duration_s` from
 /// now (never sooner than before), with new tokens to hand the executors,
-/// each with the billing slot it was granted. A spent budget does not
+/// each with the billing slot it was granted; never past the expiry of
+/// the user credential renewing it. A spent budget does not
 /// refuse a renewal: leases granted run to their end. From its
 /// `expires_at` second on, a grant has ended (`409 lease_ended`), whether
 /// or not the reaper has marked it yet.
@@ -306,10 +309,15 @@ pub(super) async fn renew_lease(
     }
     owned_grant(&app, &c, id).await?;
     let now = now_ms();
-    let rows = app
-        .store
-        .renew(id, now / 1000 + body.duration_s, now)
-        .await?;
+    let mut expires_at = now / 1000 + body.duration_s;
+    if let Caller::User {
+        expires_at: credential,
+        ..
+    } = c
+    {
+        expires_at = within_credential(expires_at, credential);
+    }
+    let rows = app.store.renew(id, expires_at, now).await?;
     if rows.is_empty() {
         return Err(ApiError::LeaseEnded { id });
     }

@@ -9,6 +9,7 @@ use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::text::count;
 
 use crate::daemon::capacity::Refusal;
+use crate::daemon::config::Settings;
 use crate::daemon::process;
 use crate::daemon::refusal::Refused;
 use crate::daemon::shared::Shared;
@@ -38,7 +39,7 @@ pub(super) fn reserve(
     let s = &shared.settings;
     // Looked up before the lock (the user database may be slow); reported
     // in the documented order.
-    let user = check_user(&claims.user, &s.node_name);
+    let user = check_user(&claims.user, s);
     let elf_ok = library.starts_with(b"\x7fELF");
 
     let id = shared.next_id();
@@ -210,8 +211,10 @@ fn draining_refusal(st: &State, node: &str) -> Refused {
     )
 }
 
-/// Whether workers may run as `name` here.
-fn check_user(name: &str, node: &str) -> Result<User, String> {
+/// Whether workers may run as `name` here: a user the node knows, not
+/// root, not in `deny_users`, not below `min_worker_uid`.
+fn check_user(name: &str, s: &Settings) -> Result<User, String> {
+    let node = &s.node_name;
     let user = match users::lookup(name) {
         Ok(Some(u)) => u,
         Ok(None) => {
@@ -224,6 +227,18 @@ fn check_user(name: &str, node: &str) -> Result<User, String> {
     if user.uid == 0 {
         return Err(format!(
             "the lease's user {name:?} is root (uid 0); workers never run as root"
+        ));
+    }
+    let uid = user.uid.to_string();
+    if s.deny_users.iter().any(|d| *d == user.name || *d == uid) {
+        return Err(format!(
+            "the lease's user {name:?} (uid {uid}) is in node {node}'s deny_users; workers never run as it"
+        ));
+    }
+    if user.uid < s.min_worker_uid {
+        return Err(format!(
+            "the lease's user {name:?} has uid {uid}, below node {node}'s min_worker_uid {} (a system account); workers run only as people's accounts",
+            s.min_worker_uid
         ));
     }
     let euid = users::effective_uid();

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::control::local::LocalReply;
 use rfaas_proto::control::ErrorCode;
-use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded};
+use rfaas_proto::manager::{slurm_job_account, Credential, JobCredentialRequest, JobEnded};
 
 pub(crate) mod store;
 
@@ -55,8 +55,8 @@ pub(crate) use rfaas_proto::control::local::{CREDENTIAL_VAR, MANAGERS_VAR};
 pub(crate) struct SlurmJob {
     pub uid: u32,
     pub user: String,
-    /// `None` when Slurm has no account for it.
-    pub account: Option<String>,
+    /// The account it is charged to ([`slurm_job_account`]).
+    pub account: String,
     /// Seconds until its time limit; `None`: no limit.
     pub time_left_s: Option<u64>,
     pub state: String,
@@ -147,7 +147,7 @@ pub(crate) fn job_env(shared: &Shared, job_id: u64, uid: u32) -> Result<LocalRep
     // No time limit: the manager caps it (max_job_credential_s).
     let expires_at = now + job.time_left_s.unwrap_or(100 * 365 * 86_400).max(1);
     let body = JobCredentialRequest {
-        account: job.account.clone().unwrap_or_else(|| job.user.clone()),
+        account: job.account,
         user: job.user,
         expires_at,
     };
@@ -320,14 +320,10 @@ fn parse_squeue(out: &str) -> Result<Option<SlurmJob>, String> {
     let uid = uid
         .parse()
         .map_err(|_| format!("unexpected uid in squeue line {line:?}"))?;
-    let account = match account {
-        "" | "(null)" => None,
-        a => Some(a.to_owned()),
-    };
     Ok(Some(SlurmJob {
         uid,
         user: user.to_owned(),
-        account,
+        account: slurm_job_account(account, user),
         time_left_s: parse_time_left(left)
             .ok_or_else(|| format!("unexpected time left {left:?} in squeue line {line:?}"))?,
         state: state.to_owned(),
@@ -382,7 +378,7 @@ mod tests {
             Some(SlurmJob {
                 uid: 1000,
                 user: "alice".into(),
-                account: Some("physics".into()),
+                account: "physics".into(),
                 time_left_s: Some(3540),
                 state: "RUNNING".into(),
             })
@@ -390,7 +386,7 @@ mod tests {
         let j = parse_squeue("0|root|(null)|UNLIMITED|CONFIGURING")
             .unwrap()
             .unwrap();
-        assert_eq!((j.account, j.time_left_s), (None, None));
+        assert_eq!((j.account.as_str(), j.time_left_s), ("root", None));
         assert!(parse_squeue("1000|alice|RUNNING").is_err());
         assert!(parse_squeue("x|alice|a|1:00|RUNNING").is_err());
     }
