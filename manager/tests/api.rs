@@ -173,7 +173,7 @@ fn no_capacity_says_when_to_retry(kind: &str) {
 /// 503.
 fn a_request_beyond_the_cluster_is_refused_at_once(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager();
+    let m = db.manager_that_loses_nodes();
     let admin = m.admin();
     let u = user(&m, "alice", "physics");
     let ask = |cores: u32, min: Option<u32>, memory: u64| {
@@ -870,7 +870,7 @@ on_both!(a_registration_below_the_leases_drains_the_difference);
 
 fn silent_nodes_are_lost_and_their_leases_end(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager();
+    let m = db.manager_that_loses_nodes();
     let node = register(&m, "a", 2, 1024);
     let u = user(&m, "alice", "physics");
     let (s, g) = lease(&u, 2, None, 64, 600);

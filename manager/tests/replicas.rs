@@ -324,7 +324,7 @@ on_both!(other_replicas_see_changes_without_reloading);
 #[test]
 fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
     let mut db = Db::new("postgres");
-    let m = db.manager();
+    let m = db.manager_that_loses_nodes();
     let nodes: Vec<Api> = (0..2)
         .map(|k| register(&m, &format!("n{k}"), 64, 65536))
         .collect();

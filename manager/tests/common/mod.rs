@@ -65,8 +65,16 @@ impl Db {
         }
     }
 
-    /// Starts a manager with the test defaults.
+    /// Starts a manager with the test defaults, except that nodes are
+    /// never lost: the tests register nodes by hand and do not heartbeat,
+    /// and on a loaded machine a second may pass between two requests.
     pub fn manager(&mut self) -> Manager {
+        self.manager_with("lost_after_ms = 600000\n", None)
+    }
+
+    /// Starts a manager with the test defaults: a node that sends no
+    /// heartbeat is lost after a second.
+    pub fn manager_that_loses_nodes(&mut self) -> Manager {
         self.manager_with("", None)
     }
 
