@@ -26,6 +26,9 @@ pub struct Config {
     pub cpus: Option<String>,
     /// Whether lanes are pinned to the granted CPUs (default true).
     pub pin: Option<bool>,
+    /// Refuse to start unless every allocation can have its own cgroup
+    /// (default false: run without, and say so).
+    pub enforce_isolation: Option<bool>,
     /// Memory granted to allocations, MiB (default: the machine's memory).
     pub memory_mib: Option<u32>,
     /// Files of the public keys lease tokens are checked with (default
@@ -436,6 +439,9 @@ pub struct Settings {
     pub cpus: Vec<u32>,
     /// Whether lanes are pinned.
     pub pin: bool,
+    /// Whether the daemon refuses to start without a cgroup per
+    /// allocation.
+    pub enforce_isolation: bool,
     /// Memory granted to allocations, MiB.
     pub memory_mib: u32,
     /// Files of the public keys lease tokens are checked with.
@@ -698,6 +704,7 @@ impl Config {
             providers,
             cpus,
             pin: self.pin.unwrap_or(true),
+            enforce_isolation: self.enforce_isolation.unwrap_or(false),
             memory_mib,
             lease_keys,
             local_socket: self
