@@ -265,7 +265,7 @@ fn populated_in(events: &str) -> bool {
     events
         .lines()
         .find_map(|l| l.strip_prefix("populated "))
-        .is_none_or(|v| v.trim() != "0")
+        .map_or(true, |v| v.trim() != "0")
 }
 
 /// The `oom_kill` count of a `memory.events` file (0 when absent).
