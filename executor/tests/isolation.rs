@@ -240,6 +240,8 @@ fn enforcing_isolation_without_a_delegated_cgroup_refuses_to_start() {
     let err = Executord::try_start(
         Path::new(DAEMON),
         ExecutordOptions {
+            cpus: "0".into(),
+            pin: true,
             extra_config: "enforce_isolation = true".into(),
             delegated_cgroup: false,
             ..ExecutordOptions::default()

@@ -25,6 +25,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::config::format_cpulist;
+
 /// Where the unified hierarchy is mounted.
 const MOUNT: &str = "/sys/fs/cgroup";
 
@@ -142,7 +144,7 @@ impl Delegated {
             )
         };
         if !cpus.is_empty() {
-            std::fs::write(dir.join("cpuset.cpus"), cpulist(cpus))
+            std::fs::write(dir.join("cpuset.cpus"), format_cpulist(cpus))
                 .map_err(|e| named("cpuset.cpus", e))?;
         }
         std::fs::write(
@@ -290,14 +292,6 @@ fn own_group(self_cgroup: &str) -> Result<&str, String> {
         })
 }
 
-/// `cpus` as a cpulist (`"0,2,5"`).
-fn cpulist(cpus: &[u32]) -> String {
-    cpus.iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 fn mkdir(dir: &Path) -> Result<(), String> {
     match std::fs::create_dir(dir) {
         Ok(()) => Ok(()),
@@ -356,6 +350,5 @@ mod tests {
         assert!(!populated_in("populated 0\nfrozen 0\n"));
         assert_eq!(oom_kills("oom 2\noom_kill 1\n"), 1);
         assert_eq!(oom_kills("oom 0\n"), 0);
-        assert_eq!(cpulist(&[0, 2, 5]), "0,2,5");
     }
 }

@@ -600,6 +600,14 @@ impl Config {
         if cpus.is_empty() {
             return Err(invalid("cpus", &self.cpus, "grant at least one CPU"));
         }
+        if self.enforce_isolation == Some(true) && self.pin == Some(false) {
+            return Err(invalid(
+                "enforce_isolation",
+                &true,
+                "it holds each allocation to its leased CPUs, which pin = false makes logical \
+                 slots; set pin = true, or enforce_isolation = false",
+            ));
+        }
         let memory_mib = match self.memory_mib {
             Some(0) => return Err(invalid("memory_mib", &0, "grant at least 1 MiB")),
             Some(m) => m,
@@ -878,6 +886,20 @@ fn default_worker_path() -> std::io::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn enforced_isolation_needs_real_cpus() {
+        let text = "cpus = \"0\"\nmemory_mib = 64\nenforce_isolation = true\n";
+        let s = Config::parse(text).unwrap().resolve().unwrap();
+        assert!(s.enforce_isolation && s.pin);
+        let err = Config::parse(&format!("{text}pin = false\n"))
+            .unwrap()
+            .resolve()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("enforce_isolation"), "{err}");
+        assert!(err.contains("set pin = true"), "{err}");
+    }
 
     #[test]
     fn cpulists() {
