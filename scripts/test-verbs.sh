@@ -13,9 +13,14 @@
 #    shm), and
 #  - the accounting service's verbs case (accounting/tests/service.rs
 #    `adds_over_verbs`: a real rfaas-accounting whose region the NIC adds
-#    into), all with --include-ignored. The guest mounts cgroup v2, so these
-#    daemons limit their workers with memory.max (RFAAS_TEST_CGROUP_V2 makes
-#    the memory-limit test insist on it).
+#    into), and
+#  - the executor's isolation tests (executor/tests/isolation.rs: a
+#    function's detached child is killed with its allocation, kept on its
+#    CPUs and billed), all with --include-ignored. The guest mounts cgroup
+#    v2 and gives every test daemon a group of its own below
+#    RFAAS_TEST_CGROUP, as systemd's Delegate=yes would, so these daemons
+#    run each allocation in its own cgroup (RFAAS_TEST_CGROUP_V2 makes the
+#    memory-limit test insist on it).
 # Prints each runner's "test result:" line and fails if a test fails, if a
 # binary ran no test, or if the VM could not run them (the VM script then
 # says why, loudly). The image is built on first use (about a minute; see
@@ -27,18 +32,23 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # In the guest: run both binaries, every test even after a failure.
 if [ "${1:-}" = --in-guest ]; then
-    lib=$2 conformance=$3 e2e=$4 acct=$5 status=0
+    lib=$2 conformance=$3 e2e=$4 acct=$5 isolation=$6 status=0
     # The guest's init mounts no cgroups; a unified (v2) hierarchy with the
     # memory controller lets the executor daemons here limit their workers
     # with memory.max, which the host (cgroup v1) cannot show.
     if [ ! -e /sys/fs/cgroup/cgroup.controllers ]; then
         mount -t cgroup2 cgroup2 /sys/fs/cgroup
     fi
-    if grep -qw memory /sys/fs/cgroup/cgroup.controllers; then
-        echo "== verbs: cgroup v2 with the memory controller: workers run under memory.max"
-        export RFAAS_TEST_CGROUP_V2=1
+    # The subtree test daemons get their groups in (testkit::executord),
+    # with the controllers a site delegates to executord.
+    controllers="+cpuset +cpu +memory"
+    if echo "$controllers" >/sys/fs/cgroup/cgroup.subtree_control &&
+        mkdir -p /sys/fs/cgroup/rfaas-tests &&
+        echo "$controllers" >/sys/fs/cgroup/rfaas-tests/cgroup.subtree_control; then
+        echo "== verbs: cgroup v2 (cpuset, cpu, memory): each allocation runs in its own group"
+        export RFAAS_TEST_CGROUP_V2=1 RFAAS_TEST_CGROUP=/sys/fs/cgroup/rfaas-tests
     else
-        echo "test-verbs: the guest has no cgroup v2 memory controller" >&2
+        echo "test-verbs: the guest cannot delegate cgroup v2 cpuset, cpu and memory" >&2
         status=1
     fi
     echo "== verbs: library device tests on $RDMA_DEVICE ($RDMA_VM_IP)"
@@ -49,6 +59,8 @@ if [ "${1:-}" = --in-guest ]; then
     "$e2e" verbs --include-ignored --test-threads=1 || status=1
     echo "== verbs: the accounting service on verbs:$RDMA_DEVICE"
     "$acct" adds_over_verbs --include-ignored --test-threads=1 || status=1
+    echo "== verbs: every process of an allocation stays in its cgroup"
+    "$isolation" --include-ignored --test-threads=1 || status=1
     exit "$status"
 fi
 
@@ -76,8 +88,9 @@ lib=$(executable fabric/src/lib.rs)
 conformance=$(executable fabric/tests/conformance.rs)
 e2e=$(executable client/tests/e2e.rs)
 acct=$(executable accounting/tests/service.rs)
-if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ] || [ -z "$acct" ]; then
-    echo "test-verbs: cargo built no fabric library, fabric conformance, client e2e or accounting service test binary:" >&2
+isolation=$(executable executor/tests/isolation.rs)
+if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ] || [ -z "$acct" ] || [ -z "$isolation" ]; then
+    echo "test-verbs: cargo built no fabric library, fabric conformance, client e2e, accounting service or executor isolation test binary:" >&2
     echo "$binaries" >&2
     exit 1
 fi
@@ -92,7 +105,7 @@ vm_status=0
 # The binaries live in cargo's target directory, which may be outside the repository.
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 RDMA_VM_TIMEOUT=${RDMA_VM_TIMEOUT:-900} RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
-    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" |
+    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" "$isolation" |
     tee "$log" || vm_status=$?
 # With pipefail, the pipeline's status is the VM's (tee does not fail).
 
@@ -104,8 +117,8 @@ if [ "$vm_status" -ne 0 ]; then
     echo "test-verbs: FAILED: the run in the VM exited with $vm_status" >&2
     failed=1
 fi
-if [ ${#results[@]} -ne 4 ]; then
-    echo "test-verbs: FAILED: expected 4 test summaries (library, conformance, e2e, accounting), got ${#results[@]}" >&2
+if [ ${#results[@]} -ne 5 ]; then
+    echo "test-verbs: FAILED: expected 5 test summaries (library, conformance, e2e, accounting, isolation), got ${#results[@]}" >&2
     failed=1
 fi
 for line in "${results[@]}"; do

@@ -61,6 +61,11 @@ pub struct ExecutordOptions {
     pub local_socket: Option<PathBuf>,
     /// Environment variables for the daemon (`SLURM_CONF`, say).
     pub env: Vec<(String, String)>,
+    /// Start the daemon in a cgroup of its own below the directory
+    /// `RFAAS_TEST_CGROUP` names, when it is set, as systemd does for a
+    /// unit with `Delegate=yes` (default true); false leaves it in the
+    /// test's cgroup.
+    pub delegated_cgroup: bool,
 }
 
 impl Default for ExecutordOptions {
@@ -81,6 +86,7 @@ impl Default for ExecutordOptions {
             extra_config: String::new(),
             local_socket: None,
             env: Vec::new(),
+            delegated_cgroup: true,
         }
     }
 }
@@ -94,7 +100,13 @@ pub struct Executord {
     node_name: String,
     control_addr: SocketAddr,
     local_socket: PathBuf,
+    cgroup: Option<PathBuf>,
 }
+
+/// The variable naming a cgroup v2 directory, with the `cpuset`, `cpu` and
+/// `memory` controllers enabled below it, in which test daemons get groups
+/// of their own (the VM's test run sets it).
+pub const TEST_CGROUP_VAR: &str = "RFAAS_TEST_CGROUP";
 
 /// The key id of the lease key every test daemon accepts.
 pub const TEST_KEY_ID: &str = "rfaas-test";
@@ -194,6 +206,15 @@ impl Executord {
         cmd.envs(opts.env.iter().map(|(k, v)| (k, v)))
             .arg("--config")
             .arg(&config_file);
+        let cgroup = match std::env::var_os(TEST_CGROUP_VAR) {
+            Some(parent) if opts.delegated_cgroup => {
+                let group = Path::new(&parent)
+                    .join(format!("executord-{}-{n}-{nanos:x}", std::process::id()));
+                delegate(&mut cmd, &group)?;
+                Some(group)
+            }
+            _ => None,
+        };
         let (mut child, rest) = crate::process::spawn_ready(
             cmd,
             &dir.join("executord.log"),
@@ -215,6 +236,7 @@ impl Executord {
             node_name: opts.node_name,
             control_addr,
             local_socket: local,
+            cgroup,
         })
     }
 
@@ -398,10 +420,65 @@ impl Executord {
 impl Drop for Executord {
     fn drop(&mut self) {
         crate::process::stop(&mut self.child, crate::process::STOP_GRACE);
+        if let Some(group) = &self.cgroup {
+            // Whatever outlived the daemon (nothing, unless a test found
+            // a hole), then the groups.
+            let _ = std::fs::write(group.join("cgroup.kill"), "1");
+            crate::wait::poll_for(Duration::from_secs(10), || {
+                let events = std::fs::read_to_string(group.join("cgroup.events")).ok()?;
+                events.lines().any(|l| l == "populated 0").then_some(())
+            });
+            remove_cgroup(group);
+        }
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// Makes the cgroup `group` and has `cmd`'s process join it before it
+/// execs: the subtree a service manager delegates to the daemon.
+fn delegate(cmd: &mut Command, group: &Path) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::process::CommandExt;
+    std::fs::create_dir(group)
+        .map_err(|e| format!("create the cgroup {}: {e}", group.display()))?;
+    let procs = std::ffi::CString::new(group.join("cgroup.procs").as_os_str().as_bytes())
+        .map_err(|e| format!("the cgroup path {}: {e}", group.display()))?;
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // only async-signal-safe calls (open, write, close) on memory prepared
+    // before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let f = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if f < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // "0": the writing process itself.
+            let ok = libc::write(f, b"0".as_ptr().cast(), 1) == 1;
+            let err = std::io::Error::last_os_error();
+            libc::close(f);
+            if ok {
+                Ok(())
+            } else {
+                Err(err)
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Removes a daemon's cgroup and the groups it made below it (their
+/// processes ended with the daemon), leaves first.
+fn remove_cgroup(group: &Path) {
+    if let Ok(entries) = std::fs::read_dir(group) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_cgroup(&e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(group);
 }
 
 /// An allocation request under `token` for `cores` lanes and `functions`

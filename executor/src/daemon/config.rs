@@ -26,6 +26,9 @@ pub struct Config {
     pub cpus: Option<String>,
     /// Whether lanes are pinned to the granted CPUs (default true).
     pub pin: Option<bool>,
+    /// Refuse to start unless every allocation can have its own cgroup
+    /// (default false: run without, and say so).
+    pub enforce_isolation: Option<bool>,
     /// Memory granted to allocations, MiB (default: the machine's memory).
     pub memory_mib: Option<u32>,
     /// Files of the public keys lease tokens are checked with (default
@@ -441,6 +444,9 @@ pub struct Settings {
     pub cpus: Vec<u32>,
     /// Whether lanes are pinned.
     pub pin: bool,
+    /// Whether the daemon refuses to start without a cgroup per
+    /// allocation.
+    pub enforce_isolation: bool,
     /// Memory granted to allocations, MiB.
     pub memory_mib: u32,
     /// Files of the public keys lease tokens are checked with.
@@ -603,6 +609,14 @@ impl Config {
         if cpus.is_empty() {
             return Err(invalid("cpus", &self.cpus, "grant at least one CPU"));
         }
+        if self.enforce_isolation == Some(true) && self.pin == Some(false) {
+            return Err(invalid(
+                "enforce_isolation",
+                &true,
+                "it holds each allocation to its leased CPUs, which pin = false makes logical \
+                 slots; set pin = true, or enforce_isolation = false",
+            ));
+        }
         let memory_mib = match self.memory_mib {
             Some(0) => return Err(invalid("memory_mib", &0, "grant at least 1 MiB")),
             Some(m) => m,
@@ -707,6 +721,7 @@ impl Config {
             providers,
             cpus,
             pin: self.pin.unwrap_or(true),
+            enforce_isolation: self.enforce_isolation.unwrap_or(false),
             memory_mib,
             lease_keys,
             local_socket: self
@@ -906,6 +921,20 @@ fn default_worker_path() -> std::io::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn enforced_isolation_needs_real_cpus() {
+        let text = "cpus = \"0\"\nmemory_mib = 64\nenforce_isolation = true\n";
+        let s = Config::parse(text).unwrap().resolve().unwrap();
+        assert!(s.enforce_isolation && s.pin);
+        let err = Config::parse(&format!("{text}pin = false\n"))
+            .unwrap()
+            .resolve()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("enforce_isolation"), "{err}");
+        assert!(err.contains("set pin = true"), "{err}");
+    }
 
     #[test]
     fn cpulists() {

@@ -18,8 +18,11 @@
 //!   with, and the secret key `rfaas-token` mints with.
 //! - `capacity`: free CPUs and memory, per-lease holdings.
 //! - `users`: the lease's user in the node's user database.
-//! - `memlimit`: cgroup v2 `memory.max` or `RLIMIT_AS`; the locked-memory
-//!   limit verbs needs.
+//! - `cgroup`: one cgroup v2 per allocation inside the subtree delegated
+//!   to the daemon: its CPUs (`cpuset.cpus`), its memory (`memory.max`),
+//!   every process it starts, killed together (`cgroup.kill`).
+//! - `memlimit`: the allocation's cgroup or, without one, `RLIMIT_AS`;
+//!   the locked-memory limit verbs needs.
 //! - `process`: spawning (plain or bubblewrap), signalling, waiting; the
 //!   spawner's work.
 //! - `clock`: the wall clock leases count in.
@@ -59,6 +62,7 @@ pub mod keys;
 mod allocate;
 mod billing;
 mod capacity;
+mod cgroup;
 mod clock;
 mod conn;
 mod control;
@@ -129,6 +133,9 @@ pub enum StartError {
     /// The node credential for the managers is unusable.
     #[error("{0}")]
     Credential(String),
+    /// `enforce_isolation` is set and allocations cannot have cgroups.
+    #[error("{0}")]
+    Isolation(String),
     /// The worker binary is not there.
     #[error("the worker binary {0} does not exist; install rfaas-worker next to rfaas-executord or set worker_path")]
     NoWorker(PathBuf),
@@ -212,7 +219,8 @@ impl Daemon {
             None => None,
         };
 
-        let limiter = MemoryLimiter::detect();
+        let limiter =
+            MemoryLimiter::detect(settings.enforce_isolation).map_err(StartError::Isolation)?;
         memlimit::allow_pinning(&settings.providers);
         if settings.sandbox == Sandbox::Bubblewrap && settings.pool_size > 0 {
             tracing::info!(

@@ -26,6 +26,11 @@ use super::state::{PoolWorker, Stop};
 /// worker starts any thread ([`process::renice`]).
 pub(crate) const POOL_NICE: i32 = 10;
 
+/// How long the processes of an ended worker's allocation group may take
+/// to go after SIGKILL (within the callers' wait for the allocation's
+/// end, [`super::shared::Shared::end_allocations`]).
+const GROUP_KILL_WAIT: Duration = Duration::from_secs(5);
+
 /// The spawner thread's loop: direct requests first, then one pool worker
 /// at a time while the pool is short.
 pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
@@ -149,6 +154,18 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
         }
     };
     let ended_at = shared.usage.now();
+    // What the worker started may outlive it (forked, detached, ignoring
+    // signals): the allocation's whole group goes before its CPU time is
+    // read and its CPUs are given back.
+    let allocation = shared
+        .lock()
+        .allocations
+        .values()
+        .find(|a| a.pid == Some(pid))
+        .map(|a| a.id);
+    if let Some(id) = allocation {
+        shared.limiter.kill(id, GROUP_KILL_WAIT);
+    }
     let mut report = None;
     let mut refill = false;
     {

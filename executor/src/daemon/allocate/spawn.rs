@@ -80,8 +80,8 @@ pub(super) fn start_worker(
     })?;
     let cgroup = shared
         .limiter
-        .create(id, req.memory_mib)
-        .map_err(|e| internal("create the worker's memory cgroup", &e))?;
+        .create(id, if s.pin { cpus } else { &[] }, req.memory_mib)
+        .map_err(|e| internal("create the allocation's cgroup", &e))?;
     let memfd = ipc::sealed_memfd(&memfd_name(&req.library_name), library)
         .map_err(|e| internal("copy the library into a memfd", &e))?;
     let (area, area_fd) = MeterArea::create(req.cores, shared.usage.clock())
@@ -124,7 +124,7 @@ pub(super) fn start_worker(
         let (sock, pid, pooled) = attach_worker(shared, id, runtime_dir, cgroup.as_deref())?;
         if let (Some(procs), true) = (&cgroup, pooled) {
             if let Err(e) = crate::daemon::memlimit::join(procs, pid) {
-                return Err(internal("move the worker into its memory cgroup", &e));
+                return Err(internal("move the worker into its allocation's cgroup", &e));
             }
         }
         let cpu = match &cgroup {

@@ -786,7 +786,7 @@ mod tests {
         let shared = Shared::new(
             settings,
             rfaas_proto::lease::LeaseKeys::new(),
-            MemoryLimiter::detect(),
+            MemoryLimiter::Rlimit,
             tx,
             outbox,
             None,

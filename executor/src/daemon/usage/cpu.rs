@@ -1,9 +1,10 @@
 //! The kernel's figure of a worker's CPU time, the one number of
 //! [`super`] that user code cannot touch.
 //!
-//! - With a cgroup per allocation (`memlimit`): its `cpu.stat`
+//! - With a cgroup per allocation (`cgroup`): its `cpu.stat`
 //!   `usage_usec`, every process that ever ran in the group while it was
-//!   there (a pooled worker joins at its assignment).
+//!   there (a pooled worker joins at its assignment), read at the end once
+//!   the group is empty, so a function's forked children count too.
 //! - Otherwise the worker process's CPU clock (`clock_getcpuclockid` and
 //!   `clock_gettime`: every thread, live ones and ended ones) while it runs,
 //!   and at its end the `wait4` resource usage of it and of the children it
