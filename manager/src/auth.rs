@@ -358,6 +358,18 @@ mod tests {
     }
 
     #[test]
+    fn a_full_unknown_cache_forgets_its_older_half() {
+        let start = Instant::now();
+        let mut unknown: HashMap<String, Instant> = (0..10u64)
+            .map(|k| (k.to_string(), start + Duration::from_millis(k)))
+            .collect();
+        forget_oldest_half(&mut unknown);
+        let mut kept: Vec<u64> = unknown.keys().map(|k| k.parse().unwrap()).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, vec![6, 7, 8, 9]);
+    }
+
+    #[test]
     fn the_admin_token_file_must_be_private() {
         let dir = std::env::temp_dir().join(format!("rfaas-admin-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
