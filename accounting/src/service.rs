@@ -154,25 +154,6 @@ fn remove_stale_socket(provider: &str, addr: &str) {
     }
 }
 
-/// Raises the soft limit of open files to the hard one: every accepted
-/// daemon holds a connection and a completion queue (a few descriptors
-/// each), and the usual soft limit of 1024 would cap the daemons.
-pub fn raise_open_file_limit() {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit and setrlimit read and write only `lim`, ours.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            lim.rlim_cur = lim.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                tracing::debug!("cannot raise the open-file limit; keeping it");
-            }
-        }
-    }
-}
-
 /// Starts the service with `settings`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let (rates, budgets) = load_billing(&settings.billing_config, &settings.config_dir)?;

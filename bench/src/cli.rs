@@ -1,5 +1,7 @@
 //! What the two binaries share around their own `Args`: CPU pinning, the
-//! [`Ctx`] built from the flags, the `--serve` dispatch, and the rounds.
+//! [`Ctx`] built from the flags, the `--serve` dispatch, and the rounds;
+//! and, for the single-purpose benches, the service binary they run
+//! ([`service_binary`]).
 
 use std::process::ExitCode;
 
@@ -253,4 +255,28 @@ fn run_rounds(
         rows::run(suites, filter, ctx, &mut report)?;
     }
     report.finish_with(derive)
+}
+
+/// The service binary `name` a bench runs: `given` (its flag), or the one
+/// next to the bench's own executable, built from `package`.
+pub fn service_binary(
+    given: Option<&std::path::Path>,
+    name: &str,
+    package: &str,
+    flag: &str,
+) -> std::result::Result<std::path::PathBuf, String> {
+    let bin = match given {
+        Some(b) => b.to_owned(),
+        None => std::env::current_exe()
+            .map_err(|e| format!("could not find the bench's own executable: {e}"))?
+            .with_file_name(name),
+    };
+    if !bin.exists() {
+        return Err(format!(
+            "{} does not exist: build it next to the bench (cargo build --release -p \
+             {package} -p rfaas-bench) or pass {flag}",
+            bin.display()
+        ));
+    }
+    Ok(bin)
 }

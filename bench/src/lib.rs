@@ -11,6 +11,9 @@
 //!   replica.
 //! - `rfaas-fabric-bench` measures the fabric providers against the raw
 //!   baselines only.
+//! - `rfaas-control-bench` and `rfaas-rest-bench` measure a good client
+//!   next to misbehaving connections: on an executor's control port, and
+//!   on a manager's REST port (`rest_quiet`, `rest_abuse`).
 //! - `rfaas-harvest` replays a seeded Slurm job stream on a loopback
 //!   cluster without rfaas and with it, and reports the idle capacity
 //!   offered, how soon job ends are lent again, the plugin's cost to job

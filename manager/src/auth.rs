@@ -7,11 +7,19 @@
 //!   admin (`POST /v1/credentials`). The database keeps the secret's
 //!   SHA-256, never the secret. A replica caches a verified credential for
 //!   [`CACHE_TTL`], so a revocation takes effect everywhere within it.
+//! - Strangers cost little: a malformed credential is refused without a
+//!   database query, an id the database does not hold is remembered as
+//!   unknown for [`UNKNOWN_TTL`] (so a credential minted on another replica
+//!   works here within it), and at most a few lookups of uncached ids reach
+//!   the database at once, so a flood of made-up credentials leaves the
+//!   pool's connections to the requests of callers already known.
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::hash::BuildHasher as _;
 use std::path::Path;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
@@ -55,11 +63,29 @@ impl Caller {
     }
 }
 
+/// How long a replica remembers that the database holds no credential
+/// of an id: a credential minted on another replica is accepted here at
+/// most this long after a request named it before it existed.
+pub const UNKNOWN_TTL: Duration = Duration::from_secs(2);
+
+/// Most ids remembered as unknown; beyond, the oldest half is forgotten.
+const UNKNOWN_MAX: usize = 16_384;
+
+/// Most credentials remembered as verified; beyond, all are forgotten.
+const KNOWN_MAX: usize = 100_000;
+
 /// Checks bearer tokens.
 #[derive(Debug)]
 pub struct Auth {
     admin_token: String,
     cache: Mutex<HashMap<String, (CredentialRow, Instant)>>,
+    unknown: Mutex<HashMap<String, Instant>>,
+    /// Lookups of ids never verified here take one of these, chosen by
+    /// the id: as many such lookups as there are locks reach the database
+    /// at once, and those of one id one after the other (the first fills
+    /// the cache for the rest).
+    lookups: Vec<tokio::sync::Mutex<()>>,
+    lookup_hasher: RandomState,
 }
 
 fn unauthorized(message: &str) -> ApiError {
@@ -121,11 +147,18 @@ pub fn read_admin_token(path: &Path) -> Result<String, String> {
 }
 
 impl Auth {
-    /// Checks tokens against `admin_token` and the stored credentials.
-    pub fn new(admin_token: String) -> Auth {
+    /// Checks tokens against `admin_token` and the stored credentials,
+    /// read through a pool of `connections`: a quarter of them (at least
+    /// one) may be looking up uncached credentials at once.
+    pub fn new(admin_token: String, connections: u32) -> Auth {
         Auth {
             admin_token,
             cache: Mutex::new(HashMap::new()),
+            unknown: Mutex::new(HashMap::new()),
+            lookups: (0..(connections as usize / 4).max(1))
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+            lookup_hasher: RandomState::new(),
         }
     }
 
@@ -151,7 +184,12 @@ impl Auth {
             .and_then(|r| r.strip_prefix('.'))
         {
             let (id, secret) = rest.split_once('.').unwrap_or((rest, ""));
-            let row = self.lookup(store, id).await?;
+            // Without a secret it cannot be good: no lookup.
+            let row = if secret.is_empty() {
+                None
+            } else {
+                self.lookup(store, id).await?
+            };
             let Some(row) = row else {
                 return Err(unauthorized(
                     "the credential is not known to this manager; ask an admin for one (`rfaasctl credential`)",
@@ -189,36 +227,89 @@ impl Auth {
         ))
     }
 
+    /// The stored credential `id`, from the caches when they know it;
+    /// `None` for an id that is malformed or not in the database.
     async fn lookup(&self, store: &Store, id: &str) -> Result<Option<CredentialRow>, ApiError> {
         if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Ok(None);
         }
-        {
-            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((row, at)) = cache.get(id) {
-                if at.elapsed() < CACHE_TTL {
-                    return Ok(Some(row.clone()));
-                }
-            }
+        let (known, verified_before) = self.cached(id);
+        if let Some(known) = known {
+            return Ok(known);
+        }
+        // Ids never verified here queue for their lock, not for the pool's
+        // connections. A credential verified before is looked up again
+        // without waiting behind strangers.
+        let _turn = if verified_before {
+            None
+        } else {
+            let lock = self.lookup_hasher.hash_one(id) as usize % self.lookups.len();
+            Some(self.lookups[lock].lock().await)
+        };
+        if let (Some(known), _) = self.cached(id) {
+            return Ok(known);
         }
         let row = store.credential(id).await.map_err(ApiError::from)?;
-        if let Some(row) = &row {
-            let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if cache.len() > 100_000 {
-                cache.clear();
+        match &row {
+            Some(row) => {
+                let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+                if cache.len() >= KNOWN_MAX {
+                    cache.clear();
+                }
+                cache.insert(id.to_owned(), (row.clone(), Instant::now()));
             }
-            cache.insert(id.to_owned(), (row.clone(), Instant::now()));
+            None => {
+                let mut unknown = self.unknown.lock().unwrap_or_else(|p| p.into_inner());
+                if unknown.len() >= UNKNOWN_MAX {
+                    forget_oldest_half(&mut unknown);
+                }
+                unknown.insert(id.to_owned(), Instant::now());
+            }
         }
         Ok(row)
     }
 
-    /// Forgets a credential at once on this replica (after a revocation).
+    /// What the caches say of `id`: `Some(Some(row))` verified,
+    /// `Some(None)` unknown, `None` not cached (or no longer); and whether
+    /// it was verified here before (even if that is too old to trust).
+    fn cached(&self, id: &str) -> (Option<Option<CredentialRow>>, bool) {
+        {
+            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((row, at)) = cache.get(id) {
+                if at.elapsed() < CACHE_TTL {
+                    return (Some(Some(row.clone())), true);
+                }
+                return (None, true);
+            }
+        }
+        let unknown = self.unknown.lock().unwrap_or_else(|p| p.into_inner());
+        match unknown.get(id) {
+            Some(at) if at.elapsed() < UNKNOWN_TTL => (Some(None), false),
+            _ => (None, false),
+        }
+    }
+
+    /// Forgets a credential at once on this replica (after a revocation,
+    /// or when one is minted here).
     pub fn forget(&self, id: &str) {
+        self.unknown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
         self.cache
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
     }
+}
+
+/// Drops the older half of `unknown`, by when each id was found unknown.
+fn forget_oldest_half(unknown: &mut HashMap<String, Instant>) {
+    let mut ages: Vec<Instant> = unknown.values().copied().collect();
+    let mid = ages.len() / 2;
+    let (_, cut, _) = ages.select_nth_unstable(mid);
+    let cut = *cut;
+    unknown.retain(|_, at| *at > cut);
 }
 
 #[cfg(test)]
@@ -267,6 +358,18 @@ mod tests {
         assert!(store.revoke_credential(&node.id).await.unwrap());
         assert_eq!(check(node_token).await, Err(NodeRefusal::Revoked));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_full_unknown_cache_forgets_its_older_half() {
+        let start = Instant::now();
+        let mut unknown: HashMap<String, Instant> = (0..10u64)
+            .map(|k| (k.to_string(), start + Duration::from_millis(k)))
+            .collect();
+        forget_oldest_half(&mut unknown);
+        let mut kept: Vec<u64> = unknown.keys().map(|k| k.parse().unwrap()).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, vec![6, 7, 8, 9]);
     }
 
     #[test]

@@ -117,6 +117,7 @@ impl Running {
 /// Opens the database, loads the keys, starts the background tasks and
 /// serves the API on `settings.listen`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
+    log_descriptor_limit(rfaas_service::limits::raise_descriptor_limit());
     let dir = &settings.config_dir;
     let admin = auth::read_admin_token(&settings.admin_token_file).map_err(|e| {
         anyhow::anyhow!(
@@ -148,11 +149,12 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             "[slurm] unchecked = true: job credentials are minted for whatever job, user and account a node names, without asking Slurm; any node's credential can act as any user. Never run so on a cluster with users"
         );
     }
+    let auth = Auth::new(admin, settings.max_connections);
     let app = Arc::new(App {
         settings,
         store,
         view,
-        auth: Auth::new(admin),
+        auth,
         metrics: Metrics::new(),
         signer,
         slurm: Slurm::new(settings_slurm),
@@ -189,6 +191,26 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     })
 }
 
+/// Below this many descriptors a replica warns: every connection, idle
+/// or not, takes one.
+const FEW_DESCRIPTORS: u64 = 8192;
+
+/// Says the descriptor limit the replica serves with (raised to the hard
+/// limit at start), and warns when it is low.
+fn log_descriptor_limit(limit: Option<rfaas_service::limits::DescriptorLimit>) {
+    match limit {
+        Some(l) if l.soft < FEW_DESCRIPTORS => tracing::warn!(
+            limit = l.soft,
+            hard = l.hard,
+            "the descriptor limit (RLIMIT_NOFILE) is low: each connection takes one, so \
+             about this many open connections make the replica unreachable; raise the \
+             hard limit (systemd: LimitNOFILE=65536)"
+        ),
+        Some(l) => tracing::info!(limit = l.soft, hard = l.hard, "descriptor limit"),
+        None => tracing::warn!("cannot read the descriptor limit (RLIMIT_NOFILE)"),
+    }
+}
+
 impl App {
     fn healthy(&self, ok: bool) {
         let mut h = self.healthy_since.lock().unwrap_or_else(|p| p.into_inner());
@@ -197,6 +219,15 @@ impl App {
             (false, true) => *h = None,
             _ => {}
         }
+    }
+
+    /// Whether the last background round reached the database (what
+    /// `/healthz` says).
+    pub fn reaches_database(&self) -> bool {
+        self.healthy_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     fn healthy_for(&self) -> Duration {

@@ -4,8 +4,13 @@
 //! of the pool (nodes by state, cores and memory free and leased, the
 //! oldest heartbeat) are read from this replica's view at each scrape, so
 //! every replica reports the same pool.
+//!
+//! Every label has a small, fixed set of values, whatever callers send:
+//! request methods and paths outside the API are counted as `other`.
 
 use std::time::Duration;
+
+use axum::http::Method;
 
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
@@ -14,6 +19,22 @@ use prometheus::{
 use rfaas_proto::manager::NodeState;
 
 use crate::view::View;
+
+/// The label value of every method the API does not route and of every
+/// path it does not match.
+pub const OTHER: &str = "other";
+
+/// The `method` label of `method`: one of the methods the API routes, or
+/// [`OTHER`], so that made-up methods add no series.
+pub fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        _ => OTHER,
+    }
+}
 
 /// The metrics.
 #[derive(Debug)]
@@ -157,7 +178,8 @@ impl Metrics {
         }
     }
 
-    /// Records one request.
+    /// Records one request: `route` is the route's pattern or [`OTHER`],
+    /// `method` a [`method_label`].
     pub fn observe(&self, route: &str, method: &str, status: u16, took: Duration) {
         let class = match status {
             200..=299 => "2xx",

@@ -439,8 +439,8 @@ fn malformed_requests_get_json_errors(kind: &str) {
 on_both!(malformed_requests_get_json_errors);
 
 /// Each handler says who may call it; every other caller is refused with
-/// what would serve, and a malformed body is refused as such before its
-/// sender is checked.
+/// what would serve, before its body is read: a malformed body is refused
+/// as such only to a caller who may send one.
 fn handlers_refuse_callers_of_other_roles(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager();
@@ -486,9 +486,11 @@ fn handlers_refuse_callers_of_other_roles(kind: &str) {
         200
     );
     assert_eq!(node.call("POST", "/v1/nodes/a/heartbeat", Some(&hb)).0, 200);
-    // A malformed body first, whoever sent it.
+    // The sender first: a stranger's body is not read.
     let anyone = Api::new(m.url(), "");
     let (s, _, e) = anyone.raw("PUT", "/v1/nodes/a", Some("{".into()), "application/json");
+    assert_eq!((s, e["error"].as_str()), (401, Some("unauthorized")), "{e}");
+    let (s, _, e) = node.raw("PUT", "/v1/nodes/a", Some("{".into()), "application/json");
     assert_eq!(
         (s, e["error"].as_str()),
         (400, Some("malformed_request")),

@@ -373,8 +373,14 @@ fn postgres_restart_makes_grants_wait_then_resume_with_leases_intact() {
             "{e}"
         );
         assert!(retry.is_some(), "a 503 without Retry-After");
-        let (st, _) = Api::new(m.url(), "").call("GET", "/healthz", None);
-        assert_eq!(st, 503, "healthz while the database is down");
+        // healthz says what the background round found (every
+        // refresh_ms), so the outage shows at its next round.
+        let open = Api::new(m.url(), "");
+        wait_until(
+            "healthz to answer 503 while the database is down",
+            Duration::from_secs(20),
+            || open.call("GET", "/healthz", None).0 == 503,
+        );
         // Down for longer than lost_after (1 s): no node may be lost for
         // it. The outage's length is what this test is about, so it is
         // slept; what follows waits for the reaper, not for time.

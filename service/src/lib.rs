@@ -18,6 +18,7 @@
 //! - [`credentials`]: credential hashing and the node-credential check the
 //!   accounting service makes against the manager's `credentials` table;
 //!   private files.
+//! - [`limits`]: the descriptor limit daemons raise at start.
 //! - [`table`]: the plain-text tables `rfaasctl` and `rfaas-billing` print.
 //! - [`now_ms`], [`now_s`]: the clocks stored times are in.
 
@@ -25,6 +26,7 @@ pub mod budgets;
 pub mod config;
 pub mod credentials;
 pub mod db;
+pub mod limits;
 pub mod schema;
 pub mod table;
 

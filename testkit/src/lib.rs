@@ -28,6 +28,9 @@
 //!   finished command's output for an assertion's message.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
 //!   `scripts/slurm-cluster.sh`), and its clients (srun, sbatch, ...).
+//! - [`strangers`]: strangers on a manager's REST port: raw requests, a
+//!   flood of made-up credentials, idle connections and a slowloris, from
+//!   chosen loopback addresses.
 //! - [`wait`]: waiting for an event (a condition polled until it holds,
 //!   a thread asleep in the kernel) instead of sleeping for a guessed time.
 //! - [`on_both!`]: one test per database (SQLite and PostgreSQL).
@@ -42,6 +45,7 @@ pub mod postgres;
 pub mod process;
 pub mod prometheus;
 pub mod slurm;
+pub mod strangers;
 pub mod wait;
 
 use std::path::{Path, PathBuf};

@@ -83,7 +83,9 @@ fn main() -> anyhow::Result<()> {
         billing_config
     );
     let settings = file.settings(&dir)?;
-    rfaas_accounting::service::raise_open_file_limit();
+    // Every accepted daemon holds a connection and a completion queue (a
+    // few descriptors each).
+    let _ = rfaas_service::limits::raise_descriptor_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

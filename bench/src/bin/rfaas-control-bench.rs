@@ -76,19 +76,12 @@ fn run(args: &Args) -> Result<(), String> {
             "the descriptor limit is {limit}, too low for {wanted} connections; raise ulimit -n"
         ));
     }
-    let bin = match &args.executord {
-        Some(b) => b.clone(),
-        None => std::env::current_exe()
-            .map_err(|e| format!("could not find the bench's own executable: {e}"))?
-            .with_file_name("rfaas-executord"),
-    };
-    if !bin.exists() {
-        return Err(format!(
-            "{} does not exist: build it next to the bench (cargo build --release -p \
-             rfaas-executor -p rfaas-bench) or pass --executord",
-            bin.display()
-        ));
-    }
+    let bin = rfaas_bench::cli::service_binary(
+        args.executord.as_deref(),
+        "rfaas-executord",
+        "rfaas-executor",
+        "--executord",
+    )?;
     let d = Executord::try_start(
         &bin,
         ExecutordOptions {

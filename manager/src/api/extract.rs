@@ -10,8 +10,8 @@
 //! - [`ThisNode`]: the credential of the node the path names, or the
 //!   admin token.
 //!
-//! [`Sent`] pairs one of them with a JSON body, checking the body first:
-//! a malformed body is refused as such whoever sent it.
+//! [`Sent`] pairs one of them with a JSON body, checking the sender
+//! first: the body of a caller who may not send it is never read.
 
 use std::sync::Arc;
 
@@ -212,9 +212,10 @@ impl FromRequestParts<Arc<App>> for ThisNode {
     }
 }
 
-/// A JSON body of `T` sent by a `W` ([`Admin`], [`User`], ...). The body
-/// is read first: a malformed one is refused as such whoever sent it,
-/// then the sender is checked.
+/// A JSON body of `T` sent by a `W` ([`Admin`], [`User`], ...). The
+/// sender is checked first, and the body is read only once the sender may
+/// send it: a stranger's body, however large or malformed, is never read
+/// (nor waited for).
 #[derive(Debug)]
 pub struct Sent<W, T>(pub W, pub T);
 
@@ -228,11 +229,12 @@ where
 
     async fn from_request(req: Request, app: &Arc<App>) -> Result<Self, Response> {
         let (mut parts, body) = req.into_parts();
-        let who = W::from_request_parts(&mut parts, app).await;
+        let who = W::from_request_parts(&mut parts, app)
+            .await
+            .map_err(IntoResponse::into_response)?;
         let Json(body) = Json::<T>::from_request(Request::from_parts(parts, body), app)
             .await
             .map_err(IntoResponse::into_response)?;
-        let who = who.map_err(IntoResponse::into_response)?;
         Ok(Sent(who, body))
     }
 }

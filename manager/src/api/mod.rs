@@ -40,6 +40,7 @@ use rfaas_proto::manager::{
 use utoipa::OpenApi;
 
 use crate::error::{json_errors, ApiError, Kind, RefusalTable, Refusals};
+use crate::metrics;
 use crate::{now_ms, App};
 
 /// Largest request body, bytes. A heartbeat of a node with thousands of
@@ -149,25 +150,35 @@ pub fn router(app: Arc<App>) -> Router {
         .with_state(app)
 }
 
+/// Records each request's latency under a bounded set of labels: a
+/// caller, authenticated or not, chooses the method and path, and each
+/// new label value would be a new series kept until the replica stops.
 async fn track(State(app): AppState, req: Request, next: Next) -> Response {
     let route = req
         .extensions()
         .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_else(|| "unmatched".into());
-    let method = req.method().as_str().to_owned();
+        .map(|p| p.as_str().to_owned());
+    let method = metrics::method_label(req.method());
     let start = Instant::now();
     let resp = next.run(req).await;
-    app.metrics
-        .observe(&route, &method, resp.status().as_u16(), start.elapsed());
+    app.metrics.observe(
+        route.as_deref().unwrap_or(metrics::OTHER),
+        method,
+        resp.status().as_u16(),
+        start.elapsed(),
+    );
     resp
 }
 
-/// Health: `200` while this replica reaches its database, `503` otherwise.
+/// Health: `200` while this replica reaches its database, `503`
+/// otherwise. Unauthenticated, so answered from the background refresh's
+/// last round (every `refresh_ms`), never by a query of its own.
 #[utoipa::path(get, path = "/healthz", security(()),
     responses((status = 200, description = "Serving")))]
 async fn healthz(State(app): AppState) -> ApiResult<Json<serde_json::Value>> {
-    app.store.ping().await?;
+    if !app.reaches_database() {
+        return Err(ApiError::DatabaseUnavailable);
+    }
     Ok(Json(
         serde_json::json!({"status": "ok", "backend": app.store.backend().name()}),
     ))

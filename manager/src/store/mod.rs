@@ -191,12 +191,6 @@ impl Store {
         }
         Ok(())
     }
-
-    /// Checks that the database answers.
-    pub async fn ping(&self) -> Result<(), DbError> {
-        sqlx::query("SELECT 1 AS one").fetch_one(&self.pool).await?;
-        Ok(())
-    }
 }
 
 #[cfg(test)]
