@@ -24,7 +24,6 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use rfaas_fabric::Fabric;
-use rfaas_proto::accounting::{AccountingReply, ReplyStatus};
 use rfaas_proto::files::ConfigDir;
 use rfaas_service::db::{self, Backend, DbError};
 use sqlx::AnyPool;
@@ -268,21 +267,12 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     flusher.flush_logged().await;
     let flusher = tokio::spawn(flusher.run(settings.flush_interval, stopped));
 
-    let descriptor = region.descriptor();
-    let offer = AccountingReply {
-        status: ReplyStatus::Accepted,
-        region_addr: descriptor.addr,
-        region_rkey: descriptor.rkey,
-        slots: header.slots,
-        region_id: header.region_id,
-    };
     let stop_listener = Arc::new(AtomicBool::new(false));
     let listener = listener::spawn(
         ListenerParts {
             fabric: fabric.clone(),
-            domain: domain.clone(),
             listener: fabric_listener,
-            offer,
+            region: region.clone(),
             verifier: Arc::new(Verifier::new(pool.clone())),
             runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),

@@ -1,0 +1,111 @@
+//! Who may add to the counter region: only an executor daemon whose hello
+//! was accepted, through the registration made for its connection alone.
+//! Real `rfaas-accounting` processes, a real manager and SQLite; tcp and
+//! shm.
+
+mod common;
+
+use common::{wait_for_usage, Env};
+use rfaas_fabric::{RemoteAddr, Status};
+use rfaas_proto::accounting::{word_offset, Counter, ReplyStatus, SlotTotals};
+use rfaas_testkit::accounting::{Accounting, AccountingOptions, Peer};
+
+const PROVIDERS: [&str; 2] = ["tcp", "shm"];
+
+fn start(env: &Env, provider: &str) -> Accounting {
+    Accounting::start(AccountingOptions {
+        provider: provider.into(),
+        ..env.options()
+    })
+}
+
+/// A refused operation: an error completion, or the connection dropped.
+fn refused(r: Result<u64, Status>) -> bool {
+    matches!(
+        r,
+        Err(Status::RemoteAccess | Status::RemoteOperation | Status::PeerLost | Status::Flushed)
+    )
+}
+
+/// A connection that never said its hello cannot fetch-and-add nor
+/// compare-and-swap the counters, even with the region's address and rkey
+/// as an accepted daemon learnt them; the daemon's slot keeps only its own
+/// adds.
+#[test]
+fn a_connection_without_a_hello_cannot_touch_the_region() {
+    for provider in PROVIDERS {
+        let env = Env::new("sqlite");
+        let acct = start(&env, provider);
+        let mut daemon =
+            Peer::hello(provider, acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+        assert_eq!(daemon.reply.status, ReplyStatus::Accepted, "{provider}");
+        env.insert_lease(11, "physics", false);
+        env.assign("acct1", 2, 11);
+        let mut word = daemon.region();
+        word.addr += word_offset(2, Counter::ComputeNs);
+
+        let mut stranger = Peer::connect(provider, acct.fabric_addr()).unwrap();
+        let add = stranger.add_at(word, 1_000_000_000_000_000);
+        assert!(
+            refused(add),
+            "{provider}: a fetch-and-add without a hello: {add:?}"
+        );
+        let mut stranger = Peer::connect(provider, acct.fabric_addr()).unwrap();
+        let cas = stranger.cas_at(word, 0, u64::MAX);
+        assert!(
+            refused(cas),
+            "{provider}: a compare-and-swap without a hello: {cas:?}"
+        );
+
+        daemon.add(2, Counter::ComputeNs, 5).unwrap();
+        let want = SlotTotals::from_words([0, 5, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(daemon.read_slot(2).unwrap(), want, "{provider}");
+        wait_for_usage(&env, 11, &want);
+    }
+}
+
+/// The rkey a daemon was given names the region on its own connection
+/// only, and differs from run to run: one seen before a restart (or on
+/// another connection) does not work, though the region is the same.
+#[test]
+fn an_rkey_from_a_previous_run_or_connection_does_not_work() {
+    for provider in PROVIDERS {
+        let env = Env::new("sqlite");
+        let mut acct = start(&env, provider);
+        let cred = env.node_credential("n1");
+        let first = Peer::hello(provider, acct.fabric_addr(), &cred).unwrap();
+        let old = first.region();
+        let region_id = first.reply.region_id;
+        let mut second = Peer::hello(provider, acct.fabric_addr(), &cred).unwrap();
+        let other = RemoteAddr {
+            rkey: old.rkey,
+            ..second.region()
+        };
+        assert_ne!(second.region().rkey, old.rkey, "{provider}");
+        assert!(
+            refused(second.add_at(other, 1)),
+            "{provider}: another connection's rkey worked"
+        );
+        drop((first, second));
+        acct.restart().unwrap();
+
+        let mut again = Peer::hello(provider, acct.fabric_addr(), &cred).unwrap();
+        assert_eq!(
+            again.reply.region_id, region_id,
+            "{provider}: the same region"
+        );
+        assert_ne!(
+            again.region().rkey,
+            old.rkey,
+            "{provider}: the same rkey after a restart"
+        );
+        let guessed = RemoteAddr {
+            rkey: old.rkey,
+            ..again.region()
+        };
+        assert!(
+            refused(again.add_at(guessed, 1)),
+            "{provider}: an rkey of the previous run worked"
+        );
+    }
+}
