@@ -7,7 +7,10 @@
 //! 1. Heartbeat the instance's row; read its assigned slots and their
 //!    leases. Free slots holding adds (a daemon that added after its slot
 //!    was freed) are cleared at once, before a new lease can be given one.
-//! 2. Read each assigned slot. A lease is written when its slot grew past
+//!    Adds in a node's window to a slot whose lease is not on that node
+//!    are taken out and counted, never stored ([`crate::ledger`]).
+//! 2. Read each assigned slot (the region plus the window of its lease's
+//!    node). A lease is written when its slot grew past
 //!    what is stored, when a snapshot is due (every `snapshot_interval`,
 //!    for leases whose totals changed since their last one), and at its
 //!    final flush. The region's pages are synced to its file first, so the
@@ -44,9 +47,9 @@ use rfaas_proto::accounting::{Counter, SlotTotals};
 use rfaas_service::db::{retrying, DbError};
 use sqlx::AnyPool;
 
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::rates::Rates;
-use crate::region::Region;
 use crate::store::{self, max_totals, stored, Assigned, UsageWrite};
 
 /// What the flusher needs to know.
@@ -77,6 +80,9 @@ pub struct FlushReport {
     pub freed: u64,
     /// Free slots found holding adds, cleared.
     pub strays: usize,
+    /// Slots of a node's window holding adds to another node's lease,
+    /// cleared and counted.
+    pub foreign: usize,
 }
 
 /// What the flusher remembers of a lease between flushes.
@@ -104,7 +110,7 @@ pub(crate) enum Crash {
 pub struct Flusher {
     cfg: FlushConfig,
     pool: AnyPool,
-    region: Arc<Region>,
+    ledger: Arc<Ledger>,
     metrics: Arc<Metrics>,
     memo: HashMap<u64, Memo>,
     last_snapshot_ms: Option<u64>,
@@ -119,17 +125,17 @@ pub struct Flusher {
 }
 
 impl Flusher {
-    /// A flusher of `region` into `pool`.
+    /// A flusher of `ledger` into `pool`.
     pub fn new(
         cfg: FlushConfig,
         pool: AnyPool,
-        region: Arc<Region>,
+        ledger: Arc<Ledger>,
         metrics: Arc<Metrics>,
     ) -> Flusher {
         Flusher {
             cfg,
             pool,
-            region,
+            ledger,
             metrics,
             memo: HashMap::new(),
             last_snapshot_ms: None,
@@ -168,7 +174,7 @@ impl Flusher {
         // step is retried a few times before the flush gives up.
         retrying(|| store::heartbeat(&self.pool, &name, now_ms)).await?;
         let all = retrying(|| store::assigned_slots(&self.pool, &name)).await?;
-        let slots = self.region.slots();
+        let slots = self.ledger.slots();
         let (assigned, outside): (Vec<Assigned>, Vec<Assigned>) =
             all.into_iter().partition(|a| a.slot < slots);
         for a in &outside {
@@ -176,6 +182,7 @@ impl Flusher {
         }
         let mut report = FlushReport {
             assigned: assigned.len(),
+            foreign: self.reject_foreign(&assigned),
             strays: self.clear_strays(&assigned).await?,
             ..FlushReport::default()
         };
@@ -186,7 +193,7 @@ impl Flusher {
         });
         let mut writes = Vec::new();
         for a in &assigned {
-            let now = self.region.read_slot(a.slot);
+            let now = self.ledger.read_slot(a.node(), a.slot);
             let memo = self
                 .memo
                 .get(&a.lease_id)
@@ -207,6 +214,7 @@ impl Flusher {
                 writes.push(UsageWrite {
                     lease_id: a.lease_id,
                     slot: a.slot,
+                    node: a.node().map(str::to_owned),
                     totals: stored(&now),
                     finalized: last,
                     snapshot,
@@ -217,7 +225,7 @@ impl Flusher {
         }
         if !writes.is_empty() {
             // The file first: it never holds less than the database.
-            if let Err(e) = self.region.sync_all() {
+            if let Err(e) = self.ledger.sync_all() {
                 tracing::warn!(error = %e, "cannot sync the region to its file; flushing anyway");
             }
         }
@@ -259,15 +267,15 @@ impl Flusher {
         for w in &finals {
             #[cfg(test)]
             if let Some(late) = &self.late_add {
-                self.region.restore_slot(w.slot, late);
+                self.ledger.restore_slot(w.node.as_deref(), w.slot, late);
             }
-            let taken = self.region.take_slot(w.slot);
+            let taken = self.ledger.take_slot(w.node.as_deref(), w.slot);
             if max_totals(&taken, &w.totals) == w.totals {
-                free.push((w.slot, w.lease_id));
+                free.push((w.slot, w.lease_id, w.node.as_deref()));
             } else {
                 // An add landed after the read: put everything back for the
                 // next flush to write.
-                self.region.restore_slot(w.slot, &taken);
+                self.ledger.restore_slot(w.node.as_deref(), w.slot, &taken);
                 tracing::info!(
                     slot = w.slot,
                     lease = w.lease_id,
@@ -275,8 +283,8 @@ impl Flusher {
                 );
             }
         }
-        for (slot, _) in &free {
-            self.region.sync_slots(*slot, 1).map_err(|e| {
+        for (slot, _, node) in &free {
+            self.ledger.sync_slot(*node, *slot).map_err(|e| {
                 DbError::Other(format!(
                     "cannot sync zeroed slot {slot} to the region file ({e}); it stays assigned"
                 ))
@@ -286,12 +294,33 @@ impl Flusher {
         if self.crash == Some(Crash::AfterZeroing) {
             return Err(DbError::Other("crash after zeroing".into()));
         }
+        let free: Vec<(u32, u64)> = free.iter().map(|(s, l, _)| (*s, *l)).collect();
         report.freed = retrying(|| store::free_slots(&self.pool, &name, &free)).await?;
         self.metrics.slots_freed.inc_by(report.freed);
         for (_, lease) in &free {
             self.memo.remove(lease);
         }
         Ok(report)
+    }
+
+    /// Takes out of each node's window the adds to assigned slots whose
+    /// lease is not on that node, and counts them. Returns how many slots
+    /// held such adds.
+    fn reject_foreign(&self, assigned: &[Assigned]) -> usize {
+        let holders: HashMap<u32, Option<&str>> =
+            assigned.iter().map(|a| (a.slot, a.node())).collect();
+        let foreign = self.ledger.take_foreign(|slot| holders.get(&slot).copied());
+        for (node, slot, taken) in &foreign {
+            tracing::warn!(%node, slot, holder = holders.get(slot).copied().flatten().unwrap_or("nobody"), compute_ns = taken.get(Counter::ComputeNs), "a node added to a slot whose lease is not on it; the adds are discarded");
+        }
+        if !foreign.is_empty() {
+            let _ = self.ledger.sync_all();
+            self.metrics
+                .rejected_adds
+                .with_label_values(&["foreign_slot"])
+                .inc_by(foreign.len() as u64);
+        }
+        foreign.len()
     }
 
     /// Clears free slots that hold adds. Returns how many. A slot that
@@ -301,20 +330,20 @@ impl Flusher {
     async fn clear_strays(&self, assigned: &[Assigned]) -> Result<usize, DbError> {
         let held: HashSet<u32> = assigned.iter().map(|a| a.slot).collect();
         let mut strays = 0;
-        for slot in (0..self.region.slots()).filter(|s| !held.contains(s)) {
-            let words = self.region.read_slot(slot);
+        for slot in (0..self.ledger.slots()).filter(|s| !held.contains(s)) {
+            let words = self.ledger.read_anywhere(slot);
             if words != SlotTotals::default() {
                 let name = &self.cfg.instance;
                 if retrying(|| store::slot_lease(&self.pool, name, slot)).await? != 0 {
                     continue;
                 }
-                let taken = self.region.take_slot(slot);
+                let taken = self.ledger.take_anywhere(slot);
                 tracing::warn!(slot, compute_ns = taken.get(Counter::ComputeNs), closed = taken.closed, "a free slot held adds (a daemon added after its lease's slot was freed); cleared");
                 strays += 1;
             }
         }
         if strays > 0 {
-            let _ = self.region.sync_all();
+            let _ = self.ledger.sync_all();
             self.metrics.stray_adds.inc_by(strays as u64);
         }
         Ok(strays)
@@ -377,6 +406,7 @@ impl Flusher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::region::Region;
     use crate::store::Instance;
     use rfaas_proto::accounting::UsageFigures;
     use rfaas_service::db;
@@ -387,7 +417,8 @@ mod tests {
     struct Bench {
         pool: AnyPool,
         region: Arc<Region>,
-        _domain: rfaas_fabric::Domain,
+        ledger: Arc<Ledger>,
+        _domain: Arc<rfaas_fabric::Domain>,
         _fabric: rfaas_fabric::Fabric,
         _pg: Option<rfaas_testkit::postgres::Postgres>,
         dir: std::path::PathBuf,
@@ -417,6 +448,9 @@ mod tests {
         let fabric = rfaas_fabric::Fabric::open("tcp").unwrap();
         let domain = fabric.domain().unwrap();
         let (region, _) = Region::open(&domain, &dir.join("region"), 8).unwrap();
+        let region = Arc::new(region);
+        let domain = Arc::new(domain);
+        let ledger = Arc::new(Ledger::open(domain.clone(), region.clone(), false).unwrap());
         let inst = Instance {
             name: "t".into(),
             provider: "tcp".into(),
@@ -429,7 +463,8 @@ mod tests {
         store::ensure_slots(&pool, "t", 8).await.unwrap();
         Bench {
             pool,
-            region: Arc::new(region),
+            region,
+            ledger,
             _domain: domain,
             _fabric: fabric,
             _pg: pg,
@@ -447,7 +482,7 @@ mod tests {
                     rates: RATES,
                 },
                 self.pool.clone(),
-                self.region.clone(),
+                self.ledger.clone(),
                 Arc::new(Metrics::new(0)),
             );
             f.crash = crash;

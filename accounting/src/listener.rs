@@ -52,6 +52,7 @@ use rfaas_proto::accounting::{
 };
 
 use crate::credentials::{Verdict, Verifier};
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::region::Region;
 
@@ -85,9 +86,9 @@ pub struct ListenerParts {
     pub fabric: Arc<Fabric>,
     /// The listening endpoint.
     pub listener: Listener,
-    /// The counter region, registered for each connection whose hello
-    /// is accepted.
-    pub region: Arc<Region>,
+    /// The counter region and the nodes' windows: a connection whose
+    /// hello is accepted gets its node's window, registered for it alone.
+    pub ledger: Arc<Ledger>,
     /// Credential checks.
     pub verifier: Arc<Verifier>,
     /// Where the checks run.
@@ -352,9 +353,13 @@ impl Acceptor {
                             Err((reply_to, why)) => {
                                 tracing::debug!(peer = %c.peer, why, "a bad hello");
                                 match reply_to {
-                                    Some(to) => {
-                                        reply(c, to, ReplyStatus::BadHello, None, &self.p.region)
-                                    }
+                                    Some(to) => reply(
+                                        c,
+                                        to,
+                                        ReplyStatus::BadHello,
+                                        None,
+                                        self.p.ledger.main(),
+                                    ),
                                     None => dropped(
                                         format!("sent a hello that is not one ({why})"),
                                         "bad_hello",
@@ -416,7 +421,12 @@ impl Acceptor {
             if let Some(v) = answer {
                 moved = true;
                 let (status, node) = match v {
-                    Verdict::Node(node) => match self.p.region.expose(&c.domain) {
+                    Verdict::Node(node) => match self
+                        .p
+                        .ledger
+                        .window(&node)
+                        .and_then(|w| w.expose(&c.domain))
+                    {
                         Ok(mr) => {
                             c.exposed = Some(mr);
                             (ReplyStatus::Accepted, Some(node))
@@ -436,7 +446,7 @@ impl Acceptor {
                     }
                 };
                 c.deadline = Instant::now() + self.p.hello_timeout;
-                let o = reply(c, to, status, node, &self.p.region);
+                let o = reply(c, to, status, node, self.p.ledger.main());
                 if !matches!(o, Outcome::Waiting) {
                     return (o, true);
                 }

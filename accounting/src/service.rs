@@ -31,6 +31,7 @@ use sqlx::AnyPool;
 use crate::config::Settings;
 use crate::credentials::Verifier;
 use crate::flusher::{FlushConfig, Flusher};
+use crate::ledger::Ledger;
 use crate::listener::{self, ListenerParts};
 use crate::metrics::{self, Health, Metrics};
 use crate::rates::{BillingConfig, Rates, RatesError};
@@ -191,6 +192,10 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let domain = Arc::new(fabric.domain().context("create the region's domain")?);
     let (region, created) = Region::open(&domain, &settings.region_file, settings.slots)?;
     let region = Arc::new(region);
+    let ledger = Arc::new(
+        Ledger::open(domain.clone(), region.clone(), created)
+            .context("open the nodes' windows of the region")?,
+    );
     remove_stale_socket(&settings.provider, &settings.listen);
     let fabric_listener = fabric
         .listen(&settings.listen)
@@ -202,7 +207,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let header = region.header();
 
     if created {
-        seed(&pool, &settings.name, &region).await?;
+        seed(&pool, &settings.name, &ledger).await?;
     }
     let instance = Instance {
         name: settings.name.clone(),
@@ -259,7 +264,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             rates,
         },
         pool.clone(),
-        region.clone(),
+        ledger.clone(),
         metrics.clone(),
     );
     // The first flush before anyone connects: the row's heartbeat is
@@ -272,7 +277,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         ListenerParts {
             fabric: fabric.clone(),
             listener: fabric_listener,
-            region: region.clone(),
+            ledger: ledger.clone(),
             verifier: Arc::new(Verifier::new(pool.clone())),
             runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
@@ -310,7 +315,9 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
 
 /// Seeds a new region's slots with the stored totals of the leases the
 /// database still counts in them.
-async fn seed(pool: &AnyPool, name: &str, region: &Region) -> anyhow::Result<()> {
+/// Each lease's slot is seeded in its node's window, where its daemon
+/// reads it back.
+async fn seed(pool: &AnyPool, name: &str, ledger: &Ledger) -> anyhow::Result<()> {
     let assigned = db::retrying(|| store::assigned_slots(pool, name))
         .await
         .context("read the slots to seed a new region")?;
@@ -319,14 +326,20 @@ async fn seed(pool: &AnyPool, name: &str, region: &Region) -> anyhow::Result<()>
         .await
         .context("read the usage to seed a new region")?;
     let mut seeded = 0;
-    for a in assigned.iter().filter(|a| a.slot < region.slots()) {
+    for a in assigned.iter().filter(|a| a.slot < ledger.slots()) {
         if let Some(row) = rows.iter().find(|r| r.lease_id == a.lease_id) {
-            region.seed_slot(a.slot, &row.totals);
+            let window = match a.node() {
+                Some(node) => ledger
+                    .window(node)
+                    .with_context(|| format!("make node {node}'s window to seed"))?,
+                None => ledger.main().clone(),
+            };
+            window.seed_slot(a.slot, &row.totals);
             seeded += 1;
         }
     }
     if seeded > 0 {
-        region
+        ledger
             .sync_all()
             .context("sync the seeded region to its file")?;
         tracing::warn!(

@@ -184,7 +184,8 @@ fn bad_adds_fail_alone(kind: &str) {
     let env = Env::new(kind);
     let acct = env.accounting();
     let mut a = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
-    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+    // Both connections are node n1's, which holds the lease.
+    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
     env.insert_lease(7, "physics", false);
     env.assign("acct1", 1, 7);
     let region = RemoteAddr {
@@ -442,7 +443,7 @@ fn adds_over_shm() {
     assert_eq!(err, Status::RemoteAccess);
     acct.kill();
     acct.restart().unwrap();
-    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
     assert_eq!(again.read_slot(0).unwrap(), u);
 }
 

@@ -9,6 +9,7 @@ use common::{wait_for_usage, Env};
 use rfaas_fabric::{RemoteAddr, Status};
 use rfaas_proto::accounting::{word_offset, Counter, ReplyStatus, SlotTotals};
 use rfaas_testkit::accounting::{Accounting, AccountingOptions, Peer};
+use rfaas_testkit::wait::{wait_until, TIMEOUT};
 
 const PROVIDERS: [&str; 2] = ["tcp", "shm"];
 
@@ -107,5 +108,47 @@ fn an_rkey_from_a_previous_run_or_connection_does_not_work() {
             refused(again.add_at(guessed, 1)),
             "{provider}: an rkey of the previous run worked"
         );
+    }
+}
+
+/// Node n2 adds to the slot of a lease on n1: the adds land in n2's
+/// window, are never stored for n1's lease, and are counted as rejected;
+/// n1's own adds and n2's adds to its own lease are stored.
+#[test]
+fn a_node_cannot_add_to_another_nodes_lease() {
+    for provider in PROVIDERS {
+        let env = Env::new("sqlite");
+        let acct = start(&env, provider);
+        let mut a = Peer::hello(provider, acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+        let mut b = Peer::hello(provider, acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+        env.insert_lease_on(21, "physics", false, "n1");
+        env.insert_lease_on(22, "physics", false, "n2");
+        env.assign("acct1", 1, 21);
+        env.assign("acct1", 2, 22);
+        let theirs = RemoteAddr {
+            addr: b.region().addr + word_offset(1, Counter::ComputeNs),
+            ..b.region()
+        };
+        b.add_at(theirs, 1_000_000_000_000_000)
+            .expect("the add lands in b's own window");
+        a.add(1, Counter::ComputeNs, 7).unwrap();
+        b.add(2, Counter::ComputeNs, 9).unwrap();
+
+        wait_until("the foreign add is counted", TIMEOUT, || {
+            acct.metric("rfaas_accounting_rejected_adds_total{reason=\"foreign_slot\"}")
+                >= Some(1.0)
+        });
+        let only = |n| SlotTotals::from_words([0, n, 0, 0, 0, 0, 0, 0]);
+        wait_for_usage(&env, 21, &only(7));
+        wait_for_usage(&env, 22, &only(9));
+        assert_eq!(a.read_slot(1).unwrap(), only(7), "{provider}");
+        assert_eq!(
+            b.read_slot(1).unwrap(),
+            SlotTotals::default(),
+            "{provider}: the foreign add was taken out"
+        );
+        // Later flushes keep n1's lease at what n1 added.
+        a.add(1, Counter::ComputeNs, 1).unwrap();
+        assert_eq!(wait_for_usage(&env, 21, &only(8)).totals, only(8));
     }
 }
