@@ -19,7 +19,7 @@ use prometheus::{
 };
 
 /// The reasons of `rejected_adds_total`.
-pub const REJECT_REASONS: [&str; 1] = ["foreign_slot"];
+pub const REJECT_REASONS: [&str; 3] = ["foreign_slot", "shrank", "beyond_lease"];
 
 /// The metrics.
 #[derive(Debug)]
@@ -95,7 +95,7 @@ impl Metrics {
         let rejected_adds = IntCounterVec::new(
             Opts::new(
                 "rejected_adds_total",
-                "Adds discarded, never stored, by reason (foreign_slot: a node added to a slot whose lease is not on it; one per slot and flush)",
+                "Adds discarded, never stored, by reason (foreign_slot: a node added to a slot whose lease is not on it, one per slot and flush; shrank: a counter fell below what is stored, by a wrapping add or a compare-and-swap; beyond_lease: more time than the lease's cores, or allocation than its memory, in its wall-clock time)",
             ),
             &["reason"],
         )

@@ -191,6 +191,8 @@ pub struct LeaseInfo {
     pub node: String,
     /// Cores leased.
     pub cores: u64,
+    /// Memory leased, MiB.
+    pub memory_mib: u64,
     /// When it was granted, Unix seconds.
     pub issued_at: u64,
 }
@@ -234,7 +236,7 @@ pub async fn slot_lease(pool: &AnyPool, name: &str, slot: u32) -> Result<u64, Db
 
 pub async fn assigned_slots(pool: &AnyPool, name: &str) -> Result<Vec<Assigned>, DbError> {
     let rows = sqlx::query(
-        "SELECT b.slot, b.lease_id, b.assigned_ms, l.account, l.harvested, l.state, l.ended_ms, l.expires_at, l.node, l.cores, l.issued_at, u.finalized
+        "SELECT b.slot, b.lease_id, b.assigned_ms, l.account, l.harvested, l.state, l.ended_ms, l.expires_at, l.node, l.cores, l.memory_mib, l.issued_at, u.finalized
          FROM billing_slots b
          LEFT JOIN leases l ON l.id = b.lease_id
          LEFT JOIN usage u ON u.lease_id = b.lease_id
@@ -257,6 +259,7 @@ pub async fn assigned_slots(pool: &AnyPool, name: &str) -> Result<Vec<Assigned>,
                     expires_at: u64_col(r, "expires_at")?,
                     node: text_col(r, "node")?,
                     cores: u64_col(r, "cores")?,
+                    memory_mib: u64_col(r, "memory_mib")?,
                     issued_at: u64_col(r, "issued_at")?,
                 }),
                 None => None,

@@ -558,7 +558,17 @@ fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
     assert_eq!(env.slot_lease("acct1", slot.slot), lease_id);
 
     let mut daemon = Peer::hello(&slot.provider, &slot.addr, &node_cred).unwrap();
-    let u = some_usage(1);
+    // What the lease just granted (one core, 64 MiB) can have used: the
+    // flusher refuses more than its cores and memory over its time.
+    let u = SlotTotals {
+        usage: UsageFigures {
+            alloc_mib_ms: 64 * 500,
+            compute_ns: 500_000_000,
+            hot_ns: 250_000_000,
+            ..some_usage(1).usage
+        },
+        closed: 0,
+    };
     daemon.add_totals(slot.slot, &u).unwrap();
     wait_for_usage(&env, lease_id, &u);
     wait_until("chem's spend is priced", TIMEOUT, || {
