@@ -7,7 +7,10 @@
 //! 1. Heartbeat the instance's row; read its assigned slots and their
 //!    leases. Free slots holding adds (a daemon that added after its slot
 //!    was freed) are cleared at once, before a new lease can be given one.
-//! 2. Read each assigned slot. A lease is written when its slot grew past
+//!    Adds in a node's window to a slot whose lease is not on that node
+//!    are taken out and counted, never stored ([`crate::ledger`]).
+//! 2. Read each assigned slot (the region plus the window of its lease's
+//!    node). A lease is written when its slot grew past
 //!    what is stored, when a snapshot is due (every `snapshot_interval`,
 //!    for leases whose totals changed since their last one), and at its
 //!    final flush. The region's pages are synced to its file first, so the
@@ -44,10 +47,10 @@ use rfaas_proto::accounting::{Counter, SlotTotals};
 use rfaas_service::db::{retrying, DbError};
 use sqlx::AnyPool;
 
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::rates::Rates;
-use crate::region::Region;
-use crate::store::{self, max_totals, stored, Assigned, UsageWrite};
+use crate::store::{self, max_totals, stored, Assigned, LeaseInfo, UsageWrite};
 
 /// What the flusher needs to know.
 #[derive(Debug, Clone)]
@@ -77,6 +80,9 @@ pub struct FlushReport {
     pub freed: u64,
     /// Free slots found holding adds, cleared.
     pub strays: usize,
+    /// Slots of a node's window holding adds to another node's lease,
+    /// cleared and counted.
+    pub foreign: usize,
 }
 
 /// What the flusher remembers of a lease between flushes.
@@ -99,14 +105,99 @@ pub(crate) enum Crash {
     AfterZeroing,
 }
 
+/// Why a slot's totals were not stored as read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// A counter below what is stored: an add that wrapped past 2^64, or
+    /// a compare-and-swap that lowered it.
+    Shrank,
+    /// A time counter beyond the lease's cores times its wall-clock time
+    /// (or the allocation beyond its memory times that time).
+    BeyondLease,
+}
+
+impl Refusal {
+    /// Its `reason` label of `rejected_adds_total`.
+    pub(crate) fn reason(self) -> &'static str {
+        match self {
+            Refusal::Shrank => "shrank",
+            Refusal::BeyondLease => "beyond_lease",
+        }
+    }
+}
+
+/// Slack of the wall-clock bound: a lease's grant time is stored in whole
+/// seconds, and clocks of the nodes and this host differ a little.
+const WALL_SLACK_MS: u64 = 5_000;
+
+/// The most a counter can hold for `lease` at `now_ms` (`None`: no
+/// bound): compute, hot and warm time at most cores × wall-clock time
+/// since the grant (to its end or expiry), allocation at most memory ×
+/// that time.
+fn ceiling(counter: Counter, lease: &LeaseInfo, now_ms: u64) -> Option<u64> {
+    let until = match lease.ended_ms {
+        0 => now_ms.min(lease.expires_at.saturating_mul(1000)),
+        ended => ended,
+    }
+    .max(lease.issued_at.saturating_mul(1000));
+    let wall_ms = until - lease.issued_at.saturating_mul(1000) + WALL_SLACK_MS;
+    match counter {
+        Counter::ComputeNs | Counter::HotNs | Counter::WarmNs => Some(
+            lease
+                .cores
+                .saturating_mul(wall_ms)
+                .saturating_mul(1_000_000),
+        ),
+        Counter::AllocMibMs => Some(lease.memory_mib.saturating_mul(wall_ms)),
+        _ => None,
+    }
+}
+
+/// `now` as it may be stored: each counter below `prev` (what is stored)
+/// or beyond the lease's ceiling keeps `prev`'s value instead. Returns the
+/// totals and the refusals (at most one of each).
+pub(crate) fn bounded(
+    now: &SlotTotals,
+    prev: Option<&SlotTotals>,
+    lease: Option<&LeaseInfo>,
+    now_ms: u64,
+) -> (SlotTotals, Vec<Refusal>) {
+    let mut w = now.to_words();
+    let before = prev.copied().unwrap_or_default().to_words();
+    let mut refused = Vec::new();
+    for c in store::USAGE_COUNTERS {
+        let i = c.index();
+        let why = if prev.is_some() && w[i] < before[i] {
+            Some(Refusal::Shrank)
+        } else if lease
+            .and_then(|l| ceiling(c, l, now_ms))
+            .is_some_and(|max| w[i] > max)
+        {
+            Some(Refusal::BeyondLease)
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            w[i] = before[i];
+            if !refused.contains(&why) {
+                refused.push(why);
+            }
+        }
+    }
+    (SlotTotals::from_words(w), refused)
+}
+
 /// The flusher of one instance.
 #[derive(Debug)]
 pub struct Flusher {
     cfg: FlushConfig,
     pool: AnyPool,
-    region: Arc<Region>,
+    ledger: Arc<Ledger>,
     metrics: Arc<Metrics>,
     memo: HashMap<u64, Memo>,
+    /// The totals last refused per lease, so each is logged and counted
+    /// once.
+    refused: HashMap<u64, SlotTotals>,
     last_snapshot_ms: Option<u64>,
     /// Consecutive failed flushes (for the log).
     failures: u64,
@@ -119,19 +210,20 @@ pub struct Flusher {
 }
 
 impl Flusher {
-    /// A flusher of `region` into `pool`.
+    /// A flusher of `ledger` into `pool`.
     pub fn new(
         cfg: FlushConfig,
         pool: AnyPool,
-        region: Arc<Region>,
+        ledger: Arc<Ledger>,
         metrics: Arc<Metrics>,
     ) -> Flusher {
         Flusher {
             cfg,
             pool,
-            region,
+            ledger,
             metrics,
             memo: HashMap::new(),
+            refused: HashMap::new(),
             last_snapshot_ms: None,
             failures: 0,
             #[cfg(test)]
@@ -168,7 +260,7 @@ impl Flusher {
         // step is retried a few times before the flush gives up.
         retrying(|| store::heartbeat(&self.pool, &name, now_ms)).await?;
         let all = retrying(|| store::assigned_slots(&self.pool, &name)).await?;
-        let slots = self.region.slots();
+        let slots = self.ledger.slots();
         let (assigned, outside): (Vec<Assigned>, Vec<Assigned>) =
             all.into_iter().partition(|a| a.slot < slots);
         for a in &outside {
@@ -176,6 +268,7 @@ impl Flusher {
         }
         let mut report = FlushReport {
             assigned: assigned.len(),
+            foreign: self.reject_foreign(&assigned),
             strays: self.clear_strays(&assigned).await?,
             ..FlushReport::default()
         };
@@ -185,13 +278,22 @@ impl Flusher {
             now_ms.saturating_sub(t) >= self.cfg.snapshot_interval.as_millis() as u64
         });
         let mut writes = Vec::new();
+        // What each written lease's slot held, before bounding.
+        let mut read = HashMap::new();
         for a in &assigned {
-            let now = self.region.read_slot(a.slot);
+            let raw = self.ledger.read_slot(a.node(), a.slot);
             let memo = self
                 .memo
                 .get(&a.lease_id)
                 .filter(|m| m.slot == a.slot)
                 .copied();
+            let (now, refusals) = bounded(
+                &raw,
+                memo.as_ref().map(|m| &m.stored),
+                a.lease.as_ref(),
+                now_ms,
+            );
+            self.refuse(a, &raw, &refusals);
             let grown = memo.map_or(true, |m| max_totals(&m.stored, &now) != m.stored);
             // A closed slot is final once its lease is over in the
             // database too: a lease renewed after its daemon saw the token
@@ -204,9 +306,11 @@ impl Flusher {
                 || (snapshot_due
                     && memo.map_or(true, |m| m.snapshot != Some(max_totals(&m.stored, &now))));
             if grown || last || snapshot {
+                read.insert(a.lease_id, raw);
                 writes.push(UsageWrite {
                     lease_id: a.lease_id,
                     slot: a.slot,
+                    node: a.node().map(str::to_owned),
                     totals: stored(&now),
                     finalized: last,
                     snapshot,
@@ -217,7 +321,7 @@ impl Flusher {
         }
         if !writes.is_empty() {
             // The file first: it never holds less than the database.
-            if let Err(e) = self.region.sync_all() {
+            if let Err(e) = self.ledger.sync_all() {
                 tracing::warn!(error = %e, "cannot sync the region to its file; flushing anyway");
             }
         }
@@ -259,15 +363,16 @@ impl Flusher {
         for w in &finals {
             #[cfg(test)]
             if let Some(late) = &self.late_add {
-                self.region.restore_slot(w.slot, late);
+                self.ledger.restore_slot(w.node.as_deref(), w.slot, late);
             }
-            let taken = self.region.take_slot(w.slot);
-            if max_totals(&taken, &w.totals) == w.totals {
-                free.push((w.slot, w.lease_id));
+            let taken = self.ledger.take_slot(w.node.as_deref(), w.slot);
+            let was = read.get(&w.lease_id).copied().unwrap_or(w.totals);
+            if max_totals(&taken, &was) == stored(&was) {
+                free.push((w.slot, w.lease_id, w.node.as_deref()));
             } else {
                 // An add landed after the read: put everything back for the
                 // next flush to write.
-                self.region.restore_slot(w.slot, &taken);
+                self.ledger.restore_slot(w.node.as_deref(), w.slot, &taken);
                 tracing::info!(
                     slot = w.slot,
                     lease = w.lease_id,
@@ -275,8 +380,8 @@ impl Flusher {
                 );
             }
         }
-        for (slot, _) in &free {
-            self.region.sync_slots(*slot, 1).map_err(|e| {
+        for (slot, _, node) in &free {
+            self.ledger.sync_slot(*node, *slot).map_err(|e| {
                 DbError::Other(format!(
                     "cannot sync zeroed slot {slot} to the region file ({e}); it stays assigned"
                 ))
@@ -286,12 +391,50 @@ impl Flusher {
         if self.crash == Some(Crash::AfterZeroing) {
             return Err(DbError::Other("crash after zeroing".into()));
         }
+        let free: Vec<(u32, u64)> = free.iter().map(|(s, l, _)| (*s, *l)).collect();
         report.freed = retrying(|| store::free_slots(&self.pool, &name, &free)).await?;
         self.metrics.slots_freed.inc_by(report.freed);
         for (_, lease) in &free {
             self.memo.remove(lease);
+            self.refused.remove(lease);
         }
         Ok(report)
+    }
+
+    /// Logs and counts the refusals of `a`'s totals `raw`, once per
+    /// distinct `raw`.
+    fn refuse(&mut self, a: &Assigned, raw: &SlotTotals, refusals: &[Refusal]) {
+        if refusals.is_empty() || self.refused.get(&a.lease_id) == Some(raw) {
+            return;
+        }
+        self.refused.insert(a.lease_id, *raw);
+        for r in refusals {
+            tracing::warn!(lease = a.lease_id, slot = a.slot, node = a.node().unwrap_or("unknown"), reason = r.reason(), totals = ?raw, "a slot holds totals that cannot be right (a counter shrank, or used more than the lease's cores or memory in its time); those counters keep their stored values");
+            self.metrics
+                .rejected_adds
+                .with_label_values(&[r.reason()])
+                .inc();
+        }
+    }
+
+    /// Takes out of each node's window the adds to assigned slots whose
+    /// lease is not on that node, and counts them. Returns how many slots
+    /// held such adds.
+    fn reject_foreign(&self, assigned: &[Assigned]) -> usize {
+        let holders: HashMap<u32, Option<&str>> =
+            assigned.iter().map(|a| (a.slot, a.node())).collect();
+        let foreign = self.ledger.take_foreign(|slot| holders.get(&slot).copied());
+        for (node, slot, taken) in &foreign {
+            tracing::warn!(%node, slot, holder = holders.get(slot).copied().flatten().unwrap_or("nobody"), compute_ns = taken.get(Counter::ComputeNs), "a node added to a slot whose lease is not on it; the adds are discarded");
+        }
+        if !foreign.is_empty() {
+            let _ = self.ledger.sync_all();
+            self.metrics
+                .rejected_adds
+                .with_label_values(&["foreign_slot"])
+                .inc_by(foreign.len() as u64);
+        }
+        foreign.len()
     }
 
     /// Clears free slots that hold adds. Returns how many. A slot that
@@ -301,20 +444,20 @@ impl Flusher {
     async fn clear_strays(&self, assigned: &[Assigned]) -> Result<usize, DbError> {
         let held: HashSet<u32> = assigned.iter().map(|a| a.slot).collect();
         let mut strays = 0;
-        for slot in (0..self.region.slots()).filter(|s| !held.contains(s)) {
-            let words = self.region.read_slot(slot);
+        for slot in (0..self.ledger.slots()).filter(|s| !held.contains(s)) {
+            let words = self.ledger.read_anywhere(slot);
             if words != SlotTotals::default() {
                 let name = &self.cfg.instance;
                 if retrying(|| store::slot_lease(&self.pool, name, slot)).await? != 0 {
                     continue;
                 }
-                let taken = self.region.take_slot(slot);
+                let taken = self.ledger.take_anywhere(slot);
                 tracing::warn!(slot, compute_ns = taken.get(Counter::ComputeNs), closed = taken.closed, "a free slot held adds (a daemon added after its lease's slot was freed); cleared");
                 strays += 1;
             }
         }
         if strays > 0 {
-            let _ = self.region.sync_all();
+            let _ = self.ledger.sync_all();
             self.metrics.stray_adds.inc_by(strays as u64);
         }
         Ok(strays)
@@ -377,6 +520,7 @@ impl Flusher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::region::Region;
     use crate::store::Instance;
     use rfaas_proto::accounting::UsageFigures;
     use rfaas_service::db;
@@ -387,7 +531,8 @@ mod tests {
     struct Bench {
         pool: AnyPool,
         region: Arc<Region>,
-        _domain: rfaas_fabric::Domain,
+        ledger: Arc<Ledger>,
+        _domain: Arc<rfaas_fabric::Domain>,
         _fabric: rfaas_fabric::Fabric,
         _pg: Option<rfaas_testkit::postgres::Postgres>,
         dir: std::path::PathBuf,
@@ -417,6 +562,9 @@ mod tests {
         let fabric = rfaas_fabric::Fabric::open("tcp").unwrap();
         let domain = fabric.domain().unwrap();
         let (region, _) = Region::open(&domain, &dir.join("region"), 8).unwrap();
+        let region = Arc::new(region);
+        let domain = Arc::new(domain);
+        let ledger = Arc::new(Ledger::open(domain.clone(), region.clone(), false).unwrap());
         let inst = Instance {
             name: "t".into(),
             provider: "tcp".into(),
@@ -429,7 +577,8 @@ mod tests {
         store::ensure_slots(&pool, "t", 8).await.unwrap();
         Bench {
             pool,
-            region: Arc::new(region),
+            region,
+            ledger,
             _domain: domain,
             _fabric: fabric,
             _pg: pg,
@@ -447,19 +596,30 @@ mod tests {
                     rates: RATES,
                 },
                 self.pool.clone(),
-                self.region.clone(),
+                self.ledger.clone(),
                 Arc::new(Metrics::new(0)),
             );
             f.crash = crash;
             f
         }
 
+        /// An active lease `id` in `slot`, granted at 0 with cores and
+        /// memory for any usage the tests add.
         async fn lease(&self, id: i64, slot: i64) {
+            self.lease_of(id, slot, 1000, 1_000_000, 0).await
+        }
+
+        /// An active lease `id` in `slot` of `cores` and `memory_mib`,
+        /// granted at `issued_at` (Unix seconds).
+        async fn lease_of(&self, id: i64, slot: i64, cores: i64, memory_mib: i64, issued_at: i64) {
             sqlx::query(
                 "INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state, ended_ms)
-                 VALUES ($1, $1, 'n', 'o', 'u', 'physics', 1, 1, 0, 4000000000, 'active', 0)",
+                 VALUES ($1, $1, 'n', 'o', 'u', 'physics', $2, $3, $4, 4000000000, 'active', 0)",
             )
             .bind(id)
+            .bind(cores)
+            .bind(memory_mib)
+            .bind(issued_at)
             .execute(&self.pool)
             .await
             .unwrap();
@@ -627,4 +787,75 @@ mod tests {
     on_both!(async crashes_replay_to_the_same_totals);
     on_both!(async a_late_add_keeps_the_slot);
     on_both!(async strays_are_cleared);
+
+    /// Totals no lease could have made are not stored, and counted: a
+    /// counter beyond cores x wall-clock time (or memory x time), one that
+    /// shrank (a compare-and-swap), one that wrapped past 2^64. What was
+    /// stored stays; growth within the bounds goes on being stored.
+    async fn impossible_totals_are_refused_and_counted(kind: &str) {
+        let b = bench(kind).await;
+        // One core and 1 GiB for 100 s (granted at 1000 s, flushed at 1100 s).
+        b.lease_of(7, 3, 1, 1024, 1000).await;
+        let metrics = Arc::new(Metrics::new(0));
+        let mut f = Flusher::new(
+            FlushConfig {
+                instance: "t".into(),
+                snapshot_interval: Duration::from_secs(60),
+                slot_hold: Duration::from_secs(600),
+                rates: RATES,
+            },
+            b.pool.clone(),
+            b.ledger.clone(),
+            metrics.clone(),
+        );
+        let rejected = |reason: &str| metrics.rejected_adds.with_label_values(&[reason]).get();
+        let words = |compute_ns: u64, alloc_mib_ms: u64| {
+            SlotTotals::from_words([alloc_mib_ms, compute_ns, 0, 0, 0, 0, 0, 0])
+        };
+        let at = 1_100_000;
+
+        // 10^15 ns of compute in 100 s on one core, and 10^12 MiB·ms.
+        b.region
+            .restore_slot(3, &words(1_000_000_000_000_000, 1_000_000_000_000));
+        f.flush_once(at).await.unwrap();
+        assert_eq!(b.usage(7).await.totals, SlotTotals::default());
+        assert_eq!(rejected("beyond_lease"), 1);
+        f.flush_once(at + 1).await.unwrap();
+        assert_eq!(rejected("beyond_lease"), 1, "counted once per total");
+
+        // Within the bounds: stored.
+        b.region.take_slot(3);
+        b.region
+            .restore_slot(3, &words(50_000_000_000, 1024 * 50_000));
+        f.flush_once(at + 2).await.unwrap();
+        assert_eq!(
+            b.usage(7).await.totals,
+            words(50_000_000_000, 1024 * 50_000)
+        );
+
+        // Lowered by a compare-and-swap: the stored totals stay.
+        b.region.take_slot(3);
+        b.region.restore_slot(3, &words(1, 1024 * 50_000));
+        f.flush_once(at + 3).await.unwrap();
+        assert_eq!(rejected("shrank"), 1);
+        assert_eq!(
+            b.usage(7).await.totals,
+            words(50_000_000_000, 1024 * 50_000)
+        );
+
+        // An add that wraps past 2^64 lowers the word: refused the same way.
+        b.region.take_slot(3);
+        b.region
+            .restore_slot(3, &words(50_000_000_000, 1024 * 50_000));
+        b.region
+            .restore_slot(3, &words(u64::MAX - 1_000_000_000, 0));
+        f.flush_once(at + 4).await.unwrap();
+        assert_eq!(rejected("shrank"), 2);
+        assert_eq!(
+            b.usage(7).await.totals,
+            words(50_000_000_000, 1024 * 50_000)
+        );
+        assert_eq!(rejected("foreign_slot"), 0);
+    }
+    on_both!(async impossible_totals_are_refused_and_counted);
 }

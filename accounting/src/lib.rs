@@ -21,8 +21,12 @@
 //! - [`config`]: `accounting.toml` (`accounting/accounting.example.toml`).
 //! - [`region`]: the counter region, a file mapped shared and registered
 //!   on the fabric for remote atomics and reads.
+//! - [`ledger`]: the region and one window per node: a node's connection
+//!   adds into its node's window only, and the flusher counts a slot's
+//!   adds from the window of its lease's node alone.
 //! - [`listener`]: the fabric listener: the hello, credential checks, and
-//!   the accepted daemons' connections.
+//!   the accepted daemons' connections, each in a protection domain of
+//!   its own.
 //! - [`credentials`]: node credentials checked against the database, with
 //!   a short cache.
 //! - [`flusher`]: slots to `usage`, `usage_snapshots` and `account_spend`,
@@ -37,6 +41,7 @@
 pub mod config;
 pub mod credentials;
 pub mod flusher;
+pub mod ledger;
 pub mod listener;
 pub mod metrics;
 pub mod rates;

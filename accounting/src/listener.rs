@@ -4,7 +4,13 @@
 //! # Probation
 //!
 //! Anyone who can reach the listener may connect, so a new connection is
-//! on probation: the service posts [`HELLO_IMMS`] receives, and the peer
+//! on probation. It is accepted into a protection domain of its own,
+//! which holds nothing but the buffer its answer is written from: the
+//! counter region is registered in that domain only once the hello's
+//! credential is verified ([`Region::expose`]), so until then no rkey
+//! names the counters on this connection, whatever a peer guesses, and
+//! an rkey learnt on one connection names nothing on another. The
+//! service posts [`HELLO_IMMS`] receives, and the peer
 //! must send an [`AccountingHello`] in the immediates of as many
 //! zero-length writes-with-immediate, the first being [`HELLO_IMM`],
 //! within `hello_timeout`. A connection that begins otherwise, writes
@@ -12,7 +18,8 @@
 //! credential is checked against the database ([`Verifier`], off this
 //! thread); the answer is an [`AccountingReply`] written with immediate
 //! [`REPLY_IMM`] into the buffer the hello names. Only an accepted reply
-//! carries the region's address and rkey. After a refusal the connection
+//! carries the region's address and rkey, those of the connection's own
+//! registration. After a refusal the connection
 //! is dropped once the reply's write completed. At most
 //! [`MAX_PROBATION`] connections are on probation at once; more wait in
 //! the listener's backlog, so a flood of silent peers delays daemons by at
@@ -45,7 +52,9 @@ use rfaas_proto::accounting::{
 };
 
 use crate::credentials::{Verdict, Verifier};
+use crate::ledger::Ledger;
 use crate::metrics::Metrics;
+use crate::region::Region;
 
 /// Most connections on probation at once.
 pub const MAX_PROBATION: usize = 16;
@@ -59,8 +68,6 @@ const RECV_DEPTH: usize = HELLO_IMMS;
 const WR_REPLY: u64 = u64::MAX;
 /// The wr_id of an accepted connection's one posted receive.
 const WR_WATCH: u64 = u64::MAX - 1;
-/// Bytes of the reply buffer per connection on probation.
-const REPLY_STRIDE: usize = 64;
 
 /// The options of the service's side of a connection.
 pub fn endpoint_options(hello_timeout: Duration) -> EndpointOptions {
@@ -77,12 +84,11 @@ pub fn endpoint_options(hello_timeout: Duration) -> EndpointOptions {
 pub struct ListenerParts {
     /// The provider.
     pub fabric: Arc<Fabric>,
-    /// The region's domain: connections are accepted into it.
-    pub domain: Arc<Domain>,
     /// The listening endpoint.
     pub listener: Listener,
-    /// The accepted reply (the region's address, rkey, slots and id).
-    pub offer: AccountingReply,
+    /// The counter region and the nodes' windows: a connection whose
+    /// hello is accepted gets its node's window, registered for it alone.
+    pub ledger: Arc<Ledger>,
     /// Credential checks.
     pub verifier: Arc<Verifier>,
     /// Where the checks run.
@@ -113,13 +119,21 @@ struct Candidate {
     cq: CompletionQueue,
     stage: Stage,
     deadline: Instant,
-    reply_slot: usize,
+    /// Where the answer is written from, in the connection's domain.
+    reply_buf: MemoryRegion,
+    /// The region as this connection names it, once the hello is accepted.
+    exposed: Option<MemoryRegion>,
+    /// The connection's own protection domain.
+    domain: Domain,
     peer: String,
 }
 
 struct Kept {
     /// Held open: the daemon adds through it.
     _endpoint: Endpoint,
+    /// The region registered for this connection alone.
+    _exposed: MemoryRegion,
+    _domain: Domain,
     cq: CompletionQueue,
     node: String,
     peer: String,
@@ -143,9 +157,8 @@ fn dropped(why: impl Into<String>, result: &'static str) -> Outcome {
 struct Acceptor {
     p: ListenerParts,
     opts: EndpointOptions,
-    replies: MemoryRegion,
-    free_reply_slots: Vec<usize>,
     spare_cq: Option<CompletionQueue>,
+    spare_domain: Option<Domain>,
     candidates: Vec<Candidate>,
     kept: Vec<Kept>,
     next_sweep: Instant,
@@ -157,17 +170,12 @@ pub fn spawn(
     parts: ListenerParts,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let replies = parts
-        .domain
-        .register(MAX_PROBATION * REPLY_STRIDE, Access::LOCAL)
-        .map_err(std::io::Error::other)?;
     let opts = endpoint_options(parts.hello_timeout);
     let mut a = Acceptor {
         p: parts,
         opts,
-        replies,
-        free_reply_slots: (0..MAX_PROBATION).rev().collect(),
         spare_cq: None,
+        spare_domain: None,
         candidates: Vec::new(),
         kept: Vec::new(),
         next_sweep: Instant::now() + SWEEP,
@@ -215,6 +223,18 @@ impl Acceptor {
                 }
             },
         };
+        let domain = match self.spare_domain.take() {
+            Some(d) => d,
+            None => match self.p.fabric.domain() {
+                Ok(d) => d,
+                Err(e) => {
+                    self.spare_cq = Some(cq);
+                    tracing::warn!(error = %e, "cannot create a protection domain for a new connection; retrying");
+                    std::thread::sleep(SWEEP);
+                    return false;
+                }
+            },
+        };
         let wait = if self.candidates.is_empty() {
             self.next_sweep.saturating_duration_since(Instant::now())
         } else {
@@ -223,11 +243,12 @@ impl Acceptor {
         let endpoint = match self
             .p
             .listener
-            .accept(&self.p.domain, &mut cq, &self.opts, Some(wait))
+            .accept(&domain, &mut cq, &self.opts, Some(wait))
         {
             Ok(ep) => ep,
             Err(e) => {
                 self.spare_cq = Some(cq);
+                self.spare_domain = Some(domain);
                 match e {
                     rfaas_fabric::Error::Timeout(_) => {}
                     rfaas_fabric::Error::Connect { .. } => {
@@ -242,6 +263,14 @@ impl Acceptor {
             }
         };
         let peer = endpoint.peer_addr();
+        let reply_buf = match domain.register(AccountingReply::LEN, Access::LOCAL) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "cannot register the answer's buffer of a new connection; dropped the connection");
+                self.p.metrics.hellos.with_label_values(&["dropped"]).inc();
+                return true;
+            }
+        };
         for wr in 0..RECV_DEPTH as u64 {
             if let Err(e) = endpoint.post_recv(wr) {
                 tracing::warn!(%peer, error = %e, "cannot post the receives of a hello; dropped the connection");
@@ -249,16 +278,14 @@ impl Acceptor {
                 return true;
             }
         }
-        let reply_slot = self
-            .free_reply_slots
-            .pop()
-            .expect("a reply slot for each connection on probation");
         self.candidates.push(Candidate {
             endpoint,
             cq,
             stage: Stage::Hello(Vec::with_capacity(HELLO_IMMS)),
             deadline: Instant::now() + self.p.hello_timeout,
-            reply_slot,
+            reply_buf,
+            exposed: None,
+            domain,
             peer,
         });
         true
@@ -275,7 +302,9 @@ impl Acceptor {
                 Outcome::Waiting => i += 1,
                 Outcome::Accepted(node) => {
                     let c = self.candidates.swap_remove(i);
-                    self.free_reply_slots.push(c.reply_slot);
+                    let Some(exposed) = c.exposed else {
+                        continue;
+                    };
                     if let Err(e) = c.endpoint.post_recv(WR_WATCH) {
                         tracing::warn!(peer = %c.peer, %node, error = %e, "cannot watch an accepted connection; dropped it");
                         continue;
@@ -284,6 +313,8 @@ impl Acceptor {
                     self.p.metrics.hellos.with_label_values(&["accepted"]).inc();
                     self.kept.push(Kept {
                         _endpoint: c.endpoint,
+                        _exposed: exposed,
+                        _domain: c.domain,
                         cq: c.cq,
                         node,
                         peer: c.peer,
@@ -292,7 +323,6 @@ impl Acceptor {
                 }
                 Outcome::Dropped { why, result } => {
                     let c = self.candidates.swap_remove(i);
-                    self.free_reply_slots.push(c.reply_slot);
                     tracing::warn!(peer = %c.peer, "a connection {why}; dropped it");
                     self.p.metrics.hellos.with_label_values(&[result]).inc();
                 }
@@ -325,11 +355,10 @@ impl Acceptor {
                                 match reply_to {
                                     Some(to) => reply(
                                         c,
-                                        &mut self.replies,
                                         to,
                                         ReplyStatus::BadHello,
                                         None,
-                                        &self.p.offer,
+                                        self.p.ledger.main(),
                                     ),
                                     None => dropped(
                                         format!("sent a hello that is not one ({why})"),
@@ -392,7 +421,21 @@ impl Acceptor {
             if let Some(v) = answer {
                 moved = true;
                 let (status, node) = match v {
-                    Verdict::Node(node) => (ReplyStatus::Accepted, Some(node)),
+                    Verdict::Node(node) => match self
+                        .p
+                        .ledger
+                        .window(&node)
+                        .and_then(|w| w.expose(&c.domain))
+                    {
+                        Ok(mr) => {
+                            c.exposed = Some(mr);
+                            (ReplyStatus::Accepted, Some(node))
+                        }
+                        Err(e) => {
+                            tracing::warn!(peer = %c.peer, %node, error = %e, "cannot register the region for an accepted daemon; it is told to retry");
+                            (ReplyStatus::Unavailable, None)
+                        }
+                    },
                     Verdict::Refused(why) => {
                         tracing::debug!(peer = %c.peer, ?why, "a credential was refused");
                         (ReplyStatus::BadCredential, None)
@@ -403,7 +446,7 @@ impl Acceptor {
                     }
                 };
                 c.deadline = Instant::now() + self.p.hello_timeout;
-                let o = reply(c, &mut self.replies, to, status, node, &self.p.offer);
+                let o = reply(c, to, status, node, self.p.ledger.main());
                 if !matches!(o, Outcome::Waiting) {
                     return (o, true);
                 }
@@ -514,29 +557,43 @@ fn start_check(imms: &[u32], p: &ListenerParts) -> Result<Stage, (Option<RemoteA
 }
 
 /// Writes the answer to `to`; the candidate then waits for the write's
-/// completion.
+/// completion. An accepted answer names the region as the connection's
+/// own registration of it (`c.exposed`).
 fn reply(
     c: &mut Candidate,
-    replies: &mut MemoryRegion,
     to: RemoteAddr,
     status: ReplyStatus,
     node: Option<String>,
-    offer: &AccountingReply,
+    region: &Region,
 ) -> Outcome {
-    let answer = match status {
-        ReplyStatus::Accepted => *offer,
-        other => AccountingReply::refused(other),
+    let answer = match (status, &c.exposed) {
+        (ReplyStatus::Accepted, Some(mr)) => {
+            let header = region.header();
+            let d = mr.descriptor();
+            AccountingReply {
+                status,
+                region_addr: d.addr,
+                region_rkey: d.rkey,
+                slots: header.slots,
+                region_id: header.region_id,
+            }
+        }
+        (ReplyStatus::Accepted, None) => AccountingReply::refused(ReplyStatus::Unavailable),
+        (other, _) => AccountingReply::refused(other),
     };
     let mut bytes = [0u8; AccountingReply::LEN];
     answer
         .encode(&mut bytes)
         .expect("the buffer is a reply long");
-    let at = c.reply_slot * REPLY_STRIDE;
-    replies.write_from(at, &bytes);
-    match c
-        .endpoint
-        .write_with_imm(WR_REPLY, replies, at, AccountingReply::LEN, to, REPLY_IMM)
-    {
+    c.reply_buf.write_from(0, &bytes);
+    match c.endpoint.write_with_imm(
+        WR_REPLY,
+        &c.reply_buf,
+        0,
+        AccountingReply::LEN,
+        to,
+        REPLY_IMM,
+    ) {
         Ok(()) => {
             c.stage = Stage::Replying { status, node };
             Outcome::Waiting

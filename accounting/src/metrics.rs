@@ -18,6 +18,9 @@ use prometheus::{
     Encoder, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
+/// The reasons of `rejected_adds_total`.
+pub const REJECT_REASONS: [&str; 3] = ["foreign_slot", "shrank", "beyond_lease"];
+
 /// The metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -37,6 +40,8 @@ pub struct Metrics {
     pub slots_freed: IntCounter,
     /// Words found in free slots and cleared (adds after a lease's end).
     pub stray_adds: IntCounter,
+    /// Adds refused or discarded, by reason.
+    pub rejected_adds: IntCounterVec,
     /// Connections of accepted daemons.
     pub connections: IntGauge,
     /// Hellos answered or given up, by result.
@@ -87,6 +92,14 @@ impl Metrics {
             "Free slots found holding adds (a daemon added after its lease's slot was freed), cleared",
         )
         .expect("valid");
+        let rejected_adds = IntCounterVec::new(
+            Opts::new(
+                "rejected_adds_total",
+                "Adds discarded, never stored, by reason (foreign_slot: a node added to a slot whose lease is not on it, one per slot and flush; shrank: a counter fell below what is stored, by a wrapping add or a compare-and-swap; beyond_lease: more time than the lease's cores, or allocation than its memory, in its wall-clock time)",
+            ),
+            &["reason"],
+        )
+        .expect("valid");
         let connections = IntGauge::new(
             "connections",
             "Fabric connections of executor daemons that said an accepted hello",
@@ -109,6 +122,7 @@ impl Metrics {
             Box::new(flushes.clone()),
             Box::new(slots_freed.clone()),
             Box::new(stray_adds.clone()),
+            Box::new(rejected_adds.clone()),
             Box::new(connections.clone()),
             Box::new(hellos.clone()),
         ] {
@@ -126,6 +140,9 @@ impl Metrics {
         ] {
             hellos.with_label_values(&[result]);
         }
+        for reason in REJECT_REASONS {
+            rejected_adds.with_label_values(&[reason]);
+        }
         Metrics {
             registry,
             slots_in_use,
@@ -136,6 +153,7 @@ impl Metrics {
             flushes,
             slots_freed,
             stray_adds,
+            rejected_adds,
             connections,
             hellos,
             last_flush_ms: AtomicU64::new(0),

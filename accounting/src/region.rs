@@ -96,6 +96,9 @@ pub struct Region {
     mr: MemoryRegion,
     header: RegionHeader,
     path: PathBuf,
+    /// The file, kept open to map it again for each accepted connection
+    /// ([`Region::expose`]).
+    file: File,
     _lock: File,
 }
 
@@ -193,6 +196,9 @@ impl Region {
             path: path.to_owned(),
             source,
         };
+        let again = file
+            .try_clone()
+            .map_err(|e| io("duplicate the descriptor of", e))?;
         let buf = Buffer::map_file(file, region_len(slots) as usize).map_err(fabric)?;
         let mr = domain
             .register_buffer(buf, Access::REMOTE_ATOMIC | Access::REMOTE_READ)
@@ -202,6 +208,7 @@ impl Region {
                 mr,
                 header,
                 path: path.to_owned(),
+                file: again,
                 _lock: lock,
             },
             created,
@@ -226,6 +233,29 @@ impl Region {
     /// What daemons name the region by (the accepted hello's reply).
     pub fn descriptor(&self) -> RemoteDescriptor {
         self.mr.descriptor()
+    }
+
+    /// Maps the region's file again and registers that mapping in
+    /// `domain` (an accepted connection's own), with the rights of
+    /// [`Region::open`]: the returned region, and its rkey, name the
+    /// counters on that domain's endpoints only. Dropping it deregisters
+    /// and unmaps it; adds that landed stay in the file.
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be duplicated, mapped or registered.
+    pub fn expose(&self, domain: &Domain) -> Result<MemoryRegion, RegionError> {
+        let fabric = |source| RegionError::Fabric {
+            path: self.path.clone(),
+            source,
+        };
+        let file = self.file.try_clone().map_err(|source| RegionError::Io {
+            what: "duplicate the descriptor of",
+            path: self.path.clone(),
+            source,
+        })?;
+        let buf = Buffer::map_file(file, self.mr.len()).map_err(fabric)?;
+        domain.register_buffer(buf, self.access()).map_err(fabric)
     }
 
     /// The rights it is registered with.

@@ -24,7 +24,6 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use rfaas_fabric::Fabric;
-use rfaas_proto::accounting::{AccountingReply, ReplyStatus};
 use rfaas_proto::files::ConfigDir;
 use rfaas_service::db::{self, Backend, DbError};
 use sqlx::AnyPool;
@@ -32,6 +31,7 @@ use sqlx::AnyPool;
 use crate::config::Settings;
 use crate::credentials::Verifier;
 use crate::flusher::{FlushConfig, Flusher};
+use crate::ledger::Ledger;
 use crate::listener::{self, ListenerParts};
 use crate::metrics::{self, Health, Metrics};
 use crate::rates::{BillingConfig, Rates, RatesError};
@@ -173,6 +173,10 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let domain = Arc::new(fabric.domain().context("create the region's domain")?);
     let (region, created) = Region::open(&domain, &settings.region_file, settings.slots)?;
     let region = Arc::new(region);
+    let ledger = Arc::new(
+        Ledger::open(domain.clone(), region.clone(), created)
+            .context("open the nodes' windows of the region")?,
+    );
     remove_stale_socket(&settings.provider, &settings.listen);
     let fabric_listener = fabric
         .listen(&settings.listen)
@@ -184,7 +188,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let header = region.header();
 
     if created {
-        seed(&pool, &settings.name, &region).await?;
+        seed(&pool, &settings.name, &ledger).await?;
     }
     let instance = Instance {
         name: settings.name.clone(),
@@ -241,7 +245,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             rates,
         },
         pool.clone(),
-        region.clone(),
+        ledger.clone(),
         metrics.clone(),
     );
     // The first flush before anyone connects: the row's heartbeat is
@@ -249,21 +253,12 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     flusher.flush_logged().await;
     let flusher = tokio::spawn(flusher.run(settings.flush_interval, stopped));
 
-    let descriptor = region.descriptor();
-    let offer = AccountingReply {
-        status: ReplyStatus::Accepted,
-        region_addr: descriptor.addr,
-        region_rkey: descriptor.rkey,
-        slots: header.slots,
-        region_id: header.region_id,
-    };
     let stop_listener = Arc::new(AtomicBool::new(false));
     let listener = listener::spawn(
         ListenerParts {
             fabric: fabric.clone(),
-            domain: domain.clone(),
             listener: fabric_listener,
-            offer,
+            ledger: ledger.clone(),
             verifier: Arc::new(Verifier::new(pool.clone())),
             runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
@@ -301,7 +296,9 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
 
 /// Seeds a new region's slots with the stored totals of the leases the
 /// database still counts in them.
-async fn seed(pool: &AnyPool, name: &str, region: &Region) -> anyhow::Result<()> {
+/// Each lease's slot is seeded in its node's window, where its daemon
+/// reads it back.
+async fn seed(pool: &AnyPool, name: &str, ledger: &Ledger) -> anyhow::Result<()> {
     let assigned = db::retrying(|| store::assigned_slots(pool, name))
         .await
         .context("read the slots to seed a new region")?;
@@ -310,14 +307,20 @@ async fn seed(pool: &AnyPool, name: &str, region: &Region) -> anyhow::Result<()>
         .await
         .context("read the usage to seed a new region")?;
     let mut seeded = 0;
-    for a in assigned.iter().filter(|a| a.slot < region.slots()) {
+    for a in assigned.iter().filter(|a| a.slot < ledger.slots()) {
         if let Some(row) = rows.iter().find(|r| r.lease_id == a.lease_id) {
-            region.seed_slot(a.slot, &row.totals);
+            let window = match a.node() {
+                Some(node) => ledger
+                    .window(node)
+                    .with_context(|| format!("make node {node}'s window to seed"))?,
+                None => ledger.main().clone(),
+            };
+            window.seed_slot(a.slot, &row.totals);
             seeded += 1;
         }
     }
     if seeded > 0 {
-        region
+        ledger
             .sync_all()
             .context("sync the seeded region to its file")?;
         tracing::warn!(

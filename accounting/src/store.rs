@@ -187,6 +187,14 @@ pub struct LeaseInfo {
     pub ended_ms: u64,
     /// When it expires, Unix seconds.
     pub expires_at: u64,
+    /// The node it runs on: only that node's window counts for it.
+    pub node: String,
+    /// Cores leased.
+    pub cores: u64,
+    /// Memory leased, MiB.
+    pub memory_mib: u64,
+    /// When it was granted, Unix seconds.
+    pub issued_at: u64,
 }
 
 /// A slot of the instance assigned to a lease.
@@ -205,6 +213,13 @@ pub struct Assigned {
     pub finalized: bool,
 }
 
+impl Assigned {
+    /// The node of the slot's lease (`None`: no such lease).
+    pub fn node(&self) -> Option<&str> {
+        self.lease.as_ref().map(|l| l.node.as_str())
+    }
+}
+
 /// The instance's assigned slots, with their leases.
 /// The lease slot `slot` of instance `name` is assigned to now (0: free).
 pub async fn slot_lease(pool: &AnyPool, name: &str, slot: u32) -> Result<u64, DbError> {
@@ -221,7 +236,7 @@ pub async fn slot_lease(pool: &AnyPool, name: &str, slot: u32) -> Result<u64, Db
 
 pub async fn assigned_slots(pool: &AnyPool, name: &str) -> Result<Vec<Assigned>, DbError> {
     let rows = sqlx::query(
-        "SELECT b.slot, b.lease_id, b.assigned_ms, l.account, l.harvested, l.state, l.ended_ms, l.expires_at, u.finalized
+        "SELECT b.slot, b.lease_id, b.assigned_ms, l.account, l.harvested, l.state, l.ended_ms, l.expires_at, l.node, l.cores, l.memory_mib, l.issued_at, u.finalized
          FROM billing_slots b
          LEFT JOIN leases l ON l.id = b.lease_id
          LEFT JOIN usage u ON u.lease_id = b.lease_id
@@ -242,6 +257,10 @@ pub async fn assigned_slots(pool: &AnyPool, name: &str) -> Result<Vec<Assigned>,
                     state: text_col(r, "state")?,
                     ended_ms: u64_col(r, "ended_ms")?,
                     expires_at: u64_col(r, "expires_at")?,
+                    node: text_col(r, "node")?,
+                    cores: u64_col(r, "cores")?,
+                    memory_mib: u64_col(r, "memory_mib")?,
+                    issued_at: u64_col(r, "issued_at")?,
                 }),
                 None => None,
             };
@@ -265,6 +284,8 @@ pub struct UsageWrite {
     pub lease_id: u64,
     /// Its slot.
     pub slot: u32,
+    /// The node of its lease, whose window the slot is read from.
+    pub node: Option<String>,
     /// Cumulative totals read from the slot (`closed` is not stored).
     pub totals: SlotTotals,
     /// The last flush of this lease.

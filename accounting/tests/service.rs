@@ -184,7 +184,8 @@ fn bad_adds_fail_alone(kind: &str) {
     let env = Env::new(kind);
     let acct = env.accounting();
     let mut a = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
-    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+    // Both connections are node n1's, which holds the lease.
+    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
     env.insert_lease(7, "physics", false);
     env.assign("acct1", 1, 7);
     let region = RemoteAddr {
@@ -442,7 +443,7 @@ fn adds_over_shm() {
     assert_eq!(err, Status::RemoteAccess);
     acct.kill();
     acct.restart().unwrap();
-    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n2")).unwrap();
+    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
     assert_eq!(again.read_slot(0).unwrap(), u);
 }
 
@@ -557,7 +558,17 @@ fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
     assert_eq!(env.slot_lease("acct1", slot.slot), lease_id);
 
     let mut daemon = Peer::hello(&slot.provider, &slot.addr, &node_cred).unwrap();
-    let u = some_usage(1);
+    // What the lease just granted (one core, 64 MiB) can have used: the
+    // flusher refuses more than its cores and memory over its time.
+    let u = SlotTotals {
+        usage: UsageFigures {
+            alloc_mib_ms: 64 * 500,
+            compute_ns: 500_000_000,
+            hot_ns: 250_000_000,
+            ..some_usage(1).usage
+        },
+        closed: 0,
+    };
     daemon.add_totals(slot.slot, &u).unwrap();
     wait_for_usage(&env, lease_id, &u);
     wait_until("chem's spend is priced", TIMEOUT, || {

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rfaas_accounting::flusher::{FlushConfig, Flusher};
+use rfaas_accounting::ledger::Ledger;
 use rfaas_accounting::metrics::Metrics;
 use rfaas_accounting::rates::Rates;
 use rfaas_accounting::region::Region;
@@ -165,6 +166,8 @@ async fn flush_passes(url: &str, dir: &std::path::Path) -> Result<(u64, Duration
     let (region, _) = Region::open(&domain, &dir.join("accounting.region"), SLOTS)
         .map_err(|e| Error::new(format!("{row}: {e}")))?;
     let region = Arc::new(region);
+    let ledger = Ledger::open(Arc::new(domain), region.clone(), false)
+        .map_err(|e| Error::new(format!("{row}: {e}")))?;
     let now = rfaas_service::now_ms();
     store::register_instance(
         &pool,
@@ -192,7 +195,7 @@ async fn flush_passes(url: &str, dir: &std::path::Path) -> Result<(u64, Duration
             rates: RATES,
         },
         pool.clone(),
-        region.clone(),
+        Arc::new(ledger),
         Arc::new(Metrics::new(now)),
     );
     let mut rows = 0u64;

@@ -5,9 +5,15 @@
 //! slot must still hold exactly that rkey. rkeys are unique in the process, so
 //! an rkey of another domain never matches. Deregistration clears the slot,
 //! then waits for lookups in flight to leave it before releasing the buffer.
+//!
+//! An rkey's high bits (its tag) are a process-wide counter passed through a
+//! permutation keyed at random when the process starts ([`tag_of`]): unique
+//! like the counter, but unpredictable, so an rkey seen in an earlier run, or
+//! the next one after an rkey seen now, cannot be guessed from its number.
 
 use std::any::Any;
 use std::fmt;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -18,8 +24,42 @@ use crate::memory::{Access, Buffer, Registration};
 pub(crate) const SLOTS: usize = 1024;
 const SLOT_BITS: u32 = 10;
 
-/// Process-wide source of rkey tags, so rkeys never repeat across domains.
+/// Process-wide counter of registrations; [`tag_of`] turns it into an rkey's
+/// tag, so rkeys never repeat across domains.
 static NEXT_TAG: AtomicU32 = AtomicU32::new(1);
+/// Bits of an rkey's tag.
+const TAG_BITS: u32 = 32 - SLOT_BITS;
+/// The key of the tag permutation, drawn from the OS's randomness once per
+/// process (std's `RandomState`: SipHash with random keys).
+static TAG_KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+    std::sync::OnceLock::new();
+
+/// The tag of the `n`-th registration: `n` through a four-round Feistel
+/// network over `TAG_BITS` bits whose round function is SipHash with a
+/// random key. A permutation, so distinct `n` give distinct tags; keyed,
+/// so seeing some tags tells nothing about the others.
+fn tag_of(n: u32) -> u32 {
+    const HALF: u32 = TAG_BITS / 2;
+    const MASK: u32 = (1 << HALF) - 1;
+    let key = TAG_KEY.get_or_init(std::collections::hash_map::RandomState::new);
+    let (mut left, mut right) = ((n >> HALF) & MASK, n & MASK);
+    for round in 0..4u32 {
+        let f = key.hash_one((round, right)) as u32 & MASK;
+        (left, right) = (right, left ^ f);
+    }
+    (left << HALF) | right
+}
+
+/// A fresh, nonzero tag.
+fn next_tag() -> u32 {
+    loop {
+        let n = NEXT_TAG.fetch_add(1, Ordering::Relaxed) & ((1 << TAG_BITS) - 1);
+        let tag = tag_of(n);
+        if tag != 0 {
+            return tag;
+        }
+    }
+}
 /// Process-wide source of domain ids.
 static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
 
@@ -91,9 +131,7 @@ impl Registry {
                     drop(unsafe { Arc::from_raw(raw) });
                     continue;
                 }
-                let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed) & ((1 << (32 - SLOT_BITS)) - 1);
-                let tag = if tag == 0 { 1 } else { tag };
-                let rkey = (tag << SLOT_BITS) | index as u32;
+                let rkey = (next_tag() << SLOT_BITS) | index as u32;
                 slot.access.store(access.bits(), Ordering::Relaxed);
                 slot.rkey.store(rkey, Ordering::SeqCst);
                 return Ok((
@@ -242,4 +280,21 @@ pub(crate) fn register_soft(
         domain_id: registry.id(),
         _registration: Box::new(guard),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_are_distinct_and_not_the_counter() {
+        let tags: std::collections::HashSet<u32> = (0..1 << 16).map(tag_of).collect();
+        assert_eq!(tags.len(), 1 << 16, "the permutation repeated a tag");
+        assert!(tags.iter().all(|t| *t < 1 << TAG_BITS));
+        let in_order = (1..64).filter(|n| tag_of(*n) == *n).count();
+        assert!(
+            in_order < 4,
+            "{in_order} of 63 tags are their counter: not permuted"
+        );
+    }
 }

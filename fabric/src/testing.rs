@@ -41,7 +41,7 @@ pub fn rdma_ip() -> String {
     raw.split('/').next().unwrap_or("192.0.2.1").to_owned()
 }
 
-/// An address a test listens on with `provider`: a fresh abstract socket
+/// An address a test listens on with `provider`: a fresh private socket
 /// for shm, port 0 of the RDMA netdev for verbs, of 127.0.0.1 for tcp.
 pub fn listen_addr(provider: &str) -> String {
     match provider {

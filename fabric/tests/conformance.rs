@@ -22,19 +22,12 @@ use rfaas_testkit::wait::{thread_id, wait_until_asleep};
 use rstest::rstest;
 
 /// A raw connection below the fabric: a TCP stream, or a unix stream for
-/// shm (`@name`: the abstract namespace).
+/// shm (a socket path).
 fn raw_connect(addr: &str) -> Box<dyn std::io::Write> {
     if let Ok(sa) = addr.parse::<std::net::SocketAddr>() {
         return Box::new(std::net::TcpStream::connect(sa).expect("raw tcp connect"));
     }
-    let unix = match addr.strip_prefix('@') {
-        Some(name) => {
-            use std::os::linux::net::SocketAddrExt;
-            std::os::unix::net::SocketAddr::from_abstract_name(name).unwrap()
-        }
-        None => std::os::unix::net::SocketAddr::from_pathname(addr).unwrap(),
-    };
-    Box::new(std::os::unix::net::UnixStream::connect_addr(&unix).expect("raw unix connect"))
+    Box::new(std::os::unix::net::UnixStream::connect(addr).expect("raw unix connect"))
 }
 
 /// A peer that connects and says nothing (or half a hello) holds up nobody

@@ -119,3 +119,57 @@ fn clients_take_the_ready_line_and_leave_without_a_warning(
         "a client that finished and left was logged as a failure:\n{log}"
     );
 }
+
+/// The shm provider refuses a peer of another user, even one that can
+/// reach the socket: a probe run as `nobody` (uid 65534) against a socket
+/// anyone may connect to is refused at accept with its uid named, and its
+/// fetch-and-add fails. Needs root, to run the peer as another user (CI
+/// runs as root); fails, not skips, without it.
+#[test]
+fn shm_refuses_a_peer_of_another_uid() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "this test runs a peer as nobody, which needs root");
+    let dir = std::env::temp_dir().join(format!("rfaas-uid-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let sock = dir.join("sock");
+    let fabric = rfaas_fabric::Fabric::open("shm").unwrap();
+    let domain = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(16).unwrap();
+    let listener = fabric.listen(sock.to_str().unwrap()).unwrap();
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o777)).unwrap();
+
+    let peer = Command::new(PROBE)
+        .args(["--provider", "shm", "faa", "--connect"])
+        .arg(&sock)
+        .args(["--addr", "4096", "--rkey", "1025", "--count", "1"])
+        .uid(65534)
+        .gid(65534)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start rfaas-fabric-probe as nobody");
+    let accepted = listener.accept(
+        &domain,
+        &mut cq,
+        &rfaas_fabric::EndpointOptions::default(),
+        Some(Duration::from_secs(30)),
+    );
+    let out = peer.wait_with_output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    match accepted {
+        Err(rfaas_fabric::Error::Connect { reason, .. }) => {
+            assert!(reason.contains("uid 65534"), "{reason}")
+        }
+        other => panic!("a peer running as nobody was not refused: {other:?}"),
+    }
+    assert!(
+        !out.status.success(),
+        "the refused peer's add succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

@@ -443,13 +443,6 @@ impl Peer {
         }
     }
 
-    fn region(&self) -> RemoteAddr {
-        RemoteAddr {
-            addr: self.reply.region_addr,
-            rkey: self.reply.region_rkey,
-        }
-    }
-
     /// Fetch-and-adds `delta` at `remote`; the old value, or the status of
     /// a failed add.
     pub fn add_at(&mut self, remote: RemoteAddr, delta: u64) -> Result<u64, Status> {
@@ -463,6 +456,29 @@ impl Peer {
             return Err(c.status);
         }
         Ok(self.scratch.read_u64(0))
+    }
+
+    /// Compare-and-swaps the word at `remote` (`swap` if it holds
+    /// `compare`); the old value, or the status of a failed operation.
+    pub fn cas_at(&mut self, remote: RemoteAddr, compare: u64, swap: u64) -> Result<u64, Status> {
+        let wr = self.next_wr;
+        self.next_wr += 1;
+        self.endpoint
+            .compare_swap(wr, &self.scratch, 0, remote, compare, swap)
+            .map_err(|_| Status::LocalProtection)?;
+        let c = self.completion_of(wr)?;
+        if c.status != Status::Success {
+            return Err(c.status);
+        }
+        Ok(self.scratch.read_u64(0))
+    }
+
+    /// The accepted region's address and rkey.
+    pub fn region(&self) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.reply.region_addr,
+            rkey: self.reply.region_rkey,
+        }
     }
 
     /// Adds `delta` to `counter` of `slot` in the accepted region.

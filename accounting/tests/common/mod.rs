@@ -111,20 +111,29 @@ impl Env {
         self.rt.block_on(f)
     }
 
-    /// Inserts an active lease `id` of `account`, as a grant would.
+    /// Inserts an active lease `id` of `account` on node `n1`, as a grant
+    /// would.
     pub fn insert_lease(&self, id: u64, account: &str, harvested: bool) {
+        self.insert_lease_on(id, account, harvested, "n1");
+    }
+
+    /// Inserts an active lease `id` of `account` on `node`.
+    pub fn insert_lease_on(&self, id: u64, account: &str, harvested: bool, node: &str) {
         let now = rfaas_service::now_ms() as i64;
         let p = &self.pool;
         self.rt.block_on(async {
             sqlx::query(
                 "INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib, issued_at, expires_at, state, ended_ms, harvested)
-                 VALUES ($1, $1, 'n1', 'user:alice', 'alice', $2, 1, 1024, $3, $4, 'active', 0, $5)",
+                 VALUES ($1, $1, $6, 'user:alice', 'alice', $2, 1, 1024, $3, $4, 'active', 0, $5)",
             )
             .bind(id as i64)
             .bind(account)
-            .bind(now / 1000)
+            // Granted an hour ago: time enough for the usage the tests add
+            // (the flusher refuses more than cores x wall-clock time).
+            .bind(now / 1000 - 3600)
             .bind(now / 1000 + 3600)
             .bind(i64::from(harvested))
+            .bind(node)
             .execute(p)
             .await
             .unwrap();

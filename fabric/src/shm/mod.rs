@@ -3,12 +3,12 @@
 //!
 //! # Design
 //!
-//! - **Connections.** A listener is a unix stream socket (a path, or `@name`
-//!   for an abstract socket). Each side of a new connection creates its
-//!   *inbound immediate ring* (a memfd) and a *wake-up socket pair*, and
-//!   passes the ring, one end of the pair and its domain's read-only
-//!   *validity table* in a hello (magic, version, depths) with SCM_RIGHTS.
-//!   The socket stays open as the control channel
+//! - **Connections.** A listener is a unix stream socket at a path (never
+//!   an abstract name), accepting peers of its own user or root only.
+//!   Each side of a new connection creates its *inbound immediate ring*
+//!   (a memfd) and a *wake-up socket pair*, and passes the ring, one end
+//!   of the pair and its domain's read-only *validity table* in a hello
+//!   (magic, version, depths) with SCM_RIGHTS. The socket stays open as the control channel
 //!   ([`rfaas_proto::shm_control`]).
 //! - **Grants.** Operations are one-sided: the initiator copies straight
 //!   into or out of its mapping of the target's memory. Before the first
@@ -98,9 +98,11 @@
 //!
 //! Same-node peers see only the regions granted to them, on connections to
 //! endpoints of the region's domain. rkeys are not secrets: who may connect
-//! is the access control (a socket path's permissions; an abstract name is
-//! reachable by every process in the network namespace), and the rfaas
-//! layers above authenticate connections with lease tokens.
+//! is the access control: a socket path's permissions, and the peer's user
+//! as the kernel reports it (`SO_PEERCRED`), which must be the listener's
+//! own or root. Abstract names, reachable by every process in the network
+//! namespace, are refused. The rfaas layers above authenticate connections
+//! with lease tokens.
 //!
 //! The kernel enforces "no write" for regions without remote write or atomic
 //! rights; finer distinctions (read vs. atomic, bounds inside a writable

@@ -367,7 +367,8 @@ pub(super) fn monotonic_after(after: Duration) -> Option<libc::timespec> {
     })
 }
 
-/// A `sockaddr_un` for a filesystem path or, with a leading `@`, an abstract name.
+/// A `sockaddr_un` for a filesystem path. Abstract names (`@name`) are
+/// refused: any process of the network namespace may connect to them.
 pub(super) struct UnixAddr {
     addr: libc::sockaddr_un,
     len: libc::socklen_t,
@@ -378,16 +379,18 @@ impl UnixAddr {
         // SAFETY: an all-zero sockaddr_un is valid.
         let mut addr: libc::sockaddr_un = unsafe { zeroed() };
         addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        let (bytes, start) = match name.strip_prefix('@') {
-            Some(rest) => (rest.as_bytes(), 1),
-            None => (name.as_bytes(), 0),
-        };
-        if bytes.is_empty() {
+        if name.starts_with('@') {
             return Err(Error::InvalidArgument(format!(
-                "{name:?} is not a shm address: use a socket path or @name"
+                "{name:?} is an abstract socket name, which every process of the network namespace can connect to: give the path of a socket in a directory only this service's user (and root) can enter"
             )));
         }
-        // A path needs its NUL terminator; an abstract name its leading NUL.
+        let (bytes, start) = (name.as_bytes(), 0);
+        if bytes.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{name:?} is not a shm address: use a socket path"
+            )));
+        }
+        // A path needs its NUL terminator.
         if bytes.len() + 1 > addr.sun_path.len() || bytes.contains(&0) {
             return Err(Error::InvalidArgument(format!(
                 "shm address {name:?} must be at most {} bytes without NUL bytes",

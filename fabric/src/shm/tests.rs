@@ -854,8 +854,8 @@ fn garbage_peers_get_clear_connect_errors_and_break_nothing() {
         matches!(err, Error::Connect { .. }) && err.is_retryable(),
         "{err}"
     );
-    let idle = fabric.listen("@").unwrap();
-    assert!(idle.local_addr().starts_with("@rfaas-shm-"));
+    let idle = fabric.listen("").unwrap();
+    assert!(idle.local_addr().contains("/rfaas-shm-"));
     let err = idle
         .accept(&dom, &mut cq, &opts, Some(Duration::from_millis(50)))
         .unwrap_err();
@@ -1053,17 +1053,58 @@ fn options_and_addresses_are_validated() {
         dom.connect("", &mut cq, &opts),
         Err(Error::InvalidArgument(_))
     ));
-    let long = format!("@{}", "x".repeat(200));
+    let long = format!("/{}", "x".repeat(200));
     assert!(matches!(
         dom.connect(&long, &mut cq, &opts),
         Err(Error::InvalidArgument(_))
     ));
-    let listener: Listener = fabric.listen("@rfaas-shm-test-fixed-name").unwrap();
-    assert_eq!(listener.local_addr(), "@rfaas-shm-test-fixed-name");
+    let listener: Listener = fabric.listen("").unwrap();
+    let path = listener.local_addr();
     assert!(
-        fabric.listen("@rfaas-shm-test-fixed-name").is_err(),
-        "an abstract name is taken"
+        fabric.listen(&path).is_err(),
+        "a socket path is taken while its listener lives"
     );
+}
+
+/// No abstract socket, ever: `@name` is refused to listen and to connect,
+/// and a fresh listener is a filesystem socket (so /proc/net/unix lists
+/// its path) in a directory of mode 0700 that goes with it.
+#[test]
+fn shm_sockets_are_files_in_a_private_directory_never_abstract() {
+    use std::os::unix::fs::PermissionsExt;
+    let fabric = fabric();
+    let dom = fabric.domain().unwrap();
+    let mut cq = fabric.completion_queue(4).unwrap();
+    let opts = EndpointOptions::default();
+    for name in ["@", "@rfaas-shm-test-fixed-name"] {
+        let err = fabric.listen(name).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("abstract")),
+            "{name}: {err}"
+        );
+        assert!(matches!(
+            dom.connect(name, &mut cq, &opts),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    let listener = fabric.listen("").unwrap();
+    let path = std::path::PathBuf::from(listener.local_addr());
+    assert!(path.is_absolute(), "{}", path.display());
+    let unix = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let listed: Vec<&str> = unix
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .collect();
+    assert!(
+        listed.contains(&path.to_str().unwrap()),
+        "{} is not a filesystem socket in /proc/net/unix",
+        path.display()
+    );
+    let dir = path.parent().unwrap().to_owned();
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "{}", dir.display());
+    drop(listener);
+    assert!(!dir.exists(), "the listener's directory is removed with it");
 }
 
 #[test]
