@@ -54,8 +54,11 @@ struct Args {
     /// keys, then AllocGiBSec to Cost without Leases and WarmSec.
     #[arg(long, short = 'o', value_name = "FIELDS")]
     format: Option<String>,
-    /// The database: sqlite:///path/file.db or postgres://user@host/db.
-    /// Default: `database` in the billing configuration, else the
+    /// The database: sqlite:///path/file.db or postgres://user@host/db,
+    /// without a password (refused here, where every user of the host
+    /// could read it: the password comes from `database_password_file` in
+    /// the billing configuration, else database.password in the
+    /// configuration directory). Default: `database` in the billing configuration, else the
     /// accounting service's (accounting.toml), else the manager's
     /// (manager.toml), both in the configuration directory.
     #[arg(long, value_name = "URL", global = true)]
@@ -189,6 +192,9 @@ impl Args {
     /// accounting service's, else the manager's; with the password of
     /// `database.password` when it names none.
     fn database(&self, billing: Option<&BillingConfig>) -> Result<String, BillingError> {
+        if let Some(url) = &self.database {
+            db::refuse_password_in_argument(url, "--database").map_err(BillingError::Usage)?;
+        }
         let url = match self
             .database
             .clone()
@@ -197,7 +203,8 @@ impl Args {
             Some(url) => url,
             None => self.configured_database()?,
         };
-        db::with_password_file(&url, &self.config_dir()).map_err(BillingError::ManagerConfig)
+        let file = billing.and_then(|b| b.database_password_file.as_deref());
+        db::with_password_file(&url, file, &self.config_dir()).map_err(BillingError::ManagerConfig)
     }
 
     /// The accounting service's database, else the manager's.

@@ -2,42 +2,17 @@
 //! services share: one SQL text for PostgreSQL and SQLite, as in the
 //! manager's store.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use rfaas_proto::accounting::{SlotTotals, UsageFigures, SLOT_WORDS};
-use rfaas_service::db::{self, i};
+use rfaas_service::db::{self, i, redact};
 use sqlx::any::AnyRow;
 use sqlx::{AnyConnection, AnyPool, Connection, Row};
 
 use super::{BillingError, Filters, LeaseUsage, Period};
 
-/// `url` without its password, fit for a message.
-pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let auth_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..auth_end].rfind('@') {
-        Some(at) => match rest[..at].split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
-}
-
-/// The file a `sqlite:` URL names (`None` for other URLs and in-memory
-/// databases).
-fn sqlite_file(url: &str) -> Option<PathBuf> {
-    let rest = url.strip_prefix("sqlite:")?;
-    let rest = rest.strip_prefix("//").unwrap_or(rest);
-    let path = rest.split('?').next().unwrap_or(rest);
-    (!path.is_empty() && path != ":memory:").then(|| PathBuf::from(path))
-}
-
-/// Opens the database at `url` (its schema brought up to date, as every
-/// rfaas process does). A SQLite file must exist: a report on a new empty
+/// Opens the database at `url`, whose schema must be the manager's
+/// current one (reports never migrate). A SQLite file must exist: a report on a new empty
 /// file would only mislead.
 pub async fn connect(url: &str) -> Result<AnyPool, BillingError> {
     let unreachable = |why: String| BillingError::Unreachable {
@@ -49,7 +24,7 @@ pub async fn connect(url: &str) -> Result<AnyPool, BillingError> {
             "it is neither sqlite:///path nor postgres://...".into(),
         ));
     }
-    if let Some(file) = sqlite_file(url) {
+    if let Some(file) = db::sqlite_file(url) {
         if !file.exists() {
             return Err(unreachable(format!(
                 "the file {} does not exist",
@@ -269,34 +244,4 @@ async fn exists(pool: &AnyPool, column: &str, value: Param<'_>) -> Result<bool, 
         Param::Text(t) => q.bind(t),
     };
     Ok(q.fetch_optional(pool).await?.is_some())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_stay_out_of_messages() {
-        assert_eq!(
-            redact("postgres://rfaas:s3cret@db:5432/rfaas"),
-            "postgres://rfaas:***@db:5432/rfaas"
-        );
-        assert_eq!(
-            redact("postgres://rfaas@db/rfaas"),
-            "postgres://rfaas@db/rfaas"
-        );
-        assert_eq!(
-            redact("sqlite:///var/lib/a@b.db"),
-            "sqlite:///var/lib/a@b.db"
-        );
-    }
-
-    #[test]
-    fn sqlite_urls_name_their_file() {
-        assert_eq!(sqlite_file("sqlite:///var/x.db"), Some("/var/x.db".into()));
-        assert_eq!(sqlite_file("sqlite://x.db?mode=ro"), Some("x.db".into()));
-        assert_eq!(sqlite_file("sqlite:x.db"), Some("x.db".into()));
-        assert_eq!(sqlite_file("sqlite::memory:"), None);
-        assert_eq!(sqlite_file("postgres://h/db"), None);
-    }
 }
