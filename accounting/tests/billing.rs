@@ -504,13 +504,14 @@ fn groupings_filters_and_periods(kind: &str) {
         stdout(&o)
     );
 
-    // The database may come from billing.toml.
+    // The database may come from billing.toml (--database alone: the
+    // configured one; without it reports ask the manager).
     let config = db.file(
         "with-db.toml",
         &format!("database = \"{}\"\n{RATES}", db.url),
     );
     let o = billing(
-        &["--config", config.to_str().unwrap()],
+        &["--config", config.to_str().unwrap(), "--database"],
         &with(&DAY2, &["-Pn", "-o", "Account"]),
         "UTC",
     );

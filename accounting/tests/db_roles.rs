@@ -39,10 +39,12 @@ fn manager(config: &Path, args: &[&str]) -> Output {
         .expect("rfaas-manager runs")
 }
 
-/// `rfaas-billing` with the billing configuration `config` and `args`.
+/// `rfaas-billing` with the billing configuration `config` and `args`,
+/// on the database it names.
 fn billing(config: &Path, args: &[&str]) -> Output {
     Command::new(billing_binary())
         .env("TZ", "UTC")
+        .arg("--database")
         .arg("--config")
         .arg(config)
         .args(args)

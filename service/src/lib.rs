@@ -22,6 +22,8 @@
 //!   accounting service makes against the manager's `credentials` table;
 //!   private files.
 //! - [`table`]: the plain-text tables `rfaasctl` and `rfaas-billing` print.
+//! - [`usage`]: usage per lease over a period, which reports price: read
+//!   by `rfaas-billing` and by the manager's `GET /v1/usage`.
 //! - [`now_ms`], [`now_s`]: the clocks stored times are in.
 
 pub mod budgets;
@@ -30,6 +32,7 @@ pub mod credentials;
 pub mod db;
 pub mod schema;
 pub mod table;
+pub mod usage;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
