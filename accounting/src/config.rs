@@ -20,6 +20,9 @@ pub struct FileConfig {
     pub name: Option<String>,
     /// The manager's database: `sqlite:///path` or `postgres://...`.
     pub database: Option<String>,
+    /// The PostgreSQL password's file (mode 0600), when `database` names
+    /// none; default `database.password` in the configuration directory.
+    pub database_password_file: Option<PathBuf>,
     /// The counter region's file.
     pub region_file: Option<PathBuf>,
     /// Slots in the region.
@@ -119,6 +122,7 @@ impl FileConfig {
                 &self
                     .database
                     .unwrap_or_else(|| rfaas_service::db::DEFAULT_URL.into()),
+                self.database_password_file.as_deref(),
                 dir,
             )
             .map_err(ConfigError::Unusable)?,

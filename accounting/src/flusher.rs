@@ -558,7 +558,7 @@ mod tests {
             Some(pg) => pg.url().to_owned(),
             None => format!("sqlite://{}", dir.join("db").display()),
         };
-        let pool = db::open(&url, 2).await.unwrap();
+        let pool = db::open_and_migrate(&url, 2).await.unwrap();
         let fabric = rfaas_fabric::Fabric::open("tcp").unwrap();
         let domain = fabric.domain().unwrap();
         let (region, _) = Region::open(&domain, &dir.join("region"), 8).unwrap();

@@ -28,6 +28,11 @@ pub struct BillingConfig {
     /// absent, `rfaas-billing` uses the manager's (`manager.toml`).
     #[serde(default)]
     pub database: Option<String>,
+    /// The PostgreSQL password's file for reports (mode 0600), when the
+    /// database URL names none; default `database.password` in the
+    /// configuration directory.
+    #[serde(default)]
+    pub database_password_file: Option<std::path::PathBuf>,
     /// The rates.
     pub rates: Rates,
     /// Budgets by account, in `currency`; `rfaas-billing budget sync`

@@ -31,6 +31,9 @@ harvested_discount = 0.5\n";
 /// configuration files; both removed on drop.
 struct Db {
     url: String,
+    /// The URL without its password, which is in the directory's
+    /// database.password: a command line may not carry it.
+    cli_url: String,
     dir: PathBuf,
     runtime: tokio::runtime::Runtime,
     pool: Option<sqlx::AnyPool>,
@@ -59,9 +62,18 @@ impl Db {
             .build()
             .unwrap();
         let pool = runtime
-            .block_on(rfaas_service::db::open(&url, 2))
+            .block_on(rfaas_service::db::open_and_migrate(&url, 2))
             .unwrap_or_else(|e| panic!("open {url}: {e}"));
+        let mut parsed = url::Url::parse(&url).unwrap();
+        if let Some(password) = parsed.password() {
+            use std::os::unix::fs::PermissionsExt;
+            let file = dir.join("database.password");
+            std::fs::write(&file, format!("{password}\n")).unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+            parsed.set_password(None).unwrap();
+        }
         Db {
+            cli_url: parsed.into(),
             url,
             dir,
             runtime,
@@ -95,18 +107,22 @@ impl Db {
         self.file("billing.toml", RATES)
     }
 
+    /// The options that name this database (its password from the
+    /// directory) and the billing configuration `config`.
+    fn common<'a>(&'a self, config: &'a Path) -> [&'a str; 6] {
+        [
+            "--database",
+            &self.cli_url,
+            "--config-dir",
+            self.dir.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+        ]
+    }
+
     /// Runs rfaas-billing on this database with the test rates, in UTC.
     fn run(&self, args: &[&str]) -> Output {
-        billing(
-            &[
-                "--database",
-                &self.url,
-                "--config",
-                self.config().to_str().unwrap(),
-            ],
-            args,
-            "UTC",
-        )
+        billing(&self.common(&self.config()), args, "UTC")
     }
 
     /// [`Db::run`], which must succeed; its stdout.
@@ -465,7 +481,7 @@ fn groupings_filters_and_periods(kind: &str) {
     // Times are local: in UTC+2 (POSIX writes it UTC-2), the same day is
     // 02:00 to 02:00.
     let config = db.config();
-    let common = ["--database", &db.url, "--config", config.to_str().unwrap()];
+    let common = db.common(&config);
     let o = billing(
         &common,
         &[
@@ -488,13 +504,14 @@ fn groupings_filters_and_periods(kind: &str) {
         stdout(&o)
     );
 
-    // The database may come from billing.toml.
+    // The database may come from billing.toml (--database alone: the
+    // configured one; without it reports ask the manager).
     let config = db.file(
         "with-db.toml",
         &format!("database = \"{}\"\n{RATES}", db.url),
     );
     let o = billing(
-        &["--config", config.to_str().unwrap()],
+        &["--config", config.to_str().unwrap(), "--database"],
         &with(&DAY2, &["-Pn", "-o", "Account"]),
         "UTC",
     );
@@ -542,34 +559,41 @@ fn errors_say_what_to_do(kind: &str) {
     db.fails(2, &["--csv", "--json"]);
 
     let bad = db.file("bad.toml", &format!("{RATES}computeper_s = 1.0\n"));
-    let o = billing(
-        &["--database", &db.url, "--config", bad.to_str().unwrap()],
-        &[],
-        "UTC",
-    );
+    let o = billing(&db.common(&bad), &[], "UTC");
     let e = failed(3, &o);
     assert!(e.contains("computeper_s") && e.contains("bad.toml"), "{e}");
     let missing = db.dir.join("missing.toml");
-    let o = billing(
-        &["--database", &db.url, "--config", missing.to_str().unwrap()],
-        &[],
-        "UTC",
-    );
+    let o = billing(&db.common(&missing), &[], "UTC");
     let e = failed(3, &o);
     assert!(e.contains("missing.toml") && e.contains("--config"), "{e}");
 
     // Unreachable databases: a closed port, a missing file.
     let config = db.config();
-    let closed = "postgres://rfaas:secret@127.0.0.1:1/rfaas";
+    let closed = "postgres://rfaas@127.0.0.1:1/rfaas";
     let o = billing(
         &["--database", closed, "--config", config.to_str().unwrap()],
         &[],
         "UTC",
     );
     let e = failed(5, &o);
+    assert!(e.contains(closed), "{e}");
+    assert!(e.contains("refused") && e.contains("--database"), "{e}");
+    // A password on the command line, which every user could read: refused
+    // before anything is tried, and not repeated.
+    let o = billing(
+        &[
+            "--database",
+            "postgres://rfaas:secret@127.0.0.1:1/rfaas",
+            "--config",
+            config.to_str().unwrap(),
+        ],
+        &[],
+        "UTC",
+    );
+    let e = failed(2, &o);
     assert!(e.contains("postgres://rfaas:***@127.0.0.1:1/rfaas"), "{e}");
     assert!(
-        !e.contains("secret") && e.contains("refused") && e.contains("--database"),
+        !e.contains("secret") && e.contains("database_password_file"),
         "{e}"
     );
     let gone = format!("sqlite://{}", db.dir.join("gone.db").display());
@@ -663,13 +687,7 @@ fn budgets(kind: &str) {
         "budgets.toml",
         &format!("{RATES}[budgets]\nchem = 2.5\nnewlab = 10.0\n"),
     );
-    let sync = |config: &Path| {
-        billing(
-            &["--database", &db.url, "--config", config.to_str().unwrap()],
-            &["budget", "sync"],
-            "UTC",
-        )
-    };
+    let sync = |config: &Path| billing(&db.common(config), &["budget", "sync"], "UTC");
     let o = sync(&config);
     assert_eq!(
         stdout(&o),

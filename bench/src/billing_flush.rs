@@ -155,7 +155,9 @@ fn billing_flush(ctx: &Ctx, out: &mut Report) -> Result<()> {
 /// the time the timed flushes took.
 async fn flush_passes(url: &str, dir: &std::path::Path) -> Result<(u64, Duration)> {
     let row = BILLING_FLUSH;
-    let pool = db::open(url, CONNECTIONS).await.map_err(db_err(row))?;
+    let pool = db::open_and_migrate(url, CONNECTIONS)
+        .await
+        .map_err(db_err(row))?;
     // The region is registered as the service's is; the provider does not
     // matter to the flusher, which reads it in place.
     let fabric = rfaas_fabric::Fabric::open("tcp")
@@ -306,7 +308,9 @@ fn raw_db_upsert(ctx: &Ctx, out: &mut Report) -> Result<()> {
 /// time the timed passes took.
 async fn upsert_passes(url: &str) -> Result<(u64, Duration)> {
     let row = RAW_DB_UPSERT;
-    let pool = db::open(url, CONNECTIONS).await.map_err(db_err(row))?;
+    let pool = db::open_and_migrate(url, CONNECTIONS)
+        .await
+        .map_err(db_err(row))?;
     let mut totals: Vec<SlotTotals> = vec![SlotTotals::default(); SLOTS as usize];
     let mut rows = 0u64;
     let mut elapsed = Duration::ZERO;

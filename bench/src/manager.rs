@@ -822,7 +822,7 @@ fn raw_db_grant(
             Backend::Sqlite => 1,
             _ => clients as u32,
         };
-        let pool = db::open(url, conns).await.map_err(raw_err)?;
+        let pool = db::open_and_migrate(url, conns).await.map_err(raw_err)?;
         let store = Store::new(pool, Backend::of(url));
         // SQLite's log is checkpointed off the commits' path, as a
         // replica does it.

@@ -334,7 +334,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rfaas-auth-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("sqlite://{}", dir.join("m.db").display());
-        let pool = rfaas_service::db::open(&url, 2).await.unwrap();
+        let pool = rfaas_service::db::open_and_migrate(&url, 2).await.unwrap();
         let store = Store::new(pool, rfaas_service::db::Backend::Sqlite);
         let mint = |role, expires_at| new_credential(role, "n1", "", expires_at).unwrap();
         let (node, node_token) = mint(Role::Node, 0);

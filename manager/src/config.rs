@@ -22,6 +22,9 @@ pub struct FileConfig {
     pub listen: Option<String>,
     /// `sqlite:///path/to/file.db` or `postgres://user@host:port/db`.
     pub database: Option<String>,
+    /// The PostgreSQL password's file (mode 0600), when `database` names
+    /// none; default `database.password` in the configuration directory.
+    pub database_password_file: Option<PathBuf>,
     /// The admin bearer token's file (root-only).
     pub admin_token_file: Option<PathBuf>,
     /// The Ed25519 secret key file that signs lease tokens.
@@ -167,7 +170,8 @@ impl FileConfig {
             .database
             .unwrap_or_else(|| crate::db::DEFAULT_URL.into());
         let database =
-            crate::db::with_password_file(&database, dir).map_err(ConfigError::Unusable)?;
+            crate::db::with_password_file(&database, self.database_password_file.as_deref(), dir)
+                .map_err(ConfigError::Unusable)?;
         // SQLite takes one writer at a time: more connections only make
         // them wait in its busy handler (milliseconds), and each connection
         // keeps its own page cache, which every other's commit makes stale.

@@ -114,6 +114,18 @@ impl Running {
     }
 }
 
+/// Brings the database's schema up to date (`rfaas-manager migrate`);
+/// [`start`] does it too.
+pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
+    let backend = Backend::of(&settings.database);
+    let pool = db::open_and_migrate(&settings.database, 1)
+        .await
+        .with_context(|| format!("migrate the database ({})", backend.name()))?;
+    pool.close().await;
+    tracing::info!(backend = backend.name(), "the schema is up to date");
+    Ok(())
+}
+
 /// Opens the database, loads the keys, starts the background tasks and
 /// serves the API on `settings.listen`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
@@ -132,7 +144,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         )
     })?;
     let backend = Backend::of(&settings.database);
-    let pool = db::open(&settings.database, settings.max_connections)
+    let pool = db::open_and_migrate(&settings.database, settings.max_connections)
         .await
         .with_context(|| format!("open the database ({})", backend.name()))?;
     let view = Arc::new(View::default());

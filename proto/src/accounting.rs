@@ -237,6 +237,7 @@ pub fn region_len(slots: u32) -> u64 {
 /// the lease's slot and reports to the node's tools, and that accounting
 /// stores, sums and prices. Each figure only grows while a lease runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct UsageFigures {
     /// Allocation wall time times the allocation's memory, MiB·ms
     /// ([`Counter::AllocMibMs`]).

@@ -427,6 +427,47 @@ pub struct BudgetView {
     pub updated_ms: u64,
 }
 
+/// One lease's usage over a period, as `GET /v1/usage` lists it: who held
+/// it, where, and what it used; `rfaas-billing` prices and sums these.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LeaseUsage {
+    /// The lease.
+    pub lease: u64,
+    /// Its user.
+    pub user: String,
+    /// The account it was charged to.
+    pub account: String,
+    /// Its Slurm job, if any.
+    pub job: Option<u64>,
+    /// Its node.
+    pub node: String,
+    /// Whether the node was harvested (idle) capacity.
+    pub harvested: bool,
+    /// What it used in the period.
+    pub usage: crate::accounting::UsageFigures,
+}
+
+/// The query of `GET /v1/usage`: the period and the filters of
+/// `rfaas-billing` (`-u`, `-A`, `-j`, each a comma list; none lets any
+/// through).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[serde(deny_unknown_fields)]
+pub struct UsageQuery {
+    /// The period's start, Unix ms (included).
+    pub start_ms: u64,
+    /// The period's end, Unix ms (excluded); absent: now, with the
+    /// latest totals flushed.
+    pub end_ms: Option<u64>,
+    /// Only these users (comma list).
+    pub users: Option<String>,
+    /// Only these accounts (comma list).
+    pub accounts: Option<String>,
+    /// Only these Slurm jobs (comma list of ids).
+    pub jobs: Option<String>,
+}
+
 /// Every error reply: a stable kind, a sentence for people, and the figures
 /// the kind names (quota cap and use, budget and spend, retry delay),
 /// flattened into the same object.

@@ -30,6 +30,7 @@
 //! for each other's slots) is retried ([`retrying`]).
 
 use std::future::Future;
+use std::path::Path;
 use std::time::Duration;
 
 use rfaas_proto::files::{ConfigDir, DATABASE_PASSWORD};
@@ -69,26 +70,51 @@ impl Backend {
 /// share.
 pub const DEFAULT_URL: &str = "sqlite:///var/lib/rfaas/manager.db";
 
-/// `url` with the password of `database.password` in the configuration
-/// directory, when `url` is PostgreSQL's and names no password and that
-/// file exists; otherwise `url` as it is. The file must be private to its
-/// owner (root's, when read by root), as every other secret of rfaas, and
-/// holds the password on its first line.
-pub fn with_password_file(url: &str, dir: &ConfigDir) -> Result<String, String> {
+/// `url` with the password of its password file, when `url` is
+/// PostgreSQL's and names no password: `file` (a program's
+/// `database_password_file`), else `database.password` in the
+/// configuration directory if that exists; otherwise `url` as it is
+/// (PostgreSQL's own `~/.pgpass` or `PGPASSFILE` may still give one).
+/// The file must be private to its owner (root's, when read by root), as
+/// every other secret of rfaas, and holds the password on its first line.
+///
+/// A URL that carries its own password is used but warned about: anyone
+/// who can read the configuration file reads the password.
+pub fn with_password_file(
+    url: &str,
+    file: Option<&Path>,
+    dir: &ConfigDir,
+) -> Result<String, String> {
     if Backend::of(url) != Backend::Postgres {
         return Ok(url.to_owned());
     }
-    let mut parsed = url::Url::parse(url).map_err(|e| {
-        format!("the database URL is not a URL ({e}); write postgres://user@host:port/database")
+    let mut parsed = url::Url::parse(url).map_err(|_| {
+        "the database URL is not a URL; write postgres://user@host:port/database".to_owned()
     })?;
     if parsed.password().is_some() {
+        if let Some(file) = file {
+            return Err(format!(
+                "the database URL carries a password and database_password_file names {} too; keep the password in the file only",
+                file.display()
+            ));
+        }
+        tracing::warn!(
+            url = %redact(url),
+            "the database URL carries its password, which anyone who can read the configuration file reads; move it to a password file (database_password_file, mode 0600)"
+        );
         return Ok(url.to_owned());
     }
-    let file = dir.file(DATABASE_PASSWORD);
-    if !file.exists() {
-        return Ok(url.to_owned());
-    }
-    let unusable = |e: String| format!("{e}; {}", dir.hint(&[]));
+    let (file, hint) = match file {
+        Some(f) => (f.to_owned(), "check database_password_file".to_owned()),
+        None => {
+            let f = dir.file(DATABASE_PASSWORD);
+            if !f.exists() {
+                return Ok(url.to_owned());
+            }
+            (f, dir.hint(&["database_password_file"]))
+        }
+    };
+    let unusable = |e: String| format!("{e}; {hint}");
     crate::credentials::check_private_file(&file, "the database password file")
         .map_err(unusable)?;
     let text = std::fs::read_to_string(&file).map_err(|e| {
@@ -105,9 +131,40 @@ pub fn with_password_file(url: &str, dir: &ConfigDir) -> Result<String, String> 
         )));
     }
     parsed.set_password(Some(password)).map_err(|()| {
-        format!("the database URL {url:?} takes no password; name a user, as in postgres://rfaas@host/db")
+        format!(
+            "the database URL {} takes no password; name a user, as in postgres://rfaas@host/db",
+            redact(url)
+        )
     })?;
     Ok(parsed.into())
+}
+
+/// Refuses a database URL given on a command line (`flag`) that carries
+/// a password: every user of the host reads command lines
+/// (`/proc/*/cmdline`, `ps`).
+pub fn refuse_password_in_argument(url: &str, flag: &str) -> Result<(), String> {
+    match url::Url::parse(url) {
+        Ok(u) if u.password().is_some() => Err(format!(
+            "{flag} {} carries a password, which every user of this host can read on the command line; give the URL without it and the password in a file (database_password_file, mode 0600)",
+            redact(url)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `url` without its password, fit for a message or a log.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let auth_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..auth_end].rfind('@') {
+        Some(at) => match rest[..at].split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
 }
 
 /// A database failure, classified by what the caller can do about it.
@@ -189,19 +246,75 @@ pub const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 /// looks after (SQLite's default is 1000, about 4 MiB).
 const AUTOCHECKPOINT_PAGES: u32 = 16_384;
 
-/// Opens a pool on `url` and brings the schema of every owner of tables
-/// up to date ([`crate::schema`]).
-///
-/// SQLite files are created if missing. Processes starting together on
-/// PostgreSQL take an advisory lock around the migrations, so exactly one
-/// applies each step.
+/// Opens a pool on `url` whose schema is the one this release knows,
+/// changing nothing: what the accounting service and `rfaas-billing` do.
+/// A database whose schema is missing or out of date is refused with a
+/// sentence saying to run `rfaas-manager migrate`; a SQLite file that
+/// does not exist is not created.
 pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
+    let pool = connect(url, max_connections, false).await?;
+    crate::schema::check_current(&mut *pool.acquire().await?).await?;
+    Ok(pool)
+}
+
+/// Opens a pool on `url` and brings the schema of every owner of tables
+/// up to date ([`crate::schema`]): the manager's, and only the manager's.
+///
+/// SQLite files are created if missing, readable by their owner only.
+/// Processes starting together on PostgreSQL take an advisory lock around
+/// the migrations, so exactly one applies each step.
+pub async fn open_and_migrate(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
+    let pool = connect(url, max_connections, true).await?;
+    crate::schema::migrate(&mut *pool.acquire().await?, Backend::of(url)).await?;
+    Ok(pool)
+}
+
+/// The file a `sqlite:` URL names (`None` for other URLs and in-memory
+/// databases).
+pub fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+    let rest = url.strip_prefix("sqlite:")?;
+    let rest = rest.strip_prefix("//").unwrap_or(rest);
+    let path = rest.split('?').next().unwrap_or(rest);
+    (!path.is_empty() && !path.starts_with(":memory:")).then(|| path.into())
+}
+
+/// Creates the SQLite file `file` empty with mode 0600 if it is missing,
+/// so SQLite, which gives its log files the database's mode, never makes
+/// any of them readable by others.
+fn create_private(file: &std::path::Path) -> Result<(), DbError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(file)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(DbError::Other(format!(
+            "cannot create the database file {}: {e}; check that its directory exists and is writable",
+            file.display()
+        ))),
+    }
+}
+
+async fn connect(url: &str, max_connections: u32, create: bool) -> Result<AnyPool, DbError> {
     sqlx::any::install_default_drivers();
     let backend = Backend::of(url);
     let url = match backend {
         Backend::Sqlite if !url.contains("mode=") => {
+            if let Some(file) = sqlite_file(url) {
+                if create {
+                    create_private(&file)?;
+                } else if !file.exists() {
+                    return Err(DbError::Other(format!(
+                        "the database file {} does not exist; start rfaas-manager (or run `rfaas-manager migrate`) on it first, or check the URL",
+                        file.display()
+                    )));
+                }
+            }
             let sep = if url.contains('?') { '&' } else { '?' };
-            format!("{url}{sep}mode=rwc")
+            format!("{url}{sep}mode={}", if create { "rwc" } else { "rw" })
         }
         _ => url.to_owned(),
     };
@@ -233,13 +346,13 @@ pub async fn open(url: &str, max_connections: u32) -> Result<AnyPool, DbError> {
         })
         .connect(&url)
         .await?;
-    if backend == Backend::Sqlite {
-        // Recorded in the file: every connection, of every replica, uses it.
+    if backend == Backend::Sqlite && create {
+        // Recorded in the file: every connection, of every replica and of
+        // every process that only opens it, uses it.
         sqlx::query("PRAGMA journal_mode = WAL")
             .fetch_all(&pool)
             .await?;
     }
-    crate::schema::migrate(&mut *pool.acquire().await?, backend).await?;
     Ok(pool)
 }
 
@@ -299,30 +412,79 @@ mod tests {
         let conf = ConfigDir::from_parts(Some(&dir), None);
         let pg = "postgres://rfaas@db:5432/rfaas";
         // No file: as it is.
-        assert_eq!(with_password_file(pg, &conf).unwrap(), pg);
+        assert_eq!(with_password_file(pg, None, &conf).unwrap(), pg);
         let file = dir.join(DATABASE_PASSWORD);
         std::fs::write(&file, "p@ss:w/rd\nignored\n").unwrap();
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
         // Percent-encoded into the URL.
         assert_eq!(
-            with_password_file(pg, &conf).unwrap(),
+            with_password_file(pg, None, &conf).unwrap(),
             "postgres://rfaas:p%40ss%3Aw%2Frd@db:5432/rfaas"
         );
         // A URL with its own password, and SQLite, are left alone.
         let own = "postgres://rfaas:mine@db/rfaas";
-        assert_eq!(with_password_file(own, &conf).unwrap(), own);
+        assert_eq!(with_password_file(own, None, &conf).unwrap(), own);
         let lite = "sqlite:///var/lib/rfaas/manager.db";
-        assert_eq!(with_password_file(lite, &conf).unwrap(), lite);
+        assert_eq!(with_password_file(lite, None, &conf).unwrap(), lite);
         // Others may read it: refused, naming the file and the directory.
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
-        let err = with_password_file(pg, &conf).unwrap_err();
+        let err = with_password_file(pg, None, &conf).unwrap_err();
         assert!(err.contains("has mode 0640"), "{err}");
         assert!(err.contains("was set by --config-dir"), "{err}");
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::fs::write(&file, "\n").unwrap();
-        let err = with_password_file(pg, &conf).unwrap_err();
+        let err = with_password_file(pg, None, &conf).unwrap_err();
         assert!(err.contains("is empty"), "{err}");
+        // A file named in the configuration, instead of the directory's.
+        let own_file = dir.join("manager.password");
+        std::fs::write(&own_file, "other\n").unwrap();
+        std::fs::set_permissions(&own_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = with_password_file(pg, Some(&own_file), &conf).unwrap_err();
+        assert!(
+            err.contains("chmod 600") && err.contains("database_password_file"),
+            "{err}"
+        );
+        std::fs::set_permissions(&own_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(
+            with_password_file(pg, Some(&own_file), &conf).unwrap(),
+            "postgres://rfaas:other@db:5432/rfaas"
+        );
+        let err = with_password_file(own, Some(&own_file), &conf).unwrap_err();
+        assert!(err.contains("keep the password in the file only"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn passwords_stay_out_of_messages_and_command_lines() {
+        assert_eq!(
+            redact("postgres://rfaas:s3cret@db:5432/rfaas"),
+            "postgres://rfaas:***@db:5432/rfaas"
+        );
+        assert_eq!(
+            redact("postgres://rfaas@db/rfaas"),
+            "postgres://rfaas@db/rfaas"
+        );
+        assert_eq!(
+            redact("sqlite:///var/lib/a@b.db"),
+            "sqlite:///var/lib/a@b.db"
+        );
+        let err = refuse_password_in_argument("postgres://rfaas:s3cret@db/rfaas", "--database")
+            .unwrap_err();
+        assert!(
+            !err.contains("s3cret") && err.contains("--database"),
+            "{err}"
+        );
+        refuse_password_in_argument("postgres://rfaas@db/rfaas", "--database").unwrap();
+        refuse_password_in_argument("sqlite:///var/lib/rfaas/manager.db", "--database").unwrap();
+    }
+
+    #[test]
+    fn sqlite_urls_name_their_file() {
+        assert_eq!(sqlite_file("sqlite:///var/x.db"), Some("/var/x.db".into()));
+        assert_eq!(sqlite_file("sqlite://x.db?mode=ro"), Some("x.db".into()));
+        assert_eq!(sqlite_file("sqlite:x.db"), Some("x.db".into()));
+        assert_eq!(sqlite_file("sqlite::memory:"), None);
+        assert_eq!(sqlite_file("postgres://h/db"), None);
     }
 
     /// Commits stay in the log until the checkpoints task copies them into
@@ -334,7 +496,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("m.db");
         let url = format!("sqlite://{}", file.display());
-        let pool = open(&url, 1).await.unwrap();
+        let pool = open_and_migrate(&url, 1).await.unwrap();
         sqlx::query("CREATE TABLE filler (v TEXT NOT NULL)")
             .execute(&pool)
             .await

@@ -7,12 +7,15 @@
 //!
 //! # Layout
 //!
-//! - [`db`]: the pool on either database through sqlx's `Any` driver,
-//!   failures classified by what a caller can do ([`db::DbError`]),
-//!   conflict retries, SQLite checkpoints, column helpers, the database
-//!   password file.
+//! - [`db`]: the pool on either database through sqlx's `Any` driver
+//!   ([`db::open_and_migrate`] for the manager, [`db::open`], which only
+//!   checks the schema, for everyone else), failures classified by what a
+//!   caller can do ([`db::DbError`]), conflict retries, SQLite
+//!   checkpoints, column helpers, the database password file and keeping
+//!   passwords off command lines and out of messages.
 //! - [`schema`]: the migrations (`migrations/<owner>/NNNN_*.sql`), one
-//!   owner per table, and the runner [`db::open`] calls.
+//!   owner per table, their runner and check, and the PostgreSQL roles
+//!   of each component with their grants ([`schema::roles_sql`]).
 //! - [`budgets`]: the one write path of the `budgets` table.
 //! - [`config`]: loading a program's TOML file, its errors, and logging.
 //! - [`credentials`]: credential hashing and the node-credential check the
@@ -20,6 +23,8 @@
 //!   private files.
 //! - [`limits`]: the descriptor limit daemons raise at start.
 //! - [`table`]: the plain-text tables `rfaasctl` and `rfaas-billing` print.
+//! - [`usage`]: usage per lease over a period, which reports price: read
+//!   by `rfaas-billing` and by the manager's `GET /v1/usage`.
 //! - [`now_ms`], [`now_s`]: the clocks stored times are in.
 
 pub mod budgets;
@@ -29,6 +34,7 @@ pub mod db;
 pub mod limits;
 pub mod schema;
 pub mod table;
+pub mod usage;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

@@ -6,10 +6,15 @@
 //! writes (nodes, leases, accounts, credentials, budgets), the accounting
 //! service's what it writes (accounting instances, billing slots, usage,
 //! snapshots, spend). Each process reads the other's tables (a grant takes
-//! a billing slot, a flush reads the lease), so [`crate::db::open`] brings
-//! every owner's schema up to date, whichever process starts first; on
-//! PostgreSQL under an advisory lock, so processes starting together apply
-//! each step exactly once.
+//! a billing slot, a flush reads the lease), but only the manager changes
+//! the schema: [`crate::db::open_and_migrate`] (`rfaas-manager migrate`,
+//! and every manager at start) brings every owner's schema up to date, on
+//! PostgreSQL under an advisory lock, so replicas starting together apply
+//! each step exactly once. The accounting service and `rfaas-billing` open
+//! the database with [`crate::db::open`], which only checks that the
+//! schema is the one they know ([`check_current`]) and otherwise refuses,
+//! saying to run `rfaas-manager migrate`: their database roles need no
+//! right to create or alter tables (docs/manager.md, "Database roles").
 //!
 //! A file runs whole, in one transaction, as the database parses it (no
 //! splitting on `;`). Never edit a file that has shipped: add the next
@@ -55,6 +60,18 @@ pub struct Owner {
     pub migrations: &'static [Migration],
 }
 
+impl Owner {
+    /// The tables its files create, each with the file that does.
+    pub fn tables(&self) -> impl Iterator<Item = (&'static str, &'static Migration)> {
+        self.migrations.iter().flat_map(|m| {
+            m.sql
+                .split("CREATE TABLE ")
+                .skip(1)
+                .map(move |w| (w.split_whitespace().next().unwrap_or_default(), m))
+        })
+    }
+}
+
 macro_rules! migrations {
     ($owner:literal: $($version:literal $file:literal),* $(,)?) => {
         Owner {
@@ -86,6 +103,116 @@ pub const ACCOUNTING: Owner = migrations!("accounting":
 /// Every owner, in the order their migrations run.
 pub const OWNERS: &[Owner] = &[MANAGER, ACCOUNTING];
 
+/// What each database role may do on PostgreSQL, table by table: the
+/// manager owns every table (it migrates them); the accounting service
+/// writes its own tables and reads what a flush and a hello check need;
+/// reports read usage, leases and budgets. A table not listed for a role
+/// is closed to it.
+pub const GRANTS: &[(&str, &str, &str)] = &[
+    // (table, the accounting service's privileges, reports')
+    ("rfaas_migrations", "SELECT", "SELECT"),
+    ("leases", "SELECT", "SELECT"),
+    ("credentials", "SELECT", ""),
+    ("accounting_instances", "SELECT, INSERT, UPDATE, DELETE", ""),
+    ("billing_slots", "SELECT, INSERT, UPDATE, DELETE", ""),
+    ("usage", "SELECT, INSERT, UPDATE, DELETE", "SELECT"),
+    (
+        "usage_snapshots",
+        "SELECT, INSERT, UPDATE, DELETE",
+        "SELECT",
+    ),
+    ("account_spend", "SELECT, INSERT, UPDATE, DELETE", "SELECT"),
+    ("budgets", "", "SELECT"),
+];
+
+/// The names of the three database roles.
+#[derive(Debug, Clone)]
+pub struct Roles {
+    /// The manager's: owns the schema.
+    pub manager: String,
+    /// The accounting service's.
+    pub accounting: String,
+    /// `rfaas-billing`'s reports.
+    pub report: String,
+}
+
+impl Default for Roles {
+    fn default() -> Roles {
+        Roles {
+            manager: "rfaas_manager".into(),
+            accounting: "rfaas_accounting".into(),
+            report: "rfaas_report".into(),
+        }
+    }
+}
+
+/// The PostgreSQL script that creates the three roles (without
+/// passwords: set them with `ALTER ROLE ... PASSWORD` or psql's
+/// `\password`) and gives each what it needs on the current database:
+/// the manager the schema and every table, the others [`GRANTS`].
+/// Idempotent; run by a superuser or the database's owner, before the
+/// first `rfaas-manager migrate` and again after any (tables a migration
+/// adds get their grants from it).
+pub fn roles_sql(roles: &Roles) -> Result<String, String> {
+    for name in [&roles.manager, &roles.accounting, &roles.report] {
+        let ok = !name.is_empty()
+            && name.len() <= 63
+            && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !ok {
+            return Err(format!(
+                "the role name {name:?} is not a plain PostgreSQL name; use 1 to 63 lower-case letters, digits or '_', not starting with a digit"
+            ));
+        }
+    }
+    let Roles {
+        manager,
+        accounting,
+        report,
+    } = roles;
+    let mut sql = format!(
+        "-- rfaas database roles: {manager} owns the schema and migrates it,\n\
+         -- {accounting} is the accounting service's, {report} reports'.\n\
+         -- Run as a superuser or the database's owner, before the first\n\
+         -- `rfaas-manager migrate` and after every one. Set passwords apart:\n\
+         -- ALTER ROLE name PASSWORD '...' (or psql's \\password name).\n\
+         DO $rfaas$\nDECLARE r text;\nBEGIN\n\
+         \x20 FOREACH r IN ARRAY ARRAY['{manager}', '{accounting}', '{report}'] LOOP\n\
+         \x20   IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = r) THEN\n\
+         \x20     EXECUTE format('CREATE ROLE %I LOGIN', r);\n\
+         \x20   END IF;\n\
+         \x20   EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), r);\n\
+         \x20 END LOOP;\n\
+         END\n$rfaas$;\n\
+         REVOKE CREATE ON SCHEMA public FROM PUBLIC;\n\
+         GRANT USAGE, CREATE ON SCHEMA public TO {manager};\n\
+         GRANT USAGE ON SCHEMA public TO {accounting}, {report};\n\
+         -- Tables made before (by another role) pass to {manager}; each\n\
+         -- existing table gets the others' grants.\n\
+         DO $rfaas$\nBEGIN\n"
+    );
+    let tables = OWNERS.iter().flat_map(|o| o.tables().map(|(t, _)| t));
+    for table in std::iter::once("rfaas_migrations").chain(tables) {
+        let (acct, rep) = GRANTS
+            .iter()
+            .find(|g| g.0 == table)
+            .map_or(("", ""), |g| (g.1, g.2));
+        sql.push_str(&format!(
+            "  IF to_regclass('public.{table}') IS NOT NULL THEN\n    ALTER TABLE public.{table} OWNER TO {manager};\n    REVOKE ALL ON public.{table} FROM PUBLIC, {accounting}, {report};\n"
+        ));
+        for (role, privs) in [(accounting, acct), (report, rep)] {
+            if !privs.is_empty() {
+                sql.push_str(&format!("    GRANT {privs} ON public.{table} TO {role};\n"));
+            }
+        }
+        sql.push_str("  END IF;\n");
+    }
+    sql.push_str("END\n$rfaas$;\n");
+    Ok(sql)
+}
+
 /// PostgreSQL's advisory lock key around the migrations.
 const LOCK_KEY: i64 = 7_300_001;
 
@@ -105,6 +232,45 @@ pub(crate) async fn migrate(conn: &mut AnyConnection, backend: Backend) -> Resul
             .await?;
     }
     result
+}
+
+/// Refuses a database whose schema is not the one this release knows:
+/// a step missing (the manager has not migrated it yet) or one unknown (a
+/// newer release migrated it). Reads only.
+pub(crate) async fn check_current(conn: &mut AnyConnection) -> Result<(), DbError> {
+    let all = match applied(conn).await {
+        Ok(all) => all,
+        // No rfaas_migrations: a database no manager has opened.
+        Err(DbError::Other(why)) => {
+            return Err(DbError::Other(format!(
+                "the database has no rfaas schema ({why}); run `rfaas-manager migrate` (or start rfaas-manager) on it first"
+            )))
+        }
+        Err(e) => return Err(e),
+    };
+    for owner in OWNERS {
+        let latest = owner.migrations.len() as i64;
+        let mut done: Vec<i64> = all
+            .iter()
+            .filter(|(o, _)| o == owner.name)
+            .map(|(_, v)| *v)
+            .collect();
+        done.sort_unstable();
+        if let Some(unknown) = done.iter().find(|v| **v > latest) {
+            return Err(DbError::Other(format!(
+                "the database has {} schema step {unknown}, which this rfaas does not know: it was made by a newer release; run that release or newer",
+                owner.name
+            )));
+        }
+        if done.len() as i64 != latest {
+            return Err(DbError::Other(format!(
+                "the database's {} schema is out of date ({} of {latest} steps applied); run `rfaas-manager migrate` with this release, then start this again",
+                owner.name,
+                done.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 async fn apply_all(conn: &mut AnyConnection, backend: Backend) -> Result<(), DbError> {
@@ -281,19 +447,12 @@ mod tests {
     fn each_table_has_one_owner() {
         let mut created: Vec<(String, &str)> = Vec::new();
         for owner in OWNERS {
-            for m in owner.migrations {
-                for word in m.sql.split("CREATE TABLE ").skip(1) {
-                    let table = word
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or_default()
-                        .to_owned();
-                    assert!(
-                        !created.iter().any(|(t, _)| *t == table),
-                        "{table} is created twice"
-                    );
-                    created.push((table, owner.name));
-                }
+            for (table, _) in owner.tables() {
+                assert!(
+                    !created.iter().any(|(t, _)| t == table),
+                    "{table} is created twice"
+                );
+                created.push((table.to_owned(), owner.name));
             }
         }
         let owner_of = |t: &str| created.iter().find(|(n, _)| n == t).map(|(_, o)| *o);
@@ -301,5 +460,13 @@ mod tests {
         assert_eq!(owner_of("budgets"), Some("manager"));
         assert_eq!(owner_of("usage"), Some("accounting"));
         assert_eq!(owner_of("billing_slots"), Some("accounting"));
+        // Every table has its grants written down, even if none.
+        for (table, _) in &created {
+            assert!(
+                GRANTS.iter().any(|g| g.0 == table)
+                    || ["nodes", "accounts"].contains(&table.as_str()),
+                "{table} is missing from GRANTS"
+            );
+        }
     }
 }

@@ -167,7 +167,9 @@ fn a_database_of_the_former_runner_upgrades_in_place(#[case] kind: &str) {
         raw.close().await;
 
         // Opened as the manager or the accounting service would.
-        let pool = rfaas_service::db::open(&dbs.legacy, 2).await.unwrap();
+        let pool = rfaas_service::db::open_and_migrate(&dbs.legacy, 2)
+            .await
+            .unwrap();
         // Its steps became the files they were split into, with their times.
         let mut want: Vec<(String, i64, i64)> = (1..=6)
             .map(|v| ("manager".to_owned(), v, 1_700_000_000_000 + v))
@@ -184,11 +186,15 @@ fn a_database_of_the_former_runner_upgrades_in_place(#[case] kind: &str) {
         assert_eq!(spent, 0.25);
         pool.close().await;
         // Opening again changes nothing.
-        let pool = rfaas_service::db::open(&dbs.legacy, 2).await.unwrap();
+        let pool = rfaas_service::db::open_and_migrate(&dbs.legacy, 2)
+            .await
+            .unwrap();
         assert_eq!(steps(&pool).await, want);
 
         // The same tables and columns as a database the files made.
-        let fresh = rfaas_service::db::open(&dbs.fresh, 2).await.unwrap();
+        let fresh = rfaas_service::db::open_and_migrate(&dbs.fresh, 2)
+            .await
+            .unwrap();
         let strip = |s: Vec<(String, Vec<String>, i64)>| -> Vec<(String, Vec<String>)> {
             s.into_iter().map(|(t, c, _)| (t, c)).collect()
         };

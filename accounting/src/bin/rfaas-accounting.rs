@@ -25,7 +25,9 @@ struct Args {
     #[arg(long)]
     name: Option<String>,
     /// The database: sqlite:///path/file.db or postgres://user@host:port/db
-    /// (overrides `database`).
+    /// (overrides `database`). A password here is refused: every user of
+    /// the host reads command lines; it comes from
+    /// `database_password_file`.
     #[arg(long)]
     database: Option<String>,
     /// The counter region's file (overrides `region_file`).
@@ -60,6 +62,10 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     config::init_logging(args.verbose);
+    if let Some(url) = &args.database {
+        rfaas_service::db::refuse_password_in_argument(url, "--database")
+            .map_err(anyhow::Error::msg)?;
+    }
     let dir = ConfigDir::resolve(args.config_dir.as_deref());
     let mut file: FileConfig =
         config::load_or_default(args.config.as_deref(), &dir, ACCOUNTING_TOML)?;

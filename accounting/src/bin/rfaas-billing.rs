@@ -8,7 +8,9 @@ use clap::{Parser, Subcommand};
 use rfaas_accounting::config::{FileConfig as AccountingFile, ManagerDatabase};
 use rfaas_accounting::rates::{self, BillingConfig};
 use rfaas_accounting::report::format::{self, Output, Sheet, MONEY_DECIMALS};
-use rfaas_accounting::report::{budgets, group, query, time, BillingError, Filters, Key, Period};
+use rfaas_accounting::report::{
+    api, budgets, group, query, time, BillingError, Filters, Key, Period,
+};
 use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML, BILLING_TOML, MANAGER_TOML};
 use rfaas_service::{config, db};
 use serde_json::{json, Map};
@@ -24,7 +26,13 @@ use serde_json::{json, Map};
 ///
 /// Exit status: 0 done, 1 a query failed, 2 a wrong command line (a time,
 /// a field, an amount), 3 a bad configuration, 4 an unknown user, account
-/// or job, 5 the database cannot be reached.
+/// or job, 5 the database or the manager cannot be reached, 6 the manager
+/// refused the credential.
+///
+/// Reports ask the manager (GET /v1/usage) with the caller's credential,
+/// which sees the usage of the caller's own leases and of the accounts
+/// they belong to (the admin token: everyone's); admins may read the
+/// database instead with --database.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -54,12 +62,25 @@ struct Args {
     /// keys, then AllocGiBSec to Cost without Leases and WarmSec.
     #[arg(long, short = 'o', value_name = "FIELDS")]
     format: Option<String>,
-    /// The database: sqlite:///path/file.db or postgres://user@host/db.
-    /// Default: `database` in the billing configuration, else the
-    /// accounting service's (accounting.toml), else the manager's
-    /// (manager.toml), both in the configuration directory.
-    #[arg(long, value_name = "URL", global = true)]
+    /// Report from the database instead of the manager (admins): this
+    /// URL, or without one `database` in the billing configuration, else
+    /// the accounting service's (accounting.toml), else the manager's
+    /// (manager.toml), both in the configuration directory. Without a
+    /// password (refused here, where every user of the host could read
+    /// it): the password comes from `database_password_file` in the
+    /// billing configuration, else database.password in the configuration
+    /// directory. Budget commands always use the database.
+    #[arg(long, value_name = "URL", global = true, num_args = 0..=1, default_missing_value = "")]
     database: Option<String>,
+    /// The managers to ask for usage (comma list of http://host:port)
+    /// [env: RFAAS_MANAGERS] [default: http://127.0.0.1:7300].
+    #[arg(long, value_name = "URLS", value_delimiter = ',')]
+    manager: Vec<String>,
+    /// The file holding the credential to ask the manager with: a user
+    /// credential (`rfaasctl credential user`), or the admin token's file
+    /// for every user's usage [default: RFAAS_CREDENTIAL's value].
+    #[arg(long, value_name = "FILE")]
+    credential_file: Option<PathBuf>,
     /// The billing configuration (currency, rates, budgets) [default:
     /// billing.toml in the configuration directory].
     #[arg(long, value_name = "FILE", global = true)]
@@ -189,15 +210,54 @@ impl Args {
     /// accounting service's, else the manager's; with the password of
     /// `database.password` when it names none.
     fn database(&self, billing: Option<&BillingConfig>) -> Result<String, BillingError> {
-        let url = match self
-            .database
-            .clone()
-            .or_else(|| billing.and_then(|b| b.database.clone()))
-        {
+        let given = self.database.clone().filter(|url| !url.is_empty());
+        if let Some(url) = &given {
+            db::refuse_password_in_argument(url, "--database").map_err(BillingError::Usage)?;
+        }
+        let url = match given.or_else(|| billing.and_then(|b| b.database.clone())) {
             Some(url) => url,
             None => self.configured_database()?,
         };
-        db::with_password_file(&url, &self.config_dir()).map_err(BillingError::ManagerConfig)
+        let file = billing.and_then(|b| b.database_password_file.as_deref());
+        db::with_password_file(&url, file, &self.config_dir()).map_err(BillingError::ManagerConfig)
+    }
+
+    /// The managers to ask, and the credential to ask with.
+    fn manager_and_credential(&self) -> Result<(Vec<String>, String), BillingError> {
+        let urls = if self.manager.is_empty() {
+            std::env::var("RFAAS_MANAGERS")
+                .unwrap_or_else(|_| "http://127.0.0.1:7300".into())
+                .split(',')
+                .map(str::to_owned)
+                .collect()
+        } else {
+            self.manager.clone()
+        };
+        let token = match &self.credential_file {
+            Some(file) => {
+                rfaas_service::credentials::check_private_file(file, "the credential file")
+                    .map_err(BillingError::Usage)?;
+                std::fs::read_to_string(file)
+                    .map_err(|e| {
+                        BillingError::Usage(format!(
+                            "cannot read the credential file {}: {e}",
+                            file.display()
+                        ))
+                    })?
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_owned()
+            }
+            None => std::env::var("RFAAS_CREDENTIAL").unwrap_or_default(),
+        };
+        if token.is_empty() {
+            return Err(BillingError::Usage(
+                "no credential to ask the manager with: give --credential-file FILE or set RFAAS_CREDENTIAL (admins may report from the database with --database)".into(),
+            ));
+        }
+        Ok((urls, token))
     }
 
     /// The accounting service's database, else the manager's.
@@ -254,10 +314,20 @@ async fn report(args: &Args) -> Result<String, BillingError> {
         accounts: args.account.clone(),
         jobs: args.jobs.clone(),
     };
-    let pool = query::connect(&args.database(Some(&billing))?).await?;
-    query::check_known(&pool, &filters).await?;
     let period = Period { start_ms, end_ms };
-    let leases = query::lease_usage(&pool, period, &filters, now_ms).await?;
+    let leases = if args.database.is_some() {
+        let pool = query::connect(&args.database(Some(&billing))?).await?;
+        query::check_known(&pool, &filters).await?;
+        query::lease_usage(&pool, period, &filters, now_ms).await?
+    } else {
+        let (urls, token) = args.manager_and_credential()?;
+        let to_now = args.endtime.is_none();
+        tokio::task::spawn_blocking(move || {
+            api::lease_usage(&urls, &token, period, to_now, &filters)
+        })
+        .await
+        .map_err(|e| BillingError::Database(e.to_string()))??
+    };
     let rows = group(&leases, &by, &billing.rates);
     let by_names: Vec<&str> = by.iter().map(|k| k.name()).collect();
     let title = format!(

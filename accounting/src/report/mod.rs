@@ -14,12 +14,15 @@
 //! rows.
 //!
 //! - [`time`]: the times of the command line, local as in `sacct`.
-//! - [`query`]: the database: connecting, the leases' usage in a period,
+//! - [`api`]: the manager's `GET /v1/usage`, with the caller's credential:
+//!   the default source of reports.
+//! - [`query`]: the database (admins): connecting, the leases' usage in a period,
 //!   the names a filter may give.
 //! - [`format`]: the fields of `--format` and the table, `--parsable2`,
 //!   CSV and JSON outputs.
 //! - [`budgets`]: `rfaas-billing budget`: budgets, spend and what remains.
 
+pub mod api;
 pub mod budgets;
 pub mod format;
 pub mod query;
@@ -59,19 +62,27 @@ pub enum BillingError {
     /// A query failed.
     #[error("database error: {0}")]
     Database(String),
+    /// No manager could be reached: each URL tried, and why.
+    #[error("no manager answered; tried {0}. Check --manager (or RFAAS_MANAGERS) and that rfaas-manager runs there")]
+    NoManager(String),
+    /// The manager refused the credential.
+    #[error("{0}; give your credential with --credential-file FILE or RFAAS_CREDENTIAL (an admin: the admin token's file)")]
+    Refused(String),
 }
 
 impl BillingError {
     /// The process's exit status for this error: 1 a failed query, 2 a
     /// wrong command line, 3 a bad configuration, 4 an unknown user,
-    /// account or job, 5 an unreachable database.
+    /// account or job, 5 an unreachable database or manager, 6 a credential
+    /// the manager refused.
     pub fn exit_code(&self) -> u8 {
         match self {
             BillingError::Database(_) => 1,
             BillingError::Usage(_) => 2,
             BillingError::Config(_) | BillingError::ManagerConfig(_) => 3,
             BillingError::Unknown(_) => 4,
-            BillingError::Unreachable { .. } => 5,
+            BillingError::Unreachable { .. } | BillingError::NoManager(_) => 5,
+            BillingError::Refused(_) => 6,
         }
     }
 }
@@ -140,44 +151,7 @@ impl Key {
     }
 }
 
-/// Which leases count (`-u`, `-A`, `-j`); an empty list lets any through.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Filters {
-    /// Users.
-    pub users: Vec<String>,
-    /// Accounts.
-    pub accounts: Vec<String>,
-    /// Job ids.
-    pub jobs: Vec<u64>,
-}
-
-/// The period `[start_ms, end_ms)`, Unix ms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Period {
-    /// Its start.
-    pub start_ms: u64,
-    /// Its end, excluded.
-    pub end_ms: u64,
-}
-
-/// One lease's usage in a period.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseUsage {
-    /// The lease.
-    pub lease: u64,
-    /// Its user.
-    pub user: String,
-    /// Its account.
-    pub account: String,
-    /// Its batch job, if any.
-    pub job: Option<u64>,
-    /// Its node.
-    pub node: String,
-    /// Whether its node was harvested capacity.
-    pub harvested: bool,
-    /// The usage.
-    pub usage: UsageFigures,
-}
+pub use rfaas_service::usage::{Filters, LeaseUsage, Period};
 
 /// One row of a report: the totals of the leases that share its keys.
 /// The descriptive fields are set only where the grouping fixes them

@@ -12,6 +12,7 @@
 //! - [`credentials`]: node and user credentials.
 //! - [`jobs`]: Slurm jobs' credentials and ends.
 //! - [`budgets`]: accounts' budgets.
+//! - [`usage`]: usage per lease over a period, for reports.
 //! - [`check`]: checks of fields several resources share.
 
 mod budgets;
@@ -21,6 +22,7 @@ pub mod extract;
 mod jobs;
 mod leases;
 mod nodes;
+mod usage;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,11 +33,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
-use rfaas_proto::accounting::BillingSlot;
+use rfaas_proto::accounting::{BillingSlot, UsageFigures};
 use rfaas_proto::manager::{
     ApiError as ErrorBody, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply,
-    JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseView, NodeLease,
-    NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role, SetBudget,
+    JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseUsage, LeaseView,
+    NodeLease, NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role,
+    SetBudget,
 };
 use utoipa::OpenApi;
 
@@ -69,13 +72,14 @@ const REFUSALS: RefusalTable = &[("healthz", &[Kind::DatabaseUnavailable])];
         credentials::create_credential, credentials::list_credentials,
         credentials::revoke_credential,
         jobs::job_credential, jobs::end_job,
-        budgets::list_budgets, budgets::set_budget, budgets::clear_budget, healthz
+        budgets::list_budgets, budgets::set_budget, budgets::clear_budget,
+        usage::list_usage, healthz
     ),
     components(schemas(
         ErrorBody, RegisterNode, Registered, Heartbeat, HeartbeatReply, NodeView, NodeState,
         NodeProvider, LeaseRequest, LeaseGrant, NodeLease, BillingSlot, RenewRequest, LeaseView,
         LeaseState, CredentialRequest, Credential, Role, SetBudget, BudgetView,
-        JobCredentialRequest, JobEnded
+        JobCredentialRequest, JobEnded, LeaseUsage, UsageFigures
     )),
     modifiers(&BearerAuth, &ALL_REFUSALS),
     security(("bearer" = []))
@@ -89,6 +93,7 @@ const ALL_REFUSALS: Refusals = Refusals(&[
     credentials::REFUSALS,
     jobs::REFUSALS,
     budgets::REFUSALS,
+    usage::REFUSALS,
     REFUSALS,
 ]);
 
@@ -136,6 +141,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/jobs/:job_id/credential", post(jobs::job_credential))
         .route("/v1/jobs/:job_id/end", post(jobs::end_job))
         .route("/v1/budgets", get(budgets::list_budgets))
+        .route("/v1/usage", get(usage::list_usage))
         .route(
             "/v1/budgets/:account",
             put(budgets::set_budget).delete(budgets::clear_budget),

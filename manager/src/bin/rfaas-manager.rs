@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use rfaas_manager::config::FileConfig;
 use rfaas_proto::files::{ConfigDir, MANAGER_TOML};
 use rfaas_service::config;
@@ -25,7 +25,9 @@ struct Args {
     #[arg(long)]
     listen: Option<String>,
     /// The database: sqlite:///path/file.db or postgres://user@host:port/db
-    /// (overrides `database`).
+    /// (overrides `database`). A password here is refused: every user of
+    /// the host reads command lines; it comes from
+    /// `database_password_file`.
     #[arg(long)]
     database: Option<String>,
     /// The admin token's file (overrides `admin_token_file`).
@@ -35,13 +37,59 @@ struct Args {
     #[arg(long)]
     lease_key_file: Option<PathBuf>,
     /// Log more (-v: debug).
-    #[arg(long, short, action = clap::ArgAction::Count)]
+    #[arg(long, short, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Bring the database's schema up to date and exit (a replica does it
+    /// at start too). The accounting service and rfaas-billing never
+    /// migrate: they refuse a schema this does not leave current.
+    Migrate,
+    /// Print the PostgreSQL script that creates the manager's, the
+    /// accounting service's and reports' database roles and grants each
+    /// what it needs; run it with psql as a superuser before the first
+    /// migrate and after each.
+    DbRoles {
+        /// The manager's role: owns and migrates the schema.
+        #[arg(long, default_value = "rfaas_manager")]
+        manager_role: String,
+        /// The accounting service's role.
+        #[arg(long, default_value = "rfaas_accounting")]
+        accounting_role: String,
+        /// rfaas-billing's role for reports.
+        #[arg(long, default_value = "rfaas_report")]
+        report_role: String,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     config::init_logging(args.verbose);
+    if let Some(Command::DbRoles {
+        manager_role,
+        accounting_role,
+        report_role,
+    }) = &args.command
+    {
+        let roles = rfaas_service::schema::Roles {
+            manager: manager_role.clone(),
+            accounting: accounting_role.clone(),
+            report: report_role.clone(),
+        };
+        print!(
+            "{}",
+            rfaas_service::schema::roles_sql(&roles).map_err(anyhow::Error::msg)?
+        );
+        return Ok(());
+    }
+    if let Some(url) = &args.database {
+        rfaas_service::db::refuse_password_in_argument(url, "--database")
+            .map_err(anyhow::Error::msg)?;
+    }
     let dir = ConfigDir::resolve(args.config_dir.as_deref());
     let mut file: FileConfig = config::load_or_default(args.config.as_deref(), &dir, MANAGER_TOML)?;
     if args.listen.is_some() {
@@ -60,6 +108,9 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    if let Some(Command::Migrate) = args.command {
+        return runtime.block_on(rfaas_manager::migrate(&settings));
+    }
     runtime.block_on(async {
         let running = rfaas_manager::start(settings).await?;
         // The line tests and scripts wait for.

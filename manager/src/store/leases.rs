@@ -258,6 +258,18 @@ impl Store {
         .collect()
     }
 
+    /// The accounts any lease of `user` was charged to: those the user
+    /// belongs to, as far as the manager knows.
+    pub async fn accounts_of(&self, user: &str) -> Result<Vec<String>, DbError> {
+        sqlx::query("SELECT DISTINCT account FROM leases WHERE user_name = $1")
+            .bind(user)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| text_col(r, "account"))
+            .collect()
+    }
+
     /// Leases, newest first: active ones only unless `all`, of `owner`
     /// only if given, at most `limit`.
     pub async fn leases(
