@@ -28,6 +28,8 @@
 //!   finished command's output for an assertion's message.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
 //!   `scripts/slurm-cluster.sh`), and its clients (srun, sbatch, ...).
+//! - [`tls`]: a throwaway CA per test run (`scripts/lib.sh`'s
+//!   `make_test_ca`), whose certificate every test manager serves.
 //! - [`wait`]: waiting for an event (a condition polled until it holds,
 //!   a thread asleep in the kernel) instead of sleeping for a guessed time.
 //! - [`on_both!`]: one test per database (SQLite and PostgreSQL).
@@ -42,6 +44,7 @@ pub mod postgres;
 pub mod process;
 pub mod prometheus;
 pub mod slurm;
+pub mod tls;
 pub mod wait;
 
 use std::path::{Path, PathBuf};

@@ -289,9 +289,16 @@ impl BillingConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ManagerConfig {
-    /// Base URLs of the manager replicas (`http://host:port`), tried in
-    /// turn.
+    /// Base URLs of the manager replicas (`https://host:port`; plain
+    /// `http://` only to loopback, or with `allow_http`), tried in turn.
     pub urls: Vec<String>,
+    /// Trust only the CAs in this PEM file for the managers' certificates
+    /// (default: `RFAAS_CA_FILE` if set, else the system's roots).
+    pub ca_file: Option<PathBuf>,
+    /// Allow plain `http://` managers that are not on loopback: the node
+    /// credential then crosses the network in clear (default false).
+    #[serde(default)]
+    pub allow_http: bool,
     /// The node's credential (minted by `rfaasctl credential node NAME`),
     /// in a file only its owner may read.
     pub credential_file: Option<PathBuf>,
@@ -313,6 +320,8 @@ pub struct ManagerConfig {
 pub struct ManagerSettings {
     /// Manager base URLs, without a trailing slash.
     pub urls: Vec<String>,
+    /// The CA file the managers' certificates are checked with.
+    pub ca_file: Option<PathBuf>,
     /// The node credential's file.
     pub credential_file: PathBuf,
     /// The advertised control address, when set.
@@ -338,23 +347,23 @@ impl ManagerConfig {
                 "name at least one manager, such as \"http://manager1:7000\"",
             ));
         }
+        let plain = if self.allow_http {
+            rfaas_tls::PlainHttp::Allowed
+        } else {
+            rfaas_tls::PlainHttp::LoopbackOnly
+        };
         let mut urls = Vec::with_capacity(self.urls.len());
         for url in &self.urls {
-            let rest = url.strip_prefix("http://").ok_or_else(|| {
-                invalid(
-                    "manager.urls",
-                    url,
-                    "use http://host:port (TLS belongs to a proxy in front of the manager)",
-                )
-            })?;
-            if rest.trim_end_matches('/').is_empty() || rest.contains(char::is_whitespace) {
-                return Err(invalid(
-                    "manager.urls",
-                    url,
-                    "name a host, as in http://host:port",
-                ));
-            }
-            urls.push(url.trim_end_matches('/').to_owned());
+            let checked = rfaas_tls::manager_url(url, plain)
+                .map_err(|e| invalid("manager.urls", url, &e.to_string()))?;
+            urls.push(checked);
+        }
+        if let Some(ca) = &self.ca_file {
+            rfaas_tls::agent(
+                &rfaas_tls::AgentOptions::new(std::time::Duration::from_secs(1))
+                    .ca_file(Some(ca.clone())),
+            )
+            .map_err(|e| invalid("manager.ca_file", ca, &e.to_string()))?;
         }
         if let Some(a) = &self.advertise {
             if a.rsplit_once(':')
@@ -371,6 +380,7 @@ impl ManagerConfig {
         };
         Ok(ManagerSettings {
             urls,
+            ca_file: self.ca_file.clone(),
             credential_file: self
                 .credential_file
                 .clone()
