@@ -147,7 +147,14 @@ pub enum PlainHttp {
 /// anywhere, when `plain` allows it). A path, a missing host or another
 /// scheme is refused with a sentence that says what to write.
 pub fn manager_url(url: &str, plain: PlainHttp) -> Result<String, TlsError> {
-    let url = url.trim().trim_end_matches('/');
+    let url = url.trim();
+    // A trailing slash is dropped, not the ones of an empty `https://`.
+    let trimmed = url.trim_end_matches('/');
+    let url = if trimmed.contains("://") {
+        trimmed
+    } else {
+        url
+    };
     let bad = |why: &str| TlsError::Url(format!("manager URL {url:?} {why}"));
     let (scheme, rest) = url
         .split_once("://")

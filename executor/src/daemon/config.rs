@@ -1061,26 +1061,30 @@ mod tests {
     fn manager_table_checks() {
         let resolve = |t: &str| Config::parse(t).unwrap().resolve();
         assert_eq!(resolve("").unwrap().manager, None);
-        let s = resolve("[manager]\nurls = [\"http://m1:7000/\"]\n").unwrap();
+        let s = resolve("[manager]\nurls = [\"https://m1:7000/\"]\n").unwrap();
         let m = s.manager.unwrap();
-        assert_eq!(m.urls, ["http://m1:7000"], "a trailing slash is dropped");
+        assert_eq!(m.urls, ["https://m1:7000"], "a trailing slash is dropped");
         assert_eq!(m.credential_file, Path::new("/etc/rfaas/node.credential"));
         assert!(!m.harvested, "a node lends its own capacity unless told");
-        let s = resolve("[manager]\nurls = [\"http://m1:7000\"]\nharvested = true\n").unwrap();
+        let s = resolve("[manager]\nurls = [\"https://m1:7000\"]\nharvested = true\n").unwrap();
         assert!(s.manager.unwrap().harvested);
+        // Plain http: to loopback, or where the site allows it.
+        resolve("[manager]\nurls = [\"http://127.0.0.1:7000\"]\n").unwrap();
+        resolve("[manager]\nurls = [\"http://m1:7000\"]\nallow_http = true\n").unwrap();
         for (text, key) in [
             ("[manager]\nurls = []", "manager.urls"),
+            ("[manager]\nurls = [\"http://m1:7000\"]", "in clear"),
+            ("[manager]\nurls = [\"https://\"]", "a host"),
             (
-                "[manager]\nurls = [\"https://m1:7000\"]",
-                "TLS belongs to a proxy",
+                "[manager]\nurls = [\"https://m\"]\nca_file = \"/nonexistent/ca.pem\"",
+                "manager.ca_file",
             ),
-            ("[manager]\nurls = [\"http://\"]", "name a host"),
             (
-                "[manager]\nurls = [\"http://m\"]\nadvertise = \"nohost\"",
+                "[manager]\nurls = [\"https://m\"]\nadvertise = \"nohost\"",
                 "manager.advertise",
             ),
             (
-                "[manager]\nurls = [\"http://m\"]\nmax_backoff_ms = 0",
+                "[manager]\nurls = [\"https://m\"]\nmax_backoff_ms = 0",
                 "manager.max_backoff_ms",
             ),
         ] {
