@@ -28,10 +28,11 @@ BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang
 # package also creates and, under systemd, starts a `main` cluster on port
 # 5432, which the tests neither use nor touch), and python3 with venv and
 # curl (scripts/fuzz-manager-api.sh installs schemathesis into a virtualenv
-# and sets up the manager it fuzzes with curl).
+# and sets up the manager it fuzzes with curl), and openssl (make_test_ca:
+# the tests' and the demo's throwaway CA).
 # shellcheck disable=SC2034
 TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 postgresql-client-15
-    python3 python3-venv curl)
+    python3 python3-venv curl openssl)
 
 # What a loopback Slurm cluster needs (scripts/slurm-cluster.sh; the
 # slurm-spank tests start one each): munge, Slurm's daemons and clients,
@@ -147,16 +148,55 @@ stop_executord() {
     EXECUTORD_PID=""
 }
 
-# Starts rfaas-manager on loopback on SQLite, with its admin token and
+# Makes a throwaway certificate authority and one server certificate it
+# signed, for tests and demos (never for a site: its key sits next to it).
+#   make_test_ca DIR [NAME...]
+# Writes DIR/ca.pem (what clients trust: RFAAS_CA_FILE, ca_file,
+# --ca-file), DIR/ca.key, DIR/server.pem and DIR/server.key (mode 0600).
+# The server certificate names each NAME (a DNS name or an IP address);
+# without any, 127.0.0.1, ::1 and localhost.
+make_test_ca() {
+    local dir=$1
+    shift
+    [ $# -gt 0 ] || set -- 127.0.0.1 ::1 localhost
+    local san="" name
+    for name in "$@"; do
+        if [[ $name =~ ^[0-9.]+$ || $name == *:* ]]; then san+=",IP:$name"; else san+=",DNS:$name"; fi
+    done
+    san=${san#,}
+    mkdir -p "$dir"
+    (
+        umask 077
+        openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 30 \
+            -subj "/CN=rfaas test CA" -keyout "$dir/ca.key" -out "$dir/ca.pem" \
+            -addext "basicConstraints=critical,CA:TRUE" \
+            -addext "keyUsage=critical,keyCertSign,cRLSign" &&
+            openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+                -subj "/CN=localhost" -keyout "$dir/server.key" -out "$dir/server.csr" &&
+            printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' "$san" \
+                >"$dir/server.ext" &&
+            openssl x509 -req -in "$dir/server.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" \
+                -CAcreateserial -days 30 -extfile "$dir/server.ext" -out "$dir/server.pem"
+    ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; return 1; }
+    chmod 0644 "$dir/ca.pem" "$dir/server.pem"
+}
+
+# Starts rfaas-manager on loopback on SQLite, serving HTTPS with a
+# certificate of a throwaway CA (make_test_ca), with its admin token and
 # lease key in WORK_DIR/manager.
 #   start_manager BIN_DIR WORK_DIR
-# Sets MANAGER_PID, MANAGER_URL, MANAGER_DIR, and RFAASCTL (rfaasctl with
-# the manager's URL and admin token). Stop it with stop_manager (by pid).
+# Sets MANAGER_PID, MANAGER_URL (https://127.0.0.1:port), MANAGER_DIR,
+# RFAAS_CA_FILE (exported: every client of the manager started from here
+# on trusts the CA) and RFAASCTL (rfaasctl with the manager's URL and admin
+# token). Stop it with stop_manager (by pid).
 start_manager() {
     local bin=$1 work=$2
     MANAGER_DIR="$work/manager"
     mkdir -p "$MANAGER_DIR"
     chmod 0700 "$MANAGER_DIR"
+    # Outside the private MANAGER_DIR: jobs, as their users, read ca.pem.
+    make_test_ca "$work/ca" || return 1
+    export RFAAS_CA_FILE="$work/ca/ca.pem"
     head -c 32 /dev/urandom | base64 | tr -d '\n=' >"$MANAGER_DIR/admin.token"
     chmod 0600 "$MANAGER_DIR/admin.token"
     "$bin/rfaas-token" keygen --key-id manager --secret "$MANAGER_DIR/lease-key.secret" \
@@ -166,6 +206,7 @@ start_manager() {
     "$bin/rfaas-manager" --listen 127.0.0.1:0 --database "sqlite://$MANAGER_DIR/manager.db" \
         --admin-token-file "$MANAGER_DIR/admin.token" \
         --lease-key-file "$MANAGER_DIR/lease-key.secret" \
+        --tls-cert "$work/ca/server.pem" --tls-key "$work/ca/server.key" \
         </dev/null >"$MANAGER_DIR/manager.out" 2>"$MANAGER_DIR/manager.log" &
     MANAGER_PID=$!
     MANAGER_URL=""
@@ -177,8 +218,9 @@ start_manager() {
         tail -n 40 "$MANAGER_DIR/manager.log" >&2
         return 1
     fi
-    MANAGER_URL="http://$addr"
-    RFAASCTL=("$bin/rfaasctl" --manager "$MANAGER_URL" --token-file "$MANAGER_DIR/admin.token")
+    MANAGER_URL="https://$addr"
+    RFAASCTL=("$bin/rfaasctl" --manager "$MANAGER_URL" --ca-file "$RFAAS_CA_FILE"
+        --token-file "$MANAGER_DIR/admin.token")
     echo "rfaas-manager (pid $MANAGER_PID) serving $MANAGER_URL on SQLite"
 }
 
@@ -262,6 +304,7 @@ log_level = "info"
 [manager]
 urls = ["$MANAGER_URL"]
 credential_file = "$dir/node.credential"
+ca_file = "$RFAAS_CA_FILE"
 
 [billing]
 journal = "$dir/billing.jsonl"

@@ -19,7 +19,11 @@
 # password, which the URL carries
 # (postgres://postgres:PASSWORD@127.0.0.1:PORT/rfaas); over DIR's socket
 # (`psql -h DIR -p PORT -U postgres rfaas`) no password is asked, and only
-# DIR's owner and root can reach it. fsync is off: a committed transaction
+# DIR's owner and root can reach it. Its certificate for 127.0.0.1, from a
+# throwaway CA in DIR/tls (make_test_ca in scripts/lib.sh), is configured
+# with TLS off; `ALTER SYSTEM SET ssl = on` and `SELECT pg_reload_conf()`
+# turn it on, and `?sslmode=verify-full&sslrootcert=DIR/tls/ca.pem` on the
+# URL has clients check it. fsync is off: a committed transaction
 # survives a crash of the server (`kill`), not a crash of the machine.
 #
 # Run as root, the server runs as the `postgres` user and DIR is created
@@ -30,6 +34,9 @@
 set -euo pipefail
 
 PG_BINDIR=${PG_BINDIR:-/usr/lib/postgresql/15/bin}
+
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 die() {
     echo "pg.sh: $*" >&2
@@ -164,6 +171,8 @@ init() {
         die "initdb failed (above)"
     }
     rm -f "$DIR/password"
+    make_test_ca "$DIR/tls" || die "could not make the server's certificate (above)"
+    [ "$(id -u)" -ne 0 ] || chown -R postgres:postgres "$DIR/tls"
     cat >>"$DIR/data/postgresql.conf" <<CONF
 
 # scripts/pg.sh: a throwaway server on loopback.
@@ -173,6 +182,9 @@ unix_socket_directories = '$DIR'
 fsync = off
 full_page_writes = off
 shared_buffers = 32MB
+ssl = off
+ssl_cert_file = '$DIR/tls/server.pem'
+ssl_key_file = '$DIR/tls/server.key'
 CONF
     (umask 077 && printf 'postgres://postgres:%s@127.0.0.1:%s/rfaas\n' "$password" "$port" >"$DIR/url")
 }

@@ -274,6 +274,7 @@ impl Replicas {
                     "heartbeat_interval_ms = 1000\nlost_after_ms = 86400000\nrefresh_ms = {}\n",
                     common.refresh_ms
                 ),
+                ..ManagerOptions::default()
             };
             let m = Manager::try_start(&common.bin, opts).map_err(Error::new)?;
             let registered = m.pid().map(cleanup::register);
@@ -287,20 +288,11 @@ impl Replicas {
     }
 }
 
-/// A blocking HTTP agent: keep-alive, statuses as values.
+/// A blocking HTTP agent: keep-alive, statuses as values, trusting
+/// `RFAAS_CA_FILE` or the system's roots.
 fn agent() -> ureq::Agent {
-    // Each phase bounded, not the whole call: with a global timeout ureq
-    // resolves the address on a new thread before every request.
-    let phase = Some(Duration::from_secs(30));
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_connect(phase)
-        .timeout_send_request(phase)
-        .timeout_send_body(phase)
-        .timeout_recv_response(phase)
-        .timeout_recv_body(phase)
-        .build()
-        .new_agent()
+    let options = rfaas_tls::AgentOptions::new(Duration::from_secs(30)).ca_file_or_env(None);
+    rfaas_tls::agent(&options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// `method path` on `base` with `token`; the status and the body.

@@ -141,11 +141,14 @@ pub const MANAGERS_ENV: &str = "RFAAS_MANAGERS";
 /// The environment variable with the job's credential.
 pub const CREDENTIAL_ENV: &str = "RFAAS_CREDENTIAL";
 
-/// Timeout of one HTTP request to a manager.
+/// Timeout of each phase (connect, send, receive) of one HTTP request to
+/// a manager.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Managers {
-    /// The replicas at `urls` (`http://host:port`), with the job's
+    /// The replicas at `urls` (`https://host:port`; plain `http://` to a
+    /// loopback address only), trusting the CA file `RFAAS_CA_FILE` names
+    /// (or the system's roots), with the job's
     /// `credential` (minted by `rfaasctl credential user`, or put in the
     /// job's environment by the Slurm plugin).
     pub fn new<I, S>(urls: I, credential: &str) -> Result<Managers>
@@ -197,16 +200,13 @@ impl Managers {
             if url.is_empty() {
                 continue;
             }
-            if !url.starts_with("http://") || url.len() == "http://".len() {
-                return Err(Error::InvalidArgument(format!(
-                    "manager URL {url:?} is not http://host:port"
-                )));
-            }
-            list.push(url.trim_end_matches('/').to_owned());
+            let url = rfaas_tls::manager_url(url, rfaas_tls::PlainHttp::LoopbackOnly)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            list.push(url);
         }
         if list.is_empty() {
             return Err(Error::InvalidArgument(
-                "no manager URL given; name at least one, such as http://manager1:7300".into(),
+                "no manager URL given; name at least one, such as https://manager1:7300".into(),
             ));
         }
         let credential = credential.trim();
@@ -221,11 +221,14 @@ impl Managers {
                 backoff.base, backoff.cap
             )));
         }
-        let agent = ureq::Agent::config_builder()
-            .timeout_global(Some(REQUEST_TIMEOUT))
-            .http_status_as_error(false)
-            .build()
-            .into();
+        let agent =
+            rfaas_tls::agent(&rfaas_tls::AgentOptions::new(REQUEST_TIMEOUT).ca_file_or_env(None))
+                .map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "{e} (the CA file comes from {})",
+                    rfaas_tls::CA_FILE_ENV
+                ))
+            })?;
         Ok(Managers {
             inner: Arc::new(Inner {
                 urls: list,
@@ -555,7 +558,8 @@ mod tests {
             base: Duration::from_millis(100),
             cap: Duration::from_secs(2),
         };
-        let m = Managers::with(["http://m:1"], "c", clock.clone(), Arc::new(Top), backoff).unwrap();
+        let m =
+            Managers::with(["https://m:1"], "c", clock.clone(), Arc::new(Top), backoff).unwrap();
         let mut n = 0;
         let result = m.retrying(deadline, || {
             n += 1;
@@ -612,12 +616,15 @@ mod tests {
     #[test]
     fn urls_and_credentials_are_checked() {
         let err = Managers::new(["ftp://x"], "c").unwrap_err();
-        assert!(err.to_string().contains("http://host:port"), "{err}");
+        assert!(err.to_string().contains("https://"), "{err}");
         let err = Managers::new(Vec::<String>::new(), "c").unwrap_err();
         assert!(err.to_string().contains("no manager URL"), "{err}");
-        let err = Managers::new(["http://m:1"], " ").unwrap_err();
+        let err = Managers::new(["https://m:1"], " ").unwrap_err();
         assert!(err.to_string().contains("one token"), "{err}");
-        let m = Managers::new(["http://m:1/", " http://n:2"], "c").unwrap();
-        assert_eq!(m.urls(), ["http://m:1", "http://n:2"]);
+        // The credential would cross the network in clear.
+        let err = Managers::new(["http://m:1"], "c").unwrap_err();
+        assert!(err.to_string().contains("in clear"), "{err}");
+        let m = Managers::new(["https://m:1/", " http://127.0.0.1:2"], "c").unwrap();
+        assert_eq!(m.urls(), ["https://m:1", "http://127.0.0.1:2"]);
     }
 }

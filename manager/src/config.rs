@@ -50,9 +50,39 @@ pub struct FileConfig {
     /// Billing slots from the accounting services.
     #[serde(default)]
     pub accounting: AccountingConfig,
+    /// The server certificate chain (PEM) for HTTPS; with `tls_key`.
+    pub tls_cert: Option<PathBuf>,
+    /// The server certificate's private key (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// Serve plain HTTP on an address that is not loopback (default
+    /// false: credentials would cross the network in clear).
+    #[serde(default)]
+    pub allow_http: bool,
+    /// The REST port's timeouts and connection caps.
+    #[serde(default)]
+    pub http: HttpConfig,
     /// How Slurm is asked about jobs.
     #[serde(default)]
     pub slurm: SlurmConfig,
+}
+
+/// `[http]`: how long a connection may take and how many there may be.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// The TLS handshake must end within this, ms (default 10000).
+    pub handshake_timeout_ms: Option<u64>,
+    /// A request's headers must arrive within this from the moment the
+    /// connection waits for them, ms; it also closes a connection idle
+    /// between requests (default 10000).
+    pub header_timeout_ms: Option<u64>,
+    /// A request's body must arrive within this, ms (default 10000).
+    pub body_timeout_ms: Option<u64>,
+    /// Open connections per replica (default: 8192, or less to stay
+    /// below the descriptor limit).
+    pub max_connections: Option<u32>,
+    /// Open connections from one source address (default 512).
+    pub max_connections_per_source: Option<u32>,
 }
 
 /// `[slurm]`: how the manager asks Slurm about the jobs nodes speak for
@@ -72,6 +102,24 @@ pub struct SlurmConfig {
     /// (default false).
     #[serde(default)]
     pub unchecked: bool,
+}
+
+/// The checked `[http]` table and TLS files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpSettings {
+    /// HTTPS with this certificate chain and key, or plain HTTP.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// TLS handshake bound, ms.
+    pub handshake_timeout_ms: u64,
+    /// Header (and idle) bound, ms.
+    pub header_timeout_ms: u64,
+    /// Body bound, ms.
+    pub body_timeout_ms: u64,
+    /// Connections per replica; `None`: the default, fitted to the
+    /// descriptor limit at start.
+    pub max_connections: Option<u32>,
+    /// Connections per source address.
+    pub max_connections_per_source: u32,
 }
 
 /// `[accounting]`: how grants use the accounting services' billing slots.
@@ -149,6 +197,8 @@ pub struct Settings {
     pub accounting: AccountingSettings,
     /// How Slurm is asked about jobs.
     pub slurm: SlurmSettings,
+    /// HTTPS, timeouts and connection caps of the REST port.
+    pub http: HttpSettings,
     /// The configuration directory the defaults came from.
     pub config_dir: ConfigDir,
 }
@@ -181,8 +231,17 @@ impl FileConfig {
                     crate::db::Backend::Sqlite => 1,
                     _ => 16,
                 });
+        let listen = self.listen.unwrap_or_else(|| "127.0.0.1:7300".into());
+        let http = http_settings(
+            &listen,
+            self.tls_cert,
+            self.tls_key,
+            self.allow_http,
+            &self.http,
+        )?;
         let s = Settings {
-            listen: self.listen.unwrap_or_else(|| "127.0.0.1:7300".into()),
+            listen,
+            http,
             database,
             admin_token_file: self
                 .admin_token_file
@@ -252,6 +311,52 @@ impl FileConfig {
     }
 }
 
+/// Checks the TLS files' pairing, that plain HTTP listens only on
+/// loopback unless allowed, and the `[http]` bounds.
+fn http_settings(
+    listen: &str,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    allow_http: bool,
+    c: &HttpConfig,
+) -> Result<HttpSettings, ConfigError> {
+    let tls = match (cert, key) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => {
+            return Err(ConfigError::Invalid(
+                "tls_cert and tls_key go together: name both (--tls-cert, --tls-key) for HTTPS, or neither".into(),
+            ))
+        }
+    };
+    if tls.is_none() && !allow_http && !rfaas_tls::is_loopback(listen) {
+        return Err(ConfigError::Invalid(format!(
+            "listen = {listen:?} without tls_cert and tls_key would serve credentials in clear to the network; \
+             give the manager a certificate (--tls-cert FILE --tls-key FILE), listen on 127.0.0.1, \
+             or set allow_http = true if a TLS proxy on this host fronts it"
+        )));
+    }
+    let h = HttpSettings {
+        tls,
+        handshake_timeout_ms: c.handshake_timeout_ms.unwrap_or(10_000),
+        header_timeout_ms: c.header_timeout_ms.unwrap_or(10_000),
+        body_timeout_ms: c.body_timeout_ms.unwrap_or(10_000),
+        max_connections: c.max_connections,
+        max_connections_per_source: c.max_connections_per_source.unwrap_or(512),
+    };
+    if h.handshake_timeout_ms == 0
+        || h.header_timeout_ms == 0
+        || h.body_timeout_ms == 0
+        || h.max_connections == Some(0)
+        || h.max_connections_per_source == 0
+    {
+        return Err(ConfigError::Invalid(
+            "[http] timeouts and connection caps must be above 0".into(),
+        ));
+    }
+    Ok(h)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +413,34 @@ mod tests {
         let c = FileConfig::parse("heartbeat_interval_ms = 1000\nlost_after_ms = 1500\n").unwrap();
         let err = c.settings(&ConfigDir::default()).unwrap_err().to_string();
         assert!(err.contains("twice"), "{err}");
+    }
+
+    #[test]
+    fn plain_http_listens_on_loopback_only_unless_allowed() {
+        let settings = |text: &str| {
+            FileConfig::parse(text)
+                .unwrap()
+                .settings(&ConfigDir::default())
+        };
+        assert!(settings("listen = \"127.0.0.1:7300\"\n").is_ok());
+        let err = settings("listen = \"0.0.0.0:7300\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("in clear") && err.contains("--tls-cert"),
+            "{err}"
+        );
+        assert!(settings("listen = \"0.0.0.0:7300\"\nallow_http = true\n").is_ok());
+        let s =
+            settings("listen = \"0.0.0.0:7300\"\ntls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n")
+                .unwrap();
+        assert_eq!(s.http.tls, Some(("/c.pem".into(), "/k.pem".into())));
+        let err = settings("tls_cert = \"/c.pem\"\n").unwrap_err().to_string();
+        assert!(err.contains("go together"), "{err}");
+        let err = settings("[http]\nmax_connections_per_source = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("above 0"), "{err}");
     }
 
     #[test]

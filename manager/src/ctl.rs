@@ -48,17 +48,18 @@ pub enum CtlError {
     /// The admin token could not be had.
     #[error("{0}")]
     Token(String),
+    /// The CA file (--ca-file, RFAAS_CA_FILE) or a manager URL is
+    /// unusable.
+    #[error("{0}")]
+    Tls(#[from] rfaas_tls::TlsError),
 }
 
-/// Checks a manager URL given on the command line: `http://host:port`.
+/// Checks a manager URL's form given on the command line:
+/// `https://host:port` or `http://host:port` (whether plain HTTP may go
+/// there is [`Ctl::new`]'s check).
 pub fn parse_manager_url(url: &str) -> Result<String, String> {
-    let url = url.trim().trim_end_matches('/');
-    match url.strip_prefix("http://") {
-        Some(rest) if !rest.is_empty() && !rest.contains('/') => Ok(url.to_owned()),
-        _ => Err(format!(
-            "{url:?} is not a manager URL; write http://host:port, as in {DEFAULT_MANAGER}"
-        )),
-    }
+    rfaas_tls::manager_url(url, rfaas_tls::PlainHttp::Allowed)
+        .map_err(|e| format!("{e} ({DEFAULT_MANAGER} on this host)"))
 }
 
 /// Parses a duration such as `30d`, `12h`, `90m`, `3600s` or `3600`
@@ -112,16 +113,24 @@ pub struct Ctl {
 }
 
 impl Ctl {
-    /// Calls the managers at `urls` (`http://host:port`, tried in order)
-    /// with `token`.
-    pub fn new(urls: Vec<String>, token: String) -> Ctl {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(REQUEST_TIMEOUT))
-            .timeout_connect(Some(CONNECT_TIMEOUT))
-            .build()
-            .new_agent();
-        Ctl { urls, token, agent }
+    /// Calls the managers at `urls` (tried in order) with `token`,
+    /// checking their certificates with the CAs in `ca_file` (or
+    /// `RFAAS_CA_FILE`, or the system's roots). Plain `http://` goes only
+    /// to loopback unless `plain` allows it.
+    pub fn new(
+        urls: Vec<String>,
+        token: String,
+        ca_file: Option<std::path::PathBuf>,
+        plain: rfaas_tls::PlainHttp,
+    ) -> Result<Ctl, CtlError> {
+        let urls = urls
+            .iter()
+            .map(|u| rfaas_tls::manager_url(u, plain))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut options = rfaas_tls::AgentOptions::new(REQUEST_TIMEOUT).ca_file_or_env(ca_file);
+        options.connect_timeout = Some(CONNECT_TIMEOUT);
+        let agent = rfaas_tls::agent(&options)?;
+        Ok(Ctl { urls, token, agent })
     }
 
     /// `method path` with an optional JSON body, on the first manager that
@@ -468,12 +477,16 @@ mod tests {
     }
 
     #[test]
-    fn manager_urls_are_http_host_port() {
+    fn manager_urls_are_https_or_http_host_port() {
         assert_eq!(
             parse_manager_url("http://m1:7300/"),
             Ok("http://m1:7300".into())
         );
-        for bad in ["m1:7300", "https://m1:7300", "http://", "http://m1:7300/v1"] {
+        assert_eq!(
+            parse_manager_url("https://m1:7300"),
+            Ok("https://m1:7300".into())
+        );
+        for bad in ["m1:7300", "ftp://m1:7300", "http://", "http://m1:7300/v1"] {
             assert!(parse_manager_url(bad).is_err(), "{bad:?} accepted");
         }
     }

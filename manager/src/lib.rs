@@ -23,6 +23,8 @@
 //! - [`signer`]: the key that signs lease tokens.
 //! - [`slurm`]: Slurm's word on a job (its user, account, state and
 //!   nodes), which the job routes go by rather than a node's.
+//! - [`serve`]: the REST port's accept loop: HTTPS, timeouts, connection
+//!   caps, certificate reload.
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
 //!   built on.
 //!
@@ -40,6 +42,7 @@ pub mod config;
 pub mod ctl;
 pub mod error;
 pub mod metrics;
+pub mod serve;
 pub mod signer;
 pub mod slurm;
 pub mod store;
@@ -95,6 +98,8 @@ pub struct Running {
     pub addr: SocketAddr,
     /// Its state.
     pub app: Arc<App>,
+    /// Its certificate, if it serves HTTPS ([`serve::Tls::reload`]).
+    pub tls: serve::Tls,
     stop: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
 }
@@ -143,6 +148,9 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             dir.hint(&["--lease-key-file", "lease_key_file in manager.toml"])
         )
     })?;
+    let tls = serve::Tls::load(&settings.http)
+        .context("load the HTTPS certificate (tls_cert and tls_key in manager.toml, or --tls-cert and --tls-key)")?;
+    let max_connections = serve::connection_cap(settings.http.max_connections);
     let backend = Backend::of(&settings.database);
     let pool = db::open_and_migrate(&settings.database, settings.max_connections)
         .await
@@ -172,7 +180,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         slurm: Slurm::new(settings_slurm),
         healthy_since: Mutex::new(Some(Instant::now())),
     });
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let (stop, _) = tokio::sync::watch::channel(false);
     tokio::spawn(refresh_loop(app.clone(), stop.subscribe()));
     match backend {
         Backend::Postgres => {
@@ -186,18 +194,26 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             ));
         }
     }
-    let router = api::router(app.clone());
-    let server = tokio::spawn(async move {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            })
-            .await
-    });
-    tracing::info!(%addr, backend = backend.name(), "rfaas-manager serving");
+    let server = tokio::spawn(serve::serve(
+        listener,
+        api::router(app.clone()),
+        tls.clone(),
+        app.settings.http.clone(),
+        max_connections,
+        app.metrics.connections_refused.clone(),
+        stop.subscribe(),
+    ));
+    tracing::info!(
+        %addr,
+        backend = backend.name(),
+        https = tls.enabled(),
+        max_connections,
+        "rfaas-manager serving"
+    );
     Ok(Running {
         addr,
         app,
+        tls,
         stop,
         server,
     })

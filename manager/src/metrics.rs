@@ -52,6 +52,8 @@ pub struct Metrics {
     pub lost_nodes: IntCounter,
     /// Node leases granted without a billing slot.
     pub unbilled_leases: IntCounter,
+    /// Connections closed at once because a cap was reached, by cap.
+    pub connections_refused: IntCounterVec,
     requests: HistogramVec,
     accounting_instances: GaugeVec,
     nodes: GaugeVec,
@@ -136,8 +138,20 @@ impl Metrics {
             &["stat"],
         )
         .expect("valid");
+        let connections_refused = IntCounterVec::new(
+            Opts::new(
+                "connections_refused_total",
+                "Connections closed on accept because a cap was reached: replica (max_connections) or source (max_connections_per_source)",
+            ),
+            &["cap"],
+        )
+        .expect("valid");
+        for cap in ["replica", "source"] {
+            connections_refused.with_label_values(&[cap]);
+        }
         for m in [
             Box::new(grants.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(connections_refused.clone()),
             Box::new(denials.clone()),
             Box::new(expiries.clone()),
             Box::new(lost_leases.clone()),
@@ -169,6 +183,7 @@ impl Metrics {
             lost_leases,
             lost_nodes,
             unbilled_leases,
+            connections_refused,
             accounting_instances,
             requests,
             nodes,

@@ -113,9 +113,9 @@ fn prometheus_scrapes_the_manager_and_an_executord() {
         &format!("metrics_listen = \"{metrics}\""),
         "",
     );
-    let manager_addr = m.url().trim_start_matches("http://").to_owned();
     let prom =
-        rfaas_testkit::prometheus::Prometheus::start(&[manager_addr, metrics.to_string()]).unwrap();
+        rfaas_testkit::prometheus::Prometheus::start(&[m.url().to_owned(), metrics.to_string()])
+            .unwrap();
     let up = prom
         .wait_for(
             "rfaas_manager_nodes{state=\"up\"}",

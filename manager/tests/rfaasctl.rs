@@ -322,7 +322,7 @@ fn usage_errors_exit_2() {
     }
     let o = rfaasctl("m1:7300", &admin.file(), &["nodes"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("http://host:port"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("https://host:port"), "{}", stderr(&o));
     // The manager refusing a request is not a usage error.
     let o = rfaasctl(m.url(), &admin.file(), &["credential", "user", "bad name"]);
     assert_eq!(o.status.code(), Some(1));

@@ -229,11 +229,8 @@ impl Accounting {
 
     /// `GET path` on the metrics listener: the status and the body.
     pub fn http_get(&self, path: &str) -> (u16, String) {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(10)))
-            .build()
-            .new_agent();
+        let agent = rfaas_tls::agent(&rfaas_tls::AgentOptions::new(Duration::from_secs(10)))
+            .unwrap_or_else(|e| panic!("{e}"));
         match agent.get(&format!("{}{path}", self.metrics_url())).call() {
             Ok(mut r) => (
                 r.status().as_u16(),

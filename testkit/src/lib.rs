@@ -31,6 +31,8 @@
 //! - [`strangers`]: strangers on a manager's REST port: raw requests, a
 //!   flood of made-up credentials, idle connections and a slowloris, from
 //!   chosen loopback addresses.
+//! - [`tls`]: a throwaway CA per test run (`scripts/lib.sh`'s
+//!   `make_test_ca`), whose certificate every test manager serves.
 //! - [`wait`]: waiting for an event (a condition polled until it holds,
 //!   a thread asleep in the kernel) instead of sleeping for a guessed time.
 //! - [`on_both!`]: one test per database (SQLite and PostgreSQL).
@@ -46,6 +48,7 @@ pub mod process;
 pub mod prometheus;
 pub mod slurm;
 pub mod strangers;
+pub mod tls;
 pub mod wait;
 
 use std::path::{Path, PathBuf};

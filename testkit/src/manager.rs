@@ -1,6 +1,7 @@
 //! A real `rfaas-manager` for tests: [`Manager`] writes an admin token, a
 //! lease key and a configuration into a private directory, starts the
-//! binary on a free 127.0.0.1 port, and stops it by pid on drop. Several
+//! binary on a free 127.0.0.1 port serving HTTPS with the test run's CA
+//! ([`crate::tls::test_ca`]), and stops it by pid on drop. Several
 //! [`Manager`]s on one database are replicas.
 //!
 //! [`Api`] is a small blocking REST caller that returns the status and
@@ -38,6 +39,11 @@ pub struct ManagerOptions {
     pub lease_key: Option<PathBuf>,
     /// More TOML for the configuration file.
     pub extra_config: String,
+    /// Serve HTTPS (default), or plain HTTP.
+    pub tls: bool,
+    /// Serve this CA's server certificate instead of the test run's
+    /// ([`crate::tls::test_ca`]).
+    pub cert: Option<crate::tls::TestCa>,
 }
 
 impl Default for ManagerOptions {
@@ -48,6 +54,8 @@ impl Default for ManagerOptions {
             lease_key: None,
             extra_config: "heartbeat_interval_ms = 200\nlost_after_ms = 1000\nrefresh_ms = 100\n"
                 .into(),
+            tls: true,
+            cert: None,
         }
     }
 }
@@ -63,6 +71,7 @@ pub struct Manager {
     database: String,
     log: PathBuf,
     binary: PathBuf,
+    scheme: &'static str,
 }
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -136,8 +145,18 @@ impl Manager {
         let database = opts
             .database
             .unwrap_or_else(|| format!("sqlite://{}", dir.join("manager.db").display()));
+        let tls = if opts.tls {
+            let ca = opts.cert.as_ref().unwrap_or_else(|| crate::tls::test_ca());
+            format!(
+                "tls_cert = {:?}\ntls_key = {:?}\n",
+                ca.cert().display().to_string(),
+                ca.key().display().to_string()
+            )
+        } else {
+            String::new()
+        };
         let config = format!(
-            "listen = \"127.0.0.1:0\"\ndatabase = \"{database}\"\nadmin_token_file = \"{}\"\nlease_key_file = \"{}\"\n{}",
+            "listen = \"127.0.0.1:0\"\ndatabase = \"{database}\"\nadmin_token_file = \"{}\"\nlease_key_file = \"{}\"\n{tls}{}",
             token_file.display(),
             lease_key.display(),
             opts.extra_config
@@ -152,6 +171,7 @@ impl Manager {
             log: dir.join("manager.log"),
             dir,
             binary: binary.to_owned(),
+            scheme: if opts.tls { "https" } else { "http" },
         };
         m.spawn(None)?;
         Ok(m)
@@ -166,12 +186,12 @@ impl Manager {
         }
         let (child, addr) =
             crate::process::spawn_ready(cmd, &self.log, "rfaas-manager listening on ")?;
-        self.url = format!("http://{addr}");
+        self.url = format!("{}://{addr}", self.scheme);
         self.child = Some(child);
         Ok(())
     }
 
-    /// Its base URL, `http://127.0.0.1:port`.
+    /// Its base URL, `https://127.0.0.1:port` (`http://` without TLS).
     pub fn url(&self) -> &str {
         &self.url
     }
@@ -264,9 +284,10 @@ impl Manager {
             node_name: name.into(),
             accept_keys: vec![self.public_key_line()],
             extra_config: format!(
-                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\n",
+                "[manager]\nurls = [{:?}]\ncredential_file = {:?}\nmax_backoff_ms = 200\nca_file = {:?}\n",
                 self.url,
-                cred.display().to_string()
+                cred.display().to_string(),
+                crate::tls::test_ca().ca_file().display().to_string()
             ),
             ..Default::default()
         }
@@ -289,7 +310,11 @@ impl Manager {
     /// Starts it again on the same port, same database and keys.
     pub fn restart(&mut self) -> Result<(), String> {
         self.stop();
-        let listen = self.url.trim_start_matches("http://").to_owned();
+        let listen = self
+            .url
+            .split_once("://")
+            .map_or(self.url.as_str(), |(_, a)| a)
+            .to_owned();
         self.spawn(Some(&listen))
     }
 }
@@ -306,22 +331,29 @@ impl Drop for Manager {
 pub struct Api {
     base: String,
     token: String,
+    ca_file: Option<PathBuf>,
     agent: ureq::Agent,
 }
 
 impl Api {
-    /// Calls `base` with `token`.
+    /// Calls `base` with `token`, trusting `RFAAS_CA_FILE` (the test
+    /// run's CA once a manager started) or the system's roots.
     pub fn new(base: &str, token: &str) -> Api {
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .new_agent();
-        Api {
+        Api::trusting(base, token, None).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Calls `base` with `token`, trusting only the CAs in `ca_file`
+    /// (`None`: as [`Api::new`]).
+    pub fn trusting(base: &str, token: &str, ca_file: Option<&Path>) -> Result<Api, String> {
+        let options = rfaas_tls::AgentOptions::new(Duration::from_secs(30))
+            .ca_file_or_env(ca_file.map(Path::to_owned));
+        let agent = rfaas_tls::agent(&options).map_err(|e| e.to_string())?;
+        Ok(Api {
             base: base.to_owned(),
             token: token.to_owned(),
+            ca_file: ca_file.map(Path::to_owned),
             agent,
-        }
+        })
     }
 
     /// Its bearer token.
@@ -332,7 +364,8 @@ impl Api {
     /// The same caller with a connection pool of its own: for requests the
     /// server may answer by closing the connection (a body over its limit).
     pub fn fresh(&self) -> Api {
-        Api::new(&self.base, &self.token)
+        Api::trusting(&self.base, &self.token, self.ca_file.as_deref())
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// `method path` with an optional JSON body: the status and the JSON
@@ -367,15 +400,25 @@ impl Api {
     ) -> (u16, Option<u64>, Value) {
         let url = format!("{}{path}", self.base);
         let auth = format!("Bearer {}", self.token);
-        let req = ureq::http::Request::builder()
-            .method(method)
-            .uri(&url)
-            .header("Authorization", auth)
-            .header("Content-Type", content_type);
-        let result = match body {
-            Some(b) => self.agent.run(req.body(b).expect("a request")),
-            None => self.agent.run(req.body(()).expect("a request")),
+        let send = |agent: &ureq::Agent| {
+            let req = ureq::http::Request::builder()
+                .method(method)
+                .uri(&url)
+                .header("Authorization", &auth)
+                .header("Content-Type", content_type);
+            match &body {
+                Some(b) => agent.run(req.body(b.clone()).expect("a request")),
+                None => agent.run(req.body(()).expect("a request")),
+            }
         };
+        let mut result = send(&self.agent);
+        // A kept-alive connection the manager closed after its last answer
+        // (it does after a refusal whose body it did not read) may be
+        // picked before its close arrives; a client sends an idempotent
+        // request again, on a new connection.
+        if result.is_err() && matches!(method, "GET" | "PUT" | "DELETE") {
+            result = send(&self.fresh().agent);
+        }
         let mut resp = match result {
             Ok(r) => r,
             Err(e) => return (0, None, Value::String(e.to_string())),

@@ -87,6 +87,12 @@ impl Postgres {
         &self.url
     }
 
+    /// The CA file its TLS certificate (for 127.0.0.1) checks with, for
+    /// `sslmode=verify-full&sslrootcert=...`.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("tls").join("ca.pem")
+    }
+
     /// Its port on 127.0.0.1.
     pub fn port(&self) -> u16 {
         self.port

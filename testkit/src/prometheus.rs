@@ -24,7 +24,8 @@ pub fn binary() -> PathBuf {
 
 impl Prometheus {
     /// Starts Prometheus on a free 127.0.0.1 port, scraping every
-    /// `host:port` in `targets` (path `/metrics`) every 200 ms, and waits
+    /// `host:port` in `targets` (path `/metrics`; `https://host:port`
+    /// over HTTPS, checked with the test run's CA) every 200 ms, and waits
     /// until it is ready. `Err` says why it could not start (not
     /// installed: `scripts/test.sh` installs Debian's `prometheus`).
     pub fn start(targets: &[String]) -> Result<Prometheus, String> {
@@ -42,12 +43,27 @@ impl Prometheus {
         let dir =
             std::env::temp_dir().join(format!("rfaas-prometheus-{}-{port}", std::process::id()));
         std::fs::create_dir_all(dir.join("data")).map_err(|e| format!("create {dir:?}: {e}"))?;
-        let list: Vec<String> = targets.iter().map(|t| format!("'{t}'")).collect();
-        let config = format!(
+        let (https, plain): (Vec<&String>, Vec<&String>) =
+            targets.iter().partition(|t| t.starts_with("https://"));
+        let list = |ts: &[&String]| {
+            ts.iter()
+                .map(|t| format!("'{}'", t.trim_start_matches("https://")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut config = format!(
             "global:\n  scrape_interval: 200ms\n  scrape_timeout: 150ms\n\
              scrape_configs:\n  - job_name: rfaas\n    static_configs:\n      - targets: [{}]\n",
-            list.join(", ")
+            list(&plain)
         );
+        if !https.is_empty() {
+            config += &format!(
+                "  - job_name: rfaas-tls\n    scheme: https\n    tls_config:\n      ca_file: '{}'\n\
+                 \x20   static_configs:\n      - targets: [{}]\n",
+                crate::tls::test_ca().ca_file().display(),
+                list(&https)
+            );
+        }
         std::fs::write(dir.join("prometheus.yml"), config).map_err(|e| e.to_string())?;
         let log = std::fs::File::create(dir.join("prometheus.log")).map_err(|e| e.to_string())?;
         let child = Command::new(&bin)

@@ -573,9 +573,12 @@ struct rfaas_alloc_options rfaas_alloc_options_default(void);
 
 /**
  * Connects nothing yet: names the manager replicas, `urls` as
- * `"http://host:port"` separated by commas (NULL: the environment's
- * `RFAAS_MANAGERS`), and the job's `credential` (NULL: `RFAAS_CREDENTIAL`).
- * A bad URL or an empty credential is `RFAAS_ERR_INVALID_ARGUMENT` at once.
+ * `"https://host:port"` separated by commas (NULL: the environment's
+ * `RFAAS_MANAGERS`; plain `http://` only to a loopback address), and the
+ * job's `credential` (NULL: `RFAAS_CREDENTIAL`). The managers'
+ * certificates are checked against the CA file `RFAAS_CA_FILE` names, else
+ * the system's roots. A bad URL, an unreadable CA file or an empty
+ * credential is `RFAAS_ERR_INVALID_ARGUMENT` at once.
  *
  * # Safety
  *

@@ -297,9 +297,16 @@ impl BillingConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ManagerConfig {
-    /// Base URLs of the manager replicas (`http://host:port`), tried in
-    /// turn.
+    /// Base URLs of the manager replicas (`https://host:port`; plain
+    /// `http://` only to loopback, or with `allow_http`), tried in turn.
     pub urls: Vec<String>,
+    /// Trust only the CAs in this PEM file for the managers' certificates
+    /// (default: `RFAAS_CA_FILE` if set, else the system's roots).
+    pub ca_file: Option<PathBuf>,
+    /// Allow plain `http://` managers that are not on loopback: the node
+    /// credential then crosses the network in clear (default false).
+    #[serde(default)]
+    pub allow_http: bool,
     /// The node's credential (minted by `rfaasctl credential node NAME`),
     /// in a file only its owner may read.
     pub credential_file: Option<PathBuf>,
@@ -321,6 +328,8 @@ pub struct ManagerConfig {
 pub struct ManagerSettings {
     /// Manager base URLs, without a trailing slash.
     pub urls: Vec<String>,
+    /// The CA file the managers' certificates are checked with.
+    pub ca_file: Option<PathBuf>,
     /// The node credential's file.
     pub credential_file: PathBuf,
     /// The advertised control address, when set.
@@ -346,23 +355,23 @@ impl ManagerConfig {
                 "name at least one manager, such as \"http://manager1:7000\"",
             ));
         }
+        let plain = if self.allow_http {
+            rfaas_tls::PlainHttp::Allowed
+        } else {
+            rfaas_tls::PlainHttp::LoopbackOnly
+        };
         let mut urls = Vec::with_capacity(self.urls.len());
         for url in &self.urls {
-            let rest = url.strip_prefix("http://").ok_or_else(|| {
-                invalid(
-                    "manager.urls",
-                    url,
-                    "use http://host:port (TLS belongs to a proxy in front of the manager)",
-                )
-            })?;
-            if rest.trim_end_matches('/').is_empty() || rest.contains(char::is_whitespace) {
-                return Err(invalid(
-                    "manager.urls",
-                    url,
-                    "name a host, as in http://host:port",
-                ));
-            }
-            urls.push(url.trim_end_matches('/').to_owned());
+            let checked = rfaas_tls::manager_url(url, plain)
+                .map_err(|e| invalid("manager.urls", url, &e.to_string()))?;
+            urls.push(checked);
+        }
+        if let Some(ca) = &self.ca_file {
+            rfaas_tls::agent(
+                &rfaas_tls::AgentOptions::new(std::time::Duration::from_secs(1))
+                    .ca_file(Some(ca.clone())),
+            )
+            .map_err(|e| invalid("manager.ca_file", ca, &e.to_string()))?;
         }
         if let Some(a) = &self.advertise {
             if a.rsplit_once(':')
@@ -379,6 +388,7 @@ impl ManagerConfig {
         };
         Ok(ManagerSettings {
             urls,
+            ca_file: self.ca_file.clone(),
             credential_file: self
                 .credential_file
                 .clone()
@@ -1155,26 +1165,30 @@ UID_MIN		 2000
     fn manager_table_checks() {
         let resolve = |t: &str| Config::parse(t).unwrap().resolve();
         assert_eq!(resolve("").unwrap().manager, None);
-        let s = resolve("[manager]\nurls = [\"http://m1:7000/\"]\n").unwrap();
+        let s = resolve("[manager]\nurls = [\"https://m1:7000/\"]\n").unwrap();
         let m = s.manager.unwrap();
-        assert_eq!(m.urls, ["http://m1:7000"], "a trailing slash is dropped");
+        assert_eq!(m.urls, ["https://m1:7000"], "a trailing slash is dropped");
         assert_eq!(m.credential_file, Path::new("/etc/rfaas/node.credential"));
         assert!(!m.harvested, "a node lends its own capacity unless told");
-        let s = resolve("[manager]\nurls = [\"http://m1:7000\"]\nharvested = true\n").unwrap();
+        let s = resolve("[manager]\nurls = [\"https://m1:7000\"]\nharvested = true\n").unwrap();
         assert!(s.manager.unwrap().harvested);
+        // Plain http: to loopback, or where the site allows it.
+        resolve("[manager]\nurls = [\"http://127.0.0.1:7000\"]\n").unwrap();
+        resolve("[manager]\nurls = [\"http://m1:7000\"]\nallow_http = true\n").unwrap();
         for (text, key) in [
             ("[manager]\nurls = []", "manager.urls"),
+            ("[manager]\nurls = [\"http://m1:7000\"]", "in clear"),
+            ("[manager]\nurls = [\"https://\"]", "a host"),
             (
-                "[manager]\nurls = [\"https://m1:7000\"]",
-                "TLS belongs to a proxy",
+                "[manager]\nurls = [\"https://m\"]\nca_file = \"/nonexistent/ca.pem\"",
+                "manager.ca_file",
             ),
-            ("[manager]\nurls = [\"http://\"]", "name a host"),
             (
-                "[manager]\nurls = [\"http://m\"]\nadvertise = \"nohost\"",
+                "[manager]\nurls = [\"https://m\"]\nadvertise = \"nohost\"",
                 "manager.advertise",
             ),
             (
-                "[manager]\nurls = [\"http://m\"]\nmax_backoff_ms = 0",
+                "[manager]\nurls = [\"https://m\"]\nmax_backoff_ms = 0",
                 "manager.max_backoff_ms",
             ),
         ] {

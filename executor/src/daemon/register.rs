@@ -161,14 +161,17 @@ impl Managers {
         credential: String,
         timeout: Duration,
     ) -> Managers {
-        let config = ureq::Agent::config_builder()
-            .timeout_global(Some(timeout))
-            .http_status_as_error(false)
-            .build();
+        let options = rfaas_tls::AgentOptions::new(timeout).ca_file_or_env(m.ca_file.clone());
+        // The file was read when the configuration was; if it went bad
+        // since, the system's roots still check the managers.
+        let agent = rfaas_tls::agent(&options).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "manager CA file unusable; checking the managers' certificates with the system's roots");
+            rfaas_tls::system_agent(timeout)
+        });
         Managers {
             urls: m.urls.clone(),
             credential,
-            agent: config.into(),
+            agent,
             current: 0,
         }
     }

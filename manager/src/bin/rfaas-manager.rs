@@ -36,6 +36,13 @@ struct Args {
     /// The lease signing key's file (overrides `lease_key_file`).
     #[arg(long)]
     lease_key_file: Option<PathBuf>,
+    /// The HTTPS certificate chain, PEM (overrides `tls_cert`); reread on
+    /// SIGHUP.
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// The HTTPS certificate's key, PEM (overrides `tls_key`).
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
     /// Log more (-v: debug).
     #[arg(long, short, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
@@ -104,6 +111,12 @@ fn main() -> anyhow::Result<()> {
     if args.lease_key_file.is_some() {
         file.lease_key_file = args.lease_key_file;
     }
+    if args.tls_cert.is_some() {
+        file.tls_cert = args.tls_cert;
+    }
+    if args.tls_key.is_some() {
+        file.tls_key = args.tls_key;
+    }
     let settings = file.settings(&dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -115,10 +128,18 @@ fn main() -> anyhow::Result<()> {
         let running = rfaas_manager::start(settings).await?;
         // The line tests and scripts wait for.
         println!("rfaas-manager listening on {}", running.addr);
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break,
+                _ = term.recv() => break,
+                _ = hup.recv() => match running.tls.reload() {
+                    Ok(()) => tracing::info!(https = running.tls.enabled(), "SIGHUP: certificate reloaded"),
+                    Err(e) => tracing::error!(error = %e, "SIGHUP: certificate not reloaded; the old one stays"),
+                },
+            }
         }
         tracing::info!("stopping");
         running.stop().await

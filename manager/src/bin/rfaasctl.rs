@@ -13,13 +13,14 @@ use serde_json::{json, Value};
 /// nodes, release leases, give nodes and users their credentials, and set
 /// accounts' budgets.
 ///
-/// rfaasctl talks to the rfaas managers over HTTP with the admin token.
+/// rfaasctl talks to the rfaas managers over HTTPS with the admin token.
 /// It exits 1 when the manager refuses (its message says why) or cannot be
 /// reached, and 2 when the command line is wrong.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// A manager's URL, http://host:port. Give several (repeat the option
+    /// A manager's URL, https://host:port (plain http://host:port only
+    /// on loopback, or with --allow-http). Give several (repeat the option
     /// or separate them by commas) and each is tried in turn until one can
     /// be reached.
     #[arg(
@@ -46,6 +47,14 @@ struct Args {
     /// [env: RFAAS_CONFIG_DIR] [default: /etc/rfaas].
     #[arg(long, value_name = "DIR", global = true)]
     config_dir: Option<PathBuf>,
+    /// Trust only the CAs in this PEM file for the managers'
+    /// certificates [env: RFAAS_CA_FILE] [default: the system's roots].
+    #[arg(long, value_name = "FILE", global = true)]
+    ca_file: Option<PathBuf>,
+    /// Allow plain http:// to a manager that is not on loopback: the
+    /// admin token then crosses the network in clear.
+    #[arg(long, global = true)]
+    allow_http: bool,
     /// Read the token from this environment variable instead of a file.
     #[arg(long, value_name = "VAR", global = true)]
     token_env: Option<String>,
@@ -197,7 +206,12 @@ fn print_json(v: &Value) {
 
 fn run(args: &Args) -> Result<(), CtlError> {
     let urls = args.managers.clone();
-    let ctl = Ctl::new(urls.clone(), token(args)?);
+    let plain = if args.allow_http {
+        rfaas_tls::PlainHttp::Allowed
+    } else {
+        rfaas_tls::PlainHttp::LoopbackOnly
+    };
+    let ctl = Ctl::new(urls.clone(), token(args)?, args.ca_file.clone(), plain)?;
     let now_ms = rfaas_service::now_ms();
     let now = now_ms / 1000;
     match &args.command {

@@ -164,11 +164,15 @@ pub(crate) fn job_env(shared: &Shared, job_id: u64, uid: u32) -> Result<LocalRep
             why: "the answer held no token".into(),
         });
     };
-    let vars: BTreeMap<String, String> = [
+    let mut vars: BTreeMap<String, String> = [
         (MANAGERS_VAR.to_owned(), m.urls.join(",")),
         (CREDENTIAL_VAR.to_owned(), token),
     ]
     .into();
+    // The job checks the managers' certificates as this node does.
+    if let Some(ca) = &m.ca_file {
+        vars.insert(rfaas_tls::CA_FILE_ENV.to_owned(), ca.display().to_string());
+    }
     let mut held = shared.jobs.lock();
     if held.len() >= KEPT {
         if let Some(first) = held

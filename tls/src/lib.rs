@@ -1,0 +1,61 @@
+//! `rfaas-tls`: TLS for the connections that carry credentials — the
+//! manager's REST API (leases, node and job credentials, the admin
+//! token) — and never for the fabric, whose invocations stay as they are.
+//!
+//! Layout:
+//! - [`client`]: the one HTTP agent every client of the manager uses
+//!   (client library, C API, executord, rfaasctl, testkit, bench): rustls
+//!   with the ring provider, the system's roots or a site CA file
+//!   (`RFAAS_CA_FILE`, `ca_file`, `--ca-file`); and the one check of a
+//!   manager URL, which allows plain `http://` only to a loopback address
+//!   or when explicitly allowed.
+//! - [`server`]: a certificate and key read from PEM files into a rustls
+//!   server configuration whose certificate can be reloaded while serving.
+
+pub mod client;
+pub mod server;
+
+pub use client::{
+    agent, is_loopback, manager_url, system_agent, AgentOptions, PlainHttp, CA_FILE_ENV,
+};
+pub use server::ServerCert;
+
+use std::path::PathBuf;
+
+/// What went wrong reading certificates, keys or URLs.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// A certificate, CA or key file could not be read.
+    #[error(
+        "cannot read {what} {path:?}: {source}; check the path and that this user may read it"
+    )]
+    Read {
+        /// Which file it was meant to be.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file was read but holds nothing usable.
+    #[error("{what} {path:?} {why}")]
+    Content {
+        /// Which file it was meant to be.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A manager URL that is not `https://host[:port]` (or a plain
+    /// `http://` one where that is allowed).
+    #[error("{0}")]
+    Url(String),
+}
+
+/// The crypto provider of every TLS connection: ring.
+pub(crate) fn provider() -> std::sync::Arc<rustls::crypto::CryptoProvider> {
+    std::sync::Arc::new(rustls::crypto::ring::default_provider())
+}
