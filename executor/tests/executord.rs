@@ -1200,7 +1200,7 @@ fn the_example_configuration_parses() {
     assert_eq!(s.cpus, [0, 1]);
     assert_eq!(s.providers, ["tcp", "shm"]);
     let m = s.manager.as_ref().unwrap();
-    assert_eq!(m.urls, ["http://manager1:7300", "http://manager2:7300"]);
+    assert_eq!(m.urls, ["https://manager1:7300", "https://manager2:7300"]);
     assert_eq!(m.max_backoff_ms, 30_000);
     let slurm = s.slurm.as_ref().unwrap();
     assert_eq!(slurm.node, "node001");

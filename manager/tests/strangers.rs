@@ -22,8 +22,9 @@ use rfaas_testkit::strangers::{
 const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 fn addr(m: &Manager) -> SocketAddr {
-    m.url()
-        .trim_start_matches("http://")
+    let url = m.url();
+    url.split_once("://")
+        .map_or(url, |(_, rest)| rest)
         .parse()
         .expect("a manager's address")
 }
@@ -60,7 +61,7 @@ fn the_descriptor_limit_is_raised_at_start() {
         "the hard descriptor limit is {hard}; this test needs at least 4096 (ulimit -Hn)"
     );
     let mut db = Db::new("sqlite");
-    let m = db.manager();
+    let m = db.plain_manager("");
     // The manager inherited 1024; this process needs more for the
     // connections.
     set_soft_descriptor_limit(hard);
@@ -95,7 +96,7 @@ fn series(text: &str) -> usize {
 #[test]
 fn made_up_methods_and_paths_add_no_series() {
     let mut db = Db::new("sqlite");
-    let m = db.manager();
+    let m = db.plain_manager("");
     let u = user(&m, "alice", "physics");
     let open = Api::new(m.url(), "");
     let mut conn = TcpStream::connect(addr(&m)).unwrap();
@@ -158,7 +159,7 @@ fn answer_without_body(m: &Manager, req: &[u8]) -> (u16, serde_json::Value) {
 /// for, on every route that takes a body.
 fn a_strangers_body_is_never_read(kind: &str) {
     let mut db = Db::new(kind);
-    let m = db.manager();
+    let m = db.plain_manager("");
     let u = user(&m, "alice", "physics");
     let routes = [
         ("PUT", "/v1/nodes/a"),
@@ -237,7 +238,7 @@ fn log_every_statement(pg: &Postgres) {
 #[test]
 fn one_made_up_credential_costs_one_query() {
     let mut db = Db::new("postgres");
-    let m = db.manager();
+    let m = db.plain_manager("");
     let Db::Postgres(pg) = &db else {
         unreachable!()
     };
@@ -296,7 +297,7 @@ fn healthz_is_answered_without_a_query() {
     let mut db = Db::new("postgres");
     // No background round during the test: every statement logged would
     // be a request's.
-    let m = db.manager_with("refresh_ms = 3600000\n", None);
+    let m = db.plain_manager("refresh_ms = 3600000\n");
     let Db::Postgres(pg) = &db else {
         unreachable!()
     };
@@ -333,7 +334,7 @@ fn a_flood_of_made_up_credentials_leaves_grants_served() {
     );
     let mut db = Db::new("sqlite");
     // The node never heartbeats: it must not be lost meanwhile.
-    let m = db.manager_with("lost_after_ms = 3600000\n", None);
+    let m = db.plain_manager("lost_after_ms = 3600000\n");
     register(&m, "a", 64, 65536);
     let u = user(&m, "alice", "physics");
     let flood = Flood::start(

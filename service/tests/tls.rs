@@ -17,7 +17,7 @@ async fn verify_full_connects_with_the_servers_ca_only() {
     let pg = Postgres::start().unwrap_or_else(|e| panic!("{e}"));
     pg.psql("ALTER SYSTEM SET ssl = on").unwrap();
     pg.psql("SELECT pg_reload_conf()").unwrap();
-    let pool = db::open(&verify_full(pg.url(), &pg.ca_file()), 1)
+    let pool = db::open_and_migrate(&verify_full(pg.url(), &pg.ca_file()), 1)
         .await
         .unwrap_or_else(|e| panic!("verify-full with the server's CA: {e}"));
     let row = sqlx::query(

@@ -523,11 +523,13 @@ impl RfaasOnSlurm {
     }
 }
 
-/// `KEY=value` lines → the `RFAAS_` ones.
+/// `KEY=value` lines → the `RFAAS_` ones, but `RFAAS_CA_FILE`: the test
+/// process trusts its throwaway CA through it, and jobs inherit the
+/// submitting environment.
 fn rfaas_vars(text: &str) -> BTreeMap<String, String> {
     text.lines()
         .filter_map(|l| l.split_once('='))
-        .filter(|(k, _)| k.starts_with("RFAAS_"))
+        .filter(|(k, _)| k.starts_with("RFAAS_") && *k != "RFAAS_CA_FILE")
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect()
 }

@@ -72,7 +72,7 @@ struct Args {
     /// directory. Budget commands always use the database.
     #[arg(long, value_name = "URL", global = true, num_args = 0..=1, default_missing_value = "")]
     database: Option<String>,
-    /// The managers to ask for usage (comma list of http://host:port)
+    /// The managers to ask for usage (comma list of https://host:port)
     /// [env: RFAAS_MANAGERS] [default: http://127.0.0.1:7300].
     #[arg(long, value_name = "URLS", value_delimiter = ',')]
     manager: Vec<String>,
@@ -81,6 +81,14 @@ struct Args {
     /// for every user's usage [default: RFAAS_CREDENTIAL's value].
     #[arg(long, value_name = "FILE")]
     credential_file: Option<PathBuf>,
+    /// Trust only the CAs in this PEM file for the managers'
+    /// certificates [env: RFAAS_CA_FILE] [default: the system's roots].
+    #[arg(long, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
+    /// Allow plain http:// to a manager that is not on loopback: the
+    /// credential then crosses the network in clear.
+    #[arg(long)]
+    allow_http: bool,
     /// The billing configuration (currency, rates, budgets) [default:
     /// billing.toml in the configuration directory].
     #[arg(long, value_name = "FILE", global = true)]
@@ -322,8 +330,12 @@ async fn report(args: &Args) -> Result<String, BillingError> {
     } else {
         let (urls, token) = args.manager_and_credential()?;
         let to_now = args.endtime.is_none();
+        let tls = api::Tls {
+            ca_file: args.ca_file.clone(),
+            allow_http: args.allow_http,
+        };
         tokio::task::spawn_blocking(move || {
-            api::lease_usage(&urls, &token, period, to_now, &filters)
+            api::lease_usage(&urls, &token, &tls, period, to_now, &filters)
         })
         .await
         .map_err(|e| BillingError::Database(e.to_string()))??

@@ -13,6 +13,17 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Timeout of connecting to one manager, before trying the next.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How the managers are reached: the CAs their certificates are checked
+/// with (`None`: `RFAAS_CA_FILE`, else the system's roots), and whether
+/// plain `http://` may leave loopback.
+#[derive(Debug, Clone, Default)]
+pub struct Tls {
+    /// A site CA file.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Plain `http://` to a manager off loopback.
+    pub allow_http: bool,
+}
+
 /// The usage in `period` of the leases `filters` let through that the
 /// holder of `token` may see, from the first of the managers at `urls`
 /// that answers. `to_now`: the period ends now, by the manager's clock,
@@ -20,6 +31,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub fn lease_usage(
     urls: &[String],
     token: &str,
+    tls: &Tls,
     period: Period,
     to_now: bool,
     filters: &Filters,
@@ -40,15 +52,20 @@ pub fn lease_usage(
         }
     }
     let path = format!("/v1/usage?{}", query.finish());
-    let agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(REQUEST_TIMEOUT))
-        .timeout_connect(Some(CONNECT_TIMEOUT))
-        .build()
-        .new_agent();
+    let mut options =
+        rfaas_tls::AgentOptions::new(REQUEST_TIMEOUT).ca_file_or_env(tls.ca_file.clone());
+    options.connect_timeout = Some(CONNECT_TIMEOUT);
+    let agent = rfaas_tls::agent(&options).map_err(|e| BillingError::Usage(e.to_string()))?;
+    let plain = if tls.allow_http {
+        rfaas_tls::PlainHttp::Allowed
+    } else {
+        rfaas_tls::PlainHttp::LoopbackOnly
+    };
     let mut tried = Vec::new();
-    for base in urls {
-        let base = base.trim().trim_end_matches('/');
+    for url in urls {
+        let base = rfaas_tls::manager_url(url.trim(), plain)
+            .map_err(|e| BillingError::Usage(e.to_string()))?;
+        let base = base.as_str();
         let mut resp = match agent
             .get(&format!("{base}{path}"))
             .header("Authorization", &format!("Bearer {token}"))

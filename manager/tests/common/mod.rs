@@ -30,7 +30,26 @@ impl Db {
 
     /// Starts a manager on this database with `extra` configuration.
     pub fn manager_with(&mut self, extra: &str, key: Option<&Manager>) -> Manager {
-        let defaults = ManagerOptions::default();
+        self.manager_serving(extra, key, true)
+    }
+
+    /// As [`Db::manager`], serving plain HTTP on loopback: for tests that
+    /// write raw requests on the socket (what they test lies above TLS).
+    #[allow(dead_code)]
+    pub fn plain_manager(&mut self, extra: &str) -> Manager {
+        let quiet = if extra.contains("lost_after_ms") {
+            ""
+        } else {
+            "lost_after_ms = 600000\n"
+        };
+        self.manager_serving(&format!("{quiet}{extra}"), None, false)
+    }
+
+    fn manager_serving(&mut self, extra: &str, key: Option<&Manager>, tls: bool) -> Manager {
+        let defaults = ManagerOptions {
+            tls,
+            ..ManagerOptions::default()
+        };
         // `extra` overrides the test defaults it names.
         let kept: String = defaults
             .extra_config
