@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::future::Future as _;
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -226,20 +227,34 @@ pub async fn serve(
     Ok(())
 }
 
-/// Bounds the arrival of a request's body by `limit`.
+/// Bounds the arrival of a request's body by `limit`. An answer given
+/// without reading the whole body (a refusal before the body is parsed)
+/// says `Connection: close`: the server closes that connection, and a
+/// client told so does not send its next request on it.
 async fn body_deadline(State(limit): State<Duration>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
+    let read = Arc::new(AtomicBool::new(http_body::Body::is_end_stream(&body)));
     let body = Body::new(Deadline {
         inner: body,
         sleep: Box::pin(tokio::time::sleep(limit)),
+        read: read.clone(),
     });
-    next.run(Request::from_parts(parts, body)).await
+    let mut response = next.run(Request::from_parts(parts, body)).await;
+    if !read.load(Ordering::Relaxed) {
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    response
 }
 
-/// A body that fails once its deadline passes.
+/// A body that fails once its deadline passes, and says when it was read
+/// to its end.
 struct Deadline {
     inner: Body,
     sleep: Pin<Box<tokio::time::Sleep>>,
+    read: Arc<AtomicBool>,
 }
 
 /// A body that did not arrive in time.
@@ -257,6 +272,9 @@ impl http_body::Body for Deadline {
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         let this = &mut *self;
         if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            if frame.is_none() || this.inner.is_end_stream() {
+                this.read.store(true, Ordering::Relaxed);
+            }
             return Poll::Ready(frame);
         }
         match this.sleep.as_mut().poll(cx) {
