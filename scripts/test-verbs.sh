@@ -33,6 +33,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # In the guest: run both binaries, every test even after a failure.
 if [ "${1:-}" = --in-guest ]; then
     lib=$2 conformance=$3 e2e=$4 acct=$5 isolation=$6 status=0
+    # The guest has no openssl: the tests' managers serve HTTPS with a
+    # throwaway CA the host made (testkit::tls::test_ca).
+    export RFAAS_TEST_CA_DIR=$7
     # The guest's init mounts no cgroups; a unified (v2) hierarchy with the
     # memory controller lets the executor daemons here limit their workers
     # with memory.max, which the host (cgroup v1) cannot show.
@@ -104,8 +107,11 @@ trap 'rm -f "$log"' EXIT
 vm_status=0
 # The binaries live in cargo's target directory, which may be outside the repository.
 target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
+ca_dir=$target_dir/verbs-test-ca
+rm -rf "$ca_dir"
+make_test_ca "$ca_dir"
 RDMA_VM_TIMEOUT=${RDMA_VM_TIMEOUT:-900} RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
-    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" "$isolation" |
+    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" "$isolation" "$ca_dir" |
     tee "$log" || vm_status=$?
 # With pipefail, the pipeline's status is the VM's (tee does not fail).
 

@@ -59,11 +59,25 @@ impl TestCa {
 /// every process the test starts trust the managers [`crate::manager`]
 /// starts with its certificate. (Set once, before any client of it exists;
 /// tests run one per process under nextest.)
+///
+/// Where `RFAAS_TEST_CA_DIR` names a directory `make_test_ca` filled, that
+/// CA is used instead: the Soft-RoCE VM has no openssl, so
+/// scripts/test-verbs.sh makes one on the host for the guest's tests.
 pub fn test_ca() -> &'static TestCa {
     static CA: OnceLock<TestCa> = OnceLock::new();
     CA.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("rfaas-test-ca-{}", std::process::id()));
-        let ca = TestCa::make(&dir, &[]).unwrap_or_else(|e| panic!("{e}"));
+        let made = std::env::var_os("RFAAS_TEST_CA_DIR")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .filter(|d| d.join("ca.pem").exists());
+        let ca = match made {
+            Some(dir) => TestCa { dir },
+            None => {
+                let dir =
+                    std::env::temp_dir().join(format!("rfaas-test-ca-{}", std::process::id()));
+                TestCa::make(&dir, &[]).unwrap_or_else(|e| panic!("{e}"))
+            }
+        };
         std::env::set_var(rfaas_tls::CA_FILE_ENV, ca.ca_file());
         ca
     })
