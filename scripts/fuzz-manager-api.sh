@@ -11,7 +11,8 @@
 # scripts/pg.sh, which refuses text SQLite takes, such as a NUL byte),
 # with a private admin token and lease key, mints a user and a node
 # credential, registers a node so the lease routes have capacity to grant,
-# and lets schemathesis generate requests from the manager's own OpenAPI
+# and lets schemathesis generate requests, over HTTPS with a throwaway
+# CA's certificate (make_test_ca), from the manager's own OpenAPI
 # document (/v1/openapi.json): valid ones, and invalid ones the manager
 # must refuse. It runs twice, as the admin and as a user, because each
 # role reaches other code behind the same routes. It fails on:
@@ -78,10 +79,12 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
+# The managers serve HTTPS with this CA's certificate, as a site's would.
+make_test_ca "$work/ca"
 
 # call METHOD PATH TOKEN [BODY]: prints the answer; fails unless 2xx.
 call() {
-    local args=(-sS --fail-with-body -X "$1" -H "Authorization: Bearer $3")
+    local args=(-sS --fail-with-body --cacert "$work/ca/ca.pem" -X "$1" -H "Authorization: Bearer $3")
     [ $# -ge 4 ] && args+=(-H 'Content-Type: application/json' -d "$4")
     curl "${args[@]}" "$url$2"
 }
@@ -129,6 +132,8 @@ listen = "127.0.0.1:0"
 database = "$database"
 admin_token_file = "$dir/admin.token"
 lease_key_file = "$dir/lease-key.secret"
+tls_cert = "$work/ca/server.pem"
+tls_key = "$work/ca/server.key"
 # The registered node must stay up through the run without heartbeats.
 heartbeat_interval_ms = 1000
 lost_after_ms = 3600000
@@ -142,7 +147,7 @@ TOML
         >"$dir/manager.out" 2>"$dir/manager.log" &
     manager_pid=$!
     url=$(await_line "$manager_pid" "$dir/manager.out" \
-        's/^rfaas-manager listening on \(.*\)$/http:\/\/\1/p')
+        's/^rfaas-manager listening on \(.*\)$/https:\/\/\1/p')
     if [ -z "$url" ]; then
         echo "fuzz-manager-api: rfaas-manager did not start on $backend; its log:" >&2
         cat "$dir/manager.log" >&2
@@ -167,7 +172,7 @@ TOML
         # From the work directory: schemathesis and hypothesis write there.
         (cd "$dir" && "$venv/bin/st" --config-file "$work/schemathesis.toml" run "$url/v1/openapi.json" \
             --checks "$checks" \
-            --header "Authorization: Bearer $token" \
+            --header "Authorization: Bearer $token" --tls-verify "$work/ca/ca.pem" \
             --max-examples "$examples" --seed "$seed" \
             --generation-database none --workers 1 --no-color \
             --report junit --report-dir "$dir/report-$role") || status=1
