@@ -7,15 +7,24 @@
 //!   admin (`POST /v1/credentials`). The database keeps the secret's
 //!   SHA-256, never the secret. A replica caches a verified credential for
 //!   [`CACHE_TTL`], so a revocation takes effect everywhere within it.
-//! - Strangers cost little: a malformed credential is refused without a
-//!   database query, an id the database does not hold is remembered as
-//!   unknown for [`UNKNOWN_TTL`] (so a credential minted on another replica
-//!   works here within it), and at most a few lookups of uncached ids reach
-//!   the database at once, so a flood of made-up credentials leaves the
-//!   pool's connections to the requests of callers already known.
+//! - A credential's id is 8 random bytes and a tag: the first 8 bytes of
+//!   their HMAC-SHA256 under a key the replicas share (stored in the
+//!   database, `manager_keys`, made by the first replica to start), all in
+//!   hex. An id whose tag does not match was never minted here and is
+//!   refused without a database query; so is an untagged id (16 hex
+//!   digits, minted before ids were tagged) that was not in the database
+//!   when this replica started. The tag only spares the database: the
+//!   secret is what proves a credential.
+//! - Strangers cost little: a malformed or made-up credential is refused
+//!   without a database query; an id that passes the tag but is not (yet)
+//!   in the database is remembered as unknown for [`UNKNOWN_TTL`] (so a
+//!   credential minted on another replica works here within it), and at
+//!   most a few lookups of uncached ids reach the database at once, so
+//!   those leave the pool's connections to the requests of callers already
+//!   known.
 
 use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher as _;
 use std::path::Path;
 use std::sync::Mutex;
@@ -28,6 +37,9 @@ use rfaas_service::credentials::{
     check_private_file, constant_time_eq, hash_secret, random_bytes, CredentialRow, CACHE_TTL,
     CREDENTIAL_PREFIX,
 };
+
+use hmac::{Hmac, Mac as _};
+use sha2::Sha256;
 
 use crate::error::ApiError;
 use crate::store::Store;
@@ -86,46 +98,22 @@ pub struct Auth {
     /// the cache for the rest).
     lookups: Vec<tokio::sync::Mutex<()>>,
     lookup_hasher: RandomState,
+    /// The key of ids' tags.
+    id_key: Vec<u8>,
+    /// Untagged ids the database held at start.
+    untagged: HashSet<String>,
+}
+
+/// Hex digits of a credential id's random part, and of its tag.
+const ID_RANDOM_HEX: usize = 16;
+const ID_TAG_HEX: usize = 16;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn unauthorized(message: &str) -> ApiError {
     ApiError::Unauthorized(message.to_owned())
-}
-
-/// A new credential: its stored row and its bearer token.
-pub fn new_credential(
-    role: Role,
-    subject: &str,
-    account: &str,
-    expires_at: u64,
-) -> std::io::Result<(CredentialRow, String)> {
-    new_job_credential(role, subject, account, expires_at, None)
-}
-
-/// As [`new_credential`], for Slurm job `job_id` when given.
-pub fn new_job_credential(
-    role: Role,
-    subject: &str,
-    account: &str,
-    expires_at: u64,
-    job_id: Option<u64>,
-) -> std::io::Result<(CredentialRow, String)> {
-    let id: String = random_bytes(8)?
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let secret = URL_SAFE_NO_PAD.encode(random_bytes(32)?);
-    let row = CredentialRow {
-        id: id.clone(),
-        secret_hash: hash_secret(&secret),
-        role,
-        subject: subject.to_owned(),
-        account: account.to_owned(),
-        expires_at,
-        revoked: false,
-        job_id,
-    };
-    Ok((row, format!("{CREDENTIAL_PREFIX}.{id}.{secret}")))
 }
 
 /// Reads the admin token: one line of at least 16 characters, in a file
@@ -150,7 +138,14 @@ impl Auth {
     /// Checks tokens against `admin_token` and the stored credentials,
     /// read through a pool of `connections`: a quarter of them (at least
     /// one) may be looking up uncached credentials at once.
-    pub fn new(admin_token: String, connections: u32) -> Auth {
+    /// Ids are tagged with `id_key`; `untagged` are the ids minted before
+    /// tags that the database holds.
+    pub fn new(
+        admin_token: String,
+        connections: u32,
+        id_key: Vec<u8>,
+        untagged: HashSet<String>,
+    ) -> Auth {
         Auth {
             admin_token,
             cache: Mutex::new(HashMap::new()),
@@ -159,7 +154,86 @@ impl Auth {
                 .map(|_| tokio::sync::Mutex::new(()))
                 .collect(),
             lookup_hasher: RandomState::new(),
+            id_key,
+            untagged,
         }
+    }
+
+    /// As [`new`](Self::new), with the tag key and untagged ids `store`
+    /// holds (storing a new key on a database that has none).
+    ///
+    /// # Errors
+    ///
+    /// The database's, or no randomness.
+    pub async fn open(
+        store: &Store,
+        admin_token: String,
+        connections: u32,
+    ) -> anyhow::Result<Auth> {
+        let fresh = hex(&random_bytes(32)?);
+        let key = store.credential_id_key(&fresh).await?;
+        let untagged = store.untagged_credential_ids().await?.into_iter().collect();
+        Ok(Auth::new(
+            admin_token,
+            connections,
+            key.into_bytes(),
+            untagged,
+        ))
+    }
+
+    /// The tag of an id's random part.
+    fn tag(&self, random: &str) -> String {
+        // A key of any length is accepted by HMAC.
+        let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(&self.id_key) else {
+            return String::new();
+        };
+        mac.update(random.as_bytes());
+        hex(&mac.finalize().into_bytes()[..ID_TAG_HEX / 2])
+    }
+
+    /// Whether `id` may name a stored credential: tagged by this
+    /// manager's key, or untagged and held at start.
+    fn may_be_stored(&self, id: &str) -> bool {
+        if !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return false;
+        }
+        match id.len() {
+            ID_RANDOM_HEX => self.untagged.contains(id),
+            n if n == ID_RANDOM_HEX + ID_TAG_HEX => {
+                let (random, tag) = id.split_at(ID_RANDOM_HEX);
+                constant_time_eq(self.tag(random).as_bytes(), tag.as_bytes())
+            }
+            _ => false,
+        }
+    }
+
+    /// A new credential: its stored row and its bearer token.
+    ///
+    /// # Errors
+    ///
+    /// No randomness.
+    pub fn mint(
+        &self,
+        role: Role,
+        subject: &str,
+        account: &str,
+        expires_at: u64,
+        job_id: Option<u64>,
+    ) -> std::io::Result<(CredentialRow, String)> {
+        let random = hex(&random_bytes(ID_RANDOM_HEX / 2)?);
+        let id = format!("{random}{}", self.tag(&random));
+        let secret = URL_SAFE_NO_PAD.encode(random_bytes(32)?);
+        let row = CredentialRow {
+            id: id.clone(),
+            secret_hash: hash_secret(&secret),
+            role,
+            subject: subject.to_owned(),
+            account: account.to_owned(),
+            expires_at,
+            revoked: false,
+            job_id,
+        };
+        Ok((row, format!("{CREDENTIAL_PREFIX}.{id}.{secret}")))
     }
 
     /// Who sent `authorization` (the header's value, if any).
@@ -230,7 +304,7 @@ impl Auth {
     /// The stored credential `id`, from the caches when they know it;
     /// `None` for an id that is malformed or not in the database.
     async fn lookup(&self, store: &Store, id: &str) -> Result<Option<CredentialRow>, ApiError> {
-        if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if !self.may_be_stored(id) {
             return Ok(None);
         }
         let (known, verified_before) = self.cached(id);
@@ -318,9 +392,16 @@ mod tests {
     use rfaas_service::credentials::{verify_node_credential, NodeRefusal};
     use std::os::unix::fs::PermissionsExt;
 
+    fn auth(key: &str, untagged: &[&str]) -> Auth {
+        let untagged = untagged.iter().map(|s| (*s).to_owned()).collect();
+        Auth::new("admin-token-0123456789".into(), 4, key.into(), untagged)
+    }
+
     #[test]
     fn credentials_hold_their_id_and_a_secret_stored_only_hashed() {
-        let (row, token) = new_credential(Role::User, "alice", "physics", 0).unwrap();
+        let (row, token) = auth("k", &[])
+            .mint(Role::User, "alice", "physics", 0, None)
+            .unwrap();
         let parts: Vec<&str> = token.split('.').collect();
         assert_eq!(parts.len(), 3);
         assert_eq!(parts[0], CREDENTIAL_PREFIX);
@@ -336,7 +417,8 @@ mod tests {
         let url = format!("sqlite://{}", dir.join("m.db").display());
         let pool = rfaas_service::db::open_and_migrate(&url, 2).await.unwrap();
         let store = Store::new(pool, rfaas_service::db::Backend::Sqlite);
-        let mint = |role, expires_at| new_credential(role, "n1", "", expires_at).unwrap();
+        let auth = auth("k", &[]);
+        let mint = |role, expires_at| auth.mint(role, "n1", "", expires_at, None).unwrap();
         let (node, node_token) = mint(Role::Node, 0);
         let (user, user_token) = mint(Role::User, 0);
         let (old, old_token) = mint(Role::Node, 100);
@@ -358,6 +440,38 @@ mod tests {
         assert!(store.revoke_credential(&node.id).await.unwrap());
         assert_eq!(check(node_token).await, Err(NodeRefusal::Revoked));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Only ids this manager's key tagged, and untagged ones it held at
+    /// start, may reach the database.
+    #[test]
+    fn made_up_ids_fail_their_tag() {
+        let ours = auth("one key", &["00112233aabbccdd"]);
+        let (row, _) = ours.mint(Role::Node, "n1", "", 0, None).unwrap();
+        assert_eq!(row.id.len(), 32, "{}", row.id);
+        assert!(ours.may_be_stored(&row.id));
+        assert!(ours.may_be_stored("00112233aabbccdd"));
+        // Another key's ids, any bit of the tag or the random part
+        // changed, an untagged id not held at start, and non-hex: refused.
+        let (theirs, _) = auth("other key", &[])
+            .mint(Role::Node, "n1", "", 0, None)
+            .unwrap();
+        assert!(!ours.may_be_stored(&theirs.id));
+        for at in [0, 15, 16, 31] {
+            let mut id = row.id.clone().into_bytes();
+            id[at] = if id[at] == b'0' { b'1' } else { b'0' };
+            let id = String::from_utf8(id).unwrap();
+            assert!(!ours.may_be_stored(&id), "{id}");
+        }
+        for id in [
+            "00112233aabbccde",
+            "",
+            "zz",
+            &row.id[..31],
+            &format!("{}0", row.id),
+        ] {
+            assert!(!ours.may_be_stored(id), "{id}");
+        }
     }
 
     #[test]

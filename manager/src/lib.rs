@@ -169,7 +169,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             "[slurm] unchecked = true: job credentials are minted for whatever job, user and account a node names, without asking Slurm; any node's credential can act as any user. Never run so on a cluster with users"
         );
     }
-    let auth = Auth::new(admin, settings.max_connections);
+    let auth = Auth::open(&store, admin, settings.max_connections).await?;
     let app = Arc::new(App {
         settings,
         store,

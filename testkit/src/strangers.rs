@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use crate::abuse::connect_from;
 
-/// A credential of the manager's form whose id no manager holds (16 random
-/// hex digits, as minted ids are).
+/// A credential of the manager's form whose id no manager minted (32
+/// random hex digits, as minted ids are, whose tag is then wrong).
 pub fn made_up_credential() -> String {
-    let mut id = [0u8; 8];
+    let mut id = [0u8; 16];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut id))
         .expect("/dev/urandom");

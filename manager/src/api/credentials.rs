@@ -9,7 +9,6 @@ use rfaas_proto::manager::{Credential, CredentialRequest, Role};
 use super::check::{check_name, check_node_name};
 use super::extract::{Admin, Sent};
 use super::{ApiResult, AppState};
-use crate::auth::new_credential;
 use crate::error::{ApiError, Kind, RefusalTable};
 use crate::{now_ms, now_s};
 
@@ -71,7 +70,9 @@ pub(super) async fn create_credential(
         Some(t) => now_s() + t,
         None => 0,
     };
-    let (row, token) = new_credential(body.role, &body.subject, &account, expires_at)
+    let (row, token) = app
+        .auth
+        .mint(body.role, &body.subject, &account, expires_at, None)
         .map_err(|e| ApiError::Internal(format!("no randomness: {e}")))?;
     app.store.add_credential(&row, now_ms()).await?;
     tracing::info!(id = %row.id, role = ?row.role, subject = %row.subject, "credential minted");
@@ -121,7 +122,7 @@ pub(super) async fn revoke_credential(
     Path(id): Path<String>,
     _: Admin,
 ) -> ApiResult<StatusCode> {
-    // Ids are hex (auth::new_credential); anything else names none, and
+    // Ids are hex (auth::Auth::mint); anything else names none, and
     // must not reach the database (PostgreSQL refuses a NUL in text).
     let well_formed = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit());
     if !well_formed || !app.store.revoke_credential(&id).await? {

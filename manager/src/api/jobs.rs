@@ -12,7 +12,6 @@ use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded, Role};
 use super::check::check_name;
 use super::extract::{Node, Sent};
 use super::{ApiResult, AppState};
-use crate::auth::new_job_credential;
 use crate::db::retrying;
 use crate::error::{ApiError, Kind, RefusalTable};
 use crate::slurm::SlurmJob;
@@ -134,14 +133,16 @@ pub(super) async fn job_credential(
     let expires_at = body
         .expires_at
         .min(now.saturating_add(app.settings.max_job_credential_s));
-    let (row, token) = new_job_credential(
-        Role::User,
-        &body.user,
-        &body.account,
-        expires_at,
-        Some(job_id),
-    )
-    .map_err(|e| ApiError::Internal(format!("no randomness: {e}")))?;
+    let (row, token) = app
+        .auth
+        .mint(
+            Role::User,
+            &body.user,
+            &body.account,
+            expires_at,
+            Some(job_id),
+        )
+        .map_err(|e| ApiError::Internal(format!("no randomness: {e}")))?;
     app.store.add_credential(&row, now_ms()).await?;
     tracing::info!(id = %row.id, job_id, user = %row.subject, account = %row.account, expires_at, by = %node.subject, "job credential minted");
     Ok((

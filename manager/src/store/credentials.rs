@@ -2,6 +2,7 @@
 
 use rfaas_proto::manager::Role;
 use rfaas_service::credentials::{self, CredentialRow};
+use sqlx::Row as _;
 
 use super::Store;
 use crate::db::{i, DbError};
@@ -42,6 +43,33 @@ impl Store {
         .iter()
         .map(credentials::from_row)
         .collect()
+    }
+
+    /// The key that tags credential ids ([`crate::auth::Auth`]): the one
+    /// stored, or `fresh` when none is yet (the first replica to ask on a
+    /// new database stores its own; every other reads that one).
+    pub async fn credential_id_key(&self, fresh: &str) -> Result<String, DbError> {
+        sqlx::query(
+            "INSERT INTO manager_keys (name, value) VALUES ('credential_id', $1) ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(fresh)
+        .execute(&self.pool)
+        .await?;
+        let row = sqlx::query("SELECT value FROM manager_keys WHERE name = 'credential_id'")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.try_get("value")?)
+    }
+
+    /// The ids of credentials minted before ids were tagged (16 hex
+    /// digits, untagged), revoked or not.
+    pub async fn untagged_credential_ids(&self) -> Result<Vec<String>, DbError> {
+        sqlx::query("SELECT id FROM credentials WHERE length(id) = 16")
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| Ok(r.try_get("id")?))
+            .collect()
     }
 
     /// Revokes a credential. `false`: unknown.
