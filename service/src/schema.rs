@@ -124,6 +124,8 @@ pub const GRANTS: &[(&str, &str, &str)] = &[
     ),
     ("account_spend", "SELECT, INSERT, UPDATE, DELETE", "SELECT"),
     ("budgets", "", "SELECT"),
+    // The key of credential ids' tags: the manager's alone.
+    ("manager_keys", "", ""),
 ];
 
 /// The names of the three database roles.
