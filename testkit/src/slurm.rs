@@ -27,10 +27,14 @@ pub struct SlurmOptions {
     pub prolog: Option<PathBuf>,
     /// slurmd's `Epilog=` program, or none.
     pub epilog: Option<PathBuf>,
+    /// An accounting database as well (slurmdbd on a throwaway MariaDB,
+    /// `ACCOUNTING=1`), for `sacctmgr`: accounts, users, coordinators.
+    pub accounting: bool,
 }
 
 impl Default for SlurmOptions {
-    /// 3 nodes of 4 CPUs, no plugins, no prolog or epilog.
+    /// 3 nodes of 4 CPUs, no plugins, no prolog or epilog, no
+    /// accounting database.
     fn default() -> Self {
         SlurmOptions {
             nodes: 3,
@@ -38,6 +42,7 @@ impl Default for SlurmOptions {
             plugstack: None,
             prolog: None,
             epilog: None,
+            accounting: false,
         }
     }
 }
@@ -164,6 +169,14 @@ impl SlurmCluster {
             .map_err(|_| format!("sbatch printed {out:?}, not a job id"))
     }
 
+    /// `sacctmgr -i args` (no questions asked): its standard output. Only
+    /// for a cluster started with [`SlurmOptions::accounting`].
+    pub fn sacctmgr(&self, args: &[&str]) -> Result<String, String> {
+        let mut all = vec!["-i"];
+        all.extend_from_slice(args);
+        self.run("sacctmgr", &all)
+    }
+
     /// `scontrol args`: its standard output.
     pub fn scontrol(&self, args: &[&str]) -> Result<String, String> {
         self.run("scontrol", args)
@@ -245,6 +258,7 @@ impl SlurmCluster {
             .env("RFAAS_SLURM_DIR", &self.dir)
             .env("NODES", self.opts.nodes.to_string())
             .env("CPUS", self.opts.cpus.to_string())
+            .env("ACCOUNTING", if self.opts.accounting { "1" } else { "0" })
             .env_remove("PLUGSTACK")
             .env_remove("PROLOG")
             .env_remove("EPILOG");
