@@ -135,7 +135,8 @@ take_slot() {
             fi
         fi
         # Something else may listen there (then the slot stays taken).
-        if (exec 3<>"/dev/tcp/127.0.0.1/$((16000 + 64 * s))") 2>/dev/null; then
+        if busy $((16000 + 64 * s)) ||
+            { [ "${ACCOUNTING:-0}" = 1 ] && { busy $((18048 + 2 * s)) || busy $((18049 + 2 * s)); }; }; then
             continue
         fi
         rm -f "$mine"
@@ -144,6 +145,11 @@ take_slot() {
     done
     rm -f "$mine"
     die "all 32 slots under $SLOTS are taken by running clusters; stop one (scripts/slurm-cluster.sh stop with its RFAAS_SLURM_DIR)"
+}
+
+# True if something listens on 127.0.0.1 port $1.
+busy() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
 # True if slot file $1, owned by the cluster in directory $2, is left over:
