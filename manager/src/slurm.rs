@@ -8,8 +8,10 @@
 //! asked with `sacctmgr` when `[slurm] coordinators = true`.
 //!
 //! Answers are cached for `cache_ms` (every node of a job asks once per
-//! step), a few Slurm commands run at once at most (one runner for both),
-//! each bounded by `timeout_ms`, and a Slurm that cannot be asked refuses:
+//! step), a few Slurm commands run at once at most (one runner for both;
+//! `sacctmgr` takes turns of its own, so usage reads never hold up job
+//! checks), each bounded by `timeout_ms`, and a Slurm that cannot be asked
+//! refuses:
 //! nothing is granted on a node's word alone, unless the admin turned the
 //! checks off (`[slurm] unchecked = true`, for sites without Slurm and for
 //! tests), and no coordinator rights are given that sacctmgr did not
@@ -28,8 +30,12 @@ use tokio::sync::Semaphore;
 /// Cached answers kept at most; expired ones go first when it is full.
 const CACHED: usize = 4096;
 
-/// Slurm commands run at once at most.
+/// `squeue` processes run at once at most.
 const AT_ONCE: usize = 4;
+
+/// `sacctmgr` processes run at once at most: apart from `squeue`'s, so
+/// usage reads while slurmdbd is slow never hold up job checks.
+const COORDINATOR_READS_AT_ONCE: usize = 2;
 
 /// How the manager asks Slurm (`[slurm]` in `manager.toml`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,6 +163,7 @@ pub struct Slurm {
     jobs: Cache<u64, Option<SlurmJob>>,
     coordinated: Cache<String, Vec<String>>,
     running: Semaphore,
+    reading: Semaphore,
 }
 
 impl Slurm {
@@ -167,6 +174,7 @@ impl Slurm {
             coordinated: Cache::new(settings.cache_ms),
             settings,
             running: Semaphore::new(AT_ONCE),
+            reading: Semaphore::new(COORDINATOR_READS_AT_ONCE),
         }
     }
 
@@ -213,6 +221,7 @@ impl Slurm {
         let program = &self.settings.sacctmgr;
         let out = self
             .run(
+                &self.reading,
                 program,
                 &about,
                 &[
@@ -236,17 +245,18 @@ impl Slurm {
     }
 
     /// Runs Slurm command `program args` (about `about`, for errors) to
-    /// its end with the configured `SLURM_CONF`, a few at once, each
-    /// bounded by `timeout_ms`; its output whatever its exit status.
+    /// its end with the configured `SLURM_CONF`, as many at once as
+    /// `turns` has permits, each bounded by `timeout_ms`; its output
+    /// whatever its exit status.
     async fn run(
         &self,
+        turns: &Semaphore,
         program: &Path,
         about: &str,
         args: &[&str],
     ) -> Result<std::process::Output, SlurmUnavailable> {
         let s = &self.settings;
-        let _turn = self
-            .running
+        let _turn = turns
             .acquire()
             .await
             .map_err(|e| unavailable(program, about, e.to_string()))?;
@@ -277,6 +287,7 @@ impl Slurm {
         let program = &self.settings.squeue;
         let out = self
             .run(
+                &self.running,
                 program,
                 &about,
                 &[
