@@ -271,9 +271,19 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
     export SLURM_CONF="$CONF"
     if [ "${ACCOUNTING:-0}" = 1 ]; then
-        # slurmctld registers with slurmdbd only as a cluster it knows.
-        sacctmgr -i add cluster "rfaas$slot" >/dev/null ||
-            { stop; die "sacctmgr could not add cluster rfaas$slot to slurmdbd; its log: $DIR/log/slurmdbd.log"; }
+        # slurmctld registers with slurmdbd only as a cluster it knows;
+        # slurmdbd may take a moment after it listens to answer.
+        local said="" _i
+        for _i in $(seq 100); do
+            said=$(sacctmgr -i add cluster "rfaas$slot" 2>&1) && break
+            said="failed: $said"
+            sleep 0.3
+        done
+        case $said in failed:*)
+            stop
+            die "sacctmgr could not add cluster rfaas$slot to slurmdbd within 30 s ($said); its log: $DIR/log/slurmdbd.log"
+            ;;
+        esac
     fi
 
     slurmctld -c -f "$CONF" || { stop; die "slurmctld did not start; its log: $DIR/log/slurmctld.log"; }
