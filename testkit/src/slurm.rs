@@ -53,6 +53,8 @@ pub struct SlurmCluster {
     dir: PathBuf,
     opts: SlurmOptions,
     running: bool,
+    /// Keep the directory (its logs) on drop.
+    keep: bool,
 }
 
 fn script() -> PathBuf {
@@ -61,7 +63,8 @@ fn script() -> PathBuf {
 
 impl SlurmCluster {
     /// Starts a cluster in a new temporary directory and waits until every
-    /// node is idle. `Err` says why it could not, with the script's output.
+    /// node is idle. `Err` says why it could not, with the script's output,
+    /// and where the cluster's logs stay.
     pub fn start(opts: SlurmOptions) -> Result<SlurmCluster, String> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = loop {
@@ -74,13 +77,20 @@ impl SlurmCluster {
                 break dir;
             }
         };
-        let cluster = SlurmCluster {
+        let mut cluster = SlurmCluster {
             dir,
             opts,
             // Whatever the script started before failing is stopped on drop.
             running: true,
+            keep: false,
         };
-        cluster.script("start")?;
+        if let Err(e) = cluster.script("start") {
+            cluster.keep = true;
+            return Err(format!(
+                "{e}\nthe Slurm cluster's logs stay in {}",
+                cluster.dir.display()
+            ));
+        }
         Ok(cluster)
     }
 
@@ -294,10 +304,10 @@ impl Drop for SlurmCluster {
                 eprintln!("{e}");
             }
         }
-        if std::thread::panicking() {
+        if std::thread::panicking() && !self.keep {
             // A failed test's logs stay for whoever reads its output.
             eprintln!("the Slurm cluster's logs stay in {}", self.dir.display());
-        } else {
+        } else if !self.keep {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
