@@ -41,7 +41,7 @@
 #
 # Runs as root: slurmd starts job steps as their users. Stop signals only
 # the pids this cluster's daemons wrote into DIR/run (each checked to be a
-# process of this cluster first) and the slurmstepd processes whose
+# process of this cluster first) and the slurmstepd and slurmdbd processes whose
 # environment names this cluster's slurm.conf.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -98,12 +98,12 @@ stop_daemon() {
     kill -KILL "$pid" 2>/dev/null || true
 }
 
-# This cluster's running slurmstepd processes.
-stepds() {
+# This cluster's running processes named $1 (slurmstepd, slurmdbd).
+named() {
     local d pid
     for d in /proc/[0-9]*; do
         pid=${d#/proc/}
-        [ "$(cat "$d/comm" 2>/dev/null)" = slurmstepd ] || continue
+        [ "$(cat "$d/comm" 2>/dev/null)" = "$1" ] || continue
         alive "$pid" || continue
         tr '\0' '\n' <"$d/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" && echo "$pid"
     done
@@ -397,7 +397,7 @@ stop() {
         [ -z "$pid" ] || stop_daemon "$pid" "$(basename "$f" .pid)"
         rm -f "$f"
     done
-    for pid in $(stepds); do
+    for pid in $(named slurmstepd); do
         stop_daemon "$pid" slurmstepd
     done
     [ -z "$ctld" ] || stop_daemon "$ctld" slurmctld
@@ -406,6 +406,10 @@ stop() {
         pid=$(pid_from "$DIR/run/$f.pid")
         [ -z "$pid" ] || stop_daemon "$pid" "$f"
         rm -f "$DIR/run/$f.pid"
+    done
+    # A slurmdbd whose pid file was not written yet, or no longer names it.
+    for pid in $(named slurmdbd); do
+        stop_daemon "$pid" slurmdbd
     done
     pid=$(pid_from "$DIR/run/munged.pid")
     [ -z "$pid" ] || stop_daemon "$pid" munged
