@@ -40,6 +40,12 @@ TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 po
 # shellcheck disable=SC2034
 SLURM_PACKAGES=(munge slurmctld slurmd slurm-client libslurm-dev)
 
+# What such a cluster's accounting database needs (ACCOUNTING=1
+# scripts/slurm-cluster.sh; the coordinator tests start one): slurmdbd and
+# MariaDB, whose packaged service is not used.
+# shellcheck disable=SC2034
+SLURMDBD_PACKAGES=(slurmdbd mariadb-server)
+
 # The one build CI makes, in scripts/test.sh's first step: the whole
 # workspace, every target, with the verbs provider, debug profile, cargo's
 # target directory. Every later stage asks cargo for exactly these units

@@ -19,12 +19,21 @@
 #                    believe the configuration, not the machine)
 #   PLUGSTACK        a plugstack.conf to use (SPANK plugins); none by default
 #   PROLOG, EPILOG   slurmd's Prolog= and Epilog= programs; none by default
+#   ACCOUNTING       1: also an accounting database, as a site with
+#                    slurmdbd has: a throwaway MariaDB (DIR/mariadb, its
+#                    own port on 127.0.0.1, run as the mysql user) and a
+#                    slurmdbd (DIR/etc/slurmdbd.conf, 0600) that slurmctld
+#                    and sacctmgr use; the cluster is added to it, accounts
+#                    and users are the caller's to make (`sacctmgr -i`).
+#                    Default 0: AccountingStorageType=accounting_storage/none
 #
 # Several clusters may run at once (the tests start one each): every
 # cluster takes a slot, 0 to 31, a file under /tmp/rfaas-slurm-slots. Slot S gives slurmctld port 16000+64*S, nodeK port 16000+64*S+K
 # and nodeK the address 127.0.S.(10+K) (slurmd listens on every address,
 # so the ports must differ; the addresses name the nodes). The ports lie
-# below the kernel's ephemeral range and below scripts/pg.sh's.
+# below the kernel's ephemeral range and below scripts/pg.sh's. With
+# ACCOUNTING=1, slot S's slurmdbd listens on 127.0.0.1 port 18048+2*S and
+# its MariaDB on 18049+2*S.
 #
 # DIR/env is shell: `export SLURM_CONF=...` and the cluster's facts
 # (RFAAS_SLURM_SLOT, RFAAS_SLURM_NODES, RFAAS_SLURM_CPUS,
@@ -32,7 +41,7 @@
 #
 # Runs as root: slurmd starts job steps as their users. Stop signals only
 # the pids this cluster's daemons wrote into DIR/run (each checked to be a
-# process of this cluster first) and the slurmstepd processes whose
+# process of this cluster first) and the slurmstepd and slurmdbd processes whose
 # environment names this cluster's slurm.conf.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -89,12 +98,12 @@ stop_daemon() {
     kill -KILL "$pid" 2>/dev/null || true
 }
 
-# This cluster's running slurmstepd processes.
-stepds() {
+# This cluster's running processes named $1 (slurmstepd, slurmdbd).
+named() {
     local d pid
     for d in /proc/[0-9]*; do
         pid=${d#/proc/}
-        [ "$(cat "$d/comm" 2>/dev/null)" = slurmstepd ] || continue
+        [ "$(cat "$d/comm" 2>/dev/null)" = "$1" ] || continue
         alive "$pid" || continue
         tr '\0' '\n' <"$d/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" && echo "$pid"
     done
@@ -126,7 +135,8 @@ take_slot() {
             fi
         fi
         # Something else may listen there (then the slot stays taken).
-        if (exec 3<>"/dev/tcp/127.0.0.1/$((16000 + 64 * s))") 2>/dev/null; then
+        if busy $((16000 + 64 * s)) ||
+            { [ "${ACCOUNTING:-0}" = 1 ] && { busy $((18048 + 2 * s)) || busy $((18049 + 2 * s)); }; }; then
             continue
         fi
         rm -f "$mine"
@@ -135,6 +145,11 @@ take_slot() {
     done
     rm -f "$mine"
     die "all 32 slots under $SLOTS are taken by running clusters; stop one (scripts/slurm-cluster.sh stop with its RFAAS_SLURM_DIR)"
+}
+
+# True if something listens on 127.0.0.1 port $1.
+busy() {
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
 # True if slot file $1, owned by the cluster in directory $2, is left over:
@@ -199,6 +214,15 @@ start() {
     [ -z "${PROLOG:-}" ] || prolog="Prolog=$(realpath "$PROLOG")"
     [ -z "${EPILOG:-}" ] || epilog="Epilog=$(realpath "$EPILOG")"
 
+    local accounting="AccountingStorageType=accounting_storage/none"
+    if [ "${ACCOUNTING:-0}" = 1 ]; then
+        start_dbd "$slot" "$host" "$munge_socket"
+        accounting="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$((18048 + 2 * slot))
+AccountingStoragePass=$munge_socket"
+    fi
+
     cat >"$CONF" <<CONF
 # Written by scripts/slurm-cluster.sh (slot $slot); rewritten at every start.
 ClusterName=rfaas$slot
@@ -221,7 +245,7 @@ MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$accounting
 JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
@@ -246,6 +270,21 @@ NodeName=node[1-$NODES] NodeHostname=$host NodeAddr=127.0.$slot.[11-$((10 + NODE
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
     export SLURM_CONF="$CONF"
+    if [ "${ACCOUNTING:-0}" = 1 ]; then
+        # slurmctld registers with slurmdbd only as a cluster it knows;
+        # slurmdbd may take a moment after it listens to answer.
+        local said="" _i
+        for _i in $(seq 100); do
+            said=$(sacctmgr -i add cluster "rfaas$slot" 2>&1) && break
+            said="failed: $said"
+            sleep 0.3
+        done
+        case $said in failed:*)
+            stop
+            die "sacctmgr could not add cluster rfaas$slot to slurmdbd within 30 s ($said); its log: $DIR/log/slurmdbd.log"
+            ;;
+        esac
+    fi
 
     slurmctld -c -f "$CONF" || { stop; die "slurmctld did not start; its log: $DIR/log/slurmctld.log"; }
     for k in $(seq "$NODES"); do
@@ -275,6 +314,73 @@ ENV
     echo "slurm cluster up in $DIR: $NODES nodes x $CPUS CPUs, slot $slot (slurmctld 127.0.0.1:$ctld_port); . $DIR/env"
 }
 
+# The accounting database of slot $1 on host $2, authenticating with the
+# munged at socket $3: MariaDB in DIR/mariadb (a random password for
+# slurmdbd's database user, kept in the 0600 slurmdbd.conf), then slurmdbd.
+start_dbd() {
+    local slot=$1 host=$2 munge_socket=$3
+    local dbd_port=$((18048 + 2 * slot)) db_port=$((18049 + 2 * slot))
+    local data="$DIR/mariadb" socket="$DIR/run/mariadb.sock" pass _i
+    ensure_packages "${SLURMDBD_PACKAGES[@]}"
+    rm -rf "$data"
+    mkdir -p "$data"
+    chown mysql: "$data"
+    mariadb-install-db --no-defaults --user=mysql --datadir="$data" \
+        --auth-root-authentication-method=socket --skip-test-db >"$DIR/log/mariadb-install.log" 2>&1 ||
+        { stop; die "mariadb-install-db failed; its output: $DIR/log/mariadb-install.log"; }
+    # The run directory is root's: mariadbd (as mysql) writes its pid and
+    # socket into one of its own.
+    mkdir -p "$DIR/run/mariadb"
+    chown mysql: "$DIR/run/mariadb"
+    socket="$DIR/run/mariadb/mariadb.sock"
+    touch "$DIR/log/mariadbd.log"
+    chown mysql: "$DIR/log/mariadbd.log"
+    mariadbd --no-defaults --user=mysql --datadir="$data" --socket="$socket" \
+        --bind-address=127.0.0.1 --port="$db_port" --pid-file="$DIR/run/mariadb/mariadbd.pid" \
+        --log-error="$DIR/log/mariadbd.log" --skip-log-bin --innodb-buffer-pool-size=32M \
+        --innodb-log-file-size=16M >/dev/null 2>&1 &
+    for _i in $(seq 300); do
+        mariadb --no-defaults --socket="$socket" -e 'SELECT 1' >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    ln -sf mariadb/mariadbd.pid "$DIR/run/mariadbd.pid"
+    mariadb --no-defaults --socket="$socket" -e 'SELECT 1' >/dev/null 2>&1 ||
+        { stop; die "MariaDB did not answer within 30 s; its log: $DIR/log/mariadbd.log"; }
+    pass=$(head -c 18 /dev/urandom | base64 | tr -d '/+=')
+    mariadb --no-defaults --socket="$socket" -e \
+        "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pass'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" ||
+        { stop; die "could not make slurmdbd's database user in MariaDB"; }
+    (
+        umask 077
+        cat >"$DIR/etc/slurmdbd.conf" <<DBD
+# Written by scripts/slurm-cluster.sh (slot $slot); rewritten at every start.
+AuthType=auth/munge
+AuthInfo=socket=$munge_socket
+DbdHost=$host
+DbdAddr=127.0.0.1
+DbdPort=$dbd_port
+SlurmUser=root
+PidFile=$DIR/run/slurmdbd.pid
+LogFile=$DIR/log/slurmdbd.log
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$db_port
+StorageUser=slurm
+StoragePass=$pass
+StorageLoc=slurm_acct_db
+DBD
+    )
+    # slurmdbd reads slurmdbd.conf next to SLURM_CONF.
+    SLURM_CONF="$CONF" slurmdbd || { stop; die "slurmdbd did not start; its log: $DIR/log/slurmdbd.log"; }
+    for _i in $(seq 300); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$dbd_port") 2>/dev/null && return 0
+        sleep 0.1
+    done
+    stop
+    die "slurmdbd did not listen on 127.0.0.1:$dbd_port within 30 s; its log: $DIR/log/slurmdbd.log"
+}
+
 stop() {
     local pid ctld f s
     ctld=$(pid_from "$DIR/run/slurmctld.pid")
@@ -291,11 +397,20 @@ stop() {
         [ -z "$pid" ] || stop_daemon "$pid" "$(basename "$f" .pid)"
         rm -f "$f"
     done
-    for pid in $(stepds); do
+    for pid in $(named slurmstepd); do
         stop_daemon "$pid" slurmstepd
     done
     [ -z "$ctld" ] || stop_daemon "$ctld" slurmctld
     rm -f "$DIR/run/slurmctld.pid"
+    for f in slurmdbd mariadbd; do
+        pid=$(pid_from "$DIR/run/$f.pid")
+        [ -z "$pid" ] || stop_daemon "$pid" "$f"
+        rm -f "$DIR/run/$f.pid"
+    done
+    # A slurmdbd whose pid file was not written yet, or no longer names it.
+    for pid in $(named slurmdbd); do
+        stop_daemon "$pid" slurmdbd
+    done
     pid=$(pid_from "$DIR/run/munged.pid")
     [ -z "$pid" ] || stop_daemon "$pid" munged
     rm -f "$DIR/run/munged.pid"

@@ -25,8 +25,9 @@ cd "$(repo_root)"
 checkout_before=$(checkout_changes)
 
 # SLURM_PACKAGES: the slurm-spank tests run real clusters on loopback
-# (scripts/slurm-cluster.sh, under a second each to start).
-ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${SLURM_PACKAGES[@]}"
+# (scripts/slurm-cluster.sh, under a second each to start);
+# SLURMDBD_PACKAGES: the coordinator tests add slurmdbd to theirs.
+ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${SLURM_PACKAGES[@]}" "${SLURMDBD_PACKAGES[@]}"
 ensure_rust
 
 # Every later stage reuses this build (CI_BUILD in lib.sh says why).

@@ -92,11 +92,18 @@ pub struct HttpConfig {
 pub struct SlurmConfig {
     /// The `squeue` program (default: `squeue` from `PATH`).
     pub squeue: Option<PathBuf>,
-    /// `SLURM_CONF` for it (default: Slurm's own).
+    /// The `sacctmgr` program (default: `sacctmgr` from `PATH`).
+    pub sacctmgr: Option<PathBuf>,
+    /// Whether account coordinators, as Slurm's accounting database
+    /// (slurmdbd) records them, read their accounts' usage (default
+    /// false: sites without slurmdbd have no coordinators).
+    #[serde(default)]
+    pub coordinators: bool,
+    /// `SLURM_CONF` for them (default: Slurm's own).
     pub conf: Option<PathBuf>,
     /// How long an answer is reused, ms (default 2000).
     pub cache_ms: Option<u64>,
-    /// The bound on one `squeue`, ms (default 5000).
+    /// The bound on one Slurm command (`squeue`, `sacctmgr`), ms (default 5000).
     pub timeout_ms: Option<u64>,
     /// Unsafe: take a node's word for its jobs, never asking Slurm
     /// (default false).
@@ -267,6 +274,8 @@ impl FileConfig {
                 let d = SlurmSettings::default();
                 SlurmSettings {
                     squeue: self.slurm.squeue.unwrap_or(d.squeue),
+                    sacctmgr: self.slurm.sacctmgr.unwrap_or(d.sacctmgr),
+                    coordinators: self.slurm.coordinators,
                     conf: self.slurm.conf,
                     cache_ms: self.slurm.cache_ms.unwrap_or(d.cache_ms),
                     timeout_ms: self.slurm.timeout_ms.unwrap_or(d.timeout_ms),
@@ -298,7 +307,7 @@ impl FileConfig {
         }
         if s.slurm.timeout_ms == 0 {
             return Err(ConfigError::Invalid(
-                "[slurm] timeout_ms must be above 0 (squeue answers in milliseconds; 5000 is the default)".into(),
+                "[slurm] timeout_ms must be above 0 (squeue and sacctmgr answer in milliseconds; 5000 is the default)".into(),
             ));
         }
         if !(s.database.starts_with("sqlite:") || s.database.starts_with("postgres")) {

@@ -22,7 +22,8 @@
 //! - [`auth`]: the admin token and node and user credentials.
 //! - [`signer`]: the key that signs lease tokens.
 //! - [`slurm`]: Slurm's word on a job (its user, account, state and
-//!   nodes), which the job routes go by rather than a node's.
+//!   nodes), which the job routes go by rather than a node's, and on the
+//!   accounts a user coordinates, which widens what the usage route shows.
 //! - [`serve`]: the REST port's accept loop: HTTPS, timeouts, connection
 //!   caps, certificate reload.
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is

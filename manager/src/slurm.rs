@@ -1,17 +1,25 @@
 //! Slurm's word on a job: who runs it, charged to which account, in which
-//! state, on which nodes. A node's credential only says which node is
-//! calling; what it may do for a job ([`crate::api`]'s job routes) is
-//! decided from what Slurm itself reports, asked with `squeue` (the
-//! `[slurm]` table of `manager.toml`).
+//! state, on which nodes; and on a user: which accounts they coordinate.
+//! A node's credential only says which node is calling; what it may do
+//! for a job ([`crate::api`]'s job routes) is decided from what Slurm
+//! itself reports, asked with `squeue` (the `[slurm]` table of
+//! `manager.toml`). Whose usage a user may read beyond their own
+//! ([`crate::api`]'s usage route) comes from Slurm's accounting database,
+//! asked with `sacctmgr` when `[slurm] coordinators = true`.
 //!
 //! Answers are cached for `cache_ms` (every node of a job asks once per
-//! step), a few `squeue` run at once at most, each bounded by
-//! `timeout_ms`, and a Slurm that cannot be asked refuses: nothing is
-//! granted on a node's word alone, unless the admin turned the checks off
-//! (`[slurm] unchecked = true`, for sites without Slurm and for tests).
+//! step), a few Slurm commands run at once at most (one runner for both;
+//! `sacctmgr` takes turns of its own, so usage reads never hold up job
+//! checks), each bounded by `timeout_ms`, and a Slurm that cannot be asked
+//! refuses:
+//! nothing is granted on a node's word alone, unless the admin turned the
+//! checks off (`[slurm] unchecked = true`, for sites without Slurm and for
+//! tests), and no coordinator rights are given that sacctmgr did not
+//! confirm.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::hash::Hash;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -25,16 +33,25 @@ const CACHED: usize = 4096;
 /// `squeue` processes run at once at most.
 const AT_ONCE: usize = 4;
 
+/// `sacctmgr` processes run at once at most: apart from `squeue`'s, so
+/// usage reads while slurmdbd is slow never hold up job checks.
+const COORDINATOR_READS_AT_ONCE: usize = 2;
+
 /// How the manager asks Slurm (`[slurm]` in `manager.toml`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlurmSettings {
     /// The `squeue` program.
     pub squeue: PathBuf,
-    /// `SLURM_CONF` for it; `None`: Slurm's own default.
+    /// The `sacctmgr` program.
+    pub sacctmgr: PathBuf,
+    /// Whether account coordinators (from `sacctmgr`, which needs
+    /// slurmdbd) read their accounts' usage.
+    pub coordinators: bool,
+    /// `SLURM_CONF` for them; `None`: Slurm's own default.
     pub conf: Option<PathBuf>,
     /// How long an answer is reused, ms.
     pub cache_ms: u64,
-    /// The bound on one `squeue`, ms.
+    /// The bound on one Slurm command, ms.
     pub timeout_ms: u64,
     /// Unsafe: take a node's word for its jobs without asking Slurm.
     pub unchecked: bool,
@@ -44,6 +61,8 @@ impl Default for SlurmSettings {
     fn default() -> Self {
         SlurmSettings {
             squeue: PathBuf::from("squeue"),
+            sacctmgr: PathBuf::from("sacctmgr"),
+            coordinators: false,
             conf: None,
             cache_ms: 2000,
             timeout_ms: 5000,
@@ -82,32 +101,86 @@ impl SlurmJob {
 
 /// Why Slurm could not be asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("cannot ask Slurm about job {job_id} with {program}: {why}")]
+#[error("cannot ask Slurm about {about} with {program}: {why}")]
 pub struct SlurmUnavailable {
-    /// The job asked about.
-    pub job_id: u64,
+    /// What was asked about (`job 42`, `the accounts user alice
+    /// coordinates`).
+    pub about: String,
     /// The program run.
     pub program: String,
     /// What failed.
     pub why: String,
 }
 
-/// Asks Slurm about jobs, with a short cache.
+/// Slurm's answers, each reused for a while.
+#[derive(Debug)]
+struct Cache<K, V> {
+    ttl: Duration,
+    answers: Mutex<HashMap<K, (Instant, V)>>,
+}
+
+impl<K: Eq + Hash, V: Clone> Cache<K, V> {
+    fn new(ttl_ms: u64) -> Self {
+        Cache {
+            ttl: Duration::from_millis(ttl_ms),
+            answers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<K, (Instant, V)>> {
+        self.answers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The answer for `key`, if it is recent enough.
+    fn get(&self, key: &K) -> Option<V> {
+        match self.lock().get(key) {
+            Some((at, v)) if at.elapsed() < self.ttl => Some(v.clone()),
+            _ => None,
+        }
+    }
+
+    /// Keeps `value` for `key`; expired answers go first when full.
+    fn insert(&self, key: K, value: V) {
+        let mut answers = self.lock();
+        if answers.len() >= CACHED {
+            answers.retain(|_, (at, _)| at.elapsed() < self.ttl);
+            if answers.len() >= CACHED {
+                answers.clear();
+            }
+        }
+        answers.insert(key, (Instant::now(), value));
+    }
+
+    fn remove(&self, key: &K) {
+        self.lock().remove(key);
+    }
+}
+
+/// Asks Slurm about jobs and coordinators, with a short cache.
 #[derive(Debug)]
 pub struct Slurm {
     settings: SlurmSettings,
-    cache: Mutex<HashMap<u64, (Instant, Option<SlurmJob>)>>,
+    jobs: Cache<u64, Option<SlurmJob>>,
+    coordinated: Cache<String, Vec<String>>,
     running: Semaphore,
+    reading: Semaphore,
 }
 
 impl Slurm {
     /// Asks as `settings` say.
     pub fn new(settings: SlurmSettings) -> Slurm {
         Slurm {
+            jobs: Cache::new(settings.cache_ms),
+            coordinated: Cache::new(settings.cache_ms),
             settings,
-            cache: Mutex::new(HashMap::new()),
             running: Semaphore::new(AT_ONCE),
+            reading: Semaphore::new(COORDINATOR_READS_AT_ONCE),
         }
+    }
+
+    /// Whether coordinators are asked about (`[slurm] coordinators`).
+    pub fn coordinators(&self) -> bool {
+        self.settings.coordinators
     }
 
     /// Whether the admin turned the checks off.
@@ -119,80 +192,171 @@ impl Slurm {
     /// `None`: Slurm knows no such job (never submitted, or ended longer
     /// ago than its `MinJobAge`).
     pub async fn job(&self, job_id: u64) -> Result<Option<SlurmJob>, SlurmUnavailable> {
-        let ttl = Duration::from_millis(self.settings.cache_ms);
-        if let Some((at, job)) = self.lock().get(&job_id) {
-            if at.elapsed() < ttl {
-                return Ok(job.clone());
-            }
+        if let Some(job) = self.jobs.get(&job_id) {
+            return Ok(job);
         }
         let job = self.ask(job_id).await?;
-        let mut cache = self.lock();
-        if cache.len() >= CACHED {
-            cache.retain(|_, (at, _)| at.elapsed() < ttl);
-            if cache.len() >= CACHED {
-                cache.clear();
-            }
-        }
-        cache.insert(job_id, (Instant::now(), job.clone()));
+        self.jobs.insert(job_id, job.clone());
         Ok(job)
     }
 
     /// Forgets what Slurm said about job `job_id` (its end was recorded:
     /// the next question about it goes to Slurm).
     pub fn forget(&self, job_id: u64) {
-        self.lock().remove(&job_id);
+        self.jobs.remove(&job_id);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Instant, Option<SlurmJob>)>> {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    /// The accounts `user` coordinates as Slurm's accounting database
+    /// records them, sub-accounts included (slurmdbd makes a coordinator
+    /// of an account one of each account below it); none for a user it
+    /// does not know, or whose name no Slurm user could have.
+    pub async fn coordinated(&self, user: &str) -> Result<Vec<String>, SlurmUnavailable> {
+        if !slurm_name(user) {
+            return Ok(Vec::new());
+        }
+        if let Some(accounts) = self.coordinated.get(&user.to_owned()) {
+            return Ok(accounts);
+        }
+        let about = format!("the accounts user {user} coordinates");
+        let program = &self.settings.sacctmgr;
+        let out = self
+            .run(
+                &self.reading,
+                program,
+                &about,
+                &[
+                    "--noheader",
+                    "--parsable2",
+                    "show",
+                    "user",
+                    &format!("name={user}"),
+                    "withcoord",
+                    "format=User,Coordinators",
+                ],
+            )
+            .await?;
+        if !out.status.success() {
+            return Err(unavailable(program, &about, failed(&out)));
+        }
+        let accounts = parse_coordinators(&String::from_utf8_lossy(&out.stdout), user)
+            .map_err(|why| unavailable(program, &about, why))?;
+        self.coordinated.insert(user.to_owned(), accounts.clone());
+        Ok(accounts)
+    }
+
+    /// Runs Slurm command `program args` (about `about`, for errors) to
+    /// its end with the configured `SLURM_CONF`, as many at once as
+    /// `turns` has permits, each bounded by `timeout_ms`; its output
+    /// whatever its exit status.
+    async fn run(
+        &self,
+        turns: &Semaphore,
+        program: &Path,
+        about: &str,
+        args: &[&str],
+    ) -> Result<std::process::Output, SlurmUnavailable> {
+        let s = &self.settings;
+        let _turn = turns
+            .acquire()
+            .await
+            .map_err(|e| unavailable(program, about, e.to_string()))?;
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        if let Some(conf) = &s.conf {
+            cmd.env("SLURM_CONF", conf);
+        }
+        tokio::time::timeout(Duration::from_millis(s.timeout_ms), cmd.output())
+            .await
+            .map_err(|_| {
+                unavailable(
+                    program,
+                    about,
+                    format!("no answer within {} ms", s.timeout_ms),
+                )
+            })?
+            .map_err(|e| unavailable(program, about, e.to_string()))
     }
 
     /// Runs `squeue` for `job_id`. Only fixed fields are asked for, the
     /// account (free text where Slurm keeps no accounts) last, never the
     /// job's name or comment.
     async fn ask(&self, job_id: u64) -> Result<Option<SlurmJob>, SlurmUnavailable> {
-        let s = &self.settings;
-        let unavailable = |why: String| SlurmUnavailable {
-            job_id,
-            program: s.squeue.display().to_string(),
-            why,
-        };
-        let _turn = self
-            .running
-            .acquire()
-            .await
-            .map_err(|e| unavailable(e.to_string()))?;
-        let mut cmd = tokio::process::Command::new(&s.squeue);
-        cmd.args([
-            "--noheader",
-            "--states=all",
-            "--jobs",
-            &job_id.to_string(),
-            "--format",
-            "%U|%u|%T|%N|%a",
-        ])
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true);
-        if let Some(conf) = &s.conf {
-            cmd.env("SLURM_CONF", conf);
-        }
-        let out = tokio::time::timeout(Duration::from_millis(s.timeout_ms), cmd.output())
-            .await
-            .map_err(|_| unavailable(format!("no answer within {} ms", s.timeout_ms)))?
-            .map_err(|e| unavailable(e.to_string()))?;
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let about = format!("job {job_id}");
+        let program = &self.settings.squeue;
+        let out = self
+            .run(
+                &self.running,
+                program,
+                &about,
+                &[
+                    "--noheader",
+                    "--states=all",
+                    "--jobs",
+                    &job_id.to_string(),
+                    "--format",
+                    "%U|%u|%T|%N|%a",
+                ],
+            )
+            .await?;
         if !out.status.success() {
-            if stderr.contains("Invalid job id") {
+            if String::from_utf8_lossy(&out.stderr).contains("Invalid job id") {
                 return Ok(None);
             }
-            return Err(unavailable(format!(
-                "it failed ({}): {}",
-                out.status,
-                stderr.trim()
-            )));
+            return Err(unavailable(program, &about, failed(&out)));
         }
-        parse_squeue(&String::from_utf8_lossy(&out.stdout)).map_err(unavailable)
+        parse_squeue(&String::from_utf8_lossy(&out.stdout))
+            .map_err(|why| unavailable(program, &about, why))
     }
+}
+
+fn unavailable(program: &Path, about: &str, why: String) -> SlurmUnavailable {
+    SlurmUnavailable {
+        about: about.to_owned(),
+        program: program.display().to_string(),
+        why,
+    }
+}
+
+/// What a command that exited with a failure said.
+fn failed(out: &std::process::Output) -> String {
+    format!(
+        "it failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    )
+}
+
+/// Whether `name` can be a Slurm user's (a POSIX login name): nothing
+/// sacctmgr would read as more than one name.
+fn slurm_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// `user|account,account,...` lines; the accounts on `user`'s line (none
+/// without one).
+fn parse_coordinators(out: &str, user: &str) -> Result<Vec<String>, String> {
+    let mut accounts = Vec::new();
+    for line in out.lines().filter(|l| !l.trim().is_empty()) {
+        let Some((name, coordinated)) = line.trim_end().split_once('|') else {
+            return Err(format!("unexpected sacctmgr line {line:?}"));
+        };
+        if name == user {
+            accounts.extend(
+                coordinated
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|a| !a.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+    }
+    Ok(accounts)
 }
 
 /// `uid|user|state|nodes|account`, one line; nothing: no such job.
@@ -257,5 +421,24 @@ mod tests {
         assert!(parse_squeue("1000|alice|RUNNING").is_err());
         assert!(parse_squeue("x|alice|RUNNING|node1|a").is_err());
         assert!(parse_squeue("1|a|RUNNING|node1|a\n1|a|RUNNING|node2|a\n").is_err());
+    }
+
+    #[test]
+    fn sacctmgr_coordinator_lines() {
+        assert_eq!(
+            parse_coordinators("dave|physics,theory\n", "dave").unwrap(),
+            ["physics", "theory"]
+        );
+        assert!(parse_coordinators("dave|\n", "dave").unwrap().is_empty());
+        assert!(parse_coordinators("", "dave").unwrap().is_empty());
+        // Another user's line gives nothing.
+        assert!(parse_coordinators("eve|physics\n", "dave")
+            .unwrap()
+            .is_empty());
+        assert!(parse_coordinators("garbage\n", "dave").is_err());
+        assert!(slurm_name("alice") && slurm_name("a.b_c-1"));
+        for bad in ["", "-x", "a b", "a=b", "a,b", "ä"] {
+            assert!(!slurm_name(bad), "{bad:?}");
+        }
     }
 }

@@ -27,7 +27,8 @@
 //! - [`TempDir`] and [`output_text`]: a test's own directory, and a
 //!   finished command's output for an assertion's message.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
-//!   `scripts/slurm-cluster.sh`), and its clients (srun, sbatch, ...).
+//!   `scripts/slurm-cluster.sh`), optionally with slurmdbd, and its
+//!   clients (srun, sbatch, sacctmgr, ...).
 //! - [`strangers`]: strangers on a manager's REST port: raw requests, a
 //!   flood of made-up credentials, idle connections and a slowloris, from
 //!   chosen loopback addresses.

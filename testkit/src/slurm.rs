@@ -27,10 +27,14 @@ pub struct SlurmOptions {
     pub prolog: Option<PathBuf>,
     /// slurmd's `Epilog=` program, or none.
     pub epilog: Option<PathBuf>,
+    /// An accounting database as well (slurmdbd on a throwaway MariaDB,
+    /// `ACCOUNTING=1`), for `sacctmgr`: accounts, users, coordinators.
+    pub accounting: bool,
 }
 
 impl Default for SlurmOptions {
-    /// 3 nodes of 4 CPUs, no plugins, no prolog or epilog.
+    /// 3 nodes of 4 CPUs, no plugins, no prolog or epilog, no
+    /// accounting database.
     fn default() -> Self {
         SlurmOptions {
             nodes: 3,
@@ -38,6 +42,7 @@ impl Default for SlurmOptions {
             plugstack: None,
             prolog: None,
             epilog: None,
+            accounting: false,
         }
     }
 }
@@ -48,6 +53,8 @@ pub struct SlurmCluster {
     dir: PathBuf,
     opts: SlurmOptions,
     running: bool,
+    /// Keep the directory (its logs) on drop.
+    keep: bool,
 }
 
 fn script() -> PathBuf {
@@ -56,7 +63,8 @@ fn script() -> PathBuf {
 
 impl SlurmCluster {
     /// Starts a cluster in a new temporary directory and waits until every
-    /// node is idle. `Err` says why it could not, with the script's output.
+    /// node is idle. `Err` says why it could not, with the script's output,
+    /// and where the cluster's logs stay.
     pub fn start(opts: SlurmOptions) -> Result<SlurmCluster, String> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let dir = loop {
@@ -69,13 +77,20 @@ impl SlurmCluster {
                 break dir;
             }
         };
-        let cluster = SlurmCluster {
+        let mut cluster = SlurmCluster {
             dir,
             opts,
             // Whatever the script started before failing is stopped on drop.
             running: true,
+            keep: false,
         };
-        cluster.script("start")?;
+        if let Err(e) = cluster.script("start") {
+            cluster.keep = true;
+            return Err(format!(
+                "{e}\nthe Slurm cluster's logs stay in {}",
+                cluster.dir.display()
+            ));
+        }
         Ok(cluster)
     }
 
@@ -164,6 +179,14 @@ impl SlurmCluster {
             .map_err(|_| format!("sbatch printed {out:?}, not a job id"))
     }
 
+    /// `sacctmgr -i args` (no questions asked): its standard output. Only
+    /// for a cluster started with [`SlurmOptions::accounting`].
+    pub fn sacctmgr(&self, args: &[&str]) -> Result<String, String> {
+        let mut all = vec!["-i"];
+        all.extend_from_slice(args);
+        self.run("sacctmgr", &all)
+    }
+
     /// `scontrol args`: its standard output.
     pub fn scontrol(&self, args: &[&str]) -> Result<String, String> {
         self.run("scontrol", args)
@@ -245,6 +268,7 @@ impl SlurmCluster {
             .env("RFAAS_SLURM_DIR", &self.dir)
             .env("NODES", self.opts.nodes.to_string())
             .env("CPUS", self.opts.cpus.to_string())
+            .env("ACCOUNTING", if self.opts.accounting { "1" } else { "0" })
             .env_remove("PLUGSTACK")
             .env_remove("PROLOG")
             .env_remove("EPILOG");
@@ -280,10 +304,10 @@ impl Drop for SlurmCluster {
                 eprintln!("{e}");
             }
         }
-        if std::thread::panicking() {
+        if std::thread::panicking() && !self.keep {
             // A failed test's logs stay for whoever reads its output.
             eprintln!("the Slurm cluster's logs stay in {}", self.dir.display());
-        } else {
+        } else if !self.keep {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }

@@ -3,8 +3,15 @@
 //! to an account they belong to, as Slurm's `PrivateData=usage` would.
 //! A user belongs to the account of the credential they call with and to
 //! every account any lease of theirs was charged to: what the manager
-//! knows of accounts (it keeps no account membership of its own; Slurm's
-//! coordinators are not consulted).
+//! knows of accounts (it keeps no account membership of its own).
+//!
+//! With `[slurm] coordinators = true`, a coordinator of an account in
+//! Slurm's accounting database also sees every lease charged to it or to
+//! an account below it, whoever held it ([`crate::slurm::Slurm::coordinated`],
+//! asked with `sacctmgr`). When sacctmgr cannot answer, the request is
+//! answered without coordinator rights and a warning is logged: what is
+//! left out is only what coordinator rights would have added, so nothing
+//! is shown that Slurm did not confirm, and members keep their reports.
 
 use std::collections::BTreeSet;
 
@@ -17,6 +24,7 @@ use super::{ApiResult, AppState};
 use crate::auth::Caller;
 use crate::error::{ApiError, Kind, RefusalTable};
 use crate::now_ms;
+use crate::App;
 
 /// What each operation here refuses, for the OpenAPI document.
 pub(super) const REFUSALS: RefusalTable = &[(
@@ -37,6 +45,25 @@ fn list(text: Option<&str>) -> Vec<String> {
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect()
+}
+
+/// The accounts `user` coordinates, when the site asks Slurm; none (and a
+/// warning) when sacctmgr cannot answer.
+async fn coordinated(app: &App, user: &str) -> Vec<String> {
+    if !app.slurm.coordinators() {
+        return Vec::new();
+    }
+    match app.slurm.coordinated(user).await {
+        Ok(accounts) => accounts,
+        Err(e) => {
+            tracing::warn!(
+                user,
+                error = %e,
+                "usage answered without coordinator rights: the accounts this user coordinates are unknown; check that slurmdbd runs and [slurm] sacctmgr and conf in manager.toml"
+            );
+            Vec::new()
+        }
+    }
 }
 
 /// The query's filters, or why they are not.
@@ -60,8 +87,10 @@ fn filters(q: &UsageQuery) -> ApiResult<Filters> {
 /// `end_ms`) that the filters let
 /// through and the caller may see: every lease for the admin; for a user,
 /// their own leases and those charged to the accounts they belong to
-/// (their credential's, and any a lease of theirs was charged to); others
-/// are left out, not refused. For the admin a filter naming a user,
+/// (their credential's, and any a lease of theirs was charged to) and,
+/// with `[slurm] coordinators = true`, those charged to the accounts
+/// Slurm says they coordinate (sub-accounts included); others are left
+/// out, not refused. For the admin a filter naming a user,
 /// account or job no lease ever had is `404`.
 #[utoipa::path(get, path = "/v1/usage", params(UsageQuery),
     responses((status = 200, body = Vec<LeaseUsage>)))]
@@ -92,6 +121,7 @@ pub(super) async fn list_usage(
             let mut accounts: BTreeSet<String> =
                 app.store.accounts_of(user).await?.into_iter().collect();
             accounts.insert(account.clone());
+            accounts.extend(coordinated(&app, user).await);
             Some((user.clone(), accounts))
         }
         Caller::Node(_) => {
