@@ -2,8 +2,13 @@
 //! every phase of a connection bounded, so strangers who reach the port
 //! cannot hold it.
 //!
-//! - Caps: connections per replica and per source address; one over
-//!   a cap is closed at once, before any byte is read, and counted in
+//! - Caps: connections per replica and per source address. One over the
+//!   per-source cap is closed at once, before any byte is read. At the
+//!   replica's cap a newcomer is let in and the connection idle longest
+//!   (not inside a request: waiting for its handshake, its headers or its
+//!   next request) is closed for it, so strangers who hold the cap cannot
+//!   keep a good client out; only when every connection is inside a
+//!   request is the newcomer closed. Each is counted in
 //!   `rfaas_manager_connections_refused_total{cap}`.
 //! - Timeouts: the TLS handshake, a request's headers (which also closes
 //!   a connection idle between requests: hyper starts the same clock
@@ -11,11 +16,11 @@
 //! - The certificate is reloaded by [`Tls::reload`] (SIGHUP in the
 //!   binary) without closing the listener.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future as _;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -26,12 +31,14 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::Router;
 use http_body::Frame;
+use hyper::service::Service as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use prometheus::IntCounterVec;
 use rfaas_tls::ServerCert;
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 
 use crate::config::HttpSettings;
 
@@ -64,53 +71,160 @@ impl Tls {
     }
 }
 
-/// Open connections, in total and by source address.
+/// Open connections, in total and by source address, and which of them
+/// are idle.
 #[derive(Debug)]
 struct Slots {
     max: u32,
     per_source: u32,
-    open: Mutex<(u32, HashMap<IpAddr, u32>)>,
+    open: Mutex<Open>,
 }
+
+#[derive(Debug, Default)]
+struct Open {
+    total: u32,
+    by_source: HashMap<IpAddr, u32>,
+    /// Connections not inside a request, by when they last became idle
+    /// (oldest first): what is closed to make room at the replica's cap.
+    idle: BTreeMap<u64, Arc<Evict>>,
+    /// The key the next connection to become idle is filed under.
+    next: u64,
+    /// Connections told to close that have not yet.
+    closing: u32,
+}
+
+/// Not idle: the key of a connection inside a request.
+const BUSY: u64 = u64::MAX;
 
 /// One connection's place; given back when dropped.
 #[derive(Debug)]
 struct Slot {
     slots: Arc<Slots>,
     source: IpAddr,
+    /// Its key in `Open::idle`, or [`BUSY`]; changed under the lock.
+    idle_since: AtomicU64,
+    evict: Arc<Evict>,
+}
+
+/// How a connection is told to close to make room.
+#[derive(Debug, Default)]
+struct Evict {
+    close: Notify,
+    /// Told (and counted in `Open::closing`); set under the lock.
+    told: AtomicBool,
+}
+
+/// What [`Slots::take`] did.
+enum Taken {
+    /// A place under the caps.
+    Slot(Slot),
+    /// A place, made by telling the connection idle longest to close.
+    Evicted(Slot),
 }
 
 impl Slots {
     /// A place for a connection from `source`, or the cap it would pass.
-    fn take(self: &Arc<Self>, source: IpAddr) -> Result<Slot, &'static str> {
+    fn take(self: &Arc<Self>, source: IpAddr) -> Result<Taken, &'static str> {
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if open.0 >= self.max {
-            return Err("replica");
-        }
-        let mine = open.1.entry(source).or_insert(0);
-        if *mine >= self.per_source {
+        if open.by_source.get(&source).copied().unwrap_or(0) >= self.per_source {
             return Err("source");
         }
-        *mine += 1;
-        open.0 += 1;
-        Ok(Slot {
+        let mut evicted = false;
+        if open.total.saturating_sub(open.closing) >= self.max {
+            // Connections told to close count until they have: a burst of
+            // newcomers cannot pass the cap by more than an eighth (or one).
+            if open.closing >= (self.max / 8).max(1) {
+                return Err("replica");
+            }
+            let Some((_, victim)) = open.idle.pop_first() else {
+                return Err("replica");
+            };
+            victim.told.store(true, Ordering::Relaxed);
+            victim.close.notify_one();
+            open.closing += 1;
+            evicted = true;
+        }
+        *open.by_source.entry(source).or_insert(0) += 1;
+        open.total += 1;
+        let key = open.next;
+        open.next += 1;
+        let evict = Arc::new(Evict::default());
+        open.idle.insert(key, evict.clone());
+        let slot = Slot {
             slots: self.clone(),
             source,
+            idle_since: AtomicU64::new(key),
+            evict,
+        };
+        Ok(if evicted {
+            Taken::Evicted(slot)
+        } else {
+            Taken::Slot(slot)
         })
+    }
+}
+
+impl Slot {
+    /// Marks the connection inside a request until the guard drops; it is
+    /// not closed to make room meanwhile.
+    fn busy(self: &Arc<Self>) -> Busy {
+        let mut open = self.slots.open.lock().unwrap_or_else(|p| p.into_inner());
+        let key = self.idle_since.swap(BUSY, Ordering::Relaxed);
+        if key != BUSY {
+            open.idle.remove(&key);
+        }
+        Busy(self.clone())
+    }
+
+    /// Waits until the connection is told to close to make room.
+    async fn evicted(&self) {
+        self.evict.close.notified().await;
+    }
+}
+
+/// A connection inside a request ([`Slot::busy`]).
+struct Busy(Arc<Slot>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let slot = &self.0;
+        let mut open = slot.slots.open.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.evict.told.load(Ordering::Relaxed) {
+            return;
+        }
+        let key = open.next;
+        open.next += 1;
+        open.idle.insert(key, slot.evict.clone());
+        slot.idle_since.store(key, Ordering::Relaxed);
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut open = self.slots.open.lock().unwrap_or_else(|p| p.into_inner());
-        open.0 -= 1;
-        if let Some(n) = open.1.get_mut(&self.source) {
+        if self.evict.told.load(Ordering::Relaxed) {
+            open.closing -= 1;
+        } else {
+            let key = *self.idle_since.get_mut();
+            if key != BUSY {
+                open.idle.remove(&key);
+            }
+        }
+        open.total -= 1;
+        if let Some(n) = open.by_source.get_mut(&self.source) {
             *n -= 1;
             if *n == 0 {
-                open.1.remove(&self.source);
+                open.by_source.remove(&self.source);
             }
         }
     }
 }
+
+/// The most a connection buffers of a request's headers (and reads of
+/// its body at once), bytes: hyper's floor, which every request of the
+/// API fits in many times over; a connection costs no more than this in
+/// read buffer whatever a stranger sends.
+const MAX_BUF_SIZE: usize = 8192;
 
 /// Descriptors kept for everything but the REST port's connections
 /// (database pool, logs, listeners).
@@ -154,7 +268,7 @@ pub async fn serve(
     let slots = Arc::new(Slots {
         max: max_connections,
         per_source: http.max_connections_per_source,
-        open: Mutex::new((0, HashMap::new())),
+        open: Mutex::new(Open::default()),
     });
     let handshake = Duration::from_millis(http.handshake_timeout_ms);
     let header = Duration::from_millis(http.header_timeout_ms);
@@ -177,7 +291,11 @@ pub async fn serve(
         };
         backoff = Duration::from_millis(5);
         let slot = match slots.take(peer.ip()) {
-            Ok(slot) => slot,
+            Ok(Taken::Slot(slot)) => Arc::new(slot),
+            Ok(Taken::Evicted(slot)) => {
+                refused.with_label_values(&["replica"]).inc();
+                Arc::new(slot)
+            }
             Err(cap) => {
                 refused.with_label_values(&[cap]).inc();
                 drop(stream);
@@ -186,39 +304,61 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let mut builder = hyper::server::conn::http1::Builder::new();
-        builder.timer(TokioTimer::new()).header_read_timeout(header);
-        let service = TowerToHyperService::new(router.clone());
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(header)
+            .max_buf_size(MAX_BUF_SIZE);
+        let service = {
+            let (slot, router) = (slot.clone(), TowerToHyperService::new(router.clone()));
+            hyper::service::service_fn(move |req| {
+                let busy = slot.busy();
+                let answer = router.call(req);
+                async move {
+                    let answer = answer.await;
+                    drop(busy);
+                    answer
+                }
+            })
+        };
         let watcher = graceful.watcher();
         let acceptor = tls
             .0
             .as_ref()
             .map(|c| tokio_rustls::TlsAcceptor::from(c.config()));
         tokio::spawn(async move {
-            let _slot = slot;
-            let result = match acceptor {
-                Some(acceptor) => {
-                    let stream =
-                        match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
-                            Ok(Ok(s)) => s,
-                            Ok(Err(e)) => {
-                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    watcher.watch(conn).await
-                }
-                None => {
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    watcher.watch(conn).await
+            let served = async {
+                match acceptor {
+                    Some(acceptor) => {
+                        let stream =
+                            match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
+                                Ok(Ok(s)) => s,
+                                Ok(Err(e)) => {
+                                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                    return Ok(());
+                                }
+                                Err(_) => {
+                                    tracing::debug!(%peer, "TLS handshake timed out");
+                                    return Ok(());
+                                }
+                            };
+                        let conn = builder.serve_connection(TokioIo::new(stream), service);
+                        watcher.watch(conn).await
+                    }
+                    None => {
+                        let conn = builder.serve_connection(TokioIo::new(stream), service);
+                        watcher.watch(conn).await
+                    }
                 }
             };
-            if let Err(e) = result {
-                tracing::debug!(%peer, error = %e, "connection ended");
+            tokio::select! {
+                result = served => {
+                    if let Err(e) = result {
+                        tracing::debug!(%peer, error = %e, "connection ended");
+                    }
+                }
+                () = slot.evicted() => {
+                    tracing::debug!(%peer, "idle connection closed to make room at the replica's cap");
+                }
             }
         });
     }
@@ -289,5 +429,72 @@ impl http_body::Body for Deadline {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(max: u32, per_source: u32) -> Arc<Slots> {
+        Arc::new(Slots {
+            max,
+            per_source,
+            open: Mutex::new(Open::default()),
+        })
+    }
+
+    fn slot(taken: Result<Taken, &'static str>) -> (Arc<Slot>, bool) {
+        match taken {
+            Ok(Taken::Slot(s)) => (Arc::new(s), false),
+            Ok(Taken::Evicted(s)) => (Arc::new(s), true),
+            Err(cap) => panic!("refused at the {cap} cap"),
+        }
+    }
+
+    fn told(s: &Slot) -> bool {
+        s.evict.told.load(Ordering::Relaxed)
+    }
+
+    #[test]
+    fn at_the_replica_cap_the_connection_idle_longest_makes_room() {
+        let slots = slots(3, 10);
+        let ip = |k: u8| IpAddr::from([127, 0, 0, k]);
+        let (a, _) = slot(slots.take(ip(2)));
+        let (b, _) = slot(slots.take(ip(3)));
+        let (c, _) = slot(slots.take(ip(4)));
+        // `a` is inside a request, `b` became idle again after one: `c`
+        // has been idle longest.
+        let _inside = a.busy();
+        drop(b.busy());
+        let (d, evicted) = slot(slots.take(ip(5)));
+        assert!(evicted && told(&c) && !told(&a) && !told(&b));
+        // Until `c` has closed, no more room is made.
+        assert_eq!(slots.take(ip(6)).err(), Some("replica"));
+        drop(c);
+        let (_e, evicted) = slot(slots.take(ip(6)));
+        assert!(evicted && told(&b) && !told(&d));
+        drop(b);
+        let (_f, evicted) = slot(slots.take(ip(7)));
+        assert!(evicted && told(&d) && !told(&a));
+    }
+
+    #[test]
+    fn a_newcomer_is_refused_when_every_connection_is_inside_a_request() {
+        let slots = slots(2, 10);
+        let ip = IpAddr::from([127, 0, 0, 2]);
+        let (a, _) = slot(slots.take(ip));
+        let (b, _) = slot(slots.take(ip));
+        let (_x, _y) = (a.busy(), b.busy());
+        assert_eq!(slots.take(ip).err(), Some("replica"));
+    }
+
+    #[test]
+    fn the_per_source_cap_refuses_the_newcomer() {
+        let slots = slots(10, 1);
+        let ip = IpAddr::from([127, 0, 0, 2]);
+        let (_a, _) = slot(slots.take(ip));
+        assert_eq!(slots.take(ip).err(), Some("source"));
+        assert!(slots.take(IpAddr::from([127, 0, 0, 3])).is_ok());
     }
 }

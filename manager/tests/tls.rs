@@ -2,8 +2,9 @@
 //! slow, idle or too many: HTTPS works with the site CA and fails clearly
 //! without it, a certificate for another name is refused, SIGHUP serves a
 //! renewed certificate, idle and slow connections are closed after the
-//! timeouts, and the caps refuse the connection over them at once while
-//! another source still gets in.
+//! timeouts, the per-source cap refuses the connection over it at once,
+//! and at the replica's cap the connection idle longest makes room, so
+//! strangers holding every place do not keep a good client out.
 
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -218,7 +219,7 @@ fn idle_and_slow_connections_are_closed_after_the_timeouts() {
 }
 
 #[test]
-fn the_caps_refuse_the_connection_over_them_and_count_it() {
+fn the_caps_refuse_or_make_room_and_count_it() {
     let m = manager(
         "[http]\nmax_connections = 5\nmax_connections_per_source = 3\nhandshake_timeout_ms = 600000\n",
         true,
@@ -239,22 +240,22 @@ fn the_caps_refuse_the_connection_over_them_and_count_it() {
             "a connection under the cap was closed"
         );
     }
-    // Other sources fill the replica's cap; one over it is closed too.
+    // Other sources fill the replica's cap; one over it gets in, and the
+    // connection idle longest (the first from source 3) is closed for it.
     let others: Vec<TcpStream> = (0..2).map(|_| connect_from(from(4), to).unwrap()).collect();
     let over = connect_from(from(5), to).unwrap();
     assert!(
-        closed_by_peer(&over, SOON),
-        "the (cap+1)th connection to the replica was kept"
+        closed_by_peer(&held[0], SOON),
+        "the connection idle longest was kept at the replica's cap"
+    );
+    assert!(
+        !closed_by_peer(&over, Duration::from_millis(200)),
+        "the newcomer was closed although an idle connection could make room"
     );
     drop(others);
 
-    // A good client from another source still gets in while source 3
-    // holds its cap (its connections are given back as they close).
     let ca = test_ca().ca_file();
     let api = Api::trusting(m.url(), m.admin_token(), Some(&ca)).unwrap();
-    wait_until("a good client gets in", SOON, || {
-        api.fresh().call("GET", "/v1/nodes", None).0 == 200
-    });
     let (_, metrics) = api.call("GET", "/metrics", None);
     let metrics = metrics.as_str().unwrap_or_default().to_owned();
     for cap in ["source", "replica"] {
@@ -267,4 +268,34 @@ fn the_caps_refuse_the_connection_over_them_and_count_it() {
         assert!(n >= 1, "{cap}: {metrics}");
     }
     drop(held);
+}
+
+/// Strangers from many sources, each under the per-source cap, hold every
+/// place of the replica (idle, never starting their TLS handshake): a good
+/// client still gets in at its first try, each time, and the strangers'
+/// connections are the ones closed.
+#[test]
+fn strangers_holding_the_replica_cap_do_not_keep_a_good_client_out() {
+    let m = manager(
+        "[http]\nmax_connections = 8\nmax_connections_per_source = 2\nhandshake_timeout_ms = 600000\nheader_timeout_ms = 600000\n",
+        true,
+        None,
+    );
+    let to = addr(&m);
+    let strangers: Vec<TcpStream> = (0..8)
+        .map(|k| connect_from(Ipv4Addr::new(127, 0, 0, 10 + k / 2), to).unwrap())
+        .collect();
+    let ca = test_ca().ca_file();
+    let api = Api::trusting(m.url(), m.admin_token(), Some(&ca)).unwrap();
+    for attempt in 0..3 {
+        // A new connection each time, as a client whose keep-alive
+        // connection was closed would open.
+        let (status, body) = api.fresh().call("GET", "/v1/nodes", None);
+        assert_eq!(status, 200, "attempt {attempt} at the full cap: {body}");
+    }
+    let closed = strangers
+        .iter()
+        .filter(|s| closed_by_peer(s, Duration::from_millis(200)))
+        .count();
+    assert!(closed >= 1, "no stranger made room for the good client");
 }

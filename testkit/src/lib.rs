@@ -29,9 +29,10 @@
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
 //!   `scripts/slurm-cluster.sh`), optionally with slurmdbd, and its
 //!   clients (srun, sbatch, sacctmgr, ...).
-//! - [`strangers`]: strangers on a manager's REST port: raw requests, a
-//!   flood of made-up credentials, idle connections and a slowloris, from
-//!   chosen loopback addresses.
+//! - [`strangers`]: strangers on a manager's REST port, over plain HTTP or
+//!   TLS: raw requests, a flood of made-up credentials, idle connections
+//!   (before or after their handshake) and a slowloris, from chosen
+//!   loopback addresses.
 //! - [`tls`]: a throwaway CA per test run (`scripts/lib.sh`'s
 //!   `make_test_ca`), whose certificate every test manager serves.
 //! - [`wait`]: waiting for an event (a condition polled until it holds,

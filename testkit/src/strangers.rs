@@ -5,25 +5,134 @@
 //! a request's headers a byte a second. Connections come from the source
 //! addresses given ([`crate::abuse::connect_from`]), so a replica's
 //! per-address limits tell them apart from a good client on 127.0.0.1.
+//! They speak plain HTTP, or HTTPS ([`Wire`]) to a replica that serves it:
+//! then idle connections either never start the handshake
+//! ([`idle_connections`]) or finish it and send nothing
+//! ([`idle_after_handshake`]).
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use rustls::{ClientConfig, ClientConnection, StreamOwned};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+
 use crate::abuse::connect_from;
 
 /// A credential of the manager's form whose id no manager minted (32
-/// random hex digits, as minted ids are, whose tag is then wrong).
+/// random hex digits, as minted ids are, whose tag is then wrong; from a
+/// generator seeded at random, so a flood pays no system call per
+/// credential).
 pub fn made_up_credential() -> String {
-    let mut id = [0u8; 16];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut id))
-        .expect("/dev/urandom");
-    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-    format!("rfaasc.{hex}.made-up-secret")
+    format!(
+        "rfaasc.{:016x}{:016x}.made-up-secret",
+        fastrand::u64(..),
+        fastrand::u64(..)
+    )
+}
+
+/// How strangers speak to a replica: plain HTTP, or HTTPS trusting a CA.
+#[derive(Debug, Clone, Default)]
+pub enum Wire {
+    /// Plain TCP.
+    #[default]
+    Plain,
+    /// TLS (resuming sessions, as a careful attacker would).
+    Tls(Arc<ClientConfig>),
+}
+
+impl Wire {
+    /// TLS to servers whose certificate `ca_file` (PEM) signed.
+    pub fn tls(ca_file: &Path) -> Result<Wire, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        let certs = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("read the CA file {}: {e}", ca_file.display()))?;
+        roots.add_parsable_certificates(certs);
+        let config =
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| e.to_string())?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        Ok(Wire::Tls(Arc::new(config)))
+    }
+
+    /// What speaks to a replica at `url`: TLS trusting the test run's CA
+    /// ([`crate::tls::test_ca`]) for `https://`, plain otherwise.
+    pub fn for_url(url: &str) -> Result<Wire, String> {
+        if url.starts_with("https://") {
+            Wire::tls(&crate::tls::test_ca().ca_file())
+        } else {
+            Ok(Wire::Plain)
+        }
+    }
+
+    /// A connection from `from` to `to`, its TLS handshake (if any) done.
+    pub fn connect(&self, from: Ipv4Addr, to: SocketAddr) -> io::Result<Conn> {
+        let tcp = connect_from(from, to)?;
+        match self {
+            Wire::Plain => Ok(Conn::Plain(tcp)),
+            Wire::Tls(config) => {
+                let name = ServerName::IpAddress(to.ip().into());
+                let tls = ClientConnection::new(config.clone(), name).map_err(io::Error::other)?;
+                let mut stream = StreamOwned::new(tls, tcp);
+                while stream.conn.is_handshaking() {
+                    stream.conn.complete_io(&mut stream.sock)?;
+                }
+                Ok(Conn::Tls(Box::new(stream)))
+            }
+        }
+    }
+}
+
+/// A stranger's connection.
+#[derive(Debug)]
+pub enum Conn {
+    /// Plain TCP.
+    Plain(TcpStream),
+    /// TLS over TCP, past its handshake.
+    Tls(Box<StreamOwned<ClientConnection, TcpStream>>),
+}
+
+impl Conn {
+    /// The TCP connection under it (for timeouts).
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            Conn::Plain(s) => s,
+            Conn::Tls(s) => &s.sock,
+        }
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Conn::Plain(s) => s.read(buf),
+            Conn::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Conn::Plain(s) => s.write(buf),
+            Conn::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Conn::Plain(s) => s.flush(),
+            Conn::Tls(s) => s.flush(),
+        }
+    }
 }
 
 /// An HTTP/1.1 request's bytes: `body`, announced as `content_length`
@@ -53,7 +162,19 @@ pub fn request(
 
 /// Reads one response from `s`: its status and body (by its
 /// `Content-Length`).
-pub fn read_response(s: &mut TcpStream) -> io::Result<(u16, Vec<u8>)> {
+pub fn read_response(s: &mut impl Read) -> io::Result<(u16, Vec<u8>)> {
+    read_answer(s).map(|a| (a.status, a.body))
+}
+
+/// One response.
+struct Answer {
+    status: u16,
+    body: Vec<u8>,
+    /// The server said `Connection: close`.
+    close: bool,
+}
+
+fn read_answer(s: &mut impl Read) -> io::Result<Answer> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let end = loop {
@@ -83,6 +204,11 @@ pub fn read_response(s: &mut TcpStream) -> io::Result<(u16, Vec<u8>)> {
                 .then(|| v.trim().parse().ok())?
         })
         .unwrap_or(0);
+    let close = head.lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.eq_ignore_ascii_case("connection") && v.trim().eq_ignore_ascii_case("close")
+        })
+    });
     let mut body = buf[end..].to_vec();
     while body.len() < length {
         let n = s.read(&mut chunk)?;
@@ -91,27 +217,54 @@ pub fn read_response(s: &mut TcpStream) -> io::Result<(u16, Vec<u8>)> {
         }
         body.extend_from_slice(&chunk[..n]);
     }
-    Ok((status, body))
+    Ok(Answer {
+        status,
+        body,
+        close,
+    })
 }
 
-/// `n` connections from each of `from` to `to` that send nothing; the
-/// count that could not be opened.
+/// `n` connections from each of `from` to `to` that send nothing (on a
+/// TLS port: that never start the handshake); the count that could not
+/// be opened.
 pub fn idle_connections(from: &[Ipv4Addr], n: usize, to: SocketAddr) -> (Vec<TcpStream>, usize) {
-    let mut open = Vec::new();
+    open_each(from, n, |a| connect_from(a, to))
+}
+
+/// `n` connections from each of `from` to `to` that finish their TLS
+/// handshake (with `wire`) and then send nothing; the count that could not
+/// be opened.
+pub fn idle_after_handshake(
+    from: &[Ipv4Addr],
+    n: usize,
+    to: SocketAddr,
+    wire: &Wire,
+) -> (Vec<Conn>, usize) {
+    open_each(from, n, |a| wire.connect(a, to))
+}
+
+/// `n` of `open` from each of `from`, and the count that failed.
+fn open_each<T>(
+    from: &[Ipv4Addr],
+    n: usize,
+    open: impl Fn(Ipv4Addr) -> io::Result<T>,
+) -> (Vec<T>, usize) {
+    let mut opened = Vec::new();
     let mut failed = 0;
     for a in from {
         for _ in 0..n {
-            match connect_from(*a, to) {
-                Ok(s) => open.push(s),
+            match open(*a) {
+                Ok(s) => opened.push(s),
                 Err(_) => failed += 1,
             }
         }
     }
-    (open, failed)
+    (opened, failed)
 }
 
 /// `n` connections from each of `from` that send a request's headers a
-/// byte a second, and never end them; stopped on drop.
+/// byte a second (over `wire`: on a TLS port, a record a byte), and never
+/// end them; stopped on drop.
 #[derive(Debug)]
 pub struct Slowloris {
     stop: Arc<AtomicBool>,
@@ -122,8 +275,8 @@ pub struct Slowloris {
 
 impl Slowloris {
     /// Opens the connections and starts sending.
-    pub fn start(from: &[Ipv4Addr], n: usize, to: SocketAddr) -> Slowloris {
-        let (conns, _) = idle_connections(from, n, to);
+    pub fn start(from: &[Ipv4Addr], n: usize, to: SocketAddr, wire: &Wire) -> Slowloris {
+        let (mut conns, _) = idle_after_handshake(from, n, to, wire);
         let open = conns.len();
         let stop = Arc::new(AtomicBool::new(false));
         let sender = {
@@ -141,8 +294,8 @@ impl Slowloris {
                             Some(b) => *b,
                             None => b"X-a: b\r\n"[(at - headers.len()) % 8],
                         };
-                        for mut s in &conns {
-                            let _ = s.write(&[byte]);
+                        for s in &mut conns {
+                            let _ = s.write(&[byte]).and_then(|_| s.flush());
                         }
                         at += 1;
                         std::thread::park_timeout(Duration::from_secs(1));
@@ -213,16 +366,24 @@ pub struct FloodPlan {
 }
 
 impl Flood {
-    /// Starts flooding `to`.
+    /// Starts flooding `to` over plain TCP.
     pub fn start(to: SocketAddr, plan: &FloodPlan) -> Flood {
+        Flood::start_over(to, plan, &Wire::Plain)
+    }
+
+    /// Starts flooding `to` over `wire`. A connection the server closes
+    /// (after an answer that says `Connection: close`, or without one) is
+    /// opened again.
+    pub fn start_over(to: SocketAddr, plan: &FloodPlan, wire: &Wire) -> Flood {
         let stop = Arc::new(AtomicBool::new(false));
         let counts = Arc::new(FloodCounts::default());
         let threads = (0..plan.threads.max(1))
             .map(|t| {
-                let (stop, counts, plan) = (stop.clone(), counts.clone(), plan.clone());
+                let (stop, counts, plan, wire) =
+                    (stop.clone(), counts.clone(), plan.clone(), wire.clone());
                 std::thread::Builder::new()
                     .name(format!("flood-{t}"))
-                    .spawn(move || flood_thread(t, to, &plan, &stop, &counts))
+                    .spawn(move || flood_thread(t, to, &plan, &wire, &stop, &counts))
                     .expect("start a flood thread")
             })
             .collect();
@@ -247,17 +408,20 @@ fn flood_thread(
     t: usize,
     to: SocketAddr,
     plan: &FloodPlan,
+    wire: &Wire,
     stop: &AtomicBool,
     counts: &FloodCounts,
 ) {
     let from = |k: usize| plan.from[(t * plan.connections + k) % plan.from.len().max(1)];
     let open = |k: usize| {
-        let s = connect_from(from(k), to).ok()?;
+        let s = wire.connect(from(k), to).ok()?;
         // A bound on a wedged read, so that a stop is seen; not a pace.
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        s.tcp()
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .ok()?;
         Some(s)
     };
-    let mut conns: Vec<Option<TcpStream>> = (0..plan.connections).map(open).collect();
+    let mut conns: Vec<Option<Conn>> = (0..plan.connections).map(open).collect();
     let per_thread_s = plan
         .per_s
         .map(|r| (r as f64 / plan.threads.max(1) as f64).max(1.0));
@@ -272,14 +436,17 @@ fn flood_thread(
         }
         for (k, slot) in conns.iter_mut().enumerate() {
             let answered = match slot.as_mut() {
-                Some(c) => read_response(c).ok(),
+                Some(c) => read_answer(c).ok(),
                 None => None,
             };
             match answered {
-                Some((status, _)) => {
+                Some(a) => {
                     counts.answered.fetch_add(1, Ordering::Relaxed);
-                    if status == 401 {
+                    if a.status == 401 {
                         counts.unauthorized.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if a.close {
+                        *slot = open(k);
                     }
                 }
                 None => {

@@ -9,10 +9,19 @@
 //! come from 127.1.0.1 and up (idle), 127.2.0.1 and up (slowloris) and
 //! 127.3.0.1 and up (flood), so the replica's per-address limits tell
 //! them apart from the good client. The replica (release build, next to
-//! this binary or `--manager`) runs on a SQLite file of its own, with one
-//! node of many cores that is never lost. `rss` is the replica's resident
-//! memory, read after each phase; `rss_growth` is the abuse phase's over
-//! the quiet one's.
+//! this binary or `--manager`) serves HTTPS, as by default, on a SQLite
+//! file of its own, with one node of many cores that is never lost; the
+//! strangers speak TLS to it: half the idle connections never start the
+//! handshake, the other half finish it and then send nothing, the
+//! slowloris and the flood send their bytes over TLS. The flood's requests
+//! carry no body, so each connection stays open for the next made-up
+//! credential (an answer given before a body is read closes its
+//! connection, which would make the flood a handshake flood). `rss` is the
+//! replica's resident memory, read after each phase; `rss_growth` is the
+//! abuse phase's over the quiet one's, and `rss_peak_growth` the peak's
+//! (`VmHWM`) over the quiet phase's. The idle connections are held by
+//! child processes of this binary (`--hold-idle`): the descriptor limit
+//! counts per process, and its hard limit may not be raisable here.
 //!
 //! The bar: `rest_abuse`'s p99 at most 2 x `rest_quiet`'s p99 + 5 ms, and
 //! the replica's RSS grown by less than 256 MiB. Each line of `--json` is
@@ -29,7 +38,9 @@ use rfaas_bench::cleanup;
 use rfaas_bench::stats::Summary;
 use rfaas_testkit::abuse::{self, Usage};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
-use rfaas_testkit::strangers::{idle_connections, Flood, FloodPlan, Slowloris};
+use rfaas_testkit::strangers::{
+    idle_after_handshake, idle_connections, Flood, FloodPlan, Slowloris, Wire,
+};
 use serde_json::json;
 
 /// A good client's grants, quiet and while strangers lean on the port.
@@ -71,11 +82,20 @@ struct Args {
     /// JSON lines instead of the table.
     #[arg(long)]
     json: bool,
+
+    /// Internal: hold idle connections for the bench that started this
+    /// process (`ADDRESS,FIRST,SOURCES,PER_SOURCE,HANDSHAKEN`).
+    #[arg(long, hide = true)]
+    hold_idle: Option<String>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    let result = match &args.hold_idle {
+        Some(what) => hold_idle(what).map(|()| true),
+        None => run(&args),
+    };
+    match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(2),
         Err(e) => {
@@ -91,8 +111,11 @@ struct Round {
     abuse: Summary,
     quiet_rss_kib: u64,
     abuse_rss_kib: u64,
+    /// The replica's peak resident memory (`VmHWM`) after the abuse phase.
+    peak_rss_kib: u64,
     fds: usize,
     idle_open: usize,
+    idle_handshaken: usize,
     idle_failed: usize,
     slow_open: usize,
     made_up_per_s: f64,
@@ -115,13 +138,16 @@ impl Round {
 
 fn run(args: &Args) -> Result<bool, String> {
     cleanup::install().map_err(|e| format!("could not install the signal handlers: {e}"))?;
-    let wanted = (args.idle + args.slow + args.flood_connections + 1024) as u64;
+    // The idle connections are held by processes of their own (the limit
+    // counts per process); this one holds the slowloris and the flood.
+    let wanted = (args.slow + args.flood_connections + 1024) as u64;
     // The replica inherits the hard limit and raises its soft one to it.
+    raise_hard_descriptor_limit((args.idle + 1024) as u64);
     let limit = abuse::raise_descriptor_limit(wanted);
     if limit < wanted {
         return Err(format!(
             "the descriptor limit is {limit}, too low for {wanted} connections; raise ulimit -Hn \
-             or lower --idle"
+             (or run as root, which may raise it up to /proc/sys/fs/nr_open) or lower --slow"
         ));
     }
     let bin = rfaas_bench::cli::service_binary(
@@ -157,18 +183,20 @@ fn one_round(args: &Args, bin: &std::path::Path) -> Result<Round, String> {
     let _registered = cleanup::register(pid);
     m.register_node("n1", 4096, 1 << 22);
     let good = Api::new(m.url(), &m.credential("user", "alice", Some("physics")));
-    let to = m
-        .url()
-        .trim_start_matches("http://")
+    let url = m.url();
+    let to = url
+        .split_once("://")
+        .map_or(url, |(_, rest)| rest)
         .parse()
-        .map_err(|e| format!("the replica's address {}: {e}", m.url()))?;
+        .map_err(|e| format!("the replica's address {url}: {e}"))?;
+    let wire = Wire::for_url(url)?;
 
     let quiet = measure(&good, args.iters)?;
     let quiet_rss_kib = Usage::of(pid).rss_kib;
 
-    let (idle, idle_failed) = idle_connections(&addresses(1, 100), args.idle.div_ceil(100), to);
-    let slow = Slowloris::start(&addresses(2, 10), args.slow.div_ceil(10), to);
-    let flood = Flood::start(
+    let idle = Holders::start(args.idle, to, matches!(wire, Wire::Tls(_)))?;
+    let slow = Slowloris::start(&addresses(2, 10), args.slow.div_ceil(10), to, &wire);
+    let flood = Flood::start_over(
         to,
         &FloodPlan {
             from: addresses(3, 50),
@@ -177,8 +205,9 @@ fn one_round(args: &Args, bin: &std::path::Path) -> Result<Round, String> {
             per_s: Some(args.made_up_per_s),
             method: "POST",
             path: "/v1/leases".into(),
-            body: br#"{"cores": 1, "memory_mib": 64, "duration_s": 60}"#.to_vec(),
+            body: Vec::new(),
         },
+        &wire,
     );
     let flood_start = Instant::now();
     let abuse = measure(&good, args.iters)?;
@@ -189,20 +218,160 @@ fn one_round(args: &Args, bin: &std::path::Path) -> Result<Round, String> {
     let slow_open = slow.open;
     drop(flood);
     drop(slow);
-    let idle_open = idle.len();
+    let (idle_open, idle_handshaken, idle_failed) = (idle.open, idle.handshaken, idle.failed);
     drop(idle);
     Ok(Round {
         quiet,
         abuse,
         quiet_rss_kib,
         abuse_rss_kib: usage.rss_kib,
+        peak_rss_kib: peak_rss_kib(pid),
         fds: usage.fds,
         idle_open,
+        idle_handshaken,
         idle_failed,
         slow_open,
         made_up_per_s,
         made_up_failed,
     })
+}
+
+/// Idle connections from 127.1.0.1 and up (100 addresses), held by child
+/// processes of this binary (`--hold-idle`), each under its own
+/// descriptor limit; closed when dropped.
+struct Holders {
+    children: Vec<(std::process::Child, cleanup::Registered)>,
+    open: usize,
+    handshaken: usize,
+    failed: usize,
+}
+
+impl Holders {
+    /// `idle` connections to `to`; over TLS, half from each address
+    /// finish the handshake, the other half (all, on plain HTTP) never
+    /// start it.
+    fn start(idle: usize, to: std::net::SocketAddr, tls: bool) -> Result<Holders, String> {
+        const SOURCES: usize = 100;
+        let per_source = idle.div_ceil(SOURCES);
+        let handshaken = if tls { per_source / 2 } else { 0 };
+        let limit = abuse::raise_descriptor_limit(u64::MAX) as usize;
+        let sources_each = (limit.saturating_sub(256) / per_source.max(1)).clamp(1, SOURCES);
+        let me = std::env::current_exe().map_err(|e| format!("this binary's path: {e}"))?;
+        let mut holders = Holders {
+            children: Vec::new(),
+            open: 0,
+            handshaken: 0,
+            failed: 0,
+        };
+        for first in (0..SOURCES).step_by(sources_each) {
+            let n = sources_each.min(SOURCES - first);
+            let child = std::process::Command::new(&me)
+                .arg("--hold-idle")
+                .arg(format!("{to},{first},{n},{per_source},{handshaken}"))
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("start {}: {e}", me.display()))?;
+            let registered = cleanup::register(child.id());
+            holders.children.push((child, registered));
+        }
+        for (child, _) in &mut holders.children {
+            let mut line = String::new();
+            if let Some(out) = child.stdout.as_mut() {
+                std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
+                    .map_err(|e| format!("read an idle holder's count: {e}"))?;
+            }
+            let counts: Vec<usize> = line
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            let [open, handshaken, failed] = counts[..] else {
+                return Err(format!(
+                    "an idle holder said {line:?}, not its three counts"
+                ));
+            };
+            holders.open += open;
+            holders.handshaken += handshaken;
+            holders.failed += failed;
+        }
+        Ok(holders)
+    }
+}
+
+impl Drop for Holders {
+    fn drop(&mut self) {
+        for (child, _) in &mut self.children {
+            // Closing its stdin tells a holder to close its connections and
+            // end.
+            drop(child.stdin.take());
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `--hold-idle`: opens the connections, prints how many are open, how
+/// many of them finished a TLS handshake and how many failed, and holds
+/// them until stdin closes.
+fn hold_idle(what: &str) -> Result<(), String> {
+    let bad = || format!("--hold-idle {what:?} is not ADDRESS,FIRST,SOURCES,PER_SOURCE,HANDSHAKEN");
+    let mut parts = what.split(',');
+    let to: std::net::SocketAddr = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
+    let mut num =
+        || -> Result<usize, String> { parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad) };
+    let (first, n, per_source, handshaken) = (num()?, num()?, num()?, num()?);
+    abuse::raise_descriptor_limit(((per_source * n) + 64) as u64);
+    let from = &addresses(1, 100)[first..first + n];
+    let (bare, bare_failed) = idle_connections(from, per_source - handshaken, to);
+    let (tls, tls_failed) = if handshaken > 0 {
+        let ca = std::env::var_os(rfaas_tls::CA_FILE_ENV)
+            .ok_or("an idle holder needs the CA file in its environment")?;
+        let wire = Wire::tls(std::path::Path::new(&ca))?;
+        idle_after_handshake(from, handshaken, to, &wire)
+    } else {
+        (Vec::new(), 0)
+    };
+    println!(
+        "{} {} {}",
+        bare.len() + tls.len(),
+        tls.len(),
+        bare_failed + tls_failed
+    );
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+    drop((bare, tls));
+    Ok(())
+}
+
+/// `pid`'s peak resident memory (`VmHWM`), KiB; 0 where it cannot be read.
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Raises the hard descriptor limit (which the replica inherits) to
+/// `wanted` where it is lower, up to `/proc/sys/fs/nr_open`; only root may,
+/// and for anyone else the limit stays as it was.
+fn raise_hard_descriptor_limit(wanted: u64) {
+    let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(wanted);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write only `lim`, ours.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_max < wanted {
+            lim.rlim_max = wanted.min(ceiling);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
 }
 
 /// `n` loopback addresses 127.`block`.0.1 and up.
@@ -268,8 +437,10 @@ fn print_round(args: &Args, round: usize, r: &Round) {
         "median_us": us(r.abuse.median_ns), "p99_us": us(r.abuse.p99_ns),
         "bar_p99_us": us(r.bar_ns()),
         "rss_mib": mib(r.abuse_rss_kib), "rss_growth_mib": mib(r.rss_growth_kib()),
+        "rss_peak_growth_mib": mib(r.peak_rss_kib.saturating_sub(r.quiet_rss_kib)),
         "fds": r.fds,
-        "idle": r.idle_open, "idle_failed": r.idle_failed, "slow": r.slow_open,
+        "idle": r.idle_open, "idle_handshaken": r.idle_handshaken,
+        "idle_failed": r.idle_failed, "slow": r.slow_open,
         "made_up_per_s": r.made_up_per_s.round(), "made_up_failed": r.made_up_failed,
         "pass": r.passes(),
     });
