@@ -94,7 +94,7 @@ pub(super) async fn list_usage(
             accounts.insert(account.clone());
             Some((user.clone(), accounts))
         }
-        Caller::Node(_) => {
+        Caller::Node { .. } => {
             return Err(ApiError::Forbidden(
                 "usage is read with a user credential or the admin token, not a node's".into(),
             ))
