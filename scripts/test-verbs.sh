@@ -13,7 +13,9 @@
 #    shm), and
 #  - the accounting service's verbs case (accounting/tests/service.rs
 #    `adds_over_verbs`: a real rfaas-accounting whose region the NIC adds
-#    into), and
+#    into) and its trust cases (accounting/tests/trust.rs `*_over_verbs`: a
+#    connection without a hello adds nothing, forged and expired tickets
+#    are refused, a revoked credential's connection is closed), and
 #  - the executor's isolation tests (executor/tests/isolation.rs: a
 #    function's detached child is killed with its allocation, kept on its
 #    CPUs and billed), all with --include-ignored. The guest mounts cgroup
@@ -32,7 +34,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # In the guest: run both binaries, every test even after a failure.
 if [ "${1:-}" = --in-guest ]; then
-    lib=$2 conformance=$3 e2e=$4 acct=$5 isolation=$6 status=0
+    lib=$2 conformance=$3 e2e=$4 acct=$5 isolation=$6 trust=$8 status=0
     # The guest has no openssl: the tests' managers serve HTTPS with a
     # throwaway CA the host made (testkit::tls::test_ca).
     export RFAAS_TEST_CA_DIR=$7
@@ -62,6 +64,8 @@ if [ "${1:-}" = --in-guest ]; then
     "$e2e" verbs --include-ignored --test-threads=1 || status=1
     echo "== verbs: the accounting service on verbs:$RDMA_DEVICE"
     "$acct" adds_over_verbs --include-ignored --test-threads=1 || status=1
+    echo "== verbs: only a node with a live ticket adds, on verbs:$RDMA_DEVICE"
+    "$trust" _over_verbs --include-ignored --test-threads=1 || status=1
     echo "== verbs: every process of an allocation stays in its cgroup"
     "$isolation" --include-ignored --test-threads=1 || status=1
     exit "$status"
@@ -92,8 +96,9 @@ conformance=$(executable fabric/tests/conformance.rs)
 e2e=$(executable client/tests/e2e.rs)
 acct=$(executable accounting/tests/service.rs)
 isolation=$(executable executor/tests/isolation.rs)
-if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ] || [ -z "$acct" ] || [ -z "$isolation" ]; then
-    echo "test-verbs: cargo built no fabric library, fabric conformance, client e2e, accounting service or executor isolation test binary:" >&2
+trust=$(executable accounting/tests/trust.rs)
+if [ -z "$lib" ] || [ -z "$conformance" ] || [ -z "$e2e" ] || [ -z "$acct" ] || [ -z "$isolation" ] || [ -z "$trust" ]; then
+    echo "test-verbs: cargo built no fabric library, fabric conformance, client e2e, accounting service, accounting trust or executor isolation test binary:" >&2
     echo "$binaries" >&2
     exit 1
 fi
@@ -111,7 +116,7 @@ ca_dir=$target_dir/verbs-test-ca
 rm -rf "$ca_dir"
 make_test_ca "$ca_dir"
 RDMA_VM_TIMEOUT=${RDMA_VM_TIMEOUT:-900} RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
-    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" "$isolation" "$ca_dir" |
+    bash scripts/rdma-vm.sh run -- "$PWD/scripts/test-verbs.sh" --in-guest "$lib" "$conformance" "$e2e" "$acct" "$isolation" "$ca_dir" "$trust" |
     tee "$log" || vm_status=$?
 # With pipefail, the pipeline's status is the VM's (tee does not fail).
 
@@ -123,8 +128,8 @@ if [ "$vm_status" -ne 0 ]; then
     echo "test-verbs: FAILED: the run in the VM exited with $vm_status" >&2
     failed=1
 fi
-if [ ${#results[@]} -ne 5 ]; then
-    echo "test-verbs: FAILED: expected 5 test summaries (library, conformance, e2e, accounting, isolation), got ${#results[@]}" >&2
+if [ ${#results[@]} -ne 6 ]; then
+    echo "test-verbs: FAILED: expected 6 test summaries (library, conformance, e2e, accounting, isolation, accounting trust), got ${#results[@]}" >&2
     failed=1
 fi
 for line in "${results[@]}"; do

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use rfaas_fabric::ProviderKind;
 use rfaas_proto::accounting::MAX_SLOTS;
-use rfaas_proto::files::{ConfigDir, BILLING_TOML};
+use rfaas_proto::files::{ConfigDir, BILLING_TOML, LEASE_KEYS_PUB};
 use serde::Deserialize;
 
 /// The configuration file as written.
@@ -47,6 +47,9 @@ pub struct FileConfig {
     pub billing_config: Option<PathBuf>,
     /// How long a new connection has to say its hello, ms.
     pub hello_timeout_ms: Option<u64>,
+    /// The manager's public key files, which check the accounting tickets
+    /// in hellos (the files executord's `lease_keys` names).
+    pub lease_keys: Option<Vec<PathBuf>>,
 }
 
 /// The settings the service runs with, defaults filled in.
@@ -78,6 +81,8 @@ pub struct Settings {
     pub billing_config: PathBuf,
     /// Hello deadline.
     pub hello_timeout: Duration,
+    /// The manager's public key files (at least one).
+    pub lease_keys: Vec<PathBuf>,
     /// The configuration directory the defaults came from.
     pub config_dir: ConfigDir,
 }
@@ -143,6 +148,9 @@ impl FileConfig {
                 .billing_config
                 .unwrap_or_else(|| dir.file(BILLING_TOML)),
             hello_timeout: Duration::from_millis(self.hello_timeout_ms.unwrap_or(5000)),
+            lease_keys: self
+                .lease_keys
+                .unwrap_or_else(|| vec![dir.file(LEASE_KEYS_PUB)]),
             config_dir: dir.clone(),
         };
         let name_ok = !s.name.is_empty()
@@ -168,6 +176,11 @@ impl FileConfig {
                 s.provider
             ))
         })?;
+        if s.lease_keys.is_empty() {
+            return invalid(
+                "lease_keys = []: name the manager's public key file (as executord's lease_keys does); without it no executor daemon's hello can be checked".into(),
+            );
+        }
         if s.flush_interval.is_zero() || s.hello_timeout.is_zero() {
             return invalid("flush_interval_ms and hello_timeout_ms must be above 0".into());
         }

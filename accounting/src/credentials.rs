@@ -1,73 +1,136 @@
-//! Who may add: executor daemons, which say hello with their node
-//! credential. Credentials are checked against the manager's
-//! `credentials` table with the manager's rules
-//! ([`rfaas_service::credentials::verify_node_credential`]); verdicts are
-//! kept for [`CACHE_TTL`], so daemons reconnecting together cost one
-//! query each, and a revocation takes effect within it.
+//! Who may add: executor daemons, which show the accounting ticket the
+//! manager gave them in their hello. A ticket is checked without the
+//! database first (its layout, its Ed25519 signature under the manager's
+//! `lease_keys`, its expiry), so a stranger costs no query; then the node
+//! credential it names must be live in the manager's `credentials` table:
+//! a node's, for the ticket's node, neither revoked nor expired. The
+//! listener asks again every [`WATCH`] for the credentials its
+//! connections were admitted under ([`Verifier::live`]) and closes those
+//! that stopped being live.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::collections::HashSet;
+use std::time::Duration;
 
-use rfaas_service::credentials::{hash_secret, verify_node_credential, NodeRefusal};
+use rfaas_proto::lease::LeaseKeys;
+use rfaas_proto::manager::Role;
+use rfaas_proto::ticket::{AccountingTicket, TicketClaims};
+use rfaas_service::credentials::{self, CredentialRow};
+use rfaas_service::db::DbError;
 use sqlx::AnyPool;
 
-/// How long a verdict is trusted (the manager's own credential cache's).
-pub const CACHE_TTL: Duration = rfaas_service::credentials::CACHE_TTL;
+/// How often the credentials of live connections are looked at: a
+/// revoked node's connections close within this and a query's time.
+pub const WATCH: Duration = Duration::from_secs(1);
 
-/// What a hello's credential is worth.
+/// Most credential ids in one query.
+const IDS_PER_QUERY: usize = 500;
+
+/// What a hello's ticket is worth.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    /// A node credential, for the node named.
-    Node(String),
-    /// Refused, and why.
-    Refused(NodeRefusal),
+    /// A live node credential's ticket.
+    Node {
+        /// The node it was issued to.
+        node: String,
+        /// Its credential's id.
+        credential_id: String,
+    },
+    /// Refused, and why (for the log).
+    Refused(String),
     /// The database cannot answer now.
     Unavailable(String),
 }
 
-/// Checks credentials, with a short cache.
+/// Checks tickets and the credentials they name.
 #[derive(Debug)]
 pub struct Verifier {
     pool: AnyPool,
-    /// By the credential's SHA-256, never the credential itself.
-    cache: Mutex<HashMap<String, (Verdict, Instant)>>,
+    keys: LeaseKeys,
+}
+
+/// Whether `row` is a live node credential of `node` at `now_s`; why not.
+fn live_for(row: &CredentialRow, node: &str, now_s: u64) -> Result<(), &'static str> {
+    if row.revoked {
+        Err("the credential was revoked")
+    } else if row.expires_at != 0 && now_s >= row.expires_at {
+        Err("the credential expired")
+    } else if row.role != Role::Node {
+        Err("the credential is not a node's")
+    } else if row.subject != node {
+        Err("the credential is another node's")
+    } else {
+        Ok(())
+    }
 }
 
 impl Verifier {
-    /// Checks against the credentials in `pool`'s database.
-    pub fn new(pool: AnyPool) -> Verifier {
-        Verifier {
-            pool,
-            cache: Mutex::new(HashMap::new()),
+    /// Checks signatures with `keys` and credentials in `pool`'s database.
+    pub fn new(pool: AnyPool, keys: LeaseKeys) -> Verifier {
+        Verifier { pool, keys }
+    }
+
+    /// The verdict on `ticket` at `now_s` (Unix seconds).
+    pub async fn check(&self, ticket: &AccountingTicket, now_s: u64) -> Verdict {
+        let TicketClaims {
+            node,
+            credential_id,
+            ..
+        } = match ticket.verify(&self.keys, now_s) {
+            Ok(c) => c,
+            Err(e) => return Verdict::Refused(e.to_string()),
+        };
+        match credentials::find(&self.pool, &credential_id).await {
+            Err(e) => Verdict::Unavailable(e.to_string()),
+            Ok(None) => Verdict::Refused(format!(
+                "the ticket names credential {credential_id}, which does not exist (deleted)"
+            )),
+            Ok(Some(row)) => match live_for(&row, &node, now_s) {
+                Ok(()) => Verdict::Node {
+                    node,
+                    credential_id,
+                },
+                Err(why) => Verdict::Refused(format!("{why} (credential {credential_id})")),
+            },
         }
     }
 
-    /// The verdict on `credential` at `now_s` (Unix seconds).
-    pub async fn check(&self, credential: &str, now_s: u64) -> Verdict {
-        let key = hash_secret(credential);
-        {
-            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((v, at)) = cache.get(&key) {
-                if at.elapsed() < CACHE_TTL {
-                    return v.clone();
+    /// Of the connections admitted under `(credential id, node)`, the
+    /// credential ids still live at `now_s`: a revoked, expired or deleted
+    /// credential is not among them.
+    ///
+    /// # Errors
+    ///
+    /// The database's failure: nothing is known then.
+    pub async fn live(
+        &self,
+        admitted: &[(String, String)],
+        now_s: u64,
+    ) -> Result<HashSet<String>, DbError> {
+        let mut live = HashSet::new();
+        let mut ids: Vec<&str> = admitted.iter().map(|(id, _)| id.as_str()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for chunk in ids.chunks(IDS_PER_QUERY) {
+            let marks: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
+            let sql = format!(
+                "SELECT {} FROM credentials WHERE id IN ({})",
+                credentials::COLUMNS,
+                marks.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for id in chunk {
+                q = q.bind(*id);
+            }
+            for row in q.fetch_all(&self.pool).await? {
+                let row = credentials::from_row(&row)?;
+                let node_ok = admitted
+                    .iter()
+                    .any(|(id, node)| *id == row.id && live_for(&row, node, now_s).is_ok());
+                if node_ok {
+                    live.insert(row.id);
                 }
             }
         }
-        let verdict = match verify_node_credential(&self.pool, credential, now_s).await {
-            Ok(Ok(node)) => Verdict::Node(node),
-            Ok(Err(why)) => Verdict::Refused(why),
-            // Not kept: the next hello asks again.
-            Err(e) => return Verdict::Unavailable(e.to_string()),
-        };
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() > 10_000 {
-            cache.retain(|_, (_, at)| at.elapsed() < CACHE_TTL);
-            if cache.len() > 10_000 {
-                cache.clear();
-            }
-        }
-        cache.insert(key, (verdict.clone(), Instant::now()));
-        verdict
+        Ok(live)
     }
 }

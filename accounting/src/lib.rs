@@ -24,11 +24,13 @@
 //! - [`ledger`]: the region and one window per node: a node's connection
 //!   adds into its node's window only, and the flusher counts a slot's
 //!   adds from the window of its lease's node alone.
-//! - [`listener`]: the fabric listener: the hello, credential checks, and
+//! - [`listener`]: the fabric listener: the hello, ticket checks, and
 //!   the accepted daemons' connections, each in a protection domain of
-//!   its own.
-//! - [`credentials`]: node credentials checked against the database, with
-//!   a short cache.
+//!   its own, closed once their credential is revoked.
+//! - [`credentials`]: the hello's accounting ticket checked with the
+//!   manager's public keys (`lease_keys`), the node credential it names
+//!   checked live in the database, and the credentials of live
+//!   connections looked up every second.
 //! - [`flusher`]: slots to `usage`, `usage_snapshots` and `account_spend`,
 //!   and the final flush that frees a slot.
 //! - [`store`]: the service's SQL, for both databases: the instance's

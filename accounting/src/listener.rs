@@ -14,12 +14,15 @@
 //! must send an [`AccountingHello`] in the immediates of as many
 //! zero-length writes-with-immediate, the first being [`HELLO_IMM`],
 //! within `hello_timeout`. A connection that begins otherwise, writes
-//! bytes, or stays silent is dropped without an answer. The hello's node
-//! credential is checked against the database ([`Verifier`], off this
-//! thread); the answer is an [`AccountingReply`] written with immediate
+//! bytes, or stays silent is dropped without an answer. The hello's
+//! accounting ticket is checked ([`Verifier`], off this thread): its
+//! signature under the manager's keys and its expiry, then the node
+//! credential it names, which must be live; the answer is an [`AccountingReply`] written with immediate
 //! [`REPLY_IMM`] into the buffer the hello names. Only an accepted reply
 //! carries the region's address and rkey, those of the connection's own
-//! registration. After a refusal the connection
+//! registration, in the window of the ticket's node. A hello of another
+//! version (a version 1 hello carried a bearer credential) is answered
+//! `BadHello`. After a refusal the connection
 //! is dropped once the reply's write completed. At most
 //! [`MAX_PROBATION`] connections are on probation at once; more wait in
 //! the listener's backlog, so a flood of silent peers delays daemons by at
@@ -33,11 +36,18 @@
 //! is dropped then. The daemon's fetch-and-adds never reach this thread:
 //! the NIC (verbs), the fabric's progress thread (tcp) or the daemon
 //! itself (shm) applies them to the region. A daemon that sends anything
-//! else after its hello is dropped.
+//! else after its hello is dropped. Every [`WATCH`] the credentials the
+//! kept connections were admitted under are looked up in one query
+//! ([`Verifier::live`]); the connections of a credential revoked, expired
+//! or deleted since are dropped and counted
+//! (`rfaas_accounting_revoked_connections_total`), so a revocation closes
+//! a node's connections within about [`WATCH`] plus a query. A database
+//! outage keeps them (and is retried at the next period).
 //!
 //! Each connection has a completion queue of its own, so connections
 //! need no shared capacity and a dead one takes nothing with it.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -51,7 +61,7 @@ use rfaas_proto::accounting::{
     AccountingHello, AccountingReply, ReplyStatus, HELLO_IMM, HELLO_IMMS, REPLY_IMM,
 };
 
-use crate::credentials::{Verdict, Verifier};
+use crate::credentials::{Verdict, Verifier, WATCH};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::region::Region;
@@ -89,7 +99,7 @@ pub struct ListenerParts {
     /// The counter region and the nodes' windows: a connection whose
     /// hello is accepted gets its node's window, registered for it alone.
     pub ledger: Arc<Ledger>,
-    /// Credential checks.
+    /// Ticket and credential checks.
     pub verifier: Arc<Verifier>,
     /// Where the checks run.
     pub runtime: tokio::runtime::Handle,
@@ -110,8 +120,15 @@ enum Stage {
     /// The reply's write is on its way.
     Replying {
         status: ReplyStatus,
-        node: Option<String>,
+        admitted: Option<Admitted>,
     },
+}
+
+/// Whom a connection was admitted as.
+#[derive(Debug, Clone)]
+struct Admitted {
+    node: String,
+    credential_id: String,
 }
 
 struct Candidate {
@@ -135,14 +152,14 @@ struct Kept {
     _exposed: MemoryRegion,
     _domain: Domain,
     cq: CompletionQueue,
-    node: String,
+    who: Admitted,
     peer: String,
 }
 
 /// What became of a candidate in one step.
 enum Outcome {
     Waiting,
-    Accepted(String),
+    Accepted(Admitted),
     Dropped { why: String, result: &'static str },
 }
 
@@ -162,6 +179,9 @@ struct Acceptor {
     candidates: Vec<Candidate>,
     kept: Vec<Kept>,
     next_sweep: Instant,
+    /// The answer of the credential watch under way, if one is.
+    watch: Option<mpsc::Receiver<Option<HashSet<String>>>>,
+    next_watch: Instant,
 }
 
 /// Starts the listener thread; it stops (dropping every connection) once
@@ -179,6 +199,8 @@ pub fn spawn(
         candidates: Vec::new(),
         kept: Vec::new(),
         next_sweep: Instant::now() + SWEEP,
+        watch: None,
+        next_watch: Instant::now() + WATCH,
     };
     std::thread::Builder::new()
         .name("rfaas-acct-listen".into())
@@ -201,6 +223,7 @@ impl Acceptor {
             self.sweep();
             self.next_sweep = Instant::now() + SWEEP;
         }
+        self.watch_credentials();
         if !self.candidates.is_empty() && !accepted && !progressed {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -300,7 +323,8 @@ impl Acceptor {
             any |= moved;
             match outcome {
                 Outcome::Waiting => i += 1,
-                Outcome::Accepted(node) => {
+                Outcome::Accepted(who) => {
+                    let node = who.node.clone();
                     let c = self.candidates.swap_remove(i);
                     let Some(exposed) = c.exposed else {
                         continue;
@@ -316,7 +340,7 @@ impl Acceptor {
                         _exposed: exposed,
                         _domain: c.domain,
                         cq: c.cq,
-                        node,
+                        who,
                         peer: c.peer,
                     });
                     self.p.metrics.connections.set(self.kept.len() as i64);
@@ -376,7 +400,7 @@ impl Acceptor {
                     ),
                     "bad_hello",
                 ),
-                Stage::Replying { status, node } => {
+                Stage::Replying { status, admitted } => {
                     if comp.wr_id != WR_REPLY || comp.opcode != Opcode::WriteWithImm {
                         dropped(
                             format!(
@@ -391,8 +415,8 @@ impl Acceptor {
                             "dropped",
                         )
                     } else {
-                        match (status, node.take()) {
-                            (ReplyStatus::Accepted, Some(node)) => Outcome::Accepted(node),
+                        match (status, admitted.take()) {
+                            (ReplyStatus::Accepted, Some(who)) => Outcome::Accepted(who),
                             (status, _) => dropped(
                                 format!("was refused: {}", status.describe()),
                                 match status {
@@ -420,8 +444,11 @@ impl Acceptor {
             };
             if let Some(v) = answer {
                 moved = true;
-                let (status, node) = match v {
-                    Verdict::Node(node) => match self
+                let (status, admitted) = match v {
+                    Verdict::Node {
+                        node,
+                        credential_id,
+                    } => match self
                         .p
                         .ledger
                         .window(&node)
@@ -429,7 +456,13 @@ impl Acceptor {
                     {
                         Ok(mr) => {
                             c.exposed = Some(mr);
-                            (ReplyStatus::Accepted, Some(node))
+                            (
+                                ReplyStatus::Accepted,
+                                Some(Admitted {
+                                    node,
+                                    credential_id,
+                                }),
+                            )
                         }
                         Err(e) => {
                             tracing::warn!(peer = %c.peer, %node, error = %e, "cannot register the region for an accepted daemon; it is told to retry");
@@ -437,16 +470,16 @@ impl Acceptor {
                         }
                     },
                     Verdict::Refused(why) => {
-                        tracing::debug!(peer = %c.peer, ?why, "a credential was refused");
+                        tracing::info!(peer = %c.peer, why, "an accounting ticket was refused");
                         (ReplyStatus::BadCredential, None)
                     }
                     Verdict::Unavailable(why) => {
-                        tracing::warn!(peer = %c.peer, why, "cannot check a daemon's credential: the database is unavailable; it is told to retry");
+                        tracing::warn!(peer = %c.peer, why, "cannot check the credential a daemon's ticket names: the database is unavailable; it is told to retry");
                         (ReplyStatus::Unavailable, None)
                     }
                 };
                 c.deadline = Instant::now() + self.p.hello_timeout;
-                let o = reply(c, to, status, node, self.p.ledger.main());
+                let o = reply(c, to, status, admitted, self.p.ledger.main());
                 if !matches!(o, Outcome::Waiting) {
                     return (o, true);
                 }
@@ -478,15 +511,73 @@ impl Acceptor {
             };
             match c.status {
                 Status::PeerLost | Status::Flushed => {
-                    tracing::info!(peer = %k.peer, node = %k.node, "an executor daemon went away")
+                    tracing::info!(peer = %k.peer, node = %k.who.node, "an executor daemon went away")
                 }
-                _ => tracing::warn!(peer = %k.peer, node = %k.node, opcode = ?c.opcode, status = %c.status, "an executor daemon sent something after its hello; dropped its connection"),
+                _ => tracing::warn!(peer = %k.peer, node = %k.who.node, opcode = ?c.opcode, status = %c.status, "an executor daemon sent something after its hello; dropped its connection"),
             }
             false
         });
         if self.kept.len() != before {
             self.p.metrics.connections.set(self.kept.len() as i64);
         }
+    }
+}
+
+impl Acceptor {
+    /// Every [`WATCH`], asks which credentials of the kept connections
+    /// are still live (off this thread), and drops the connections of
+    /// those that are not once the answer is in.
+    fn watch_credentials(&mut self) {
+        if let Some(rx) = &self.watch {
+            let live = match rx.try_recv() {
+                Ok(live) => live,
+                Err(mpsc::TryRecvError::Empty) => return,
+                Err(mpsc::TryRecvError::Disconnected) => None,
+            };
+            self.watch = None;
+            self.next_watch = Instant::now() + WATCH;
+            let Some(live) = live else {
+                return;
+            };
+            let before = self.kept.len();
+            self.kept.retain(|k| {
+                let keep = live.contains(&k.who.credential_id);
+                if !keep {
+                    tracing::warn!(peer = %k.peer, node = %k.who.node, credential = %k.who.credential_id, "the node credential of an executor daemon's connection was revoked, expired or deleted; closed the connection");
+                }
+                keep
+            });
+            let closed = before - self.kept.len();
+            if closed > 0 {
+                self.p.metrics.revoked_connections.inc_by(closed as u64);
+                self.p.metrics.connections.set(self.kept.len() as i64);
+            }
+            return;
+        }
+        if self.kept.is_empty() || Instant::now() < self.next_watch {
+            return;
+        }
+        let admitted: Vec<(String, String)> = self
+            .kept
+            .iter()
+            .map(|k| (k.who.credential_id.clone(), k.who.node.clone()))
+            .collect();
+        let (tx, rx) = mpsc::channel();
+        let verifier = self.p.verifier.clone();
+        let within = WATCH.max(self.p.hello_timeout);
+        self.p.runtime.spawn(async move {
+            let ask = verifier.live(&admitted, rfaas_service::now_s());
+            let live = match tokio::time::timeout(within, ask).await {
+                Ok(Ok(live)) => Some(live),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot look up the credentials of the executor daemons' connections; they are kept, and looked up again shortly");
+                    None
+                }
+                Err(_) => None,
+            };
+            let _ = tx.send(live);
+        });
+        self.watch = Some(rx);
     }
 }
 
@@ -518,7 +609,7 @@ fn hello_part(imms: &mut Vec<u32>, c: &Completion) -> Result<bool, Outcome> {
     Ok(imms.len() == HELLO_IMMS)
 }
 
-/// Decodes a whole hello and starts its credential check. On a hello that
+/// Decodes a whole hello and starts its ticket check. On a hello that
 /// does not decode: where to send `BadHello` (if its reply address can be
 /// read) and why.
 fn start_check(imms: &[u32], p: &ListenerParts) -> Result<Stage, (Option<RemoteAddr>, String)> {
@@ -543,8 +634,7 @@ fn start_check(imms: &[u32], p: &ListenerParts) -> Result<Stage, (Option<RemoteA
     let verifier = p.verifier.clone();
     let within = p.hello_timeout;
     p.runtime.spawn(async move {
-        let credential = hello.credential;
-        let check = verifier.check(&credential, rfaas_service::now_s());
+        let check = verifier.check(&hello.ticket, rfaas_service::now_s());
         let v = tokio::time::timeout(within, check)
             .await
             .unwrap_or_else(|_| Verdict::Unavailable("the check took too long".into()));
@@ -563,7 +653,7 @@ fn reply(
     c: &mut Candidate,
     to: RemoteAddr,
     status: ReplyStatus,
-    node: Option<String>,
+    admitted: Option<Admitted>,
     region: &Region,
 ) -> Outcome {
     let answer = match (status, &c.exposed) {
@@ -595,7 +685,7 @@ fn reply(
         REPLY_IMM,
     ) {
         Ok(()) => {
-            c.stage = Stage::Replying { status, node };
+            c.stage = Stage::Replying { status, admitted };
             Outcome::Waiting
         }
         Err(e) => dropped(format!("could not be answered ({e})"), "dropped"),

@@ -46,6 +46,9 @@ pub struct Metrics {
     pub connections: IntGauge,
     /// Hellos answered or given up, by result.
     pub hellos: IntCounterVec,
+    /// Accepted connections closed because their credential stopped
+    /// being live.
+    pub revoked_connections: IntCounter,
     /// When the last flush succeeded, Unix ms (0: none yet).
     last_flush_ms: AtomicU64,
     /// When the service started, Unix ms.
@@ -113,8 +116,14 @@ impl Metrics {
             &["result"],
         )
         .expect("valid");
+        let revoked_connections = IntCounter::new(
+            "revoked_connections_total",
+            "Connections of executor daemons closed because the node credential their ticket names was revoked, expired or deleted",
+        )
+        .expect("valid");
         for m in [
             Box::new(slots_in_use.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(revoked_connections.clone()),
             Box::new(slots.clone()),
             Box::new(flush_lag.clone()),
             Box::new(rows_written.clone()),
@@ -156,6 +165,7 @@ impl Metrics {
             rejected_adds,
             connections,
             hellos,
+            revoked_connections,
             last_flush_ms: AtomicU64::new(0),
             started_ms,
         }

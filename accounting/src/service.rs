@@ -1,7 +1,8 @@
 //! Starting and stopping the service: the order of [`start`] is the order
 //! in which a crash leaves things safe.
 //!
-//! 1. The billing configuration and the metrics listener (bad
+//! 1. The billing configuration, the manager's public keys (which check
+//!    the daemons' accounting tickets) and the metrics listener (bad
 //!    configuration fails before anything else happens).
 //! 2. The database: connect and bring the schema up to date, waiting
 //!    while it is unreachable (the service is useless without it, and
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use rfaas_executor::daemon::keys::read_lease_keys;
 use rfaas_fabric::Fabric;
 use rfaas_proto::files::ConfigDir;
 use rfaas_service::db::{self, Backend, DbError};
@@ -157,6 +159,12 @@ fn remove_stale_socket(provider: &str, addr: &str) {
 /// Starts the service with `settings`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     let (rates, budgets) = load_billing(&settings.billing_config, &settings.config_dir)?;
+    let lease_keys = read_lease_keys(&settings.lease_keys).with_context(|| {
+        format!(
+            "read the manager's public keys, which check executor daemons' accounting tickets ({})",
+            settings.config_dir.hint(&["lease_keys in accounting.toml"])
+        )
+    })?;
     let started_ms = rfaas_service::now_ms();
     let metrics = Arc::new(Metrics::new(started_ms));
     let (http_listener, metrics_addr) = metrics::bind(&settings.metrics_listen)
@@ -259,7 +267,7 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
             fabric: fabric.clone(),
             listener: fabric_listener,
             ledger: ledger.clone(),
-            verifier: Arc::new(Verifier::new(pool.clone())),
+            verifier: Arc::new(Verifier::new(pool.clone(), lease_keys)),
             runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
             hello_timeout: settings.hello_timeout,

@@ -1,6 +1,6 @@
 //! The accounting service end to end: a real `rfaas-accounting` and a
 //! real manager on one database (SQLite and PostgreSQL), a test peer that
-//! says the hello with a node credential and adds over the fabric as an
+//! says the hello with an accounting ticket and adds over the fabric as an
 //! executor daemon does, and the database's rows as the flusher leaves
 //! them.
 
@@ -9,7 +9,8 @@ mod common;
 use common::{cost, some_usage, wait_for_usage, Env};
 use rfaas_fabric::{RemoteAddr, Status};
 use rfaas_proto::accounting::{region_len, Counter, ReplyStatus, SlotTotals, UsageFigures};
-use rfaas_testkit::accounting::{Accounting, AccountingOptions, Peer};
+use rfaas_proto::ticket::AccountingTicket;
+use rfaas_testkit::accounting::{credential_id, Accounting, AccountingOptions, Peer};
 use rfaas_testkit::on_both;
 use rfaas_testkit::wait::{wait_until, TIMEOUT};
 
@@ -19,7 +20,7 @@ use rfaas_testkit::wait::{wait_until, TIMEOUT};
 fn adds_reach_the_database(kind: &str) {
     let env = Env::new(kind);
     let acct = env.accounting();
-    let cred = env.node_credential("n1");
+    let cred = env.node_ticket("n1");
     let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).expect("hello");
     let r = peer.reply;
     assert_eq!(r.status, ReplyStatus::Accepted);
@@ -103,39 +104,54 @@ fn adds_reach_the_database(kind: &str) {
 }
 on_both!(adds_reach_the_database);
 
-/// Whoever is not an executor daemon with a live node credential is
-/// refused, never learns the region, and is dropped; a peer that says
+/// Whoever does not show a live accounting ticket is refused, never
+/// learns the region, and is dropped: a ticket forged (another key with
+/// the manager's key id, or a changed byte), expired, malformed, naming a
+/// user's credential, a revoked one, or another node's; and a hello of
+/// the first release with a bearer credential in clear. A peer that says
 /// nothing, or something else than a hello, gets no answer at all. The
 /// service serves a daemon meanwhile.
-fn only_node_credentials_learn_the_region(kind: &str) {
+fn only_live_tickets_learn_the_region(kind: &str) {
     let env = Env::new(kind);
     let acct = env.accounting();
     let addr = acct.fabric_addr().to_owned();
-    let good = env.node_credential("n1");
+    let good = env.node_ticket("n1");
     let user = env.manager.credential("user", "alice", Some("physics"));
+    let user_ticket = env.ticket_for("alice", &user);
     let revoked = env.node_credential("n2");
-    let id = revoked.split('.').nth(1).unwrap().to_owned();
-    let (status, body) = env
-        .manager
-        .admin()
-        .call("DELETE", &format!("/v1/credentials/{id}"), None);
+    let revoked_ticket = env.ticket_for("n2", &revoked);
+    let (status, body) = env.manager.admin().call(
+        "DELETE",
+        &format!("/v1/credentials/{}", credential_id(&revoked)),
+        None,
+    );
     assert!((200..300).contains(&status), "revoke: {status} {body}");
-    let forged = format!("{}x", good);
+    let other_nodes = env.ticket_for("n3", &env.node_credential("n1"));
+    let mut altered = AccountingTicket::from_text(&good)
+        .unwrap()
+        .as_bytes()
+        .to_vec();
+    altered[5] ^= 1;
+    let altered = AccountingTicket::from_bytes(&altered).unwrap().to_text();
+    let malformed = AccountingTicket::from_bytes(&[7; 100]).unwrap().to_text();
 
     // Connections that never finish a hello hold up nobody.
     let silent = Peer::connect("tcp", &addr).unwrap();
     let mut half = Peer::connect("tcp", &addr).unwrap();
     let imms = half.hello_imms(&good);
     half.send_imms(&imms[..10]).unwrap();
-    for cred in [
-        &user,
-        &revoked,
-        &forged,
-        &"rfaasc.zz.nope".to_owned(),
-        &"x".repeat(200),
-    ] {
-        let mut p = Peer::hello("tcp", &addr, cred).expect("an answer");
-        assert_eq!(p.reply.status, ReplyStatus::BadCredential, "{cred}");
+    let refused = [
+        ("a user's credential", user_ticket),
+        ("a revoked credential", revoked_ticket),
+        ("another node's credential", other_nodes),
+        ("another key", env.forged_ticket("n1")),
+        ("an altered byte", altered),
+        ("expired", env.expired_ticket("n1", 120)),
+        ("malformed", malformed),
+    ];
+    for (what, ticket) in &refused {
+        let mut p = Peer::hello("tcp", &addr, ticket).expect("an answer");
+        assert_eq!(p.reply.status, ReplyStatus::BadCredential, "{what}");
         assert_eq!(
             (
                 p.reply.region_addr,
@@ -143,11 +159,21 @@ fn only_node_credentials_learn_the_region(kind: &str) {
                 p.reply.slots,
                 p.reply.region_id
             ),
-            (0, 0, 0, 0)
+            (0, 0, 0, 0),
+            "{what}"
         );
         // And it is dropped: nothing it posts reaches the region.
-        assert!(p.read_slot(0).is_err());
+        assert!(p.read_slot(0).is_err(), "{what}");
     }
+    // The first release's hello, a node credential in clear: refused for
+    // its version, and the region stays unknown.
+    let mut v1 = Peer::connect("tcp", &addr).unwrap();
+    let imms = v1.v1_hello_imms(&env.node_credential("n1"));
+    v1.send_imms(&imms).unwrap();
+    let answer = v1.await_reply(TIMEOUT).unwrap();
+    assert_eq!(answer.status, ReplyStatus::BadHello);
+    assert_eq!((answer.region_addr, answer.region_rkey), (0, 0));
+
     let mut daemon = Peer::hello("tcp", &addr, &good).unwrap();
     assert_eq!(daemon.reply.status, ReplyStatus::Accepted);
     daemon.add(0, Counter::Invocations, 1).unwrap();
@@ -166,7 +192,12 @@ fn only_node_credentials_learn_the_region(kind: &str) {
     drop((silent, half));
     assert_eq!(
         acct.metric("rfaas_accounting_hellos_total{result=\"bad_credential\"}"),
-        Some(5.0)
+        Some(refused.len() as f64)
+    );
+    assert_eq!(
+        acct.metric("rfaas_accounting_hellos_total{result=\"bad_hello\"}"),
+        Some(2.0),
+        "the version 1 hello and the one with another magic"
     );
     assert_eq!(
         acct.metric("rfaas_accounting_hellos_total{result=\"accepted\"}"),
@@ -175,7 +206,7 @@ fn only_node_credentials_learn_the_region(kind: &str) {
     assert_eq!(acct.metric("rfaas_accounting_connections"), Some(1.0));
     daemon.add(0, Counter::Invocations, 1).unwrap();
 }
-on_both!(only_node_credentials_learn_the_region);
+on_both!(only_live_tickets_learn_the_region);
 
 /// An add with a wrong rkey, past the region, or unaligned fails at the
 /// daemon that made it; the region is untouched and the service serves
@@ -183,9 +214,9 @@ on_both!(only_node_credentials_learn_the_region);
 fn bad_adds_fail_alone(kind: &str) {
     let env = Env::new(kind);
     let acct = env.accounting();
-    let mut a = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut a = Peer::hello("tcp", acct.fabric_addr(), &env.node_ticket("n1")).unwrap();
     // Both connections are node n1's, which holds the lease.
-    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut b = Peer::hello("tcp", acct.fabric_addr(), &env.node_ticket("n1")).unwrap();
     env.insert_lease(7, "physics", false);
     env.assign("acct1", 1, 7);
     let region = RemoteAddr {
@@ -260,7 +291,7 @@ fn a_kill_9_loses_no_add(kind: &str) {
         snapshot_interval_ms: 3_600_000,
         ..env.options()
     });
-    let cred = env.node_credential("n1");
+    let cred = env.node_ticket("n1");
     let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
     let region_id = peer.reply.region_id;
     env.insert_lease(55, "physics", false);
@@ -301,7 +332,7 @@ fn the_final_flush_frees_the_slot(kind: &str) {
         slot_hold_s: 60,
         ..env.options()
     });
-    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut peer = Peer::hello("tcp", acct.fabric_addr(), &env.node_ticket("n1")).unwrap();
     env.insert_lease(1, "physics", false);
     env.insert_lease(2, "physics", false);
     env.assign("acct1", 5, 1);
@@ -367,8 +398,8 @@ on_both!(the_final_flush_frees_the_slot);
 fn a_postgres_restart_loses_nothing() {
     let mut env = Env::new("postgres");
     let acct = env.accounting();
-    let cred = env.node_credential("n1");
-    let later = env.node_credential("n2");
+    let cred = env.node_ticket("n1");
+    let later = env.node_ticket("n2");
     let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
     env.insert_lease(9, "physics", false);
     env.assign("acct1", 2, 9);
@@ -423,7 +454,7 @@ fn adds_over_shm() {
         provider: "shm".into(),
         ..env.options()
     });
-    let mut peer = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut peer = Peer::hello("shm", acct.fabric_addr(), &env.node_ticket("n1")).unwrap();
     assert_eq!(peer.reply.status, ReplyStatus::Accepted);
     env.insert_lease(4, "physics", false);
     env.assign("acct1", 0, 4);
@@ -443,7 +474,7 @@ fn adds_over_shm() {
     assert_eq!(err, Status::RemoteAccess);
     acct.kill();
     acct.restart().unwrap();
-    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut again = Peer::hello("shm", acct.fabric_addr(), &env.node_ticket("n1")).unwrap();
     assert_eq!(again.read_slot(0).unwrap(), u);
 }
 
@@ -453,7 +484,7 @@ fn adds_over_shm() {
 fn a_replaced_region_starts_from_the_stored_totals(kind: &str) {
     let env = Env::new(kind);
     let mut acct = env.accounting();
-    let cred = env.node_credential("n1");
+    let cred = env.node_ticket("n1");
     let mut peer = Peer::hello("tcp", acct.fabric_addr(), &cred).unwrap();
     let old_id = peer.reply.region_id;
     env.insert_lease(8, "physics", false);
@@ -496,7 +527,7 @@ fn adds_over_verbs() {
         listen: Some(rfaas_fabric::testing::listen_addr(provider)),
         ..env.options()
     });
-    let mut peer = Peer::hello(provider, acct.fabric_addr(), &env.node_credential("n1")).unwrap();
+    let mut peer = Peer::hello(provider, acct.fabric_addr(), &env.node_ticket("n1")).unwrap();
     assert_eq!(peer.reply.status, ReplyStatus::Accepted);
     env.insert_lease(4, "physics", false);
     env.assign("acct1", 0, 4);
@@ -504,7 +535,7 @@ fn adds_over_verbs() {
     peer.add_totals(0, &u).unwrap();
     assert_eq!(peer.read_slot(0).unwrap(), u);
     wait_for_usage(&env, 4, &u);
-    let bad = Peer::hello(provider, acct.fabric_addr(), "rfaasc.00.x").unwrap();
+    let bad = Peer::hello(provider, acct.fabric_addr(), &env.forged_ticket("n1")).unwrap();
     assert_eq!(bad.reply.status, ReplyStatus::BadCredential);
 }
 
@@ -526,6 +557,12 @@ fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
     });
     let (status, reply) = node.call("PUT", "/v1/nodes/n1", Some(&body));
     assert_eq!(status, 200, "register: {reply}");
+    // The daemon shows the ticket of the manager's reply, not its
+    // credential.
+    let ticket = reply["accounting_ticket"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no accounting ticket: {reply}"))
+        .to_owned();
     let user = rfaas_testkit::manager::Api::new(
         env.manager.url(),
         &env.manager.credential("user", "alice", Some("chem")),
@@ -557,7 +594,7 @@ fn a_granted_lease_is_billed_through_its_slot(kind: &str) {
     );
     assert_eq!(env.slot_lease("acct1", slot.slot), lease_id);
 
-    let mut daemon = Peer::hello(&slot.provider, &slot.addr, &node_cred).unwrap();
+    let mut daemon = Peer::hello(&slot.provider, &slot.addr, &ticket).unwrap();
     // What the lease just granted (one core, 64 MiB) can have used: the
     // flusher refuses more than its cores and memory over its time.
     let u = SlotTotals {

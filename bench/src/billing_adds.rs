@@ -4,7 +4,7 @@
 //!
 //! | row | what is measured |
 //! |---|---|
-//! | `billing_adds` | adds into a real `rfaas-accounting`'s region (on the row's provider, with the manager on one SQLite file, see `services.rs`); each initiator says the hello with a node credential and adds into the slot of a lease the manager granted it, as an executor daemon does |
+//! | `billing_adds` | adds into a real `rfaas-accounting`'s region (on the row's provider, with the manager on one SQLite file, see `services.rs`); each initiator says the hello with the accounting ticket the manager's registration reply gave the node and adds into the slot of a lease the manager granted it, as an executor daemon does |
 //! | `raw_fetch_add` | the same initiators against a plain fabric target (`--serve fetch_add_target`): a process that registers one region with remote atomic rights, of the service's size, accepts connections and does nothing else; initiator `i` adds into slot `i` |
 //!
 //! Each round runs the baseline first, then the service's row (as
@@ -41,6 +41,7 @@ use rfaas_fabric::{
 use rfaas_proto::accounting::{
     region_len, word_offset, AccountingHello, AccountingReply, Counter, ReplyStatus, REPLY_IMM,
 };
+use rfaas_proto::ticket::AccountingTicket;
 use rfaas_testkit::manager::Api;
 
 use crate::child::{peer_arg, PeerSpec, Ready};
@@ -94,7 +95,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: BILLING_ADDS,
-            help: "the same initiators' fetch-and-adds into a real rfaas-accounting's region, each after the hello with a node credential, into its lease's slot (next to raw_fetch_add)",
+            help: "the same initiators' fetch-and-adds into a real rfaas-accounting's region, each after the hello with the node's accounting ticket, into its lease's slot (next to raw_fetch_add)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: billing_adds,
@@ -134,7 +135,8 @@ struct Target {
 /// How an initiator learns where the region is.
 #[derive(Debug, Clone)]
 enum Reach {
-    /// From the service's answer to a hello with this node credential.
+    /// From the service's answer to a hello with this accounting ticket
+    /// (its text).
     Hello(String),
     /// As the plain target announced it.
     Region(RemoteAddr),
@@ -145,7 +147,7 @@ fn billing_adds(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> 
     let manager = &services.manager;
     let most = INITIATORS.into_iter().max().unwrap_or(1);
     let node = manager.credential("node", NODE_NAME, None);
-    register_node(manager.url(), &node, provider, most)?;
+    let ticket = register_node(manager.url(), &node, provider, most)?;
     let user = manager.credential("user", "bench", Some("bench"));
     let managers = Managers::new([manager.url()], &user)
         .map_err(|e| Error::new(format!("{BILLING_ADDS}: the manager's URL: {e}")))?;
@@ -174,7 +176,7 @@ fn billing_adds(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> 
         targets.push(Target {
             addr: slot.addr,
             slot: slot.slot,
-            reach: Reach::Hello(node.clone()),
+            reach: Reach::Hello(ticket.clone()),
         });
         leases.push(lease);
     }
@@ -194,8 +196,9 @@ fn billing_adds(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> 
 }
 
 /// Registers [`NODE_NAME`] at the manager with the node credential
-/// `node`, as its daemon would, lending `cores` cores.
-fn register_node(url: &str, node: &str, provider: &Provider, cores: u32) -> Result<()> {
+/// `node`, as its daemon would, lending `cores` cores; the accounting
+/// ticket of the reply.
+fn register_node(url: &str, node: &str, provider: &Provider, cores: u32) -> Result<String> {
     let host = match provider.kind {
         Kind::Shm => None,
         _ => Some(provider.host()?),
@@ -214,7 +217,14 @@ fn register_node(url: &str, node: &str, provider: &Provider, cores: u32) -> Resu
             "{BILLING_ADDS}: registering the node answered {status}: {reply}"
         )));
     }
-    Ok(())
+    reply["accounting_ticket"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            Error::new(format!(
+                "{BILLING_ADDS}: the manager's registration reply has no accounting ticket: {reply}"
+            ))
+        })
 }
 
 fn raw_fetch_add(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
@@ -374,7 +384,7 @@ impl Initiator {
         };
         let region = match &target.reach {
             Reach::Region(r) => *r,
-            Reach::Hello(credential) => init.hello(credential, target.slot)?,
+            Reach::Hello(ticket) => init.hello(ticket, target.slot)?,
         };
         for (w, c) in init.words.iter_mut().zip(WORDS) {
             *w = RemoteAddr {
@@ -385,17 +395,19 @@ impl Initiator {
         Ok(init)
     }
 
-    /// Says the hello with `credential`; the region the accepted answer
-    /// names, which must hold `slot`.
-    fn hello(&mut self, credential: &str, slot: u32) -> Result<RemoteAddr> {
+    /// Says the hello with `ticket` (its text); the region the accepted
+    /// answer names, which must hold `slot`.
+    fn hello(&mut self, ticket: &str, slot: u32) -> Result<RemoteAddr> {
         let reply_to = self.local.descriptor().at(REPLY_OFF as u64);
+        let ticket = AccountingTicket::from_text(ticket)
+            .map_err(|e| Error::new(format!("the manager's accounting ticket: {e}")))?;
         let imms = AccountingHello {
             reply_addr: reply_to.addr,
             reply_rkey: reply_to.rkey,
-            credential: credential.to_owned(),
+            ticket,
         }
         .to_imms()
-        .map_err(|e| Error::new(format!("the node credential does not fit a hello: {e}")))?;
+        .map_err(|e| Error::new(format!("the hello cannot be encoded: {e}")))?;
         self.ep
             .post_recv(REPLY_WR)
             .ctx(|| "posting the answer's receive".into())?;

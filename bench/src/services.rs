@@ -101,7 +101,7 @@ impl Services {
                 flush_interval_ms: FLUSH_INTERVAL_MS,
                 snapshot_interval_ms: 60_000,
                 billing: Some(BILLING_RATES.into()),
-                ..AccountingOptions::new(manager.database())
+                ..AccountingOptions::for_manager(&manager)
             },
         )
         .map_err(|e| Error::new(format!("{row}: could not start rfaas-accounting: {e}")))?;

@@ -50,7 +50,12 @@ pub enum Caller {
     /// The admin token.
     Admin,
     /// A node credential, for the node named.
-    Node(String),
+    Node {
+        /// The node.
+        node: String,
+        /// The credential's id (for the node's accounting tickets).
+        credential_id: String,
+    },
     /// A user credential.
     User {
         /// The user.
@@ -69,7 +74,7 @@ impl Caller {
     pub fn subject(&self) -> String {
         match self {
             Caller::Admin => "admin".into(),
-            Caller::Node(n) => format!("node:{n}"),
+            Caller::Node { node, .. } => format!("node:{node}"),
             Caller::User { user, .. } => format!("user:{user}"),
         }
     }
@@ -284,7 +289,10 @@ impl Auth {
                 });
             }
             return Ok(match row.role {
-                Role::Node => Caller::Node(row.subject),
+                Role::Node => Caller::Node {
+                    node: row.subject,
+                    credential_id: row.id,
+                },
                 Role::User => Caller::User {
                     user: row.subject,
                     account: row.account,

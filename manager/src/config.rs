@@ -31,6 +31,9 @@ pub struct FileConfig {
     pub lease_key_file: Option<PathBuf>,
     /// How often nodes heartbeat, ms.
     pub heartbeat_interval_ms: Option<u64>,
+    /// How long an accounting ticket (in registration and heartbeat
+    /// replies) lasts, seconds.
+    pub accounting_ticket_s: Option<u64>,
     /// After how long without a heartbeat a node is lost, ms.
     pub lost_after_ms: Option<u64>,
     /// The longest lease (and renewal) granted, seconds.
@@ -188,6 +191,8 @@ pub struct Settings {
     pub lease_key_file: PathBuf,
     /// Heartbeat interval, ms.
     pub heartbeat_interval_ms: u64,
+    /// Accounting ticket lifetime, seconds.
+    pub accounting_ticket_s: u64,
     /// Lost after, ms.
     pub lost_after_ms: u64,
     /// Longest lease, seconds.
@@ -257,6 +262,9 @@ impl FileConfig {
                 .lease_key_file
                 .unwrap_or_else(|| dir.file(LEASE_KEY_SECRET)),
             heartbeat_interval_ms: self.heartbeat_interval_ms.unwrap_or(1000),
+            accounting_ticket_s: self
+                .accounting_ticket_s
+                .unwrap_or(rfaas_proto::ticket::DEFAULT_LIFETIME_S),
             lost_after_ms: self.lost_after_ms.unwrap_or(10_000),
             max_lease_s: self.max_lease_s.unwrap_or(86_400),
             max_job_credential_s: self.max_job_credential_s.unwrap_or(7 * 86_400),
@@ -298,6 +306,16 @@ impl FileConfig {
             return Err(ConfigError::Invalid(format!(
                 "lost_after_ms ({}) must be at least twice heartbeat_interval_ms ({}), or one late heartbeat loses a node",
                 s.lost_after_ms, s.heartbeat_interval_ms
+            )));
+        }
+        if s.accounting_ticket_s.saturating_mul(1000) < 2 * s.heartbeat_interval_ms
+            || s.accounting_ticket_s > 86_400
+        {
+            return Err(ConfigError::Invalid(format!(
+                "accounting_ticket_s ({}) must last at least two heartbeats ({} ms each) and at most a day (86400); the default is {}",
+                s.accounting_ticket_s,
+                s.heartbeat_interval_ms,
+                rfaas_proto::ticket::DEFAULT_LIFETIME_S
             )));
         }
         if s.max_lease_s == 0 || s.max_connections == 0 || s.max_job_credential_s == 0 {

@@ -20,7 +20,7 @@
 //! - [`announce`]: grants' and releases' counters for the other replicas,
 //!   one notice every 20 ms at most.
 //! - [`auth`]: the admin token and node and user credentials.
-//! - [`signer`]: the key that signs lease tokens.
+//! - [`signer`]: the key that signs lease tokens and accounting tickets.
 //! - [`slurm`]: Slurm's word on a job (its user, account, state and
 //!   nodes), which the job routes go by rather than a node's, and on the
 //!   accounts a user coordinates, which widens what the usage route shows.

@@ -1,9 +1,11 @@
-//! The key that signs lease tokens: an Ed25519 secret key file, as
-//! `rfaas-token keygen` writes it. Executors hold only its public half.
+//! The key that signs lease tokens and accounting tickets: an Ed25519
+//! secret key file, as `rfaas-token keygen` writes it. Executors and
+//! accounting services hold only its public half.
 
 use std::path::Path;
 
 use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
+use rfaas_proto::ticket::{AccountingTicket, TicketClaims, TicketError};
 use rfaas_service::credentials::check_private_file;
 
 /// Signs lease claims into tokens executors check.
@@ -36,5 +38,28 @@ impl Signer {
     /// The token for `claims` (their `key_id` is set to this key's).
     pub fn sign(&self, claims: &LeaseClaims) -> String {
         self.key.sign(claims)
+    }
+
+    /// An accounting ticket for `node`, asking with the credential
+    /// `credential_id`, valid `lifetime_s` from `now_s`, as JSON carries it.
+    ///
+    /// # Errors
+    ///
+    /// The names do not fit a ticket.
+    pub fn ticket(
+        &self,
+        node: &str,
+        credential_id: &str,
+        now_s: u64,
+        lifetime_s: u64,
+    ) -> Result<String, TicketError> {
+        let claims = TicketClaims {
+            key_id: String::new(),
+            node: node.to_owned(),
+            credential_id: credential_id.to_owned(),
+            issued_at: now_s,
+            expires_at: now_s.saturating_add(lifetime_s),
+        };
+        AccountingTicket::sign(&self.key, &claims).map(|t| t.to_text())
     }
 }

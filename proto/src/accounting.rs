@@ -62,8 +62,13 @@
 //! [`AccountingHello`]'s [`AccountingHello::LEN`] bytes, four at a time,
 //! little-endian, in order ([`AccountingHello::to_imms`],
 //! [`AccountingHello::from_imms`]). The first immediate is [`HELLO_IMM`]
-//! (the magic). The hello carries the node's credential (the one it
-//! registers with the manager under) and where the answer goes. The service
+//! (the magic). The hello carries the node's [`AccountingTicket`] (signed
+//! by the manager, short-lived, naming the node and the id of its
+//! credential, never the credential's secret: see [`crate::ticket`] for its
+//! bytes) and where the answer goes. The service checks the ticket's
+//! signature with the manager's public keys, its expiry, and that its
+//! credential is still live, and binds the connection to the ticket's
+//! node. The service
 //! answers with a write-with-immediate of an [`AccountingReply`]
 //! ([`AccountingReply::LEN`] bytes, immediate [`REPLY_IMM`]) to that
 //! address; only an accepted reply names the region's address and rkey,
@@ -73,7 +78,7 @@
 //! ```text
 //! hello  0      4         8            16          20           24                 256
 //!        +------+---------+------------+-----------+------------+------------------+
-//!        | RFAH | version | reply_addr | reply_rkey| cred_len   | credential bytes |
+//!        | RFAH | version | reply_addr | reply_rkey| ticket_len | ticket bytes     |
 //!        +------+---------+------------+-----------+------------+------------------+
 //!
 //! reply  0      4         8             16          20       24          32
@@ -81,11 +86,23 @@
 //!        | RFAR | status  | region_addr | region_rkey| slots  | region_id |
 //!        +------+---------+-------------+-----------+--------+-----------+
 //! ```
+//!
+//! `version` is [`ACCOUNTING_VERSION`] (2); a version 1 hello, which
+//! carried the node's bearer credential, is answered `BadHello` and
+//! counted. The bytes after the ticket are zero.
 
 use serde::{Deserialize, Serialize};
 
-/// The version of the region and hello formats this crate speaks.
-pub const ACCOUNTING_VERSION: u32 = 1;
+use crate::ticket::AccountingTicket;
+
+/// The version of the hello this crate speaks: 2, the hello with an
+/// [`AccountingTicket`] (version 1 carried the node's bearer credential
+/// and is refused).
+pub const ACCOUNTING_VERSION: u32 = 2;
+
+/// The version of the region file's layout (unchanged since version 1, so
+/// region files survive an upgrade).
+pub const REGION_VERSION: u32 = 1;
 
 /// Bytes of the region header.
 pub const REGION_HEADER_LEN: usize = 64;
@@ -112,8 +129,8 @@ pub const REPLY_IMM: u32 = u32::from_le_bytes(REPLY_MAGIC);
 /// Immediates that carry one [`AccountingHello`].
 pub const HELLO_IMMS: usize = AccountingHello::LEN / 4;
 
-/// The longest credential a hello carries, in bytes.
-pub const MAX_CREDENTIAL_LEN: usize = AccountingHello::LEN - 24;
+/// The longest ticket a hello carries, in bytes.
+pub const MAX_TICKET_LEN: usize = crate::ticket::MAX_TICKET_LEN;
 
 /// What is wrong with accounting bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -132,13 +149,15 @@ pub enum AccountingFormatError {
     /// The magic bytes are not those of the message.
     #[error("these bytes are not an rfaas {0} (wrong magic)")]
     BadMagic(&'static str),
-    /// The version is not [`ACCOUNTING_VERSION`].
-    #[error("the {what} has version {found}, this build speaks version {ACCOUNTING_VERSION}; run the same rfaas release on executors and accounting services")]
+    /// The version is not the one this build speaks.
+    #[error("the {what} has version {found}, this build speaks version {speaks}; run the same rfaas release on executors and accounting services")]
     Version {
         /// Which message.
         what: &'static str,
         /// The version found.
         found: u32,
+        /// The version this build speaks.
+        speaks: u32,
     },
     /// A field's value is out of range.
     #[error("the {what} is invalid: {why}")]
@@ -392,7 +411,7 @@ impl RegionHeader {
         let b = &mut buf[..REGION_HEADER_LEN];
         b.fill(0);
         b[..8].copy_from_slice(&REGION_MAGIC);
-        b[8..12].copy_from_slice(&ACCOUNTING_VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&REGION_VERSION.to_le_bytes());
         b[12..16].copy_from_slice(&(SLOT_LEN as u32).to_le_bytes());
         b[16..20].copy_from_slice(&self.slots.to_le_bytes());
         b[24..32].copy_from_slice(&self.region_id.to_le_bytes());
@@ -416,10 +435,11 @@ impl RegionHeader {
             return Err(AccountingFormatError::BadMagic(WHAT));
         }
         let version = u32_at(buf, 8);
-        if version != ACCOUNTING_VERSION {
+        if version != REGION_VERSION {
             return Err(AccountingFormatError::Version {
                 what: WHAT,
                 found: version,
+                speaks: REGION_VERSION,
             });
         }
         let slot_len = u32_at(buf, 12);
@@ -450,7 +470,7 @@ fn check_slots(slots: u32) -> Result<(), AccountingFormatError> {
 }
 
 /// A daemon's first write on a connection to an accounting service.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AccountingHello {
     /// Where the service writes its [`AccountingReply`]: at least
     /// [`AccountingReply::LEN`] bytes the daemon registered for remote
@@ -458,19 +478,9 @@ pub struct AccountingHello {
     pub reply_addr: u64,
     /// The rkey of that buffer.
     pub reply_rkey: u32,
-    /// The node credential (`rfaasc.<id>.<secret>`), at most
-    /// [`MAX_CREDENTIAL_LEN`] bytes.
-    pub credential: String,
-}
-
-impl std::fmt::Debug for AccountingHello {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The credential is a secret: never in logs.
-        f.debug_struct("AccountingHello")
-            .field("reply_addr", &self.reply_addr)
-            .field("reply_rkey", &self.reply_rkey)
-            .finish_non_exhaustive()
-    }
+    /// The node's ticket from the manager, at most [`MAX_TICKET_LEN`]
+    /// bytes (its `Debug` hides it).
+    pub ticket: AccountingTicket,
 }
 
 impl AccountingHello {
@@ -481,22 +491,13 @@ impl AccountingHello {
     ///
     /// # Errors
     ///
-    /// `BufferTooShort`, or `Invalid` for a credential longer than
-    /// [`MAX_CREDENTIAL_LEN`] bytes.
+    /// `BufferTooShort` (an [`AccountingTicket`] never exceeds
+    /// [`MAX_TICKET_LEN`] bytes, so it always fits).
     pub fn encode(&self, buf: &mut [u8]) -> Result<(), AccountingFormatError> {
         if buf.len() < Self::LEN {
             return Err(short("accounting hello", Self::LEN, buf.len()));
         }
-        let cred = self.credential.as_bytes();
-        if cred.len() > MAX_CREDENTIAL_LEN {
-            return Err(AccountingFormatError::Invalid {
-                what: "accounting hello",
-                why: format!(
-                    "a credential of {} bytes; at most {MAX_CREDENTIAL_LEN} fit",
-                    cred.len()
-                ),
-            });
-        }
+        let cred = self.ticket.as_bytes();
         let b = &mut buf[..Self::LEN];
         b.fill(0);
         b[..4].copy_from_slice(&HELLO_MAGIC);
@@ -540,9 +541,10 @@ impl AccountingHello {
     ///
     /// # Errors
     ///
-    /// `BufferTooShort`, `BadMagic`, `Version`, or `Invalid` for a
-    /// credential length over [`MAX_CREDENTIAL_LEN`] or a credential that is
-    /// not UTF-8.
+    /// `BufferTooShort`, `BadMagic`, `Version` (a version 1 hello, which
+    /// carried a bearer credential, among others), or `Invalid` for a
+    /// ticket length over [`MAX_TICKET_LEN`]. The ticket itself is checked
+    /// by [`AccountingTicket::verify`].
     pub fn decode(buf: &[u8]) -> Result<AccountingHello, AccountingFormatError> {
         const WHAT: &str = "accounting hello";
         if buf.len() < Self::LEN {
@@ -556,25 +558,26 @@ impl AccountingHello {
             return Err(AccountingFormatError::Version {
                 what: WHAT,
                 found: version,
+                speaks: ACCOUNTING_VERSION,
             });
         }
         let len = u32_at(buf, 20) as usize;
-        if len > MAX_CREDENTIAL_LEN {
+        if len > MAX_TICKET_LEN {
             return Err(AccountingFormatError::Invalid {
                 what: WHAT,
-                why: format!("a credential length of {len}; at most {MAX_CREDENTIAL_LEN}"),
+                why: format!("a ticket length of {len}; at most {MAX_TICKET_LEN}"),
             });
         }
-        let credential = std::str::from_utf8(&buf[24..24 + len])
-            .map_err(|_| AccountingFormatError::Invalid {
+        let ticket = AccountingTicket::from_bytes(&buf[24..24 + len]).map_err(|e| {
+            AccountingFormatError::Invalid {
                 what: WHAT,
-                why: "the credential is not UTF-8".into(),
-            })?
-            .to_owned();
+                why: e.to_string(),
+            }
+        })?;
         Ok(AccountingHello {
             reply_addr: u64_at(buf, 8),
             reply_rkey: u32_at(buf, 16),
-            credential,
+            ticket,
         })
     }
 }
@@ -586,7 +589,9 @@ impl AccountingHello {
 pub enum ReplyStatus {
     /// Accepted: the reply names the region.
     Accepted = 0,
-    /// The credential is unknown, revoked, expired, or not a node's.
+    /// The ticket is forged, expired, or signed by an unknown key, or
+    /// the credential it names is unknown, revoked, expired, or not the
+    /// node's.
     BadCredential = 1,
     /// The hello did not decode (wrong version, bad length).
     BadHello = 2,
@@ -612,7 +617,7 @@ impl ReplyStatus {
         match self {
             ReplyStatus::Accepted => "accepted",
             ReplyStatus::BadCredential => {
-                "the node credential was refused; mint one with `rfaasctl credential node` and set it in executord's [manager] credential_file"
+                "the accounting ticket was refused: it is forged, expired or signed by a key the service does not accept, or the node credential it names was revoked; check executord's [manager] credential_file (`rfaasctl credential node`) and the service's lease_keys"
             }
             ReplyStatus::BadHello => {
                 "the hello was refused; run the same rfaas release on executors and accounting services"
@@ -827,7 +832,7 @@ mod tests {
         let mut b = [0xaau8; REGION_HEADER_LEN];
         h.encode(&mut b).unwrap();
         assert_eq!(&b[..8], b"RFAACCT1");
-        assert_eq!(&b[8..12], &[1, 0, 0, 0]);
+        assert_eq!(&b[8..12], &[1, 0, 0, 0], "region layout version 1");
         assert_eq!(&b[12..16], &[64, 0, 0, 0]);
         assert_eq!(&b[16..20], &[0, 16, 0, 0]);
         assert_eq!(&b[20..24], &[0; 4]);
@@ -846,7 +851,11 @@ mod tests {
         bad[8] = 2;
         assert!(matches!(
             RegionHeader::decode(&bad),
-            Err(AccountingFormatError::Version { found: 2, .. })
+            Err(AccountingFormatError::Version {
+                found: 2,
+                speaks: 1,
+                ..
+            })
         ));
         let mut bad = b;
         bad[12] = 32;
@@ -864,41 +873,50 @@ mod tests {
         assert!(zero.encode(&mut b).is_err());
     }
 
+    fn ticket() -> AccountingTicket {
+        let signer = crate::lease::LeaseSigner::from_seed("k1", [3; 32]).unwrap();
+        let claims = crate::ticket::TicketClaims {
+            key_id: String::new(),
+            node: "n1".into(),
+            credential_id: "ab".into(),
+            issued_at: 1,
+            expires_at: 2,
+        };
+        AccountingTicket::sign(&signer, &claims).unwrap()
+    }
+
     #[test]
     fn hello_bytes() {
+        let t = ticket();
+        let n = t.as_bytes().len();
         let h = AccountingHello {
             reply_addr: 0x1122_3344_5566_7788,
             reply_rkey: 0xaabb_ccdd,
-            credential: "rfaasc.n1.s3cret".into(),
+            ticket: t.clone(),
         };
         let mut b = [0xffu8; AccountingHello::LEN];
         h.encode(&mut b).unwrap();
         assert_eq!(&b[..4], b"RFAH");
-        assert_eq!(&b[4..8], &[1, 0, 0, 0]);
+        assert_eq!(&b[4..8], &[2, 0, 0, 0]);
         assert_eq!(&b[8..16], &[0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11]);
         assert_eq!(&b[16..20], &[0xdd, 0xcc, 0xbb, 0xaa]);
-        assert_eq!(&b[20..24], &[16, 0, 0, 0]);
-        assert_eq!(&b[24..40], b"rfaasc.n1.s3cret");
-        assert!(b[40..].iter().all(|&x| x == 0));
+        assert_eq!(&b[20..24], &(n as u32).to_le_bytes());
+        assert_eq!(&b[24..24 + n], t.as_bytes());
+        assert_eq!(&b[24..28], b"RFT1");
+        assert!(b[24 + n..].iter().all(|&x| x == 0));
         assert_eq!(AccountingHello::decode(&b).unwrap(), h);
         assert_eq!(HELLO_IMM, u32::from_le_bytes(*b"RFAH"));
         let imms = h.to_imms().unwrap();
         assert_eq!(imms.len(), 64);
         assert_eq!(imms[0], HELLO_IMM);
-        assert_eq!(imms[1], 1);
+        assert_eq!(imms[1], 2);
         assert_eq!(imms[2], 0x5566_7788);
-        assert_eq!(imms[6], u32::from_le_bytes(*b"rfaa"));
+        assert_eq!(imms[6], u32::from_le_bytes(*b"RFT1"));
         assert_eq!(AccountingHello::from_imms(&imms).unwrap(), h);
-        assert!(!format!("{h:?}").contains("s3cret"));
+        assert!(!format!("{h:?}").contains("n1"));
 
         let mut bad = b;
-        bad[20..24].copy_from_slice(&(MAX_CREDENTIAL_LEN as u32 + 1).to_le_bytes());
-        assert!(matches!(
-            AccountingHello::decode(&bad),
-            Err(AccountingFormatError::Invalid { .. })
-        ));
-        let mut bad = b;
-        bad[24] = 0xff;
+        bad[20..24].copy_from_slice(&(MAX_TICKET_LEN as u32 + 1).to_le_bytes());
         assert!(matches!(
             AccountingHello::decode(&bad),
             Err(AccountingFormatError::Invalid { .. })
@@ -911,17 +929,35 @@ mod tests {
         ));
         assert!(AccountingHello::decode(&b[..255]).is_err());
 
-        let long = AccountingHello {
-            credential: "x".repeat(MAX_CREDENTIAL_LEN + 1),
-            ..h.clone()
-        };
-        assert!(long.encode(&mut b).is_err());
-        let longest = AccountingHello {
-            credential: "x".repeat(MAX_CREDENTIAL_LEN),
+        let longest = AccountingTicket::from_bytes(&[7; MAX_TICKET_LEN]).unwrap();
+        let h = AccountingHello {
+            ticket: longest,
             ..h
         };
-        longest.encode(&mut b).unwrap();
-        assert_eq!(AccountingHello::decode(&b).unwrap(), longest);
+        h.encode(&mut b).unwrap();
+        assert_eq!(AccountingHello::decode(&b).unwrap(), h);
+    }
+
+    /// The hello of the first release, a node's bearer credential in
+    /// clear, is refused for its version whatever it carries.
+    #[test]
+    fn a_version_1_hello_with_a_credential_is_refused() {
+        let mut b = [0u8; AccountingHello::LEN];
+        b[..4].copy_from_slice(b"RFAH");
+        b[4..8].copy_from_slice(&1u32.to_le_bytes());
+        let cred = b"rfaasc.0a1b.s3cret";
+        b[20..24].copy_from_slice(&(cred.len() as u32).to_le_bytes());
+        b[24..24 + cred.len()].copy_from_slice(cred);
+        let e = AccountingHello::decode(&b).unwrap_err();
+        assert_eq!(
+            e,
+            AccountingFormatError::Version {
+                what: "accounting hello",
+                found: 1,
+                speaks: 2
+            }
+        );
+        assert!(e.to_string().contains("same rfaas release"));
     }
 
     #[test]

@@ -199,7 +199,7 @@ pub enum KeyError {
     Random(#[source] std::io::Error),
 }
 
-fn check_key_id(key_id: &str) -> Result<(), KeyError> {
+pub(crate) fn check_key_id(key_id: &str) -> Result<(), KeyError> {
     let ok = !key_id.is_empty()
         && key_id.len() <= MAX_KEY_ID_LEN
         && key_id
@@ -337,6 +337,13 @@ impl LeaseSigner {
         let signature = self.signing_key.sign(signed.as_bytes());
         format!("{signed}.{}", URL_SAFE_NO_PAD.encode(signature.to_bytes()))
     }
+
+    /// The signature of `message` as it is: for the other signed formats
+    /// of this crate, which put their own domain prefix in front so that
+    /// no signature is ever valid for two formats.
+    pub(crate) fn sign_raw(&self, message: &[u8]) -> [u8; 64] {
+        self.signing_key.sign(message).to_bytes()
+    }
 }
 
 /// One accepted public key and its id.
@@ -466,6 +473,21 @@ impl LeaseKeys {
             });
         }
         Ok(claims)
+    }
+
+    /// Checks `signature` of `message` under the key `key_id`: `Err(true)`
+    /// when no accepted key has that id, `Err(false)` when it does not
+    /// verify. For the other signed formats of this crate (see
+    /// [`LeaseSigner::sign_raw`]).
+    pub(crate) fn verify_raw(
+        &self,
+        key_id: &str,
+        message: &[u8],
+        signature: &[u8; 64],
+    ) -> Result<(), bool> {
+        let key = self.keys.get(key_id).ok_or(true)?;
+        key.verify_strict(message, &Signature::from_bytes(signature))
+            .map_err(|_| false)
     }
 
     /// Checks only the format and the signature; the caller checks expiry

@@ -30,6 +30,9 @@
 //!   it and accounting stores and prices it.
 //! - [`lease`]: lease tokens, claims signed with Ed25519, and their key
 //!   files.
+//! - [`ticket`]: accounting tickets, the short-lived proof of a node's
+//!   identity, signed with the lease key, that its accounting hello
+//!   carries instead of its credential.
 //! - [`manager`]: the resource manager's REST bodies (JSON), shared by the
 //!   manager, the executor daemon and the client library.
 //! - [`node_name`]: the one pattern node names follow (no `.`, `..`, `/`
@@ -151,6 +154,7 @@ pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;
 pub mod text;
+pub mod ticket;
 
 pub use error::ProtoError;
 pub use header::{InvocationHeader, ReplyTo};

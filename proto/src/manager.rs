@@ -80,6 +80,13 @@ pub struct Registered {
     pub heartbeat_interval_ms: u64,
     /// The manager marks the node lost after this long without one, ms.
     pub lost_after_ms: u64,
+    /// A fresh accounting ticket for the node, base64url without padding
+    /// (see `rfaas_proto::ticket`): executord shows the newest it holds in
+    /// its hello to accounting services, instead of its credential.
+    /// Absent when the admin token spoke for the node. Older daemons
+    /// ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounting_ticket: Option<String>,
 }
 
 /// One allocation a daemon holds, as its heartbeat reports it.
@@ -125,6 +132,13 @@ pub struct HeartbeatReply {
     /// stops their workers.
     #[serde(default)]
     pub ended_leases: Vec<u64>,
+    /// A fresh accounting ticket for the node, base64url without padding
+    /// (see `rfaas_proto::ticket`): executord shows the newest it holds in
+    /// its hello to accounting services, instead of its credential.
+    /// Absent when the admin token spoke for the node. Older daemons
+    /// ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounting_ticket: Option<String>,
 }
 
 /// A node's state in the manager.

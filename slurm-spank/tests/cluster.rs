@@ -462,7 +462,7 @@ impl RfaasOnSlurm {
         );
         let manager = Manager::start(opts);
         let accounting =
-            billing.then(|| Accounting::start(AccountingOptions::new(manager.database())));
+            billing.then(|| Accounting::start(AccountingOptions::for_manager(&manager)));
         let executords = cluster
             .nodes()
             .iter()

@@ -8,9 +8,11 @@
 //! `kill -9`; [`Accounting::restart`] starts it again on the same region
 //! file and address.
 //!
-//! [`Peer`] connects over the fabric, says the hello with a node
-//! credential, and adds into slots with fetch-and-add, as the executor
-//! daemon's poster does.
+//! [`Peer`] connects over the fabric, says the hello with an accounting
+//! ticket, and adds into slots with fetch-and-add, as the executor
+//! daemon's poster does. [`sign_ticket`] makes tickets with a manager's
+//! lease key, as the manager's replies carry them; tests that want a real
+//! manager's ticket register a node with it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -25,6 +27,8 @@ use rfaas_proto::accounting::{
     slot_offset, word_offset, AccountingHello, AccountingReply, Counter, ReplyStatus, SlotTotals,
     HELLO_IMMS, REPLY_IMM, SLOT_LEN,
 };
+use rfaas_proto::lease::LeaseSigner;
+use rfaas_proto::ticket::{AccountingTicket, TicketClaims};
 
 /// `rfaas-accounting` in the workspace's target directory (debug build).
 pub fn accounting_binary() -> PathBuf {
@@ -75,6 +79,9 @@ pub struct AccountingOptions {
     pub billing: Option<String>,
     /// More TOML for the configuration file.
     pub extra_config: String,
+    /// The public key lines of the managers whose tickets it accepts;
+    /// empty: a key of nobody's, so that no hello is accepted.
+    pub lease_keys: Vec<String>,
 }
 
 impl AccountingOptions {
@@ -93,8 +100,51 @@ impl AccountingOptions {
             hello_timeout_ms: 2000,
             billing: None,
             extra_config: String::new(),
+            lease_keys: Vec::new(),
         }
     }
+
+    /// [`AccountingOptions::new`] on `manager`'s database, accepting its
+    /// tickets.
+    pub fn for_manager(manager: &crate::manager::Manager) -> AccountingOptions {
+        AccountingOptions {
+            lease_keys: vec![manager.public_key_line()],
+            ..AccountingOptions::new(manager.database())
+        }
+    }
+}
+
+/// An accounting ticket for `node` under the credential `credential_id`,
+/// valid from `issued_at` to `expires_at` (Unix seconds), signed with the
+/// secret key in `lease_key` (a manager's), as text.
+pub fn sign_ticket(
+    lease_key: &Path,
+    node: &str,
+    credential_id: &str,
+    issued_at: u64,
+    expires_at: u64,
+) -> String {
+    let text = std::fs::read_to_string(lease_key)
+        .unwrap_or_else(|e| panic!("read {}: {e}", lease_key.display()));
+    let signer = LeaseSigner::from_text(&text).unwrap_or_else(|e| panic!("{e}"));
+    let claims = TicketClaims {
+        key_id: String::new(),
+        node: node.to_owned(),
+        credential_id: credential_id.to_owned(),
+        issued_at,
+        expires_at,
+    };
+    AccountingTicket::sign(&signer, &claims)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_text()
+}
+
+/// The id of a node credential `rfaasc.<id>.<secret>`.
+pub fn credential_id(credential: &str) -> &str {
+    credential
+        .split('.')
+        .nth(1)
+        .unwrap_or_else(|| panic!("{credential:?} is not rfaasc.<id>.<secret>"))
 }
 
 /// A running accounting instance.
@@ -130,6 +180,16 @@ impl Accounting {
         if let Some(text) = &opts.billing {
             std::fs::write(&billing, text).map_err(|e| e.to_string())?;
         }
+        let keys_file = dir.join("lease-keys.pub");
+        let keys = if opts.lease_keys.is_empty() {
+            LeaseSigner::generate("nobody")
+                .map_err(|e| e.to_string())?
+                .public_key()
+                .to_line()
+        } else {
+            opts.lease_keys.concat()
+        };
+        std::fs::write(&keys_file, keys).map_err(|e| e.to_string())?;
         let listen = match (&opts.listen, opts.provider.as_str()) {
             (Some(l), _) => l.clone(),
             (None, "shm") => dir.join("accounting.sock").display().to_string(),
@@ -138,7 +198,8 @@ impl Accounting {
         let config = format!(
             "name = \"{}\"\ndatabase = \"{}\"\nregion_file = \"{}\"\nslots = {}\nprovider = \"{}\"\n\
              listen = \"{listen}\"\nmetrics_listen = \"127.0.0.1:0\"\nflush_interval_ms = {}\n\
-             snapshot_interval_ms = {}\nslot_hold_s = {}\nbilling_config = \"{}\"\nhello_timeout_ms = {}\n{}",
+             snapshot_interval_ms = {}\nslot_hold_s = {}\nbilling_config = \"{}\"\nhello_timeout_ms = {}\n\
+             lease_keys = [\"{}\"]\n{}",
             opts.name,
             opts.database,
             dir.join("accounting.region").display(),
@@ -149,6 +210,7 @@ impl Accounting {
             opts.slot_hold_s,
             billing.display(),
             opts.hello_timeout_ms,
+            keys_file.display(),
             opts.extra_config,
         );
         std::fs::write(dir.join("accounting.toml"), config).map_err(|e| e.to_string())?;
@@ -285,7 +347,7 @@ impl Drop for Accounting {
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A connection to an accounting instance, as an executor daemon makes
-/// one: hello with a node credential, then fetch-and-adds into slots.
+/// one: hello with an accounting ticket, then fetch-and-adds into slots.
 #[derive(Debug)]
 pub struct Peer {
     /// The answer to the hello.
@@ -340,16 +402,33 @@ impl Peer {
         })
     }
 
-    /// The immediates of a hello with `credential`, the answer to go to
-    /// this peer's reply buffer.
-    pub fn hello_imms(&self, credential: &str) -> [u32; HELLO_IMMS] {
+    /// The immediates of a hello with `ticket` (its text), the answer to
+    /// go to this peer's reply buffer.
+    pub fn hello_imms(&self, ticket: &str) -> [u32; HELLO_IMMS] {
         AccountingHello {
             reply_addr: self.reply_buf.descriptor().addr,
             reply_rkey: self.reply_buf.rkey(),
-            credential: credential.to_owned(),
+            ticket: AccountingTicket::from_text(ticket).expect("a ticket's text"),
         }
         .to_imms()
-        .expect("a credential that fits a hello")
+        .expect("a ticket always fits a hello")
+    }
+
+    /// The immediates of a hello of the first release (version 1), which
+    /// carried the node's bearer `credential` in clear.
+    pub fn v1_hello_imms(&self, credential: &str) -> [u32; HELLO_IMMS] {
+        let mut b = [0u8; AccountingHello::LEN];
+        b[..4].copy_from_slice(b"RFAH");
+        b[4..8].copy_from_slice(&1u32.to_le_bytes());
+        b[8..16].copy_from_slice(&self.reply_buf.descriptor().addr.to_le_bytes());
+        b[16..20].copy_from_slice(&self.reply_buf.rkey().to_le_bytes());
+        b[20..24].copy_from_slice(&(credential.len() as u32).to_le_bytes());
+        b[24..24 + credential.len()].copy_from_slice(credential.as_bytes());
+        let mut imms = [0u32; HELLO_IMMS];
+        for (imm, four) in imms.iter_mut().zip(b.chunks_exact(4)) {
+            *imm = u32::from_le_bytes(four.try_into().expect("4 bytes"));
+        }
+        imms
     }
 
     /// Sends `imms` as zero-length writes-with-immediate and waits for
@@ -399,13 +478,13 @@ impl Peer {
         Ok(self.reply)
     }
 
-    /// Connects to `addr` over `provider`, says the hello with
-    /// `credential`, and waits for the answer. `Ok` whatever the answer
+    /// Connects to `addr` over `provider`, says the hello with `ticket`
+    /// (its text), and waits for the answer. `Ok` whatever the answer
     /// ([`Peer::reply`]); `Err` when there is none (refused silently,
     /// dropped, unreachable).
-    pub fn hello(provider: &str, addr: &str, credential: &str) -> Result<Peer, String> {
+    pub fn hello(provider: &str, addr: &str, ticket: &str) -> Result<Peer, String> {
         let mut peer = Peer::connect(provider, addr)?;
-        let imms = peer.hello_imms(credential);
+        let imms = peer.hello_imms(ticket);
         peer.send_imms(&imms)?;
         peer.await_reply(PEER_TIMEOUT)?;
         Ok(peer)

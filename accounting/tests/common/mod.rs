@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use rfaas_accounting::store::{self, UsageRow};
 use rfaas_proto::accounting::{Counter, SlotTotals, UsageFigures};
-use rfaas_testkit::accounting::{Accounting, AccountingOptions};
+use rfaas_testkit::accounting::{credential_id, sign_ticket, Accounting, AccountingOptions};
 use rfaas_testkit::executord::ExecutordOptions;
 use rfaas_testkit::manager::{Manager, ManagerOptions};
 use rfaas_testkit::postgres::Postgres;
@@ -87,6 +87,7 @@ impl Env {
     pub fn options(&self) -> AccountingOptions {
         AccountingOptions {
             billing: Some(BILLING.into()),
+            lease_keys: vec![self.manager.public_key_line()],
             ..AccountingOptions::new(&self.url)
         }
     }
@@ -99,6 +100,59 @@ impl Env {
     /// A new node credential for `node`, minted through the manager.
     pub fn node_credential(&self, node: &str) -> String {
         self.manager.credential("node", node, None)
+    }
+
+    /// An accounting ticket for `node` under a new node credential, signed
+    /// with the manager's key as its replies carry one (registering the
+    /// node would have the manager end the tests' leases on it once it
+    /// missed its heartbeats).
+    pub fn node_ticket(&self, node: &str) -> String {
+        self.ticket_for(node, &self.node_credential(node))
+    }
+
+    /// A ticket for `node` under a live credential, well formed, with the
+    /// manager's key id, but signed by another key.
+    pub fn forged_ticket(&self, node: &str) -> String {
+        let dir = std::env::temp_dir().join(format!("rfaas-forger-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("forger.secret");
+        rfaas_testkit::manager::write_lease_key(&key).unwrap();
+        let now = rfaas_service::now_s();
+        let t = sign_ticket(
+            &key,
+            node,
+            credential_id(&self.node_credential(node)),
+            now,
+            now + 600,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        t
+    }
+
+    /// A ticket for `node` under a live credential, signed by the
+    /// manager's key, that ended `ago_s` seconds ago.
+    pub fn expired_ticket(&self, node: &str, ago_s: u64) -> String {
+        let now = rfaas_service::now_s();
+        sign_ticket(
+            self.manager.lease_key(),
+            node,
+            credential_id(&self.node_credential(node)),
+            now - ago_s - 600,
+            now - ago_s,
+        )
+    }
+
+    /// An accounting ticket for `node` under `credential`, valid ten
+    /// minutes from now.
+    pub fn ticket_for(&self, node: &str, credential: &str) -> String {
+        let now = rfaas_service::now_s();
+        sign_ticket(
+            self.manager.lease_key(),
+            node,
+            credential_id(credential),
+            now,
+            now + 600,
+        )
     }
 
     /// The test's own pool on the database.

@@ -299,13 +299,17 @@ impl Daemon {
         if let Some(credential) = credential {
             let s = Arc::clone(&shared);
             let record = register::node_record(&s.settings, control_addr);
-            let c = credential.clone();
-            spawn("manager", Box::new(move || register::run(s, record, c)))?;
+            let tickets = Arc::new(billing::Tickets::default());
+            let t = Arc::clone(&tickets);
+            spawn(
+                "manager",
+                Box::new(move || register::run(s, record, credential, t)),
+            )?;
             let s = Arc::clone(&shared);
             billing = Some(
                 std::thread::Builder::new()
                     .name("billing".into())
-                    .spawn(move || billing::run(s, credential))?,
+                    .spawn(move || billing::run(s, tickets))?,
             );
         }
         // What Slurm runs here is withheld before the first allocation.

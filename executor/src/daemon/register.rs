@@ -20,6 +20,7 @@ use rfaas_proto::manager::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::billing::Tickets;
 use super::clock::unix_now;
 use super::config::{ManagerSettings, Settings};
 use super::shared::Shared;
@@ -234,7 +235,12 @@ impl Managers {
 
 /// The registration thread's body: registers, heartbeats, ends leases, and
 /// returns when the daemon stops.
-pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String) {
+pub(crate) fn run(
+    shared: Arc<Shared>,
+    record: RegisterNode,
+    credential: String,
+    tickets: Arc<Tickets>,
+) {
     let Some(m) = shared.settings.manager.clone() else {
         return;
     };
@@ -264,6 +270,7 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
             }
         };
         backoff.reset();
+        keep_ticket(&tickets, registered.accounting_ticket.as_deref());
         tracing::info!(
             node = %node,
             manager = managers.url(),
@@ -285,6 +292,7 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
                         tracing::info!(manager = managers.url(), "a manager answers again");
                         outage = false;
                     }
+                    keep_ticket(&tickets, reply.accounting_ticket.as_deref());
                     if !reply.ended_leases.is_empty() {
                         let n = shared.end_leases(&reply.ended_leases, unix_now());
                         tracing::info!(leases = ?reply.ended_leases, workers = n, "the manager ended leases");
@@ -302,6 +310,18 @@ pub(crate) fn run(shared: Arc<Shared>, record: RegisterNode, credential: String)
                 }
             }
         }
+    }
+}
+
+/// Keeps the accounting ticket of a manager's reply for the billing
+/// poster's next connections. A manager of an older release sends none:
+/// the one held stays.
+fn keep_ticket(tickets: &Tickets, text: Option<&str>) {
+    let Some(text) = text else {
+        return;
+    };
+    if let Err(e) = tickets.set_text(text) {
+        tracing::warn!(error = %e, "the manager's accounting ticket is unreadable; keeping the previous one");
     }
 }
 

@@ -84,8 +84,11 @@ pub struct Node {
 /// The credential of the node the path names (`{name}`), or the admin
 /// token. The name is checked against the node name pattern once the
 /// token is known good.
-#[derive(Debug, Clone, Copy)]
-pub struct ThisNode;
+#[derive(Debug, Clone)]
+pub struct ThisNode {
+    /// The id of the node's credential; `None` for the admin.
+    pub credential_id: Option<String>,
+}
 
 /// A caller of one role, or the refusal of any other.
 trait Role: Sized {
@@ -148,7 +151,7 @@ impl Role for Holder {
             Caller::User { .. } => Ok(Holder {
                 owner: Some(caller.subject()),
             }),
-            Caller::Node(_) => Err(ApiError::Forbidden("nodes do not list leases".into())),
+            Caller::Node { .. } => Err(ApiError::Forbidden("nodes do not list leases".into())),
         }
     }
 }
@@ -160,7 +163,7 @@ impl Role for Node {
                 subject: caller.subject(),
                 name: None,
             }),
-            Caller::Node(ref n) => Ok(Node {
+            Caller::Node { node: ref n, .. } => Ok(Node {
                 subject: caller.subject(),
                 name: Some(n.clone()),
             }),
@@ -200,9 +203,16 @@ impl FromRequestParts<Arc<App>> for ThisNode {
             .map_err(|e| ApiError::Malformed(e.body_text()))?;
         check_node_name(&name)?;
         match caller {
-            Caller::Admin => Ok(ThisNode),
-            Caller::Node(n) if n == name => Ok(ThisNode),
-            Caller::Node(n) => Err(ApiError::Forbidden(format!(
+            Caller::Admin => Ok(ThisNode {
+                credential_id: None,
+            }),
+            Caller::Node {
+                node,
+                credential_id,
+            } if node == name => Ok(ThisNode {
+                credential_id: Some(credential_id),
+            }),
+            Caller::Node { node: n, .. } => Err(ApiError::Forbidden(format!(
                 "this credential is node {n:?}'s; it cannot speak for node {name:?}"
             ))),
             Caller::User { .. } => Err(ApiError::Forbidden(

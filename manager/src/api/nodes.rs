@@ -1,5 +1,8 @@
 //! Nodes: registration and heartbeats (the node itself, or the admin),
-//! listings (anyone), drain and resume (the admin).
+//! listings (anyone), drain and resume (the admin). A node's registration
+//! and heartbeat replies carry a fresh accounting ticket, signed with the
+//! lease key, which the node shows accounting services instead of its
+//! credential.
 
 use axum::extract::{Path, Query, State};
 use axum::Json;
@@ -98,7 +101,8 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
     }
     Ok(())
 }
-/// Register a node, or update its record. Idempotent. With fewer cores or
+/// Register a node, or update its record. Idempotent. The reply carries
+/// a fresh accounting ticket when the node's own credential asked. With fewer cores or
 /// less memory than it has leased, the node keeps its leases and takes no
 /// new one until they fit: its `draining_cores` and `draining_memory_mib`
 /// say how much leaves as they end.
@@ -108,7 +112,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
 pub(super) async fn register_node(
     State(app): AppState,
     Path(name): Path<String>,
-    Sent(ThisNode, body): Sent<ThisNode, RegisterNode>,
+    Sent(this, body): Sent<ThisNode, RegisterNode>,
 ) -> ApiResult<Json<Registered>> {
     check_register(&body)?;
     let read = app.store.register(&name, &body, now_ms()).await?;
@@ -129,23 +133,46 @@ pub(super) async fn register_node(
         node,
         heartbeat_interval_ms: app.settings.heartbeat_interval_ms,
         lost_after_ms: app.settings.lost_after_ms,
+        accounting_ticket: ticket(&app, &name, &this),
     }))
 }
 
+/// A fresh accounting ticket for node `name`, when its own credential
+/// asked (the admin token has no credential id to name).
+fn ticket(app: &App, name: &str, this: &ThisNode) -> Option<String> {
+    let credential_id = this.credential_id.as_deref()?;
+    let now_s = now_ms() / 1000;
+    match app
+        .signer
+        .ticket(name, credential_id, now_s, app.settings.accounting_ticket_s)
+    {
+        Ok(t) => Some(t),
+        Err(e) => {
+            // Only a name too long for the hello gets here.
+            tracing::warn!(node = %name, error = %e, "cannot sign an accounting ticket for the node: its usage cannot be posted; use a shorter lease key id");
+            None
+        }
+    }
+}
+
 /// A node's heartbeat: its free capacity and the leases it holds. The
-/// answer lists those that have ended. `404`: register again.
+/// answer lists those that have ended, and carries a fresh accounting
+/// ticket when the node's own credential asked. `404`: register again.
 #[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
     params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = HeartbeatReply)))]
 pub(super) async fn heartbeat(
     State(app): AppState,
     Path(name): Path<String>,
-    Sent(ThisNode, body): Sent<ThisNode, Heartbeat>,
+    Sent(this, body): Sent<ThisNode, Heartbeat>,
 ) -> ApiResult<Json<HeartbeatReply>> {
     match app.store.heartbeat(&name, &body, now_ms()).await? {
         Some((node, ended_leases)) => {
             app.view.upsert(node);
-            Ok(Json(HeartbeatReply { ended_leases }))
+            Ok(Json(HeartbeatReply {
+                ended_leases,
+                accounting_ticket: ticket(&app, &name, &this),
+            }))
         }
         None => Err(ApiError::NotFound(format!(
             "node {name:?} is not registered here; register it (PUT /v1/nodes/{name})"

@@ -124,7 +124,7 @@ pub(super) async fn list_usage(
             accounts.extend(coordinated(&app, user).await);
             Some((user.clone(), accounts))
         }
-        Caller::Node(_) => {
+        Caller::Node { .. } => {
             return Err(ApiError::Forbidden(
                 "usage is read with a user credential or the admin token, not a node's".into(),
             ))

@@ -17,6 +17,7 @@ use rfaas_proto::accounting::{
     slot_offset, word_offset, AccountingHello, AccountingReply, Counter, ReplyStatus, SlotTotals,
     REPLY_IMM, SLOT_LEN, SLOT_WORDS,
 };
+use rfaas_proto::ticket::AccountingTicket;
 
 /// Where the service's reply lands in the local region.
 const REPLY_OFF: usize = 0;
@@ -33,8 +34,8 @@ const REPLY_WR: u64 = 1 << 40;
 /// Why a link failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum LinkError {
-    /// The service refused the hello for good (bad credential, other
-    /// release): retrying with the same credential will not help soon.
+    /// The service refused the hello (a refused ticket, another release):
+    /// retrying soon with the same ticket will not help.
     #[error("the accounting service refused this node: {0}")]
     Refused(&'static str),
     /// Anything that may pass: the service is down, slow, restarting, or
@@ -71,12 +72,12 @@ impl std::fmt::Debug for Link {
 }
 
 impl Link {
-    /// Connects to `addr` on `fabric`, says the hello with `credential`,
-    /// and waits for the answer, all within `timeout`.
+    /// Connects to `addr` on `fabric`, says the hello with `ticket`, and
+    /// waits for the answer, all within `timeout`.
     pub(crate) fn open(
         fabric: &Fabric,
         addr: &str,
-        credential: &str,
+        ticket: &AccountingTicket,
         timeout: Duration,
     ) -> Result<Link, LinkError> {
         let deadline = Instant::now() + timeout;
@@ -111,20 +112,20 @@ impl Link {
             region_id: 0,
             next_wr: 1,
         };
-        link.hello(credential, deadline)?;
+        link.hello(ticket, deadline)?;
         Ok(link)
     }
 
-    fn hello(&mut self, credential: &str, deadline: Instant) -> Result<(), LinkError> {
+    fn hello(&mut self, ticket: &AccountingTicket, deadline: Instant) -> Result<(), LinkError> {
         let reply_to = self.local.descriptor().at(REPLY_OFF as u64);
         let hello = AccountingHello {
             reply_addr: reply_to.addr,
             reply_rkey: reply_to.rkey,
-            credential: credential.to_owned(),
+            ticket: ticket.clone(),
         };
         let imms = hello
             .to_imms()
-            .map_err(|e| LinkError::Transient(format!("the node credential does not fit: {e}")))?;
+            .map_err(|e| LinkError::Transient(format!("the hello cannot be encoded: {e}")))?;
         self.ep
             .post_recv(REPLY_WR)
             .map_err(|e| transient("cannot post the reply's receive", e))?;

@@ -55,6 +55,15 @@
 //! posted) or `unresolved` (a batch whose outcome could not be learned).
 //! Every `posting` is followed by its lease's `added` or `unresolved`.
 //! Summing `added` per lease gives what the executor billed.
+//!
+//! # Hello
+//!
+//! Each connection to an accounting instance begins with a hello that
+//! shows the newest accounting ticket a manager gave this node
+//! ([`Tickets`], set from every registration and heartbeat reply), never
+//! the node credential. Until the first ticket arrives, and while the
+//! newest has expired (no manager answered for its lifetime), no new
+//! connection is made; connections already accepted go on.
 
 mod link;
 
@@ -68,6 +77,7 @@ use std::sync::Arc;
 
 use rfaas_fabric::Fabric;
 use rfaas_proto::accounting::{BillingSlot, Counter, SlotTotals, SLOT_WORDS};
+use rfaas_proto::ticket::{AccountingTicket, TicketError};
 
 use link::{Link, LinkError};
 
@@ -100,8 +110,38 @@ pub(crate) struct PosterSettings {
     pub timeout: Duration,
     /// The journal file (appended), if any.
     pub journal: Option<PathBuf>,
-    /// The node credential the hello carries.
-    pub credential: String,
+    /// The ticket the hello carries.
+    pub tickets: Arc<Tickets>,
+}
+
+/// The newest accounting ticket a manager gave this node: the
+/// registration thread sets it, the poster shows it at each connection.
+#[derive(Debug, Default)]
+pub(crate) struct Tickets {
+    newest: std::sync::Mutex<Option<AccountingTicket>>,
+}
+
+impl Tickets {
+    /// Keeps the ticket in `text` (as a manager's reply carries it) in
+    /// place of the one held.
+    pub(crate) fn set_text(&self, text: &str) -> Result<(), TicketError> {
+        let t = AccountingTicket::from_text(text)?;
+        self.set(t);
+        Ok(())
+    }
+
+    /// Keeps `ticket` in place of the one held.
+    pub(crate) fn set(&self, ticket: AccountingTicket) {
+        *self.newest.lock().unwrap_or_else(|p| p.into_inner()) = Some(ticket);
+    }
+
+    /// The ticket held, if any.
+    pub(crate) fn get(&self) -> Option<AccountingTicket> {
+        self.newest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 /// What is known of one lease's slot.
@@ -553,12 +593,14 @@ impl Poster {
                     }
                 },
             };
-            match Link::open(
-                fabric,
-                addr,
-                &self.settings.credential,
-                self.settings.timeout,
-            ) {
+            let Some(ticket) = self.settings.tickets.get() else {
+                let err = LinkError::Transient(
+                    "no accounting ticket yet: it comes with the manager's reply to the node's registration".into(),
+                );
+                self.link_failed(key, &err, now);
+                return None;
+            };
+            match Link::open(fabric, addr, &ticket, self.settings.timeout) {
                 Ok(link) => {
                     tracing::info!(%instance, %addr, region_id = link.region_id(), slots = link.slots(), "connected to accounting instance");
                     // Every lease of this instance reads its slot again:
@@ -771,14 +813,14 @@ fn add_words(a: &SlotTotals, d: &[u64; SLOT_WORDS]) -> SlotTotals {
 /// when the daemon stops, waits for its workers' final figures and flushes
 /// them. A lease counts as over when its last allocation ended and its
 /// token expired or the manager ended it.
-pub(crate) fn run(shared: Arc<Shared>, credential: String) {
+pub(crate) fn run(shared: Arc<Shared>, tickets: Arc<Tickets>) {
     let b = &shared.settings.billing;
     let settings = PosterSettings {
         granularity: Duration::from_millis(b.granularity_ms),
         keep_ended: Duration::from_secs(b.keep_ended_s),
         timeout: Duration::from_millis(b.timeout_ms),
         journal: b.journal.clone(),
-        credential,
+        tickets,
     };
     let mut poster = match Poster::new(settings) {
         Ok(p) => p,

@@ -15,7 +15,28 @@ use rfaas_testkit::wait::{wait_until, TIMEOUT};
 use super::*;
 use rfaas_proto::accounting::UsageFigures;
 
-const CREDENTIAL: &str = "rfaasc.node1.secret";
+/// The node whose ticket the peer accepts.
+const CREDENTIAL: &str = "node1";
+
+/// A ticket for `node`, as a manager's reply carries one (the peer reads
+/// its node; the real service checks its signature).
+fn tickets(node: &str) -> Arc<Tickets> {
+    let signer = rfaas_proto::lease::LeaseSigner::from_seed("k1", [5; 32]).unwrap();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = rfaas_proto::ticket::TicketClaims {
+        key_id: String::new(),
+        node: node.into(),
+        credential_id: "0a".into(),
+        issued_at: now,
+        expires_at: now + 600,
+    };
+    let t = Arc::new(Tickets::default());
+    t.set(AccountingTicket::sign(&signer, &claims).unwrap());
+    t
+}
 const SLOTS: u32 = 16;
 
 /// An accounting peer: accepts connections, checks the hello, answers,
@@ -91,7 +112,8 @@ impl Peer {
                         }
                     }
                     let hello = AccountingHello::from_imms(&imms).unwrap();
-                    let reply = if hello.credential == CREDENTIAL {
+                    let node = hello.ticket.claims_unverified().map(|c| c.node);
+                    let reply = if node.as_deref() == Ok(CREDENTIAL) {
                         let d = region.descriptor();
                         AccountingReply {
                             status: ReplyStatus::Accepted,
@@ -173,13 +195,13 @@ impl Drop for Scratch {
     }
 }
 
-fn settings(journal: Option<PathBuf>, credential: &str) -> PosterSettings {
+fn settings(journal: Option<PathBuf>, node: &str) -> PosterSettings {
     PosterSettings {
         granularity: Duration::from_secs(1),
         keep_ended: Duration::from_secs(300),
         timeout: Duration::from_secs(5),
         journal,
-        credential: credential.into(),
+        tickets: tickets(node),
     }
 }
 
@@ -351,10 +373,28 @@ fn a_lost_connection_keeps_the_usage_and_posts_it_once_when_back() {
 #[test]
 fn a_refused_credential_learns_nothing_and_adds_nothing() {
     let peer = Peer::start();
-    let mut p = Poster::new(settings(None, "rfaasc.node1.wrong")).unwrap();
+    let mut p = Poster::new(settings(None, "node2")).unwrap();
     let slot = peer.slot("acct1", 1);
     p.tick(&[usage(3, &slot, 1_000, 1, false)], Instant::now());
     assert_eq!(*peer.refused.lock().unwrap(), 1);
+    assert_eq!(peer.word(1, Counter::ComputeNs), 0);
+    assert_eq!(p.stats().pending, 1);
+}
+
+/// Before a manager gave the node a ticket, the poster connects to
+/// nobody: it has nothing to show but its credential, which never
+/// crosses the fabric.
+#[test]
+fn without_a_ticket_nothing_connects() {
+    let peer = Peer::start();
+    let mut p = Poster::new(PosterSettings {
+        tickets: Arc::new(Tickets::default()),
+        ..settings(None, CREDENTIAL)
+    })
+    .unwrap();
+    let slot = peer.slot("acct1", 1);
+    p.tick(&[usage(3, &slot, 1_000, 1, false)], Instant::now());
+    assert_eq!(*peer.refused.lock().unwrap(), 0);
     assert_eq!(peer.word(1, Counter::ComputeNs), 0);
     assert_eq!(p.stats().pending, 1);
 }
