@@ -93,6 +93,7 @@ pub const MANAGER: Owner = migrations!("manager":
     4 "0004_lease_seq.sql",
     5 "0005_leases_by_grant_state.sql",
     6 "0006_draining.sql",
+    7 "0007_node_control_tls.sql",
 );
 
 /// The accounting service's tables.
