@@ -190,7 +190,7 @@ fn slots_of_leases_ended_every_way_are_freed(kind: &str) {
         .unwrap_or_else(|e| panic!("{e}"));
     let node = short.nodes().into_iter().next().expect("a node lease");
     let alloc = client
-        .allocate(&node.control_addr, &node.token, &spec)
+        .allocate(&node.executor(), &node.token, &spec)
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     let f = alloc.function("echo").unwrap();
     let input = alloc.buffer::<u32>(1).unwrap();

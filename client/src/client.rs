@@ -61,7 +61,9 @@ impl Client {
     }
 
     /// Allocates a worker on the executor at `executor` (its control
-    /// address, `host:port`) under the lease `token`, loads `spec`'s library
+    /// address, `host:port`, or `tls://host:port` for a control port that
+    /// speaks TLS, as [`NodeLease::executor`](rfaas_proto::manager::NodeLease::executor)
+    /// gives it) under the lease `token`, loads `spec`'s library
     /// there and connects its lanes. While an ending allocation of the same
     /// lease still holds its cores there (`allocation_ending`: a crashed
     /// worker the executor has not reaped yet), it asks again after a short

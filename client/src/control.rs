@@ -5,9 +5,17 @@
 //! waiting request through a channel; `WorkerExited` goes to the
 //! allocation's [`Fate`]; the connection's end (EOF or an error) marks every
 //! allocation on it as executor-lost and wakes every waiter.
+//!
+//! An executor address `tls://host:port` (what a lease grant with
+//! `control_tls` becomes) is reached over TLS: the executor's certificate
+//! must chain to the CA in `RFAAS_CA_FILE` (or the system's roots, the same
+//! trust as for the managers) and name `host`. One rustls session serves
+//! both directions: writers encrypt under the writer lock, as they write
+//! under it in plain; the reader thread reads the socket without the lock
+//! and takes it only to decrypt what came.
 
 use std::collections::HashMap;
-use std::io::BufReader;
+use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
@@ -175,11 +183,41 @@ struct ConnState {
     lost: Option<String>,
 }
 
+/// The writing side of a connection: the socket, and the TLS session when
+/// there is one (which the reader thread also takes, to decrypt).
+#[derive(Debug)]
+struct Wire {
+    stream: TcpStream,
+    tls: Option<rustls::ClientConnection>,
+}
+
+impl Write for Wire {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let Some(tls) = &mut self.tls else {
+            return self.stream.write(buf);
+        };
+        loop {
+            let n = tls.writer().write(buf)?;
+            while tls.wants_write() {
+                tls.write_tls(&mut self.stream)?;
+            }
+            // Zero: rustls' buffer was full, and is empty now.
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// What the connection's handle and its reader thread share.
 #[derive(Debug)]
 struct ConnShared {
     executor: String,
-    writer: Mutex<TcpStream>,
+    writer: Mutex<Wire>,
     state: Mutex<ConnState>,
     next_request: AtomicU64,
 }
@@ -192,13 +230,18 @@ pub(crate) struct ControlConn {
 }
 
 impl ControlConn {
-    /// Connects to `executor` (`host:port`) and starts the reader thread.
+    /// Connects to `executor` (`host:port`, or `tls://host:port` for TLS)
+    /// and starts the reader thread.
     pub(crate) fn connect(executor: &str, timeout: Duration) -> Result<ControlConn> {
         let connect_err = |source| Error::Connect {
             executor: executor.to_owned(),
             source,
         };
-        let addrs: Vec<_> = executor.to_socket_addrs().map_err(connect_err)?.collect();
+        let (tls, address) = match executor.strip_prefix(rfaas_proto::manager::CONTROL_TLS_SCHEME) {
+            Some(rest) => (true, rest),
+            None => (false, executor),
+        };
+        let addrs: Vec<_> = address.to_socket_addrs().map_err(connect_err)?.collect();
         let mut last = None;
         let mut stream = None;
         for addr in addrs {
@@ -210,7 +253,7 @@ impl ControlConn {
                 Err(e) => last = Some(e),
             }
         }
-        let stream = stream.ok_or_else(|| {
+        let mut stream = stream.ok_or_else(|| {
             connect_err(last.unwrap_or_else(|| {
                 std::io::Error::new(
                     std::io::ErrorKind::NotFound,
@@ -219,17 +262,31 @@ impl ControlConn {
             }))
         })?;
         stream.set_nodelay(true).map_err(connect_err)?;
+        let session = if tls {
+            Some(handshake(&mut stream, address, timeout).map_err(connect_err)?)
+        } else {
+            None
+        };
         let reader = stream.try_clone().map_err(connect_err)?;
         let shared = Arc::new(ConnShared {
             executor: executor.to_owned(),
-            writer: Mutex::new(stream),
+            writer: Mutex::new(Wire {
+                stream,
+                tls: session,
+            }),
             state: Mutex::new(ConnState::default()),
             next_request: AtomicU64::new(1),
         });
         let for_reader = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("rfaas-control".into())
-            .spawn(move || read_loop(reader, &for_reader))
+            .spawn(move || {
+                if tls {
+                    read_loop(TlsReader::new(reader, &for_reader), &for_reader)
+                } else {
+                    read_loop(reader, &for_reader)
+                }
+            })
             .map_err(connect_err)?;
         Ok(ControlConn { shared })
     }
@@ -306,7 +363,7 @@ impl ControlConn {
 impl Drop for ControlConn {
     fn drop(&mut self) {
         // Wakes the reader with EOF; it ends and drops the shared state.
-        let _ = lock(&self.shared.writer).shutdown(Shutdown::Both);
+        let _ = lock(&self.shared.writer).stream.shutdown(Shutdown::Both);
     }
 }
 
@@ -317,7 +374,129 @@ fn send_deallocate(shared: &ConnShared, msg: &Deallocate) {
     }
 }
 
-fn read_loop(stream: TcpStream, shared: &ConnShared) {
+/// Starts TLS on `stream` to `address` (`host:port`) and finishes the
+/// handshake within `timeout`: the certificate must chain to the CA
+/// `RFAAS_CA_FILE` names (or the system's roots) and name `host`.
+fn handshake(
+    stream: &mut TcpStream,
+    address: &str,
+    timeout: Duration,
+) -> io::Result<rustls::ClientConnection> {
+    let ca_file = rfaas_tls::env_ca_file();
+    let config = rfaas_tls::client_config(ca_file.as_deref())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+    let host = rfaas_tls::client::host_of(address);
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{host:?} is neither a host name nor an IP address for TLS: {e}"),
+        )
+    })?;
+    let mut tls = rustls::ClientConnection::new(config, name)
+        .map_err(|e| io::Error::other(format!("cannot start TLS: {e}")))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    while tls.is_handshaking() {
+        if let Err(e) = tls.complete_io(stream) {
+            let trust = match &ca_file {
+                Some(f) => format!("the CA in {} ({})", f.display(), rfaas_tls::CA_FILE_ENV),
+                None => format!(
+                    "the system's roots ({} names no site CA file)",
+                    rfaas_tls::CA_FILE_ENV
+                ),
+            };
+            return Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "the TLS handshake failed: {e}; the executor's certificate must be signed by \
+                     a CA this client trusts, {trust}, and name {host:?}"
+                ),
+            ));
+        }
+    }
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    Ok(tls)
+}
+
+/// The reader thread's side of a TLS connection: blocks on the socket
+/// without the writer's lock, then takes it to decrypt what came (and to
+/// answer what TLS itself asks, such as a key update).
+struct TlsReader<'a> {
+    stream: TcpStream,
+    shared: &'a ConnShared,
+    raw: Vec<u8>,
+    plain: Vec<u8>,
+    at: usize,
+    closed: bool,
+}
+
+impl<'a> TlsReader<'a> {
+    fn new(stream: TcpStream, shared: &'a ConnShared) -> TlsReader<'a> {
+        TlsReader {
+            stream,
+            shared,
+            raw: vec![0; 16 << 10],
+            plain: Vec::new(),
+            at: 0,
+            closed: false,
+        }
+    }
+
+    /// Decrypts `got` bytes read from the socket into `plain`.
+    fn decrypt(&mut self, got: usize) -> io::Result<()> {
+        self.plain.clear();
+        self.at = 0;
+        let mut wire = lock(&self.shared.writer);
+        let Wire { stream, tls } = &mut *wire;
+        let Some(tls) = tls else {
+            return Err(io::Error::other("a TLS connection without its session"));
+        };
+        let mut input = &self.raw[..got];
+        while !input.is_empty() {
+            tls.read_tls(&mut input)?;
+            let state = match tls.process_new_packets() {
+                Ok(state) => state,
+                Err(e) => {
+                    let _ = tls.write_tls(stream);
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+                }
+            };
+            let n = state.plaintext_bytes_to_read();
+            if n > 0 {
+                let from = self.plain.len();
+                self.plain.resize(from + n, 0);
+                tls.reader().read_exact(&mut self.plain[from..])?;
+            }
+            self.closed |= state.peer_has_closed();
+        }
+        while tls.wants_write() {
+            tls.write_tls(stream)?;
+        }
+        Ok(())
+    }
+}
+
+impl Read for TlsReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.at == self.plain.len() {
+            if self.closed {
+                return Ok(0);
+            }
+            let got = self.stream.read(&mut self.raw)?;
+            if got == 0 {
+                return Ok(0);
+            }
+            self.decrypt(got)?;
+        }
+        let n = buf.len().min(self.plain.len() - self.at);
+        buf[..n].copy_from_slice(&self.plain[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
+fn read_loop(stream: impl Read, shared: &ConnShared) {
     let mut reader = BufReader::new(stream);
     let reason = loop {
         match Frame::read_from(&mut reader, FrameLimits::default()) {
@@ -371,6 +550,15 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
         }
         Kind::Error => {
             let e: ErrorReply = frame.parse()?;
+            if e.request_id == 0 {
+                // The executor refuses the connection itself (before any
+                // request was read): every request waiting hears why.
+                let waiters: Vec<_> = lock(&shared.state).waiters.drain().collect();
+                for (_, tx) in waiters {
+                    let _ = tx.send(Reply::Refused(e.clone()));
+                }
+                return Ok(());
+            }
             let tx = lock(&shared.state).waiters.remove(&e.request_id);
             match tx {
                 Some(tx) => {

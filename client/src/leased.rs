@@ -231,8 +231,7 @@ fn place(
     };
     let mut spec = spec.clone();
     spec.fallback_executors.clear();
-    let executors: Arc<[(String, String)]> =
-        vec![(node.control_addr.clone(), node.token.clone())].into();
+    let executors: Arc<[(String, String)]> = vec![(node.executor(), node.token.clone())].into();
     match client.allocate_in(executors, 0, &spec, domain) {
         Ok(alloc) => Ok((lease, node, alloc)),
         Err(e) => {

@@ -1,6 +1,7 @@
 //! The client against a real `rfaas-executord` and its workers, on the tcp
-//! and shm providers. Needs the daemon built: `cargo build -p
-//! rfaas-executor` first.
+//! and shm providers, with the control port over TLS (required; the
+//! invocations on the fabric never see it). Needs the daemon built: `cargo
+//! build -p rfaas-executor` first.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -29,8 +30,16 @@ const FUNCTIONS: &[&str] = &[
     "fault_hog",
 ];
 
+/// The options of the suite's daemons: TLS required on the control port.
+fn tls_options() -> ExecutordOptions {
+    ExecutordOptions {
+        control_tls: Some(true),
+        ..ExecutordOptions::default()
+    }
+}
+
 fn daemon() -> Executord {
-    Executord::start(&daemon_binary(), ExecutordOptions::default())
+    Executord::start(&daemon_binary(), tls_options())
 }
 
 /// The verbs provider on the test machine's RDMA device: `RDMA_DEVICE`
@@ -50,7 +59,7 @@ fn daemon_for(provider: &str) -> Executord {
     let opts = ExecutordOptions {
         providers: vec![provider.to_owned()],
         fabric_host: std::env::var("RDMA_VM_IP").expect("RDMA_VM_IP: the RDMA device's address"),
-        ..ExecutordOptions::default()
+        ..tls_options()
     };
     Executord::start(&daemon_binary(), opts)
 }
@@ -69,7 +78,7 @@ fn spec() -> AllocationSpec {
 fn allocate(d: &Executord, provider: &str, spec: &AllocationSpec) -> Allocation {
     let client = Client::new(ClientOptions::with_provider(provider));
     client
-        .allocate(&d.control_addr().to_string(), &token(d), spec)
+        .allocate(&d.executor(), &token(d), spec)
         .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()))
 }
 
@@ -736,7 +745,7 @@ fn killing_the_worker_is_a_crash_with_sigkill(#[case] provider: &str) {
 fn killing_the_executor_is_executor_lost(#[case] provider: &str) {
     let (d, _, err) = signal_the_executor_under_a_call(provider, libc::SIGKILL);
     assert!(
-        matches!(err, Error::ExecutorLost { ref executor } if *executor == d.control_addr().to_string()),
+        matches!(err, Error::ExecutorLost { ref executor } if *executor == d.executor()),
         "{err:?}"
     );
     assert!(err.is_retryable());
@@ -766,7 +775,7 @@ fn signal_the_executor_under_a_call(provider: &str, signal: i32) -> (Executord, 
 fn stopping_the_executor_is_executor_stopped(#[case] provider: &str) {
     // What systemd does to stop the daemon.
     let (d, alloc, err) = signal_the_executor_under_a_call(provider, libc::SIGTERM);
-    let executor = d.control_addr().to_string();
+    let executor = d.executor();
     assert!(
         matches!(err, Error::ExecutorStopped { executor: ref e } if *e == executor),
         "{err:?}\n{}",
@@ -856,10 +865,10 @@ fn invoke_retrying_moves_to_a_fallback_executor() {
         &daemon_binary(),
         ExecutordOptions {
             node_name: "node-b".into(),
-            ..ExecutordOptions::default()
+            ..tls_options()
         },
     );
-    let fallback = second.control_addr().to_string();
+    let fallback = second.executor();
     let spec = spec().fallback_executor(&fallback, &token(&second));
     let mut alloc = allocate(&first, "tcp", &spec);
     assert_eq!(alloc.node(), first.node_name());
@@ -894,11 +903,11 @@ fn spinning_on_the_workers_cpu_turns_to_sleeping() {
     let opts = ExecutordOptions {
         cpus: cpu.to_string(),
         pin: true,
-        ..ExecutordOptions::default()
+        ..tls_options()
     };
     let d = Executord::start(&daemon_binary(), opts);
     let token = d.token("nobody", 1, 512, Duration::from_secs(600));
-    let addr = d.control_addr().to_string();
+    let addr = d.executor();
     std::thread::spawn(move || {
         cpus::pin_this_thread(cpu);
         let client = Client::new(ClientOptions::with_provider("tcp"));
@@ -955,7 +964,7 @@ fn figure(text: &str, before: &str) -> u32 {
 fn too_little_memory_is_one_clear_refusal_with_the_figure(#[case] provider: &str) {
     let d = daemon_for(provider);
     let client = Client::new(ClientOptions::with_provider(provider));
-    let addr = d.control_addr().to_string();
+    let addr = d.executor();
     let spec = |mib: u32| spec().memory_mib(mib);
 
     // 1 MiB cannot hold even the buffers: the client says so without asking.
@@ -1039,7 +1048,7 @@ fn too_little_memory_is_one_clear_refusal_with_the_figure(#[case] provider: &str
 fn the_memory_figure_serves_every_lane(#[case] provider: &str) {
     let d = daemon_for(provider);
     let client = Client::new(ClientOptions::with_provider(provider));
-    let addr = d.control_addr().to_string();
+    let addr = d.executor();
     let spec = spec().cores(4).memory_mib(8);
     let err = client.allocate(&addr, &token(&d), &spec).unwrap_err();
     let Error::Refused {
@@ -1071,7 +1080,7 @@ fn the_memory_figure_serves_every_lane(#[case] provider: &str) {
 fn refusals_are_typed() {
     let d = daemon();
     let client = Client::new(ClientOptions::with_provider("tcp"));
-    let addr = d.control_addr().to_string();
+    let addr = d.executor();
     let mut claims = d.claims("nobody", 4, 2048, Duration::from_secs(600));
     let good = d.mint(&claims);
     claims.cores = 64;
@@ -1156,7 +1165,7 @@ fn a_renewed_lease_serves_past_its_old_end() {
     let short = d.claims("nobody", 1, 2048, Duration::from_secs(3));
     let client = Client::new(ClientOptions::with_provider("tcp"));
     let mut alloc = client
-        .allocate(&d.control_addr().to_string(), &d.mint(&short), &spec())
+        .allocate(&d.executor(), &d.mint(&short), &spec())
         .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()));
     assert_eq!(alloc.expires_at(), short.expires_at);
 
@@ -1194,7 +1203,7 @@ fn a_renewal_for_another_lease_is_refused_and_the_allocation_goes_on() {
     let claims = d.claims("nobody", 1, 2048, Duration::from_secs(600));
     let client = Client::new(ClientOptions::with_provider("tcp"));
     let mut alloc = client
-        .allocate(&d.control_addr().to_string(), &d.mint(&claims), &spec())
+        .allocate(&d.executor(), &d.mint(&claims), &spec())
         .unwrap_or_else(|e| panic!("allocation failed: {e}\ndaemon log:\n{}", d.log()));
     let end = alloc.expires_at();
 

@@ -31,19 +31,22 @@ fn manager() -> Manager {
 }
 
 /// An executor called `name` that accepts `m`'s tokens, registered with
-/// `m` under its control address.
+/// `m` under its control address, which requires TLS (the grants say so,
+/// and the client library follows them).
 fn executor(m: &Manager, name: &str) -> Executord {
     let d = Executord::start(
         &daemon_binary(),
         ExecutordOptions {
             node_name: name.into(),
             accept_keys: vec![m.public_key_line()],
+            control_tls: Some(true),
             ..ExecutordOptions::default()
         },
     );
     let api = Api::new(m.url(), &m.credential("node", name, None));
     let body = json!({
         "control_addr": d.control_addr().to_string(),
+        "control_tls": true,
         "providers": [{"name": "tcp", "host": "127.0.0.1"}],
         "cores": 4,
         "memory_mib": 4096,
@@ -85,6 +88,19 @@ fn client() -> Client {
     Client::new(ClientOptions::with_provider("tcp"))
 }
 
+/// A minute's lease and an allocation under it (with the default options),
+/// or a panic with `d`'s log.
+fn lease_on(managers: &Managers, d: &Executord) -> LeasedAllocation {
+    managers
+        .allocate(
+            &client(),
+            &request(60, &[]),
+            &spec(),
+            &LeaseOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()))
+}
+
 /// Echoes `value` through `la`, retrying as `la` was told to.
 fn echo(la: &mut LeasedAllocation, value: u32) -> rfaas_client::Result<u32> {
     let f = la.function("echo")?;
@@ -120,6 +136,24 @@ fn kill_executor(d: &Executord) {
     assert_eq!(unsafe { libc::kill(d.pid() as i32, libc::SIGKILL) }, 0);
     wait_gone(d.pid());
     wait_gone(worker);
+}
+
+#[test]
+fn a_node_that_registers_with_control_tls_is_reached_over_tls_by_its_grants() {
+    let m = manager();
+    let dir = rfaas_testkit::TempDir::new("tls-node");
+    let d = Executord::start(&daemon_binary(), m.node_options(dir.path(), "node-t"));
+    let (managers, api) = managers(&m);
+    // The daemon registers by itself: its record says TLS.
+    let node = rfaas_testkit::wait::wait_for("node-t to register", Duration::from_secs(30), || {
+        let (s, r) = api.call("GET", "/v1/nodes/node-t", None);
+        (s == 200).then_some(r)
+    });
+    assert_eq!(node["control_tls"], json!(true), "{node}");
+    let mut la = lease_on(&managers, &d);
+    assert_eq!(la.executor(), format!("tls://{}", d.control_addr()));
+    assert_eq!(echo(&mut la, 9).unwrap(), 9);
+    la.deallocate().unwrap();
 }
 
 #[test]
@@ -179,28 +213,14 @@ fn deallocation_and_drop_release_the_lease() {
     let m = manager();
     let d = executor(&m, "node-a");
     let (managers, api) = managers(&m);
-    let mut la = managers
-        .allocate(
-            &client(),
-            &request(60, &[]),
-            &spec(),
-            &LeaseOptions::default(),
-        )
-        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let mut la = lease_on(&managers, &d);
     assert_eq!(echo(&mut la, 7).unwrap(), 7);
     let first = la.lease_grant_id().unwrap();
     assert_eq!(states(&api, first), ["active"]);
     la.deallocate().unwrap();
     assert_eq!(states(&api, first), ["released"]);
 
-    let la = managers
-        .allocate(
-            &client(),
-            &request(60, &[]),
-            &spec(),
-            &LeaseOptions::default(),
-        )
-        .unwrap();
+    let la = lease_on(&managers, &d);
     let second = la.lease_grant_id().unwrap();
     assert_ne!(second, first);
     drop(la);
@@ -232,7 +252,7 @@ fn a_dead_executor_is_left_for_another_node() {
     );
     assert_eq!(la.node(), "node-b");
     assert_eq!(la.allocation().node(), "node-b", "the token's node");
-    assert_eq!(la.executor(), b.control_addr().to_string());
+    assert_eq!(la.executor(), b.executor());
     assert_eq!(la.moves(), 1);
     let second = la.lease_grant_id().unwrap();
     assert_ne!(second, first);

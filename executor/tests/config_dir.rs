@@ -144,7 +144,7 @@ fn executord_reads_executord_toml_and_the_lease_keys_from_the_directory() {
     let err = String::from_utf8_lossy(&o.stderr);
     for words in [
         &format!(
-            "cannot read the key file {}",
+            "cannot read the public key file {}",
             empty.join("lease-keys.pub").display()
         ),
         "--lease-keys",

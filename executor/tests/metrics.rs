@@ -3,22 +3,15 @@
 //! that are not scrapes.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
 use rfaas_client::{Allocation, AllocationSpec, Client, ClientOptions, Mode};
-use rfaas_testkit::executord::{Executord, ExecutordOptions};
+use rfaas_testkit::executord::{sample, Executord, ExecutordOptions};
 use rfaas_testkit::functions::c_library_bytes;
 
 const DAEMON: &str = env!("CARGO_BIN_EXE_rfaas-executord");
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
 
 /// Sends `request` as is and returns the whole answer.
 fn http(addr: SocketAddr, request: &[u8]) -> String {
@@ -37,20 +30,9 @@ fn get(addr: SocketAddr, path: &str) -> String {
     )
 }
 
-/// The value of the sample named exactly `series` (name and labels).
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        l.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
-}
-
 #[test]
 fn metrics_follow_allocations_and_refusals() {
-    let metrics = free_port();
+    let metrics = rfaas_testkit::free_port();
     let d = Executord::start(
         Path::new(DAEMON),
         ExecutordOptions {
@@ -148,7 +130,7 @@ fn echo(alloc: &Allocation, n: u64) {
 
 #[test]
 fn invocations_total_counts_every_call_of_every_allocation() {
-    let metrics = free_port();
+    let metrics = rfaas_testkit::free_port();
     let d = Executord::start(
         Path::new(DAEMON),
         ExecutordOptions {
@@ -203,7 +185,7 @@ fn invocations_total_counts_every_call_of_every_allocation() {
 
 #[test]
 fn the_metrics_port_answers_only_scrapes_and_health() {
-    let metrics = free_port();
+    let metrics = rfaas_testkit::free_port();
     let d = Executord::start(
         Path::new(DAEMON),
         ExecutordOptions {
@@ -237,7 +219,7 @@ fn the_metrics_port_answers_only_scrapes_and_health() {
 /// its query API: the exposition is one a real server accepts.
 #[test]
 fn prometheus_scrapes_the_daemon() {
-    let metrics = free_port();
+    let metrics = rfaas_testkit::free_port();
     let d = Executord::start(
         Path::new(DAEMON),
         ExecutordOptions {

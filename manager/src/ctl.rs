@@ -306,7 +306,14 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
     };
     line("name", n.name.clone());
     line("state", state_name(&n.state));
-    line("address", n.control_addr.clone());
+    line(
+        "address",
+        format!(
+            "{}{}",
+            n.control_addr,
+            if n.control_tls { " (TLS)" } else { "" }
+        ),
+    );
     line("providers", providers.join(", "));
     let draining = |amount: u64, unit: &str| {
         if amount == 0 {
@@ -513,6 +520,7 @@ mod tests {
             name: name.into(),
             state: NodeState::Drained,
             control_addr: "10.0.0.1:7100".into(),
+            control_tls: false,
             providers: vec![NodeProvider {
                 name: "tcp".into(),
                 host: None,

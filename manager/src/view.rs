@@ -316,6 +316,7 @@ mod tests {
             name: name.into(),
             state,
             control_addr: "127.0.0.1:1".into(),
+            control_tls: false,
             providers: vec![],
             cores,
             memory_mib: 1024,

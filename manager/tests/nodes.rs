@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -12,13 +11,6 @@ use common::*;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::manager::Manager;
 use rfaas_testkit::wait::wait_for;
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
 
 /// Writes node `name`'s credential from `m` into a private file.
 fn credential_file(m: &Manager, name: &str) -> PathBuf {
@@ -104,7 +96,7 @@ fn prometheus_scrapes_the_manager_and_an_executord() {
     let mut db = Db::new("sqlite");
     let m = db.manager();
     let cred = credential_file(&m, "node-p");
-    let metrics = free_port();
+    let metrics = rfaas_testkit::free_port();
     let d = executord(
         "node-p",
         "0-1",
@@ -243,7 +235,7 @@ fn a_lease_storm_onto_executords_holds_no_core_twice_and_survives_the_database()
                     };
                     let node = lease.nodes().remove(0);
                     let alloc = client
-                        .allocate(&node.control_addr, &node.token, spec)
+                        .allocate(&node.executor(), &node.token, spec)
                         .unwrap_or_else(|e| panic!("{} refused a granted lease: {e}", node.node));
                     if (t + k) % 3 == 0 {
                         alloc.deallocate().unwrap();

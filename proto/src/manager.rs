@@ -47,6 +47,10 @@ pub struct RegisterNode {
         schema(pattern = r"^[^\x00-\x1f\x7f]+:[0-9]{1,5}$", max_length = 300)
     )]
     pub control_addr: String,
+    /// The control port speaks TLS (`control_tls_cert` in executord.toml):
+    /// clients connect to it with TLS and check its certificate.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub control_tls: bool,
     /// The providers served.
     #[cfg_attr(feature = "openapi", schema(min_items = 1, max_items = 16))]
     pub providers: Vec<NodeProvider>,
@@ -164,6 +168,9 @@ pub struct NodeView {
     pub state: NodeState,
     /// The daemon's control address.
     pub control_addr: String,
+    /// Its control port speaks TLS.
+    #[serde(default)]
+    pub control_tls: bool,
     /// The providers it serves.
     pub providers: Vec<NodeProvider>,
     /// Cores it lends now: what it registered, or what is leased on it if
@@ -233,6 +240,11 @@ pub struct NodeLease {
     pub node: String,
     /// Its daemon's control address: allocate there.
     pub control_addr: String,
+    /// Connect to `control_addr` with TLS, checking the executor's
+    /// certificate against the site CA (or the system's roots) and the
+    /// host of `control_addr` ([`NodeLease::executor`] says both).
+    #[serde(default)]
+    pub control_tls: bool,
     /// The providers it serves.
     pub providers: Vec<NodeProvider>,
     /// Cores granted on it.
@@ -244,6 +256,23 @@ pub struct NodeLease {
     /// Where its usage is counted (also inside the token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub billing: Option<crate::accounting::BillingSlot>,
+}
+
+/// The scheme of an executor address whose control port speaks TLS, as
+/// the client library takes it: `tls://host:port`.
+pub const CONTROL_TLS_SCHEME: &str = "tls://";
+
+impl NodeLease {
+    /// The executor's address as the client library takes it:
+    /// `tls://host:port` when its control port speaks TLS, else
+    /// `host:port`.
+    pub fn executor(&self) -> String {
+        if self.control_tls {
+            format!("{CONTROL_TLS_SCHEME}{}", self.control_addr)
+        } else {
+            self.control_addr.clone()
+        }
+    }
 }
 
 /// A grant: one or more node leases under one id.
@@ -552,8 +581,9 @@ mod tests {
 
     #[test]
     fn register_body_is_the_documented_json() {
-        let body = RegisterNode {
+        let mut body = RegisterNode {
             control_addr: "10.0.0.1:7100".into(),
+            control_tls: false,
             providers: vec![
                 NodeProvider {
                     name: "tcp".into(),
@@ -579,6 +609,33 @@ mod tests {
         )
         .unwrap();
         assert!(!older.harvested);
+        assert!(!older.control_tls);
+        // TLS on the control port is said only when it is on, so a daemon
+        // without it speaks to managers that predate the key.
+        body.control_tls = true;
+        let json = serde_json::to_string(&body).unwrap();
+        assert!(
+            json.starts_with(r#"{"control_addr":"10.0.0.1:7100","control_tls":true,"#),
+            "{json}"
+        );
+    }
+
+    #[test]
+    fn a_lease_on_a_tls_executor_names_it_with_the_tls_scheme() {
+        let lease: NodeLease = serde_json::from_str(
+            r#"{"lease_id":1,"node":"n1","control_addr":"n1:7100","providers":[],"cores":1,"memory_mib":1,"token":"t"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            lease.executor(),
+            "n1:7100",
+            "a manager that predates the flag"
+        );
+        let lease = NodeLease {
+            control_tls: true,
+            ..lease
+        };
+        assert_eq!(lease.executor(), "tls://n1:7100");
     }
 
     #[test]

@@ -6,8 +6,6 @@
 //! private to their owner ([`check_private_file`]).
 
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
 use std::time::Duration;
 
 use rfaas_proto::manager::Role;
@@ -44,32 +42,7 @@ pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Checks that `path` is private to its owner: no access for group or
-/// others, and owned by root when this process runs as root. `what` names
-/// the file in the message.
-pub fn check_private_file(path: &Path, what: &str) -> Result<(), String> {
-    let meta = std::fs::metadata(path)
-        .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
-    let mode = meta.mode() & 0o7777;
-    if mode & 0o077 != 0 {
-        return Err(format!(
-            "{what} {} has mode {mode:04o}: others than its owner may access it; run `chmod 600 {}`",
-            path.display(),
-            path.display()
-        ));
-    }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    if euid == 0 && meta.uid() != 0 {
-        return Err(format!(
-            "{what} {} is owned by uid {} and read by root: it must be owned by root; run `chown root {}`",
-            path.display(),
-            meta.uid(),
-            path.display()
-        ));
-    }
-    Ok(())
-}
+pub use rfaas_tls::files::check_private_file;
 
 /// A credential as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -94,6 +94,7 @@ pub const MANAGER: Owner = migrations!("manager":
     5 "0005_leases_by_grant_state.sql",
     6 "0006_draining.sql",
     7 "0007_credential_id_key.sql",
+    8 "0008_node_control_tls.sql",
 );
 
 /// The accounting service's tables.

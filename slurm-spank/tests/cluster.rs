@@ -920,7 +920,7 @@ fn echo_allocation(d: &Executord) -> Allocation {
     let spec = AllocationSpec::new(c_library_bytes(), &["echo"]).memory_mib(256);
     Client::new(ClientOptions::with_provider("tcp"))
         .allocate(
-            &d.control_addr().to_string(),
+            &d.executor(),
             &d.token("nobody", 1, 1024, Duration::from_secs(600)),
             &spec,
         )

@@ -66,6 +66,13 @@ pub struct ExecutordOptions {
     /// unit with `Delegate=yes` (default true); false leaves it in the
     /// test's cgroup.
     pub delegated_cgroup: bool,
+    /// TLS on the control port, with the test CA's server certificate
+    /// (for 127.0.0.1, ::1 and localhost; copied into the daemon's
+    /// directory, key mode 0600, see [`Executord::control_tls_files`]):
+    /// `None` plain (the default), `Some(true)` required, `Some(false)`
+    /// offered with plain clients still served. Clients reach it at
+    /// [`Executord::executor`].
+    pub control_tls: Option<bool>,
 }
 
 impl Default for ExecutordOptions {
@@ -87,6 +94,7 @@ impl Default for ExecutordOptions {
             local_socket: None,
             env: Vec::new(),
             delegated_cgroup: true,
+            control_tls: None,
         }
     }
 }
@@ -101,6 +109,7 @@ pub struct Executord {
     control_addr: SocketAddr,
     local_socket: PathBuf,
     cgroup: Option<PathBuf>,
+    control_tls: bool,
 }
 
 /// The variable naming a cgroup v2 directory, with the `cpuset`, `cpu` and
@@ -167,6 +176,20 @@ impl Executord {
             .clone()
             .unwrap_or_else(|| dir.join("executord.sock"));
         let providers: Vec<String> = opts.providers.iter().map(|p| format!("{p:?}")).collect();
+        let tls = match opts.control_tls {
+            Some(required) => {
+                let ca = crate::tls::test_ca();
+                let (cert, key) = (dir.join("control.pem"), dir.join("control.key"));
+                copy_private(&ca.cert(), &cert)?;
+                copy_private(&ca.key(), &key)?;
+                format!(
+                    "control_tls_cert = {:?}\ncontrol_tls_key = {:?}\nrequire_control_tls = {required}\n",
+                    cert.display().to_string(),
+                    key.display().to_string()
+                )
+            }
+            None => String::new(),
+        };
         let config = format!(
             "node_name = {node:?}\n\
              control_listen = \"127.0.0.1:0\"\n\
@@ -183,6 +206,7 @@ impl Executord {
              default_deadline_ms = {ddl}\n\
              max_deadline_ms = {mdl}\n\
              log_level = \"debug\"\n\
+             {tls}\
              {extra}\n",
             node = opts.node_name,
             providers = providers.join(", "),
@@ -237,12 +261,34 @@ impl Executord {
             control_addr,
             local_socket: local,
             cgroup,
+            control_tls: opts.control_tls.is_some(),
         })
     }
 
     /// The control listener's address.
     pub fn control_addr(&self) -> SocketAddr {
         self.control_addr
+    }
+
+    /// The address the client library takes: `tls://` and the control
+    /// address when the control port speaks TLS, else the control address.
+    pub fn executor(&self) -> String {
+        if self.control_tls {
+            format!(
+                "{}{}",
+                rfaas_proto::manager::CONTROL_TLS_SCHEME,
+                self.control_addr
+            )
+        } else {
+            self.control_addr.to_string()
+        }
+    }
+
+    /// The control port's certificate and key files (with
+    /// [`ExecutordOptions::control_tls`]): replace them and send SIGHUP to
+    /// have the daemon serve new ones.
+    pub fn control_tls_files(&self) -> (PathBuf, PathBuf) {
+        (self.dir.join("control.pem"), self.dir.join("control.key"))
     }
 
     /// The node tools' socket.
@@ -507,6 +553,37 @@ pub fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest
 fn parse_ready(rest: &str) -> Option<(SocketAddr, PathBuf)> {
     let (addr, local) = rest.split_once(" local=")?;
     Some((addr.parse().ok()?, PathBuf::from(local)))
+}
+
+/// Copies `from` to a new file `to` only its owner may read (a key's mode,
+/// which the daemon checks).
+pub fn copy_private(from: &Path, to: &Path) -> Result<(), String> {
+    let bytes = std::fs::read(from).map_err(|e| format!("read {}: {e}", from.display()))?;
+    std::fs::write(to, bytes).map_err(|e| format!("write {}: {e}", to.display()))?;
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("chmod {}: {e}", to.display()))
+}
+
+/// The `/metrics` text of a daemon whose `metrics_listen` is `metrics`
+/// (empty when it does not answer).
+pub fn scrape(metrics: SocketAddr) -> String {
+    let agent = rfaas_tls::system_agent(Duration::from_secs(10));
+    match agent.get(&format!("http://{metrics}/metrics")).call() {
+        Ok(mut r) => r.body_mut().read_to_string().unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// The value of the sample named exactly `series` (name and labels) in a
+/// `/metrics` text.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 #[cfg(test)]

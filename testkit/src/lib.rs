@@ -73,6 +73,15 @@ pub fn target_dir() -> PathBuf {
     }
 }
 
+/// A loopback address with a port nobody listened on a moment ago, for a
+/// listener whose port must be known before its process starts
+/// (`metrics_listen`, say).
+pub fn free_port() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap_or_else(|e| panic!("bind a loopback port: {e}"))
+}
+
 /// A directory of a test's own under the system's temporary directory,
 /// removed on drop unless the test is failing (then it stays to be read).
 #[derive(Debug)]

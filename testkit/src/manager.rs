@@ -273,7 +273,8 @@ impl Manager {
 
     /// Options for an executor daemon named `name` that registers with
     /// this manager (its node credential written, private, into `dir`)
-    /// and accepts this manager's leases.
+    /// and accepts this manager's leases. Its control port requires TLS:
+    /// it registers so, and clients learn it from their lease grants.
     pub fn node_options(&self, dir: &Path, name: &str) -> crate::executord::ExecutordOptions {
         let cred = dir.join(format!("{name}.credential"));
         std::fs::write(&cred, self.credential("node", name, None))
@@ -289,6 +290,7 @@ impl Manager {
                 cred.display().to_string(),
                 crate::tls::test_ca().ca_file().display().to_string()
             ),
+            control_tls: Some(true),
             ..Default::default()
         }
     }

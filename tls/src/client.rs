@@ -1,10 +1,14 @@
-//! The HTTP client side: one agent builder, one URL check.
+//! The client side: one HTTP agent builder, one rustls client
+//! configuration for rfaas's own TLS streams, both from the same trust
+//! roots, and one URL check.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
 use ureq::tls::{Certificate, RootCerts, TlsConfig};
 
 use crate::TlsError;
@@ -43,11 +47,51 @@ impl AgentOptions {
 
     /// `ca_file` if given, else the file `RFAAS_CA_FILE` names, if set.
     pub fn ca_file_or_env(self, ca_file: Option<PathBuf>) -> AgentOptions {
-        let env = std::env::var_os(CA_FILE_ENV)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from);
-        self.ca_file(ca_file.or(env))
+        self.ca_file(ca_file.or_else(env_ca_file))
     }
+}
+
+/// The file `RFAAS_CA_FILE` names, when it is set and not empty.
+pub fn env_ca_file() -> Option<PathBuf> {
+    std::env::var_os(CA_FILE_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// What a client trusts: the CAs in `ca_file`, or the system's roots. The
+/// one place a CA option becomes trust roots, for HTTP ([`agent`]) and
+/// for raw TLS streams ([`client_config`]).
+fn trust_roots(ca_file: Option<&Path>) -> Result<Arc<Vec<CertificateDer<'static>>>, TlsError> {
+    match ca_file {
+        Some(path) => read_cas(path),
+        None => Ok(system_roots()),
+    }
+}
+
+/// A rustls client configuration for a TLS stream of rfaas's own (the
+/// executor's control port): it trusts the CAs in `ca_file`, or the
+/// system's roots, and checks the server's name as the caller gives it to
+/// [`rustls::ClientConnection::new`].
+pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    let mut store = rustls::RootCertStore::empty();
+    let roots = trust_roots(ca_file)?;
+    let (_added, _unusable) = store.add_parsable_certificates(roots.iter().cloned());
+    if store.is_empty() {
+        let what = ca_file.map_or_else(
+            || "the system's root certificates".to_owned(),
+            |p| format!("the CA file {p:?}"),
+        );
+        return Err(TlsError::Setup(format!(
+            "{what} hold no usable CA certificate, so no server can be verified; \
+             name the site CA's certificate with {CA_FILE_ENV} or the CA file option"
+        )));
+    }
+    let config = rustls::ClientConfig::builder_with_provider(crate::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Setup(format!("the TLS client cannot be set up: {e}")))?
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
 }
 
 /// A blocking HTTP agent that speaks `https://` (and plain `http://`
@@ -55,23 +99,25 @@ impl AgentOptions {
 /// each phase is bounded (not the whole call: with a global timeout ureq
 /// resolves the address on a new thread before every request).
 pub fn agent(options: &AgentOptions) -> Result<ureq::Agent, TlsError> {
-    let roots = match &options.ca_file {
-        Some(path) => read_cas(path)?,
-        None => system_roots(),
-    };
-    Ok(build(roots, options.timeout, options.connect_timeout))
+    let roots = trust_roots(options.ca_file.as_deref())?;
+    Ok(build(&roots, options.timeout, options.connect_timeout))
 }
 
 /// As [`agent`] with the system's roots, which cannot fail.
 pub fn system_agent(timeout: Duration) -> ureq::Agent {
-    build(system_roots(), timeout, None)
+    build(&system_roots(), timeout, None)
 }
 
 fn build(
-    roots: Arc<Vec<Certificate<'static>>>,
+    roots: &[CertificateDer<'static>],
     timeout: Duration,
     connect: Option<Duration>,
 ) -> ureq::Agent {
+    let roots: Vec<Certificate<'static>> = roots
+        .iter()
+        .map(|c| Certificate::from_der(c.as_ref()).to_owned())
+        .collect();
+    let roots = Arc::new(roots);
     let tls = TlsConfig::builder()
         .unversioned_rustls_crypto_provider(crate::provider())
         .root_certs(RootCerts::Specific(roots))
@@ -90,18 +136,15 @@ fn build(
 }
 
 /// The CA certificates in the PEM file `path`.
-fn read_cas(path: &Path) -> Result<Arc<Vec<Certificate<'static>>>, TlsError> {
+fn read_cas(path: &Path) -> Result<Arc<Vec<CertificateDer<'static>>>, TlsError> {
     let pem = std::fs::read(path).map_err(|source| TlsError::Read {
         what: "the CA file",
         path: path.to_owned(),
         source,
     })?;
-    let mut cas = Vec::new();
-    for item in ureq::tls::parse_pem(&pem) {
-        if let Ok(ureq::tls::PemItem::Certificate(c)) = item {
-            cas.push(c);
-        }
-    }
+    let cas: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
+        .filter_map(Result::ok)
+        .collect();
     if cas.is_empty() {
         return Err(TlsError::Content {
             what: "the CA file",
@@ -113,21 +156,15 @@ fn read_cas(path: &Path) -> Result<Arc<Vec<Certificate<'static>>>, TlsError> {
 }
 
 /// The system's trusted roots, read once per process.
-fn system_roots() -> Arc<Vec<Certificate<'static>>> {
-    static ROOTS: OnceLock<Arc<Vec<Certificate<'static>>>> = OnceLock::new();
+fn system_roots() -> Arc<Vec<CertificateDer<'static>>> {
+    static ROOTS: OnceLock<Arc<Vec<CertificateDer<'static>>>> = OnceLock::new();
     ROOTS
         .get_or_init(|| {
             let found = rustls_native_certs::load_native_certs();
             for e in &found.errors {
                 tracing::warn!(error = %e, "a system root certificate could not be read");
             }
-            Arc::new(
-                found
-                    .certs
-                    .iter()
-                    .map(|c| Certificate::from_der(c.as_ref()).to_owned())
-                    .collect(),
-            )
+            Arc::new(found.certs)
         })
         .clone()
 }
@@ -176,7 +213,7 @@ pub fn manager_url(url: &str, plain: PlainHttp) -> Result<String, TlsError> {
 }
 
 /// `host` of `host[:port]` (brackets of an IPv6 address removed).
-fn host_of(authority: &str) -> &str {
+pub fn host_of(authority: &str) -> &str {
     if let Some(v6) = authority.strip_prefix('[') {
         return v6.split(']').next().unwrap_or(v6);
     }

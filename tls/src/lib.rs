@@ -1,6 +1,8 @@
 //! `rfaas-tls`: TLS for the connections that carry credentials — the
 //! manager's REST API (leases, node and job credentials, the admin
-//! token) — and never for the fabric, whose invocations stay as they are.
+//! token) and the executor's control port (lease tokens, allocation
+//! requests) — and never for the fabric, whose invocations stay as they
+//! are.
 //!
 //! Layout:
 //! - [`client`]: the one HTTP agent every client of the manager uses
@@ -8,15 +10,22 @@
 //!   with the ring provider, the system's roots or a site CA file
 //!   (`RFAAS_CA_FILE`, `ca_file`, `--ca-file`); and the one check of a
 //!   manager URL, which allows plain `http://` only to a loopback address
-//!   or when explicitly allowed.
+//!   or when explicitly allowed; and the rustls client configuration, from
+//!   the same trust roots, for the executor's control port.
 //! - [`server`]: a certificate and key read from PEM files into a rustls
-//!   server configuration whose certificate can be reloaded while serving.
+//!   server configuration whose certificate can be reloaded while serving
+//!   (the manager's HTTPS port, executord's control port); the key file
+//!   must be private to root or the service's user.
+//! - [`files`]: the one check of a secret file's (or a trust file's) mode
+//!   and owner, for TLS keys, lease keys, credentials and passwords.
 
 pub mod client;
+pub mod files;
 pub mod server;
 
 pub use client::{
-    agent, is_loopback, manager_url, system_agent, AgentOptions, PlainHttp, CA_FILE_ENV,
+    agent, client_config, env_ca_file, is_loopback, manager_url, system_agent, AgentOptions,
+    PlainHttp, CA_FILE_ENV,
 };
 pub use server::ServerCert;
 
@@ -49,6 +58,13 @@ pub enum TlsError {
         /// What is wrong with it.
         why: String,
     },
+    /// A key file whose mode or owner lets others read it (the sentence
+    /// says how to fix it).
+    #[error("{0}")]
+    Unsafe(String),
+    /// A TLS client or server cannot be set up as configured.
+    #[error("{0}")]
+    Setup(String),
     /// A manager URL that is not `https://host[:port]` (or a plain
     /// `http://` one where that is allowed).
     #[error("{0}")]

@@ -32,7 +32,9 @@ impl ResolvesServerCert for Current {
 
 impl ServerCert {
     /// Reads the chain in `cert_file` (the server's certificate first)
-    /// and the key in `key_file` (PKCS#8, PKCS#1 or SEC1 PEM).
+    /// and the key in `key_file` (PKCS#8, PKCS#1 or SEC1 PEM), which must
+    /// be private to its owner, root or this process's user
+    /// ([`crate::files::check_private_file`]), at start and every reload.
     pub fn load(cert_file: &Path, key_file: &Path) -> Result<ServerCert, TlsError> {
         let current = Arc::new(Current(RwLock::new(read(cert_file, key_file)?)));
         let mut config = rustls::ServerConfig::builder_with_provider(crate::provider())
@@ -86,6 +88,7 @@ fn read(cert_file: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, TlsError
             source,
         })
     };
+    crate::files::check_private_file(key_file, "the TLS key file").map_err(TlsError::Unsafe)?;
     let pem = read("the certificate file", cert_file)?;
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
         .collect::<Result<_, _>>()

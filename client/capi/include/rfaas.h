@@ -645,8 +645,11 @@ size_t rfaas_lease_nodes(const struct rfaas_lease *lease);
 
 /**
  * Node lease `index`: its executor's control address and its token, to
- * pass to `rfaas_allocate`. The strings belong to the lease and stay
- * valid until it is renewed or released.
+ * pass to `rfaas_allocate`. The address is `tls://host:port` when the
+ * executor's control port speaks TLS (its certificate is checked against
+ * the CA file `RFAAS_CA_FILE` names, else the system's roots), else
+ * `host:port`. The strings belong to the lease and stay valid until it is
+ * renewed or released.
  *
  * # Safety
  *
@@ -743,7 +746,8 @@ void rfaas_client_free(struct rfaas_client *client);
 
 /**
  * Allocates a worker on the executor at `executor` (its control address,
- * "host:port") under the lease `token`, ships the function library
+ * "host:port", or "tls://host:port" for a control port that speaks TLS,
+ * as `rfaas_lease_node` gives it) under the lease `token`, ships the function library
  * (`library_len` bytes of an ELF shared object at `library`), resolves
  * `functions` there (`n_functions` names; their order is the function
  * table) and connects the worker's lanes. `opts` NULL takes the defaults.
@@ -889,7 +893,8 @@ rfaas_status rfaas_deallocate(struct rfaas_allocation *alloc);
 rfaas_status rfaas_allocation_renew(struct rfaas_allocation *alloc, const char *token);
 
 /**
- * Adds another executor (its control address, "host:port") and a lease
+ * Adds another executor (its control address, "host:port" or
+ * "tls://host:port") and a lease
  * token for its node, for `rfaas_invoke_retrying` to move to when the
  * allocation's executor is lost, stopped, draining or full. Tried in the
  * order added, after the allocation's own executor.

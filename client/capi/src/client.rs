@@ -215,7 +215,8 @@ unsafe fn on_executor(
 }
 
 /// Allocates a worker on the executor at `executor` (its control address,
-/// "host:port") under the lease `token`, ships the function library
+/// "host:port", or "tls://host:port" for a control port that speaks TLS,
+/// as `rfaas_lease_node` gives it) under the lease `token`, ships the function library
 /// (`library_len` bytes of an ELF shared object at `library`), resolves
 /// `functions` there (`n_functions` names; their order is the function
 /// table) and connects the worker's lanes. `opts` NULL takes the defaults.
@@ -591,7 +592,8 @@ pub unsafe extern "C" fn rfaas_allocation_renew(
     })
 }
 
-/// Adds another executor (its control address, "host:port") and a lease
+/// Adds another executor (its control address, "host:port" or
+/// "tls://host:port") and a lease
 /// token for its node, for `rfaas_invoke_retrying` to move to when the
 /// allocation's executor is lost, stopped, draining or full. Tried in the
 /// order added, after the allocation's own executor.

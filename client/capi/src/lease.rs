@@ -43,7 +43,7 @@ impl rfaas_lease {
                         Failure::invalid("rfaas_lease", "the manager sent a string with a NUL byte")
                     })
                 };
-                Ok((c(n.control_addr)?, c(n.token)?))
+                Ok((c(n.executor())?, c(n.token)?))
             })
             .collect::<Result<_, Failure>>()?;
         Ok(())
@@ -204,8 +204,11 @@ pub unsafe extern "C" fn rfaas_lease_nodes(lease: *const rfaas_lease) -> usize {
 }
 
 /// Node lease `index`: its executor's control address and its token, to
-/// pass to `rfaas_allocate`. The strings belong to the lease and stay
-/// valid until it is renewed or released.
+/// pass to `rfaas_allocate`. The address is `tls://host:port` when the
+/// executor's control port speaks TLS (its certificate is checked against
+/// the CA file `RFAAS_CA_FILE` names, else the system's roots), else
+/// `host:port`. The strings belong to the lease and stay valid until it is
+/// renewed or released.
 ///
 /// # Safety
 ///

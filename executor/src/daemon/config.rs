@@ -18,6 +18,14 @@ pub struct Config {
     pub node_name: Option<String>,
     /// TCP address of the control listener (default `0.0.0.0:7100`).
     pub control_listen: Option<String>,
+    /// The control port's certificate chain (PEM): with `control_tls_key`,
+    /// the port speaks TLS (default: none, plain TCP).
+    pub control_tls_cert: Option<PathBuf>,
+    /// The key of `control_tls_cert` (PEM, private to its owner).
+    pub control_tls_key: Option<PathBuf>,
+    /// With a certificate, whether plain connections are refused (default
+    /// true).
+    pub require_control_tls: Option<bool>,
     /// Host workers listen on for the `tcp` provider (default `127.0.0.1`).
     pub fabric_host: Option<String>,
     /// Fabric providers served (default `["tcp", "shm"]`).
@@ -439,6 +447,18 @@ pub enum ConfigError {
     },
 }
 
+/// TLS on the control port: the certificate and key files (reloaded on
+/// SIGHUP), and whether a client that does not start TLS is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlTls {
+    /// The certificate chain, PEM.
+    pub cert: PathBuf,
+    /// Its key, PEM.
+    pub key: PathBuf,
+    /// Plain connections are refused.
+    pub required: bool,
+}
+
 /// The checked configuration the daemon runs with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
@@ -446,6 +466,8 @@ pub struct Settings {
     pub node_name: String,
     /// Control listener address.
     pub control_listen: SocketAddr,
+    /// TLS on the control port, when configured.
+    pub control_tls: Option<ControlTls>,
     /// Host for tcp worker listeners.
     pub fabric_host: String,
     /// Providers served.
@@ -592,6 +614,28 @@ impl Config {
                 &format!("expected an IP address and port such as \"0.0.0.0:7100\" ({e})"),
             )
         })?;
+        let control_tls = match (&self.control_tls_cert, &self.control_tls_key) {
+            (Some(cert), Some(key)) => Some(ControlTls {
+                cert: cert.clone(),
+                key: key.clone(),
+                required: self.require_control_tls.unwrap_or(true),
+            }),
+            (None, None) if self.require_control_tls == Some(true) => {
+                return Err(invalid(
+                    "require_control_tls",
+                    &true,
+                    "TLS cannot be required without a certificate; set control_tls_cert and control_tls_key",
+                ))
+            }
+            (None, None) => None,
+            (cert, _) => {
+                return Err(invalid(
+                    if cert.is_some() { "control_tls_key" } else { "control_tls_cert" },
+                    &"",
+                    "control_tls_cert and control_tls_key go together: name both for TLS on the control port, or neither",
+                ))
+            }
+        };
         let providers = self
             .providers
             .clone()
@@ -724,6 +768,7 @@ impl Config {
             .map_err(|_| invalid("log_level", &level, "use error, warn, info, debug or trace"))?;
         Ok(Settings {
             control_listen,
+            control_tls,
             fabric_host: self
                 .fabric_host
                 .clone()

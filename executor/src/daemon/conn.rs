@@ -1,5 +1,5 @@
-//! One connection of the loop ([`super::server`]): a non-blocking socket, a
-//! frame reader that stops at every point where the daemon must decide
+//! One connection of the loop ([`super::server`]): a non-blocking socket
+//! (a control connection's maybe inside TLS), a frame reader that stops at every point where the daemon must decide
 //! something (the message is in: check it before its blob), and a bounded
 //! outgoing buffer.
 
@@ -19,42 +19,174 @@ pub(crate) const FREE_JSON: usize = 16 << 10;
 /// sender does not hold up the others.
 pub(crate) const READ_PER_TURN: usize = 256 << 10;
 
-/// A control (TCP) or local (unix) stream.
+/// A control (TCP, maybe inside TLS) or local (unix) stream.
 #[derive(Debug)]
 pub(crate) enum Stream {
-    Tcp(TcpStream),
+    /// A control connection; with a TLS session once the client started
+    /// one, and then the loop's bytes are the plaintext inside it.
+    Tcp(TcpStream, Option<Box<rustls::ServerConnection>>),
     Unix(UnixStream),
+}
+
+/// The first byte of every TLS connection (a handshake record).
+pub(crate) const TLS_HANDSHAKE_BYTE: u8 = 0x16;
+
+/// A non-blocking server-side TLS session over a TCP socket: rustls reads
+/// and writes the socket (`read_tls`, `write_tls`) as far as it goes
+/// without blocking; what it could not write yet waits in rustls, and the
+/// loop watches the socket for writing until it is out
+/// ([`Stream::wants_write`]).
+struct Tls<'a> {
+    tcp: &'a TcpStream,
+    tls: &'a mut rustls::ServerConnection,
+}
+
+impl Tls<'_> {
+    /// Reads plaintext; `Ok(0)` at the end (with or without the peer's
+    /// close_notify: frames carry their own lengths, so a cut is seen as
+    /// one mid-frame).
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.tls.reader().read(buf) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            // No plaintext buffered: take what the socket has (WouldBlock
+            // when it has nothing).
+            self.tls.read_tls(&mut self.tcp)?;
+            if let Err(e) = self.tls.process_new_packets() {
+                // The alert that says why, as far as the socket takes it.
+                let _ = self.tls.write_tls(&mut self.tcp);
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+            // Handshake answers.
+            self.send()?;
+        }
+    }
+
+    /// Takes what rustls accepts of `buf` and writes what the socket takes.
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.send()?;
+        let n = self.tls.writer().write(buf)?;
+        self.send()?;
+        if n == 0 && !buf.is_empty() {
+            // rustls' buffer is full until the socket takes some of it.
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
+    }
+
+    /// Writes what rustls holds for the socket, as far as it goes.
+    fn send(&mut self) -> io::Result<()> {
+        while self.tls.wants_write() {
+            match self.tls.write_tls(&mut self.tcp) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Stream {
     pub(crate) fn raw_fd(&self) -> RawFd {
         match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Tcp(s, _) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
         }
     }
 
-    pub(crate) fn shutdown_write(&self) {
+    fn tls(&mut self) -> Option<Tls<'_>> {
+        match self {
+            Stream::Tcp(tcp, Some(tls)) => Some(Tls { tcp, tls }),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn shutdown_write(&mut self) {
+        if let Some(mut t) = self.tls() {
+            t.tls.send_close_notify();
+            let _ = t.send();
+        }
         let _ = match self {
-            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
+            Stream::Tcp(s, _) => s.shutdown(std::net::Shutdown::Write),
             Stream::Unix(s) => s.shutdown(std::net::Shutdown::Write),
         };
     }
+
+    /// The first byte a control connection sent, without taking it:
+    /// `Ok(None)` when the peer closed without sending one.
+    pub(crate) fn peek_first(&self) -> io::Result<Option<u8>> {
+        let mut b = [0u8; 1];
+        let n = match self {
+            Stream::Tcp(s, None) => s.peek(&mut b)?,
+            _ => return Ok(None),
+        };
+        Ok((n == 1).then_some(b[0]))
+    }
+
+    /// Starts TLS on a plain TCP stream, as the server of `config`.
+    pub(crate) fn start_tls(
+        &mut self,
+        config: std::sync::Arc<rustls::ServerConfig>,
+    ) -> Result<(), rustls::Error> {
+        if let Stream::Tcp(_, tls @ None) = self {
+            *tls = Some(Box::new(rustls::ServerConnection::new(config)?));
+        }
+        Ok(())
+    }
+
+    /// Whether a TLS handshake is under way.
+    pub(crate) fn handshaking(&self) -> bool {
+        matches!(self, Stream::Tcp(_, Some(tls)) if tls.is_handshaking())
+    }
+
+    /// Whether TLS bytes wait to be written (the socket must be watched
+    /// for writing even with no reply queued).
+    pub(crate) fn wants_write(&self) -> bool {
+        matches!(self, Stream::Tcp(_, Some(tls)) if tls.wants_write())
+    }
+
+    /// Whether bytes already read from the socket wait to be handed out
+    /// (decrypted, in rustls): level-triggered epoll does not report them.
+    pub(crate) fn buffered(&mut self) -> bool {
+        match self {
+            Stream::Tcp(_, Some(tls)) => tls
+                .process_new_packets()
+                .map_or(true, |io| io.plaintext_bytes_to_read() > 0),
+            _ => false,
+        }
+    }
+
+    /// Writes what TLS holds for the socket.
+    pub(crate) fn send_pending(&mut self) -> io::Result<()> {
+        self.tls().map_or(Ok(()), |mut t| t.send())
+    }
 }
 
-impl Read for &Stream {
+impl Read for &mut Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(mut t) = self.tls() {
+            return t.read(buf);
+        }
         match self {
-            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Tcp(s, _) => (&*s).read(buf),
             Stream::Unix(s) => (&*s).read(buf),
         }
     }
 }
 
-impl Write for &Stream {
+impl Write for &mut Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if let Some(mut t) = self.tls() {
+            return t.write(buf);
+        }
         match self {
-            Stream::Tcp(s) => (&*s).write(buf),
+            Stream::Tcp(s, _) => (&*s).write(buf),
             Stream::Unix(s) => (&*s).write(buf),
         }
     }
@@ -416,6 +548,9 @@ pub(crate) struct Conn {
     pub eof: bool,
     /// The write side was shut down (after a refusal that closes).
     pub write_shut: bool,
+    /// A control connection to a port with TLS whose first byte is not in
+    /// yet: it says whether the client starts TLS.
+    pub sniff: bool,
 }
 
 impl Conn {
@@ -441,6 +576,7 @@ impl Conn {
             gone: false,
             eof: false,
             write_shut: false,
+            sniff: false,
         }
     }
 }

@@ -6,13 +6,15 @@
 //! tokens, not mint them. Whoever can write them can make the daemon trust
 //! a key of their own, so a public key file must not be writable by group
 //! or others. A secret key mints leases for every node that accepts it:
-//! only its owner may access it. Under root, root must own both.
+//! only its owner may access it. Root or the daemon's user must own both
+//! (root, under root): [`rfaas_tls::files`] checks them.
 
-use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use rfaas_proto::lease::{KeyError, LeaseKeys, LeaseSigner};
+use rfaas_tls::files::{check_private_file, check_protected_file};
 
 /// Why a key file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -27,31 +29,11 @@ pub enum KeyFileError {
         #[source]
         source: std::io::Error,
     },
-    /// A secret key file others than its owner may access.
-    #[error("the secret key file {path} has mode {mode:04o}: others than its owner may access it; run `chmod 600 {path}`")]
-    SecretMode {
-        /// The file.
-        path: PathBuf,
-        /// Its permission bits.
-        mode: u32,
-    },
-    /// A public key file group or others may write.
-    #[error("the public key file {path} has mode {mode:04o}: others than its owner may change which leases this node accepts; run `chmod go-w {path}`")]
-    PublicMode {
-        /// The file.
-        path: PathBuf,
-        /// Its permission bits.
-        mode: u32,
-    },
-    /// Running as root, but the file belongs to someone else, who could
-    /// change the key.
-    #[error("the key file {path} is owned by uid {uid}, but this runs as root: root must own it; run `chown root {path}`")]
-    Owner {
-        /// The file.
-        path: PathBuf,
-        /// Its owner.
-        uid: u32,
-    },
+    /// Its mode or owner lets others than root or this daemon's user
+    /// read a secret key or change a public one (the sentence says which,
+    /// and the command that fixes it).
+    #[error("{0}")]
+    Unsafe(String),
     /// The text holds no usable key.
     #[error("the key file {path}: {source}")]
     Key {
@@ -75,42 +57,22 @@ pub enum KeyFileError {
     },
 }
 
-/// Reads the text of `path` after checking its owner and, with `forbidden`
-/// bits set in its mode, refusing it with `mode_err`.
+/// Reads the text of `path` once `check` passed.
 fn read_checked(
     path: &Path,
-    forbidden: u32,
-    mode_err: fn(PathBuf, u32) -> KeyFileError,
+    check: impl FnOnce(&Path) -> Result<(), String>,
 ) -> Result<String, KeyFileError> {
-    let read_err = |source| KeyFileError::Read {
+    check(path).map_err(KeyFileError::Unsafe)?;
+    std::fs::read_to_string(path).map_err(|source| KeyFileError::Read {
         path: path.to_owned(),
         source,
-    };
-    let mut file = std::fs::File::open(path).map_err(read_err)?;
-    let meta = file.metadata().map_err(read_err)?;
-    let mode = meta.mode() & 0o7777;
-    if mode & forbidden != 0 {
-        return Err(mode_err(path.to_owned(), mode));
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 && meta.uid() != 0 {
-        return Err(KeyFileError::Owner {
-            path: path.to_owned(),
-            uid: meta.uid(),
-        });
-    }
-    let mut text = String::new();
-    file.read_to_string(&mut text).map_err(read_err)?;
-    Ok(text)
+    })
 }
 
 /// Reads the secret key in `path`. Refuses a file that group or others may
 /// access, and one not owned by root when this process runs as root.
 pub fn read_secret_key(path: &Path) -> Result<LeaseSigner, KeyFileError> {
-    let text = read_checked(path, 0o077, |path, mode| KeyFileError::SecretMode {
-        path,
-        mode,
-    })?;
+    let text = read_checked(path, |p| check_private_file(p, "the secret key file"))?;
     LeaseSigner::from_text(&text).map_err(|source| KeyFileError::Key {
         path: path.to_owned(),
         source,
@@ -126,9 +88,12 @@ pub fn read_lease_keys(paths: &[PathBuf]) -> Result<LeaseKeys, KeyFileError> {
     }
     let mut keys = LeaseKeys::new();
     for path in paths {
-        let text = read_checked(path, 0o022, |path, mode| KeyFileError::PublicMode {
-            path,
-            mode,
+        let text = read_checked(path, |p| {
+            check_protected_file(
+                p,
+                "the public key file",
+                "others than its owner may change which leases this node accepts",
+            )
         })?;
         keys.add_text(&text).map_err(|source| KeyFileError::Key {
             path: path.clone(),
@@ -212,7 +177,7 @@ mod tests {
         std::fs::set_permissions(&public, std::fs::Permissions::from_mode(0o664)).unwrap();
         let err = read_lease_keys(std::slice::from_ref(&public)).unwrap_err();
         assert!(
-            matches!(err, KeyFileError::PublicMode { mode: 0o664, .. }),
+            matches!(err, KeyFileError::Unsafe(ref m) if m.contains("mode 0664")),
             "{err}"
         );
         assert!(err.to_string().contains("chmod go-w"), "{err}");

@@ -59,6 +59,7 @@ pub(crate) struct Metrics {
     billing_exposed: Mutex<PosterStats>,
     /// Set once the manager link registered; cleared while it fails.
     pub manager_ok: AtomicBool,
+    control_tls_refused: IntCounterVec,
 }
 
 impl Metrics {
@@ -158,9 +159,19 @@ impl Metrics {
             "Leases whose usage is not yet all posted (grows while an accounting service is unreachable)",
         )
         .expect("valid metric");
+        let control_tls_refused = IntCounterVec::new(
+            Opts::new(
+                "control_tls_refused_total",
+                "Control connections closed before TLS was up, by reason (plain: no TLS where \
+                 it is required; handshake_timeout; handshake_failed)",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(billing_posts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(billing_pending.clone()),
+            Box::new(control_tls_refused.clone()),
         ] {
             registry.register(c).expect("distinct metric names");
         }
@@ -199,6 +210,7 @@ impl Metrics {
             billing_pending,
             billing_exposed: Mutex::default(),
             manager_ok: AtomicBool::new(false),
+            control_tls_refused,
         }
     }
 
@@ -242,6 +254,12 @@ impl Metrics {
     pub(crate) fn granted(&self, seconds: f64) {
         self.allocations.with_label_values(&["granted"]).inc();
         self.cold_start.observe(seconds);
+    }
+
+    /// A control connection was closed before TLS was up, for `reason`
+    /// (`plain`, `handshake_timeout`, `handshake_failed`).
+    pub(crate) fn control_tls_refused(&self, reason: &'static str) {
+        self.control_tls_refused.with_label_values(&[reason]).inc();
     }
 
     /// An allocation was refused with `code`.

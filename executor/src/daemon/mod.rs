@@ -33,9 +33,13 @@
 //! - `outbox`: the connection loop's inbox.
 //! - `supervise`: the spawner and pool, worker watchers, lease expiry.
 //! - `server`: the connection loop: accepting within the caps, deadlines,
-//!   reading frames, handing requests out, writing replies.
+//!   TLS on the control port (a client's first byte says whether it starts
+//!   TLS; plain ones are refused when TLS is required), reading frames,
+//!   handing requests out, writing replies.
 //! - `refusal`: a refused request's code and sentence, and its frame.
-//! - `conn`: one connection: the frame reader and the outgoing buffer.
+//! - `conn`: one connection: its socket (a control one maybe inside a
+//!   non-blocking rustls session), the frame reader and the outgoing
+//!   buffer.
 //! - `epoll`, `pool`: the loop's epoll set and the request threads.
 //! - `control`: the clients' TCP protocol: what each request does, and the
 //!   end of a connection.
@@ -103,7 +107,7 @@ use epoll::Waker;
 use memlimit::MemoryLimiter;
 use outbox::{LoopMsg, Outbox};
 use process::SpawnJob;
-use server::Server;
+use server::{ControlTls, Server};
 use shared::Shared;
 
 /// Why the daemon cannot start.
@@ -136,6 +140,10 @@ pub enum StartError {
     /// `enforce_isolation` is set and allocations cannot have cgroups.
     #[error("{0}")]
     Isolation(String),
+    /// The control port's certificate or key (`control_tls_cert`,
+    /// `control_tls_key`) is unusable.
+    #[error("{0} (control_tls_cert, control_tls_key in executord.toml)")]
+    Tls(String),
     /// The worker binary is not there.
     #[error("the worker binary {0} does not exist; install rfaas-worker next to rfaas-executord or set worker_path")]
     NoWorker(PathBuf),
@@ -155,6 +163,8 @@ pub struct Daemon {
     credential: Option<String>,
     /// The `/metrics` listener, when configured.
     metrics: Option<TcpListener>,
+    /// The control port's certificate, when it speaks TLS.
+    tls: Option<ControlTls>,
 }
 
 impl Daemon {
@@ -180,6 +190,23 @@ impl Daemon {
                 ))
             })?),
             None => None,
+        };
+        let tls = match &settings.control_tls {
+            Some(t) => Some(ControlTls {
+                cert: rfaas_tls::ServerCert::load(&t.cert, &t.key)
+                    .map_err(|e| StartError::Tls(e.to_string()))?,
+                required: t.required,
+            }),
+            None => {
+                if !settings.control_listen.ip().is_loopback() {
+                    tracing::warn!(
+                        listen = %settings.control_listen,
+                        "the control port carries lease tokens in clear; \
+                         set control_tls_cert and control_tls_key for TLS"
+                    );
+                }
+                None
+            }
         };
         if !settings.worker_path.exists() {
             return Err(StartError::NoWorker(settings.worker_path.clone()));
@@ -254,6 +281,7 @@ impl Daemon {
             waker,
             credential,
             metrics,
+            tls,
         })
     }
 
@@ -269,8 +297,9 @@ impl Daemon {
     }
 
     /// Serves until SIGTERM or SIGINT, then stops every worker and
-    /// returns. Call it from the main thread before any other thread is
-    /// started: it blocks those signals for every thread it creates.
+    /// returns; SIGHUP reloads the control port's certificate. Call it
+    /// from the main thread before any other thread is started: it blocks
+    /// those signals for every thread it creates.
     pub fn run(self) -> io::Result<()> {
         let set = block_termination_signals()?;
         let Daemon {
@@ -283,6 +312,7 @@ impl Daemon {
             control_addr,
             credential,
             metrics,
+            tls,
         } = self;
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.to_owned()).spawn(f)
@@ -316,7 +346,8 @@ impl Daemon {
         slurm::first_round(&shared);
         let s = Arc::clone(&shared);
         spawn("slurm", Box::new(move || slurm::run(s)))?;
-        let server = Server::new(Arc::clone(&shared), control, local, inbox, waker)?;
+        let cert = tls.as_ref().map(|t| t.cert.clone());
+        let server = Server::new(Arc::clone(&shared), control, local, inbox, waker, tls)?;
         let connections = std::thread::Builder::new()
             .name("connections".into())
             .spawn(move || {
@@ -331,7 +362,12 @@ impl Daemon {
             })?;
         shared.refill();
 
-        let sig = wait_signal(&set)?;
+        let sig = loop {
+            match wait_signal(&set)? {
+                libc::SIGHUP => reload(cert.as_ref()),
+                sig => break sig,
+            }
+        };
         tracing::info!(signal = %process::signal_name(sig), "stopping every worker and exiting");
         shared.shutdown();
         // Requests in flight are answered (`draining`) and every queued
@@ -437,6 +473,24 @@ fn bind_local(path: &Path) -> Result<UnixListener, StartError> {
     Ok(listener)
 }
 
+/// SIGHUP: reads the control port's certificate and key again; on an
+/// error the old ones stay.
+fn reload(cert: Option<&rfaas_tls::ServerCert>) {
+    match cert {
+        Some(cert) => match cert.reload() {
+            Ok(()) => tracing::info!(
+                cert = %cert.files().0.display(),
+                "SIGHUP: the control port's certificate was reloaded"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "SIGHUP: the control port's certificate was not reloaded; the old one stays"
+            ),
+        },
+        None => tracing::info!("SIGHUP: no control_tls_cert is configured, nothing to reload"),
+    }
+}
+
 fn block_termination_signals() -> io::Result<libc::sigset_t> {
     // SAFETY: sigset_t is plain data, initialised by sigemptyset before use;
     // pthread_sigmask only changes this thread's mask.
@@ -445,6 +499,7 @@ fn block_termination_signals() -> io::Result<libc::sigset_t> {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));

@@ -35,23 +35,8 @@ const BACKOFF_BASE_MS: u64 = 100;
 /// access, owned by root when the daemon runs as root (the same rules as
 /// any other secret of the daemon).
 pub(crate) fn read_credential(path: &Path) -> Result<String, String> {
-    use std::os::unix::fs::MetadataExt;
     let shown = path.display();
-    let meta = std::fs::metadata(path)
-        .map_err(|e| format!("cannot read the node credential file {shown}: {e}"))?;
-    if meta.mode() & 0o077 != 0 {
-        return Err(format!(
-            "the node credential file {shown} has mode {:04o}: others than its owner may access it; run `chmod 600 {shown}`",
-            meta.mode() & 0o7777
-        ));
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 && meta.uid() != 0 {
-        return Err(format!(
-            "the node credential file {shown} is owned by uid {}, but the daemon runs as root: it must be owned by root; run `chown root {shown}`",
-            meta.uid()
-        ));
-    }
+    rfaas_tls::files::check_private_file(path, "the node credential file")?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the node credential file {shown}: {e}"))?;
     let token = text.trim();
@@ -75,6 +60,8 @@ pub(crate) fn node_record(s: &Settings, control_addr: std::net::SocketAddr) -> R
     };
     RegisterNode {
         control_addr,
+        // Clients use TLS wherever the port offers it, required or not.
+        control_tls: s.control_tls.is_some(),
         providers: s
             .providers
             .iter()

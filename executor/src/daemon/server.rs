@@ -27,8 +27,19 @@
 //! - **Writes.** A connection's unwritten replies are bounded
 //!   ([`MAX_OUTGOING`]); a client that does not read is closed.
 //!
+//! With `control_tls_cert`, control connections may speak TLS: the first
+//! byte a client sends says whether it starts a handshake (then rustls
+//! runs inside this loop, non-blocking, and the frames are its plaintext)
+//! or not (served in plain only when `require_control_tls = false`;
+//! otherwise answered with a refusal in plain that says why, and closed).
+//! The handshake counts against the first request's `request_timeout_ms`;
+//! bytes rustls has decrypted but the reader has not taken are not seen by
+//! epoll, so such connections are read again at the next turn. Only the
+//! control connection changes: workers and invocations never see TLS.
+//!
 //! Closed and refused connections are counted and logged at most every
-//! [`TALLY_EVERY`], not one line each.
+//! [`TALLY_EVERY`], not one line each (and those closed before their TLS
+//! was up in `rfaas_executord_control_tls_refused_total`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
@@ -40,7 +51,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_proto::control::{ErrorCode, FrameLimits, Kind};
 
-use super::conn::{Conn, Peer, Phase, Step, Stream};
+use super::conn::{Conn, Peer, Phase, Step, Stream, TLS_HANDSHAKE_BYTE};
 use super::control::{self, Next};
 use super::epoll::{self, Epoll, Waker};
 use super::local::{self, LocalNext};
@@ -201,6 +212,14 @@ fn classify(e: &io::Error) -> AcceptError {
     }
 }
 
+/// TLS on the control port: the certificate (reloaded on SIGHUP) and
+/// whether clients that do not start TLS are refused.
+#[derive(Debug, Clone)]
+pub(crate) struct ControlTls {
+    pub cert: rfaas_tls::ServerCert,
+    pub required: bool,
+}
+
 /// The loop.
 #[derive(Debug)]
 pub(crate) struct Server {
@@ -229,6 +248,11 @@ pub(crate) struct Server {
     tally: Tally,
     /// Set once the daemon stops: the loop ends by then at the latest.
     stopping: Option<Instant>,
+    /// TLS on the control port, when configured.
+    tls: Option<ControlTls>,
+    /// Connections with decrypted bytes waiting in rustls, which epoll
+    /// does not report: read at the next turn.
+    ready: BTreeSet<u64>,
 }
 
 impl Server {
@@ -240,6 +264,7 @@ impl Server {
         local: UnixListener,
         inbox: mpsc::Receiver<LoopMsg>,
         waker: Arc<Waker>,
+        tls: Option<ControlTls>,
     ) -> io::Result<Server> {
         let s = &shared.settings;
         control.set_nonblocking(true)?;
@@ -284,6 +309,8 @@ impl Server {
                 counts: BTreeMap::new(),
             },
             stopping: None,
+            tls,
+            ready: BTreeSet::new(),
             shared,
         })
     }
@@ -293,7 +320,11 @@ impl Server {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
         loop {
             let now = Instant::now();
-            let timeout = self.next_wake().map(|t| t.saturating_duration_since(now));
+            let timeout = if self.ready.is_empty() {
+                self.next_wake().map(|t| t.saturating_duration_since(now))
+            } else {
+                Some(Duration::ZERO)
+            };
             let n = self.epoll.wait(&mut events, timeout)?;
             for ev in &events[..n] {
                 let (token, bits) = (ev.u64, ev.events);
@@ -303,6 +334,9 @@ impl Server {
                     LOCAL => self.accept_local(),
                     id => self.on_event(id, bits),
                 }
+            }
+            for id in std::mem::take(&mut self.ready) {
+                self.on_event(id, epoll::IN);
             }
             self.read_inbox();
             let now = Instant::now();
@@ -451,10 +485,18 @@ impl Server {
             return;
         }
         let _ = stream.set_nodelay(true);
-        let Some(id) = self.register(Peer::Control(ip), Stream::Tcp(stream), self.client_limits)
-        else {
+        let Some(id) = self.register(
+            Peer::Control(ip),
+            Stream::Tcp(stream, None),
+            self.client_limits,
+        ) else {
             return;
         };
+        if self.tls.is_some() {
+            if let Some(conn) = self.conns.get_mut(&id) {
+                conn.sniff = true;
+            }
+        }
         self.control_count += 1;
         let a = self.addresses.entry(ip).or_default();
         a.count += 1;
@@ -540,7 +582,11 @@ impl Server {
         let Some(conn) = self.conns.get_mut(&id) else {
             return false;
         };
-        match conn.out.flush(&conn.stream) {
+        let flushed = conn
+            .stream
+            .send_pending()
+            .and_then(|()| conn.out.flush(&mut conn.stream));
+        match flushed {
             Ok(done) => {
                 if done && conn.closing.is_some() && !conn.write_shut {
                     conn.stream.shutdown_write();
@@ -565,9 +611,15 @@ impl Server {
             if conn.busy || conn.gone || conn.eof {
                 return;
             }
+            if conn.sniff && !self.sniff(id) {
+                return;
+            }
+            let Some(conn) = self.conns.get_mut(&id) else {
+                return;
+            };
             let step = conn
                 .reader
-                .step(&conn.stream, &mut self.scratch, &mut self.json_room);
+                .step(&mut conn.stream, &mut self.scratch, &mut self.json_room);
             match step {
                 Step::Wait => return,
                 Step::Message {
@@ -624,12 +676,77 @@ impl Server {
                     self.start_closing(id);
                 }
                 Step::Failed(e) => {
+                    if conn.stream.handshaking() {
+                        self.tally
+                            .note("control connections closed for a failed TLS handshake");
+                        self.shared.metrics.control_tls_refused("handshake_failed");
+                        tracing::debug!(conn = id, error = %e, "a TLS handshake failed");
+                    }
                     tracing::trace!(conn = id, error = %e, "reading a connection failed");
                     self.close(id);
                     return;
                 }
             }
         }
+    }
+
+    /// Looks at the first byte of a control connection to a port with TLS:
+    /// a TLS handshake starts TLS; anything else is a plain client, served
+    /// unless TLS is required, and refused (in plain, so it can read why)
+    /// when it is. True when reading goes on.
+    fn sniff(&mut self, id: u64) -> bool {
+        let Some((config, required)) = self.tls.as_ref().map(|t| (t.cert.config(), t.required))
+        else {
+            return true;
+        };
+        let Some(conn) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        let first = match conn.stream.peek_first() {
+            Ok(Some(b)) => b,
+            Ok(None) => {
+                // Closed before a byte: nothing to answer.
+                self.close(id);
+                return false;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return false,
+            Err(e) => {
+                tracing::trace!(conn = id, error = %e, "reading a connection failed");
+                self.close(id);
+                return false;
+            }
+        };
+        conn.sniff = false;
+        if first == TLS_HANDSHAKE_BYTE {
+            if let Err(e) = conn.stream.start_tls(config) {
+                tracing::warn!(conn = id, error = %e, "cannot start a TLS session; closing the connection");
+                self.close(id);
+                return false;
+            }
+            return true;
+        }
+        if !required {
+            return true;
+        }
+        self.tally
+            .note("plain control connections refused (require_control_tls)");
+        self.shared.metrics.control_tls_refused("plain");
+        let node = &self.shared.settings.node_name;
+        let reply = refusal(
+            0,
+            ErrorCode::MalformedRequest,
+            format!(
+                "executor {node} accepts control connections over TLS only \
+                 (require_control_tls = true) and this one did not start TLS; \
+                 connect with tls://host:port (as the manager's lease grant says, \
+                 control_tls = true) and trust the site CA (RFAAS_CA_FILE); closing the connection"
+            ),
+        );
+        self.queue(id, &reply.to_bytes());
+        self.start_closing(id);
+        self.update(id);
+        false
     }
 
     /// A message's JSON is in: check it, answer it, or hand it out.
@@ -846,6 +963,7 @@ impl Server {
             return;
         }
         let conn = self.conns.remove(&id).expect("looked up above");
+        self.ready.remove(&id);
         if let Some(t) = conn.deadline {
             self.timers.remove(&(t, id));
         }
@@ -886,8 +1004,15 @@ impl Server {
                 continue;
             };
             conn.deadline = None;
+            let handshake = conn.closing.is_none() && conn.stream.handshaking();
+            if handshake {
+                self.shared.metrics.control_tls_refused("handshake_timeout");
+            }
             let what = match (conn.closing, conn.phase) {
                 (Some(_), _) => None,
+                (None, _) if handshake => Some(
+                    "control connections closed for a TLS handshake not done within request_timeout_ms",
+                ),
                 (None, Phase::Between) if !conn.framed => {
                     Some("connections closed without a request within request_timeout_ms")
                 }
@@ -936,8 +1061,11 @@ impl Server {
         if reading {
             want |= epoll::IN;
         }
-        if conn.out.pending() > 0 {
+        if conn.out.pending() > 0 || conn.stream.wants_write() {
             want |= epoll::OUT;
+        }
+        if reading && conn.stream.buffered() {
+            self.ready.insert(id);
         }
         if want != conn.interest {
             if let Err(e) = self.epoll.modify(conn.stream.raw_fd(), want, id) {

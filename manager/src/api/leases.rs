@@ -130,6 +130,7 @@ fn node_lease(app: &App, l: &LeaseRow) -> NodeLease {
             .as_ref()
             .map(|n| n.control_addr.clone())
             .unwrap_or_default(),
+        control_tls: node.as_ref().is_some_and(|n| n.control_tls),
         providers: node.map(|n| n.providers).unwrap_or_default(),
         cores: l.view.cores,
         memory_mib: l.view.memory_mib,

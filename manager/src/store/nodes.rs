@@ -9,7 +9,7 @@ use crate::announce::Leased;
 use crate::db::{i, text_col, u64_col, DbError};
 
 /// The columns of a node, in the order [`node_from_row`] reads them.
-const NODE_COLS: &str = "name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq";
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, control_tls, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq";
 
 /// A node as stored: what the API shows, and how many grants and releases
 /// have changed its leased counters (`lease_seq`), which orders the
@@ -48,6 +48,7 @@ fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
         name: text_col(row, "name")?,
         state,
         control_addr: text_col(row, "control_addr")?,
+        control_tls: u64_col(row, "control_tls")? != 0,
         providers,
         cores: u64_col(row, "cores")? as u32,
         memory_mib: u64_col(row, "memory_mib")?,
@@ -80,9 +81,9 @@ impl Store {
         let providers = serde_json::to_string(&r.providers).expect("providers serialise");
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
-            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested)
-             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8)
-             ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, providers = excluded.providers,
+            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested, control_tls)
+             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8, $9)
+             ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, control_tls = excluded.control_tls, providers = excluded.providers,
                 cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores ELSE excluded.cores END,
                 draining_cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores - excluded.cores ELSE 0 END,
                 memory_mib = CASE WHEN nodes.leased_memory_mib > excluded.memory_mib THEN nodes.leased_memory_mib ELSE excluded.memory_mib END,
@@ -101,6 +102,7 @@ impl Store {
         .bind(&r.version)
         .bind(i(now_ms))
         .bind(i64::from(r.harvested))
+        .bind(i64::from(r.control_tls))
         .fetch_one(&mut *tx)
         .await?;
         let node = node_from_row(&row)?;
