@@ -24,10 +24,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use rfaas_executor::daemon::keys::read_lease_keys;
 use rfaas_fabric::Fabric;
 use rfaas_proto::files::ConfigDir;
 use rfaas_service::db::{self, Backend, DbError};
+use rfaas_tls::keys::read_lease_keys;
 use sqlx::AnyPool;
 
 use crate::config::Settings;

@@ -6,7 +6,6 @@ use std::path::Path;
 
 use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
 use rfaas_proto::ticket::{AccountingTicket, TicketClaims, TicketError};
-use rfaas_service::credentials::check_private_file;
 
 /// Signs lease claims into tokens executors check.
 #[derive(Debug)]
@@ -18,14 +17,8 @@ impl Signer {
     /// Loads the secret key in `path`, which must be private to its owner
     /// (and owned by root when the manager runs as root).
     pub fn load(path: &Path) -> Result<Signer, String> {
-        check_private_file(path, "the lease key file")?;
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read the lease key file {}: {e}", path.display()))?;
-        let key = LeaseSigner::from_text(&text).map_err(|e| {
-            format!(
-                "the lease key file {} is not a secret key (make one with `rfaas-token keygen`): {e}",
-                path.display()
-            )
+        let key = rfaas_tls::keys::read_secret_key(path).map_err(|e| {
+            format!("the lease key file cannot be used (make one with `rfaas-token keygen`): {e}")
         })?;
         Ok(Signer { key })
     }

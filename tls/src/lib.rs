@@ -1,8 +1,8 @@
-//! `rfaas-tls`: TLS for the connections that carry credentials — the
-//! manager's REST API (leases, node and job credentials, the admin
-//! token) and the executor's control port (lease tokens, allocation
-//! requests) — and never for the fabric, whose invocations stay as they
-//! are.
+//! `rfaas-tls`: TLS for the connections that carry credentials, and the
+//! files that hold rfaas's keys. TLS protects the manager's REST API
+//! (leases, node and job credentials, the admin token) and the executor's
+//! control port (lease tokens, allocation requests), never the fabric,
+//! whose invocations stay as they are.
 //!
 //! Layout:
 //! - [`client`]: the one HTTP agent every client of the manager uses
@@ -18,9 +18,14 @@
 //!   must be private to root or the service's user.
 //! - [`files`]: the one check of a secret file's (or a trust file's) mode
 //!   and owner, for TLS keys, lease keys, credentials and passwords.
+//! - [`keys`]: the lease key files, read and written with those checks:
+//!   the public keys executord and the accounting service verify lease
+//!   tokens and accounting tickets with, and the secret key the manager and
+//!   `rfaas-token` sign with.
 
 pub mod client;
 pub mod files;
+pub mod keys;
 pub mod server;
 
 pub use client::{

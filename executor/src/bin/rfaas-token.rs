@@ -8,9 +8,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use rfaas_executor::daemon::keys::{read_lease_keys, read_secret_key, write_key_pair};
 use rfaas_proto::files::{ConfigDir, LEASE_KEYS_PUB, LEASE_KEY_SECRET};
 use rfaas_proto::lease::{LeaseClaims, LeaseSigner};
+use rfaas_tls::keys::{read_lease_keys, read_secret_key, write_key_pair};
 
 /// Makes lease signing keys, and mints or checks lease tokens by hand.
 ///

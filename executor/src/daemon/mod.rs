@@ -14,8 +14,9 @@
 //! # Layout
 //!
 //! - [`config`]: the TOML file, defaults, checked [`Settings`].
-//! - [`keys`]: the lease key files: the public keys tokens are checked
-//!   with, and the secret key `rfaas-token` mints with.
+//! - [`keys`] (from `rfaas-tls`, which the accounting service and
+//!   `rfaas-token` share): the lease key files: the public keys tokens are
+//!   checked with, and the secret key `rfaas-token` mints with.
 //! - `capacity`: free CPUs and memory, per-lease holdings.
 //! - `users`: the lease's user in the node's user database.
 //! - `cgroup`: one cgroup v2 per allocation inside the subtree delegated
@@ -61,7 +62,6 @@
 //!   bounded by the kernel's CPU time (the figures accounting is built on).
 
 pub mod config;
-pub mod keys;
 
 mod allocate;
 mod billing;
@@ -101,7 +101,7 @@ pub use config::{
     BillingConfig, BillingSettings, Config, ConfigError, CpuMap, ManagerConfig, ManagerSettings,
     Sandbox, Settings, SlurmConfig, SlurmSettings,
 };
-pub use keys::KeyFileError;
+pub use rfaas_tls::keys::{self, KeyFileError};
 
 use epoll::Waker;
 use memlimit::MemoryLimiter;

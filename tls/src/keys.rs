@@ -7,14 +7,14 @@
 //! a key of their own, so a public key file must not be writable by group
 //! or others. A secret key mints leases for every node that accepts it:
 //! only its owner may access it. Root or the daemon's user must own both
-//! (root, under root): [`rfaas_tls::files`] checks them.
+//! (root, under root): [`crate::files`] checks them.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use crate::files::{check_private_file, check_protected_file};
 use rfaas_proto::lease::{KeyError, LeaseKeys, LeaseSigner};
-use rfaas_tls::files::{check_private_file, check_protected_file};
 
 /// Why a key file cannot be used.
 #[derive(Debug, thiserror::Error)]
