@@ -192,6 +192,8 @@ make_test_ca() {
 # lease key in WORK_DIR/manager.
 #   start_manager BIN_DIR WORK_DIR
 # Sets MANAGER_PID, MANAGER_URL (https://127.0.0.1:port), MANAGER_DIR,
+# MANAGER_CA_DIR (the throwaway CA, whose server certificate executord's
+# control port serves too),
 # RFAAS_CA_FILE (exported: every client of the manager started from here
 # on trusts the CA) and RFAASCTL (rfaasctl with the manager's URL and admin
 # token). Stop it with stop_manager (by pid).
@@ -201,8 +203,9 @@ start_manager() {
     mkdir -p "$MANAGER_DIR"
     chmod 0700 "$MANAGER_DIR"
     # Outside the private MANAGER_DIR: jobs, as their users, read ca.pem.
-    make_test_ca "$work/ca" || return 1
-    export RFAAS_CA_FILE="$work/ca/ca.pem"
+    MANAGER_CA_DIR="$work/ca"
+    make_test_ca "$MANAGER_CA_DIR" || return 1
+    export RFAAS_CA_FILE="$MANAGER_CA_DIR/ca.pem"
     head -c 32 /dev/urandom | base64 | tr -d '\n=' >"$MANAGER_DIR/admin.token"
     chmod 0600 "$MANAGER_DIR/admin.token"
     "$bin/rfaas-token" keygen --key-id manager --secret "$MANAGER_DIR/lease-key.secret" \
@@ -301,6 +304,10 @@ cpus = "$cpus"
 pin = false
 memory_mib = 2048
 lease_keys = ["$MANAGER_DIR/lease-keys.pub"]
+# The control port speaks TLS only, with the throwaway CA's certificate
+# for 127.0.0.1, as a site's nodes would with theirs.
+control_tls_cert = "$MANAGER_CA_DIR/server.pem"
+control_tls_key = "$MANAGER_CA_DIR/server.key"
 local_socket = "$dir/executord.sock"
 runtime_dir = "$dir/run"
 pool_size = 1
