@@ -259,6 +259,7 @@ TOML
     "$bin/rfaas-accounting" --name acct1 --database "sqlite://$MANAGER_DIR/manager.db" \
         --region-file "$ACCOUNTING_DIR/region" --provider tcp --listen 127.0.0.1:0 \
         --metrics-listen 127.0.0.1:0 --billing-config "$ACCOUNTING_DIR/billing.toml" \
+        --lease-keys "$MANAGER_DIR/lease-keys.pub" \
         </dev/null >"$ACCOUNTING_DIR/accounting.out" 2>"$ACCOUNTING_DIR/accounting.log" &
     ACCOUNTING_PID=$!
     local ready

@@ -213,10 +213,10 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             lease.as_ref().expect("just granted").id(),
             node.cores,
             node.node,
-            node.control_addr,
+            node.executor(),
             lease.as_ref().expect("just granted").expires_at()
         );
-        (node.control_addr, node.token)
+        (node.executor(), node.token)
     } else {
         lease = None;
         (args.executor.clone(), args.token.clone())

@@ -54,6 +54,11 @@ struct Args {
     /// The rates file (overrides `billing_config`).
     #[arg(long)]
     billing_config: Option<PathBuf>,
+    /// The manager's public key file, which checks executor daemons'
+    /// accounting tickets; repeat for several (overrides `lease_keys`)
+    /// [default: lease-keys.pub in the configuration directory].
+    #[arg(long = "lease-keys", value_name = "FILE")]
+    lease_keys: Option<Vec<PathBuf>>,
     /// Log more (-v: debug).
     #[arg(long, short, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -86,7 +91,8 @@ fn main() -> anyhow::Result<()> {
         advertise,
         metrics_listen,
         flush_interval_ms,
-        billing_config
+        billing_config,
+        lease_keys
     );
     let settings = file.settings(&dir)?;
     // Every accepted daemon holds a connection and a completion queue (a
