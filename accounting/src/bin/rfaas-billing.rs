@@ -439,6 +439,10 @@ async fn budget(args: &Args, op: &BudgetOp) -> Result<String, BillingError> {
 }
 
 fn main() -> ExitCode {
+    // A report piped into `head` ends quietly when the reader goes away,
+    // as Unix tools do, rather than panicking on the failed write.
+    // SAFETY: before any thread is started; SIG_DFL is a valid disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let args = Args::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -110,6 +110,10 @@ fn now() -> anyhow::Result<u64> {
 }
 
 fn main() -> anyhow::Result<ExitCode> {
+    // A report piped into `head` ends quietly when the reader goes away,
+    // as Unix tools do, rather than panicking on the failed write.
+    // SAFETY: before any thread is started; SIG_DFL is a valid disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let args = Args::parse();
     let dir = ConfigDir::resolve(args.config_dir.as_deref());
     let in_dir = |given: Option<PathBuf>, name: &str| given.unwrap_or_else(|| dir.file(name));

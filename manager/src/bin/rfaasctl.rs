@@ -363,6 +363,10 @@ fn run(args: &Args) -> Result<(), CtlError> {
 }
 
 fn main() -> ExitCode {
+    // A report piped into `head` ends quietly when the reader goes away,
+    // as Unix tools do, rather than panicking on the failed write.
+    // SAFETY: before any thread is started; SIG_DFL is a valid disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
