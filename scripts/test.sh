@@ -4,9 +4,11 @@
 # the verbs provider on Soft-RoCE in a VM and between two VMs
 # (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
 # against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
-# fuzz run of the tcp frame decoder. Fails at the end if the run changed the
-# git checkout (a stale lockfile or header, a stray output file), naming the
-# files.
+# fuzz run of the tcp frame decoder, and the .deb and .rpm packages: built
+# (scripts/package.sh), checked (scripts/check-packages.sh) and installed,
+# upgraded and removed in Debian 12 and 13 roots (scripts/test-packages.sh).
+# Fails at the end if the run changed the git checkout (a stale lockfile or
+# header, a stray output file), naming the files.
 # Installs what it needs first (Debian packages, cargo tools, the VM image).
 #
 #   scripts/test.sh                      everything
@@ -63,6 +65,13 @@ fi
 
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh
+
+echo "== packages: built, checked, installed (scripts/package.sh, check-packages.sh, test-packages.sh)"
+packages_start=$SECONDS
+bash scripts/package.sh
+bash scripts/check-packages.sh
+bash scripts/test-packages.sh
+echo "stage: packages: $((SECONDS - packages_start)) s"
 
 if [ "${RFAAS_SKIP_RDMA_VM:-0}" = 1 ]; then
     loud "SKIPPED: the verbs provider's tests under Soft-RoCE (RFAAS_SKIP_RDMA_VM=1)." \
