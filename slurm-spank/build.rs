@@ -12,33 +12,7 @@ mod headers;
 use std::path::PathBuf;
 use std::process::Command;
 
-use headers::{Search, INCLUDE_DIR_VAR, UNCHECKED_VAR};
-
-/// What the plugin uses of `spank.h`; nothing else is generated.
-const TYPES: &[&str] = &["spank_t", "spank_option", "spank_f", "spank_opt_cb_f"];
-const FUNCTIONS: &[&str] = &[
-    "spank_context",
-    "spank_option_register",
-    "spank_option_getopt",
-    "spank_get_item",
-    "spank_getenv",
-    "spank_setenv",
-    "spank_job_control_setenv",
-    "slurm_info",
-    "slurm_error",
-];
-const VARS: &[&str] = &[
-    "SLURM_VERSION_NUMBER",
-    "S_CTX_LOCAL",
-    "S_CTX_REMOTE",
-    "S_CTX_ALLOCATOR",
-    "S_CTX_SLURMD",
-    "S_JOB_UID",
-    "S_JOB_ID",
-    "S_TASK_ID",
-    "S_SLURM_VERSION",
-    "ESPANK_SUCCESS",
-];
+use headers::{Search, FUNCTIONS, INCLUDE_DIR_VAR, TYPES, UNCHECKED_VAR, VARS};
 
 fn pkg_config_includedir() -> Option<PathBuf> {
     let out = Command::new("pkg-config")
@@ -86,8 +60,13 @@ fn main() {
             headers::out_of_range(&version_h, found.version)
         );
     }
-    println!("cargo:rustc-env=RFAAS_SLURM_BUILT_FOR={}", found.version);
-    println!("cargo:rustc-env=RFAAS_SLURM_HEADERS={}", slurm.display());
+    // Not RFAAS_*: cargo sets these in the tests' environment too, and the
+    // cluster tests read a job's RFAAS_* variables.
+    println!("cargo:rustc-env=BUILT_FOR_SLURM={}", found.version);
+    println!(
+        "cargo:rustc-env=BUILT_FROM_SLURM_HEADERS={}",
+        slurm.display()
+    );
 
     let mut builder = bindgen::Builder::default()
         .header_contents(

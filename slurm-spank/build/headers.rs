@@ -18,6 +18,34 @@ pub const INCLUDE_DIR_VAR: &str = "SLURM_INCLUDE_DIR";
 /// Set to 1 to build for a release outside [`CHECKED`].
 pub const UNCHECKED_VAR: &str = "RFAAS_SLURM_UNCHECKED";
 
+/// What the plugin uses of the headers; bindgen generates nothing else
+/// (and the items these need). The built plugin leaves exactly
+/// [`FUNCTIONS`] for Slurm to resolve.
+pub const TYPES: &[&str] = &["spank_t", "spank_option", "spank_f", "spank_opt_cb_f"];
+pub const FUNCTIONS: &[&str] = &[
+    "spank_context",
+    "spank_option_register",
+    "spank_option_getopt",
+    "spank_get_item",
+    "spank_getenv",
+    "spank_setenv",
+    "spank_job_control_setenv",
+    "slurm_info",
+    "slurm_error",
+];
+pub const VARS: &[&str] = &[
+    "SLURM_VERSION_NUMBER",
+    "S_CTX_LOCAL",
+    "S_CTX_REMOTE",
+    "S_CTX_ALLOCATOR",
+    "S_CTX_SLURMD",
+    "S_JOB_UID",
+    "S_JOB_ID",
+    "S_TASK_ID",
+    "S_SLURM_VERSION",
+    "ESPANK_SUCCESS",
+];
+
 /// A Slurm release, as `SLURM_VERSION_NUMBER` encodes it (0xMMmmuu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Version {

@@ -33,8 +33,8 @@ use crate::settings::{RfaasChoice, Settings};
 pub const SLURM_VERSION_NUMBER: c_uint = ffi::SLURM_VERSION_NUMBER;
 
 /// That release as Slurm writes it (`22.05.8`), and where its headers were.
-const BUILT_FOR: &str = env!("RFAAS_SLURM_BUILT_FOR");
-const HEADERS: &str = env!("RFAAS_SLURM_HEADERS");
+const BUILT_FOR: &str = env!("BUILT_FOR_SLURM");
+const HEADERS: &str = env!("BUILT_FROM_SLURM_HEADERS");
 
 /// `spank_t`, an opaque handle.
 type Spank = ffi::spank_t;
