@@ -66,6 +66,23 @@ CI_BUILD=("${CI_FEATURES[@]}" --all-targets)
 # shellcheck disable=SC2034
 IMPORT_CHECKED_DIRS=(executor/src/daemon fabric/src)
 
+# Runs BUILD under an exclusive flock on LOCK_FILE unless CURRENT (a
+# command: function and arguments, split at spaces) succeeds there, or
+# FORCE is 1. So one cache is built at a time: a second caller waits for
+# the first, then finds it current. Returns BUILD's status.
+#   build_once LOCK_FILE FORCE CURRENT BUILD
+build_once() {
+    local lock=$1 force=$2 current=$3 build=$4 fd status=0
+    exec {fd}>"$lock"
+    flock "$fd"
+    # shellcheck disable=SC2086 # the commands are split into their words
+    if [ "$force" = 1 ] || ! $current; then
+        $build || status=$?
+    fi
+    exec {fd}>&-
+    return $status
+}
+
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then
         [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
