@@ -77,17 +77,68 @@ impl Report {
     }
 }
 
-/// The dotted keys `config` (a configuration file as parsed, absent keys
-/// `None`) sets: what came from the file.
-pub fn keys_set(config: &impl Serialize) -> BTreeSet<String> {
-    let mut flat = Vec::new();
-    if let Ok(v) = serde_json::to_value(config) {
-        flatten("", &v, &mut flat);
+/// `--check-config` for `program`: `loaded` is the file as read, the
+/// flags given and the settings, or why they cannot be had; `discovered`
+/// names the source of a value the host supplied; `problems` checks the
+/// files the daemon would read. Prints the report on stdout and returns
+/// the exit status: 0 when it would start, 1 when not.
+pub fn run<F: Serialize + Default, S: Serialize>(
+    program: &str,
+    loaded: Result<(F, Vec<&'static str>, S), String>,
+    discovered: impl Fn(&S, &str) -> Option<String>,
+    problems: impl FnOnce(&S) -> Vec<String>,
+) -> i32 {
+    let mut report = Report::new();
+    match loaded {
+        Ok((file, flags, settings)) => {
+            let in_file = keys_set(&file);
+            let rows = report.settings(&settings, |key| {
+                discovered(&settings, key).unwrap_or_else(|| source(key, &flags, &in_file))
+            });
+            report.check(rows);
+            for p in problems(&settings) {
+                report.check(Err(p));
+            }
+        }
+        Err(e) => report.check(Err(e)),
     }
-    flat.into_iter()
-        .filter(|(_, v)| v != "null" && v != "false" && v != "[]" && v != "{}")
+    let mut out = io::stdout().lock();
+    if report.print(&mut out, program).is_err() {
+        return 1;
+    }
+    i32::from(!report.ok())
+}
+
+/// The dotted keys `config` (a configuration file as parsed) sets: those
+/// whose value is not what an empty file gives (`None`, or a
+/// `#[serde(default)]`).
+pub fn keys_set<C: Serialize + Default>(config: &C) -> BTreeSet<String> {
+    let flat = |c: &C| {
+        let mut flat = Vec::new();
+        if let Ok(v) = serde_json::to_value(c) {
+            flatten("", &v, &mut flat);
+        }
+        flat
+    };
+    let empty: BTreeSet<(String, String)> = flat(&C::default()).into_iter().collect();
+    flat(config)
+        .into_iter()
+        .filter(|kv| !empty.contains(kv))
         .map(|(k, _)| k)
         .collect()
+}
+
+/// Applies the flags given (`Option` fields of `$args`) over the same
+/// keys of `$config` (`Option` fields too), naming each in `$flags`: the
+/// one way every daemon lets its flags override its file.
+#[macro_export]
+macro_rules! flag_overrides {
+    ($args:expr, $config:expr, $flags:expr; $($field:ident),* $(,)?) => {
+        $(if let Some(v) = $args.$field.clone() {
+            $config.$field = Some(v);
+            $flags.push(stringify!($field));
+        })*
+    };
 }
 
 /// The source of `key` for a daemon whose file set `file_keys` and whose
@@ -101,6 +152,17 @@ pub fn source(key: &str, flags: &[&str], file_keys: &BTreeSet<String>) -> String
     } else {
         "default".into()
     }
+}
+
+/// Serializes a duration as milliseconds (for settings kept as
+/// durations whose keys are in ms).
+pub fn millis<S: serde::Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u128(d.as_millis())
+}
+
+/// Serializes a duration as seconds.
+pub fn seconds<S: serde::Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_secs())
 }
 
 fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, String)>) {
@@ -123,13 +185,13 @@ fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, String)>) {
 mod tests {
     use super::*;
 
-    #[derive(Serialize)]
+    #[derive(Serialize, Default)]
     struct Inner {
         urls: Vec<String>,
         backoff_ms: u64,
     }
 
-    #[derive(Serialize)]
+    #[derive(Serialize, Default)]
     struct Settings {
         name: String,
         manager: Inner,

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use rfaas_executor::daemon::{Config, Daemon, Sandbox, Settings};
-use rfaas_proto::check::{self, keys_set, Report};
+use rfaas_proto::check;
 use rfaas_proto::files::ConfigDir;
 
 /// The rfaas node daemon: validates lease tokens, runs and supervises
@@ -109,7 +109,7 @@ fn main() -> anyhow::Result<()> {
     if args.check_config {
         std::process::exit(check_config(&args));
     }
-    let (_, settings) = configure(&args)?;
+    let (_, _, settings) = configure(&args)?;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_max_level(settings.log_level)
@@ -156,20 +156,13 @@ fn main() -> anyhow::Result<()> {
 
 /// The file as read (for where values came from), the flags given, and
 /// the settings the daemon runs with.
-fn configure(args: &Args) -> anyhow::Result<((Config, Vec<&'static str>), Settings)> {
+fn configure(args: &Args) -> anyhow::Result<(Config, Vec<&'static str>, Settings)> {
     let dir = ConfigDir::resolve(args.config_dir.as_deref());
     let file = Config::load_or_default(args.config.as_deref(), &dir)?;
     let mut config = file.clone();
     let mut flags = Vec::new();
-    macro_rules! flag {
-        ($($field:ident),*) => {
-            $(if let Some(v) = args.$field.clone() {
-                config.$field = Some(v);
-                flags.push(stringify!($field));
-            })*
-        };
-    }
-    flag!(
+    rfaas_proto::flag_overrides!(
+        args, config, flags;
         node_name,
         control_listen,
         fabric_host,
@@ -186,32 +179,21 @@ fn configure(args: &Args) -> anyhow::Result<((Config, Vec<&'static str>), Settin
         log_level
     );
     let settings = config.resolve_in(&dir)?;
-    Ok(((file, flags), settings))
+    Ok((file, flags, settings))
 }
 
 /// `--check-config`: prints the report, returns the exit status.
 fn check_config(args: &Args) -> i32 {
-    let mut report = Report::new();
-    match configure(args) {
-        Ok(((file, flags), settings)) => {
-            let in_file = keys_set(&file);
-            let rows = report.settings(&settings, |key| match settings.sources.get(key) {
-                Some(discovered) => discovered.to_string(),
-                None => check::source(key, &flags, &in_file),
-            });
-            report.check(rows);
-            for note in &settings.notes {
+    let loaded = configure(args).map_err(|e| format!("{e:#}"));
+    check::run(
+        "rfaas-executord",
+        loaded,
+        |s: &Settings, key: &str| s.sources.get(key).map(ToString::to_string),
+        |s: &Settings| {
+            for note in &s.notes {
                 eprintln!("warning: {note}");
             }
-            for problem in rfaas_executor::daemon::check_files(&settings) {
-                report.check(Err(problem));
-            }
-        }
-        Err(e) => report.check(Err(format!("{e:#}"))),
-    }
-    let mut out = std::io::stdout().lock();
-    if report.print(&mut out, "rfaas-executord").is_err() {
-        return 1;
-    }
-    i32::from(!report.ok())
+            rfaas_executor::daemon::check_files(s)
+        },
+    )
 }
