@@ -243,11 +243,11 @@ mod tests {
     #[test]
     fn the_example_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("accounting.example.toml");
-        let s = FileConfig::load(&path)
-            .unwrap()
-            .settings(&ConfigDir::default())
-            .unwrap();
-        assert_eq!(s.name, "acct1");
+        let file = FileConfig::load(&path).unwrap();
+        let set = rfaas_proto::check::keys_set(&file);
+        assert!(set.is_empty(), "as shipped it sets nothing: {set:?}");
+        let s = file.settings(&ConfigDir::default()).unwrap();
+        assert_eq!(Some(s.name), hostname(), "the host's name");
         assert_eq!(s.slots, 4096);
         assert_eq!(s.provider, "tcp");
         assert_eq!(s.metrics_listen, "127.0.0.1:7410");
