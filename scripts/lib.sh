@@ -17,9 +17,10 @@ ensure_packages() {
         --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# What building rfaas needs (verbs: libibverbs, librdmacm; bindgen: libclang).
+# What building rfaas needs (verbs: libibverbs, librdmacm; bindgen: libclang;
+# the SPANK plugin's declarations: Slurm's headers).
 # shellcheck disable=SC2034 # used by the scripts that source this file
-BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
+BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang libslurm-dev)
 
 # What the tests need besides the build: bubblewrap (the executor's sandbox
 # tests), OpenMPI (the MPI example), Debian's Prometheus server (the
@@ -35,10 +36,10 @@ TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 po
     python3 python3-venv curl openssl)
 
 # What a loopback Slurm cluster needs (scripts/slurm-cluster.sh; the
-# slurm-spank tests start one each): munge, Slurm's daemons and clients,
-# and spank.h for whoever checks the plugin's FFI against it.
+# slurm-spank tests start one each): munge, Slurm's daemons and clients
+# (the plugin's headers are in BUILD_PACKAGES).
 # shellcheck disable=SC2034
-SLURM_PACKAGES=(munge slurmctld slurmd slurm-client libslurm-dev)
+SLURM_PACKAGES=(munge slurmctld slurmd slurm-client)
 
 # What such a cluster's accounting database needs (ACCOUNTING=1
 # scripts/slurm-cluster.sh; the coordinator tests start one): slurmdbd and
@@ -88,6 +89,23 @@ CI_BUILD=("${CI_FEATURES[@]}" --all-targets)
 # docs/testing.md).
 # shellcheck disable=SC2034
 IMPORT_CHECKED_DIRS=(executor/src/daemon fabric/src)
+
+# Runs BUILD under an exclusive flock on LOCK_FILE unless CURRENT (a
+# command: function and arguments, split at spaces) succeeds there, or
+# FORCE is 1. So one cache is built at a time: a second caller waits for
+# the first, then finds it current. Returns BUILD's status.
+#   build_once LOCK_FILE FORCE CURRENT BUILD
+build_once() {
+    local lock=$1 force=$2 current=$3 build=$4 fd status=0
+    exec {fd}>"$lock"
+    flock "$fd"
+    # shellcheck disable=SC2086 # the commands are split into their words
+    if [ "$force" = 1 ] || ! $current; then
+        $build || status=$?
+    fi
+    exec {fd}>&-
+    return $status
+}
 
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then

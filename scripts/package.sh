@@ -70,23 +70,20 @@ while [ $# -gt 0 ]; do
 done
 [ ${#packages[@]} -gt 0 ] || packages=("${ALL_PACKAGES[@]}")
 
-# Runs INSTALL_FN DIR ARGS... to fill $TOOLS/NAME unless an earlier run
-# finished it (DIR/.done), under a lock, so concurrent runs install once.
-#   ensure_tool NAME INSTALL_FN [ARGS...]
+# Fills $TOOLS/NAME with `INSTALL_FN DIR ARG` unless an earlier run
+# finished it (DIR/.done), under lib.sh's build_once, so concurrent runs
+# install once.
+#   ensure_tool NAME INSTALL_FN [ARG]
 ensure_tool() {
-    local dir=$TOOLS/$1 fn=$2
-    shift 2
+    local dir=$TOOLS/$1
     [ -e "$dir/.done" ] && return 0
     mkdir -p "$TOOLS"
-    (
-        flock 9
-        if [ ! -e "$dir/.done" ]; then
-            echo "rfaas: installing $(basename "$dir") into $TOOLS (once per machine)" >&2
-            rm -rf "$dir"
-            "$fn" "$dir" "$@"
-            touch "$dir/.done"
-        fi
-    ) 9>"$TOOLS/.lock"
+    build_once "$TOOLS/.lock" 0 "test -e $dir/.done" "install_tool $dir $2 ${3:-}"
+}
+install_tool() {
+    echo "rfaas: installing $(basename "$1") into $TOOLS (once per machine)" >&2
+    rm -rf "$1"
+    "$2" "$1" "${3:-}" && touch "$1/.done"
 }
 install_cargo_tool() { CARGO_INSTALL_ROOT=$1 cargo install --locked --quiet "$2"; }
 install_zigbuild() {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every rfaas test: unit, conformance (tcp and shm), benchmarks' own
-# tests, the Slurm plugin and hook on loopback Slurm clusters, doc tests,
-# the verbs provider on Soft-RoCE in a VM and between two VMs
+# tests, the Slurm plugin and hook on loopback Slurm clusters (the host's
+# Slurm 22.05, and 24.11 in a Debian 13 root: scripts/test-slurm-releases.sh),
+# doc tests, the verbs provider on Soft-RoCE in a VM and between two VMs
 # (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
 # against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
 # fuzz run of the tcp frame decoder, and the .deb and .rpm packages: built
@@ -65,6 +66,11 @@ fi
 
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh
+
+echo "== the Slurm tests under Slurm 24.11, in a Debian 13 root (scripts/test-slurm-releases.sh)"
+slurm_start=$SECONDS
+bash scripts/test-slurm-releases.sh
+echo "Slurm 24.11 stage: $((SECONDS - slurm_start)) s"
 
 echo "== packages: built, checked, installed (scripts/package.sh, check-packages.sh, test-packages.sh)"
 packages_start=$SECONDS

@@ -1,5 +1,6 @@
 //! The plugin and the hook on a real Slurm cluster (Debian's Slurm 22.05,
-//! several slurmd on loopback, started by `scripts/slurm-cluster.sh`), with
+//! or 24.11 under `scripts/test-slurm-releases.sh`; several slurmd on
+//! loopback, started by `scripts/slurm-cluster.sh`), with
 //! the plugin installed through `plugstack.conf` and the hook as slurmd's
 //! `Prolog=` and `Epilog=`.
 //!
@@ -25,7 +26,7 @@ use rfaas_testkit::accounting::{billing_binary, Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, client_example, rust_library};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
-use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
+use rfaas_testkit::slurm::{spank_plugin, SlurmCluster, SlurmOptions};
 use rfaas_testkit::wait::{poll_for, wait_for};
 use serde_json::json;
 
@@ -59,18 +60,10 @@ impl Drop for TempDir {
     }
 }
 
-/// The plugin cargo built next to this test, installed under the name
+/// The plugin (testkit's [`spank_plugin`]), installed under the name
 /// sites use: `rfaas_spank.so`.
 fn install_plugin(dir: &TempDir) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    let built = [
-        deps.join("librfaas_spank.so"),
-        deps.parent().unwrap().join("librfaas_spank.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("librfaas_spank.so is not built next to {}", exe.display()));
+    let built = spank_plugin().unwrap_or_else(|e| panic!("{e}"));
     let installed = dir.path("rfaas_spank.so");
     std::fs::copy(&built, &installed).unwrap();
     installed
@@ -523,13 +516,16 @@ impl RfaasOnSlurm {
     }
 }
 
-/// `KEY=value` lines → the `RFAAS_` ones, but `RFAAS_CA_FILE`: the test
-/// process trusts its throwaway CA through it, and jobs inherit the
+/// `KEY=value` lines → the `RFAAS_` ones, but `RFAAS_CA_FILE` and
+/// `RFAAS_SPANK_PLUGIN`: the test process trusts its throwaway CA through
+/// the one and may be told its plugin by the other, and jobs inherit the
 /// submitting environment.
 fn rfaas_vars(text: &str) -> BTreeMap<String, String> {
     text.lines()
         .filter_map(|l| l.split_once('='))
-        .filter(|(k, _)| k.starts_with("RFAAS_") && *k != "RFAAS_CA_FILE")
+        .filter(|(k, _)| {
+            k.starts_with("RFAAS_") && !matches!(*k, "RFAAS_CA_FILE" | "RFAAS_SPANK_PLUGIN")
+        })
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect()
 }
