@@ -16,7 +16,7 @@
 # 3. In the booted Debian 12 root (systemd as PID 1): with rfaas-executord
 #    running under its unit with pooled workers, `apt-get remove` leaves
 #    no rfaas process, no rfaas cgroup and no socket under /run/rfaas;
-#    `apt-get purge` removes /var/lib/rfaas.
+#    purging them removes /var/lib/rfaas.
 #
 # rfaas-slurm is left out of the Debian 13 root: it is built against the
 # host's Slurm (22.05, libslurm38), which Debian 13 does not have; a
@@ -144,16 +144,20 @@ for suite in bookworm trixie; do
     mapfile -t now < <(install_set "$dir" "$suite")
     mapfile -t before < <(install_set "$prev" "$suite")
     bash "$ROOTS" run "$name" --overlay "$overlay" --bind "$dir" --bind "$prev" -- \
-        env SUITE="$suite" bash -c "$(apt_install "${before[@]}") >/dev/null && $prepare_upgrade" ||
+        env SUITE="$suite" bash -c "set -e; $(apt_install "${before[@]}") >/dev/null
+$prepare_upgrade" ||
         fail "installing the previous build in $name failed (output above)"
     bash "$ROOTS" run "$name" --overlay "$overlay" --bind "$dir" -- \
-        env SUITE="$suite" VERSION="$version" bash -c "$(apt_install "${now[@]}") && $check_upgrade && $check_installed" ||
+        env SUITE="$suite" VERSION="$version" bash -c "set -e; $(apt_install "${now[@]}") >/dev/null
+$check_upgrade
+$check_installed" ||
         fail "upgrading to this build in $name failed (output above)"
     echo "stage: packages in $name: $((SECONDS - start)) s"
     # A clean root, this build alone: `apt-get install ./*.deb` and nothing else.
     start=$SECONDS
     bash "$ROOTS" run "$name" --bind "$dir" -- \
-        env SUITE="$suite" bash -c "$(apt_install "${now[@]}") >/dev/null && $check_installed" ||
+        env SUITE="$suite" bash -c "set -e; $(apt_install "${now[@]}") >/dev/null
+$check_installed" ||
         fail "apt-get install of this build into a clean $name failed (output above)"
     echo "stage: clean install in $name: $((SECONDS - start)) s"
 done
@@ -166,6 +170,8 @@ inside() { nsenter -t "$leader" -a "$@"; }
 # shellcheck disable=SC2016 # expanded inside the root
 inside bash -c '
 set -eu
+# roots.sh run left its policy-rc.d in the overlay; a booted host has none.
+if grep -q "roots.sh run" /usr/sbin/policy-rc.d 2>/dev/null; then rm /usr/sbin/policy-rc.d; fi
 rfaas-token keygen --key-id local --secret /root/lease-key.secret --public /etc/rfaas/lease-keys.pub >/dev/null
 cat >/etc/rfaas/executord.toml <<TOML
 node_name = "pkgtest"
@@ -210,9 +216,10 @@ cgroups=$(inside find /sys/fs/cgroup -name '*rfaas*' 2>/dev/null || true)
 sockets=$(inside find /run/rfaas -type s 2>/dev/null || true)
 [ -z "$sockets" ] || fail "after apt-get remove these sockets are left under /run/rfaas: $sockets"
 inside test -d /var/lib/rfaas || fail "apt-get remove (not purge) removed /var/lib/rfaas"
-inside bash -c "DEBIAN_FRONTEND=noninteractive apt-get purge -y -q rfaas-executor rfaas-manager rfaas-accounting rfaas-client rfaas-slurm >/dev/null" ||
-    fail "apt-get purge in the booted root failed"
-! inside test -e /var/lib/rfaas || fail "apt-get purge left /var/lib/rfaas"
+# dpkg: apt no longer knows the packages without conffiles removal purged.
+inside dpkg --purge rfaas-executor rfaas-manager rfaas-accounting rfaas-client rfaas-slurm >/dev/null ||
+    fail "dpkg --purge in the booted root failed"
+! inside test -e /var/lib/rfaas || fail "purging the packages left /var/lib/rfaas"
 echo "removal left no rfaas process, cgroup or socket; purge removed /var/lib/rfaas"
 bash "$ROOTS" stop "$booted"
 booted=""
