@@ -3,8 +3,9 @@
 # tests, the Slurm plugin and hook on loopback Slurm clusters, doc tests,
 # the verbs provider on Soft-RoCE in a VM and between two VMs
 # (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
-# against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
-# fuzz run of the tcp frame decoder. Fails at the end if the run changed the
+# against the manager's REST API (scripts/fuzz-manager-api.sh), docs/install.md
+# as written on two booted Debian roots (scripts/test-install-guide.sh), and a
+# short fuzz run of the tcp frame decoder. Fails at the end if the run changed the
 # git checkout (a stale lockfile or header, a stray output file), naming the
 # files.
 # Installs what it needs first (Debian packages, cargo tools, the VM image).
@@ -63,6 +64,10 @@ fi
 
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh
+
+# After the packages are built: the guide installs them.
+echo "== docs/install.md as written, on two booted Debian 12 roots (scripts/test-install-guide.sh)"
+bash scripts/test-install-guide.sh
 
 if [ "${RFAAS_SKIP_RDMA_VM:-0}" = 1 ]; then
     loud "SKIPPED: the verbs provider's tests under Soft-RoCE (RFAAS_SKIP_RDMA_VM=1)." \
