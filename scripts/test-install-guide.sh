@@ -149,6 +149,9 @@ step="booting the manager and compute roots ($ROOT_RECIPE)"
 bash "$root/scripts/roots.sh" build "$ROOT_RECIPE"
 ip netns add "$netns"
 ip -n "$netns" link set lo up
+for h in manager compute; do
+    ip -n "$netns" addr add "${HOST_ADDR[$h]}/8" dev lo
+done
 # A minbase root has no /etc/hosts: localhost, and the guide's two names.
 hosts_lines=$'127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n'
 for h in manager compute; do
