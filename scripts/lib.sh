@@ -17,9 +17,10 @@ ensure_packages() {
         --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# What building rfaas needs (verbs: libibverbs, librdmacm; bindgen: libclang).
+# What building rfaas needs (verbs: libibverbs, librdmacm; bindgen: libclang;
+# the SPANK plugin's declarations: Slurm's headers).
 # shellcheck disable=SC2034 # used by the scripts that source this file
-BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang)
+BUILD_PACKAGES=(build-essential pkg-config libibverbs-dev librdmacm-dev libclang-dev clang libslurm-dev)
 
 # What the tests need besides the build: bubblewrap (the executor's sandbox
 # tests), OpenMPI (the MPI example), Debian's Prometheus server (the
@@ -35,10 +36,10 @@ TEST_PACKAGES=(bubblewrap openmpi-bin libopenmpi-dev prometheus postgresql-15 po
     python3 python3-venv curl openssl)
 
 # What a loopback Slurm cluster needs (scripts/slurm-cluster.sh; the
-# slurm-spank tests start one each): munge, Slurm's daemons and clients,
-# and spank.h for whoever checks the plugin's FFI against it.
+# slurm-spank tests start one each): munge, Slurm's daemons and clients
+# (the plugin's headers are in BUILD_PACKAGES).
 # shellcheck disable=SC2034
-SLURM_PACKAGES=(munge slurmctld slurmd slurm-client libslurm-dev)
+SLURM_PACKAGES=(munge slurmctld slurmd slurm-client)
 
 # What such a cluster's accounting database needs (ACCOUNTING=1
 # scripts/slurm-cluster.sh; the coordinator tests start one): slurmdbd and

@@ -364,6 +364,11 @@ alive() {
     [ -n "$state" ] && [ "$state" != Z ]
 }
 
+# The container's PID 1: the child of nspawn (pid $1) that runs systemd.
+leader_of() {
+    { ps --ppid "$1" -o pid=,comm= 2>/dev/null || true; } | awk '$2 == "systemd" { print $1 }'
+}
+
 cmd_boot() {
     local name=${1:-}
     [ -n "$name" ] || usage
@@ -402,13 +407,9 @@ cmd_boot() {
     ) &
     local nspawn=$!
     echo "$nspawn" >"$state/nspawn.pid"
-    # The container's PID 1 is the child of nspawn that runs systemd.
-    local leader="" _i child
+    local leader="" _i
     for _i in $(seq 300); do
-        for child in $(ps --ppid "$nspawn" -o pid= 2>/dev/null); do
-            [ "$(readlink "/proc/$child/exe" 2>/dev/null)" != "$(readlink -f /usr/bin/systemd-nspawn)" ] &&
-                leader=$child
-        done
+        leader=$(leader_of "$nspawn")
         [ -n "$leader" ] && break
         alive "$nspawn" || break
         sleep 0.1
@@ -447,6 +448,7 @@ cmd_stop() {
     local nspawn leader _i
     nspawn=$(cat "$state/nspawn.pid" 2>/dev/null || true)
     leader=$(cat "$state/leader.pid" 2>/dev/null || true)
+    [ -n "$leader" ] || [ -z "$nspawn" ] || leader=$(leader_of "$nspawn")
     [ -n "$leader" ] && alive "$leader" && kill -s RTMIN+4 "$leader" 2>/dev/null
     if [ -n "$nspawn" ]; then
         for _i in $(seq 600); do

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A real Slurm cluster (Debian's Slurm 22.05) on one machine, on loopback,
+# A real Slurm cluster (Debian's Slurm: 22.05 on Debian 12, 24.11 in
+# scripts/roots.sh's trixie-slurm root) on one machine, on loopback,
 # for the tests and for trying rfaas's Slurm integration: munged, slurmctld
 # and one slurmd per node (`slurmd -N nodeK`), everything in one directory.
 #
@@ -75,6 +76,16 @@ alive() {
 ours() {
     tr '\0' '\n' <"/proc/$1/cmdline" 2>/dev/null | grep -qF "$DIR/" && return 0
     tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF"
+}
+
+# True if the installed slurmd is release $1.$2 or later (`slurmd -V`
+# prints "slurm-wlm 24.11.5" or "slurm 24.11.5").
+slurm_at_least() {
+    local v major minor
+    v=$(slurmd -V 2>/dev/null | sed -n 's/^slurm[a-z-]* \([0-9]*\)\.\([0-9]*\).*/\1 \2/p' | head -n 1)
+    [ -n "$v" ] || die "cannot tell Slurm's release from 'slurmd -V' ($(slurmd -V 2>&1 | head -n 1))"
+    read -r major minor <<<"$v"
+    [ "$major" -gt "$1" ] || { [ "$major" -eq "$1" ] && [ "$minor" -ge "$2" ]; }
 }
 
 # The pid in pid file $1, if that process runs and is this cluster's.
@@ -248,7 +259,6 @@ JobAcctGatherType=jobacct_gather/none
 $accounting
 JobCompType=jobcomp/none
 MpiDefault=none
-SwitchType=switch/none
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
@@ -269,6 +279,13 @@ Waittime=0
 NodeName=node[1-$NODES] NodeHostname=$host NodeAddr=127.0.$slot.[11-$((10 + NODES))] Port=[$((ctld_port + 1))-$((ctld_port + NODES))] CPUs=$CPUS RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
+    # Since 24.05 slurmd needs the cgroup file system even with
+    # proctrack/linuxproc and task/none, unless told not to (a key 22.05
+    # does not know). The cluster puts no job in a cgroup.
+    rm -f "$DIR/etc/cgroup.conf"
+    if slurm_at_least 24 5; then
+        echo "CgroupPlugin=disabled" >"$DIR/etc/cgroup.conf"
+    fi
     export SLURM_CONF="$CONF"
     if [ "${ACCOUNTING:-0}" = 1 ]; then
         # slurmctld registers with slurmdbd only as a cluster it knows;

@@ -14,12 +14,7 @@ const JOBS: u64 = 6;
 
 #[test]
 fn both_runs_give_a_harvest_row() {
-    let plugin = rfaas_testkit::target_dir().join("debug/librfaas_spank.so");
-    assert!(
-        plugin.exists(),
-        "{} is not built; run `cargo build -p rfaas-slurm-spank` first",
-        plugin.display()
-    );
+    let plugin = rfaas_testkit::slurm::spank_plugin().unwrap_or_else(|e| panic!("{e}"));
     let executord = rfaas_testkit::executord::daemon_binary();
     let manager = rfaas_testkit::manager::manager_binary();
     let out = Command::new(env!("CARGO_BIN_EXE_rfaas-harvest"))

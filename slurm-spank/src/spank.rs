@@ -1,14 +1,12 @@
-//! The SPANK plugin: the symbols Slurm looks up in `rfaas_spank.so`, and a
-//! hand-written FFI for Slurm 22.05's `<slurm/spank.h>`.
+//! The SPANK plugin: the symbols Slurm looks up in `rfaas_spank.so`.
 //!
-//! Hand-written, not generated: no libclang at build time, and the few
-//! declarations below are the whole of what the plugin uses. The functions
-//! are resolved from the process that loads the plugin (srun, sbatch,
-//! salloc, slurmd, slurmstepd); nothing is linked. For another Slurm
-//! release, check these declarations against its `spank.h` and set
-//! [`SLURM_VERSION_NUMBER`] to its `slurm_version.h` (Slurm refuses a
-//! plugin whose major and minor release differ from its own); see
-//! `docs/slurm.md`.
+//! Slurm's declarations come from [`crate::ffi`], generated at build time
+//! from the installed `<slurm/spank.h>`, and `plugin_version` is that
+//! build's `SLURM_VERSION_NUMBER` (Slurm refuses a plugin whose major and
+//! minor release differ from its own). The functions are resolved from the
+//! process that loads the plugin (srun, sbatch, salloc, slurmd,
+//! slurmstepd); nothing is linked. When slurmd loads it, the plugin logs
+//! the Slurm release it was built for; see `docs/slurm.md`.
 //!
 //! Every callback runs inside [`guarded`]: a panic is logged through Slurm
 //! and the callback returns success, so no panic crosses into C and no job
@@ -16,82 +14,47 @@
 
 #![allow(non_upper_case_globals)]
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_uint, CStr, CString};
 use std::io::Write;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
+use crate::ffi::{
+    self, slurm_error, slurm_info, spank_context_t, spank_f, spank_opt_cb_f, spank_option,
+    ESPANK_SUCCESS, S_CTX_ALLOCATOR, S_CTX_LOCAL, S_CTX_REMOTE, S_CTX_SLURMD, S_JOB_ID, S_JOB_UID,
+    S_SLURM_VERSION, S_TASK_ID,
+};
 use crate::hook::{self, guarded, Event, Log, Logger};
 use crate::job::JobOnNode;
 use crate::settings::{RfaasChoice, Settings};
 
-/// `SLURM_VERSION_NUMBER` of the Slurm release the declarations match
-/// (22.05.8; Slurm checks the major and minor release only).
-pub const SLURM_VERSION_NUMBER: c_uint = 0x16_05_08;
+/// `SLURM_VERSION_NUMBER` of the Slurm headers the plugin was built from
+/// (Slurm loads it only under a release of the same major and minor).
+pub const SLURM_VERSION_NUMBER: c_uint = ffi::SLURM_VERSION_NUMBER;
+
+/// That release as Slurm writes it (`22.05.8`), and where its headers were.
+const BUILT_FOR: &str = env!("BUILT_FOR_SLURM");
+const HEADERS: &str = env!("BUILT_FROM_SLURM_HEADERS");
 
 /// `spank_t`, an opaque handle.
-type Spank = *mut c_void;
-
-/// `spank_opt_cb_f`.
-type OptionCallback = Option<unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int>;
-
-/// `struct spank_option`.
-#[repr(C)]
-struct SpankOption {
-    name: *const c_char,
-    arginfo: *const c_char,
-    usage: *const c_char,
-    has_arg: c_int,
-    val: c_int,
-    cb: OptionCallback,
-}
+type Spank = ffi::spank_t;
 
 /// The option table entry as a static: its pointers are to static strings.
-struct StaticOption(SpankOption);
+struct StaticOption(spank_option);
 
 // SAFETY: the option is never written after its definition and points only
 // at 'static C strings; Slurm reads it, and may from any thread.
 unsafe impl Sync for StaticOption {}
 
-/// `enum spank_context` values.
-const S_CTX_LOCAL: c_int = 1;
-const S_CTX_REMOTE: c_int = 2;
-const S_CTX_ALLOCATOR: c_int = 3;
-const S_CTX_SLURMD: c_int = 4;
-
-/// `S_JOB_UID` of `enum spank_item`: a `uid_t *` follows.
-const S_JOB_UID: c_int = 0;
-
-/// `S_JOB_ID` of `enum spank_item`: a `uint32_t *` follows.
-const S_JOB_ID: c_int = 2;
-
-/// `S_TASK_ID` of `enum spank_item`: the local task id, an `int *` follows.
-const S_TASK_ID: c_int = 11;
-
-/// `ESPANK_SUCCESS`.
-const ESPANK_SUCCESS: c_int = 0;
-
-extern "C" {
-    fn spank_context() -> c_int;
-    fn spank_option_register(sp: Spank, opt: *mut SpankOption) -> c_int;
-    fn spank_option_getopt(sp: Spank, opt: *mut SpankOption, optarg: *mut *mut c_char) -> c_int;
-    fn spank_get_item(sp: Spank, item: c_int, ...) -> c_int;
-    fn spank_job_control_setenv(
-        sp: Spank,
-        name: *const c_char,
-        value: *const c_char,
-        overwrite: c_int,
-    ) -> c_int;
-    fn spank_setenv(
-        sp: Spank,
-        name: *const c_char,
-        value: *const c_char,
-        overwrite: c_int,
-    ) -> c_int;
-    fn spank_getenv(sp: Spank, name: *const c_char, buf: *mut c_char, len: c_int) -> c_int;
-    fn slurm_info(format: *const c_char, ...);
-    fn slurm_error(format: *const c_char, ...);
-}
+// The entry points have the type `spank.h` declares for them.
+const _: [spank_f; 5] = [
+    Some(slurm_spank_init),
+    Some(slurm_spank_init_post_opt),
+    Some(slurm_spank_job_prolog),
+    Some(slurm_spank_job_epilog),
+    Some(slurm_spank_task_init),
+];
+const _: spank_opt_cb_f = Some(check_rfaas_option);
 
 /// The plugin's name, as Slurm logs it.
 #[no_mangle]
@@ -106,18 +69,19 @@ pub static plugin_type: [u8; 6] = *b"spank\0";
 pub static plugin_version: c_uint = SLURM_VERSION_NUMBER;
 
 /// `--rfaas[=yes|no]` on srun, sbatch and salloc.
-static RFAAS_OPTION: StaticOption = StaticOption(SpankOption {
-    name: c"rfaas".as_ptr(),
-    arginfo: c"yes|no".as_ptr(),
-    usage: c"Let the job offload functions to rfaas on idle nodes (--rfaas=no: not even where the site turns rfaas on for every job)".as_ptr(),
+// `spank.h` declares the strings `char *`; Slurm only reads them.
+static RFAAS_OPTION: StaticOption = StaticOption(spank_option {
+    name: c"rfaas".as_ptr() as *mut c_char,
+    arginfo: c"yes|no".as_ptr() as *mut c_char,
+    usage: c"Let the job offload functions to rfaas on idle nodes (--rfaas=no: not even where the site turns rfaas on for every job)".as_ptr() as *mut c_char,
     has_arg: 2,
     val: 0,
     cb: Some(check_rfaas_option),
 });
 
-fn option_ptr() -> *mut SpankOption {
+fn option_ptr() -> *mut spank_option {
     // Slurm's prototypes take a mutable pointer; it only reads the option.
-    &RFAAS_OPTION.0 as *const SpankOption as *mut SpankOption
+    &RFAAS_OPTION.0 as *const spank_option as *mut spank_option
 }
 
 /// Logs through Slurm: in srun and sbatch to the user's terminal, in
@@ -177,9 +141,9 @@ unsafe fn owned(p: *const c_char) -> Option<String> {
     Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
-fn context() -> c_int {
+fn context() -> spank_context_t {
     // SAFETY: takes nothing, valid in every callback.
-    unsafe { spank_context() }
+    unsafe { ffi::spank_context() }
 }
 
 /// `slurm_spank_init`: registers `--rfaas` where jobs are submitted and
@@ -198,7 +162,7 @@ pub unsafe extern "C" fn slurm_spank_init(sp: Spank, ac: c_int, av: *mut *mut c_
         match context() {
             S_CTX_LOCAL | S_CTX_REMOTE | S_CTX_ALLOCATOR => {
                 // SAFETY: a valid handle in init; the option is static.
-                let rc = unsafe { spank_option_register(sp, option_ptr()) };
+                let rc = unsafe { ffi::spank_option_register(sp, option_ptr()) };
                 if rc != ESPANK_SUCCESS {
                     log.error(&format!(
                         "cannot register --rfaas (error {rc}); jobs run without it"
@@ -206,11 +170,45 @@ pub unsafe extern "C" fn slurm_spank_init(sp: Spank, ac: c_int, av: *mut *mut c_
                 }
             }
             // Once per slurmd start: where the administrator looks.
-            S_CTX_SLURMD => hook::report_bad_words(&log, &bad),
+            S_CTX_SLURMD => {
+                log_loaded(sp);
+                hook::report_bad_words(&log, &bad);
+            }
             _ => {}
         }
         0
     })
+}
+
+/// The line slurmd logs when it loads the plugin: which rfaas, built for
+/// which Slurm, from which headers, and the Slurm running it when Slurm
+/// tells (a mismatch there is the first thing to look at).
+fn loaded_line(running: Option<&str>) -> String {
+    let mut line = format!(
+        "rfaas_spank {} built for Slurm {BUILT_FOR} (headers {HEADERS})",
+        env!("CARGO_PKG_VERSION")
+    );
+    if let Some(running) = running {
+        line.push_str(&format!(", running under Slurm {running}"));
+    }
+    line
+}
+
+fn log_loaded(sp: Spank) {
+    let mut version: *const c_char = std::ptr::null();
+    // SAFETY: S_SLURM_VERSION takes one `char **`, which lives through the
+    // call; Slurm points it at its own static string (or leaves it null).
+    let rc =
+        unsafe { ffi::spank_get_item(sp, S_SLURM_VERSION, &mut version as *mut *const c_char) };
+    // SAFETY: null or Slurm's static C string.
+    let running = (rc == ESPANK_SUCCESS)
+        .then(|| unsafe { owned(version) })
+        .flatten();
+    let line = CString::new(loaded_line(running.as_deref()).replace('\0', " "))
+        .unwrap_or_else(|_| CString::from(c"rfaas_spank: (unprintable version line)"));
+    // SAFETY: slurm_info is printf-like; the format takes one C string,
+    // which lives until the call returns.
+    unsafe { slurm_info(c"%s".as_ptr(), line.as_ptr()) }
 }
 
 /// What `--rfaas` said in this srun, sbatch or salloc: 0 nothing, 1 yes,
@@ -279,7 +277,8 @@ pub unsafe extern "C" fn slurm_spank_init_post_opt(
             _ => return 0,
         };
         // SAFETY: a valid handle in init_post_opt; both strings are static.
-        let rc = unsafe { spank_job_control_setenv(sp, CHOICE_VAR.as_ptr(), value.as_ptr(), 1) };
+        let rc =
+            unsafe { ffi::spank_job_control_setenv(sp, CHOICE_VAR.as_ptr(), value.as_ptr(), 1) };
         if rc != ESPANK_SUCCESS {
             SlurmLog.error(&format!(
                 "cannot hand --rfaas to the job (error {rc}); the site's default applies"
@@ -341,7 +340,7 @@ unsafe fn job_script(event: Event, sp: Spank, ac: c_int, av: *mut *mut c_char) {
         let mut job = JobOnNode::from_env(|k| std::env::var(k).ok());
         let mut id: u32 = 0;
         // SAFETY: S_JOB_ID takes one uint32_t *, which lives through the call.
-        if unsafe { spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) } == ESPANK_SUCCESS {
+        if unsafe { ffi::spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) } == ESPANK_SUCCESS {
             job.job_id = u64::from(id);
         }
         if event == Event::Prolog && wants_rfaas(sp, std::env::var("SPANK_RFAAS").ok(), &settings) {
@@ -402,8 +401,8 @@ fn step_env(sp: Spank, words: &[String]) {
     // SAFETY: S_JOB_ID takes one uint32_t * and S_JOB_UID one uid_t *
     // (32 bits on Linux); both live through the calls.
     let known = unsafe {
-        spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) == ESPANK_SUCCESS
-            && spank_get_item(sp, S_JOB_UID, &mut uid as *mut u32) == ESPANK_SUCCESS
+        ffi::spank_get_item(sp, S_JOB_ID, &mut id as *mut u32) == ESPANK_SUCCESS
+            && ffi::spank_get_item(sp, S_JOB_UID, &mut uid as *mut u32) == ESPANK_SUCCESS
     };
     if !known {
         let line = hook::no_env_line(
@@ -433,7 +432,7 @@ fn step_env(sp: Spank, words: &[String]) {
         };
         // SAFETY: a valid handle in a remote callback; both strings live
         // through the call.
-        let rc = unsafe { spank_setenv(sp, n.as_ptr(), v.as_ptr(), 1) };
+        let rc = unsafe { ffi::spank_setenv(sp, n.as_ptr(), v.as_ptr(), 1) };
         if rc != ESPANK_SUCCESS {
             log.error(&format!("job {id}: cannot set {name} (error {rc})"));
         }
@@ -465,7 +464,7 @@ pub unsafe extern "C" fn slurm_spank_task_init(
         };
         let mut task: c_int = -1;
         // SAFETY: S_TASK_ID takes one int *, which lives through the call.
-        let rc = unsafe { spank_get_item(sp, S_TASK_ID, &mut task as *mut c_int) };
+        let rc = unsafe { ffi::spank_get_item(sp, S_TASK_ID, &mut task as *mut c_int) };
         if rc == ESPANK_SUCCESS && task == 0 {
             // One write, so it does not mix with other tasks' output.
             let _ = std::io::stderr().write_all(format!("rfaas_spank: {line}\n").as_bytes());
@@ -480,7 +479,7 @@ fn job_getenv(sp: Spank, name: &CStr) -> Option<String> {
     // SAFETY: a valid handle; Slurm writes at most `len` bytes, NUL
     // included, into the buffer, which lives through the call.
     let rc = unsafe {
-        spank_getenv(
+        ffi::spank_getenv(
             sp,
             name.as_ptr(),
             buf.as_mut_ptr() as *mut c_char,
@@ -500,7 +499,7 @@ fn rfaas_choice(sp: Spank) -> Option<RfaasChoice> {
     let mut arg: *mut c_char = std::ptr::null_mut();
     // SAFETY: a valid handle, the static option, and a pointer Slurm sets
     // to its own string (or leaves null).
-    if unsafe { spank_option_getopt(sp, option_ptr(), &mut arg) } != ESPANK_SUCCESS {
+    if unsafe { ffi::spank_option_getopt(sp, option_ptr(), &mut arg) } != ESPANK_SUCCESS {
         return None;
     }
     // SAFETY: arg is null or Slurm's C string, alive through this callback.

@@ -1,5 +1,6 @@
 //! The plugin and the hook on a real Slurm cluster (Debian's Slurm 22.05,
-//! several slurmd on loopback, started by `scripts/slurm-cluster.sh`), with
+//! or 24.11 under `scripts/test-slurm-releases.sh`; several slurmd on
+//! loopback, started by `scripts/slurm-cluster.sh`), with
 //! the plugin installed through `plugstack.conf` and the hook as slurmd's
 //! `Prolog=` and `Epilog=`.
 //!
@@ -25,7 +26,7 @@ use rfaas_testkit::accounting::{billing_binary, Accounting, AccountingOptions};
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, client_example, rust_library};
 use rfaas_testkit::manager::{Api, Manager, ManagerOptions};
-use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
+use rfaas_testkit::slurm::{spank_plugin, SlurmCluster, SlurmOptions};
 use rfaas_testkit::wait::{poll_for, wait_for};
 use serde_json::json;
 
@@ -59,18 +60,10 @@ impl Drop for TempDir {
     }
 }
 
-/// The plugin cargo built next to this test, installed under the name
+/// The plugin (testkit's [`spank_plugin`]), installed under the name
 /// sites use: `rfaas_spank.so`.
 fn install_plugin(dir: &TempDir) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    let built = [
-        deps.join("librfaas_spank.so"),
-        deps.parent().unwrap().join("librfaas_spank.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("librfaas_spank.so is not built next to {}", exe.display()));
+    let built = spank_plugin().unwrap_or_else(|e| panic!("{e}"));
     let installed = dir.path("rfaas_spank.so");
     std::fs::copy(&built, &installed).unwrap();
     installed

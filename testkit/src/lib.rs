@@ -27,8 +27,9 @@
 //! - [`TempDir`] and [`output_text`]: a test's own directory, and a
 //!   finished command's output for an assertion's message.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
-//!   `scripts/slurm-cluster.sh`), optionally with slurmdbd, and its
-//!   clients (srun, sbatch, sacctmgr, ...).
+//!   `scripts/slurm-cluster.sh`), optionally with slurmdbd, its clients
+//!   (srun, sbatch, sacctmgr, ...), and the SPANK plugin the tests load
+//!   (`RFAAS_SPANK_PLUGIN` chooses another build).
 //! - [`strangers`]: strangers on a manager's REST port, over plain HTTP or
 //!   TLS: raw requests, a flood of made-up credentials, idle connections
 //!   (before or after their handshake) and a slowloris, from chosen

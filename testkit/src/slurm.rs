@@ -1,6 +1,7 @@
-//! A real Slurm cluster (Debian's Slurm 22.05) on loopback: munged,
-//! slurmctld and one slurmd per node, in a private directory, stopped on
-//! drop.
+//! A real Slurm cluster (Debian's Slurm: 22.05 on the host, 24.11 in
+//! `scripts/roots.sh`'s trixie-slurm root) on loopback: munged, slurmctld
+//! and one slurmd per node, in a private directory, stopped on drop; and
+//! [`spank_plugin`], the rfaas SPANK plugin the tests load into it.
 //!
 //! Every step is `scripts/slurm-cluster.sh`, the script people use to try
 //! rfaas with Slurm, so the tests prove the script. Several clusters may
@@ -55,6 +56,52 @@ pub struct SlurmCluster {
     running: bool,
     /// Keep the directory (its logs) on drop.
     keep: bool,
+}
+
+/// The rfaas SPANK plugin (`librfaas_spank.so`) the tests load: the file
+/// `RFAAS_SPANK_PLUGIN` names (`scripts/test-slurm-releases.sh` points it
+/// to a plugin built against another Slurm release's headers), else the
+/// one cargo built next to the running test executable (`deps/` or its
+/// parent), else `target_dir()/debug/`. `Err` says where it looked and how
+/// to build it.
+pub fn spank_plugin() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("RFAAS_SPANK_PLUGIN") {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!(
+                "RFAAS_SPANK_PLUGIN={} is not a file; build the plugin or unset it",
+                path.display()
+            ))
+        };
+    }
+    let mut candidates = Vec::new();
+    if let Some(deps) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    {
+        candidates.push(deps.join("librfaas_spank.so"));
+        if let Some(profile) = deps.parent() {
+            candidates.push(profile.join("librfaas_spank.so"));
+        }
+    }
+    candidates.push(crate::target_dir().join("debug").join("librfaas_spank.so"));
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "librfaas_spank.so is not built (looked for {}); run `cargo build -p \
+             rfaas-slurm-spank` or set RFAAS_SPANK_PLUGIN",
+                candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
 }
 
 fn script() -> PathBuf {
