@@ -22,9 +22,9 @@
 # /proc/PID/root); nothing else of the guide is replaced. apt-get in the roots
 # finds what the guide installs among the archives their recipe downloaded.
 #
-# Passes only if every block succeeds and, at the end, rfaas-billing on the
-# manager host shows a job with compute time, and the job's output on the
-# node says its offloaded result was checked. Every root is stopped by its
+# Passes only if every block succeeds and, at the end, the job's output on
+# the node says its offloaded result was checked, and rfaas-billing on the
+# manager host shows a job with compute time and invocations. Every root is stopped by its
 # leader's PID, and the namespace deleted, on every exit. Prints
 # `install guide stage: N s`.
 set -euo pipefail
@@ -105,7 +105,7 @@ fi
 ensure_packages systemd-container iproute2 openssl util-linux
 ensure_rust
 
-stage_start=$SECONDS
+stage_start=$(date +%s)
 work=$(mktemp -d "${TMPDIR:-/tmp}/rfaas-guide.XXXXXX")
 chmod 0755 "$work"
 netns="rfaas-guide-$$"
@@ -253,16 +253,18 @@ grep -q "result checked against the local product" <<<"$out" || {
 # for it, bounded.
 billed=""
 for _i in $(seq 600); do
-    billed=$(in_root manager rfaas-billing --database -S today --by job -n -P -o JobID,ComputeSec |
-        awk -F'|' '$1 != "" && $2 + 0 > 0 { print; exit }' || true)
+    billed=$(in_root manager rfaas-billing --database -S today --by job -n -P \
+        -o JobID,ComputeSec,Invocations |
+        awk -F'|' '$1 != "" && $2 + 0 > 0 && $3 + 0 > 0 { print; exit }' || true)
     [ -n "$billed" ] && break
     sleep 0.1
 done
 if [ -z "$billed" ]; then
-    echo "rfaas-billing on ${HOST_NAME[manager]} shows no job with compute time after 60 s:" >&2
+    echo "rfaas-billing on ${HOST_NAME[manager]} shows no job with compute time and invocations after 60 s:" >&2
     in_root manager rfaas-billing --database -S today --by job,lease >&2 || true
     exit 1
 fi
-echo "billed: job|compute seconds = $billed"
+in_root manager rfaas-billing --database -S today --by job,user
+echo "billed: job|compute seconds|invocations = $billed"
 step="done"
-echo "install guide stage: $((SECONDS - stage_start)) s"
+echo "install guide stage: $(($(date +%s) - stage_start)) s"
