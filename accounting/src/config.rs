@@ -10,10 +10,10 @@ use std::time::Duration;
 use rfaas_fabric::ProviderKind;
 use rfaas_proto::accounting::MAX_SLOTS;
 use rfaas_proto::files::{ConfigDir, BILLING_TOML, LEASE_KEYS_PUB};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The configuration file as written.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     /// The instance's name, unique among the site's accounting instances.
@@ -53,11 +53,12 @@ pub struct FileConfig {
 }
 
 /// The settings the service runs with, defaults filled in.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Settings {
     /// The instance's name.
     pub name: String,
     /// The database URL.
+    #[serde(serialize_with = "rfaas_service::config::redacted")]
     pub database: String,
     /// The region file.
     pub region_file: PathBuf,
@@ -72,18 +73,32 @@ pub struct Settings {
     /// The metrics address.
     pub metrics_listen: String,
     /// Flush period.
+    #[serde(
+        rename = "flush_interval_ms",
+        serialize_with = "rfaas_proto::check::millis"
+    )]
     pub flush_interval: Duration,
     /// Snapshot period.
+    #[serde(
+        rename = "snapshot_interval_ms",
+        serialize_with = "rfaas_proto::check::millis"
+    )]
     pub snapshot_interval: Duration,
     /// Hold of an ended lease's slot.
+    #[serde(rename = "slot_hold_s", serialize_with = "rfaas_proto::check::seconds")]
     pub slot_hold: Duration,
     /// The rates file.
     pub billing_config: PathBuf,
     /// Hello deadline.
+    #[serde(
+        rename = "hello_timeout_ms",
+        serialize_with = "rfaas_proto::check::millis"
+    )]
     pub hello_timeout: Duration,
     /// The manager's public key files (at least one).
     pub lease_keys: Vec<PathBuf>,
     /// The configuration directory the defaults came from.
+    #[serde(skip)]
     pub config_dir: ConfigDir,
 }
 
@@ -228,11 +243,11 @@ mod tests {
     #[test]
     fn the_example_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("accounting.example.toml");
-        let s = FileConfig::load(&path)
-            .unwrap()
-            .settings(&ConfigDir::default())
-            .unwrap();
-        assert_eq!(s.name, "acct1");
+        let file = FileConfig::load(&path).unwrap();
+        let set = rfaas_proto::check::keys_set(&file);
+        assert!(set.is_empty(), "as shipped it sets nothing: {set:?}");
+        let s = file.settings(&ConfigDir::default()).unwrap();
+        assert_eq!(Some(s.name), hostname(), "the host's name");
         assert_eq!(s.slots, 4096);
         assert_eq!(s.provider, "tcp");
         assert_eq!(s.metrics_listen, "127.0.0.1:7410");

@@ -156,15 +156,33 @@ fn remove_stale_socket(provider: &str, addr: &str) {
     }
 }
 
-/// Starts the service with `settings`.
-pub async fn start(settings: Settings) -> anyhow::Result<Running> {
-    let (rates, budgets) = load_billing(&settings.billing_config, &settings.config_dir)?;
-    let lease_keys = read_lease_keys(&settings.lease_keys).with_context(|| {
+/// Every reason the service with `settings` would not start that the
+/// files it reads first show (billing configuration, the manager's public
+/// keys), read as [`start`] reads them; for `--check-config`. Opens no
+/// database and binds nothing.
+pub fn check_files(settings: &Settings) -> Vec<String> {
+    [
+        load_billing(&settings.billing_config, &settings.config_dir).map(drop),
+        lease_keys(settings).map(drop),
+    ]
+    .into_iter()
+    .filter_map(|r| r.err().map(|e| format!("{e:#}")))
+    .collect()
+}
+
+fn lease_keys(settings: &Settings) -> anyhow::Result<rfaas_proto::lease::LeaseKeys> {
+    read_lease_keys(&settings.lease_keys).with_context(|| {
         format!(
             "read the manager's public keys, which check executor daemons' accounting tickets ({})",
             settings.config_dir.hint(&["lease_keys in accounting.toml"])
         )
-    })?;
+    })
+}
+
+/// Starts the service with `settings`.
+pub async fn start(settings: Settings) -> anyhow::Result<Running> {
+    let (rates, budgets) = load_billing(&settings.billing_config, &settings.config_dir)?;
+    let lease_keys = lease_keys(&settings)?;
     let started_ms = rfaas_service::now_ms();
     let metrics = Arc::new(Metrics::new(started_ms));
     let (http_listener, metrics_addr) = metrics::bind(&settings.metrics_listen)

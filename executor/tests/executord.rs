@@ -1194,19 +1194,10 @@ fn a_token_signed_with_another_key_is_refused_as_forged() {
 #[test]
 fn the_example_configuration_parses() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("rfaas-executord.example.toml");
+    // As shipped it sets nothing: every node may use it unchanged.
     let config = Config::load(&path).unwrap();
-    let s = config.resolve().unwrap();
-    assert_eq!(s.node_name, "node001");
-    assert_eq!(s.cpus, [0, 1]);
-    assert_eq!(s.providers, ["tcp", "shm"]);
-    let m = s.manager.as_ref().unwrap();
-    assert_eq!(m.urls, ["https://manager1:7300", "https://manager2:7300"]);
-    assert_eq!(m.max_backoff_ms, 30_000);
-    let slurm = s.slurm.as_ref().unwrap();
-    assert_eq!(slurm.node, "node001");
-    assert_eq!(slurm.reconcile_interval_ms, 5000);
-    // Every key is documented (worker_path commented out: its default
-    // depends on where the daemon is installed).
+    assert_eq!(config, Config::default(), "the example sets no key");
+    // Every key is documented, commented out.
     let text = std::fs::read_to_string(&path).unwrap();
     for key in [
         "node_name",
@@ -1216,6 +1207,8 @@ fn the_example_configuration_parses() {
         "cpus",
         "pin",
         "memory_mib",
+        "reserve_cpus",
+        "reserve_memory_mib",
         "lease_keys",
         "local_socket",
         "runtime_dir",

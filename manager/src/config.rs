@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use rfaas_proto::files::{ConfigDir, ADMIN_TOKEN, LEASE_KEY_SECRET};
 use rfaas_service::config::{load_toml, parse_toml, ConfigError};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::slurm::SlurmSettings;
 
@@ -15,7 +15,7 @@ use crate::slurm::SlurmSettings;
 pub const DEFAULT_ACCOUNTING_LOST_AFTER_MS: u64 = 10_000;
 
 /// The configuration file as written.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     /// `host:port` the REST API listens on.
@@ -70,7 +70,7 @@ pub struct FileConfig {
 }
 
 /// `[http]`: how long a connection may take and how many there may be.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct HttpConfig {
     /// The TLS handshake must end within this, ms (default 10000).
@@ -90,7 +90,7 @@ pub struct HttpConfig {
 
 /// `[slurm]`: how the manager asks Slurm about the jobs nodes speak for
 /// ([`crate::slurm`]).
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SlurmConfig {
     /// The `squeue` program (default: `squeue` from `PATH`).
@@ -115,7 +115,7 @@ pub struct SlurmConfig {
 }
 
 /// The checked `[http]` table and TLS files.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HttpSettings {
     /// HTTPS with this certificate chain and key, or plain HTTP.
     pub tls: Option<(PathBuf, PathBuf)>,
@@ -133,7 +133,7 @@ pub struct HttpSettings {
 }
 
 /// `[accounting]`: how grants use the accounting services' billing slots.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct AccountingConfig {
     /// An accounting instance whose heartbeat (`last_heartbeat_ms`) is
@@ -146,7 +146,7 @@ pub struct AccountingConfig {
 }
 
 /// The checked `[accounting]` table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct AccountingSettings {
     /// Instances silent for longer are not used, ms.
     pub lost_after_ms: u64,
@@ -155,7 +155,7 @@ pub struct AccountingSettings {
 }
 
 /// `[quota]`: a cap on the cores an account holds at once.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct QuotaConfig {
     /// The cap for accounts not listed (0: no cap).
@@ -179,11 +179,12 @@ impl QuotaConfig {
 }
 
 /// The settings the manager runs with, defaults filled in.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Settings {
     /// `host:port` the REST API listens on.
     pub listen: String,
     /// The database URL.
+    #[serde(serialize_with = "rfaas_service::config::redacted")]
     pub database: String,
     /// The admin token's file.
     pub admin_token_file: PathBuf,
@@ -212,6 +213,7 @@ pub struct Settings {
     /// HTTPS, timeouts and connection caps of the REST port.
     pub http: HttpSettings,
     /// The configuration directory the defaults came from.
+    #[serde(skip)]
     pub config_dir: ConfigDir,
 }
 
@@ -391,12 +393,12 @@ mod tests {
     #[test]
     fn the_example_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("manager.example.toml");
-        let s = FileConfig::load(&path)
-            .unwrap()
-            .settings(&ConfigDir::default())
-            .unwrap();
+        let file = FileConfig::load(&path).unwrap();
+        let set = rfaas_proto::check::keys_set(&file);
+        assert!(set.is_empty(), "as shipped it sets nothing: {set:?}");
+        let s = file.settings(&ConfigDir::default()).unwrap();
         assert!(s.database.starts_with("sqlite:"));
-        assert_eq!(s.quota.cap("physics"), Some(64));
+        assert_eq!(s.quota.cap("physics"), None, "an example, commented out");
         assert_eq!(s.quota.cap("anyone"), None);
         assert_eq!(
             s.accounting,

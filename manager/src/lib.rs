@@ -132,25 +132,55 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every reason a replica with `settings` would not start that the files
+/// it reads first show (admin token, lease signing key, HTTPS
+/// certificate), read as [`start`] reads them; for `--check-config`. Opens
+/// no database and binds nothing.
+pub fn check_files(settings: &Settings) -> Vec<String> {
+    [
+        read_admin(settings).map(drop),
+        load_signer(settings).map(drop),
+        load_tls(settings).map(drop),
+    ]
+    .into_iter()
+    .filter_map(|r| r.err().map(|e| format!("{e:#}")))
+    .collect()
+}
+
+fn read_admin(settings: &Settings) -> anyhow::Result<String> {
+    auth::read_admin_token(&settings.admin_token_file).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}; {}",
+            settings
+                .config_dir
+                .hint(&["--admin-token-file", "admin_token_file in manager.toml"])
+        )
+    })
+}
+
+fn load_signer(settings: &Settings) -> anyhow::Result<Signer> {
+    Signer::load(&settings.lease_key_file).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}; {}",
+            settings
+                .config_dir
+                .hint(&["--lease-key-file", "lease_key_file in manager.toml"])
+        )
+    })
+}
+
+fn load_tls(settings: &Settings) -> anyhow::Result<serve::Tls> {
+    serve::Tls::load(&settings.http)
+        .context("load the HTTPS certificate (tls_cert and tls_key in manager.toml, or --tls-cert and --tls-key)")
+}
+
 /// Opens the database, loads the keys, starts the background tasks and
 /// serves the API on `settings.listen`.
 pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     log_descriptor_limit(rfaas_service::limits::raise_descriptor_limit());
-    let dir = &settings.config_dir;
-    let admin = auth::read_admin_token(&settings.admin_token_file).map_err(|e| {
-        anyhow::anyhow!(
-            "{e}; {}",
-            dir.hint(&["--admin-token-file", "admin_token_file in manager.toml"])
-        )
-    })?;
-    let signer = Signer::load(&settings.lease_key_file).map_err(|e| {
-        anyhow::anyhow!(
-            "{e}; {}",
-            dir.hint(&["--lease-key-file", "lease_key_file in manager.toml"])
-        )
-    })?;
-    let tls = serve::Tls::load(&settings.http)
-        .context("load the HTTPS certificate (tls_cert and tls_key in manager.toml, or --tls-cert and --tls-key)")?;
+    let admin = read_admin(&settings)?;
+    let signer = load_signer(&settings)?;
+    let tls = load_tls(&settings)?;
     let max_connections = serve::connection_cap(settings.http.max_connections);
     let backend = Backend::of(&settings.database);
     let pool = db::open_and_migrate(&settings.database, settings.max_connections)

@@ -38,7 +38,7 @@ const AT_ONCE: usize = 4;
 const COORDINATOR_READS_AT_ONCE: usize = 2;
 
 /// How the manager asks Slurm (`[slurm]` in `manager.toml`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct SlurmSettings {
     /// The `squeue` program.
     pub squeue: PathBuf,

@@ -18,6 +18,8 @@
 //!   form).
 //! - [`files`]: the configuration directory (`/etc/rfaas`) and the names
 //!   of the files in it that rfaas's programs share.
+//! - [`check`]: what every daemon's `--check-config` prints: settings
+//!   with their sources, problems, the verdict.
 //! - [`hostlist`]: Slurm's host lists (`node[1-3]`), as its hooks and
 //!   `scontrol` name nodes.
 //! - [`control`]: the control channel, JSON messages behind a 16-byte
@@ -139,6 +141,7 @@
 #![warn(missing_docs)]
 
 pub mod accounting;
+pub mod check;
 pub mod control;
 pub mod error;
 pub mod files;

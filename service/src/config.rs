@@ -76,3 +76,8 @@ pub fn init_logging(verbose: u8) {
         .with_ansi(false)
         .init();
 }
+
+/// Serializes a database URL without its password, for `--check-config`.
+pub fn redacted<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::db::redact(url))
+}

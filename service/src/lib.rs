@@ -17,7 +17,8 @@
 //!   owner per table, their runner and check, and the PostgreSQL roles
 //!   of each component with their grants ([`schema::roles_sql`]).
 //! - [`budgets`]: the one write path of the `budgets` table.
-//! - [`config`]: loading a program's TOML file, its errors, and logging.
+//! - [`config`]: loading a program's TOML file, its errors, logging, and
+//!   the database URL as `--check-config` shows it (no password).
 //! - [`credentials`]: credential hashing and the node-credential check the
 //!   accounting service makes against the manager's `credentials` table;
 //!   private files.

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use rfaas_accounting::config::FileConfig;
+use rfaas_proto::check;
 use rfaas_proto::files::{ConfigDir, ACCOUNTING_TOML};
 use rfaas_service::config;
 
@@ -59,6 +60,13 @@ struct Args {
     /// [default: lease-keys.pub in the configuration directory].
     #[arg(long = "lease-keys", value_name = "FILE")]
     lease_keys: Option<Vec<PathBuf>>,
+    /// Load the configuration as the service would, print each setting
+    /// and where it came from (file, flag, default), check the files it
+    /// would read (billing configuration, the manager's public keys), and
+    /// exit: 0 when it would start, 1 with the reasons when not. Opens no
+    /// database and binds nothing.
+    #[arg(long)]
+    check_config: bool,
     /// Log more (-v: debug).
     #[arg(long, short, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -71,30 +79,10 @@ fn main() -> anyhow::Result<()> {
         rfaas_service::db::refuse_password_in_argument(url, "--database")
             .map_err(anyhow::Error::msg)?;
     }
-    let dir = ConfigDir::resolve(args.config_dir.as_deref());
-    let mut file: FileConfig =
-        config::load_or_default(args.config.as_deref(), &dir, ACCOUNTING_TOML)?;
-    macro_rules! overrides {
-        ($($field:ident),*) => {
-            $(if args.$field.is_some() {
-                file.$field = args.$field;
-            })*
-        };
+    if args.check_config {
+        std::process::exit(check_config(&args));
     }
-    overrides!(
-        name,
-        database,
-        region_file,
-        slots,
-        provider,
-        listen,
-        advertise,
-        metrics_listen,
-        flush_interval_ms,
-        billing_config,
-        lease_keys
-    );
-    let settings = file.settings(&dir)?;
+    let settings = configure(&args)?.2;
     // Every accepted daemon holds a connection and a completion queue (a
     // few descriptors each).
     let _ = rfaas_service::limits::raise_descriptor_limit();
@@ -117,4 +105,45 @@ fn main() -> anyhow::Result<()> {
         tracing::info!("stopping");
         running.stop().await
     })
+}
+
+/// The file as read, the flags given, and the settings the service runs
+/// with.
+fn configure(
+    args: &Args,
+) -> anyhow::Result<(
+    FileConfig,
+    Vec<&'static str>,
+    rfaas_accounting::config::Settings,
+)> {
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
+    let read: FileConfig = config::load_or_default(args.config.as_deref(), &dir, ACCOUNTING_TOML)?;
+    let mut file = read.clone();
+    let mut flags = Vec::new();
+    rfaas_proto::flag_overrides!(
+        args, file, flags;
+        name,
+        database,
+        region_file,
+        slots,
+        provider,
+        listen,
+        advertise,
+        metrics_listen,
+        flush_interval_ms,
+        billing_config,
+        lease_keys
+    );
+    Ok((read, flags, file.settings(&dir)?))
+}
+
+/// `--check-config`: prints the report, returns the exit status.
+fn check_config(args: &Args) -> i32 {
+    let loaded = configure(args).map_err(|e| format!("{e:#}"));
+    check::run(
+        "rfaas-accounting",
+        loaded,
+        |_, _| None,
+        rfaas_accounting::service::check_files,
+    )
 }

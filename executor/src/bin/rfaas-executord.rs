@@ -1,14 +1,17 @@
 //! `rfaas-executord`: the rfaas node daemon. Reads one TOML file
 //! (`--config`), lets flags override it, binds, prints one line
 //! `rfaas-executord ready control=<addr> local=<path>` to stdout, then logs
-//! to stderr and serves until SIGTERM or SIGINT.
+//! to stderr and serves until SIGTERM or SIGINT. With `--check-config` it
+//! prints the settings it would run with and where each came from, checks
+//! the files it would read, and exits (0: it would start; 1: why not).
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use rfaas_executor::daemon::{Config, Daemon, Sandbox};
+use rfaas_executor::daemon::{Config, Daemon, Sandbox, Settings};
+use rfaas_proto::check;
 use rfaas_proto::files::ConfigDir;
 
 /// The rfaas node daemon: validates lease tokens, runs and supervises
@@ -34,7 +37,8 @@ struct Args {
     /// [default: /etc/rfaas].
     #[arg(long, value_name = "DIR")]
     config_dir: Option<PathBuf>,
-    /// This node's name, as lease tokens name it [default: the host name].
+    /// This node's name, as lease tokens name it [default: slurmd -C's
+    /// NodeName, else the short host name].
     #[arg(long)]
     node_name: Option<String>,
     /// TCP address clients allocate on; port 0 picks a free one, which the
@@ -42,7 +46,8 @@ struct Args {
     #[arg(long, value_name = "HOST:PORT")]
     control_listen: Option<String>,
     /// Address workers listen on for the tcp provider: this node's address
-    /// on the network clients reach it by [default: 127.0.0.1, this
+    /// on the network clients reach it by [default: the local address of
+    /// the route to the first manager; without [manager], 127.0.0.1, this
     /// machine only].
     #[arg(long, value_name = "HOST")]
     fabric_host: Option<String>,
@@ -51,15 +56,16 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     providers: Option<Vec<String>>,
     /// CPUs allocations may use, as a cpulist such as 0-3,8; keep the cores
-    /// the system and Slurm jobs need out of it [default: every online CPU].
+    /// the system needs out of it [default: the online CPUs, as many as
+    /// slurmd -C counts, less reserve_cpus].
     #[arg(long, value_name = "CPULIST")]
     cpus: Option<String>,
     /// Pin each lane to one granted CPU; with false, --cpus only bounds how
     /// many lanes run [default: true].
     #[arg(long)]
     pin: Option<bool>,
-    /// Memory all allocations together may hold, MiB [default: the
-    /// machine's memory].
+    /// Memory all allocations together may hold, MiB [default: slurmd -C's
+    /// RealMemory, else the machine's, less reserve_memory_mib].
     #[arg(long)]
     memory_mib: Option<u32>,
     /// A file of public keys lease tokens are checked with: the managers'
@@ -88,18 +94,75 @@ struct Args {
     /// trace [default: info].
     #[arg(long, value_name = "LEVEL")]
     log_level: Option<String>,
+    /// Load the configuration as the daemon would, work out every value
+    /// the host supplies, print each setting and where it came from
+    /// (file, flag, default, or discovered: slurmd -C, hostname, route,
+    /// kernel), check the files it would read, and exit: 0 when it would
+    /// start, 1 with the reasons when not. Binds nothing, connects to no
+    /// manager, starts no worker.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let dir = ConfigDir::resolve(args.config_dir.as_deref());
-    let mut config = Config::load_or_default(args.config.as_deref(), &dir)?;
-    macro_rules! flag {
-        ($($field:ident),*) => {
-            $(if let Some(v) = args.$field.clone() { config.$field = Some(v); })*
-        };
+    if args.check_config {
+        std::process::exit(check_config(&args));
     }
-    flag!(
+    let (_, _, settings) = configure(&args)?;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(settings.log_level)
+        .with_ansi(false)
+        .init();
+    let source = |key| {
+        settings
+            .sources
+            .get(key)
+            .map_or("configured".into(), |s| s.to_string())
+    };
+    tracing::info!(
+        node = %settings.node_name,
+        node_source = %source("node_name"),
+        fabric_host = %settings.fabric_host,
+        fabric_host_source = %source("fabric_host"),
+        cpus = %rfaas_executor::daemon::config::format_cpulist(&settings.cpus),
+        cpus_source = %source("cpus"),
+        pin = settings.pin,
+        memory_mib = settings.memory_mib,
+        memory_source = %source("memory_mib"),
+        providers = ?settings.providers,
+        pool_size = settings.pool_size,
+        sandbox = ?settings.sandbox,
+        "starting"
+    );
+    for note in &settings.notes {
+        tracing::warn!("{note}");
+    }
+    let daemon = Daemon::bind(settings).context("rfaas-executord cannot start")?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "rfaas-executord ready control={} local={}",
+        daemon.control_addr(),
+        daemon.local_socket().display()
+    )
+    .and_then(|()| out.flush())
+    .context("cannot write the ready line to stdout")?;
+    drop(out);
+    daemon.run().context("rfaas-executord failed")?;
+    Ok(())
+}
+
+/// The file as read (for where values came from), the flags given, and
+/// the settings the daemon runs with.
+fn configure(args: &Args) -> anyhow::Result<(Config, Vec<&'static str>, Settings)> {
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
+    let file = Config::load_or_default(args.config.as_deref(), &dir)?;
+    let mut config = file.clone();
+    let mut flags = Vec::new();
+    rfaas_proto::flag_overrides!(
+        args, config, flags;
         node_name,
         control_listen,
         fabric_host,
@@ -116,32 +179,21 @@ fn main() -> anyhow::Result<()> {
         log_level
     );
     let settings = config.resolve_in(&dir)?;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(settings.log_level)
-        .with_ansi(false)
-        .init();
-    tracing::info!(
-        node = %settings.node_name,
-        cpus = %rfaas_executor::daemon::config::format_cpulist(&settings.cpus),
-        pin = settings.pin,
-        memory_mib = settings.memory_mib,
-        providers = ?settings.providers,
-        pool_size = settings.pool_size,
-        sandbox = ?settings.sandbox,
-        "starting"
-    );
-    let daemon = Daemon::bind(settings).context("rfaas-executord cannot start")?;
-    let mut out = std::io::stdout().lock();
-    writeln!(
-        out,
-        "rfaas-executord ready control={} local={}",
-        daemon.control_addr(),
-        daemon.local_socket().display()
+    Ok((file, flags, settings))
+}
+
+/// `--check-config`: prints the report, returns the exit status.
+fn check_config(args: &Args) -> i32 {
+    let loaded = configure(args).map_err(|e| format!("{e:#}"));
+    check::run(
+        "rfaas-executord",
+        loaded,
+        |s: &Settings, key: &str| s.sources.get(key).map(ToString::to_string),
+        |s: &Settings| {
+            for note in &s.notes {
+                eprintln!("warning: {note}");
+            }
+            rfaas_executor::daemon::check_files(s)
+        },
     )
-    .and_then(|()| out.flush())
-    .context("cannot write the ready line to stdout")?;
-    drop(out);
-    daemon.run().context("rfaas-executord failed")?;
-    Ok(())
 }

@@ -2,19 +2,23 @@
 //! `rfaas-executord.example.toml`), defaults for what it leaves out, and
 //! [`Config::resolve`], which turns it into checked [`Settings`].
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+
+use super::host::{self, Source};
 
 use rfaas_proto::files::{
     self, ConfigDir, Unreadable, EXECUTORD_TOML, LEASE_KEYS_PUB, NODE_CREDENTIAL,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The configuration file as written: every key optional.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// This node's name as lease tokens name it (default: the host name).
+    /// This node's name as lease tokens name it (default: `slurmd -C`'s
+    /// `NodeName`, else the short host name).
     pub node_name: Option<String>,
     /// TCP address of the control listener (default `0.0.0.0:7100`).
     pub control_listen: Option<String>,
@@ -26,19 +30,28 @@ pub struct Config {
     /// With a certificate, whether plain connections are refused (default
     /// true).
     pub require_control_tls: Option<bool>,
-    /// Host workers listen on for the `tcp` provider (default `127.0.0.1`).
+    /// Host workers listen on for the `tcp` provider (default: the local
+    /// address of the route to the first manager, else `127.0.0.1`).
     pub fabric_host: Option<String>,
     /// Fabric providers served (default `["tcp", "shm"]`).
     pub providers: Option<Vec<String>>,
-    /// CPUs granted to allocations, as a cpulist (default: every online CPU).
+    /// CPUs granted to allocations, as a cpulist (default: the online CPUs,
+    /// as many as `slurmd -C` counts, less `reserve_cpus`).
     pub cpus: Option<String>,
+    /// CPUs kept for the system when `cpus` is not set: the
+    /// highest-numbered ones (default 0).
+    pub reserve_cpus: Option<u32>,
     /// Whether lanes are pinned to the granted CPUs (default true).
     pub pin: Option<bool>,
     /// Refuse to start unless every allocation can have its own cgroup
     /// (default false: run without, and say so).
     pub enforce_isolation: Option<bool>,
-    /// Memory granted to allocations, MiB (default: the machine's memory).
+    /// Memory granted to allocations, MiB (default: `slurmd -C`'s
+    /// `RealMemory`, else `MemTotal`, less `reserve_memory_mib`).
     pub memory_mib: Option<u32>,
+    /// Memory kept for the system when `memory_mib` is not set, MiB
+    /// (default 1024).
+    pub reserve_memory_mib: Option<u32>,
     /// Files of the public keys lease tokens are checked with (default
     /// `["/etc/rfaas/lease-keys.pub"]`).
     pub lease_keys: Option<Vec<PathBuf>>,
@@ -108,7 +121,7 @@ pub struct Config {
 /// The `[slurm]` table: where the daemon reads Slurm's view of this node
 /// (`scontrol -d -o show job`), to take back only a job's own CPUs and to
 /// reconcile with Slurm what its prolog or epilog did not say.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SlurmConfig {
     /// This node's name in Slurm (default: `node_name`).
@@ -135,7 +148,7 @@ pub struct SlurmConfig {
 }
 
 /// How Slurm's CPU ids on this node name the daemon's CPUs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum CpuMap {
     /// Slurm CPU id i is the i-th CPU of `cpus` (ascending).
     Index,
@@ -165,7 +178,7 @@ impl CpuMap {
 }
 
 /// The checked `[slurm]` table.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SlurmSettings {
     /// This node's Slurm name.
     pub node: String,
@@ -236,7 +249,7 @@ impl SlurmConfig {
 /// The `[billing]` table. The daemon posts the usage of every lease whose
 /// token names an accounting slot, with the node credential of
 /// `[manager]`; without `[manager]` it posts nothing.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BillingConfig {
     /// Post a lease's usage at most this often, ms (default 1000).
@@ -253,7 +266,7 @@ pub struct BillingConfig {
 }
 
 /// The checked `[billing]` table.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BillingSettings {
     /// ms.
     pub granularity_ms: u64,
@@ -302,7 +315,7 @@ impl BillingConfig {
 }
 
 /// The `[manager]` table: where to register and heartbeat.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ManagerConfig {
     /// Base URLs of the manager replicas (`https://host:port`; plain
@@ -332,7 +345,7 @@ pub struct ManagerConfig {
 }
 
 /// The checked `[manager]` table.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ManagerSettings {
     /// Manager base URLs, without a trailing slash.
     pub urls: Vec<String>,
@@ -409,7 +422,7 @@ impl ManagerConfig {
 }
 
 /// How workers are isolated beyond their uid, pinning and memory limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Sandbox {
     /// Workers see the node's file system (as their user).
@@ -449,7 +462,7 @@ pub enum ConfigError {
 
 /// TLS on the control port: the certificate and key files (reloaded on
 /// SIGHUP), and whether a client that does not start TLS is refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ControlTls {
     /// The certificate chain, PEM.
     pub cert: PathBuf,
@@ -460,7 +473,7 @@ pub struct ControlTls {
 }
 
 /// The checked configuration the daemon runs with.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Settings {
     /// This node's name.
     pub node_name: String,
@@ -473,6 +486,7 @@ pub struct Settings {
     /// Providers served.
     pub providers: Vec<String>,
     /// CPUs (or logical slots when `pin` is false), ascending.
+    #[serde(serialize_with = "cpulist")]
     pub cpus: Vec<u32>,
     /// Whether lanes are pinned.
     pub pin: bool,
@@ -528,6 +542,7 @@ pub struct Settings {
     /// Allocation threads.
     pub request_threads: u32,
     /// Log level.
+    #[serde(serialize_with = "shown")]
     pub log_level: tracing::Level,
     /// The `/metrics` and `/healthz` listener, when configured.
     pub metrics_listen: Option<SocketAddr>,
@@ -538,7 +553,16 @@ pub struct Settings {
     /// Slurm's view of this node, when configured.
     pub slurm: Option<SlurmSettings>,
     /// The configuration directory the default files came from.
+    #[serde(skip)]
     pub config_dir: ConfigDir,
+    /// Where the values the host supplied came from (`node_name`,
+    /// `fabric_host`, `cpus`, `memory_mib`), for the start's log and
+    /// `--check-config`.
+    #[serde(skip)]
+    pub sources: BTreeMap<&'static str, Source>,
+    /// What the daemon fell back on, for a warning at start.
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
 
 /// The default place of the node tools' socket (one definition, in
@@ -577,26 +601,62 @@ impl Config {
         self.resolve_in(&ConfigDir::default())
     }
 
-    /// Fills in defaults (files in `dir`) and checks every value.
+    /// Fills in defaults (files in `dir`, the rest from this host) and
+    /// checks every value.
     pub fn resolve_in(&self, dir: &ConfigDir) -> Result<Settings, ConfigError> {
+        self.resolve_with(dir, &host::System::default())
+    }
+
+    /// Fills in defaults (files in `dir`, the rest from what `probe` says
+    /// of the host) and checks every value.
+    pub fn resolve_with(
+        &self,
+        dir: &ConfigDir,
+        probe: &dyn host::Probe,
+    ) -> Result<Settings, ConfigError> {
         let invalid =
             |key: &'static str, value: &dyn std::fmt::Debug, why: &str| ConfigError::Invalid {
                 key,
                 value: format!("{value:?}"),
                 why: why.to_owned(),
             };
-        let node_name = match &self.node_name {
-            Some(n) if n.trim().is_empty() => {
+        let mut sources = BTreeMap::new();
+        let mut notes = Vec::new();
+        let mut slurmd = || match probe.slurmd() {
+            Some(Ok(node)) => Some(node),
+            Some(Err(e)) => {
+                notes.push(format!(
+                    "slurmd -C gave nothing usable ({e}); the kernel's view is used"
+                ));
+                None
+            }
+            None => None,
+        };
+        let node = if self.node_name.is_none() || self.cpus.is_none() || self.memory_mib.is_none() {
+            slurmd()
+        } else {
+            None
+        };
+        let node_name = match (&self.node_name, &node) {
+            (Some(n), _) if n.trim().is_empty() => {
                 return Err(invalid("node_name", n, "it must not be empty"))
             }
-            Some(n) => n.clone(),
-            None => hostname().map_err(|e| {
-                invalid(
-                    "node_name",
-                    &"",
-                    &format!("the host name cannot be read ({e}); set node_name"),
-                )
-            })?,
+            (Some(n), _) => n.clone(),
+            (None, Some(node)) => {
+                sources.insert("node_name", Source::Slurmd);
+                node.name.clone()
+            }
+            (None, None) => {
+                sources.insert("node_name", Source::Hostname);
+                let name = probe.hostname().map_err(|e| {
+                    invalid(
+                        "node_name",
+                        &"",
+                        &format!("the host name cannot be read ({e}); set node_name"),
+                    )
+                })?;
+                host::short_name(&name).to_owned()
+            }
         };
         // The host name too: it must be a name the managers take.
         rfaas_proto::node_name::check(&node_name).map_err(|e| {
@@ -658,7 +718,15 @@ impl Config {
         }
         let cpus = match &self.cpus {
             Some(list) => parse_cpulist(list).map_err(|why| invalid("cpus", list, &why))?,
-            None => online_cpus(),
+            None => {
+                sources.insert(
+                    "cpus",
+                    node.as_ref().map_or(Source::Machine, |_| Source::Slurmd),
+                );
+                let reserve = self.reserve_cpus.unwrap_or(0);
+                host::lent_cpus(&probe.online_cpus(), node.as_ref().map(|n| n.cpus), reserve)
+                    .map_err(|why| invalid("reserve_cpus", &reserve, &why))?
+            }
         };
         if cpus.is_empty() {
             return Err(invalid("cpus", &self.cpus, "grant at least one CPU"));
@@ -674,7 +742,18 @@ impl Config {
         let memory_mib = match self.memory_mib {
             Some(0) => return Err(invalid("memory_mib", &0, "grant at least 1 MiB")),
             Some(m) => m,
-            None => machine_memory_mib(),
+            None => {
+                let (total, source) = match &node {
+                    Some(n) => (n.real_memory_mib, Source::Slurmd),
+                    None => (probe.memory_mib(), Source::Machine),
+                };
+                sources.insert("memory_mib", source);
+                let reserve = self
+                    .reserve_memory_mib
+                    .unwrap_or(DEFAULT_RESERVE_MEMORY_MIB);
+                host::lent_memory_mib(total, reserve)
+                    .map_err(|why| invalid("reserve_memory_mib", &reserve, &why))?
+            }
         };
         let max_library_mib = self.max_library_mib.unwrap_or(64);
         if max_library_mib == 0 || max_library_mib > 4095 {
@@ -762,6 +841,28 @@ impl Config {
                 "name at least one public key file (the manager's); with none every lease is refused",
             ));
         }
+        let manager = self.manager.as_ref().map(|m| m.resolve(dir)).transpose()?;
+        let fabric_host = match (&self.fabric_host, &manager) {
+            (Some(h), _) => h.clone(),
+            (None, None) => "127.0.0.1".to_owned(),
+            (None, Some(m)) => {
+                let first = &m.urls[0];
+                match url_host_port(first).and_then(|(h, p)| probe.route_to(&h, p)) {
+                    Ok(ip) => {
+                        sources.insert("fabric_host", Source::Route);
+                        ip.to_string()
+                    }
+                    Err(e) => {
+                        notes.push(format!(
+                            "no route to the manager {first} ({e}): workers listen on 127.0.0.1, \
+                             which only clients on this node reach; set fabric_host to this \
+                             node's address on the cluster network"
+                        ));
+                        "127.0.0.1".to_owned()
+                    }
+                }
+            }
+        };
         let level = self.log_level.as_deref().unwrap_or("info");
         let log_level: tracing::Level = level
             .parse()
@@ -769,10 +870,7 @@ impl Config {
         Ok(Settings {
             control_listen,
             control_tls,
-            fabric_host: self
-                .fabric_host
-                .clone()
-                .unwrap_or_else(|| "127.0.0.1".into()),
+            fabric_host,
             providers,
             cpus,
             pin: self.pin.unwrap_or(true),
@@ -817,7 +915,7 @@ impl Config {
             request_threads: request_threads as u32,
             log_level,
             metrics_listen,
-            manager: self.manager.as_ref().map(|m| m.resolve(dir)).transpose()?,
+            manager,
             billing: self
                 .billing
                 .as_ref()
@@ -831,9 +929,16 @@ impl Config {
                 .transpose()?,
             node_name,
             config_dir: dir.clone(),
+            sources,
+            notes,
         })
     }
 }
+
+/// Memory kept for the system when `memory_mib` is not set, MiB: room for
+/// the kernel, slurmd, this daemon and the page cache of a node whose
+/// Slurm jobs take the rest.
+pub const DEFAULT_RESERVE_MEMORY_MIB: u32 = 1024;
 
 /// The system's account policy, read for `UID_MIN`.
 const LOGIN_DEFS: &str = "/etc/login.defs";
@@ -934,38 +1039,30 @@ pub fn format_cpulist(cpus: &[u32]) -> String {
     out.join(",")
 }
 
-fn online_cpus() -> Vec<u32> {
-    std::fs::read_to_string("/sys/devices/system/cpu/online")
-        .ok()
-        .and_then(|s| parse_cpulist(s.trim()).ok())
-        .filter(|c| !c.is_empty())
-        .unwrap_or_else(|| {
-            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (0..n as u32).collect()
-        })
+fn cpulist<S: serde::Serializer>(cpus: &[u32], s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format_cpulist(cpus))
 }
 
-fn machine_memory_mib() -> u32 {
-    let kib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .unwrap_or(1 << 20);
-    u32::try_from(kib / 1024).unwrap_or(u32::MAX)
+fn shown<S: serde::Serializer>(v: &impl std::fmt::Display, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
 }
 
-/// The host name (`gethostname`).
-pub fn hostname() -> std::io::Result<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is writable for its whole length.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    Ok(String::from_utf8_lossy(&buf[..len]).into_owned())
+/// The host and port of manager URL `url` (checked, `scheme://host[:port]`).
+fn url_host_port(url: &str) -> std::io::Result<(String, u16)> {
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidInput, "not scheme://host:port");
+    let (scheme, rest) = url.split_once("://").ok_or_else(bad)?;
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let default = if scheme == "https" { 443 } else { 80 };
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !p.contains(']') => (h, p.parse().map_err(|_| bad())?),
+        _ => (authority, default),
+    };
+    Ok((
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned(),
+        port,
+    ))
 }
 
 fn default_worker_path() -> std::io::Result<PathBuf> {
@@ -976,6 +1073,153 @@ fn default_worker_path() -> std::io::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A host with fixed answers; counts how often slurmd is asked.
+    struct Fixed {
+        slurmd: Option<host::SlurmdNode>,
+        route: Option<std::net::IpAddr>,
+        asked: std::cell::Cell<u32>,
+    }
+
+    impl host::Probe for Fixed {
+        fn slurmd(&self) -> Option<Result<host::SlurmdNode, String>> {
+            self.asked.set(self.asked.get() + 1);
+            self.slurmd.clone().map(Ok)
+        }
+        fn hostname(&self) -> std::io::Result<String> {
+            Ok("cn08.cluster.example".into())
+        }
+        fn route_to(&self, host: &str, port: u16) -> std::io::Result<std::net::IpAddr> {
+            assert_eq!((host, port), ("manager1", 7300), "the first manager's");
+            self.route
+                .ok_or_else(|| std::io::Error::other("network is unreachable"))
+        }
+        fn online_cpus(&self) -> Vec<u32> {
+            (0..8).collect()
+        }
+        fn memory_mib(&self) -> u64 {
+            16_000
+        }
+    }
+
+    fn fixed(slurmd: bool, route: bool) -> Fixed {
+        Fixed {
+            slurmd: slurmd.then(|| host::SlurmdNode {
+                name: "cn07".into(),
+                cpus: 4,
+                real_memory_mib: 8192,
+            }),
+            route: route.then(|| [10, 1, 0, 17].into()),
+            asked: 0.into(),
+        }
+    }
+
+    /// The shipped example with `[manager]` and its `urls` uncommented:
+    /// what an admin changes on every node.
+    fn example_with_manager() -> Config {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("rfaas-executord.example.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        let text: String = text
+            .lines()
+            .map(|l| match l {
+                "# [manager]" => "[manager]",
+                l if l.starts_with("# urls = ") => &l[2..],
+                l => l,
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        Config::parse(&text).unwrap()
+    }
+
+    #[test]
+    fn the_example_with_a_manager_url_takes_the_rest_from_the_host() {
+        let dir = ConfigDir::resolve(Some(Path::new("/etc/site-rfaas")));
+        let host = fixed(true, true);
+        let s = example_with_manager().resolve_with(&dir, &host).unwrap();
+        assert_eq!(s.node_name, "cn07", "slurmd -C's NodeName");
+        assert_eq!(s.fabric_host, "10.1.0.17", "the route to manager1");
+        assert_eq!(s.cpus, [0, 1, 2, 3], "as many as slurmd counts");
+        assert_eq!(s.memory_mib, 8192 - 1024, "RealMemory less the reserve");
+        assert_eq!(host.asked.get(), 1, "slurmd -C runs once");
+        assert_eq!(
+            s.sources,
+            BTreeMap::from([
+                ("node_name", Source::Slurmd),
+                ("fabric_host", Source::Route),
+                ("cpus", Source::Slurmd),
+                ("memory_mib", Source::Slurmd),
+            ])
+        );
+        let m = s.manager.unwrap();
+        assert_eq!(
+            m.credential_file,
+            Path::new("/etc/site-rfaas/node.credential")
+        );
+        assert_eq!(s.lease_keys, [Path::new("/etc/site-rfaas/lease-keys.pub")]);
+        assert!(s.notes.is_empty(), "{:?}", s.notes);
+    }
+
+    #[test]
+    fn without_slurmd_the_host_name_and_the_kernel_less_the_reserves() {
+        let host = fixed(false, false);
+        let c = Config::parse("reserve_cpus = 2\nreserve_memory_mib = 2000\n").unwrap();
+        let s = c.resolve_with(&ConfigDir::default(), &host).unwrap();
+        assert_eq!(s.node_name, "cn08", "the short host name");
+        assert_eq!(s.cpus, [0, 1, 2, 3, 4, 5], "the two highest are kept");
+        assert_eq!(s.memory_mib, 14_000);
+        assert_eq!(s.fabric_host, "127.0.0.1", "no manager: this node only");
+        assert_eq!(s.sources["node_name"], Source::Hostname);
+        assert_eq!(s.sources["cpus"], Source::Machine);
+        assert!(!s.sources.contains_key("fabric_host"), "a default");
+        let e = Config::parse("reserve_memory_mib = 16000")
+            .unwrap()
+            .resolve_with(&ConfigDir::default(), &host)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("reserve_memory_mib") && e.contains("16000 MiB"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn no_route_to_the_manager_is_loopback_with_a_warning() {
+        let s = example_with_manager()
+            .resolve_with(&ConfigDir::default(), &fixed(true, false))
+            .unwrap();
+        assert_eq!(s.fabric_host, "127.0.0.1");
+        assert_eq!(s.notes.len(), 1);
+        assert!(
+            s.notes[0].contains("https://manager1:7300")
+                && s.notes[0].contains("network is unreachable")
+                && s.notes[0].contains("set fabric_host"),
+            "{}",
+            s.notes[0]
+        );
+    }
+
+    #[test]
+    fn explicit_settings_win_and_ask_nothing() {
+        let host = fixed(true, true);
+        let text =
+            "node_name = \"n1\"\ncpus = \"6-7\"\nmemory_mib = 100\nfabric_host = \"10.9.9.9\"\n\
+                    [manager]\nurls = [\"https://manager1:7300\"]\n";
+        let s = Config::parse(text)
+            .unwrap()
+            .resolve_with(&ConfigDir::default(), &host)
+            .unwrap();
+        assert_eq!(
+            (
+                s.node_name.as_str(),
+                s.cpus.as_slice(),
+                s.memory_mib,
+                s.fabric_host.as_str()
+            ),
+            ("n1", &[6, 7][..], 100, "10.9.9.9")
+        );
+        assert!(s.sources.is_empty());
+        assert_eq!(host.asked.get(), 0, "slurmd -C is not run");
+    }
 
     #[test]
     fn enforced_isolation_needs_real_cpus() {

@@ -14,6 +14,9 @@
 //! # Layout
 //!
 //! - [`config`]: the TOML file, defaults, checked [`Settings`].
+//! - [`host`]: what the host says of itself for the keys a file leaves
+//!   out (`slurmd -C`, the host name, the route to the manager, the
+//!   kernel's CPUs and memory), and where each value came from.
 //! - [`keys`] (from `rfaas-tls`, which the accounting service and
 //!   `rfaas-token` share): the lease key files: the public keys tokens are
 //!   checked with, and the secret key `rfaas-token` mints with.
@@ -62,6 +65,7 @@
 //!   bounded by the kernel's CPU time (the figures accounting is built on).
 
 pub mod config;
+pub mod host;
 
 mod allocate;
 mod billing;
@@ -149,6 +153,69 @@ pub enum StartError {
     NoWorker(PathBuf),
 }
 
+/// Every reason the daemon with `settings` would not start that the files
+/// it reads before binding show (lease keys, node credential, control
+/// certificate, worker binary), read as [`Daemon::bind`] reads them; for
+/// `--check-config`. Binds nothing, connects nowhere.
+pub fn check_files(settings: &Settings) -> Vec<String> {
+    [
+        read_lease_keys(settings).map(drop),
+        read_node_credential(settings).map(drop),
+        load_control_tls(settings).map(drop),
+        find_worker(settings),
+    ]
+    .into_iter()
+    .filter_map(|r| r.err().map(|e| e.to_string()))
+    .collect()
+}
+
+fn read_lease_keys(settings: &Settings) -> Result<rfaas_proto::lease::LeaseKeys, StartError> {
+    keys::read_lease_keys(&settings.lease_keys).map_err(|why| StartError::Keys {
+        why,
+        hint: settings
+            .config_dir
+            .hint(&["--lease-keys", "lease_keys in executord.toml"]),
+    })
+}
+
+fn read_node_credential(settings: &Settings) -> Result<Option<String>, StartError> {
+    let Some(m) = &settings.manager else {
+        return Ok(None);
+    };
+    register::read_credential(&m.credential_file)
+        .map(Some)
+        .map_err(|e| {
+            StartError::Credential(format!(
+                "{e}; {}",
+                settings
+                    .config_dir
+                    .hint(&["credential_file in [manager] of executord.toml"])
+            ))
+        })
+}
+
+fn load_control_tls(settings: &Settings) -> Result<Option<ControlTls>, StartError> {
+    settings
+        .control_tls
+        .as_ref()
+        .map(|t| {
+            Ok(ControlTls {
+                cert: rfaas_tls::ServerCert::load(&t.cert, &t.key)
+                    .map_err(|e| StartError::Tls(e.to_string()))?,
+                required: t.required,
+            })
+        })
+        .transpose()
+}
+
+fn find_worker(settings: &Settings) -> Result<(), StartError> {
+    if settings.worker_path.exists() {
+        Ok(())
+    } else {
+        Err(StartError::NoWorker(settings.worker_path.clone()))
+    }
+}
+
 /// A bound daemon, not yet serving.
 #[derive(Debug)]
 pub struct Daemon {
@@ -175,28 +242,11 @@ impl Daemon {
             let path = path.display().to_string();
             move |source| StartError::Io { what, path, source }
         };
-        let dir = &settings.config_dir;
-        let lease_keys =
-            keys::read_lease_keys(&settings.lease_keys).map_err(|why| StartError::Keys {
-                why,
-                hint: dir.hint(&["--lease-keys", "lease_keys in executord.toml"]),
-            })?;
+        let lease_keys = read_lease_keys(&settings)?;
         tracing::info!(key_ids = ?lease_keys.key_ids().collect::<Vec<_>>(), "lease keys read");
-        let credential = match &settings.manager {
-            Some(m) => Some(register::read_credential(&m.credential_file).map_err(|e| {
-                StartError::Credential(format!(
-                    "{e}; {}",
-                    dir.hint(&["credential_file in [manager] of executord.toml"])
-                ))
-            })?),
-            None => None,
-        };
-        let tls = match &settings.control_tls {
-            Some(t) => Some(ControlTls {
-                cert: rfaas_tls::ServerCert::load(&t.cert, &t.key)
-                    .map_err(|e| StartError::Tls(e.to_string()))?,
-                required: t.required,
-            }),
+        let credential = read_node_credential(&settings)?;
+        let tls = match load_control_tls(&settings)? {
+            Some(t) => Some(t),
             None => {
                 if !settings.control_listen.ip().is_loopback() {
                     tracing::warn!(
@@ -208,9 +258,7 @@ impl Daemon {
                 None
             }
         };
-        if !settings.worker_path.exists() {
-            return Err(StartError::NoWorker(settings.worker_path.clone()));
-        }
+        find_worker(&settings)?;
         if !settings.runtime_dir.exists() {
             std::fs::create_dir_all(&settings.runtime_dir).map_err(io_err(
                 "create the runtime directory",

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use rfaas_manager::config::FileConfig;
+use rfaas_proto::check;
 use rfaas_proto::files::{ConfigDir, MANAGER_TOML};
 use rfaas_service::config;
 
@@ -43,6 +44,13 @@ struct Args {
     /// The HTTPS certificate's key, PEM (overrides `tls_key`).
     #[arg(long, value_name = "FILE")]
     tls_key: Option<PathBuf>,
+    /// Load the configuration as a replica would, print each setting and
+    /// where it came from (file, flag, default), check the files it would
+    /// read (admin token, lease signing key, HTTPS certificate), and exit:
+    /// 0 when it would start, 1 with the reasons when not. Opens no
+    /// database and binds nothing.
+    #[arg(long)]
+    check_config: bool,
     /// Log more (-v: debug).
     #[arg(long, short, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
@@ -97,27 +105,10 @@ fn main() -> anyhow::Result<()> {
         rfaas_service::db::refuse_password_in_argument(url, "--database")
             .map_err(anyhow::Error::msg)?;
     }
-    let dir = ConfigDir::resolve(args.config_dir.as_deref());
-    let mut file: FileConfig = config::load_or_default(args.config.as_deref(), &dir, MANAGER_TOML)?;
-    if args.listen.is_some() {
-        file.listen = args.listen;
+    if args.check_config {
+        std::process::exit(check_config(&args));
     }
-    if args.database.is_some() {
-        file.database = args.database;
-    }
-    if args.admin_token_file.is_some() {
-        file.admin_token_file = args.admin_token_file;
-    }
-    if args.lease_key_file.is_some() {
-        file.lease_key_file = args.lease_key_file;
-    }
-    if args.tls_cert.is_some() {
-        file.tls_cert = args.tls_cert;
-    }
-    if args.tls_key.is_some() {
-        file.tls_key = args.tls_key;
-    }
-    let settings = file.settings(&dir)?;
+    let settings = configure(&args)?.2;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -144,4 +135,42 @@ fn main() -> anyhow::Result<()> {
         tracing::info!("stopping");
         running.stop().await
     })
+}
+
+/// The file as read, the flags given, and the settings a replica runs with.
+fn configure(
+    args: &Args,
+) -> anyhow::Result<(
+    FileConfig,
+    Vec<&'static str>,
+    rfaas_manager::config::Settings,
+)> {
+    let dir = ConfigDir::resolve(args.config_dir.as_deref());
+    let read: FileConfig = config::load_or_default(args.config.as_deref(), &dir, MANAGER_TOML)?;
+    let mut file = read.clone();
+    let mut flags = Vec::new();
+    rfaas_proto::flag_overrides!(
+        args, file, flags;
+        listen,
+        database,
+        admin_token_file,
+        lease_key_file,
+        tls_cert,
+        tls_key
+    );
+    if flags.contains(&"tls_cert") {
+        flags.push("http.tls");
+    }
+    Ok((read, flags, file.settings(&dir)?))
+}
+
+/// `--check-config`: prints the report, returns the exit status.
+fn check_config(args: &Args) -> i32 {
+    let loaded = configure(args).map_err(|e| format!("{e:#}"));
+    check::run(
+        "rfaas-manager",
+        loaded,
+        |_, _| None,
+        rfaas_manager::check_files,
+    )
 }
