@@ -47,6 +47,30 @@ SLURM_PACKAGES=(munge slurmctld slurmd slurm-client)
 # shellcheck disable=SC2034
 SLURMDBD_PACKAGES=(slurmdbd mariadb-server)
 
+# What building and checking the packages needs (scripts/package.sh,
+# scripts/check-packages.sh): dpkg-dev (cargo-deb's dependency lines),
+# lintian, rpm (rpm -qpl/-qpR) and rpm2cpio (rpm2archive, to look inside),
+# binutils (objdump, readelf).
+# shellcheck disable=SC2034
+PACKAGE_PACKAGES=(dpkg-dev lintian rpm rpm2cpio binutils)
+
+# Rewrites a built .deb in place: applies the sed expression SED_EXPR
+# (may be empty) to its control file, and writes CONTENT to PATH inside
+# it (DEBIAN/shlibs, or a packaged file) if given. For what cargo-deb
+# cannot say (a Depends computed at package time) and for the upgrade
+# test's older packages.
+#   deb_rewrite DEB SED_EXPR [PATH CONTENT]
+deb_rewrite() {
+    local deb=$1 expr=$2 tmp
+    tmp=$(mktemp -d)
+    chmod 0755 "$tmp"
+    dpkg-deb -R "$deb" "$tmp"
+    [ -z "$expr" ] || sed -i "$expr" "$tmp/DEBIAN/control"
+    [ $# -lt 4 ] || printf '%s\n' "$4" >"$tmp/$3"
+    dpkg-deb --root-owner-group -Zxz -b "$tmp" "$deb" >/dev/null
+    rm -rf "$tmp"
+}
+
 # The one build CI makes, in scripts/test.sh's first step: the whole
 # workspace, every target, with the verbs provider, debug profile, cargo's
 # target directory. Every later stage asks cargo for exactly these units
@@ -65,6 +89,23 @@ CI_BUILD=("${CI_FEATURES[@]}" --all-targets)
 # docs/testing.md).
 # shellcheck disable=SC2034
 IMPORT_CHECKED_DIRS=(executor/src/daemon fabric/src)
+
+# Runs BUILD under an exclusive flock on LOCK_FILE unless CURRENT (a
+# command: function and arguments, split at spaces) succeeds there, or
+# FORCE is 1. So one cache is built at a time: a second caller waits for
+# the first, then finds it current. Returns BUILD's status.
+#   build_once LOCK_FILE FORCE CURRENT BUILD
+build_once() {
+    local lock=$1 force=$2 current=$3 build=$4 fd status=0
+    exec {fd}>"$lock"
+    flock "$fd"
+    # shellcheck disable=SC2086 # the commands are split into their words
+    if [ "$force" = 1 ] || ! $current; then
+        $build || status=$?
+    fi
+    exec {fd}>&-
+    return $status
+}
 
 ensure_rust() {
     if ! command -v cargo >/dev/null 2>&1; then

@@ -175,14 +175,15 @@ cmd_build() {
     recipe_vars "$name"
     ensure_host_tools
     mkdir -p "$ROOTS_DIR"
-    # One build at a time; a second caller waits and then finds it current.
-    exec 8>"$ROOTS_DIR/$name.lock"
-    flock 8
-    if [ $force -eq 0 ] && is_current "$name"; then
-        log "$name is current in $ROOTS_DIR/$name"
-        exec 8>&-
-        return 0
-    fi
+    build_once "$ROOTS_DIR/$name.lock" "$force" "is_current $name" "rebuild $name"
+    is_current "$name" || die "root $name is still not current after its build"
+    log "$name is ready in $ROOTS_DIR/$name"
+}
+
+# Builds root $1 into a temporary directory, then puts it in place with
+# its stamp. Called under the root's lock (build_once).
+rebuild() {
+    local name=$1
     [ "$(id -u)" -eq 0 ] || die "building root $name needs root (mmdebstrap --mode=root)"
     local work start
     work=$(mktemp -d "$ROOTS_DIR/.build-$name.XXXXXX")
@@ -196,12 +197,11 @@ cmd_build() {
             "or set RFAAS_ROOTS_MIRROR to a Debian mirror, then run: scripts/roots.sh build $name"
     fi
     rm -f "$ROOTS_DIR/$name.stamp"
-    rm -rf "$ROOTS_DIR/$name"
+    rm -rf "${ROOTS_DIR:?}/$name"
     mv "$work/root" "$ROOTS_DIR/$name"
     stamp "$name" >"$ROOTS_DIR/$name.stamp"
     rm -rf "$work"
     trap - EXIT
-    exec 8>&-
     log "$name built in $((SECONDS - start)) s: $ROOTS_DIR/$name ($(du -sh "$ROOTS_DIR/$name" | cut -f1))"
 }
 

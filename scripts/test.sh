@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Runs every rfaas test: unit, conformance (tcp and shm), benchmarks' own
-# tests, the Slurm plugin and hook on loopback Slurm clusters, doc tests,
-# the verbs provider on Soft-RoCE in a VM and between two VMs
+# tests, the Slurm plugin and hook on loopback Slurm clusters (the host's
+# Slurm 22.05, and 24.11 in a Debian 13 root: scripts/test-slurm-releases.sh),
+# doc tests, the verbs provider on Soft-RoCE in a VM and between two VMs
 # (scripts/test-verbs.sh, scripts/test-verbs-two-node.sh), schemathesis
-# against the manager's REST API (scripts/fuzz-manager-api.sh), docs/install.md
-# as written on two booted Debian roots (scripts/test-install-guide.sh), and a
-# short fuzz run of the tcp frame decoder. Fails at the end if the run changed the
-# git checkout (a stale lockfile or header, a stray output file), naming the
-# files.
+# against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
+# fuzz run of the tcp frame decoder, and the .deb and .rpm packages: built
+# (scripts/package.sh), checked (scripts/check-packages.sh) and installed,
+# upgraded and removed in Debian 12 and 13 roots (scripts/test-packages.sh),
+# then docs/install.md as written on two booted Debian 12 roots
+# (scripts/test-install-guide.sh).
+# Fails at the end if the run changed the git checkout (a stale lockfile or
+# header, a stray output file), naming the files.
 # Installs what it needs first (Debian packages, cargo tools, the VM image).
 #
 #   scripts/test.sh                      everything
@@ -64,6 +68,18 @@ fi
 
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh
+
+echo "== the Slurm tests under Slurm 24.11, in a Debian 13 root (scripts/test-slurm-releases.sh)"
+slurm_start=$SECONDS
+bash scripts/test-slurm-releases.sh
+echo "Slurm 24.11 stage: $((SECONDS - slurm_start)) s"
+
+echo "== packages: built, checked, installed (scripts/package.sh, check-packages.sh, test-packages.sh)"
+packages_start=$SECONDS
+bash scripts/package.sh
+bash scripts/check-packages.sh
+bash scripts/test-packages.sh
+echo "stage: packages: $((SECONDS - packages_start)) s"
 
 # After the packages are built: the guide installs them.
 echo "== docs/install.md as written, on two booted Debian 12 roots (scripts/test-install-guide.sh)"

@@ -3,6 +3,10 @@
 //! rewritten when its text changes, so an unchanged build leaves it (and
 //! its timestamp) alone, and `scripts/build-capi.sh` can fail on a stale
 //! checked-in copy.
+//!
+//! It also gives `librfaas.so` the SONAME `librfaas.so.0`: programs linked
+//! against it record that name, so a package can ship `librfaas.so.0` for
+//! them and an incompatible `librfaas.so.1` later beside it.
 
 use std::path::PathBuf;
 
@@ -11,6 +15,9 @@ fn main() {
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     println!("cargo:rerun-if-changed=src");
     println!("cargo:rerun-if-changed=cbindgen.toml");
+    // The major version of the C ABI; raise it with any incompatible change
+    // to rfaas.h (docs/c-api.md, docs/packages.md).
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,librfaas.so.0");
 
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml"))
         .unwrap_or_else(|e| panic!("cannot read client/capi/cbindgen.toml: {e}"));

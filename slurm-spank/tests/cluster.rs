@@ -516,13 +516,16 @@ impl RfaasOnSlurm {
     }
 }
 
-/// `KEY=value` lines → the `RFAAS_` ones, but `RFAAS_CA_FILE`: the test
-/// process trusts its throwaway CA through it, and jobs inherit the
+/// `KEY=value` lines → the `RFAAS_` ones, but `RFAAS_CA_FILE` and
+/// `RFAAS_SPANK_PLUGIN`: the test process trusts its throwaway CA through
+/// the one and may be told its plugin by the other, and jobs inherit the
 /// submitting environment.
 fn rfaas_vars(text: &str) -> BTreeMap<String, String> {
     text.lines()
         .filter_map(|l| l.split_once('='))
-        .filter(|(k, _)| k.starts_with("RFAAS_") && *k != "RFAAS_CA_FILE")
+        .filter(|(k, _)| {
+            k.starts_with("RFAAS_") && !matches!(*k, "RFAAS_CA_FILE" | "RFAAS_SPANK_PLUGIN")
+        })
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect()
 }

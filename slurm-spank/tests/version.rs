@@ -26,7 +26,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use headers::{Headers, Search, FUNCTIONS, INCLUDE_DIR_VAR, UNCHECKED_VAR};
-use rfaas_testkit::slurm::{SlurmCluster, SlurmOptions};
+use rfaas_testkit::slurm::{spank_plugin, SlurmCluster, SlurmOptions};
 use rfaas_testkit::wait::poll_for;
 
 /// The headers this build used, found as `build.rs` finds them.
@@ -58,20 +58,7 @@ fn profile_dir() -> PathBuf {
 
 /// The plugin under test.
 fn plugin() -> PathBuf {
-    if let Some(p) = std::env::var_os("RFAAS_SPANK_PLUGIN") {
-        return PathBuf::from(p);
-    }
-    // `deps/` first: what `cargo test` just built; the copy one level up is
-    // from the last `cargo build`, and may be older.
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    [
-        deps.join("librfaas_spank.so"),
-        profile_dir().join("librfaas_spank.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .unwrap_or_else(|| panic!("librfaas_spank.so is not built next to {}", exe.display()))
+    spank_plugin().unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn run(cmd: &mut Command) -> Output {

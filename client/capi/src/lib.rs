@@ -6,9 +6,11 @@
 //! call crashes on a NULL pointer or a bad argument, and a panic inside
 //! the library never crosses into C: it becomes `RFAAS_ERR_INTERNAL`.
 //!
-//! `build.rs` generates `include/rfaas.h` from these items with cbindgen;
-//! `scripts/build-capi.sh` builds and installs `librfaas.so`,
-//! `librfaas.a`, the header and `rfaas.pc`. The guide is `docs/c-api.md`.
+//! `build.rs` generates `include/rfaas.h` from these items with cbindgen
+//! and gives `librfaas.so` the SONAME `librfaas.so.0`;
+//! `scripts/build-capi.sh` builds and installs `librfaas.so.0`,
+//! `librfaas.a`, the header and `rfaas.pc`, and the `rfaas-client` package
+//! ships them (`docs/packages.md`). The guide is `docs/c-api.md`.
 //!
 //! # Layout
 //!

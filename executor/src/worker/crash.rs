@@ -215,8 +215,7 @@ pub fn answered() {
 extern "C" fn on_fatal(sig: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     // Everything here is async-signal-safe: atomics, gettid, futex,
     // clock_gettime, raise.
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() };
+    let tid = crate::gettid();
     let lane = LANES
         .get()
         .and_then(|lanes| lanes.iter().position(|r| r.crashed_here(tid)));

@@ -138,8 +138,7 @@ impl Running {
 
     /// Records the calling thread as the lane's, for the crash handler.
     pub fn bind_thread(&self) {
-        // SAFETY: gettid has no preconditions.
-        self.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+        self.tid.store(crate::gettid(), Ordering::Relaxed);
     }
 
     /// Whether thread `tid` is this lane's and inside a function.

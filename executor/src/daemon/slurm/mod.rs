@@ -200,11 +200,10 @@ const SLURM_QUERY_NICE: libc::c_int = 10;
 /// nice value): a job launching on the node's CPUs gets them first. A
 /// failure is logged, not fatal.
 fn yield_to_slurm() {
-    // SAFETY: `gettid` and `setpriority` on this thread only.
-    let done = unsafe {
-        let tid = libc::gettid();
-        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, SLURM_QUERY_NICE)
-    };
+    let tid = crate::gettid();
+    // SAFETY: `setpriority` on this thread only.
+    let done =
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, SLURM_QUERY_NICE) };
     if done != 0 {
         tracing::debug!(error = %std::io::Error::last_os_error(), "cannot lower this thread's priority");
     }
@@ -754,7 +753,7 @@ mod tests {
             yield_to_slurm();
             // SAFETY: reads this thread's own nice value.
             let own =
-                unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
+                unsafe { libc::getpriority(libc::PRIO_PROCESS, crate::gettid() as libc::id_t) };
             // A child started from here, as `scontrol` is: field 19 of
             // its /proc/self/stat.
             let out = std::process::Command::new("cut")
