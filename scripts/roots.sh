@@ -109,9 +109,10 @@ recipe_vars() {
     bookworm-base | trixie-base)
         SUITE=${1%-base}
         INCLUDE=systemd,systemd-sysv,dbus,iproute2,procps
-        local rdmacm=librdmacm1
-        [ "$SUITE" = trixie ] && rdmacm=librdmacm1t64
-        DOWNLOAD="postgresql slurmd slurmctld slurm-client munge libibverbs1 $rdmacm lintian"
+        local rdmacm=librdmacm1 libslurm=libslurm38
+        [ "$SUITE" = trixie ] && rdmacm=librdmacm1t64 libslurm=libslurm42t64
+        # libslurm: rfaas-slurm depends on it; Slurm's daemons do not.
+        DOWNLOAD="postgresql slurmd slurmctld slurm-client munge libibverbs1 $rdmacm $libslurm lintian"
         ;;
     *) die "there is no root recipe '$1'; the recipes are: $(recipe_names | tr '\n' ' ')" ;;
     esac

@@ -7,7 +7,9 @@
 # against the manager's REST API (scripts/fuzz-manager-api.sh), and a short
 # fuzz run of the tcp frame decoder, and the .deb and .rpm packages: built
 # (scripts/package.sh), checked (scripts/check-packages.sh) and installed,
-# upgraded and removed in Debian 12 and 13 roots (scripts/test-packages.sh).
+# upgraded and removed in Debian 12 and 13 roots (scripts/test-packages.sh),
+# then docs/install.md as written on two booted Debian 12 roots
+# (scripts/test-install-guide.sh).
 # Fails at the end if the run changed the git checkout (a stale lockfile or
 # header, a stray output file), naming the files.
 # Installs what it needs first (Debian packages, cargo tools, the VM image).
@@ -78,6 +80,10 @@ bash scripts/package.sh
 bash scripts/check-packages.sh
 bash scripts/test-packages.sh
 echo "stage: packages: $((SECONDS - packages_start)) s"
+
+# After the packages are built: the guide installs them.
+echo "== docs/install.md as written, on two booted Debian 12 roots (scripts/test-install-guide.sh)"
+bash scripts/test-install-guide.sh
 
 if [ "${RFAAS_SKIP_RDMA_VM:-0}" = 1 ]; then
     loud "SKIPPED: the verbs provider's tests under Soft-RoCE (RFAAS_SKIP_RDMA_VM=1)." \

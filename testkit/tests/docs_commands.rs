@@ -82,12 +82,27 @@ fn shell_words(line: &str) -> Vec<String> {
 }
 
 /// The command's words from the binary on, if `words` runs one: after
-/// `sudo`, `env`, `time`, `exec`, a prompt (`$`, `node-a$`) and
-/// `NAME=value` assignments; the binary may be given by a path.
+/// `sudo`, `env`, `time`, `exec`, `runuser -u USER --`, a prompt (`$`,
+/// `node-a$`) and `NAME=value` assignments; the binary may be given by a
+/// path.
 fn command_of(words: &[String]) -> Option<Vec<String>> {
     let mut i = 0;
     while i < words.len() {
         let w = words[i].as_str();
+        if w == "runuser" {
+            i += 1;
+            while let Some(option) = words.get(i).filter(|o| o.starts_with('-')) {
+                i += match option.as_str() {
+                    "--" => 1,
+                    "-u" | "-g" | "--user" | "--group" => 2,
+                    _ => 1,
+                };
+                if option.as_str() == "--" {
+                    break;
+                }
+            }
+            continue;
+        }
         let assignment = w.split_once('=').is_some_and(|(name, _)| {
             !name.is_empty()
                 && name
@@ -338,6 +353,13 @@ fn the_check_catches_a_wrong_flag_and_a_wrong_subcommand() {
     // A short flag takes its long form's value; counted flags are flags.
     assert!(check(&mut cache, &words("rfaas-billing -S today -P")).is_ok());
     assert!(check(&mut cache, &words("rfaas-manager --verbose")).is_ok());
+    // As another user: the command after runuser's options is checked.
+    let e = check(
+        &mut cache,
+        &words("runuser -u rfaas -- rfaasctl nodes --stale"),
+    )
+    .unwrap_err();
+    assert!(e.contains("no flag --stale"), "{e}");
     assert!(check(
         &mut cache,
         &words("sudo RFAAS_CONFIG_DIR=/x rfaasctl credential node n1 > f")
@@ -369,4 +391,135 @@ fn the_check_catches_a_wrong_flag_and_a_wrong_subcommand() {
         .unwrap_err()
         .contains("--bogus"));
     assert!(check(&mut cache, &found[1].words).is_ok());
+}
+
+/// The shell blocks of `docs/install.md`, parsed here on their own:
+/// (line of the fence, the host its `host=` names, or "" for none).
+fn install_guide_blocks(text: &str) -> Vec<(usize, String)> {
+    let mut blocks = Vec::new();
+    let mut open = false;
+    for (n, line) in text.lines().enumerate() {
+        let Some(info) = line.trim_start().strip_prefix("```") else {
+            continue;
+        };
+        if open {
+            open = false;
+            continue;
+        }
+        open = true;
+        let mut words = info.split_whitespace();
+        if matches!(words.next(), Some("sh" | "bash" | "shell" | "console")) {
+            let host = words
+                .find_map(|w| w.strip_prefix("host="))
+                .unwrap_or_default();
+            blocks.push((n + 1, host.to_owned()));
+        }
+    }
+    blocks
+}
+
+/// `scripts/test-install-guide.sh list FILE`: its exit status, and the
+/// (line, host) of each block it would run.
+fn guide_script_list(file: &Path) -> (bool, Vec<(usize, String)>, String) {
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/test-install-guide.sh"))
+        .arg("list")
+        .arg(file)
+        .output()
+        .expect("run scripts/test-install-guide.sh list");
+    let listed = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(w.len(), 3, "not `N HOST LINE`: {l:?}");
+            (w[2].parse().expect("a line number"), w[1].to_owned())
+        })
+        .collect();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.success(), listed, stderr)
+}
+
+/// CI runs docs/install.md block by block (scripts/test-install-guide.sh):
+/// every shell block there names the host it runs on, the script takes
+/// each of them in order, and the page walks all three hosts to the bill.
+#[test]
+fn the_install_guide_runs_every_shell_block_on_its_host() {
+    let page = repo_root().join("docs/install.md");
+    let text = std::fs::read_to_string(&page).unwrap();
+    let blocks = install_guide_blocks(&text);
+    let untagged: Vec<usize> = blocks
+        .iter()
+        .filter(|(_, host)| host.is_empty())
+        .map(|(line, _)| *line)
+        .collect();
+    assert!(
+        untagged.is_empty(),
+        "docs/install.md: the shell blocks at lines {untagged:?} name no host \
+         (```sh host=admin|manager|compute); CI would not run them"
+    );
+    let (ok, listed, stderr) = guide_script_list(&page);
+    assert!(ok, "scripts/test-install-guide.sh list failed: {stderr}");
+    assert_eq!(
+        listed, blocks,
+        "scripts/test-install-guide.sh takes other blocks than docs/install.md has"
+    );
+    for host in ["admin", "manager", "compute"] {
+        assert!(
+            blocks.iter().any(|(_, h)| h == host),
+            "no block runs on host={host}"
+        );
+    }
+    // The walk ends with the bill, on the manager host.
+    let last = text.rsplit("```sh host=").next().expect("a host block");
+    assert!(
+        last.starts_with("manager") && last.contains("rfaas-billing"),
+        "the guide's last block is not rfaas-billing on the manager host: {last:?}"
+    );
+}
+
+#[test]
+fn the_install_guide_script_refuses_a_block_it_could_not_run() {
+    let dir = std::env::temp_dir().join(format!("rfaas-guide-blocks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        ("```sh\nls\n```\n", "2: a shell block names no host"),
+        (
+            "```sh host=moon\nls\n```\n",
+            "2: host=moon is none of the hosts",
+        ),
+        ("```sh host=admin\nls\n", "2: this fence is never closed"),
+        ("```text\nls\n```\n", "no ```sh host=NAME block"),
+    ];
+    for (i, (page, said)) in cases.iter().enumerate() {
+        let file = dir.join(format!("case{i}.md"));
+        std::fs::write(&file, format!("# A page\n{page}")).unwrap();
+        let (ok, _, stderr) = guide_script_list(&file);
+        assert!(!ok, "case {i} ({page:?}) was taken");
+        assert!(
+            stderr.contains(said),
+            "case {i}: {stderr:?} does not say {said:?}"
+        );
+    }
+    // An indented block keeps its lines, without the fence's indentation.
+    let file = dir.join("indented.md");
+    std::fs::write(
+        &file,
+        "- a step:\n\n  ```sh host=compute\n  echo one\n    echo two\n  ```\n",
+    )
+    .unwrap();
+    let (ok, listed, stderr) = guide_script_list(&file);
+    assert!(ok, "{stderr}");
+    assert_eq!(listed, vec![(3, "compute".to_owned())]);
+    let out = dir.join("blocks");
+    let status = Command::new("bash")
+        .arg(repo_root().join("scripts/test-install-guide.sh"))
+        .args(["extract".as_ref(), file.as_os_str(), out.as_os_str()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(
+        std::fs::read_to_string(out.join("01-compute.sh")).unwrap(),
+        "echo one\n  echo two\n"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
