@@ -2,17 +2,24 @@
 # Builds rfaas's Debian packages and RPMs into target/packages/
 # (docs/packages.md says what each holds):
 #
-#   scripts/package.sh [deb|rpm|all] [--only NAME]... [--deb-version V]
+#   scripts/package.sh [deb|rpm|all] [--only NAME]... [--deb-version V] [--example-job]
 #
 #   NAME          rfaas-executor, rfaas-manager, rfaas-accounting,
 #                 rfaas-client or rfaas-slurm (default: all five)
 #   --deb-version the .debs' version instead of Cargo's (the upgrade test
 #                 builds an older one: 0.1.0~prev-1)
+#   --example-job also builds the example job of docs/install.md's last
+#                 step into target/packages/example-job/: offload_matmul and
+#                 the function library it ships (from the same release build,
+#                 so it adds two small targets, not a second build)
 #
 #   SLURM_INCLUDE_DIR  the Slurm headers rfaas-slurm is built against
 #                      (default /usr/include); the package depends on the
 #                      libslurm of the same Slurm, read off the system (or
-#                      root) those headers belong to
+#                      root) those headers belong to. Another Slurm's headers
+#                      (e.g. a Debian 13 root's) build rfaas-slurm alone
+#                      (--only rfaas-slurm), in target/package-slurm-X.Y,
+#                      into target/packages/slurm-X.Y/
 #
 # One release build serves both formats: cargo-zigbuild links for glibc
 # 2.28 (EL8; Debian 12 and 13 run those binaries too), with the verbs
@@ -36,10 +43,11 @@ declare -A CRATE_DIR=([rfaas-executor]=executor [rfaas-manager]=manager
 # The Cargo.toml metadata names this directory (../target/package/stage).
 export CARGO_TARGET_DIR=$root/target/package
 readonly TOOLS=${RFAAS_TOOLS_DIR:-/var/cache/rfaas/tools}
-readonly OUT=$root/target/packages STAGE=$CARGO_TARGET_DIR/stage
+OUT=$root/target/packages
+readonly STAGE=$CARGO_TARGET_DIR/stage
 
 usage() {
-    echo "usage: scripts/package.sh [deb|rpm|all] [--only NAME]... [--deb-version V]" >&2
+    echo "usage: scripts/package.sh [deb|rpm|all] [--only NAME]... [--deb-version V] [--example-job]" >&2
     echo "  NAME: ${ALL_PACKAGES[*]}" >&2
     exit 2
 }
@@ -47,6 +55,7 @@ usage() {
 formats=(deb rpm)
 packages=()
 deb_version=""
+example_job=0
 while [ $# -gt 0 ]; do
     case "$1" in
     deb | rpm) formats=("$1") ;;
@@ -59,6 +68,7 @@ while [ $# -gt 0 ]; do
         packages+=("$2")
         shift
         ;;
+    --example-job) example_job=1 ;;
     --deb-version)
         [ $# -ge 2 ] || usage
         deb_version=$2
@@ -69,6 +79,30 @@ while [ $# -gt 0 ]; do
     shift
 done
 [ ${#packages[@]} -gt 0 ] || packages=("${ALL_PACKAGES[@]}")
+
+# The Slurm rfaas-slurm is built against: the system's, or another root's.
+slurm_include=${SLURM_INCLUDE_DIR:-/usr/include}
+slurm_root=${slurm_include%/usr/include}
+other_slurm=""
+if [ "$slurm_include" != /usr/include ]; then
+    [ "${packages[*]}" = rfaas-slurm ] && [ "$example_job" = 0 ] || {
+        echo "package.sh: SLURM_INCLUDE_DIR=$slurm_include builds rfaas-slurm for that Slurm" \
+            "alone: add --only rfaas-slurm (the other packages do not depend on Slurm)" >&2
+        exit 2
+    }
+    num=$(sed -n 's/^#define SLURM_VERSION_NUMBER *//p' "$slurm_include/slurm/slurm_version.h" 2>/dev/null) || true
+    [ -n "$num" ] || {
+        echo "package.sh: rfaas-slurm: $slurm_include/slurm/slurm_version.h not found or without" \
+            "SLURM_VERSION_NUMBER: point SLURM_INCLUDE_DIR at Slurm's headers" >&2
+        exit 1
+    }
+    other_slurm=$(printf '%d.%02d' $(((num >> 16) & 255)) $(((num >> 8) & 255)))
+    # Its own target directory: the plugin built for the system's Slurm
+    # in target/package stays as it is.
+    export CARGO_TARGET_DIR=$root/target/package-slurm-$other_slurm
+    OUT=$root/target/packages/slurm-$other_slurm
+fi
+readonly OUT
 
 # Fills $TOOLS/NAME with `INSTALL_FN DIR ARG` unless an earlier run
 # finished it (DIR/.done), under lib.sh's build_once, so concurrent runs
@@ -110,9 +144,23 @@ export PATH=$TOOLS/$zig_dir/bin:$TOOLS/cargo-deb-$CARGO_DEB_VERSION/bin:$TOOLS/c
 # resolve other features and build the dependencies again.
 start=$SECONDS
 echo "== release build for glibc $GLIBC (cargo zigbuild, target/package)"
-CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-    cargo zigbuild --release --target "$TRIPLE.$GLIBC" --features rfaas-fabric/verbs \
-    -p rfaas-executor -p rfaas-manager -p rfaas-accounting -p rfaas-capi -p rfaas-slurm-spank
+export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols
+zigbuild() { cargo zigbuild --release --target "$TRIPLE.$GLIBC" "$@"; }
+if [ -n "$other_slurm" ]; then
+    zigbuild -p rfaas-slurm-spank
+else
+    zigbuild --features rfaas-fabric/verbs -p rfaas-executor -p rfaas-manager -p rfaas-accounting \
+        -p rfaas-capi -p rfaas-slurm-spank
+fi
+if [ "$example_job" = 1 ]; then
+    # Same target directory, profile and features: only the two targets build.
+    zigbuild --features rfaas-fabric/verbs -p rfaas-client --example offload_matmul
+    zigbuild -p rfaas-example-functions --lib
+    mkdir -p "$OUT/example-job"
+    cp "$CARGO_TARGET_DIR/$TRIPLE/release/examples/offload_matmul" \
+        "$CARGO_TARGET_DIR/$TRIPLE/release/librfaas_example_functions.so" "$OUT/example-job/"
+    echo "example job: $OUT/example-job/{offload_matmul,librfaas_example_functions.so}"
+fi
 echo "stage: package release build: $((SECONDS - start)) s"
 
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -140,8 +188,6 @@ fi
 
 # The Slurm rfaas-slurm is built against: its version (slurm_version.h)
 # and libslurm's SONAME, from the system or root SLURM_INCLUDE_DIR is in.
-slurm_include=${SLURM_INCLUDE_DIR:-/usr/include}
-slurm_root=${slurm_include%/usr/include}
 slurm_soname() {
     local h=$slurm_include/slurm/slurm_version.h lib
     [ -r "$h" ] || {
