@@ -18,11 +18,13 @@
 #    no rfaas process, no rfaas cgroup and no socket under /run/rfaas;
 #    purging them removes /var/lib/rfaas.
 #
-# rfaas-slurm is left out of the Debian 13 root: it is built against the
-# host's Slurm (22.05, libslurm38), which Debian 13 does not have; a
-# Debian 13 node takes an rfaas-slurm built against its own headers
-# (SLURM_INCLUDE_DIR=<trixie root>/usr/include scripts/package.sh deb
-# --only rfaas-slurm).
+# rfaas-slurm is built for one Slurm release: the host's (22.05,
+# libslurm38) goes into Debian 12, and Debian 13 takes the one built
+# against its own headers (24.11, libslurm42t64) by
+# `SLURM_INCLUDE_DIR=<trixie-slurm root>/usr/include scripts/package.sh deb
+# --only rfaas-slurm`, in DIR/slurm-24.11/. (The previous build installed
+# before an upgrade holds the five packages of Debian 12; on Debian 13 the
+# upgrade then installs its rfaas-slurm for the first time.)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 root=$(repo_root)
@@ -50,14 +52,21 @@ fail() {
     exit 1
 }
 
-# The packages, by file, each release installs: all but rfaas-slurm on
-# Debian 13 (see above).
+# Debian 13's own rfaas-slurm (see above).
+trixie_slurm=$(ls "$dir"/slurm-24.11/rfaas-slurm_*.deb 2>/dev/null | head -1) || true
+[ -n "$trixie_slurm" ] || fail "no rfaas-slurm for Debian 13's Slurm in $dir/slurm-24.11: build it with" \
+    "SLURM_INCLUDE_DIR=\$(scripts/roots.sh path trixie-slurm)/usr/include scripts/package.sh deb --only rfaas-slurm"
+
+# The packages, by file, each release installs: on Debian 13, its own
+# rfaas-slurm in this build, none in the previous one.
+#   install_set DIR SUITE
 install_set() {
     local d=$1 suite=$2 f
     for f in "$d"/*.deb; do
         [[ $suite == trixie && $(basename "$f") == rfaas-slurm_* ]] && continue
         printf '%s\n' "$f"
     done
+    if [ "$suite" = trixie ] && [ "$d" = "$dir" ]; then printf '%s\n' "$trixie_slurm"; fi
 }
 
 # Copies the .debs in FROM into TO as version VERSION~prev: what the next
@@ -104,12 +113,10 @@ done
 getent passwd rfaas >/dev/null || fail "no system user rfaas"
 [ -L /usr/lib/x86_64-linux-gnu/librfaas.so ] && ldconfig -p | grep -q "librfaas.so.0 " ||
     fail "librfaas.so.0 is not in the linker cache"
-if [ "$SUITE" = bookworm ]; then
-    s=/etc/slurm/plugstack.conf.d/rfaas.conf
-    grep -q "rfaas_spank.so" $s || fail "$s does not name the plugin"
-    ! grep -v "^#" $s | grep -q . || fail "$s has a line that is not commented out"
-    [ -f /usr/lib/x86_64-linux-gnu/slurm-wlm/rfaas_spank.so ] || fail "the plugin is not in Slurm'"'"'s plugin directory"
-fi
+s=/etc/slurm/plugstack.conf.d/rfaas.conf
+grep -q "rfaas_spank.so" $s || fail "$s does not name the plugin"
+! grep -v "^#" $s | grep -q . || fail "$s has a line that is not commented out"
+[ -f /usr/lib/x86_64-linux-gnu/slurm-wlm/rfaas_spank.so ] || fail "the plugin is not in Slurm'"'"'s plugin directory"
 echo "$SUITE: installed, every binary runs, files as documented"
 '
 

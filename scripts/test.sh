@@ -77,6 +77,9 @@ echo "Slurm 24.11 stage: $((SECONDS - slurm_start)) s"
 echo "== packages: built, checked, installed (scripts/package.sh, check-packages.sh, test-packages.sh)"
 packages_start=$SECONDS
 bash scripts/package.sh
+# rfaas-slurm for Debian 13's Slurm 24.11 too, from the root of the stage above.
+SLURM_INCLUDE_DIR="$(bash scripts/roots.sh path trixie-slurm)/usr/include" \
+    bash scripts/package.sh deb --only rfaas-slurm
 bash scripts/check-packages.sh
 bash scripts/test-packages.sh
 echo "stage: packages: $((SECONDS - packages_start)) s"
