@@ -959,33 +959,9 @@ pub fn uid_min(path: &Path) -> u32 {
         .unwrap_or(1000)
 }
 
-/// Parses a Linux cpulist (`"0-3,8,10-11"`) into ascending, distinct CPUs.
-pub fn parse_cpulist(list: &str) -> Result<Vec<u32>, String> {
-    let mut cpus = std::collections::BTreeSet::new();
-    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let num = |s: &str| {
-            s.trim()
-                .parse::<u32>()
-                .map_err(|_| format!("{s:?} is not a CPU number; write a list like \"0-3,8\""))
-        };
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (num(a)?, num(b)?);
-                if a > b {
-                    return Err(format!("the range {part:?} runs backwards"));
-                }
-                if b - a >= 65_536 {
-                    return Err(format!("the range {part:?} is too long"));
-                }
-                cpus.extend(a..=b);
-            }
-            None => {
-                cpus.insert(num(part)?);
-            }
-        }
-    }
-    Ok(cpus.into_iter().collect())
-}
+/// The cpulist parser lives with the host's values (`/sys`'s lists are
+/// read there); the configuration names it here too.
+pub use super::host::parse_cpulist;
 
 /// Parses a cpulist keeping its order (`"4-7,0-3"` → 4, 5, 6, 7, 0, 1,
 /// 2, 3); a CPU named twice is an error.

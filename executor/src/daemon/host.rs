@@ -199,7 +199,7 @@ impl Probe for System {
     fn online_cpus(&self) -> Vec<u32> {
         std::fs::read_to_string("/sys/devices/system/cpu/online")
             .ok()
-            .and_then(|s| super::config::parse_cpulist(s.trim()).ok())
+            .and_then(|s| parse_cpulist(s.trim()).ok())
             .filter(|c| !c.is_empty())
             .unwrap_or_else(|| {
                 let n = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -223,6 +223,34 @@ impl Probe for System {
 /// The short host name: up to the first dot, as Slurm names nodes.
 pub fn short_name(hostname: &str) -> &str {
     hostname.split('.').next().unwrap_or(hostname)
+}
+
+/// Parses a Linux cpulist (`"0-3,8,10-11"`) into ascending, distinct CPUs.
+pub fn parse_cpulist(list: &str) -> Result<Vec<u32>, String> {
+    let mut cpus = std::collections::BTreeSet::new();
+    for part in list.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let num = |s: &str| {
+            s.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{s:?} is not a CPU number; write a list like \"0-3,8\""))
+        };
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (num(a)?, num(b)?);
+                if a > b {
+                    return Err(format!("the range {part:?} runs backwards"));
+                }
+                if b - a >= 65_536 {
+                    return Err(format!("the range {part:?} is too long"));
+                }
+                cpus.extend(a..=b);
+            }
+            None => {
+                cpus.insert(num(part)?);
+            }
+        }
+    }
+    Ok(cpus.into_iter().collect())
 }
 
 #[cfg(test)]
