@@ -3,6 +3,8 @@
 
 use std::process::Command;
 
+use rfaas_testkit::TempDir;
+
 fn check(dir: &std::path::Path) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_rfaas-accounting"))
         .arg("--check-config")
@@ -20,9 +22,7 @@ fn check(dir: &std::path::Path) -> (i32, String) {
 
 #[test]
 fn check_config_prints_sources_and_refuses_unusable_files() {
-    let dir = std::env::temp_dir().join(format!("rfaas-accounting-check-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempDir::new("accounting-check");
     let (db, region) = (dir.join("never.db"), dir.join("never.region"));
     std::fs::write(
         dir.join("accounting.toml"),
@@ -33,7 +33,7 @@ fn check_config_prints_sources_and_refuses_unusable_files() {
         ),
     )
     .unwrap();
-    let (code, text) = check(&dir);
+    let (code, text) = check(dir.path());
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("lease-keys.pub"), "{text}");
     assert!(
@@ -45,7 +45,7 @@ fn check_config_prints_sources_and_refuses_unusable_files() {
     rfaas_testkit::manager::write_lease_key(&key).unwrap();
     let public = rfaas_testkit::manager::public_key_line(&key).unwrap();
     std::fs::write(dir.join("lease-keys.pub"), public + "\n").unwrap();
-    let (code, text) = check(&dir);
+    let (code, text) = check(dir.path());
     assert_eq!(code, 0, "{text}");
     for line in [
         "name                 = \"acct-check\"  (flag)",
@@ -59,5 +59,4 @@ fn check_config_prints_sources_and_refuses_unusable_files() {
         !db.exists() && !region.exists(),
         "--check-config made files"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -4,6 +4,8 @@
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
+use rfaas_testkit::TempDir;
+
 fn check(dir: &std::path::Path, extra: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_rfaas-manager"))
         .arg("--check-config")
@@ -19,9 +21,7 @@ fn check(dir: &std::path::Path, extra: &[&str]) -> (i32, String) {
 
 #[test]
 fn check_config_prints_sources_and_refuses_unusable_files() {
-    let dir = std::env::temp_dir().join(format!("rfaas-manager-check-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempDir::new("manager-check");
     let db = dir.join("never.db");
     std::fs::write(
         dir.join("manager.toml"),
@@ -31,7 +31,7 @@ fn check_config_prints_sources_and_refuses_unusable_files() {
         ),
     )
     .unwrap();
-    let (code, text) = check(&dir, &["--listen", "127.0.0.1:7399"]);
+    let (code, text) = check(dir.path(), &["--listen", "127.0.0.1:7399"]);
     assert_eq!(code, 1, "{text}");
     assert!(
         text.contains("admin.token") && text.contains("lease-key.secret"),
@@ -46,7 +46,7 @@ fn check_config_prints_sources_and_refuses_unusable_files() {
     std::fs::write(&token, "a-long-enough-admin-token-for-the-check\n").unwrap();
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     rfaas_testkit::manager::write_lease_key(&dir.join("lease-key.secret")).unwrap();
-    let (code, text) = check(&dir, &["--listen", "127.0.0.1:7399"]);
+    let (code, text) = check(dir.path(), &["--listen", "127.0.0.1:7399"]);
     assert_eq!(code, 0, "{text}");
     for line in [
         "listen                          = \"127.0.0.1:7399\"  (flag)",
@@ -59,8 +59,7 @@ fn check_config_prints_sources_and_refuses_unusable_files() {
     assert!(!db.exists(), "--check-config opened the database");
 
     // An unusable value is a reason too, said as the daemon says it.
-    let (code, text) = check(&dir, &["--listen", "0.0.0.0:7399"]);
+    let (code, text) = check(dir.path(), &["--listen", "0.0.0.0:7399"]);
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("in clear"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
