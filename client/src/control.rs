@@ -3,8 +3,12 @@
 //!
 //! One reader thread per connection reads every frame. Replies go to the
 //! waiting request through a channel; `WorkerExited` goes to the
-//! allocation's [`Fate`]; the connection's end (EOF or an error) marks every
-//! allocation on it as executor-lost and wakes every waiter.
+//! allocation's [`Fate`]. When the connection ends (EOF or an error), the
+//! reader connects again for [`REATTACH_GRACE`] and sends `Attach` for every
+//! allocation the executor gave an attach secret (a restarted executor
+//! adopted their workers; calls go on over the fabric meanwhile); the
+//! allocations it cannot take up, or all of them when the executor does
+//! not come back, are marked executor-lost, and every waiter is woken.
 //!
 //! An executor address `tls://host:port` (what a lease grant with
 //! `control_tls` becomes) is reached over TLS: the executor's certificate
@@ -23,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rfaas_proto::control::client::{
-    AllocateOk, Deallocate, Deallocated, LeaseRenewed, WorkerExited,
+    AllocateOk, Attach, Attached, Deallocate, Deallocated, LeaseRenewed, WorkerExited,
 };
 use rfaas_proto::control::{ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::InvocationStatus;
@@ -180,8 +184,21 @@ pub(crate) enum Reply {
 struct ConnState {
     waiters: HashMap<u64, SyncSender<Reply>>,
     allocations: HashMap<u64, Arc<Fate>>,
+    /// Each allocation's attach secret (those the executor gave one).
+    secrets: HashMap<u64, String>,
+    /// Attach requests sent after a reconnection: request id → allocation.
+    attaching: HashMap<u64, u64>,
     lost: Option<String>,
 }
+
+/// How long a client tries to reach an executor again after its control
+/// connection ended, to take its allocations up on a new one (the
+/// executor restarted and adopted their workers). Invocations go on over
+/// the fabric meanwhile; after it, the allocations are executor-lost.
+pub(crate) const REATTACH_GRACE: Duration = Duration::from_secs(30);
+
+/// The longest pause between two tries to reach the executor again.
+const REATTACH_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// The writing side of a connection: the socket, and the TLS session when
 /// there is one (which the reader thread also takes, to decrypt).
@@ -220,6 +237,10 @@ struct ConnShared {
     writer: Mutex<Wire>,
     state: Mutex<ConnState>,
     next_request: AtomicU64,
+    /// How long a reconnection may take.
+    timeout: Duration,
+    /// The handle was dropped: the connection's end is the client's doing.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// One control connection. Dropping the last handle closes it, which ends
@@ -233,61 +254,24 @@ impl ControlConn {
     /// Connects to `executor` (`host:port`, or `tls://host:port` for TLS)
     /// and starts the reader thread.
     pub(crate) fn connect(executor: &str, timeout: Duration) -> Result<ControlConn> {
-        let connect_err = |source| Error::Connect {
-            executor: executor.to_owned(),
-            source,
-        };
-        let (tls, address) = match executor.strip_prefix(rfaas_proto::manager::CONTROL_TLS_SCHEME) {
-            Some(rest) => (true, rest),
-            None => (false, executor),
-        };
-        let addrs: Vec<_> = address.to_socket_addrs().map_err(connect_err)?.collect();
-        let mut last = None;
-        let mut stream = None;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let mut stream = stream.ok_or_else(|| {
-            connect_err(last.unwrap_or_else(|| {
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "the address resolves to nothing",
-                )
-            }))
-        })?;
-        stream.set_nodelay(true).map_err(connect_err)?;
-        let session = if tls {
-            Some(handshake(&mut stream, address, timeout).map_err(connect_err)?)
-        } else {
-            None
-        };
-        let reader = stream.try_clone().map_err(connect_err)?;
+        let (wire, reader) = open_wire(executor, timeout)?;
+        let tls = wire.tls.is_some();
         let shared = Arc::new(ConnShared {
             executor: executor.to_owned(),
-            writer: Mutex::new(Wire {
-                stream,
-                tls: session,
-            }),
+            writer: Mutex::new(wire),
             state: Mutex::new(ConnState::default()),
             next_request: AtomicU64::new(1),
+            timeout,
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let for_reader = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("rfaas-control".into())
-            .spawn(move || {
-                if tls {
-                    read_loop(TlsReader::new(reader, &for_reader), &for_reader)
-                } else {
-                    read_loop(reader, &for_reader)
-                }
-            })
-            .map_err(connect_err)?;
+            .spawn(move || reader_thread(reader, tls, &for_reader))
+            .map_err(|source| Error::Connect {
+                executor: executor.to_owned(),
+                source,
+            })?;
         Ok(ControlConn { shared })
     }
 
@@ -356,15 +340,65 @@ impl ControlConn {
 
     /// Stops tracking an allocation's fate.
     pub(crate) fn forget(&self, allocation_id: u64) {
-        lock(&self.shared.state).allocations.remove(&allocation_id);
+        let mut st = lock(&self.shared.state);
+        st.allocations.remove(&allocation_id);
+        st.secrets.remove(&allocation_id);
     }
 }
 
 impl Drop for ControlConn {
     fn drop(&mut self) {
         // Wakes the reader with EOF; it ends and drops the shared state.
+        self.shared.closed.store(true, Ordering::Release);
         let _ = lock(&self.shared.writer).stream.shutdown(Shutdown::Both);
     }
+}
+
+/// Connects to `executor` (`host:port`, or `tls://host:port`), with TLS
+/// when it says so: the writing side and a clone of the socket to read.
+fn open_wire(executor: &str, timeout: Duration) -> Result<(Wire, TcpStream)> {
+    let connect_err = |source| Error::Connect {
+        executor: executor.to_owned(),
+        source,
+    };
+    let (tls, address) = match executor.strip_prefix(rfaas_proto::manager::CONTROL_TLS_SCHEME) {
+        Some(rest) => (true, rest),
+        None => (false, executor),
+    };
+    let addrs: Vec<_> = address.to_socket_addrs().map_err(connect_err)?.collect();
+    let mut last = None;
+    let mut stream = None;
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let mut stream = stream.ok_or_else(|| {
+        connect_err(last.unwrap_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the address resolves to nothing",
+            )
+        }))
+    })?;
+    stream.set_nodelay(true).map_err(connect_err)?;
+    let session = if tls {
+        Some(handshake(&mut stream, address, timeout).map_err(connect_err)?)
+    } else {
+        None
+    };
+    let reader = stream.try_clone().map_err(connect_err)?;
+    Ok((
+        Wire {
+            stream,
+            tls: session,
+        },
+        reader,
+    ))
 }
 
 fn send_deallocate(shared: &ConnShared, msg: &Deallocate) {
@@ -496,27 +530,118 @@ impl Read for TlsReader<'_> {
     }
 }
 
-fn read_loop(stream: impl Read, shared: &ConnShared) {
+/// The reader thread: reads frames until the connection ends, then tries
+/// to take the allocations up on a new connection ([`reattach`]); when
+/// that fails, marks every allocation executor-lost and wakes every
+/// waiter.
+fn reader_thread(mut stream: TcpStream, mut tls: bool, shared: &ConnShared) {
+    loop {
+        let reason = if tls {
+            read_loop(TlsReader::new(stream, shared), shared)
+        } else {
+            read_loop(stream, shared)
+        };
+        tracing::debug!(executor = %shared.executor, %reason, "control connection ended");
+        // Requests in flight went with the connection.
+        lock(&shared.state).waiters.clear();
+        match reattach(shared) {
+            Some((s, t)) => {
+                stream = s;
+                tls = t;
+            }
+            None => {
+                let mut st = lock(&shared.state);
+                st.lost = Some(reason);
+                st.waiters.clear();
+                st.secrets.clear();
+                let fates: Vec<_> = st.allocations.drain().map(|(_, f)| f).collect();
+                drop(st);
+                for fate in fates {
+                    fate.set(FateState::ExecutorLost);
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Reads and routes frames until the connection ends; returns why.
+fn read_loop(stream: impl Read, shared: &ConnShared) -> String {
     let mut reader = BufReader::new(stream);
-    let reason = loop {
+    loop {
         match Frame::read_from(&mut reader, FrameLimits::default()) {
             Ok(frame) => {
                 if let Err(e) = dispatch(shared, &frame) {
-                    break e.to_string();
+                    return e.to_string();
                 }
             }
-            Err(e) => break e.to_string(),
+            Err(e) => return e.to_string(),
         }
-    };
-    tracing::debug!(executor = %shared.executor, %reason, "control connection ended");
-    let mut st = lock(&shared.state);
-    st.lost = Some(reason);
-    // Dropping the senders wakes every waiting request.
-    st.waiters.clear();
-    let fates: Vec<_> = st.allocations.drain().map(|(_, f)| f).collect();
-    drop(st);
-    for fate in fates {
-        fate.set(FateState::ExecutorLost);
+    }
+}
+
+/// Tries, for [`REATTACH_GRACE`], to connect to the executor again and
+/// sends an `Attach` for every allocation it gave a secret for (their
+/// answers come to [`dispatch`]). Returns the new connection's socket to
+/// read and whether it speaks TLS; `None` when the handle was dropped,
+/// no allocation can be attached, or the executor did not come back.
+fn reattach(shared: &ConnShared) -> Option<(TcpStream, bool)> {
+    let until = Instant::now() + REATTACH_GRACE;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        if shared.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let todo: Vec<(u64, String)> = {
+            let st = lock(&shared.state);
+            st.allocations
+                .keys()
+                .filter_map(|id| st.secrets.get(id).map(|s| (*id, s.clone())))
+                .collect()
+        };
+        if todo.is_empty() {
+            return None;
+        }
+        match open_wire(&shared.executor, shared.timeout) {
+            Ok((wire, reader)) => {
+                let tls = wire.tls.is_some();
+                *lock(&shared.writer) = wire;
+                let mut sent = true;
+                for (allocation_id, secret) in todo {
+                    let request_id = shared.next_request.fetch_add(1, Ordering::Relaxed);
+                    lock(&shared.state)
+                        .attaching
+                        .insert(request_id, allocation_id);
+                    let msg = Attach {
+                        request_id,
+                        allocation_id,
+                        secret,
+                    };
+                    if let Err(e) =
+                        Frame::new(&msg, Vec::new()).write_to(&mut *lock(&shared.writer))
+                    {
+                        tracing::debug!(executor = %shared.executor, error = %e, "cannot send Attach");
+                        sent = false;
+                        break;
+                    }
+                }
+                if sent {
+                    tracing::info!(executor = %shared.executor, "reconnected to the executor; attaching the allocations again");
+                    return Some((reader, tls));
+                }
+            }
+            Err(e) => {
+                tracing::debug!(executor = %shared.executor, error = %e, "the executor does not answer yet");
+            }
+        }
+        let now = Instant::now();
+        if now >= until {
+            tracing::warn!(executor = %shared.executor, grace_s = REATTACH_GRACE.as_secs(), "the executor did not come back within the grace; its allocations are lost");
+            return None;
+        }
+        // Waiting for another process to listen: nothing to wait on but time.
+        std::thread::sleep(pause.min(until - now));
+        pause = (pause * 2).min(REATTACH_BACKOFF_MAX);
     }
 }
 
@@ -530,6 +655,10 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
             match st.waiters.remove(&ok.request_id) {
                 Some(tx) => {
                     st.allocations.insert(ok.allocation_id, Arc::clone(&fate));
+                    if !ok.attach_secret.is_empty() {
+                        st.secrets
+                            .insert(ok.allocation_id, ok.attach_secret.clone());
+                    }
                     drop(st);
                     let _ = tx.send(Reply::Allocated(Box::new(ok), fate));
                 }
@@ -548,8 +677,28 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
                 }
             }
         }
+        Kind::Attached => {
+            let a: Attached = frame.parse()?;
+            lock(&shared.state).attaching.remove(&a.request_id);
+            tracing::info!(executor = %shared.executor, allocation = a.allocation_id, "allocation attached again");
+        }
         Kind::Error => {
             let e: ErrorReply = frame.parse()?;
+            let refused_attach = {
+                let mut st = lock(&shared.state);
+                match st.attaching.remove(&e.request_id) {
+                    Some(id) => {
+                        st.secrets.remove(&id);
+                        st.allocations.remove(&id)
+                    }
+                    None => None,
+                }
+            };
+            if let Some(fate) = refused_attach {
+                tracing::warn!(executor = %shared.executor, message = %e.message, "the executor did not take an allocation up again");
+                fate.set(FateState::ExecutorLost);
+                return Ok(());
+            }
             if e.request_id == 0 {
                 // The executor refuses the connection itself (before any
                 // request was read): every request waiting hears why.
@@ -572,6 +721,7 @@ fn dispatch(shared: &ConnShared, frame: &Frame) -> Result<()> {
         Kind::Deallocated => {
             let d: Deallocated = frame.parse()?;
             let mut st = lock(&shared.state);
+            st.secrets.remove(&d.allocation_id);
             let fate = st.allocations.remove(&d.allocation_id);
             let tx = st.waiters.remove(&d.request_id);
             drop(st);

@@ -1252,3 +1252,109 @@ fn a_renewal_for_another_lease_is_refused_and_the_allocation_goes_on() {
     assert_eq!(alloc.renew(&d.mint(&later)).unwrap(), later.expires_at);
     alloc.deallocate().unwrap();
 }
+
+/// A daemon for `provider` whose workers outlive it.
+fn outliving_daemon(provider: &str) -> Executord {
+    assert!(!provider.starts_with("verbs:") || std::env::var("RDMA_VM_IP").is_ok());
+    let mut opts = tls_options();
+    opts.outlive_workers = true;
+    if provider.starts_with("verbs:") {
+        opts.providers = vec![provider.to_owned()];
+        opts.fabric_host = std::env::var("RDMA_VM_IP").expect("RDMA_VM_IP");
+    }
+    Executord::start(&daemon_binary(), opts)
+}
+
+fn process_runs(pid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+}
+
+#[rstest]
+#[case::tcp_term("tcp", libc::SIGTERM)]
+#[case::tcp_kill("tcp", libc::SIGKILL)]
+#[case::shm_term("shm", libc::SIGTERM)]
+#[case::shm_kill("shm", libc::SIGKILL)]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs_kill(verbs(), libc::SIGKILL)]
+fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] signal: i32) {
+    let mut d = outliving_daemon(provider);
+    let alloc = allocate(&d, provider, &spec());
+    let pid = worker_pid(&d, alloc.id());
+    let f = alloc.function("sleep_ms").unwrap();
+    let input = u32_input(&alloc, 1500);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    let inv = alloc.submit(f, &input, 1, &mut output).unwrap();
+    wait_in_sleep_ms(pid as u32);
+    // An upgrade's restart (SIGTERM) or a crash (SIGKILL) mid-call.
+    d.restart(signal);
+    let n = inv
+        .get()
+        .unwrap_or_else(|e| panic!("the call failed: {e}\n{}", d.log()));
+    assert_eq!(n, 4);
+    assert_eq!(output.to_vec(), [1500]);
+    // The new daemon adopted the worker and the client attached to it.
+    assert_eq!(worker_pid(&d, alloc.id()), pid);
+    poll_for(Duration::from_secs(30), || {
+        d.log()
+            .contains("a client attached to an adopted allocation")
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("the client did not attach\n{}", d.log()));
+    // A second call works, and the allocation is usable.
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 77);
+    let n = alloc
+        .invoke(echo, &input, 1, &mut output)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(n, 4);
+    assert_eq!(output.to_vec(), [77]);
+    assert!(alloc.is_alive());
+    // Deallocating through the new daemon leaves no process.
+    drop(alloc);
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {pid} outlived its deallocation\n{}", d.log()));
+    poll_for(Duration::from_secs(30), || {
+        d.recorded_workers().is_empty().then_some(())
+    })
+    .unwrap_or_else(|| panic!("its runtime record outlived it\n{}", d.log()));
+}
+
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn a_worker_no_daemon_adopts_ends_at_its_leases_end(#[case] provider: &str) {
+    let mut d = outliving_daemon(provider);
+    let client = Client::new(ClientOptions::with_provider(provider));
+    let token = d.token("nobody", 4, 2048, Duration::from_secs(4));
+    let alloc = client
+        .allocate(&d.executor(), &token, &spec())
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let pid = worker_pid(&d, alloc.id());
+    d.kill();
+    // Still serving without a daemon...
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 5);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    alloc
+        .invoke(echo, &input, 1, &mut output)
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(output.to_vec(), [5]);
+    assert!(process_runs(pid));
+    // ...until its lease's end.
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {pid} outlived its lease\n{}", d.log()));
+    assert!(
+        d.log()
+            .contains("the lease ended and no daemon adopted the worker"),
+        "{}",
+        d.log()
+    );
+}

@@ -127,6 +127,7 @@ fn assignment(provider: &str, dir: &TempDir) -> Assignment {
             _ => "127.0.0.1:0".into(),
         },
         read_only_input: false,
+        adopt_dir: String::new(),
     }
 }
 

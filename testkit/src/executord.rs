@@ -73,6 +73,12 @@ pub struct ExecutordOptions {
     /// offered with plain clients still served. Clients reach it at
     /// [`Executord::executor`].
     pub control_tls: Option<bool>,
+    /// `workers_outlive_daemon`: allocated workers keep running when the
+    /// daemon stops or dies, for the next one ([`Executord::restart`]) to
+    /// adopt. Default false, so a stopped test daemon leaves nothing
+    /// behind; dropping one started with true kills the workers its
+    /// runtime records name.
+    pub outlive_workers: bool,
 }
 
 impl Default for ExecutordOptions {
@@ -95,6 +101,7 @@ impl Default for ExecutordOptions {
             env: Vec::new(),
             delegated_cgroup: true,
             control_tls: None,
+            outlive_workers: false,
         }
     }
 }
@@ -110,6 +117,9 @@ pub struct Executord {
     local_socket: PathBuf,
     cgroup: Option<PathBuf>,
     control_tls: bool,
+    /// How to start it again ([`Executord::restart`]).
+    daemon_bin: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 /// The variable naming a cgroup v2 directory, with the `cpuset`, `cpu` and
@@ -206,6 +216,7 @@ impl Executord {
              default_deadline_ms = {ddl}\n\
              max_deadline_ms = {mdl}\n\
              log_level = \"debug\"\n\
+             workers_outlive_daemon = {outlive}\n\
              {tls}\
              {extra}\n",
             node = opts.node_name,
@@ -222,6 +233,7 @@ impl Executord {
             ddl = opts.default_deadline_ms,
             mdl = opts.max_deadline_ms,
             extra = opts.extra_config,
+            outlive = opts.outlive_workers,
         );
         let config_file = dir.join("executord.toml");
         std::fs::write(&config_file, config).map_err(|e| format!("write the config: {e}"))?;
@@ -262,7 +274,61 @@ impl Executord {
             local_socket: local,
             cgroup,
             control_tls: opts.control_tls.is_some(),
+            daemon_bin: daemon_bin.to_owned(),
+            env: opts.env,
         })
+    }
+
+    /// Ends the daemon with `signal` (`SIGTERM`: a stop or restart;
+    /// `SIGKILL`: a crash), waits for it, and starts a new one on the same
+    /// configuration, runtime directory and control port, as a service
+    /// manager restarting the unit does. Panics with the log when the new
+    /// one does not come up.
+    pub fn restart(&mut self, signal: i32) {
+        // SAFETY: kill has no memory preconditions; the pid is our unreaped
+        // child (only `wait` below reaps it).
+        unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        let _ = self.child.wait();
+        let config_file = self.dir.join("executord.toml");
+        let config = std::fs::read_to_string(&config_file).expect("the daemon's configuration");
+        // The same port: clients come back to the address they know.
+        let config = config.replace(
+            "control_listen = \"127.0.0.1:0\"",
+            &format!("control_listen = \"{}\"", self.control_addr),
+        );
+        std::fs::write(&config_file, config).expect("rewrite the configuration");
+        let mut cmd = Command::new(&self.daemon_bin);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
+            .arg("--config")
+            .arg(&config_file);
+        if let Some(group) = &self.cgroup {
+            delegate(&mut cmd, group).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let (child, rest) = crate::process::spawn_ready(
+            cmd,
+            &self.dir.join("executord.log"),
+            "rfaas-executord ready control=",
+        )
+        .unwrap_or_else(|e| panic!("the restarted daemon did not come up: {e}"));
+        self.child = child;
+        let (addr, _) = parse_ready(&rest).expect("the restarted daemon's ready line");
+        assert_eq!(addr, self.control_addr, "the same control port");
+    }
+
+    /// The pids of the workers the daemon's runtime records name (the
+    /// allocations it would leave to the next daemon).
+    pub fn recorded_workers(&self) -> Vec<u32> {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("run").join("state")) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .filter_map(|v| v.get("pid")?.as_u64())
+            .map(|p| p as u32)
+            .collect()
     }
 
     /// The control listener's address.
@@ -465,7 +531,17 @@ impl Executord {
 
 impl Drop for Executord {
     fn drop(&mut self) {
+        let workers = self.recorded_workers();
         crate::process::stop(&mut self.child, crate::process::STOP_GRACE);
+        // Workers left to a next daemon that will not come.
+        for pid in workers {
+            let worker = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(12).any(|w| w == b"rfaas-worker"));
+            if worker {
+                // SAFETY: kill has no memory preconditions.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        }
         if let Some(group) = &self.cgroup {
             // Whatever outlived the daemon (nothing, unless a test found
             // a hole), then the groups.
@@ -487,8 +563,12 @@ impl Drop for Executord {
 fn delegate(cmd: &mut Command, group: &Path) -> Result<(), String> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::process::CommandExt;
-    std::fs::create_dir(group)
-        .map_err(|e| format!("create the cgroup {}: {e}", group.display()))?;
+    match std::fs::create_dir(group) {
+        Ok(()) => {}
+        // A restarted daemon joins its predecessor's group.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("create the cgroup {}: {e}", group.display())),
+    }
     let procs = std::ffi::CString::new(group.join("cgroup.procs").as_os_str().as_bytes())
         .map_err(|e| format!("the cgroup path {}: {e}", group.display()))?;
     // SAFETY: the closure runs in the forked child before exec and makes

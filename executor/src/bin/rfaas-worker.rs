@@ -24,10 +24,18 @@ struct Args {
     /// The descriptor of the socket pair rfaas-executord hands over.
     #[arg(long)]
     control_fd: RawFd,
+    /// Keep serving when rfaas-executord ends, and wait for the next one
+    /// to adopt the worker (its `workers_outlive_daemon`).
+    #[arg(long)]
+    outlive_daemon: bool,
 }
 
 fn main() -> ExitCode {
-    // First: die with the daemon, and survive its SIGUSR1 (drain).
+    // First: die with the daemon (unless it asks the worker to outlive
+    // it), and survive its SIGUSR1 (drain).
+    if std::env::args_os().any(|a| a == "--outlive-daemon") {
+        worker::privileges::outlive_parent();
+    }
     let early = worker::privileges::die_with_parent()
         .map_err(anyhow::Error::from)
         .and_then(|()| worker::install_drain_handler().context("install the SIGUSR1 handler"));

@@ -144,6 +144,32 @@ impl Capacity {
         Ok(taken)
     }
 
+    /// Takes exactly `cpus` and `memory_mib` for `lease_id`: what an
+    /// adopted worker holds. Refused when a CPU is not configured or not
+    /// free, or the memory is not free.
+    pub fn take(&mut self, lease_id: u64, cpus: &[u32], memory_mib: u32) -> Result<(), String> {
+        if let Some(c) = cpus.iter().find(|c| !self.free.contains(c)) {
+            return Err(format!(
+                "CPU {c} is not a free CPU of this executor (cpus, or held twice)"
+            ));
+        }
+        if self.free_memory_mib < memory_mib {
+            return Err(format!(
+                "{memory_mib} MiB do not fit in the {} MiB free (memory_mib)",
+                self.free_memory_mib
+            ));
+        }
+        for c in cpus {
+            self.free.remove(c);
+            self.granted.insert(*c);
+        }
+        self.free_memory_mib -= memory_mib;
+        let e = self.leases.entry(lease_id).or_default();
+        e.0 += cpus.len() as u32;
+        e.1 += u64::from(memory_mib);
+        Ok(())
+    }
+
     /// Gives back what [`grant`](Self::grant) returned.
     pub fn release(&mut self, lease_id: u64, cpus: &[u32], memory_mib: u32) {
         for c in cpus {

@@ -61,6 +61,9 @@ pub struct Config {
     pub runtime_dir: Option<PathBuf>,
     /// Pre-spawned idle workers (default 2).
     pub pool_size: Option<u32>,
+    /// Whether workers keep running when the daemon stops or dies, for
+    /// the next daemon to adopt (default true).
+    pub workers_outlive_daemon: Option<bool>,
     /// The `rfaas-worker` binary (default: next to the daemon's own).
     pub worker_path: Option<PathBuf>,
     /// `none` or `bubblewrap`.
@@ -503,6 +506,10 @@ pub struct Settings {
     pub runtime_dir: PathBuf,
     /// Idle workers kept.
     pub pool_size: u32,
+    /// Allocated workers keep running when the daemon stops (SIGTERM) or
+    /// dies, and the next daemon adopts them; false: SIGTERM stops them
+    /// and they die with the daemon (parent-death signal).
+    pub workers_outlive_daemon: bool,
     /// The worker binary.
     pub worker_path: PathBuf,
     /// Isolation.
@@ -563,6 +570,15 @@ pub struct Settings {
     /// What the daemon fell back on, for a warning at start.
     #[serde(skip)]
     pub notes: Vec<String>,
+}
+
+impl Settings {
+    /// Whether workers outlive the daemon: `workers_outlive_daemon`,
+    /// without a sandbox (bubblewrap's `--die-with-parent` ties a
+    /// sandboxed worker to the daemon).
+    pub fn workers_outlive(&self) -> bool {
+        self.workers_outlive_daemon && self.sandbox == Sandbox::None
+    }
 }
 
 /// The default place of the node tools' socket (one definition, in
@@ -886,6 +902,7 @@ impl Config {
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("/run/rfaas/workers")),
             pool_size: self.pool_size.unwrap_or(2),
+            workers_outlive_daemon: self.workers_outlive_daemon.unwrap_or(true),
             worker_path,
             sandbox: self.sandbox.unwrap_or(Sandbox::None),
             min_worker_uid: self

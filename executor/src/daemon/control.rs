@@ -8,7 +8,9 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rfaas_proto::control::client::{AllocateRequest, Deallocate, Deallocated, RenewLease};
+use rfaas_proto::control::client::{
+    AllocateRequest, Attach, Attached, Deallocate, Deallocated, RenewLease,
+};
 use rfaas_proto::control::{ErrorCode, Frame, Kind};
 
 use super::allocate::{self, Checked};
@@ -146,11 +148,27 @@ pub(crate) fn message(
                 e.to_string(),
             )),
         },
+        Kind::Attach => match frame.parse::<Attach>() {
+            Ok(a) => {
+                let shared = Arc::clone(shared);
+                Next::Job(JobFor(Box::new(move || {
+                    let mut done = DoneGuard::new(&shared.outbox, conn, 0);
+                    let (reply, attached) = attach(&shared, conn, &a);
+                    done.granted = attached;
+                    shared.send(conn, &reply);
+                })))
+            }
+            Err(e) => Next::Reply(refusal(
+                request_id_of(&frame),
+                ErrorCode::MalformedRequest,
+                e.to_string(),
+            )),
+        },
         other => Next::Reply(refusal(
             request_id_of(&frame),
             ErrorCode::MalformedRequest,
             format!(
-                "a {other:?} message is not a client request; send AllocateRequest, RenewLease or Deallocate"
+                "a {other:?} message is not a client request; send AllocateRequest, RenewLease, Attach or Deallocate"
             ),
         )),
     }
@@ -199,6 +217,10 @@ pub(crate) fn allocate(
 pub(crate) fn end(shared: &Arc<Shared>, conn: u64, peer: IpAddr) -> Job {
     let shared = Arc::clone(shared);
     Box::new(move || {
+        if shared.settings.workers_outlive() && shared.lock().stopping {
+            // The daemon stops, not the client: the workers serve on.
+            return;
+        }
         let ids: Vec<u64> = shared
             .lock()
             .allocations
@@ -215,6 +237,64 @@ pub(crate) fn end(shared: &Arc<Shared>, conn: u64, peer: IpAddr) -> Job {
             tracing::error!(%peer, left, "workers did not end after SIGKILL");
         }
     })
+}
+
+/// Takes adopted allocation `a.allocation_id` up on connection `conn`
+/// when `a.secret` is its secret; the reply, and whether it was.
+fn attach(shared: &Shared, conn: u64, a: &Attach) -> (Frame, bool) {
+    let mut st = shared.lock();
+    let found = st.allocations.get_mut(&a.allocation_id).filter(|al| {
+        al.attach_by.is_some()
+            && al.stop.is_none()
+            && !al.attach_secret.is_empty()
+            && same_secret(&al.attach_secret, &a.secret)
+    });
+    let Some(al) = found else {
+        drop(st);
+        tracing::info!(
+            allocation = a.allocation_id,
+            "attach refused: no adopted allocation with this id and secret awaits a client"
+        );
+        return (
+            refusal(
+                a.request_id,
+                ErrorCode::UnknownAllocation,
+                format!(
+                    "allocation {} does not await a client here (it ended, was never adopted by this executor, or the secret differs); allocate again",
+                    a.allocation_id
+                ),
+            ),
+            false,
+        );
+    };
+    al.conn_id = conn;
+    al.attach_by = None;
+    let expires_at = al.expires_at;
+    drop(st);
+    tracing::info!(
+        allocation = a.allocation_id,
+        "a client attached to an adopted allocation"
+    );
+    (
+        Frame::new(
+            &Attached {
+                request_id: a.request_id,
+                allocation_id: a.allocation_id,
+                expires_at,
+            },
+            Vec::new(),
+        ),
+        true,
+    )
+}
+
+/// Compares two secrets in time that depends only on their lengths.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 /// The `request_id` of a frame whose message did not parse, or 0.

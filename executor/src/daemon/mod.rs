@@ -47,6 +47,9 @@
 //! - `epoll`, `pool`: the loop's epoll set and the request threads.
 //! - `control`: the clients' TCP protocol: what each request does, and the
 //!   end of a connection.
+//! - `adopt`: the runtime records of running allocations and, at start,
+//!   adopting the workers a previous daemon left running
+//!   (`workers_outlive_daemon`).
 //! - `allocate`: one allocation's steps in order (validation, the lease
 //!   check, capacity, spawning the worker).
 //! - `local`: the node tools' unix socket (status, drain, resume, usage,
@@ -67,6 +70,7 @@
 pub mod config;
 pub mod host;
 
+mod adopt;
 mod allocate;
 mod billing;
 mod capacity;
@@ -219,6 +223,8 @@ fn find_worker(settings: &Settings) -> Result<(), StartError> {
 /// A bound daemon, not yet serving.
 #[derive(Debug)]
 pub struct Daemon {
+    /// Running allocations a previous daemon recorded, to adopt.
+    records: Vec<adopt::Record>,
     shared: Arc<Shared>,
     jobs: mpsc::Receiver<SpawnJob>,
     control: TcpListener,
@@ -271,7 +277,11 @@ impl Daemon {
             )
             .map_err(io_err("set the mode of", &settings.runtime_dir))?;
         }
-        remove_stale_allocation_dirs(&settings.runtime_dir);
+        // Records of workers a previous daemon left running; their
+        // directories stay, and new allocation ids follow theirs.
+        let records = adopt::load(&settings.runtime_dir);
+        let keep: Vec<PathBuf> = records.iter().map(|r| r.runtime_dir.clone()).collect();
+        remove_stale_allocation_dirs(&settings.runtime_dir, &keep);
 
         let control =
             TcpListener::bind(settings.control_listen).map_err(|source| StartError::Io {
@@ -319,7 +329,11 @@ impl Daemon {
             outbox,
             credential.clone(),
         ));
+        if let Some(last) = records.iter().map(|r| r.allocation_id).max() {
+            shared.skip_ids_to(last + 1);
+        }
         Ok(Daemon {
+            records,
             shared,
             jobs,
             control,
@@ -344,13 +358,15 @@ impl Daemon {
         &self.shared.settings.local_socket
     }
 
-    /// Serves until SIGTERM or SIGINT, then stops every worker and
-    /// returns; SIGHUP reloads the control port's certificate. Call it
+    /// Adopts the workers a previous daemon left running, serves until
+    /// SIGTERM or SIGINT, then stops every worker (only the pooled ones
+    /// with `workers_outlive_daemon`) and returns; SIGHUP reloads the control port's certificate. Call it
     /// from the main thread before any other thread is started: it blocks
     /// those signals for every thread it creates.
     pub fn run(self) -> io::Result<()> {
         let set = block_termination_signals()?;
         let Daemon {
+            records,
             shared,
             jobs,
             control,
@@ -367,6 +383,8 @@ impl Daemon {
         };
         let s = Arc::clone(&shared);
         spawn("spawner", Box::new(move || supervise::spawner(s, jobs)))?;
+        // Before anything serves: their CPUs are not free.
+        adopt::adopt_all(&shared, records);
         let s = Arc::clone(&shared);
         spawn("leases", Box::new(move || supervise::lease_ticker(s)))?;
         if let Some(listener) = metrics {
@@ -466,14 +484,14 @@ fn raise_descriptor_limit(settings: &Settings) {
     }
 }
 
-/// Allocation ids restart at 1 with every daemon; directories a previous
-/// run left behind (it was killed) would collide with them.
-fn remove_stale_allocation_dirs(runtime_dir: &Path) {
+/// Directories a previous run left behind (it was killed) whose worker is
+/// not to be adopted (not in `keep`): nobody uses them.
+fn remove_stale_allocation_dirs(runtime_dir: &Path, keep: &[PathBuf]) {
     let Ok(entries) = std::fs::read_dir(runtime_dir) else {
         return;
     };
     for e in entries.flatten() {
-        if e.file_name().to_string_lossy().starts_with("alloc-") {
+        if e.file_name().to_string_lossy().starts_with("alloc-") && !keep.contains(&e.path()) {
             tracing::info!(dir = %e.path().display(), "removing a previous run's allocation directory");
             if let Err(err) = std::fs::remove_dir_all(e.path()) {
                 tracing::warn!(dir = %e.path().display(), error = %err, "cannot remove a stale allocation directory");

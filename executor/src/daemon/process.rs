@@ -31,8 +31,10 @@ pub struct Bwrap {
 
 /// Starts `worker --control-fd N` with one end of a new socket pair as fd
 /// N, in its own process group (a terminal's Ctrl-C reaches the daemon,
-/// which stops workers itself), with SIGKILL as its parent-death signal.
-/// With `bwrap`, the worker runs inside a bubblewrap sandbox. With
+/// which stops workers itself), with SIGKILL as its parent-death signal
+/// unless it is to `outlive` the daemon (`--outlive-daemon`: it then waits
+/// for the next daemon when this one ends). With `bwrap`, the worker runs
+/// inside a bubblewrap sandbox. With
 /// `cgroup_procs`, the child joins that cgroup before it execs. `env` is
 /// added to its environment.
 ///
@@ -44,6 +46,7 @@ pub fn spawn_worker(
     cgroup_procs: Option<&Path>,
     nice: i32,
     env: &[(&str, &str)],
+    outlive: bool,
 ) -> io::Result<Spawned> {
     let (ours, theirs) = UnixStream::pair()?;
     let fd = theirs.as_raw_fd();
@@ -87,6 +90,9 @@ pub fn spawn_worker(
         }
     };
     cmd.arg("--control-fd").arg(fd.to_string());
+    if outlive {
+        cmd.arg("--outlive-daemon");
+    }
     cmd.envs(env.iter().copied());
     cmd.stdin(Stdio::null()).stdout(Stdio::null());
     cmd.process_group(0);
@@ -108,7 +114,9 @@ pub fn spawn_worker(
             let mut empty: libc::sigset_t = std::mem::zeroed();
             libc::sigemptyset(&mut empty);
             libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            if !outlive {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            }
             if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -346,7 +354,7 @@ mod tests {
     #[test]
     fn spawn_wait_and_reap() {
         // `true` ignores its arguments, so it stands in for the worker.
-        let s = spawn_worker(Path::new("/bin/true"), None, None, 0, &[]).unwrap();
+        let s = spawn_worker(Path::new("/bin/true"), None, None, 0, &[], false).unwrap();
         assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
         // Still a zombie: the pid is ours until reaped.
         assert!(Path::new(&format!("/proc/{}", s.pid)).exists());
@@ -373,7 +381,7 @@ mod tests {
 
     #[test]
     fn killed_children_report_the_signal() {
-        let s = spawn_worker(Path::new("/bin/sleep"), None, None, 0, &[]);
+        let s = spawn_worker(Path::new("/bin/sleep"), None, None, 0, &[], false);
         // sleep refuses "--control-fd" and exits 1 at once.
         let s = s.unwrap();
         let ended = wait_exit(s.pid).unwrap();
@@ -396,7 +404,7 @@ mod tests {
         std::fs::write(&script, "#!/bin/sh\nnice > \"$(dirname \"$0\")/nice\"\n").unwrap();
         std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
-        let s = spawn_worker(&script, None, None, 7, &[]).unwrap();
+        let s = spawn_worker(&script, None, None, 7, &[], false).unwrap();
         assert_eq!(wait_exit(s.pid).unwrap(), Ended::Exited(0));
         reap(s.pid);
         let nice = std::fs::read_to_string(dir.join("nice")).unwrap();
@@ -406,8 +414,15 @@ mod tests {
 
     #[test]
     fn missing_worker_binary_is_named() {
-        let err =
-            spawn_worker(Path::new("/nonexistent/rfaas-worker"), None, None, 0, &[]).unwrap_err();
+        let err = spawn_worker(
+            Path::new("/nonexistent/rfaas-worker"),
+            None,
+            None,
+            0,
+            &[],
+            false,
+        )
+        .unwrap_err();
         assert!(
             err.to_string().contains("/nonexistent/rfaas-worker"),
             "{err}"

@@ -156,6 +156,12 @@ impl Shared {
         });
     }
 
+    /// Makes the next fresh id at least `next` (ids adopted allocations
+    /// hold are not given again).
+    pub(crate) fn skip_ids_to(&self, next: u64) {
+        self.next_id.fetch_max(next, Ordering::Relaxed);
+    }
+
     /// A fresh id for an allocation or a connection.
     pub(crate) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
@@ -204,6 +210,7 @@ impl Shared {
     pub(crate) fn remove_allocation(&self, st: &mut State, id: u64) -> Option<Allocation> {
         let a = st.allocations.remove(&id)?;
         st.capacity.release(a.lease_id, &a.cpus, a.memory_mib);
+        super::adopt::remove(&self.settings.runtime_dir, id);
         if let Err(e) = std::fs::remove_dir_all(&a.runtime_dir) {
             if e.kind() != io::ErrorKind::NotFound {
                 tracing::warn!(dir = %a.runtime_dir.display(), error = %e, "cannot remove an allocation's runtime directory");
@@ -332,13 +339,21 @@ impl Shared {
     /// Stops every worker, pooled or allocated, and waits (bounded) until
     /// they are reaped. Clients hear `WorkerExited` with cause `stopped`;
     /// allocations asked for meanwhile are refused `draining`.
+    ///
+    /// With [`Settings::workers_outlive`], only the pool goes: allocated
+    /// workers serve on, for the next daemon to adopt.
     pub(crate) fn shutdown(&self) {
+        let outlive = self.settings.workers_outlive();
         let ids: Vec<u64> = {
             let mut st = self.lock();
             st.stopping = true;
             st.draining = true;
             self.empty_pool(&mut st);
-            st.allocations.keys().copied().collect()
+            st.allocations
+                .values()
+                .filter(|a| !(outlive && a.ready && a.stop.is_none()))
+                .map(|a| a.id)
+                .collect()
         };
         let left = self.end_allocations(&ids, Stop::Shutdown, Duration::from_secs(5));
         let st = self.lock();

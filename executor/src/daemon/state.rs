@@ -59,6 +59,12 @@ pub(crate) struct Allocation {
     /// How the worker ended, for one that ended before it was ready.
     pub ended: Option<Ended>,
     pub runtime_dir: PathBuf,
+    /// What a client shows to take the allocation up again on a new
+    /// connection after a restart (`Attach`); empty: it cannot.
+    pub attach_secret: String,
+    /// Adopted from a previous daemon and not yet attached by its client:
+    /// ended (as a closed connection ends it) if none attaches by then.
+    pub attach_by: Option<Instant>,
 }
 
 /// An idle pre-spawned worker.

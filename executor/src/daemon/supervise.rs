@@ -36,6 +36,10 @@ const GROUP_KILL_WAIT: Duration = Duration::from_secs(5);
 pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
     let worker = shared.settings.worker_path.clone();
     let env = shared.limiter.worker_env();
+    let outlive = shared.settings.workers_outlive();
+    let direct = |bwrap: Option<&Bwrap>, cgroup_procs: Option<&std::path::Path>| {
+        process::spawn_worker(&worker, bwrap, cgroup_procs, 0, env, outlive)
+    };
     let mut backoff_until = None::<std::time::Instant>;
     loop {
         // Drain every pending job before (re)filling the pool.
@@ -46,14 +50,7 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
                     cgroup_procs,
                     reply,
                 }) => {
-                    let r = process::spawn_worker(
-                        &worker,
-                        bwrap.as_ref(),
-                        cgroup_procs.as_deref(),
-                        0,
-                        env,
-                    );
-                    let _ = reply.send(r);
+                    let _ = reply.send(direct(bwrap.as_ref(), cgroup_procs.as_deref()));
                 }
                 Ok(SpawnJob::Refill) => {}
                 Err(mpsc::TryRecvError::Empty) => break,
@@ -71,7 +68,7 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
         };
         let backing_off = backoff_until.is_some_and(|t| std::time::Instant::now() < t);
         if short && !backing_off {
-            match process::spawn_worker(&worker, None, None, POOL_NICE, env) {
+            match process::spawn_worker(&worker, None, None, POOL_NICE, env, outlive) {
                 Ok(s) => {
                     let pid = s.pid;
                     {
@@ -97,9 +94,7 @@ pub(crate) fn spawner(shared: Arc<Shared>, jobs: mpsc::Receiver<SpawnJob>) {
                 cgroup_procs,
                 reply,
             }) => {
-                let r =
-                    process::spawn_worker(&worker, bwrap.as_ref(), cgroup_procs.as_deref(), 0, env);
-                let _ = reply.send(r);
+                let _ = reply.send(direct(bwrap.as_ref(), cgroup_procs.as_deref()));
             }
             Ok(SpawnJob::Refill) | Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
@@ -139,6 +134,34 @@ pub(crate) fn watch(shared: &Arc<Shared>, pid: u32) {
     }
 }
 
+/// Starts the watcher of adopted worker `pid` (not the daemon's child:
+/// `pidfd` says when it ended; init reaps it).
+pub(crate) fn watch_adopted(shared: &Arc<Shared>, pid: u32, pidfd: std::os::fd::OwnedFd) {
+    let shared = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name(format!("watch-{pid}"))
+        .spawn(move || {
+            super::adopt::wait_pidfd(&pidfd);
+            // How it ended is its parent's to hear; a stopped worker was
+            // killed, any other ended by itself.
+            let stopped = shared
+                .lock()
+                .allocations
+                .values()
+                .any(|a| a.pid == Some(pid) && a.stop.is_some());
+            let ended = if stopped {
+                Ended::Signaled(libc::SIGKILL)
+            } else {
+                Ended::Exited(0)
+            };
+            after_end(&shared, pid, ended);
+        });
+    if let Err(e) = spawned {
+        tracing::error!(pid, error = %e, "cannot start an adopted worker's watcher thread; killing the worker");
+        process::signal(pid, libc::SIGKILL);
+    }
+}
+
 fn watcher(shared: &Arc<Shared>, pid: u32) {
     let ended = match process::wait_exit(pid) {
         // bwrap exits with 128 + the signal that ended the worker.
@@ -153,6 +176,12 @@ fn watcher(shared: &Arc<Shared>, pid: u32) {
             return;
         }
     };
+    after_end(shared, pid, ended);
+}
+
+/// What follows a worker's end: its allocation's group goes, its figures
+/// close, its client hears why, its CPUs are free again.
+fn after_end(shared: &Arc<Shared>, pid: u32, ended: Ended) {
     let ended_at = shared.usage.now();
     // What the worker started may outlive it (forked, detached, ignoring
     // signals): the allocation's whole group goes before its CPU time is
@@ -306,6 +335,7 @@ pub(crate) fn describe(
 pub(crate) fn lease_ticker(shared: Arc<Shared>) {
     loop {
         std::thread::sleep(Duration::from_millis(250));
+        super::adopt::end_unattached(&shared, std::time::Instant::now());
         let now = unix_now();
         let mut st = shared.lock();
         if st.stopping {

@@ -76,6 +76,8 @@
 //!
 //! # Layout
 //!
+//! - [`adopt`]: outliving the daemon: waiting for the next one on
+//!   `adopt.sock`, or ending at the lease's end.
 //! - [`privileges`]: parent-death signal, pinning, memory limit, user drop.
 //! - [`library`]: `dlopen` from the memfd, the function table.
 //! - `lane`: one lane's resources and loop.
@@ -83,6 +85,7 @@
 //! - `crash`: the fatal-signal handler and the crash it hands the watchdog.
 //! - [`watchdog`]: answers for crashed and overrunning functions.
 
+pub mod adopt;
 mod crash;
 mod lane;
 pub mod library;
@@ -240,13 +243,15 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
         listen_ns: prepared.listen_ns,
     };
     EXPIRES_AT.store(assignment.expires_at, Ordering::Relaxed);
+    let assignment_dir = std::path::PathBuf::from(&assignment.adopt_dir);
+    let assignment_id = assignment.allocation_id;
     ipc::send_frame(&control, &Frame::new(&ready, vec![]), &[]).map_err(ControlError::Io)?;
     // It only reads and echoes small frames: a small stack, which counts
     // against the allocation's memory under RLIMIT_AS like any mapping.
     thread::Builder::new()
         .name("rfaas-control".into())
         .stack_size(CONTROL_STACK)
-        .spawn(move || follow_expiry(&control))
+        .spawn(move || follow_daemon(control, &assignment_dir, assignment_id))
         .map_err(|e| internal(format!("cannot start the control thread: {e}")))?;
     serve(&assignment, prepared)
 }
@@ -257,6 +262,26 @@ pub const LANE_STACK: usize = (2 << 20) + crash::STACK_GUARD;
 
 /// The stack of the thread that follows lease renewals.
 const CONTROL_STACK: usize = 128 << 10;
+
+/// Follows the daemon's socket; when it ends and the assignment named an
+/// adoption directory, waits there for the next daemon and follows its
+/// socket ([`adopt`]); without one, returns (the parent-death signal
+/// follows).
+fn follow_daemon(mut control: UnixStream, adopt_dir: &std::path::Path, allocation_id: u64) {
+    loop {
+        follow_expiry(&control);
+        if adopt_dir.as_os_str().is_empty() {
+            return;
+        }
+        control = match adopt::await_daemon(adopt_dir, allocation_id) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(dir = %adopt_dir.display(), error = %e, "cannot wait for a new daemon; the worker serves on until its clients go");
+                return;
+            }
+        };
+    }
+}
 
 /// Applies and echoes every [`ExpiryMoved`] from the daemon until the
 /// socket ends (the daemon is gone, and the parent-death signal follows)
@@ -340,7 +365,14 @@ fn prepare(
     meter_fd: Option<std::os::fd::OwnedFd>,
 ) -> Result<Prepared, WorkerError> {
     check(a)?;
-    let meter = meter_fd.map(|fd| map_meter(a, &fd)).transpose()?;
+    let meter = match meter_fd {
+        Some(fd) => {
+            let m = map_meter(a, &fd)?;
+            adopt::keep_meter_fd(fd);
+            Some(m)
+        }
+        None => None,
+    };
     let key = LaneKey::from_hex(&a.lane_key).map_err(|e| {
         WorkerError::failed(
             ErrorCode::MalformedRequest,

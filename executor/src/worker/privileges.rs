@@ -2,7 +2,7 @@
 //! daemon, pinning, the memory limit, and the drop to the lease's user.
 
 use std::io;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use rfaas_proto::control::ErrorCode;
 
@@ -10,6 +10,15 @@ use super::WorkerError;
 
 /// The parent seen by the first [`die_with_parent`].
 static PARENT: AtomicI32 = AtomicI32::new(0);
+
+/// Set by [`outlive_parent`]: [`die_with_parent`] does nothing.
+static OUTLIVE: AtomicBool = AtomicBool::new(false);
+
+/// The worker outlives its daemon (`--outlive-daemon`, the daemon's
+/// `workers_outlive_daemon`): no parent-death signal, from now on.
+pub fn outlive_parent() {
+    OUTLIVE.store(true, Ordering::Relaxed);
+}
 
 /// Asks the kernel to SIGKILL this process when its parent dies, then checks
 /// that the parent is still the one seen at the first call (closing the race
@@ -20,6 +29,9 @@ static PARENT: AtomicI32 = AtomicI32::new(0);
 /// The kernel clears the setting when the process changes its credentials,
 /// so [`drop_privileges`] sets it again.
 pub fn die_with_parent() -> Result<(), WorkerError> {
+    if OUTLIVE.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     // SAFETY: getppid cannot fail.
     let first = unsafe { libc::getppid() };
     let _ = PARENT.compare_exchange(0, first, Ordering::Relaxed, Ordering::Relaxed);

@@ -116,6 +116,38 @@ pub struct AllocateOk {
     /// input buffer. 0 from an executor that does not say.
     #[serde(default)]
     pub max_input_bytes: u64,
+    /// The allocation's attach secret, 32 hex digits: after the executor
+    /// restarted, an [`Attach`] with it takes the allocation up on a new
+    /// connection. Empty from an executor that does not keep its workers
+    /// across restarts.
+    #[serde(default)]
+    pub attach_secret: String,
+}
+
+/// Client → executor, on a new connection after the one an allocation
+/// was made on ended: take it up on this connection (the executor
+/// restarted and adopted its worker). Answered [`Attached`], or an
+/// [`ErrorReply`](super::ErrorReply) `unknown_allocation`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attach {
+    /// Repeated in the reply.
+    pub request_id: u64,
+    /// Which allocation.
+    pub allocation_id: u64,
+    /// [`AllocateOk::attach_secret`].
+    pub secret: String,
+}
+
+/// Executor → client: the allocation is this connection's now; its
+/// `WorkerExited` comes here, and the connection's end ends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attached {
+    /// The request's id.
+    pub request_id: u64,
+    /// Which allocation.
+    pub allocation_id: u64,
+    /// The allocation's end, Unix seconds.
+    pub expires_at: u64,
 }
 
 /// Client → executor: end an allocation and stop its worker.
@@ -212,6 +244,8 @@ message_kinds! {
     WorkerExited => WorkerExited,
     RenewLease => RenewLease,
     LeaseRenewed => LeaseRenewed,
+    Attach => Attach,
+    Attached => Attached,
 }
 
 #[cfg(test)]
@@ -353,5 +387,46 @@ mod tests {
             r#""lease_mismatch""#
         );
         assert!(!ErrorCode::LeaseMismatch.is_retryable());
+    }
+
+    /// The attach frames, byte for byte: header (kind 9, 10, 20) and JSON.
+    #[test]
+    fn attach_frame_bytes() {
+        let attach = Attach {
+            request_id: 3,
+            allocation_id: 7,
+            secret: "00ff".into(),
+        };
+        let json = br#"{"request_id":3,"allocation_id":7,"secret":"00ff"}"#;
+        let want = small_frame(9, json);
+        let frame = Frame::new(&attach, vec![]);
+        assert_eq!(frame.to_bytes(), want);
+        let back = Frame::read_from(&mut &want[..], FrameLimits::default()).unwrap();
+        assert_eq!(back.parse::<Attach>().unwrap(), attach);
+
+        let attached = Attached {
+            request_id: 3,
+            allocation_id: 7,
+            expires_at: 1_800_000_000,
+        };
+        let json = br#"{"request_id":3,"allocation_id":7,"expires_at":1800000000}"#;
+        assert_eq!(
+            Frame::new(&attached, vec![]).to_bytes(),
+            small_frame(10, json)
+        );
+        assert!(matches!(
+            Frame::new(&attached, vec![]).parse::<Attach>(),
+            Err(ControlError::UnexpectedKind { .. })
+        ));
+
+        let rejoin = crate::control::worker::WorkerRejoin {
+            allocation_id: 7,
+            expires_at: 1_800_000_000,
+        };
+        let json = br#"{"allocation_id":7,"expires_at":1800000000}"#;
+        assert_eq!(
+            Frame::new(&rejoin, vec![]).to_bytes(),
+            small_frame(20, json)
+        );
     }
 }

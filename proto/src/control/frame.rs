@@ -35,6 +35,11 @@ pub enum Kind {
     RenewLease = 7,
     /// [`LeaseRenewed`](super::client::LeaseRenewed), executor → client.
     LeaseRenewed = 8,
+    /// [`Attach`](super::client::Attach), client → executor: take up an
+    /// allocation again on a new connection (after the executor restarted).
+    Attach = 9,
+    /// [`Attached`](super::client::Attached), executor → client.
+    Attached = 10,
     /// [`Assignment`](super::worker::Assignment), daemon → pooled worker, with the library's memfd
     /// passed alongside (SCM_RIGHTS).
     Assignment = 16,
@@ -44,6 +49,9 @@ pub enum Kind {
     WorkerFailed = 18,
     /// [`ExpiryMoved`](super::worker::ExpiryMoved), daemon → serving worker, and its echo back.
     ExpiryMoved = 19,
+    /// [`WorkerRejoin`](super::worker::WorkerRejoin), serving worker → the
+    /// daemon that adopts it, with its meter area passed alongside.
+    WorkerRejoin = 20,
     /// [`LocalRequest`](super::local::LocalRequest), node tool → daemon (unix socket).
     LocalRequest = 32,
     /// [`LocalReply`](super::local::LocalReply), daemon → node tool.
@@ -52,7 +60,7 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in code order.
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 17] = [
         Kind::AllocateRequest,
         Kind::AllocateOk,
         Kind::Error,
@@ -61,10 +69,13 @@ impl Kind {
         Kind::WorkerExited,
         Kind::RenewLease,
         Kind::LeaseRenewed,
+        Kind::Attach,
+        Kind::Attached,
         Kind::Assignment,
         Kind::WorkerReady,
         Kind::WorkerFailed,
         Kind::ExpiryMoved,
+        Kind::WorkerRejoin,
         Kind::LocalRequest,
         Kind::LocalReply,
     ];
@@ -348,12 +359,15 @@ mod tests {
     #[test]
     fn kind_codes_are_stable() {
         let codes: Vec<u16> = Kind::ALL.iter().map(|k| k.code()).collect();
-        assert_eq!(codes, [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18, 19, 32, 33]);
+        assert_eq!(
+            codes,
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 17, 18, 19, 20, 32, 33]
+        );
         for k in Kind::ALL {
             assert_eq!(Kind::from_code(k.code()), Some(k));
         }
-        assert_eq!(Kind::from_code(9), None);
-        assert_eq!(Kind::from_code(20), None);
+        assert_eq!(Kind::from_code(11), None);
+        assert_eq!(Kind::from_code(21), None);
     }
 
     #[test]

@@ -69,6 +69,12 @@ pub struct Assignment {
     /// [`AllocateRequest::read_only_input`](super::client::AllocateRequest::read_only_input).
     #[serde(default)]
     pub read_only_input: bool,
+    /// The allocation's runtime directory: a worker that outlives its
+    /// daemon waits there (`adopt.sock`) for the next one. Empty (from a
+    /// daemon that does not say, or one that does not keep its workers):
+    /// the worker ends with its daemon's socket.
+    #[serde(default)]
+    pub adopt_dir: String,
 }
 
 /// Worker → daemon: the assignment is loaded and listening.
@@ -90,11 +96,23 @@ pub struct WorkerReady {
 #[serde(transparent)]
 pub struct WorkerFailed(pub ErrorReply);
 
+/// Worker → the daemon that connected to its `adopt.sock`: the worker
+/// takes it as its daemon from now on. Its meter area is passed alongside
+/// (SCM_RIGHTS), so the adopting daemon meters it where the first left off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRejoin {
+    /// The allocation it serves.
+    pub allocation_id: u64,
+    /// Its lease's end as it applies it, Unix seconds.
+    pub expires_at: u64,
+}
+
 message_kinds! {
     Assignment => Assignment,
     WorkerReady => WorkerReady,
     WorkerFailed => WorkerFailed,
     ExpiryMoved => ExpiryMoved,
+    WorkerRejoin => WorkerRejoin,
 }
 
 #[cfg(test)]

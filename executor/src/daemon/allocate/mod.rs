@@ -102,7 +102,18 @@ pub(crate) fn start(
     )
     .map_err(|refused| spawn::abandon(shared, reserved.id, refused))?;
     let worker_ns = started_worker.elapsed().as_nanos() as u64;
+    let attach_secret = if shared.settings.workers_outlive() {
+        shared
+            .lock()
+            .allocations
+            .get(&reserved.id)
+            .map(|a| a.attach_secret.clone())
+            .unwrap_or_default()
+    } else {
+        String::new()
+    };
     Ok(AllocateOk {
+        attach_secret,
         request_id: req.request_id,
         allocation_id: reserved.id,
         lease_id: claims.lease_id,

@@ -42,6 +42,11 @@ pub(super) fn reserve(
     let user = check_user(&claims.user, s);
     let elf_ok = library.starts_with(b"\x7fELF");
 
+    // Drawn before the lock; without one the allocation cannot be taken
+    // up again after a restart, and is otherwise as good.
+    let attach_secret = rfaas_proto::hello::LaneKey::random()
+        .map(|k| k.to_hex())
+        .unwrap_or_default();
     let id = shared.next_id();
     let runtime_dir = s.runtime_dir.join(format!("alloc-{id}"));
     let mut st = shared.lock();
@@ -108,6 +113,8 @@ pub(super) fn reserve(
             stop: None,
             ended: None,
             runtime_dir: runtime_dir.clone(),
+            attach_secret,
+            attach_by: None,
         },
     );
     drop(st);

@@ -113,6 +113,11 @@ pub(super) fn start_worker(
         provider: req.provider.clone(),
         listen_addr,
         read_only_input: req.read_only_input,
+        adopt_dir: if s.workers_outlive() {
+            runtime_dir.display().to_string()
+        } else {
+            String::new()
+        },
     };
     let frame = Frame::new(&assignment, Vec::new());
 
@@ -211,6 +216,17 @@ pub(super) fn start_worker(
         max_out: u64::from(req.output_capacity),
     };
     shared.usage.open(id, claims, opening, limits);
+    let record = s
+        .workers_outlive()
+        .then(|| crate::daemon::adopt::record_of(a, &limits, &req.token))
+        .flatten();
+    drop(st);
+    // For the next daemon to adopt the worker (written outside the lock).
+    if let Some(r) = record {
+        if let Err(e) = crate::daemon::adopt::write(&s.runtime_dir, &r) {
+            tracing::warn!(allocation = id, error = %e, "cannot write the allocation's runtime record; a restarted daemon will not adopt its worker");
+        }
+    }
     tracing::info!(allocation = id, pid, fabric_addr = %ready.fabric_addr, pooled, "worker ready");
     Ok((ready, pooled))
 }

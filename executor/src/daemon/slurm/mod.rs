@@ -822,6 +822,8 @@ mod tests {
                 stop: None,
                 ended: None,
                 runtime_dir: PathBuf::from("/nonexistent/rfaas-test"),
+                attach_secret: String::new(),
+                attach_by: None,
             },
         );
     }
