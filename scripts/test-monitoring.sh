@@ -5,7 +5,8 @@
 # rfaas-executord registered with the manager, a client calling a function
 # there) scraped by a real Prometheus with monitoring/prometheus-example.yml,
 # and checks that every metric selector of the rules and every query of the
-# Grafana dashboard returns series (monitoring/check.py). Last, that the check
+# Grafana dashboard returns series (monitoring/check.py), and that no alert is
+# pending or firing on this healthy system. Last, that the check
 # fails on a dashboard naming a metric no daemon exposes.
 #
 #   scripts/test-monitoring.sh
@@ -133,6 +134,16 @@ fi
 
 echo "== every selector of the rules and every dashboard query returns series"
 python3 "$mon/check.py" series "$prom_url" "$mon/rfaas-alerts.yml" "$mon/grafana/rfaas.json"
+
+echo "== the healthy system fires no alert, pending or firing"
+# Prometheus evaluated the rules on the scrapes above (evaluation every 1 s).
+alerts=$(curl -fsS "$prom_url/api/v1/query" --data-urlencode 'query=ALERTS')
+harvest=$(curl -fsS "$prom_url/api/v1/query" --data-urlencode 'query=rfaas:harvest_share')
+echo "rfaas:harvest_share: $harvest"
+if [[ $alerts != *'"result":[]'* ]]; then
+    echo "alerts pending or firing on a healthy system (a rule that misreads a metric?): $alerts" >&2
+    exit 1
+fi
 
 echo "== the check fails on a dashboard that names a metric no daemon exposes"
 python3 - "$mon/grafana/rfaas.json" "$work/bad-dashboard.json" <<'PY'
