@@ -325,13 +325,13 @@ stop_accounting() {
 
 # Starts an executor daemon for node NAME that registers with the manager
 # of start_manager and accepts its lease tokens.
-#   start_node BIN_DIR WORK_DIR NAME CPUS [EXTRA_TOML]
 # Its files are in WORK_DIR/NAME (its local socket WORK_DIR/NAME/
 # executord.sock); EXTRA_TOML (a [slurm] table, say) ends its
-# configuration. Its pid is appended to NODE_PIDS. Stop them all with
-# stop_nodes.
+# configuration; TOP_TOML (metrics_listen, say) goes among its top-level
+# keys. Its pid is appended to NODE_PIDS. Stop them all with stop_nodes.
+#   start_node BIN_DIR WORK_DIR NAME CPUS [EXTRA_TOML [TOP_TOML]]
 start_node() {
-    local bin=$1 work=$2 name=$3 cpus=$4 extra=${5:-}
+    local bin=$1 work=$2 name=$3 cpus=$4 extra=${5:-} top=${6:-}
     local dir="$work/$name"
     mkdir -p "$dir"
     # Workers run as the lease's user and reach their directories below it.
@@ -356,6 +356,7 @@ runtime_dir = "$dir/run"
 pool_size = 1
 sandbox = "none"
 log_level = "info"
+$top
 
 [manager]
 urls = ["$MANAGER_URL"]

@@ -69,6 +69,11 @@ fi
 echo "== C API, C and MPI examples against a local executor (scripts/examples.sh)"
 bash scripts/examples.sh
 
+echo "== alert rules and dashboard against a real scrape (scripts/test-monitoring.sh)"
+monitoring_start=$SECONDS
+bash scripts/test-monitoring.sh
+echo "monitoring stage: $((SECONDS - monitoring_start)) s"
+
 echo "== the Slurm tests under Slurm 24.11, in a Debian 13 root (scripts/test-slurm-releases.sh)"
 slurm_start=$SECONDS
 bash scripts/test-slurm-releases.sh

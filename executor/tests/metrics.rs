@@ -53,6 +53,15 @@ fn metrics_follow_allocations_and_refusals() {
         Some(0.0),
         "{before}"
     );
+    // Alerts watch failures (monitoring/rfaas-alerts.yml): their series
+    // are there, at 0, before the first one.
+    for series in [
+        "rfaas_executord_manager_calls_total{call=\"heartbeat\",outcome=\"failed\"}",
+        "rfaas_executord_manager_calls_total{call=\"register\",outcome=\"failed\"}",
+        "rfaas_executord_billing_posts_total{what=\"dropped\"}",
+    ] {
+        assert_eq!(sample(&before, series), Some(0.0), "{series}: {before}");
+    }
 
     d.allocate_and_deallocate(&c_library_bytes()).unwrap();
     // A token signed with another key is refused, and counted as forged.

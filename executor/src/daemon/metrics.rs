@@ -168,6 +168,16 @@ impl Metrics {
             &["reason"],
         )
         .expect("valid metric");
+        // Every outcome from the start, so alerts on failures have a series
+        // to watch before the first one.
+        for call in ["register", "heartbeat"] {
+            for outcome in ["ok", "failed"] {
+                heartbeats.with_label_values(&[call, outcome]);
+            }
+        }
+        for what in ["batches", "closed", "dropped"] {
+            billing_posts.with_label_values(&[what]);
+        }
         for c in [
             Box::new(billing_posts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(billing_pending.clone()),
