@@ -67,6 +67,9 @@ pub struct FileConfig {
     /// How Slurm is asked about jobs.
     #[serde(default)]
     pub slurm: SlurmConfig,
+    /// `[retention]`.
+    #[serde(default)]
+    pub retention: RetentionConfig,
 }
 
 /// `[http]`: how long a connection may take and how many there may be.
@@ -154,6 +157,39 @@ pub struct AccountingSettings {
     pub required: bool,
 }
 
+/// `[retention]`: how long ended leases stay, with their usage and
+/// snapshots, before the manager purges them (their usage rolled up per
+/// day, which reports keep reading).
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Purge at all (default true).
+    pub enabled: Option<bool>,
+    /// Days an ended lease is kept (default 90).
+    pub ended_lease_days: Option<u64>,
+    /// Leases per batch, each one transaction (default 1000).
+    pub batch: Option<u32>,
+    /// Pause between batches, ms (default 100).
+    pub pause_ms: Option<u64>,
+    /// Time between purges, s (default 3600).
+    pub interval_s: Option<u64>,
+}
+
+/// The checked `[retention]` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RetentionSettings {
+    /// Purge at all.
+    pub enabled: bool,
+    /// Days an ended lease is kept.
+    pub ended_lease_days: u64,
+    /// Leases per batch.
+    pub batch: u32,
+    /// Pause between batches, ms.
+    pub pause_ms: u64,
+    /// Time between purges, s.
+    pub interval_s: u64,
+}
+
 /// `[quota]`: a cap on the cores an account holds at once.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -210,6 +246,8 @@ pub struct Settings {
     pub accounting: AccountingSettings,
     /// How Slurm is asked about jobs.
     pub slurm: SlurmSettings,
+    /// How long ended leases stay.
+    pub retention: RetentionSettings,
     /// HTTPS, timeouts and connection caps of the REST port.
     pub http: HttpSettings,
     /// The configuration directory the defaults came from.
@@ -292,8 +330,21 @@ impl FileConfig {
                     unchecked: self.slurm.unchecked,
                 }
             },
+            retention: RetentionSettings {
+                enabled: self.retention.enabled.unwrap_or(true),
+                ended_lease_days: self.retention.ended_lease_days.unwrap_or(90),
+                batch: self.retention.batch.unwrap_or(1000),
+                pause_ms: self.retention.pause_ms.unwrap_or(100),
+                interval_s: self.retention.interval_s.unwrap_or(3600),
+            },
             config_dir: dir.clone(),
         };
+        if s.retention.batch == 0 || s.retention.batch > 10_000 || s.retention.interval_s == 0 {
+            return Err(ConfigError::Invalid(format!(
+                "[retention] batch ({}) must be between 1 and 10000 and interval_s ({}) above 0; the defaults are 1000 and 3600",
+                s.retention.batch, s.retention.interval_s
+            )));
+        }
         if s.accounting.lost_after_ms == 0 {
             return Err(ConfigError::Invalid(
                 "[accounting] lost_after_ms must be above 0 (an instance heartbeats once per flush, every second by default)".into(),

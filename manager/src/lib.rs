@@ -26,6 +26,8 @@
 //!   accounts a user coordinates, which widens what the usage route shows.
 //! - [`serve`]: the REST port's accept loop: HTTPS, timeouts, connection
 //!   caps, certificate reload.
+//! - [`retention`]: the purge of ended leases older than
+//!   `[retention] ended_lease_days`, their usage kept per day.
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
 //!   built on.
 //!
@@ -33,7 +35,7 @@
 //! and accounting instances), end expired leases, and mark nodes lost
 //! that stopped heartbeating (only once the replica itself has reached the
 //! database for `lost_after`, so a database outage never loses every
-//! node); on SQLite also checkpoint the write-ahead log
+//! node); purge old ended leases ([`retention`]); on SQLite also checkpoint the write-ahead log
 //! ([`rfaas_service::db::checkpoints`]).
 
 pub mod announce;
@@ -43,6 +45,7 @@ pub mod config;
 pub mod ctl;
 pub mod error;
 pub mod metrics;
+pub mod retention;
 pub mod serve;
 pub mod signer;
 pub mod slurm;
@@ -132,6 +135,24 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Purges ended leases older than `[retention] ended_lease_days` (or
+/// `days`, when given) once, now (`rfaas-manager purge`), as a replica's
+/// purge task does every `interval_s`; returns what it deleted.
+pub async fn purge(settings: &Settings, days: Option<u64>) -> anyhow::Result<store::Purged> {
+    let backend = Backend::of(&settings.database);
+    let pool = db::open_and_migrate(&settings.database, 1)
+        .await
+        .with_context(|| format!("open the database ({})", backend.name()))?;
+    let store = Store::new(pool.clone(), backend);
+    let mut r = settings.retention;
+    r.ended_lease_days = days.unwrap_or(r.ended_lease_days);
+    let purged = retention::purge(&store, &Metrics::new(), r, now_ms())
+        .await
+        .context("purge ended leases")?;
+    pool.close().await;
+    Ok(purged)
+}
+
 /// Every reason a replica with `settings` would not start that the files
 /// it reads first show (admin token, lease signing key, HTTPS
 /// certificate), read as [`start`] reads them; for `--check-config`. Opens
@@ -213,6 +234,9 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
     });
     let (stop, _) = tokio::sync::watch::channel(false);
     tokio::spawn(refresh_loop(app.clone(), stop.subscribe()));
+    if app.settings.retention.enabled {
+        tokio::spawn(retention::purge_loop(app.clone(), stop.subscribe()));
+    }
     match backend {
         Backend::Postgres => {
             tokio::spawn(listen_loop(app.clone(), stop.subscribe()));

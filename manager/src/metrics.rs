@@ -13,8 +13,8 @@ use std::time::Duration;
 use axum::http::Method;
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts,
+    Registry, TextEncoder,
 };
 use rfaas_proto::manager::NodeState;
 
@@ -54,6 +54,13 @@ pub struct Metrics {
     pub unbilled_leases: IntCounter,
     /// Connections closed at once because a cap was reached, by cap.
     pub connections_refused: IntCounterVec,
+    /// Rows the retention purged, by table (leases, usage,
+    /// usage_snapshots).
+    pub retention_purged: IntCounterVec,
+    /// When this replica last finished a purge, Unix seconds.
+    pub retention_last_run: Gauge,
+    /// How long this replica's last purge took, seconds.
+    pub retention_duration: Gauge,
     requests: HistogramVec,
     accounting_instances: GaugeVec,
     nodes: GaugeVec,
@@ -149,6 +156,27 @@ impl Metrics {
         for cap in ["replica", "source"] {
             connections_refused.with_label_values(&[cap]);
         }
+        let retention_purged = IntCounterVec::new(
+            Opts::new(
+                "retention_purged_rows_total",
+                "Rows the retention purged, by table (leases, usage, usage_snapshots); their usage stays in usage_daily",
+            ),
+            &["table"],
+        )
+        .expect("valid");
+        for table in ["leases", "usage", "usage_snapshots"] {
+            retention_purged.with_label_values(&[table]);
+        }
+        let retention_last_run = Gauge::new(
+            "retention_last_run_timestamp_seconds",
+            "When this replica last finished a purge of ended leases, Unix seconds (0: never)",
+        )
+        .expect("valid");
+        let retention_duration = Gauge::new(
+            "retention_duration_seconds",
+            "How long this replica's last purge of ended leases took, seconds",
+        )
+        .expect("valid");
         for m in [
             Box::new(grants.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(connections_refused.clone()),
@@ -163,6 +191,9 @@ impl Metrics {
             Box::new(cores.clone()),
             Box::new(memory.clone()),
             Box::new(heartbeat_lag.clone()),
+            Box::new(retention_purged.clone()),
+            Box::new(retention_last_run.clone()),
+            Box::new(retention_duration.clone()),
         ] {
             registry.register(m).expect("metric names are unique");
         }
@@ -184,6 +215,9 @@ impl Metrics {
             lost_nodes,
             unbilled_leases,
             connections_refused,
+            retention_purged,
+            retention_last_run,
+            retention_duration,
             accounting_instances,
             requests,
             nodes,

@@ -475,7 +475,8 @@ pub struct BudgetView {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LeaseUsage {
-    /// The lease.
+    /// The lease; 0 for the per-day totals of leases the manager's
+    /// retention has purged (one row per day's user, account, job, node).
     pub lease: u64,
     /// Its user.
     pub user: String,

@@ -95,6 +95,7 @@ pub const MANAGER: Owner = migrations!("manager":
     6 "0006_draining.sql",
     7 "0007_credential_id_key.sql",
     8 "0008_node_control_tls.sql",
+    9 "0009_usage_daily.sql",
 );
 
 /// The accounting service's tables.
@@ -125,6 +126,8 @@ pub const GRANTS: &[(&str, &str, &str)] = &[
     ),
     ("account_spend", "SELECT, INSERT, UPDATE, DELETE", "SELECT"),
     ("budgets", "", "SELECT"),
+    // Purged leases' usage, per day: written by the manager's retention.
+    ("usage_daily", "", "SELECT"),
     // The key of credential ids' tags: the manager's alone.
     ("manager_keys", "", ""),
 ];

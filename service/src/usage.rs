@@ -8,6 +8,13 @@
 //! its totals at `S`, where a lease's totals at a time are those of its
 //! latest snapshot at or before that time, zero if none, and its current
 //! totals when `E` is now or later.
+//!
+//! Leases the manager's retention has purged live on as per-day totals
+//! (`usage_daily`, one row per UTC day, user, account, job, node and
+//! harvested flag): a day counts in a period when the day starts inside
+//! it, and such rows carry lease id 0. Over periods that start and end
+//! at midnight UTC, reports give the same totals before and after a
+//! purge.
 
 use rfaas_proto::accounting::{SlotTotals, UsageFigures, SLOT_WORDS};
 use sqlx::any::AnyRow;
@@ -37,7 +44,9 @@ pub struct Period {
 
 pub use rfaas_proto::manager::LeaseUsage;
 
-const COUNTERS: [&str; 7] = [
+/// The usage counters, as columns of `usage`, `usage_snapshots` and
+/// `usage_daily`, in the order of a slot's words.
+pub const COUNTERS: [&str; 7] = [
     "alloc_mib_ms",
     "compute_ns",
     "hot_ns",
@@ -49,7 +58,7 @@ const COUNTERS: [&str; 7] = [
 
 /// The totals in columns `{prefix}alloc_mib_ms`, ... (`None` if they are
 /// NULL: no such row).
-fn totals(row: &AnyRow, prefix: &str) -> Result<Option<UsageFigures>, DbError> {
+pub fn totals(row: &AnyRow, prefix: &str) -> Result<Option<UsageFigures>, DbError> {
     // The slot's words less `closed`, which stays 0.
     let mut w = [0u64; SLOT_WORDS];
     for (word, name) in w.iter_mut().zip(COUNTERS) {
@@ -132,34 +141,10 @@ pub async fn lease_usage(
         );
     }
     let mut params = vec![Param::Int(i(period.start_ms)), Param::Int(i(period.end_ms))];
-    any_of(
-        &mut sql,
-        &mut params,
-        "l.user_name",
-        filters.users.iter().map(|u| Param::Text(u)).collect(),
-    );
-    any_of(
-        &mut sql,
-        &mut params,
-        "l.account",
-        filters.accounts.iter().map(|a| Param::Text(a)).collect(),
-    );
-    any_of(
-        &mut sql,
-        &mut params,
-        "l.job_id",
-        filters.jobs.iter().map(|&j| Param::Int(i(j))).collect(),
-    );
+    filtered(&mut sql, &mut params, "l", filters);
     sql.push_str(" ORDER BY l.id");
-    let mut q = sqlx::query(&sql);
-    for p in &params {
-        q = match p {
-            Param::Int(v) => q.bind(*v),
-            Param::Text(t) => q.bind(*t),
-        };
-    }
     let mut out = Vec::new();
-    for row in q.fetch_all(pool).await? {
+    for row in bound(&sql, &params).fetch_all(pool).await? {
         let start = totals(&row, "s_")?.unwrap_or_default();
         let mut end = totals(&row, "e_")?;
         if current {
@@ -181,6 +166,85 @@ pub async fn lease_usage(
                     u64::try_from(j).map_err(|_| DbError::Other(format!("column job_id holds {j}")))
                 })
                 .transpose()?,
+            node: db::text_col(&row, "node")?,
+            harvested: row.try_get::<i64, _>("harvested")? != 0,
+            usage,
+        });
+    }
+    out.extend(daily_usage(pool, period, filters).await?);
+    Ok(out)
+}
+
+/// `AND {alias}.user_name IN (...)` and so on for each filter given.
+fn filtered<'a>(sql: &mut String, params: &mut Vec<Param<'a>>, alias: &str, filters: &'a Filters) {
+    any_of(
+        sql,
+        params,
+        &format!("{alias}.user_name"),
+        filters.users.iter().map(|u| Param::Text(u)).collect(),
+    );
+    any_of(
+        sql,
+        params,
+        &format!("{alias}.account"),
+        filters.accounts.iter().map(|a| Param::Text(a)).collect(),
+    );
+    any_of(
+        sql,
+        params,
+        &format!("{alias}.job_id"),
+        filters.jobs.iter().map(|&j| Param::Int(i(j))).collect(),
+    );
+}
+
+fn bound<'q>(
+    sql: &'q str,
+    params: &'q [Param<'q>],
+) -> sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>> {
+    let mut q = sqlx::query(sql);
+    for p in params {
+        q = match p {
+            Param::Int(v) => q.bind(*v),
+            Param::Text(t) => q.bind(*t),
+        };
+    }
+    q
+}
+
+/// The purged leases' usage on the days that start in `period`, one row
+/// per user, account, job, node and harvested flag, with lease id 0.
+async fn daily_usage(
+    pool: &AnyPool,
+    period: Period,
+    filters: &Filters,
+) -> Result<Vec<LeaseUsage>, DbError> {
+    let sums = COUNTERS
+        .iter()
+        .map(|c| format!("CAST(SUM(d.{c}) AS BIGINT) AS d_{c}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut sql = format!(
+        "SELECT d.user_name, d.account, d.job_id, d.node, d.harvested, {sums} FROM usage_daily d \
+         WHERE d.day_ms >= $1 AND d.day_ms < $2"
+    );
+    let mut params = vec![Param::Int(i(period.start_ms)), Param::Int(i(period.end_ms))];
+    filtered(&mut sql, &mut params, "d", filters);
+    sql.push_str(
+        " GROUP BY d.user_name, d.account, d.job_id, d.node, d.harvested \
+         ORDER BY d.user_name, d.account, d.job_id, d.node, d.harvested",
+    );
+    let mut out = Vec::new();
+    for row in bound(&sql, &params).fetch_all(pool).await? {
+        let usage = totals(&row, "d_")?.unwrap_or_default();
+        if usage == UsageFigures::default() {
+            continue;
+        }
+        let job = db::u64_col(&row, "job_id")?;
+        out.push(LeaseUsage {
+            lease: 0,
+            user: db::text_col(&row, "user_name")?,
+            account: db::text_col(&row, "account")?,
+            job: (job != 0).then_some(job),
             node: db::text_col(&row, "node")?,
             harvested: row.try_get::<i64, _>("harvested")? != 0,
             usage,
@@ -217,12 +281,15 @@ pub async fn unknown_name(pool: &AnyPool, filters: &Filters) -> Result<Option<St
     Ok(None)
 }
 
+/// Whether a lease, or a purged lease's daily totals, has `value` in
+/// `column`.
 async fn exists(pool: &AnyPool, column: &str, value: Param<'_>) -> Result<bool, DbError> {
-    let sql = format!("SELECT id FROM leases WHERE {column} = $1 LIMIT 1");
-    let q = sqlx::query(&sql);
-    let q = match value {
-        Param::Int(v) => q.bind(v),
-        Param::Text(t) => q.bind(t),
-    };
-    Ok(q.fetch_optional(pool).await?.is_some())
+    for table in ["leases", "usage_daily"] {
+        let sql = format!("SELECT {column} FROM {table} WHERE {column} = $1 LIMIT 1");
+        let q = bound(&sql, std::slice::from_ref(&value));
+        if q.fetch_optional(pool).await?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }

@@ -191,6 +191,12 @@ impl Manager {
         Ok(())
     }
 
+    /// Its configuration file, for the `rfaas-manager` subcommands a test
+    /// runs on the same database.
+    pub fn config_file(&self) -> PathBuf {
+        self.dir.join("manager.toml")
+    }
+
     /// Its base URL, `https://127.0.0.1:port` (`http://` without TLS).
     pub fn url(&self) -> &str {
         &self.url

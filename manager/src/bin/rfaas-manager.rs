@@ -64,6 +64,15 @@ enum Command {
     /// at start too). The accounting service and rfaas-billing never
     /// migrate: they refuse a schema this does not leave current.
     Migrate,
+    /// Purge ended leases older than [retention] ended_lease_days now, as
+    /// the replicas do every interval_s, their usage kept per day for
+    /// reports; prints how many rows went. Safe next to running replicas.
+    Purge {
+        /// Purge leases that ended this many days ago or earlier instead
+        /// (0: every ended lease).
+        #[arg(long)]
+        ended_before_days: Option<u64>,
+    },
     /// Print the PostgreSQL script that creates the manager's, the
     /// accounting service's and reports' database roles and grants each
     /// what it needs; run it with psql as a superuser before the first
@@ -114,6 +123,17 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     if let Some(Command::Migrate) = args.command {
         return runtime.block_on(rfaas_manager::migrate(&settings));
+    }
+    if let Some(Command::Purge { ended_before_days }) = args.command {
+        let p = runtime.block_on(rfaas_manager::purge(&settings, ended_before_days))?;
+        println!(
+            "purged {} ended leases, {} usage rows, {} usage snapshots",
+            p.leases, p.usage, p.snapshots
+        );
+        if p.busy {
+            println!("another replica was purging; it purges the rest");
+        }
+        return Ok(());
     }
     runtime.block_on(async {
         let running = rfaas_manager::start(settings).await?;

@@ -12,6 +12,7 @@
 //! - [`budgets`]: accounts' budgets and spend.
 //! - [`credentials`]: node and user credentials.
 //! - [`jobs`]: a Slurm job's end.
+//! - [`retention`]: purging ended leases, their usage rolled up per day.
 
 mod billing;
 mod budgets;
@@ -20,6 +21,7 @@ mod grants;
 mod jobs;
 mod leases;
 mod nodes;
+mod retention;
 
 use std::sync::Arc;
 
@@ -34,6 +36,7 @@ pub use credentials::role_name;
 pub use grants::{Beyond, Denied, Grant, GrantOutcome, GrantPlan, LeaseAsk, Refused};
 pub use leases::{lease_state_name, LeaseRow};
 pub use nodes::StoredNode;
+pub use retention::{Purged, DAY_MS};
 
 /// The manager's database.
 #[derive(Debug, Clone)]
