@@ -125,6 +125,17 @@ loud() {
     printf '%s\n\n' "$bar" >&2
 }
 
+# in_booted_root LEADER CMD...: runs CMD as root in the root booted with
+# scripts/roots.sh boot whose systemd is pid LEADER, in /root, with a
+# login's plain environment.
+in_booted_root() {
+    local leader=$1
+    shift
+    nsenter --target "$leader" --all -- env -i HOME=/root LANG=C.UTF-8 \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        DEBIAN_FRONTEND=noninteractive sh -c 'cd /root && exec "$@"' sh "$@"
+}
+
 # The repository root.
 repo_root() {
     cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd

@@ -30,6 +30,8 @@
 #                  the install guide pull (postgresql, slurmd, slurmctld,
 #                  slurm-client, munge, libibverbs1, librdmacm, lintian), so
 #                  that `apt-get install ./rfaas-*.deb` works with no network
+#   bookworm-ansible bookworm-base plus openssh-server, python3, python3-apt,
+#                  openssl and sudo: a host that Ansible reaches by ssh
 #
 # Roots live in $RFAAS_ROOTS_DIR (default /var/cache/rfaas/roots): NAME/ is
 # the root, NAME.stamp the sha256 of its recipe (suite, mirror, packages,
@@ -106,19 +108,22 @@ recipe_vars() {
         INCLUDE=slurmctld,slurmd,slurm-client,munge,libslurm-dev,libibverbs1,librdmacm1t64
         INCLUDE+=,openssl,binutils,procps,hostname,ca-certificates
         ;;
-    bookworm-base | trixie-base)
-        SUITE=${1%-base}
+    bookworm-base | trixie-base | bookworm-ansible)
+        SUITE=${1%-*}
         INCLUDE=systemd,systemd-sysv,dbus,iproute2,procps
         local rdmacm=librdmacm1 libslurm=libslurm38
         [ "$SUITE" = trixie ] && rdmacm=librdmacm1t64 libslurm=libslurm42t64
         # libslurm: rfaas-slurm depends on it; Slurm's daemons do not.
         DOWNLOAD="postgresql slurmd slurmctld slurm-client munge libibverbs1 $rdmacm $libslurm lintian"
+        # A host Ansible manages: reached by ssh, modules run by python3
+        # (the apt module needs python3-apt), the site CA made with openssl.
+        [ "$1" = bookworm-ansible ] && INCLUDE+=,openssh-server,python3,python3-apt,openssl,sudo
         ;;
     *) die "there is no root recipe '$1'; the recipes are: $(recipe_names | tr '\n' ' ')" ;;
     esac
 }
 
-recipe_names() { printf '%s\n' trixie-slurm bookworm-base trixie-base; }
+recipe_names() { printf '%s\n' trixie-slurm bookworm-base trixie-base bookworm-ansible; }
 
 # Bootstraps recipe $1's root into $2, logging to $3.
 # shellcheck disable=SC2016 # the hooks are expanded by mmdebstrap, root in $1

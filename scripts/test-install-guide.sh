@@ -133,14 +133,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# in_root HOST CMD...: runs CMD as root in HOST's root, in /root, with a
-# login's plain environment.
+# in_root HOST CMD...: runs CMD as root in HOST's root (in_booted_root).
 in_root() {
     local h=$1
     shift
-    nsenter --target "${LEADER[$h]}" --all -- env -i HOME=/root LANG=C.UTF-8 \
-        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        DEBIAN_FRONTEND=noninteractive sh -c 'cd /root && exec "$@"' sh "$@"
+    in_booted_root "${LEADER[$h]}" "$@"
 }
 
 extract_blocks "$GUIDE" "$work/blocks" >"$work/blocks.list"

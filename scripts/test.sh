@@ -93,6 +93,10 @@ echo "stage: packages: $((SECONDS - packages_start)) s"
 echo "== docs/install.md as written, on two booted Debian 12 roots (scripts/test-install-guide.sh)"
 bash scripts/test-install-guide.sh
 
+# After the packages are built: the Ansible roles install them on three hosts.
+echo "== the Ansible collection: lint, and the play on booted Debian 12 roots (scripts/test-ansible.sh)"
+bash scripts/test-ansible.sh
+
 if [ "${RFAAS_SKIP_RDMA_VM:-0}" = 1 ]; then
     loud "SKIPPED: the verbs provider's tests under Soft-RoCE (RFAAS_SKIP_RDMA_VM=1)." \
         "The verbs provider is NOT tested by this run."
