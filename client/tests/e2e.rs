@@ -6,13 +6,13 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rfaas_client::{
     Allocation, AllocationSpec, Client, ClientOptions, Error, ErrorCode, ExitCause,
     InvocationStatus, Mode, Next,
 };
-use rfaas_proto::control::local::LocalReply;
+use rfaas_proto::control::local::{LeaseUsage, LocalReply, LocalRequest};
 use rfaas_testkit::cpus;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, wait_in_sleep_ms};
@@ -1273,6 +1273,16 @@ fn process_runs(pid: i32) -> bool {
         })
 }
 
+/// The daemon's figures for `lease` (its `usage` view).
+fn lease_usage(d: &Executord, lease: u64) -> LeaseUsage {
+    match d.local(LocalRequest::Usage {
+        lease_id: Some(lease),
+    }) {
+        LocalReply::Usage { mut leases, .. } if leases.len() == 1 => leases.remove(0),
+        other => panic!("no figures for lease {lease}: {other:?}\n{}", d.log()),
+    }
+}
+
 #[rstest]
 #[case::tcp_term("tcp", libc::SIGTERM)]
 #[case::tcp_kill("tcp", libc::SIGKILL)]
@@ -1283,6 +1293,8 @@ fn process_runs(pid: i32) -> bool {
 fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] signal: i32) {
     let mut d = outliving_daemon(provider);
     let alloc = allocate(&d, provider, &spec());
+    // The worker's assignment came before this.
+    let assigned = Instant::now();
     let pid = worker_pid(&d, alloc.id());
     let f = alloc.function("sleep_ms").unwrap();
     let input = u32_input(&alloc, 1500);
@@ -1298,6 +1310,18 @@ fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] s
     assert_eq!(output.to_vec(), [1500]);
     // The new daemon adopted the worker and the client attached to it.
     assert_eq!(worker_pid(&d, alloc.id()), pid);
+    // Its figures go on from the assignment, not from the adoption: the
+    // memory is billed for the whole time, the call once.
+    let elapsed = assigned.elapsed();
+    let u = lease_usage(&d, alloc.lease_id());
+    assert_eq!(u.usage.invocations, 1, "{u:?}\n{}", d.log());
+    assert!(
+        u.usage.alloc_mib_ms >= 256 * elapsed.as_millis() as u64,
+        "{} MiB ms billed for {elapsed:?} of 256 MiB: {u:?}\n{}",
+        u.usage.alloc_mib_ms,
+        d.log()
+    );
+    assert_eq!(u.allocations, 1, "{u:?}");
     poll_for(Duration::from_secs(30), || {
         d.log()
             .contains("a client attached to an adopted allocation")
@@ -1313,6 +1337,7 @@ fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] s
     assert_eq!(n, 4);
     assert_eq!(output.to_vec(), [77]);
     assert!(alloc.is_alive());
+    assert_eq!(lease_usage(&d, alloc.lease_id()).usage.invocations, 2);
     // Deallocating through the new daemon leaves no process.
     drop(alloc);
     poll_for(Duration::from_secs(30), || {

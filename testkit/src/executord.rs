@@ -297,19 +297,34 @@ impl Executord {
             &format!("control_listen = \"{}\"", self.control_addr),
         );
         std::fs::write(&config_file, config).expect("rewrite the configuration");
-        let mut cmd = Command::new(&self.daemon_bin);
-        cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
-            .arg("--config")
-            .arg(&config_file);
-        if let Some(group) = &self.cgroup {
-            delegate(&mut cmd, group).unwrap_or_else(|e| panic!("{e}"));
-        }
-        let (child, rest) = crate::process::spawn_ready(
-            cmd,
-            &self.dir.join("executord.log"),
-            "rfaas-executord ready control=",
-        )
-        .unwrap_or_else(|e| panic!("the restarted daemon did not come up: {e}"));
+        // The port is free again once the old daemon is gone, and the
+        // kernel may hand it to another test's outgoing connection for a
+        // moment: a start that finds it in use is tried again.
+        let mut last = String::new();
+        let started = crate::wait::poll_for(Duration::from_secs(30), || {
+            let mut cmd = Command::new(&self.daemon_bin);
+            cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
+                .arg("--config")
+                .arg(&config_file);
+            if let Some(group) = &self.cgroup {
+                delegate(&mut cmd, group).unwrap_or_else(|e| panic!("{e}"));
+            }
+            match crate::process::spawn_ready(
+                cmd,
+                &self.dir.join("executord.log"),
+                "rfaas-executord ready control=",
+            ) {
+                Ok(up) => Some(Ok(up)),
+                Err(e) if e.contains("Address already in use") => {
+                    last = e;
+                    None
+                }
+                Err(e) => Some(Err(e)),
+            }
+        })
+        .unwrap_or(Err(last));
+        let (child, rest) =
+            started.unwrap_or_else(|e| panic!("the restarted daemon did not come up: {e}"));
         self.child = child;
         let (addr, _) = parse_ready(&rest).expect("the restarted daemon's ready line");
         assert_eq!(addr, self.control_addr, "the same control port");

@@ -223,6 +223,9 @@ fn after_end(shared: &Arc<Shared>, pid: u32, ended: Ended) {
             // Before its cgroup goes with the allocation.
             shared.usage.close(id, ended_at, cpu_ns);
             let a = st.allocations.get_mut(&id).expect("found above");
+            if shared.settings.workers_outlive() {
+                crate::daemon::adopt::carry_ended(shared, a.lease_id);
+            }
             if a.ready {
                 let oom = shared.limiter.oom_killed(id);
                 let a = shared.remove_allocation(&mut st, id).expect("found above");
