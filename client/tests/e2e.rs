@@ -1383,3 +1383,51 @@ fn a_worker_no_daemon_adopts_ends_at_its_leases_end(#[case] provider: &str) {
         d.log()
     );
 }
+
+#[test]
+fn a_client_gives_its_allocations_up_after_its_reattach_grace() {
+    let mut d = outliving_daemon("tcp");
+    let mut opts = ClientOptions::with_provider("tcp");
+    opts.reattach_grace = Duration::from_millis(200);
+    let alloc = Client::new(opts)
+        .allocate(&d.executor(), &token(&d), &spec())
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    // No daemon comes back: the allocation is lost once the grace is over
+    // (with the default 30 s it would still be waiting).
+    d.kill();
+    poll_for(Duration::from_secs(10), || {
+        (!alloc.is_alive()).then_some(())
+    })
+    .expect("the allocation outlived the client's reattach grace");
+}
+
+#[test]
+fn an_adopted_allocation_no_client_attaches_ends_after_the_attach_grace() {
+    let mut d = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            outlive_workers: true,
+            extra_config: "attach_grace_s = 1\n".into(),
+            ..ExecutordOptions::default()
+        },
+    );
+    // A peer that never attaches again.
+    let (conn, ok) = d
+        .allocate_raw(&c_library_bytes())
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let pid = worker_pid(&d, ok.allocation_id);
+    d.restart(libc::SIGKILL);
+    drop(conn);
+    assert_eq!(worker_pid(&d, ok.allocation_id), pid, "adopted");
+    // Ended after one second, not the default 60.
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {pid} outlived the attach grace\n{}", d.log()));
+    assert!(
+        d.log()
+            .contains("no client attached to these adopted allocations in time"),
+        "{}",
+        d.log()
+    );
+}

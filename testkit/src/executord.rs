@@ -477,6 +477,28 @@ impl Executord {
     /// its deallocation, as a client library does them; `Err` says what
     /// the daemon answered instead.
     pub fn allocate_and_deallocate(&self, library: &[u8]) -> Result<(), String> {
+        let (mut s, ok) = self.allocate_raw(library)?;
+        let dealloc = Deallocate {
+            request_id: 2,
+            allocation_id: ok.allocation_id,
+        };
+        let done: Deallocated = exchange(&mut s, Frame::new(&dealloc, Vec::new()))?
+            .parse()
+            .map_err(|e| e.to_string())?;
+        if done.allocation_id != ok.allocation_id {
+            return Err(format!("{done:?} answers another allocation than {ok:?}"));
+        }
+        Ok(())
+    }
+
+    /// One allocation of one core (user `nobody`, `library` with its
+    /// function `echo`, the tcp provider, an hour's lease) on a fresh
+    /// control connection, which is returned with the answer: a peer that
+    /// never attaches again when the connection ends.
+    pub fn allocate_raw(
+        &self,
+        library: &[u8],
+    ) -> Result<(std::net::TcpStream, AllocateOk), String> {
         let mut s = std::net::TcpStream::connect(self.control_addr)
             .map_err(|e| format!("connect to {}: {e}", self.control_addr))?;
         s.set_read_timeout(Some(Duration::from_secs(60)))
@@ -488,30 +510,10 @@ impl Executord {
             &["echo"],
         );
         req.request_id = 1;
-        let mut exchange = |frame: Frame| {
-            frame.write_to(&mut s).map_err(|e| format!("send: {e}"))?;
-            let reply = Frame::read_from(&mut s, FrameLimits::default())
-                .map_err(|e| format!("no answer: {e}"))?;
-            if reply.kind == Kind::Error {
-                let e: ErrorReply = reply.parse().map_err(|e| e.to_string())?;
-                return Err(format!("refused: {e:?}"));
-            }
-            Ok(reply)
-        };
-        let ok: AllocateOk = exchange(Frame::new(&req, library.to_vec()))?
+        let ok: AllocateOk = exchange(&mut s, Frame::new(&req, library.to_vec()))?
             .parse()
             .map_err(|e| e.to_string())?;
-        let dealloc = Deallocate {
-            request_id: 2,
-            allocation_id: ok.allocation_id,
-        };
-        let done: Deallocated = exchange(Frame::new(&dealloc, Vec::new()))?
-            .parse()
-            .map_err(|e| e.to_string())?;
-        if done.allocation_id != ok.allocation_id {
-            return Err(format!("{done:?} answers another allocation than {ok:?}"));
-        }
-        Ok(())
+        Ok((s, ok))
     }
 
     /// `local(LocalRequest::Status)`.
@@ -620,6 +622,19 @@ fn remove_cgroup(group: &Path) {
         }
     }
     let _ = std::fs::remove_dir(group);
+}
+
+/// Sends `frame` on a control connection and reads the answer; an
+/// `Error` frame is `Err` with its content.
+fn exchange(s: &mut std::net::TcpStream, frame: Frame) -> Result<Frame, String> {
+    frame.write_to(&mut *s).map_err(|e| format!("send: {e}"))?;
+    let reply =
+        Frame::read_from(&mut *s, FrameLimits::default()).map_err(|e| format!("no answer: {e}"))?;
+    if reply.kind == Kind::Error {
+        let e: ErrorReply = reply.parse().map_err(|e| e.to_string())?;
+        return Err(format!("refused: {e:?}"));
+    }
+    Ok(reply)
 }
 
 /// An allocation request under `token` for `cores` lanes and `functions`

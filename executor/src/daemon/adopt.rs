@@ -14,7 +14,7 @@
 //! running allocation also has a [`LeaseCarry`] (`lease-<id>.json`): its
 //! ended allocations' figures and its slot before the first add, so the
 //! adopting daemon bills only what the previous one had not posted.
-//! Its client has [`ATTACH_GRACE`] to take it up on a new connection
+//! Its client has `attach_grace_s` to take it up on a new connection
 //! (`Attach`, with the allocation's secret); otherwise it ends as if the
 //! client's connection had closed. A record that cannot be read, names a
 //! dead worker or one that does not answer is refused with a log line,
@@ -44,9 +44,6 @@ use crate::meter::MeterArea;
 
 /// The record format's version; others are refused.
 pub(crate) const RECORD_VERSION: u32 = 1;
-
-/// How long an adopted allocation waits for its client to attach.
-pub(crate) const ATTACH_GRACE: Duration = Duration::from_secs(60);
 
 /// How long the daemon tries to reach a worker's `adopt.sock` (the worker
 /// makes it once it sees its previous daemon's socket end).
@@ -485,7 +482,7 @@ fn adopt(shared: &Arc<Shared>, r: &Record) -> Result<(), String> {
             ended: None,
             runtime_dir: r.runtime_dir.clone(),
             attach_secret: r.attach_secret.clone(),
-            attach_by: Some(Instant::now() + ATTACH_GRACE),
+            attach_by: Some(Instant::now() + s.attach_grace),
         },
     );
     if let Some(area) = meter {
