@@ -1431,3 +1431,54 @@ fn an_adopted_allocation_no_client_attaches_ends_after_the_attach_grace() {
         d.log()
     );
 }
+
+#[test]
+fn a_slurm_take_back_and_a_deallocation_end_adopted_allocations_and_leave_no_process() {
+    let mut d = outliving_daemon("tcp");
+    let taken = allocate(&d, "tcp", &spec());
+    let freed = allocate(&d, "tcp", &spec());
+    let (taken_pid, freed_pid) = (worker_pid(&d, taken.id()), worker_pid(&d, freed.id()));
+    d.restart(libc::SIGKILL);
+    poll_for(Duration::from_secs(30), || {
+        (d.log()
+            .matches("a client attached to an adopted allocation")
+            .count()
+            == 2)
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("the client did not attach both\n{}", d.log()));
+    assert_eq!(worker_pid(&d, taken.id()), taken_pid);
+
+    // Deallocated through the new daemon.
+    freed
+        .deallocate()
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(freed_pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {freed_pid} outlived its deallocation\n{}", d.log()));
+
+    // Taken back for a Slurm job (what the plugin's prolog asks).
+    let reply = d.local(LocalRequest::SlurmRetrieve {
+        job_id: 7,
+        cpus: 0,
+        grace_ms: 0,
+    });
+    assert!(
+        matches!(&reply, LocalReply::Done { message } if message.contains("taken back for Slurm job 7")),
+        "{reply:?}\n{}",
+        d.log()
+    );
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(taken_pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {taken_pid} outlived the take-back\n{}", d.log()));
+    poll_for(Duration::from_secs(30), || {
+        (!taken.is_alive()).then_some(())
+    })
+    .expect("the client heard of the take-back");
+    poll_for(Duration::from_secs(30), || {
+        d.recorded_workers().is_empty().then_some(())
+    })
+    .unwrap_or_else(|| panic!("runtime records outlived their workers\n{}", d.log()));
+}
