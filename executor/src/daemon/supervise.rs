@@ -138,6 +138,10 @@ pub(crate) fn watch(shared: &Arc<Shared>, pid: u32) {
 /// `pidfd` says when it ended; init reaps it).
 pub(crate) fn watch_adopted(shared: &Arc<Shared>, pid: u32, pidfd: std::os::fd::OwnedFd) {
     let shared = Arc::clone(shared);
+    let pidfd = Arc::new(pidfd);
+    // Signals reach it through the pidfd until its end is handled: its pid
+    // is not held for this daemon, the kernel may hand it on.
+    process::track(pid, Arc::clone(&pidfd));
     let spawned = std::thread::Builder::new()
         .name(format!("watch-{pid}"))
         .spawn(move || {
@@ -155,10 +159,12 @@ pub(crate) fn watch_adopted(shared: &Arc<Shared>, pid: u32, pidfd: std::os::fd::
                 Ended::Exited(0)
             };
             after_end(&shared, pid, ended);
+            process::untrack(pid);
         });
     if let Err(e) = spawned {
         tracing::error!(pid, error = %e, "cannot start an adopted worker's watcher thread; killing the worker");
         process::signal(pid, libc::SIGKILL);
+        process::untrack(pid);
     }
 }
 
