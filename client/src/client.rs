@@ -348,6 +348,7 @@ impl Client {
         let conn = Arc::new(ControlConn::connect(
             executor,
             self.inner.opts.connect_timeout,
+            self.inner.opts.reattach_grace,
         )?);
         let took = started.elapsed();
         let mut conns = lock(&self.inner.conns);

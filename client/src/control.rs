@@ -4,7 +4,7 @@
 //! One reader thread per connection reads every frame. Replies go to the
 //! waiting request through a channel; `WorkerExited` goes to the
 //! allocation's [`Fate`]. When the connection ends (EOF or an error), the
-//! reader connects again for [`REATTACH_GRACE`] and sends `Attach` for every
+//! reader connects again for its grace (`ClientOptions::reattach_grace`) and sends `Attach` for every
 //! allocation the executor gave an attach secret (a restarted executor
 //! adopted their workers; calls go on over the fabric meanwhile); the
 //! allocations it cannot take up, or all of them when the executor does
@@ -191,12 +191,6 @@ struct ConnState {
     lost: Option<String>,
 }
 
-/// How long a client tries to reach an executor again after its control
-/// connection ended, to take its allocations up on a new one (the
-/// executor restarted and adopted their workers). Invocations go on over
-/// the fabric meanwhile; after it, the allocations are executor-lost.
-pub(crate) const REATTACH_GRACE: Duration = Duration::from_secs(30);
-
 /// The longest pause between two tries to reach the executor again.
 const REATTACH_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
@@ -239,6 +233,8 @@ struct ConnShared {
     next_request: AtomicU64,
     /// How long a reconnection may take.
     timeout: Duration,
+    /// How long to try reconnecting after the connection ended.
+    reattach_grace: Duration,
     /// The handle was dropped: the connection's end is the client's doing.
     closed: std::sync::atomic::AtomicBool,
 }
@@ -253,7 +249,11 @@ pub(crate) struct ControlConn {
 impl ControlConn {
     /// Connects to `executor` (`host:port`, or `tls://host:port` for TLS)
     /// and starts the reader thread.
-    pub(crate) fn connect(executor: &str, timeout: Duration) -> Result<ControlConn> {
+    pub(crate) fn connect(
+        executor: &str,
+        timeout: Duration,
+        reattach_grace: Duration,
+    ) -> Result<ControlConn> {
         let (wire, reader) = open_wire(executor, timeout)?;
         let tls = wire.tls.is_some();
         let shared = Arc::new(ConnShared {
@@ -262,6 +262,7 @@ impl ControlConn {
             state: Mutex::new(ConnState::default()),
             next_request: AtomicU64::new(1),
             timeout,
+            reattach_grace,
             closed: std::sync::atomic::AtomicBool::new(false),
         });
         let for_reader = Arc::clone(&shared);
@@ -580,13 +581,13 @@ fn read_loop(stream: impl Read, shared: &ConnShared) -> String {
     }
 }
 
-/// Tries, for [`REATTACH_GRACE`], to connect to the executor again and
+/// Tries, for its grace (`ClientOptions::reattach_grace`), to connect to the executor again and
 /// sends an `Attach` for every allocation it gave a secret for (their
 /// answers come to [`dispatch`]). Returns the new connection's socket to
 /// read and whether it speaks TLS; `None` when the handle was dropped,
 /// no allocation can be attached, or the executor did not come back.
 fn reattach(shared: &ConnShared) -> Option<(TcpStream, bool)> {
-    let until = Instant::now() + REATTACH_GRACE;
+    let until = Instant::now() + shared.reattach_grace;
     let mut pause = Duration::from_millis(20);
     loop {
         if shared.closed.load(Ordering::Acquire) {
@@ -636,7 +637,7 @@ fn reattach(shared: &ConnShared) -> Option<(TcpStream, bool)> {
         }
         let now = Instant::now();
         if now >= until {
-            tracing::warn!(executor = %shared.executor, grace_s = REATTACH_GRACE.as_secs(), "the executor did not come back within the grace; its allocations are lost");
+            tracing::warn!(executor = %shared.executor, grace_ms = shared.reattach_grace.as_millis() as u64, "the executor did not come back within the grace; its allocations are lost");
             return None;
         }
         // Waiting for another process to listen: nothing to wait on but time.

@@ -20,16 +20,23 @@ pub struct ClientOptions {
     pub invocation_timeout: Option<Duration>,
     /// The fabric provider: `tcp`, `shm` or `verbs:<device>`.
     pub provider: String,
+    /// How long the client tries to reach an executor again after its
+    /// control connection ended, to take its allocations up on a new one
+    /// (the executor restarted and adopted their workers); invocations go
+    /// on meanwhile. After it the allocations are lost
+    /// (`Error::ExecutorLost`).
+    pub reattach_grace: Duration,
 }
 
 impl Default for ClientOptions {
-    /// 10 s to connect, 60 s to allocate, no invocation timeout, and the
-    /// provider named by `RFAAS_PROVIDER` (or `tcp`).
+    /// 10 s to connect, 60 s to allocate, no invocation timeout, 30 s to
+    /// reattach, and the provider named by `RFAAS_PROVIDER` (or `tcp`).
     fn default() -> Self {
         ClientOptions {
             connect_timeout: Duration::from_secs(10),
             allocation_timeout: Duration::from_secs(60),
             invocation_timeout: None,
+            reattach_grace: Duration::from_secs(30),
             provider: std::env::var("RFAAS_PROVIDER")
                 .ok()
                 .filter(|p| !p.is_empty())

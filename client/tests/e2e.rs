@@ -6,13 +6,13 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rfaas_client::{
     Allocation, AllocationSpec, Client, ClientOptions, Error, ErrorCode, ExitCause,
     InvocationStatus, Mode, Next,
 };
-use rfaas_proto::control::local::LocalReply;
+use rfaas_proto::control::local::{LeaseUsage, LocalReply, LocalRequest};
 use rfaas_testkit::cpus;
 use rfaas_testkit::executord::{daemon_binary, Executord, ExecutordOptions};
 use rfaas_testkit::functions::{c_library_bytes, wait_in_sleep_ms};
@@ -1273,6 +1273,16 @@ fn process_runs(pid: i32) -> bool {
         })
 }
 
+/// The daemon's figures for `lease` (its `usage` view).
+fn lease_usage(d: &Executord, lease: u64) -> LeaseUsage {
+    match d.local(LocalRequest::Usage {
+        lease_id: Some(lease),
+    }) {
+        LocalReply::Usage { mut leases, .. } if leases.len() == 1 => leases.remove(0),
+        other => panic!("no figures for lease {lease}: {other:?}\n{}", d.log()),
+    }
+}
+
 #[rstest]
 #[case::tcp_term("tcp", libc::SIGTERM)]
 #[case::tcp_kill("tcp", libc::SIGKILL)]
@@ -1283,6 +1293,8 @@ fn process_runs(pid: i32) -> bool {
 fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] signal: i32) {
     let mut d = outliving_daemon(provider);
     let alloc = allocate(&d, provider, &spec());
+    // The worker's assignment came before this.
+    let assigned = Instant::now();
     let pid = worker_pid(&d, alloc.id());
     let f = alloc.function("sleep_ms").unwrap();
     let input = u32_input(&alloc, 1500);
@@ -1298,6 +1310,18 @@ fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] s
     assert_eq!(output.to_vec(), [1500]);
     // The new daemon adopted the worker and the client attached to it.
     assert_eq!(worker_pid(&d, alloc.id()), pid);
+    // Its figures go on from the assignment, not from the adoption: the
+    // memory is billed for the whole time, the call once.
+    let elapsed = assigned.elapsed();
+    let u = lease_usage(&d, alloc.lease_id());
+    assert_eq!(u.usage.invocations, 1, "{u:?}\n{}", d.log());
+    assert!(
+        u.usage.alloc_mib_ms >= 256 * elapsed.as_millis() as u64,
+        "{} MiB ms billed for {elapsed:?} of 256 MiB: {u:?}\n{}",
+        u.usage.alloc_mib_ms,
+        d.log()
+    );
+    assert_eq!(u.allocations, 1, "{u:?}");
     poll_for(Duration::from_secs(30), || {
         d.log()
             .contains("a client attached to an adopted allocation")
@@ -1313,6 +1337,7 @@ fn restarting_the_executor_keeps_calls_running(#[case] provider: &str, #[case] s
     assert_eq!(n, 4);
     assert_eq!(output.to_vec(), [77]);
     assert!(alloc.is_alive());
+    assert_eq!(lease_usage(&d, alloc.lease_id()).usage.invocations, 2);
     // Deallocating through the new daemon leaves no process.
     drop(alloc);
     poll_for(Duration::from_secs(30), || {
@@ -1357,4 +1382,103 @@ fn a_worker_no_daemon_adopts_ends_at_its_leases_end(#[case] provider: &str) {
         "{}",
         d.log()
     );
+}
+
+#[test]
+fn a_client_gives_its_allocations_up_after_its_reattach_grace() {
+    let mut d = outliving_daemon("tcp");
+    let mut opts = ClientOptions::with_provider("tcp");
+    opts.reattach_grace = Duration::from_millis(200);
+    let alloc = Client::new(opts)
+        .allocate(&d.executor(), &token(&d), &spec())
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    // No daemon comes back: the allocation is lost once the grace is over
+    // (with the default 30 s it would still be waiting).
+    d.kill();
+    poll_for(Duration::from_secs(10), || {
+        (!alloc.is_alive()).then_some(())
+    })
+    .expect("the allocation outlived the client's reattach grace");
+}
+
+#[test]
+fn an_adopted_allocation_no_client_attaches_ends_after_the_attach_grace() {
+    let mut d = Executord::start(
+        &daemon_binary(),
+        ExecutordOptions {
+            outlive_workers: true,
+            extra_config: "attach_grace_s = 1\n".into(),
+            ..ExecutordOptions::default()
+        },
+    );
+    // A peer that never attaches again.
+    let (conn, ok) = d
+        .allocate_raw(&c_library_bytes())
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let pid = worker_pid(&d, ok.allocation_id);
+    d.restart(libc::SIGKILL);
+    drop(conn);
+    assert_eq!(worker_pid(&d, ok.allocation_id), pid, "adopted");
+    // Ended after one second, not the default 60.
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {pid} outlived the attach grace\n{}", d.log()));
+    assert!(
+        d.log()
+            .contains("no client attached to these adopted allocations in time"),
+        "{}",
+        d.log()
+    );
+}
+
+#[test]
+fn a_slurm_take_back_and_a_deallocation_end_adopted_allocations_and_leave_no_process() {
+    let mut d = outliving_daemon("tcp");
+    let taken = allocate(&d, "tcp", &spec());
+    let freed = allocate(&d, "tcp", &spec());
+    let (taken_pid, freed_pid) = (worker_pid(&d, taken.id()), worker_pid(&d, freed.id()));
+    d.restart(libc::SIGKILL);
+    poll_for(Duration::from_secs(30), || {
+        (d.log()
+            .matches("a client attached to an adopted allocation")
+            .count()
+            == 2)
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("the client did not attach both\n{}", d.log()));
+    assert_eq!(worker_pid(&d, taken.id()), taken_pid);
+
+    // Deallocated through the new daemon.
+    freed
+        .deallocate()
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(freed_pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {freed_pid} outlived its deallocation\n{}", d.log()));
+
+    // Taken back for a Slurm job (what the plugin's prolog asks).
+    let reply = d.local(LocalRequest::SlurmRetrieve {
+        job_id: 7,
+        cpus: 0,
+        grace_ms: 0,
+    });
+    assert!(
+        matches!(&reply, LocalReply::Done { message } if message.contains("taken back for Slurm job 7")),
+        "{reply:?}\n{}",
+        d.log()
+    );
+    poll_for(Duration::from_secs(30), || {
+        (!process_runs(taken_pid)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("worker {taken_pid} outlived the take-back\n{}", d.log()));
+    poll_for(Duration::from_secs(30), || {
+        (!taken.is_alive()).then_some(())
+    })
+    .expect("the client heard of the take-back");
+    poll_for(Duration::from_secs(30), || {
+        d.recorded_workers().is_empty().then_some(())
+    })
+    .unwrap_or_else(|| panic!("runtime records outlived their workers\n{}", d.log()));
 }

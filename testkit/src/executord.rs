@@ -297,19 +297,34 @@ impl Executord {
             &format!("control_listen = \"{}\"", self.control_addr),
         );
         std::fs::write(&config_file, config).expect("rewrite the configuration");
-        let mut cmd = Command::new(&self.daemon_bin);
-        cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
-            .arg("--config")
-            .arg(&config_file);
-        if let Some(group) = &self.cgroup {
-            delegate(&mut cmd, group).unwrap_or_else(|e| panic!("{e}"));
-        }
-        let (child, rest) = crate::process::spawn_ready(
-            cmd,
-            &self.dir.join("executord.log"),
-            "rfaas-executord ready control=",
-        )
-        .unwrap_or_else(|e| panic!("the restarted daemon did not come up: {e}"));
+        // The port is free again once the old daemon is gone, and the
+        // kernel may hand it to another test's outgoing connection for a
+        // moment: a start that finds it in use is tried again.
+        let mut last = String::new();
+        let started = crate::wait::poll_for(Duration::from_secs(30), || {
+            let mut cmd = Command::new(&self.daemon_bin);
+            cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
+                .arg("--config")
+                .arg(&config_file);
+            if let Some(group) = &self.cgroup {
+                delegate(&mut cmd, group).unwrap_or_else(|e| panic!("{e}"));
+            }
+            match crate::process::spawn_ready(
+                cmd,
+                &self.dir.join("executord.log"),
+                "rfaas-executord ready control=",
+            ) {
+                Ok(up) => Some(Ok(up)),
+                Err(e) if e.contains("Address already in use") => {
+                    last = e;
+                    None
+                }
+                Err(e) => Some(Err(e)),
+            }
+        })
+        .unwrap_or(Err(last));
+        let (child, rest) =
+            started.unwrap_or_else(|e| panic!("the restarted daemon did not come up: {e}"));
         self.child = child;
         let (addr, _) = parse_ready(&rest).expect("the restarted daemon's ready line");
         assert_eq!(addr, self.control_addr, "the same control port");
@@ -462,6 +477,28 @@ impl Executord {
     /// its deallocation, as a client library does them; `Err` says what
     /// the daemon answered instead.
     pub fn allocate_and_deallocate(&self, library: &[u8]) -> Result<(), String> {
+        let (mut s, ok) = self.allocate_raw(library)?;
+        let dealloc = Deallocate {
+            request_id: 2,
+            allocation_id: ok.allocation_id,
+        };
+        let done: Deallocated = exchange(&mut s, Frame::new(&dealloc, Vec::new()))?
+            .parse()
+            .map_err(|e| e.to_string())?;
+        if done.allocation_id != ok.allocation_id {
+            return Err(format!("{done:?} answers another allocation than {ok:?}"));
+        }
+        Ok(())
+    }
+
+    /// One allocation of one core (user `nobody`, `library` with its
+    /// function `echo`, the tcp provider, an hour's lease) on a fresh
+    /// control connection, which is returned with the answer: a peer that
+    /// never attaches again when the connection ends.
+    pub fn allocate_raw(
+        &self,
+        library: &[u8],
+    ) -> Result<(std::net::TcpStream, AllocateOk), String> {
         let mut s = std::net::TcpStream::connect(self.control_addr)
             .map_err(|e| format!("connect to {}: {e}", self.control_addr))?;
         s.set_read_timeout(Some(Duration::from_secs(60)))
@@ -473,30 +510,10 @@ impl Executord {
             &["echo"],
         );
         req.request_id = 1;
-        let mut exchange = |frame: Frame| {
-            frame.write_to(&mut s).map_err(|e| format!("send: {e}"))?;
-            let reply = Frame::read_from(&mut s, FrameLimits::default())
-                .map_err(|e| format!("no answer: {e}"))?;
-            if reply.kind == Kind::Error {
-                let e: ErrorReply = reply.parse().map_err(|e| e.to_string())?;
-                return Err(format!("refused: {e:?}"));
-            }
-            Ok(reply)
-        };
-        let ok: AllocateOk = exchange(Frame::new(&req, library.to_vec()))?
+        let ok: AllocateOk = exchange(&mut s, Frame::new(&req, library.to_vec()))?
             .parse()
             .map_err(|e| e.to_string())?;
-        let dealloc = Deallocate {
-            request_id: 2,
-            allocation_id: ok.allocation_id,
-        };
-        let done: Deallocated = exchange(Frame::new(&dealloc, Vec::new()))?
-            .parse()
-            .map_err(|e| e.to_string())?;
-        if done.allocation_id != ok.allocation_id {
-            return Err(format!("{done:?} answers another allocation than {ok:?}"));
-        }
-        Ok(())
+        Ok((s, ok))
     }
 
     /// `local(LocalRequest::Status)`.
@@ -605,6 +622,19 @@ fn remove_cgroup(group: &Path) {
         }
     }
     let _ = std::fs::remove_dir(group);
+}
+
+/// Sends `frame` on a control connection and reads the answer; an
+/// `Error` frame is `Err` with its content.
+fn exchange(s: &mut std::net::TcpStream, frame: Frame) -> Result<Frame, String> {
+    frame.write_to(&mut *s).map_err(|e| format!("send: {e}"))?;
+    let reply =
+        Frame::read_from(&mut *s, FrameLimits::default()).map_err(|e| format!("no answer: {e}"))?;
+    if reply.kind == Kind::Error {
+        let e: ErrorReply = reply.parse().map_err(|e| e.to_string())?;
+        return Err(format!("refused: {e:?}"));
+    }
+    Ok(reply)
 }
 
 /// An allocation request under `token` for `cores` lanes and `functions`

@@ -9,8 +9,12 @@
 //! reuse); the daemon connects to its `adopt.sock`, hears
 //! [`WorkerRejoin`] with the meter area, checks the lease token's
 //! signature again, takes the record's CPUs and memory, meters the worker
-//! from then on, and watches it (a pidfd: it is not the daemon's child).
-//! Its client has [`ATTACH_GRACE`] to take it up on a new connection
+//! on from where its meter started ([`Origin`], kept in the record), and
+//! watches it (a pidfd: it is not the daemon's child). A lease with a
+//! running allocation also has a [`LeaseCarry`] (`lease-<id>.json`): its
+//! ended allocations' figures and its slot before the first add, so the
+//! adopting daemon bills only what the previous one had not posted.
+//! Its client has `attach_grace_s` to take it up on a new connection
 //! (`Attach`, with the allocation's secret); otherwise it ends as if the
 //! client's connection had closed. A record that cannot be read, names a
 //! dead worker or one that does not answer is refused with a log line,
@@ -26,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use rfaas_proto::accounting::{SlotTotals, UsageFigures};
 use rfaas_proto::control::client::Mode;
 use rfaas_proto::control::worker::WorkerRejoin;
 use rfaas_proto::control::{FrameLimits, Kind};
@@ -33,15 +38,12 @@ use rfaas_proto::control::{FrameLimits, Kind};
 use super::shared::Shared;
 use super::state::Allocation;
 use super::usage::cpu::CpuSource;
-use super::usage::Limits;
+use super::usage::{Limits, Origin};
 use crate::ipc;
 use crate::meter::MeterArea;
 
 /// The record format's version; others are refused.
 pub(crate) const RECORD_VERSION: u32 = 1;
-
-/// How long an adopted allocation waits for its client to attach.
-pub(crate) const ATTACH_GRACE: Duration = Duration::from_secs(60);
 
 /// How long the daemon tries to reach a worker's `adopt.sock` (the worker
 /// makes it once it sees its previous daemon's socket end).
@@ -73,6 +75,8 @@ pub(crate) struct Record {
     /// The lease token the allocation was made with: its claims are what
     /// the worker is metered under.
     pub token: String,
+    /// Where its meter started.
+    pub meter: Option<Origin>,
 }
 
 /// The runtime state directory under `runtime_dir`.
@@ -86,21 +90,29 @@ fn record_path(runtime_dir: &Path, id: u64) -> PathBuf {
 
 /// Writes `r` atomically (a temporary file, then a rename), mode 0600.
 pub(crate) fn write(runtime_dir: &Path, r: &Record) -> io::Result<()> {
-    let dir = state_dir(runtime_dir);
-    std::fs::create_dir_all(&dir)?;
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-    let path = record_path(runtime_dir, r.allocation_id);
-    let tmp = dir.join(format!(".{}.json.tmp", r.allocation_id));
     let bytes = serde_json::to_vec(r).map_err(io::Error::other)?;
+    write_private(
+        &state_dir(runtime_dir),
+        &format!("{}.json", r.allocation_id),
+        &bytes,
+    )
+}
+
+/// Writes `bytes` to `dir/name` atomically (a temporary file, then a
+/// rename), mode 0600, in a directory only root enters.
+fn write_private(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    let tmp = dir.join(format!(".{name}.tmp"));
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .open(&tmp)?;
-    f.write_all(&bytes)?;
+    f.write_all(bytes)?;
     f.sync_all()?;
-    std::fs::rename(&tmp, &path)
+    std::fs::rename(&tmp, dir.join(name))
 }
 
 /// Removes allocation `id`'s record (it ended).
@@ -112,6 +124,134 @@ pub(crate) fn remove(runtime_dir: &Path, id: u64) {
             tracing::warn!(allocation = id, error = %e, "cannot remove an ended allocation's runtime record")
         }
     }
+}
+
+/// What carries a lease's figures over a restart while one of its
+/// allocations runs (`<runtime_dir>/state/lease-<id>.json`): what its
+/// ended allocations used, and what its accounting slot held before this
+/// daemon, or one it adopted from, first added. A daemon that adopts the
+/// lease's workers starts the lease's figures from `closed` and counts
+/// `slot - base` as already posted, so every figure is billed once.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LeaseCarry {
+    /// [`RECORD_VERSION`].
+    pub version: u32,
+    pub lease_id: u64,
+    /// The slot before the first add; `None` until the poster read it.
+    pub base: Option<SlotTotals>,
+    /// The kernel's CPU time of the ended allocations, ns.
+    pub closed_cpu_ns: u64,
+    /// The ended allocations' figures.
+    pub closed: UsageFigures,
+    /// The lease's allocations that ended.
+    pub allocations: u32,
+}
+
+/// One writer of lease files at a time (the poster and the watchers).
+static LEASE_FILES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn lease_file_name(lease_id: u64) -> String {
+    format!("lease-{lease_id}.json")
+}
+
+fn is_lease_file(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("lease-"))
+}
+
+/// Lease `lease_id`'s carry in `state_dir`; a missing one is `None`, a bad
+/// one is refused (logged, moved aside) and `None`.
+pub(crate) fn read_lease(state_dir: &Path, lease_id: u64) -> Option<LeaseCarry> {
+    let path = state_dir.join(lease_file_name(lease_id));
+    if !path.exists() {
+        return None;
+    }
+    let read = check_file(&path)
+        .and_then(|()| std::fs::read(&path).map_err(|e| format!("cannot read it: {e}")))
+        .and_then(|b| {
+            serde_json::from_slice::<LeaseCarry>(&b)
+                .map_err(|e| format!("it is not a lease's carried figures: {e}"))
+        })
+        .and_then(|c| {
+            (c.version == RECORD_VERSION && c.lease_id == lease_id)
+                .then_some(c)
+                .ok_or_else(|| "its version or lease id is not this daemon's".to_string())
+        });
+    match read {
+        Ok(c) => Some(c),
+        Err(why) => {
+            refuse(&path, &why);
+            None
+        }
+    }
+}
+
+/// Changes lease `lease_id`'s carry in `state_dir` with `f` (a new one
+/// starts empty) and writes it back atomically.
+pub(crate) fn update_lease(state_dir: &Path, lease_id: u64, f: impl FnOnce(&mut LeaseCarry)) {
+    let _one = LEASE_FILES.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = read_lease(state_dir, lease_id).unwrap_or(LeaseCarry {
+        version: RECORD_VERSION,
+        lease_id,
+        ..LeaseCarry::default()
+    });
+    f(&mut c);
+    let written = serde_json::to_vec(&c)
+        .map_err(io::Error::other)
+        .and_then(|b| write_private(state_dir, &lease_file_name(lease_id), &b));
+    if let Err(e) = written {
+        tracing::warn!(lease = lease_id, error = %e, "cannot write a lease's carried figures; a restarted daemon may bill its adopted workers from their adoption on only");
+    }
+}
+
+/// Removes lease `lease_id`'s carry (its figures are all posted, or the
+/// lease has no worker left to adopt).
+pub(crate) fn remove_lease(state_dir: &Path, lease_id: u64) {
+    let _one = LEASE_FILES.lock().unwrap_or_else(|e| e.into_inner());
+    match std::fs::remove_file(state_dir.join(lease_file_name(lease_id))) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(lease = lease_id, error = %e, "cannot remove a lease's carried figures")
+        }
+    }
+}
+
+/// Keeps what lease `lease_id`'s ended allocations used for a daemon that
+/// adopts its running ones; a lease with none running has nothing to
+/// adopt (its carry, if any, goes once its figures are posted).
+pub(crate) fn carry_ended(shared: &Shared, lease_id: u64) {
+    let Some((cpu_ns, usage, ended, running)) = shared.usage.carried(lease_id) else {
+        return;
+    };
+    if running == 0 {
+        return;
+    }
+    update_lease(&state_dir(&shared.settings.runtime_dir), lease_id, |c| {
+        c.closed_cpu_ns = cpu_ns;
+        c.closed = usage;
+        c.allocations = ended;
+    });
+}
+
+/// The lease ids with a carry file in `state_dir`.
+fn carried_leases(state_dir: &Path) -> Vec<u64> {
+    let Ok(entries) = std::fs::read_dir(state_dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let id = name
+                .to_str()?
+                .strip_prefix("lease-")?
+                .strip_suffix(".json")?;
+            id.parse().ok()
+        })
+        .collect()
 }
 
 /// Reads and checks one record file.
@@ -140,7 +280,7 @@ pub(crate) fn load(runtime_dir: &Path) -> Vec<Record> {
     let mut out = Vec::new();
     for e in entries.flatten() {
         let path = e.path();
-        if path.extension().and_then(|x| x.to_str()) != Some("json") {
+        if path.extension().and_then(|x| x.to_str()) != Some("json") || is_lease_file(&path) {
             continue;
         }
         let read = check_file(&path)
@@ -207,7 +347,12 @@ pub(crate) fn start_time(pid: u32) -> Option<u64> {
 }
 
 /// The record of allocation `a`, made with `token`.
-pub(crate) fn record_of(a: &Allocation, limits: &Limits, token: &str) -> Option<Record> {
+pub(crate) fn record_of(
+    a: &Allocation,
+    limits: &Limits,
+    token: &str,
+    meter: Option<Origin>,
+) -> Option<Record> {
     let pid = a.pid?;
     Some(Record {
         version: RECORD_VERSION,
@@ -226,6 +371,7 @@ pub(crate) fn record_of(a: &Allocation, limits: &Limits, token: &str) -> Option<
         runtime_dir: a.runtime_dir.clone(),
         attach_secret: a.attach_secret.clone(),
         token: token.to_owned(),
+        meter,
     })
 }
 
@@ -233,15 +379,19 @@ pub(crate) fn record_of(a: &Allocation, limits: &Limits, token: &str) -> Option<
 /// before the connection loop serves: the CPUs they hold are not free.
 pub(crate) fn adopt_all(shared: &Arc<Shared>, records: Vec<Record>) {
     let runtime_dir = shared.settings.runtime_dir.clone();
+    let mut adopted_leases = std::collections::BTreeSet::new();
     for r in records {
         let path = record_path(&runtime_dir, r.allocation_id);
         match adopt(shared, &r) {
-            Ok(()) => tracing::info!(
-                allocation = r.allocation_id,
-                lease = r.lease_id,
-                pid = r.pid,
-                "adopted a running worker from the previous daemon"
-            ),
+            Ok(()) => {
+                adopted_leases.insert(r.lease_id);
+                tracing::info!(
+                    allocation = r.allocation_id,
+                    lease = r.lease_id,
+                    pid = r.pid,
+                    "adopted a running worker from the previous daemon"
+                )
+            }
             Err(why) => {
                 refuse(&path, &why);
                 if let Err(e) = std::fs::remove_dir_all(&r.runtime_dir) {
@@ -252,6 +402,25 @@ pub(crate) fn adopt_all(shared: &Arc<Shared>, records: Vec<Record>) {
                 shared.limiter.kill(r.allocation_id, Duration::from_secs(5));
                 shared.limiter.remove(r.allocation_id);
             }
+        }
+    }
+    carry_leases(shared, &adopted_leases);
+}
+
+/// Gives the adopted leases the figures of their allocations that ended
+/// under the previous daemon; forgets the carry of every other lease
+/// (nothing of it runs any more: its figures start again from its slot).
+fn carry_leases(shared: &Shared, adopted: &std::collections::BTreeSet<u64>) {
+    let dir = state_dir(&shared.settings.runtime_dir);
+    for lease_id in carried_leases(&dir) {
+        if !adopted.contains(&lease_id) {
+            remove_lease(&dir, lease_id);
+            continue;
+        }
+        if let Some(c) = read_lease(&dir, lease_id) {
+            shared
+                .usage
+                .carry(lease_id, c.closed_cpu_ns, &c.closed, c.allocations);
         }
     }
 }
@@ -313,15 +482,20 @@ fn adopt(shared: &Arc<Shared>, r: &Record) -> Result<(), String> {
             ended: None,
             runtime_dir: r.runtime_dir.clone(),
             attach_secret: r.attach_secret.clone(),
-            attach_by: Some(Instant::now() + ATTACH_GRACE),
+            attach_by: Some(Instant::now() + s.attach_grace),
         },
     );
     if let Some(area) = meter {
-        let cpu = CpuSource::Process {
-            pid: r.pid,
-            tree: false,
+        let opening = match r.meter.clone() {
+            Some(origin) => shared.usage.resume(area, origin),
+            None => shared.usage.opening(
+                area,
+                CpuSource::Process {
+                    pid: r.pid,
+                    tree: false,
+                },
+            ),
         };
-        let opening = shared.usage.opening(area, cpu);
         shared.usage.open(r.allocation_id, &claims, opening, limits);
     }
     drop(st);
@@ -446,6 +620,7 @@ mod tests {
             runtime_dir: "/run/rfaas/workers/alloc-7".into(),
             attach_secret: "ab".into(),
             token: "rfaas2.x.y".into(),
+            meter: None,
         }
     }
 

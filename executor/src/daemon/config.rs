@@ -64,6 +64,9 @@ pub struct Config {
     /// Whether workers keep running when the daemon stops or dies, for
     /// the next daemon to adopt (default true).
     pub workers_outlive_daemon: Option<bool>,
+    /// Seconds an adopted allocation waits for its client to attach
+    /// (default 60).
+    pub attach_grace_s: Option<u64>,
     /// The `rfaas-worker` binary (default: next to the daemon's own).
     pub worker_path: Option<PathBuf>,
     /// `none` or `bubblewrap`.
@@ -510,6 +513,9 @@ pub struct Settings {
     /// dies, and the next daemon adopts them; false: SIGTERM stops them
     /// and they die with the daemon (parent-death signal).
     pub workers_outlive_daemon: bool,
+    /// How long an adopted allocation waits for its client to attach
+    /// before it ends as a closed connection's allocations do.
+    pub attach_grace: std::time::Duration,
     /// The worker binary.
     pub worker_path: PathBuf,
     /// Isolation.
@@ -903,6 +909,17 @@ impl Config {
                 .unwrap_or_else(|| PathBuf::from("/run/rfaas/workers")),
             pool_size: self.pool_size.unwrap_or(2),
             workers_outlive_daemon: self.workers_outlive_daemon.unwrap_or(true),
+            attach_grace: match self.attach_grace_s.unwrap_or(60) {
+                s @ 1..=86_400 => std::time::Duration::from_secs(s),
+                s => {
+                    return Err(invalid(
+                        "attach_grace_s",
+                        &s,
+                        "it must be 1 to 86400 seconds (a client reconnects within its \
+                         reattach grace, 30 s by default)",
+                    ))
+                }
+            },
             worker_path,
             sandbox: self.sandbox.unwrap_or(Sandbox::None),
             min_worker_uid: self
@@ -1314,6 +1331,19 @@ UID_MIN		 2000
         assert!(s.pin);
         assert_eq!(s.providers, ["tcp", "shm"]);
         assert_eq!(s.pool_size, 2);
+        assert!(s.workers_outlive_daemon);
+        assert_eq!(s.attach_grace, std::time::Duration::from_secs(60));
+        let base = "node_name = \"n1\"\ncpus = \"0-1\"\nmemory_mib = 512\n";
+        let s5 = Config::parse(&format!("{base}attach_grace_s = 5\n"))
+            .unwrap()
+            .resolve()
+            .unwrap();
+        assert_eq!(s5.attach_grace, std::time::Duration::from_secs(5));
+        let err = Config::parse(&format!("{base}attach_grace_s = 0\n"))
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("attach_grace_s"), "{err}");
         assert_eq!(s.local_socket, Path::new(DEFAULT_LOCAL_SOCKET));
         assert_eq!(s.lease_keys, [Path::new("/etc/rfaas/lease-keys.pub")]);
         let err = Config::parse("lease_keys = []")

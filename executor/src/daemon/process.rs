@@ -1,5 +1,6 @@
 //! Worker processes: spawning (directly or under bubblewrap), signalling by
-//! pid, and waiting for their end; what the spawner thread is asked.
+//! pid (adopted workers through their pidfd), and waiting for their end;
+//! what the spawner thread is asked.
 
 use std::ffi::CString;
 use std::io;
@@ -232,10 +233,53 @@ fn timeval_ns(t: libc::timeval) -> u64 {
         .saturating_add(t.tv_usec.max(0) as u64 * 1000)
 }
 
-/// Sends `signal` to `pid`. Callers only signal pids they have not reaped.
-pub fn signal(pid: u32, signal: i32) {
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(pid as libc::pid_t, signal) };
+/// Adopted workers (not this daemon's children, so their pids are not
+/// held as zombies until reaped) by pid: [`signal`] reaches them through
+/// their pidfd, never a process that got the pid after them.
+static PIDFDS: std::sync::Mutex<
+    std::collections::BTreeMap<u32, std::sync::Arc<std::os::fd::OwnedFd>>,
+> = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+fn pidfds() -> std::sync::MutexGuard<
+    'static,
+    std::collections::BTreeMap<u32, std::sync::Arc<std::os::fd::OwnedFd>>,
+> {
+    PIDFDS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// From now on [`signal`] reaches `pid` through `pidfd` (an adopted
+/// worker's), until [`untrack`].
+pub fn track(pid: u32, pidfd: std::sync::Arc<std::os::fd::OwnedFd>) {
+    pidfds().insert(pid, pidfd);
+}
+
+/// `pid` is no longer an adopted worker's (its end was handled).
+pub fn untrack(pid: u32) {
+    pidfds().remove(&pid);
+}
+
+/// Sends `signal` to `pid`: a child of this daemon's (callers only signal
+/// pids they have not reaped), or an adopted worker's through its pidfd
+/// ([`track`]). Returns whether it was delivered (false: the process is
+/// gone).
+pub fn signal(pid: u32, signal: i32) -> bool {
+    let tracked = pidfds().get(&pid).cloned();
+    let r = match tracked {
+        // SAFETY: a pidfd we hold open, a signal number, no siginfo, no
+        // flags: no memory is passed.
+        Some(fd) => unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0u32,
+            )
+        },
+        // SAFETY: kill has no memory preconditions.
+        None => i64::from(unsafe { libc::kill(pid as libc::pid_t, signal) }),
+    };
+    r == 0
 }
 
 /// `pid`'s descendants (children, their children, ...), from procfs.
@@ -377,6 +421,28 @@ mod tests {
         let cpu = reap(pid).unwrap();
         // 200 000 shell iterations take far more than a millisecond of CPU.
         assert!(cpu > 1_000_000, "{cpu} ns");
+    }
+
+    #[test]
+    fn a_tracked_pid_is_signalled_through_its_pidfd_not_by_number() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut tracked = Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let mut other = Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let fd = crate::daemon::adopt::pidfd_open(tracked.id()).unwrap();
+        // `other`'s number stands for a pid the kernel handed on after the
+        // tracked process: the signal goes to the process the pidfd names.
+        track(other.id(), std::sync::Arc::new(fd));
+        assert!(signal(other.id(), libc::SIGKILL));
+        assert!(tracked.wait().unwrap().signal() == Some(libc::SIGKILL));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "the other process lives"
+        );
+        // The tracked process is gone: nothing is delivered.
+        assert!(!signal(other.id(), libc::SIGKILL));
+        untrack(other.id());
+        assert!(signal(other.id(), libc::SIGKILL));
+        other.wait().unwrap();
     }
 
     #[test]

@@ -138,6 +138,10 @@ pub(crate) fn watch(shared: &Arc<Shared>, pid: u32) {
 /// `pidfd` says when it ended; init reaps it).
 pub(crate) fn watch_adopted(shared: &Arc<Shared>, pid: u32, pidfd: std::os::fd::OwnedFd) {
     let shared = Arc::clone(shared);
+    let pidfd = Arc::new(pidfd);
+    // Signals reach it through the pidfd until its end is handled: its pid
+    // is not held for this daemon, the kernel may hand it on.
+    process::track(pid, Arc::clone(&pidfd));
     let spawned = std::thread::Builder::new()
         .name(format!("watch-{pid}"))
         .spawn(move || {
@@ -155,10 +159,12 @@ pub(crate) fn watch_adopted(shared: &Arc<Shared>, pid: u32, pidfd: std::os::fd::
                 Ended::Exited(0)
             };
             after_end(&shared, pid, ended);
+            process::untrack(pid);
         });
     if let Err(e) = spawned {
         tracing::error!(pid, error = %e, "cannot start an adopted worker's watcher thread; killing the worker");
         process::signal(pid, libc::SIGKILL);
+        process::untrack(pid);
     }
 }
 
@@ -223,6 +229,9 @@ fn after_end(shared: &Arc<Shared>, pid: u32, ended: Ended) {
             // Before its cgroup goes with the allocation.
             shared.usage.close(id, ended_at, cpu_ns);
             let a = st.allocations.get_mut(&id).expect("found above");
+            if shared.settings.workers_outlive() {
+                crate::daemon::adopt::carry_ended(shared, a.lease_id);
+            }
             if a.ready {
                 let oom = shared.limiter.oom_killed(id);
                 let a = shared.remove_allocation(&mut st, id).expect("found above");

@@ -218,7 +218,10 @@ pub(super) fn start_worker(
     shared.usage.open(id, claims, opening, limits);
     let record = s
         .workers_outlive()
-        .then(|| crate::daemon::adopt::record_of(a, &limits, &req.token))
+        .then(|| {
+            let meter = shared.usage.origin(id);
+            crate::daemon::adopt::record_of(a, &limits, &req.token, meter)
+        })
         .flatten();
     drop(st);
     // For the next daemon to adopt the worker (written outside the lock).

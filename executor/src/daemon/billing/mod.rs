@@ -32,6 +32,12 @@
 //! journal; started again, it reads that slot and journals what of the
 //! batch landed before it posts anything else for the lease.
 //!
+//! A daemon that adopted a lease's workers from the previous one goes on
+//! with the lease's figures from where that one measured them; the slot's
+//! content before the first add (kept with `carry`, see
+//! `adopt::LeaseCarry`) tells what of them already landed, so it adds only
+//! the rest.
+//!
 //! # Accounting down
 //!
 //! Invocations go on: nothing here is on their path. The daemon keeps each
@@ -112,6 +118,10 @@ pub(crate) struct PosterSettings {
     pub journal: Option<PathBuf>,
     /// The ticket the hello carries.
     pub tickets: Arc<Tickets>,
+    /// With workers that outlive the daemon, the runtime state directory,
+    /// where each lease's slot before its first add is kept (see
+    /// `adopt::LeaseCarry`) for a daemon that adopts its workers.
+    pub carry: Option<PathBuf>,
 }
 
 /// The newest accounting ticket a manager gave this node: the
@@ -154,6 +164,9 @@ struct Entry {
     counted: SlotTotals,
     /// What the slot holds, as far as this daemon knows; `None` until read.
     expected: Option<SlotTotals>,
+    /// What the slot held before the first add for the lease by this
+    /// daemon or the one whose workers it adopted; `None` until read.
+    base: Option<SlotTotals>,
     /// A batch whose completions were lost: read the slot before adding.
     uncertain: bool,
     /// The batch journaled as `posting` whose outcome is not known yet.
@@ -329,11 +342,16 @@ impl Poster {
             if self.done.contains(&u.lease_id) {
                 continue;
             }
+            let carry = &self.settings.carry;
             let e = self.ledger.entry(u.lease_id).or_insert_with(|| Entry {
                 slot: u.billing.clone(),
                 latest: SlotTotals::default(),
                 counted: SlotTotals::default(),
                 expected: None,
+                base: carry
+                    .as_deref()
+                    .and_then(|dir| crate::daemon::adopt::read_lease(dir, u.lease_id))
+                    .and_then(|c| c.base),
                 uncertain: false,
                 in_flight: None,
                 last_post: None,
@@ -443,6 +461,19 @@ impl Poster {
                     tracing::warn!(lease_id = id, instance = %slot.instance, slot = slot.slot, "the slot holds more than this daemon added into it; it goes on from what it holds");
                 }
             }
+            if e.expected.is_none() {
+                match (e.base, &self.settings.carry) {
+                    // The lease's figures go on from a daemon whose
+                    // workers this one adopted: what that one posted is
+                    // counted.
+                    (Some(base), _) => e.counted = sub_words(&read, &base),
+                    (None, Some(dir)) => {
+                        e.base = Some(read);
+                        crate::daemon::adopt::update_lease(dir, id, |c| c.base = Some(read));
+                    }
+                    (None, None) => {}
+                }
+            }
             e.expected = Some(read);
             e.uncertain = false;
             // Our `closed` add landed; its completion was lost. (A slot
@@ -500,6 +531,7 @@ impl Poster {
         }
         if closed {
             self.ledger.remove(&id);
+            self.forget_carry(id);
             self.done.insert(id);
             self.stats.closed += 1;
             self.journal
@@ -646,11 +678,19 @@ impl Poster {
         );
     }
 
+    /// Lease `id` is closed or given up: nothing of it is carried over.
+    fn forget_carry(&self, id: u64) {
+        if let Some(dir) = &self.settings.carry {
+            crate::daemon::adopt::remove_lease(dir, id);
+        }
+    }
+
     fn drop_lease(&mut self, id: u64, why: &str) {
         let Some(e) = self.ledger.remove(&id) else {
             return;
         };
         self.done.insert(id);
+        self.forget_carry(id);
         if let Some(batch) = e.in_flight {
             // Whether it landed is unknown: it may be in the slot.
             self.journal
@@ -799,6 +839,18 @@ fn landed(
     out
 }
 
+/// `a - b` per counter (`closed` is 0): what landed since `b`.
+fn sub_words(a: &SlotTotals, b: &SlotTotals) -> SlotTotals {
+    let (a, b) = (a.to_words(), b.to_words());
+    let mut w = [0u64; SLOT_WORDS];
+    for i in 0..SLOT_WORDS {
+        if i != Counter::Closed.index() {
+            w[i] = a[i].saturating_sub(b[i]);
+        }
+    }
+    SlotTotals::from_words(w)
+}
+
 fn add_words(a: &SlotTotals, d: &[u64; SLOT_WORDS]) -> SlotTotals {
     let mut w = a.to_words();
     for i in 0..SLOT_WORDS {
@@ -821,6 +873,10 @@ pub(crate) fn run(shared: Arc<Shared>, tickets: Arc<Tickets>) {
         timeout: Duration::from_millis(b.timeout_ms),
         journal: b.journal.clone(),
         tickets,
+        carry: shared
+            .settings
+            .workers_outlive()
+            .then(|| crate::daemon::adopt::state_dir(&shared.settings.runtime_dir)),
     };
     let mut poster = match Poster::new(settings) {
         Ok(p) => p,

@@ -202,6 +202,7 @@ fn settings(journal: Option<PathBuf>, node: &str) -> PosterSettings {
         timeout: Duration::from_secs(5),
         journal,
         tickets: tickets(node),
+        carry: None,
     }
 }
 
@@ -615,4 +616,34 @@ fn the_journal_is_created_private_and_never_through_a_link() {
         .expect("a journal path that is a link is refused");
     assert_eq!(e.raw_os_error(), Some(libc::ELOOP), "{e}");
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "");
+}
+
+#[test]
+fn a_daemon_that_adopted_the_leases_workers_posts_only_what_was_not_posted() {
+    let peer = Peer::start();
+    let dir = Scratch::new("carry");
+    let slot = peer.slot("acct1", 6);
+    // What an earlier daemon, whose workers did not live on, left.
+    let mut earlier = Poster::new(settings(None, CREDENTIAL)).unwrap();
+    earlier.tick(&[usage(4, &slot, 200, 1, false)], Instant::now());
+    drop(earlier);
+    let carrying = || PosterSettings {
+        carry: Some(dir.0.clone()),
+        ..settings(None, CREDENTIAL)
+    };
+    let mut before = Poster::new(carrying()).unwrap();
+    before.tick(&[usage(4, &slot, 1_000, 3, false)], Instant::now());
+    assert_eq!(peer.word(6, Counter::ComputeNs), 1_200);
+    drop(before);
+    // The next daemon adopted the workers: its figures go on from the
+    // same start, and only what grew since is added.
+    let mut after = Poster::new(carrying()).unwrap();
+    after.tick(&[usage(4, &slot, 1_300, 4, false)], Instant::now());
+    assert_eq!(peer.word(6, Counter::ComputeNs), 1_500);
+    assert_eq!(peer.word(6, Counter::Invocations), 5);
+    // Closed, the lease carries nothing over any more.
+    assert!(dir.0.join("lease-4.json").exists());
+    after.tick(&[usage(4, &slot, 1_300, 4, true)], Instant::now());
+    assert_eq!(peer.word(6, Counter::Closed), 1);
+    assert!(!dir.0.join("lease-4.json").exists());
 }

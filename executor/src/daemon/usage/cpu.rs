@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use crate::daemon::process;
 
 /// Where an allocation's CPU time is read.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) enum CpuSource {
     /// The `cpu.stat` file of the allocation's cgroup.
     Cgroup(PathBuf),

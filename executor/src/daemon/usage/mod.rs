@@ -211,6 +211,23 @@ impl Opening {
     }
 }
 
+/// Where an allocation's meter started: what a runtime record keeps so
+/// that a daemon adopting the worker meters it on from the same start
+/// (not from the adoption: nothing the previous daemon had not posted is
+/// lost, and the lanes' counters, which run from the worker's assignment,
+/// are not counted twice).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Origin {
+    /// Where its CPU time is read.
+    pub cpu: CpuSource,
+    /// The CPU time before its assignment, ns.
+    pub cpu_base: u64,
+    /// The assignment, on `CLOCK_MONOTONIC` (the same for every process
+    /// until the node reboots), ns.
+    pub opened_mono_ns: u64,
+}
+
 /// A running allocation's meter.
 #[derive(Debug)]
 struct Metered {
@@ -319,6 +336,63 @@ impl Ledger {
             cpu_base,
             opened: self.now(),
         }
+    }
+
+    /// Where allocation `id`'s meter started; `None` for one not metered.
+    pub(crate) fn origin(&self, id: u64) -> Option<Origin> {
+        let inner = self.lock();
+        let m = inner.running.get(&id)?;
+        let age = u64::try_from(m.opened.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        Some(Origin {
+            cpu: m.cpu.clone(),
+            cpu_base: m.cpu_base,
+            opened_mono_ns: crate::meter::monotonic_ns().saturating_sub(age),
+        })
+    }
+
+    /// The opening of an adopted worker's allocation, which another daemon
+    /// started at `origin`: its figures go on from where that daemon's
+    /// were.
+    pub(crate) fn resume(&self, area: MeterArea, origin: Origin) -> Opening {
+        let now = self.now();
+        let age = Duration::from_nanos(
+            crate::meter::monotonic_ns().saturating_sub(origin.opened_mono_ns),
+        );
+        Opening {
+            area,
+            cpu: origin.cpu,
+            cpu_base: origin.cpu_base,
+            opened: Stamp {
+                at: now.at.checked_sub(age).unwrap_or(now.at),
+                ticks: now.ticks,
+            },
+        }
+    }
+
+    /// Adds what lease `lease_id`'s allocations that ended under a
+    /// previous daemon used ([`Ledger::carried`] there) to its figures
+    /// here. Call it after the lease's adopted allocations were opened.
+    pub(crate) fn carry(&self, lease_id: u64, cpu_ns: u64, usage: &UsageFigures, allocations: u32) {
+        if let Some(l) = self.lock().leases.get_mut(&lease_id) {
+            l.closed.add(&Figures {
+                cpu_ns,
+                usage: *usage,
+            });
+            l.allocations = l.allocations.saturating_add(allocations);
+        }
+    }
+
+    /// Lease `lease_id`'s ended allocations' figures (CPU ns and the
+    /// rest), its allocations ended so far and those still running.
+    pub(crate) fn carried(&self, lease_id: u64) -> Option<(u64, UsageFigures, u32, u32)> {
+        let inner = self.lock();
+        let l = inner.leases.get(&lease_id)?;
+        Some((
+            l.closed.cpu_ns,
+            l.closed.usage,
+            l.allocations.saturating_sub(l.running),
+            l.running,
+        ))
     }
 
     /// Starts metering allocation `id` of the lease of `claims`, whose
