@@ -580,14 +580,19 @@ impl Drop for Executord {
 fn delegate(cmd: &mut Command, group: &Path) -> Result<(), String> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::process::CommandExt;
-    match std::fs::create_dir(group) {
-        Ok(()) => {}
-        // A restarted daemon joins its predecessor's group.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("create the cgroup {}: {e}", group.display())),
+    // The daemon starts in `<group>/daemon`, as systemd's
+    // `DelegateSubgroup=daemon` places it; a restarted daemon joins its
+    // predecessor's leaf.
+    let leaf = group.join("daemon");
+    for dir in [group, leaf.as_path()] {
+        match std::fs::create_dir(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("create the cgroup {}: {e}", dir.display())),
+        }
     }
-    let procs = std::ffi::CString::new(group.join("cgroup.procs").as_os_str().as_bytes())
-        .map_err(|e| format!("the cgroup path {}: {e}", group.display()))?;
+    let procs = std::ffi::CString::new(leaf.join("cgroup.procs").as_os_str().as_bytes())
+        .map_err(|e| format!("the cgroup path {}: {e}", leaf.display()))?;
     // SAFETY: the closure runs in the forked child before exec and makes
     // only async-signal-safe calls (open, write, close) on memory prepared
     // before the fork.

@@ -3,10 +3,17 @@
 //! the hierarchy.
 //!
 //! At start ([`Delegated::detect`]) the daemon reads its own group from
-//! `/proc/self/cgroup`, moves itself into a leaf, `<own>/daemon` (cgroup
-//! v2 lets only leaves hold processes once controllers are enabled below a
-//! group), enables the `cpuset`, `cpu` and `memory` controllers in
-//! `<own>/cgroup.subtree_control`, and removes groups an earlier run left.
+//! `/proc/self/cgroup`. Started in a leaf named `daemon` (systemd 254+
+//! with `DelegateSubgroup=daemon`, as the shipped unit asks), the
+//! delegated group is that leaf's parent. Started in the delegated group
+//! itself (older systemd), it moves itself into `<own>/daemon` (cgroup v2
+//! lets only leaves hold processes once controllers are enabled below a
+//! group); such a group cannot take the next daemon while it holds
+//! allocations, so workers then do not outlive the daemon
+//! ([`Delegated::takes_a_new_daemon`]). It enables the `cpuset`, `cpu`
+//! and `memory` controllers in the group's `cgroup.subtree_control`, and
+//! removes the allocation groups an earlier run left, except those of
+//! allocations being adopted.
 //! Each allocation then gets `<own>/alloc-<id>` ([`Delegated::create`])
 //! with `cpuset.cpus` = its leased CPUs (when pinning) and `memory.max` =
 //! its memory; its worker joins before it runs user code, and so does
@@ -43,18 +50,32 @@ const ALLOC_PREFIX: &str = "alloc-";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delegated {
     root: PathBuf,
+    /// The service manager started the daemon in `<root>/daemon`, where
+    /// the next one starts too.
+    placed: bool,
 }
 
 impl Delegated {
     /// Finds the daemon's own group, moves the daemon into its leaf and
     /// enables the controllers below it. `Err` says, in a sentence, what
     /// is missing and what an admin does about it.
-    pub fn detect() -> Result<Delegated, String> {
+    /// Allocation groups an earlier run left are removed, except
+    /// `alloc-<id>` for the ids in `adopted`.
+    pub fn detect(adopted: &[u64]) -> Result<Delegated, String> {
         let own = std::fs::read_to_string("/proc/self/cgroup")
             .map_err(|e| format!("cannot read /proc/self/cgroup: {e}"))?;
         let d = Delegated::at(Path::new(MOUNT), &own)?;
-        d.remove_stale();
+        d.remove_stale(adopted);
         Ok(d)
+    }
+
+    /// Whether a new daemon can start in this layout while allocations
+    /// hold groups in it: only when the service manager places daemons in
+    /// the `daemon` leaf. systemd before 254 starts the main process in
+    /// the delegated group itself, which cgroup v2 refuses once it has
+    /// controllers enabled below it.
+    pub fn takes_a_new_daemon(&self) -> bool {
+        self.placed
     }
 
     /// [`Delegated::detect`] with the hierarchy mounted at `mount` and the
@@ -67,7 +88,15 @@ impl Delegated {
                 mount.display()
             ));
         }
-        let path = own_group(self_cgroup)?;
+        let mut path = own_group(self_cgroup)?;
+        // Placed in the leaf by the service manager: the group is its parent.
+        let placed = match path.rsplit_once('/') {
+            Some((parent, DAEMON_LEAF)) if !parent.is_empty() => {
+                path = parent;
+                true
+            }
+            _ => false,
+        };
         if path == "/" {
             return Err(
                 "the executor runs in the root cgroup, outside any subtree delegated to it; run \
@@ -94,7 +123,12 @@ impl Delegated {
         mkdir(&leaf)?;
         // Every process of the group (the daemon, normally alone) into the
         // leaf, so the group itself may enable controllers below it.
-        for pid in read(&own.join("cgroup.procs"))?.split_whitespace() {
+        let in_group = if placed {
+            String::new()
+        } else {
+            read(&own.join("cgroup.procs"))?
+        };
+        for pid in in_group.split_whitespace() {
             if let Err(e) = std::fs::write(leaf.join("cgroup.procs"), pid) {
                 // One that ended meanwhile is no obstacle.
                 if e.raw_os_error() != Some(libc::ESRCH) {
@@ -114,7 +148,7 @@ impl Delegated {
                 own.join("cgroup.subtree_control").display()
             )
         })?;
-        Ok(Delegated { root: own })
+        Ok(Delegated { root: own, placed })
     }
 
     /// The delegated group (the daemon's own).
@@ -182,13 +216,20 @@ impl Delegated {
 
     /// Kills and removes the allocation groups an earlier run of the
     /// daemon left (it forgot their allocations when it ended).
-    fn remove_stale(&self) {
+    fn remove_stale(&self, adopted: &[u64]) {
         let Ok(entries) = std::fs::read_dir(&self.root) else {
             return;
         };
         for e in entries.flatten() {
             let name = e.file_name();
-            if !name.to_string_lossy().starts_with(ALLOC_PREFIX) {
+            let Some(id) = name
+                .to_string_lossy()
+                .strip_prefix(ALLOC_PREFIX)
+                .map(str::to_owned)
+            else {
+                continue;
+            };
+            if id.parse::<u64>().is_ok_and(|id| adopted.contains(&id)) {
                 continue;
             }
             let dir = e.path();
@@ -341,6 +382,55 @@ mod tests {
         std::fs::write(dir.join("svc/cgroup.controllers"), "cpu io\n").unwrap();
         let err = Delegated::at(&dir, "0::/svc\n").unwrap_err();
         assert!(err.contains("cpuset, memory are not delegated"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A plain directory stands in for the hierarchy: the files the
+    /// daemon reads and writes are made by hand.
+    fn fake_group(dir: &Path, group: &str) {
+        let g = dir.join(group);
+        std::fs::create_dir_all(g.join("daemon")).unwrap();
+        std::fs::write(dir.join("cgroup.controllers"), "cpuset cpu io memory\n").unwrap();
+        std::fs::write(g.join("cgroup.controllers"), "cpuset cpu io memory\n").unwrap();
+        std::fs::write(g.join("cgroup.procs"), "").unwrap();
+        std::fs::write(g.join("daemon/cgroup.procs"), "").unwrap();
+    }
+
+    #[test]
+    fn a_daemon_placed_in_the_daemon_leaf_uses_its_parent_and_takes_a_successor() {
+        let dir = std::env::temp_dir().join(format!("rfaas-cg-placed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        fake_group(&dir, "system.slice/rfaas-executord.service");
+        let d = Delegated::at(&dir, "0::/system.slice/rfaas-executord.service/daemon\n").unwrap();
+        assert_eq!(d.root(), dir.join("system.slice/rfaas-executord.service"));
+        assert!(d.takes_a_new_daemon());
+        let subtree = dir.join("system.slice/rfaas-executord.service/cgroup.subtree_control");
+        assert_eq!(
+            std::fs::read_to_string(&subtree).unwrap(),
+            "+cpuset +cpu +memory"
+        );
+        // Started in the group itself (systemd before 254): no successor
+        // can start there while allocations hold groups.
+        let d = Delegated::at(&dir, "0::/system.slice/rfaas-executord.service\n").unwrap();
+        assert_eq!(d.root(), dir.join("system.slice/rfaas-executord.service"));
+        assert!(!d.takes_a_new_daemon());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn stale_groups_go_and_adopted_ones_stay() {
+        let dir = std::env::temp_dir().join(format!("rfaas-cg-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        fake_group(&dir, "svc");
+        let d = Delegated::at(&dir, "0::/svc/daemon\n").unwrap();
+        for id in [3, 4] {
+            std::fs::create_dir_all(dir.join(format!("svc/alloc-{id}"))).unwrap();
+        }
+        // No cgroup.events in a plain directory: nothing to kill, and
+        // remove_dir takes the empty one.
+        d.remove_stale(&[4]);
+        assert!(!dir.join("svc/alloc-3").exists());
+        assert!(dir.join("svc/alloc-4").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

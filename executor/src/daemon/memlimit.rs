@@ -26,8 +26,8 @@ impl MemoryLimiter {
     /// `RLIMIT_AS`; `Err` (why there is no cgroup) with `enforce`, which
     /// refuses to run without one. Says once, in the log, which applies
     /// and what the daemon cannot enforce without a cgroup.
-    pub fn detect(enforce: bool) -> Result<MemoryLimiter, String> {
-        match Delegated::detect() {
+    pub fn detect(enforce: bool, adopted: &[u64]) -> Result<MemoryLimiter, String> {
+        match Delegated::detect(adopted) {
             Ok(d) => {
                 tracing::info!(cgroup = %d.root().display(), "worker memory limits: cgroup v2 memory.max; each allocation runs in a cgroup of its own (cpuset.cpus, memory.max, cgroup.kill)");
                 Ok(MemoryLimiter::Cgroup(d))
@@ -39,6 +39,16 @@ impl MemoryLimiter {
                 tracing::warn!(%why, "no cgroup for allocations: the executor cannot enforce isolation. Processes a function starts can outlive their allocation and run on CPUs it was not leased, their CPU time is not billed, and memory is limited by RLIMIT_AS; set enforce_isolation = true to refuse to start like this");
                 Ok(MemoryLimiter::Rlimit)
             }
+        }
+    }
+
+    /// Whether the next daemon can start while allocations run: not in
+    /// a cgroup layout the service manager cannot start it in (see
+    /// [`Delegated::takes_a_new_daemon`]).
+    pub fn takes_a_new_daemon(&self) -> bool {
+        match self {
+            MemoryLimiter::Cgroup(d) => d.takes_a_new_daemon(),
+            MemoryLimiter::Rlimit => true,
         }
     }
 

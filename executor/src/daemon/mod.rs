@@ -304,8 +304,19 @@ impl Daemon {
             None => None,
         };
 
-        let limiter =
-            MemoryLimiter::detect(settings.enforce_isolation).map_err(StartError::Isolation)?;
+        let adopted: Vec<u64> = records.iter().map(|r| r.allocation_id).collect();
+        let limiter = MemoryLimiter::detect(settings.enforce_isolation, &adopted)
+            .map_err(StartError::Isolation)?;
+        let mut settings = settings;
+        if settings.workers_outlive() && !limiter.takes_a_new_daemon() {
+            tracing::warn!(
+                "workers_outlive_daemon is set, but the service manager started the daemon in its \
+                 delegated cgroup itself (systemd before 254, which has no DelegateSubgroup=): no \
+                 new daemon could start there while allocations hold cgroups, so workers stop \
+                 with this daemon"
+            );
+            settings.workers_outlive_daemon = false;
+        }
         memlimit::allow_pinning(&settings.providers);
         if settings.sandbox == Sandbox::Bubblewrap && settings.pool_size > 0 {
             tracing::info!(
