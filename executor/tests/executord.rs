@@ -1774,3 +1774,31 @@ fn too_little_memory_is_refused_with_the_figure_needed() {
             .unwrap();
     }
 }
+
+/// Under a `Type=notify` unit systemd learns the daemon serves from one
+/// `READY=1` datagram on `$NOTIFY_SOCKET`, sent once the control port
+/// answers; a stop sends `STOPPING=1`.
+#[test]
+fn the_daemon_tells_systemd_it_is_ready_once_its_port_answers() {
+    let dir = rfaas_testkit::TempDir::new("notify");
+    let path = dir.join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&path).expect("bind the notify socket");
+    sock.set_read_timeout(Some(MINUTE)).unwrap();
+    let d = start(ExecutordOptions {
+        env: vec![("NOTIFY_SOCKET".into(), path.display().to_string())],
+        ..Default::default()
+    });
+    let mut buf = [0u8; 512];
+    let n = sock.recv(&mut buf).expect("READY=1 within a minute");
+    let said = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(
+        said.starts_with("READY=1\nSTATUS=serving control="),
+        "{said:?}"
+    );
+    TcpStream::connect(d.control_addr()).expect("the control port answers once READY=1 is sent");
+    drop(d);
+    let n = sock
+        .recv(&mut buf)
+        .expect("STOPPING=1 when the daemon stops");
+    assert_eq!(&buf[..n], b"STOPPING=1");
+}

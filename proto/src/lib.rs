@@ -39,6 +39,8 @@
 //!   manager, the executor daemon and the client library.
 //! - [`node_name`]: the one pattern node names follow (no `.`, `..`, `/`
 //!   or control characters), checked by the manager and executord alike.
+//! - [`notify`]: systemd's readiness datagrams (`READY=1`, `STOPPING=1`)
+//!   every daemon sends once it serves and when it stops.
 //! - [`meter`]: the meter area, shared memory in which a worker's lanes
 //!   publish their counters for the executor daemon.
 //! - [`shm_control`]: the control messages of the fabric's `shm` provider
@@ -153,6 +155,7 @@ pub mod lease;
 pub mod manager;
 pub mod meter;
 pub mod node_name;
+pub mod notify;
 pub mod shm_control;
 pub mod status;
 pub mod tcp_frame;

@@ -97,12 +97,17 @@ fn main() -> anyhow::Result<()> {
             "rfaas-accounting listening on {} metrics {}",
             running.fabric_addr, running.metrics_addr
         );
+        let status = format!("serving on {}", running.fabric_addr);
+        if let Err(e) = rfaas_proto::notify::ready(&status) {
+            tracing::warn!(error = %e, "cannot tell systemd the service is ready (NOTIFY_SOCKET)");
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
         tracing::info!("stopping");
+        let _ = rfaas_proto::notify::stopping();
         running.stop().await
     })
 }

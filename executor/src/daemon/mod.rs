@@ -438,6 +438,12 @@ impl Daemon {
                 }
             })?;
         shared.refill();
+        // Adopted workers are back and the loop serves: a `Type=notify`
+        // unit counts as started from here.
+        let status = format!("serving control={control_addr}");
+        if let Err(e) = rfaas_proto::notify::ready(&status) {
+            tracing::warn!(error = %e, "cannot tell systemd the daemon is ready (NOTIFY_SOCKET)");
+        }
 
         let sig = loop {
             match wait_signal(&set)? {
@@ -446,6 +452,7 @@ impl Daemon {
             }
         };
         tracing::info!(signal = %process::signal_name(sig), "stopping every worker and exiting");
+        let _ = rfaas_proto::notify::stopping();
         shared.shutdown();
         // Requests in flight are answered (`draining`) and every queued
         // reply and report is written before the connections close.

@@ -139,6 +139,9 @@ fn main() -> anyhow::Result<()> {
         let running = rfaas_manager::start(settings).await?;
         // The line tests and scripts wait for.
         println!("rfaas-manager listening on {}", running.addr);
+        if let Err(e) = rfaas_proto::notify::ready(&format!("serving on {}", running.addr)) {
+            tracing::warn!(error = %e, "cannot tell systemd the manager is ready (NOTIFY_SOCKET)");
+        }
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate())?;
         let mut hup = signal(SignalKind::hangup())?;
@@ -153,6 +156,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         tracing::info!("stopping");
+        let _ = rfaas_proto::notify::stopping();
         running.stop().await
     })
 }
