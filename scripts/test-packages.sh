@@ -191,8 +191,23 @@ memory_mib = 512
 pool_size = 2
 sandbox = "none"
 TOML
+# Type=notify: start returns once the daemon said READY=1.
 systemctl start rfaas-executord
+systemctl is-active --quiet rfaas-executord
 ' || fail "starting rfaas-executord under its unit failed"
+inside systemctl show -p Type,NotifyAccess,KillMode,Delegate rfaas-executord
+echo "== systemd-analyze verify and security of the installed units"
+units="rfaas-executord.service rfaas-manager.service rfaas-accounting.service"
+# shellcheck disable=SC2086 # three unit names
+verified=$(inside systemd-analyze verify $units 2>&1) ||
+    fail "systemd-analyze verify failed on the installed units: $verified"
+# systemd before 254 knows no DelegateSubgroup= and says so; nothing else.
+unexpected=$(grep -v "Unknown key .DelegateSubgroup. in section \[Service\], ignoring" <<<"$verified" || true)
+[ -z "$unexpected" ] || fail "systemd-analyze verify warned about the installed units: $unexpected"
+for unit in $units; do
+    exposure=$(inside systemd-analyze security --no-pager "$unit" | tail -1)
+    echo "$unit: $exposure"
+done
 # Processes whose executable is one of rfaas's, inside the root.
 rfaas_procs() {
     # shellcheck disable=SC2016 # expanded inside the root

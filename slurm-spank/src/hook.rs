@@ -415,4 +415,26 @@ mod tests {
             "{lines:?}"
         );
     }
+
+    /// logrotate moves the file away (no copytruncate, no signal): the
+    /// next line opens a new file at the path, and nothing is lost.
+    #[test]
+    fn a_rotated_log_file_is_left_at_the_next_line() {
+        let dir = rfaas_testkit::TempDir::new("rotate");
+        let path = dir.join("slurm.log");
+        let (mut settings, _) = Settings::parse([]);
+        settings.log_file = Some(path.clone());
+        let inner = Lines::default();
+        let log = Logger::new(&inner, &settings);
+        log.info("before the rotation");
+        std::fs::rename(&path, dir.join("slurm.log.1")).unwrap();
+        log.error("after the rotation");
+        let old = std::fs::read_to_string(dir.join("slurm.log.1")).unwrap();
+        let new = std::fs::read_to_string(&path).unwrap();
+        assert!(old.ends_with(" info before the rotation\n"), "{old:?}");
+        assert!(new.ends_with(" error after the rotation\n"), "{new:?}");
+        assert_eq!(new.lines().count(), 1, "{new:?}");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
 }
