@@ -117,7 +117,9 @@ recipe_vars() {
         DOWNLOAD="postgresql slurmd slurmctld slurm-client munge libibverbs1 $rdmacm $libslurm lintian"
         # A host Ansible manages: reached by ssh, modules run by python3
         # (the apt module needs python3-apt), the site CA made with openssl.
-        [ "$1" = bookworm-ansible ] && INCLUDE+=,openssh-server,python3,python3-apt,openssl,sudo
+        if [ "$1" = bookworm-ansible ]; then
+            INCLUDE+=,openssh-server,python3,python3-apt,openssl,sudo
+        fi
         ;;
     *) die "there is no root recipe '$1'; the recipes are: $(recipe_names | tr '\n' ' ')" ;;
     esac
