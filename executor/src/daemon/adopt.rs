@@ -20,9 +20,7 @@
 //! dead worker or one that does not answer is refused with a log line,
 //! moved aside (`.refused`) and its directory removed.
 
-use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,20 +28,21 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use rfaas_proto::accounting::{SlotTotals, UsageFigures};
 use rfaas_proto::control::client::Mode;
 use rfaas_proto::control::worker::WorkerRejoin;
 use rfaas_proto::control::{FrameLimits, Kind};
 
+use super::process::pidfd_open;
+use super::records::{
+    carried_leases, check_file, is_lease_file, read_lease, record_path, refuse, remove_lease,
+    state_dir, write_private, RECORD_VERSION,
+};
 use super::shared::Shared;
 use super::state::Allocation;
 use super::usage::cpu::CpuSource;
 use super::usage::{Limits, Origin};
 use crate::ipc;
 use crate::meter::MeterArea;
-
-/// The record format's version; others are refused.
-pub(crate) const RECORD_VERSION: u32 = 1;
 
 /// How long the daemon tries to reach a worker's `adopt.sock` (the worker
 /// makes it once it sees its previous daemon's socket end).
@@ -79,15 +78,6 @@ pub(crate) struct Record {
     pub meter: Option<Origin>,
 }
 
-/// The runtime state directory under `runtime_dir`.
-pub(crate) fn state_dir(runtime_dir: &Path) -> PathBuf {
-    runtime_dir.join("state")
-}
-
-fn record_path(runtime_dir: &Path, id: u64) -> PathBuf {
-    state_dir(runtime_dir).join(format!("{id}.json"))
-}
-
 /// Writes `r` atomically (a temporary file, then a rename), mode 0600.
 pub(crate) fn write(runtime_dir: &Path, r: &Record) -> io::Result<()> {
     let bytes = serde_json::to_vec(r).map_err(io::Error::other)?;
@@ -96,162 +86,6 @@ pub(crate) fn write(runtime_dir: &Path, r: &Record) -> io::Result<()> {
         &format!("{}.json", r.allocation_id),
         &bytes,
     )
-}
-
-/// Writes `bytes` to `dir/name` atomically (a temporary file, then a
-/// rename), mode 0600, in a directory only root enters.
-fn write_private(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))
-}
-
-/// Removes allocation `id`'s record (it ended).
-pub(crate) fn remove(runtime_dir: &Path, id: u64) {
-    match std::fs::remove_file(record_path(runtime_dir, id)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => {
-            tracing::warn!(allocation = id, error = %e, "cannot remove an ended allocation's runtime record")
-        }
-    }
-}
-
-/// What carries a lease's figures over a restart while one of its
-/// allocations runs (`<runtime_dir>/state/lease-<id>.json`): what its
-/// ended allocations used, and what its accounting slot held before this
-/// daemon, or one it adopted from, first added. A daemon that adopts the
-/// lease's workers starts the lease's figures from `closed` and counts
-/// `slot - base` as already posted, so every figure is billed once.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct LeaseCarry {
-    /// [`RECORD_VERSION`].
-    pub version: u32,
-    pub lease_id: u64,
-    /// The slot before the first add; `None` until the poster read it.
-    pub base: Option<SlotTotals>,
-    /// The kernel's CPU time of the ended allocations, ns.
-    pub closed_cpu_ns: u64,
-    /// The ended allocations' figures.
-    pub closed: UsageFigures,
-    /// The lease's allocations that ended.
-    pub allocations: u32,
-}
-
-/// One writer of lease files at a time (the poster and the watchers).
-static LEASE_FILES: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn lease_file_name(lease_id: u64) -> String {
-    format!("lease-{lease_id}.json")
-}
-
-fn is_lease_file(path: &Path) -> bool {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with("lease-"))
-}
-
-/// Lease `lease_id`'s carry in `state_dir`; a missing one is `None`, a bad
-/// one is refused (logged, moved aside) and `None`.
-pub(crate) fn read_lease(state_dir: &Path, lease_id: u64) -> Option<LeaseCarry> {
-    let path = state_dir.join(lease_file_name(lease_id));
-    if !path.exists() {
-        return None;
-    }
-    let read = check_file(&path)
-        .and_then(|()| std::fs::read(&path).map_err(|e| format!("cannot read it: {e}")))
-        .and_then(|b| {
-            serde_json::from_slice::<LeaseCarry>(&b)
-                .map_err(|e| format!("it is not a lease's carried figures: {e}"))
-        })
-        .and_then(|c| {
-            (c.version == RECORD_VERSION && c.lease_id == lease_id)
-                .then_some(c)
-                .ok_or_else(|| "its version or lease id is not this daemon's".to_string())
-        });
-    match read {
-        Ok(c) => Some(c),
-        Err(why) => {
-            refuse(&path, &why);
-            None
-        }
-    }
-}
-
-/// Changes lease `lease_id`'s carry in `state_dir` with `f` (a new one
-/// starts empty) and writes it back atomically.
-pub(crate) fn update_lease(state_dir: &Path, lease_id: u64, f: impl FnOnce(&mut LeaseCarry)) {
-    let _one = LEASE_FILES.lock().unwrap_or_else(|e| e.into_inner());
-    let mut c = read_lease(state_dir, lease_id).unwrap_or(LeaseCarry {
-        version: RECORD_VERSION,
-        lease_id,
-        ..LeaseCarry::default()
-    });
-    f(&mut c);
-    let written = serde_json::to_vec(&c)
-        .map_err(io::Error::other)
-        .and_then(|b| write_private(state_dir, &lease_file_name(lease_id), &b));
-    if let Err(e) = written {
-        tracing::warn!(lease = lease_id, error = %e, "cannot write a lease's carried figures; a restarted daemon may bill its adopted workers from their adoption on only");
-    }
-}
-
-/// Removes lease `lease_id`'s carry (its figures are all posted, or the
-/// lease has no worker left to adopt).
-pub(crate) fn remove_lease(state_dir: &Path, lease_id: u64) {
-    let _one = LEASE_FILES.lock().unwrap_or_else(|e| e.into_inner());
-    match std::fs::remove_file(state_dir.join(lease_file_name(lease_id))) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => {
-            tracing::warn!(lease = lease_id, error = %e, "cannot remove a lease's carried figures")
-        }
-    }
-}
-
-/// Keeps what lease `lease_id`'s ended allocations used for a daemon that
-/// adopts its running ones; a lease with none running has nothing to
-/// adopt (its carry, if any, goes once its figures are posted).
-pub(crate) fn carry_ended(shared: &Shared, lease_id: u64) {
-    let Some((cpu_ns, usage, ended, running)) = shared.usage.carried(lease_id) else {
-        return;
-    };
-    if running == 0 {
-        return;
-    }
-    update_lease(&state_dir(&shared.settings.runtime_dir), lease_id, |c| {
-        c.closed_cpu_ns = cpu_ns;
-        c.closed = usage;
-        c.allocations = ended;
-    });
-}
-
-/// The lease ids with a carry file in `state_dir`.
-fn carried_leases(state_dir: &Path) -> Vec<u64> {
-    let Ok(entries) = std::fs::read_dir(state_dir) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            let id = name
-                .to_str()?
-                .strip_prefix("lease-")?
-                .strip_suffix(".json")?;
-            id.parse().ok()
-        })
-        .collect()
 }
 
 /// Reads and checks one record file.
@@ -299,37 +133,6 @@ pub(crate) fn load(runtime_dir: &Path) -> Vec<Record> {
     }
     out.sort_by_key(|r| r.allocation_id);
     out
-}
-
-/// A record must be root's and no one else's to read or write.
-fn check_file(path: &Path) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::symlink_metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
-    if !m.file_type().is_file() {
-        return Err("it is not a regular file".into());
-    }
-    if m.uid() != 0 || m.mode() & 0o077 != 0 {
-        return Err(format!(
-            "it is owned by uid {} with mode {:o}; records are root's with mode 0600",
-            m.uid(),
-            m.mode() & 0o777
-        ));
-    }
-    Ok(())
-}
-
-/// Logs why `path` is refused and moves it aside.
-fn refuse(path: &Path, why: &str) {
-    let aside = path.with_extension("json.refused");
-    tracing::error!(
-        record = %path.display(),
-        moved_to = %aside.display(),
-        "a runtime record was refused and its worker is not adopted: {why}; \
-         the file is kept aside for inspection"
-    );
-    if let Err(e) = std::fs::rename(path, &aside) {
-        tracing::warn!(record = %path.display(), error = %e, "cannot move a refused record aside");
-    }
 }
 
 /// The start time of process `pid` (clock ticks after boot), from
@@ -551,56 +354,11 @@ fn reach(path: &Path) -> Result<(UnixStream, WorkerRejoin, Option<MeterArea>), S
     Ok((sock, rejoin, meter))
 }
 
-/// A pidfd for `pid` (it becomes readable when the process ends).
-pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags; no memory is passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor, ours alone.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Blocks until the process behind `pidfd` has ended.
-pub(crate) fn wait_pidfd(pidfd: &OwnedFd) {
-    loop {
-        let mut pfd = libc::pollfd {
-            fd: pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, -1) };
-        if n > 0 {
-            return;
-        }
-        if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-            return;
-        }
-    }
-}
-
-/// Ends adopted allocations whose client did not attach in time, as a
-/// closed connection ends them. Called by the lease ticker.
-pub(crate) fn end_unattached(shared: &Shared, now: Instant) {
-    let ids: Vec<u64> = shared
-        .lock()
-        .allocations
-        .values()
-        .filter(|a| a.stop.is_none() && a.attach_by.is_some_and(|t| t <= now))
-        .map(|a| a.id)
-        .collect();
-    if ids.is_empty() {
-        return;
-    }
-    tracing::info!(allocations = ?ids, "no client attached to these adopted allocations in time; deallocating");
-    shared.end_allocations(&ids, super::state::Stop::Deallocate, Duration::ZERO);
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::records::remove;
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn record() -> Record {
         Record {

@@ -47,6 +47,8 @@
 //! - `epoll`, `pool`: the loop's epoll set and the request threads.
 //! - `control`: the clients' TCP protocol: what each request does, and the
 //!   end of a connection.
+//! - `records`: the runtime state directory's files, written atomically:
+//!   an allocation record's removal and the lease carry files.
 //! - `adopt`: the runtime records of running allocations and, at start,
 //!   adopting the workers a previous daemon left running
 //!   (`workers_outlive_daemon`).
@@ -86,6 +88,7 @@ mod metrics;
 mod outbox;
 mod pool;
 mod process;
+mod records;
 mod refusal;
 mod register;
 mod renew;

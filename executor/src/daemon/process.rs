@@ -375,6 +375,36 @@ pub(crate) enum SpawnJob {
     Refill,
 }
 
+/// A pidfd for `pid` (it becomes readable when the process ends).
+pub(crate) fn pidfd_open(pid: u32) -> io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor, ours alone.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) })
+}
+
+/// Blocks until the process behind `pidfd` has ended.
+pub(crate) fn wait_pidfd(pidfd: &std::os::fd::OwnedFd) {
+    loop {
+        let mut pfd = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, -1) };
+        if n > 0 {
+            return;
+        }
+        if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -428,7 +458,7 @@ mod tests {
         use std::os::unix::process::ExitStatusExt;
         let mut tracked = Command::new("/bin/sleep").arg("30").spawn().unwrap();
         let mut other = Command::new("/bin/sleep").arg("30").spawn().unwrap();
-        let fd = crate::daemon::adopt::pidfd_open(tracked.id()).unwrap();
+        let fd = pidfd_open(tracked.id()).unwrap();
         // `other`'s number stands for a pid the kernel handed on after the
         // tracked process: the signal goes to the process the pidfd names.
         track(other.id(), std::sync::Arc::new(fd));

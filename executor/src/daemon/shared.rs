@@ -210,7 +210,7 @@ impl Shared {
     pub(crate) fn remove_allocation(&self, st: &mut State, id: u64) -> Option<Allocation> {
         let a = st.allocations.remove(&id)?;
         st.capacity.release(a.lease_id, &a.cpus, a.memory_mib);
-        super::adopt::remove(&self.settings.runtime_dir, id);
+        super::records::remove(&self.settings.runtime_dir, id);
         if let Err(e) = std::fs::remove_dir_all(&a.runtime_dir) {
             if e.kind() != io::ErrorKind::NotFound {
                 tracing::warn!(dir = %a.runtime_dir.display(), error = %e, "cannot remove an allocation's runtime directory");

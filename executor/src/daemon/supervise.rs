@@ -145,7 +145,7 @@ pub(crate) fn watch_adopted(shared: &Arc<Shared>, pid: u32, pidfd: std::os::fd::
     let spawned = std::thread::Builder::new()
         .name(format!("watch-{pid}"))
         .spawn(move || {
-            super::adopt::wait_pidfd(&pidfd);
+            super::process::wait_pidfd(&pidfd);
             // How it ended is its parent's to hear; a stopped worker was
             // killed, any other ended by itself.
             let stopped = shared
@@ -230,7 +230,7 @@ fn after_end(shared: &Arc<Shared>, pid: u32, ended: Ended) {
             shared.usage.close(id, ended_at, cpu_ns);
             let a = st.allocations.get_mut(&id).expect("found above");
             if shared.settings.workers_outlive() {
-                crate::daemon::adopt::carry_ended(shared, a.lease_id);
+                carry_ended(shared, a.lease_id);
             }
             if a.ready {
                 let oom = shared.limiter.oom_killed(id);
@@ -344,7 +344,7 @@ pub(crate) fn describe(
 pub(crate) fn lease_ticker(shared: Arc<Shared>) {
     loop {
         std::thread::sleep(Duration::from_millis(250));
-        super::adopt::end_unattached(&shared, std::time::Instant::now());
+        end_unattached(&shared, std::time::Instant::now());
         let now = unix_now();
         let mut st = shared.lock();
         if st.stopping {
@@ -365,6 +365,44 @@ pub(crate) fn lease_ticker(shared: Arc<Shared>) {
             }
         }
     }
+}
+
+/// Keeps what lease `lease_id`'s ended allocations used for a daemon that
+/// adopts its running ones; a lease with none running has nothing to
+/// adopt (its carry, if any, goes once its figures are posted).
+pub(crate) fn carry_ended(shared: &Shared, lease_id: u64) {
+    let Some((cpu_ns, usage, ended, running)) = shared.usage.carried(lease_id) else {
+        return;
+    };
+    if running == 0 {
+        return;
+    }
+    super::records::update_lease(
+        &super::records::state_dir(&shared.settings.runtime_dir),
+        lease_id,
+        |c| {
+            c.closed_cpu_ns = cpu_ns;
+            c.closed = usage;
+            c.allocations = ended;
+        },
+    );
+}
+
+/// Ends adopted allocations whose client did not attach in time, as a
+/// closed connection ends them. Called by the lease ticker.
+pub(crate) fn end_unattached(shared: &Shared, now: std::time::Instant) {
+    let ids: Vec<u64> = shared
+        .lock()
+        .allocations
+        .values()
+        .filter(|a| a.stop.is_none() && a.attach_by.is_some_and(|t| t <= now))
+        .map(|a| a.id)
+        .collect();
+    if ids.is_empty() {
+        return;
+    }
+    tracing::info!(allocations = ?ids, "no client attached to these adopted allocations in time; deallocating");
+    shared.end_allocations(&ids, super::state::Stop::Deallocate, Duration::ZERO);
 }
 
 #[cfg(test)]

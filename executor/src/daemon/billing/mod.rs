@@ -35,7 +35,7 @@
 //! A daemon that adopted a lease's workers from the previous one goes on
 //! with the lease's figures from where that one measured them; the slot's
 //! content before the first add (kept with `carry`, see
-//! `adopt::LeaseCarry`) tells what of them already landed, so it adds only
+//! `records::LeaseCarry`) tells what of them already landed, so it adds only
 //! the rest.
 //!
 //! # Accounting down
@@ -120,7 +120,7 @@ pub(crate) struct PosterSettings {
     pub tickets: Arc<Tickets>,
     /// With workers that outlive the daemon, the runtime state directory,
     /// where each lease's slot before its first add is kept (see
-    /// `adopt::LeaseCarry`) for a daemon that adopts its workers.
+    /// `records::LeaseCarry`) for a daemon that adopts its workers.
     pub carry: Option<PathBuf>,
 }
 
@@ -350,7 +350,7 @@ impl Poster {
                 expected: None,
                 base: carry
                     .as_deref()
-                    .and_then(|dir| crate::daemon::adopt::read_lease(dir, u.lease_id))
+                    .and_then(|dir| crate::daemon::records::read_lease(dir, u.lease_id))
                     .and_then(|c| c.base),
                 uncertain: false,
                 in_flight: None,
@@ -469,7 +469,7 @@ impl Poster {
                     (Some(base), _) => e.counted = sub_words(&read, &base),
                     (None, Some(dir)) => {
                         e.base = Some(read);
-                        crate::daemon::adopt::update_lease(dir, id, |c| c.base = Some(read));
+                        crate::daemon::records::update_lease(dir, id, |c| c.base = Some(read));
                     }
                     (None, None) => {}
                 }
@@ -681,7 +681,7 @@ impl Poster {
     /// Lease `id` is closed or given up: nothing of it is carried over.
     fn forget_carry(&self, id: u64) {
         if let Some(dir) = &self.settings.carry {
-            crate::daemon::adopt::remove_lease(dir, id);
+            crate::daemon::records::remove_lease(dir, id);
         }
     }
 
@@ -876,7 +876,7 @@ pub(crate) fn run(shared: Arc<Shared>, tickets: Arc<Tickets>) {
         carry: shared
             .settings
             .workers_outlive()
-            .then(|| crate::daemon::adopt::state_dir(&shared.settings.runtime_dir)),
+            .then(|| crate::daemon::records::state_dir(&shared.settings.runtime_dir)),
     };
     let mut poster = match Poster::new(settings) {
         Ok(p) => p,
