@@ -128,9 +128,10 @@ fn a_rolling_restart_of_three_replicas_fails_no_grant() {
         let served = m.log().matches("lease granted").count();
         assert!(served > 0, "replica {k} granted nothing:\n{}", m.log());
     }
-    let (status, leases) = replicas[1]
-        .admin()
-        .call("GET", "/v1/leases?all=true&limit=100000", None);
+    let (status, leases) =
+        replicas[1]
+            .admin()
+            .call("GET", "/v1/leases?all=true&limit=100000", None);
     assert_eq!(status, 200, "{leases}");
     let leases = leases.as_array().expect("a list of leases");
     let stored: BTreeSet<u64> = leases
@@ -138,10 +139,7 @@ fn a_rolling_restart_of_three_replicas_fails_no_grant() {
         .map(|l| l["grant_id"].as_u64().expect("a grant id"))
         .collect();
     assert_eq!(stored, seen.granted, "the grants as stored and as given");
-    let not_released: Vec<_> = leases
-        .iter()
-        .filter(|l| l["state"] != "released")
-        .collect();
+    let not_released: Vec<_> = leases.iter().filter(|l| l["state"] != "released").collect();
     assert!(
         not_released.is_empty(),
         "leases left unreleased: {not_released:#?}"
