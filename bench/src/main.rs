@@ -99,6 +99,10 @@ struct Args {
     #[arg(long, default_value_t = 1000)]
     refresh_ms: u64,
 
+    /// Manager: ended leases in lease_grant_aged's database.
+    #[arg(long, default_value_t = 10_000_000)]
+    ended_leases: u64,
+
     /// Manager: the rfaas-manager binary (default: next to this one).
     #[arg(long)]
     manager_bin: Option<PathBuf>,
@@ -175,6 +179,7 @@ fn manager_main(args: &Args) -> ExitCode {
             refresh_ms: args.refresh_ms,
             manager_bin: args.manager_bin.clone(),
             rows: args.common.rows.clone(),
+            ended_leases: args.ended_leases,
             rounds: args.common.rounds as usize,
             json: args.common.json,
         })

@@ -7,6 +7,7 @@
 //! | `lease_grant` | one grant of 1 core (`POST /v1/leases`) and its release (`DELETE /v1/leases/{id}`) over HTTP, from one of `concurrency` client threads, each with its own keep-alive agent, user and account; the pairs rotate over the replicas |
 //! | `lease_grant_paced` | the same, open loop: pairs start on a fixed schedule at half the best `lease_grant` rate of the round (same backend and replicas), whatever the earlier ones did; a sample runs from its scheduled start, so a queue behind a slow pair counts |
 //! | `raw_db_grant` | `Store::grant` and `Store::end_grant` of `rfaas_manager::store` on a pool of the same database, from `concurrency` tasks: the same transactions (budget check, row locks, billing slots when accounting instances are registered, inserts, notifications) without HTTP, authentication, the view of the nodes and signing |
+//! | `lease_grant_aged` | `lease_grant` at 1 replica and the largest concurrency, against a second database of the same backend that holds `--ended-leases` ended leases (inserted once, in one statement, ended over the last 80 days: none is old enough to purge); runs only when `--rows` names it, each round right after `lease_grant` |
 //! | `node_visible` | a node's `PUT /v1/nodes/{name}` to one replica until every replica's `GET /v1/nodes` (its in-memory view, not `?fresh=true`) lists the node, each replica polled every millisecond; registrations start at random points of the replicas' `refresh_ms` |
 //!
 //! Every replica is a real `rfaas-manager` process on 127.0.0.1 (release
@@ -42,21 +43,30 @@ pub const LEASE_GRANT: &str = "lease_grant";
 pub const LEASE_GRANT_PACED: &str = "lease_grant_paced";
 pub const RAW_DB_GRANT: &str = "raw_db_grant";
 pub const NODE_VISIBLE: &str = "node_visible";
+pub const LEASE_GRANT_AGED: &str = "lease_grant_aged";
 const RATIO: &str = "lease_grant_vs_raw_db_grant";
+const AGED_RATIO: &str = "lease_grant_aged_vs_lease_grant";
 
 /// The measured rows and what they measure, for `--help`.
 pub const ROWS: &[(&str, &str)] = &[
     (LEASE_GRANT, "a lease grant of 1 core and its release over HTTP, --concurrency client threads, against each --replicas count of real rfaas-manager processes on one database"),
     (LEASE_GRANT_PACED, "the same paced open loop at half lease_grant's best rate of the round (target: p99 at most 5 ms)"),
     (RAW_DB_GRANT, "the manager's own grant and release transactions (rfaas_manager::store) straight on the database, no HTTP: the database's limit"),
+    (LEASE_GRANT_AGED, "lease_grant at 1 replica and the largest --concurrency on a second database holding --ended-leases ended leases; only when --rows names it"),
     (NODE_VISIBLE, "a node's registration on one replica until every replica's view lists it, at the largest --replicas count (target: p99 at most 100 ms)"),
 ];
 
 /// The derived rows, for `--help`.
-pub const DERIVED: &[(&str, &str)] = &[(
-    RATIO,
-    "lease_grant ops/s over raw_db_grant ops/s at the same backend and concurrency (target: at least 0.5)",
-)];
+pub const DERIVED: &[(&str, &str)] = &[
+    (
+        RATIO,
+        "lease_grant ops/s over raw_db_grant ops/s at the same backend and concurrency (target: at least 0.5)",
+    ),
+    (
+        AGED_RATIO,
+        "lease_grant_aged ops/s over lease_grant ops/s at the same backend, replicas and concurrency (target: at least 0.9)",
+    ),
+];
 
 /// Nodes registered, and cores each lends: grants never run out.
 const NODES: usize = 8;
@@ -70,6 +80,11 @@ const GRANT_DURATION_S: u64 = 600;
 const PACED_P99_MAX_NS: u64 = 5_000_000;
 const VISIBLE_P99_MAX_NS: u64 = 100_000_000;
 const GRANT_MIN_RATIO: f64 = 0.5;
+/// Ended leases in the table cost grants at most a tenth of their rate.
+const AGED_MIN_RATIO: f64 = 0.9;
+/// The aged leases ended over this many seconds before now: less than
+/// the default retention (90 days), so no purge runs during the bench.
+const AGED_SPAN_S: u64 = 80 * 86_400;
 /// How often `node_visible` asks each replica.
 const POLL: Duration = Duration::from_millis(1);
 
@@ -92,6 +107,8 @@ pub struct Settings {
     pub manager_bin: Option<PathBuf>,
     /// `--rows`; `None`: every row.
     pub rows: Option<Vec<String>>,
+    /// Ended leases in `lease_grant_aged`'s database.
+    pub ended_leases: u64,
     pub rounds: usize,
     pub json: bool,
 }
@@ -125,9 +142,19 @@ pub fn run(s: &Settings) -> Result<()> {
         )));
     }
     let dir = Scratch::new()?;
+    let aged = s
+        .rows
+        .as_ref()
+        .is_some_and(|r| r.iter().any(|x| x == LEASE_GRANT_AGED));
     let mut dbs = Vec::new();
     for backend in &s.backends {
-        dbs.push(Database::new(*backend, &dir.0)?);
+        let mut db = Database::new(*backend, &dir.0, "manager.db")?;
+        if aged {
+            let old = Database::new(*backend, &dir.0, "aged.db")?;
+            fill_ended_leases(&old.url, s.ended_leases)?;
+            db.aged = Some(Box::new(old));
+        }
+        dbs.push(db);
     }
     let common = Common::new(&bin, &dir.0, s.refresh_ms)?;
     let mut report = Report::new(s.json, s.rounds);
@@ -155,6 +182,13 @@ fn check(s: &Settings) -> Result<()> {
         if rows.iter().any(|r| r == LEASE_GRANT_PACED) && !rows.iter().any(|r| r == LEASE_GRANT) {
             return Err(Error::new(
                 "lease_grant_paced runs at half lease_grant's rate: select lease_grant too",
+            ));
+        }
+        if rows.iter().any(|r| r == LEASE_GRANT_AGED)
+            && (!rows.iter().any(|r| r == LEASE_GRANT) || !s.replicas.contains(&1))
+        {
+            return Err(Error::new(
+                "lease_grant_aged is compared with lease_grant at 1 replica: select lease_grant too and include 1 in --replicas",
             ));
         }
     }
@@ -226,10 +260,12 @@ struct Database {
     users: Vec<String>,
     /// Their accounts, for `raw_db_grant`.
     accounts: Vec<String>,
+    /// `lease_grant_aged`'s database, of the same backend.
+    aged: Option<Box<Database>>,
 }
 
 impl Database {
-    fn new(backend: Backend, dir: &Path) -> Result<Database> {
+    fn new(backend: Backend, dir: &Path, file: &str) -> Result<Database> {
         let (url, pg) = match backend {
             Backend::Postgres => {
                 let pg = Postgres::start().map_err(|e| {
@@ -241,10 +277,7 @@ impl Database {
                 let url = pg.url().to_owned();
                 (url, registered.map(|r| (pg, r)))
             }
-            Backend::Sqlite => (
-                format!("sqlite://{}", dir.join("manager.db").display()),
-                None,
-            ),
+            Backend::Sqlite => (format!("sqlite://{}", dir.join(file).display()), None),
         };
         Ok(Database {
             backend,
@@ -252,6 +285,7 @@ impl Database {
             _pg: pg,
             users: Vec::new(),
             accounts: Vec::new(),
+            aged: None,
         })
     }
 }
@@ -487,6 +521,22 @@ fn run_backend(
             }
         }
     }
+    if let Some(aged) = db.aged.as_deref_mut().filter(|_| want(LEASE_GRANT_AGED)) {
+        let reps = Replicas::start(common, aged, 1)?;
+        prepare(common, aged, &reps, threads)?;
+        let (latency, ops_per_s) = lease_grant(&reps.urls, &aged.users, threads, s.grants, warmup)?;
+        report.push(&Row::service(
+            LEASE_GRANT_AGED,
+            point(1, threads as u32),
+            Measure::Service {
+                latency,
+                ops_per_s: Some(ops_per_s),
+                best: Best::MostOps,
+                target_p99_max_ns: None,
+                extra: vec![("ended_leases", s.ended_leases)],
+            },
+        ))?;
+    }
     if want(NODE_VISIBLE) {
         let r = *s.replicas.iter().max().unwrap_or(&1);
         let reps = Replicas::start(common, db, r)?;
@@ -532,6 +582,51 @@ fn run_backend(
         }
     }
     Ok(())
+}
+
+/// Migrates the database at `url` and inserts `n` ended leases in one
+/// statement (PostgreSQL counts with generate_series, SQLite with a
+/// recursive query): 500 users of 50 accounts on the bench's nodes, 1 to
+/// 4 cores, ended over the last [`AGED_SPAN_S`], a tenth expired and the
+/// rest released; then refreshes the planner's statistics.
+fn fill_ended_leases(url: &str, n: u64) -> Result<()> {
+    eprintln!("inserting {n} ended leases into the {} database of lease_grant_aged", Backend::of(url).name());
+    let now = rfaas_service::now_ms();
+    let (with, from) = match Backend::of(url) {
+        Backend::Sqlite => (
+            format!(
+                "WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < {n})"
+            ),
+            "k".to_owned(),
+        ),
+        _ => (String::new(), format!("generate_series(1, {n}) AS k(i)")),
+    };
+    let insert = format!(
+        "{with} INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib,
+            issued_at, expires_at, state, ended_ms, harvested)
+         SELECT 1000000000 + i, 1000000000 + i, 'bench-n' || (i % {NODES}), 'user:aged-u' || (i % 500),
+            'aged-u' || (i % 500), 'aged-a' || (i % 50), 1 + i % 4, 64, e / 1000 - 600, e / 1000,
+            CASE WHEN i % 10 = 0 THEN 'expired' ELSE 'released' END, e, 0
+         FROM (SELECT i, {now} - (i % {AGED_SPAN_S}) * 1000 AS e FROM {from}) AS t"
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::new(format!("could not start a tokio runtime: {e}")))?;
+    runtime.block_on(async {
+        let failed = |e: &dyn std::fmt::Display| {
+            Error::new(format!("could not insert {n} ended leases into {url}: {e}"))
+        };
+        let pool = db::open_and_migrate(url, 1).await.map_err(|e| failed(&e))?;
+        for statement in [insert.as_str(), "ANALYZE"] {
+            sqlx::query(statement)
+                .execute(&pool)
+                .await
+                .map_err(|e| failed(&e))?;
+        }
+        pool.close().await;
+        Ok(())
+    })
 }
 
 /// One grant of 1 core and its release on `url`.
@@ -964,6 +1059,29 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
                 a as f64 / b as f64,
                 format!("{LEASE_GRANT} / {RAW_DB_GRANT}"),
                 Some(GRANT_MIN_RATIO),
+            );
+            row.service = Some(point.clone());
+            out.push(row);
+        }
+    }
+    for aged in rows.iter().filter(|r| r.name == LEASE_GRANT_AGED) {
+        let Some(point) = &aged.service else {
+            continue;
+        };
+        let fresh = rows
+            .iter()
+            .find(|r| r.name == LEASE_GRANT && r.service.as_ref() == Some(point));
+        if let (Some(a), Some(b)) = (ops(aged), fresh.and_then(ops)) {
+            if b == 0 {
+                continue;
+            }
+            let mut row = Row::ratio(
+                AGED_RATIO,
+                "",
+                0,
+                a as f64 / b as f64,
+                format!("{LEASE_GRANT_AGED} / {LEASE_GRANT}"),
+                Some(AGED_MIN_RATIO),
             );
             row.service = Some(point.clone());
             out.push(row);
