@@ -590,7 +590,10 @@ fn run_backend(
 /// 4 cores, ended over the last [`AGED_SPAN_S`], a tenth expired and the
 /// rest released; then refreshes the planner's statistics.
 fn fill_ended_leases(url: &str, n: u64) -> Result<()> {
-    eprintln!("inserting {n} ended leases into the {} database of lease_grant_aged", Backend::of(url).name());
+    eprintln!(
+        "inserting {n} ended leases into the {} database of lease_grant_aged",
+        Backend::of(url).name()
+    );
     let now = rfaas_service::now_ms();
     let (with, from) = match Backend::of(url) {
         Backend::Sqlite => (
