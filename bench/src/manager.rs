@@ -590,7 +590,10 @@ fn run_backend(
 /// 4 cores, ended over the last [`AGED_SPAN_S`], a tenth expired and the
 /// rest released; then refreshes the planner's statistics.
 fn fill_ended_leases(url: &str, n: u64) -> Result<()> {
-    eprintln!("inserting {n} ended leases into the {} database of lease_grant_aged", Backend::of(url).name());
+    eprintln!(
+        "inserting {n} ended leases into the {} database of lease_grant_aged",
+        Backend::of(url).name()
+    );
     let now = rfaas_service::now_ms();
     let (with, from) = match Backend::of(url) {
         Backend::Sqlite => (
@@ -599,7 +602,10 @@ fn fill_ended_leases(url: &str, n: u64) -> Result<()> {
             ),
             "k".to_owned(),
         ),
-        _ => (String::new(), format!("generate_series(1, {n}) AS k(i)")),
+        _ => (
+            String::new(),
+            format!("generate_series(CAST(1 AS BIGINT), {n}) AS k(i)"),
+        ),
     };
     let insert = format!(
         "{with} INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib,
