@@ -65,7 +65,7 @@ struct Args {
     common: Common,
 
     /// Measure the resource manager (rows lease_grant, lease_grant_paced,
-    /// raw_db_grant, node_visible) instead of invocations.
+    /// raw_db_grant, node_visible; lease_grant_aged when --rows names it) instead of invocations.
     #[arg(long)]
     manager: bool,
 
