@@ -264,7 +264,7 @@ pub(crate) fn run(
             heartbeat_ms = registered.heartbeat_interval_ms,
             "registered with the manager"
         );
-        let interval = Duration::from_millis(registered.heartbeat_interval_ms.clamp(50, 60_000));
+        let mut interval = beat_interval(registered.heartbeat_interval_ms);
         let mut outage = false;
         loop {
             if next_beat(&shared, interval) {
@@ -280,6 +280,13 @@ pub(crate) fn run(
                         outage = false;
                     }
                     keep_ticket(&tickets, reply.accounting_ticket.as_deref());
+                    if let Some(ms) = reply.heartbeat_interval_ms {
+                        let next = beat_interval(ms);
+                        if next != interval {
+                            tracing::info!(heartbeat_ms = ms, "the manager set a new heartbeat interval (the fleet's size changed)");
+                            interval = next;
+                        }
+                    }
                     if !reply.ended_leases.is_empty() {
                         let n = shared.end_leases(&reply.ended_leases, unix_now());
                         tracing::info!(leases = ?reply.ended_leases, workers = n, "the manager ended leases");
@@ -298,6 +305,12 @@ pub(crate) fn run(
             }
         }
     }
+}
+
+/// The heartbeat interval a manager asked for, within bounds a wrong
+/// value cannot push the daemon past.
+fn beat_interval(ms: u64) -> Duration {
+    Duration::from_millis(ms.clamp(50, 60_000))
 }
 
 /// Keeps the accounting ticket of a manager's reply for the billing
