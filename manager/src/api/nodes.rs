@@ -145,7 +145,7 @@ fn ticket(app: &App, name: &str, this: &ThisNode) -> Option<String> {
     let now_s = now_ms() / 1000;
     match app
         .signer
-        .ticket(name, credential_id, now_s, app.settings.accounting_ticket_s)
+        .node_ticket(name, credential_id, now_s, app.settings.accounting_ticket_s)
     {
         Ok(t) => Some(t),
         Err(e) => {
