@@ -354,8 +354,8 @@ def view_harvest(rows):
 def view_harvest_slurmctld(rows):
     out = [
         "| seed, round | nodes × CPUs | jobs | slurmctld RPCs/min without rfaas | with rfaas "
-        "| rfaas added, per node and minute |",
-        "|---|---|---|---|---|---|",
+        "| rfaas added, per node and minute | its bound |",
+        "|---|---|---|---|---|---|---|",
     ]
     dash = "-"
     without = {}
@@ -366,11 +366,12 @@ def view_harvest_slurmctld(rows):
             without[key] = rate
             continue
         fmt = lambda v: f"{v:.0f}" if v is not None else dash
-        added = r.get("rfaas_slurmctld_rpcs_per_node_min")
+        per_node = lambda k: f"{r[k]:.1f}" if r.get(k) is not None else dash
         out.append(
             f"| {r['seed']}, {r.get('round', 1)} | {r['nodes']} × {r['cpus']} | {r['jobs']} "
             f"| {fmt(without.get(key))} | {fmt(rate)} "
-            f"| {f'{added:.2f}' if added is not None else dash} |"
+            f"| {per_node('rfaas_slurmctld_rpcs_per_node_min')} "
+            f"| {per_node('rfaas_slurmctld_rpcs_bound_per_node_min')} |"
         )
     return "\n".join(out) + "\n"
 
