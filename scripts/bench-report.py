@@ -18,6 +18,9 @@ latest date and time, then the higher N (no git history needed). VIEW says how:
     latency-ns      name and median in ns (rows below a microsecond)
     control         rfaas-control-bench's phases
     harvest         rfaas-harvest's runs with the plugin, against its targets
+    harvest-slurmctld
+                    rfaas-harvest's runs: the cluster, and slurmctld's RPC
+                    rate without rfaas, with it, and what rfaas added
 
     scripts/bench-report.py --check   fail, naming the table, if the page
                                       differs from what the results render
@@ -348,6 +351,31 @@ def view_harvest(rows):
     return "\n".join(out) + "\n"
 
 
+def view_harvest_slurmctld(rows):
+    out = [
+        "| seed, round | nodes × CPUs | jobs | slurmctld RPCs/min without rfaas | with rfaas "
+        "| rfaas added, per node and minute | its bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    dash = "-"
+    without = {}
+    for r in rows:
+        key = (r.get("seed"), r.get("round", 1))
+        rate = r.get("slurmctld_rpcs_per_min")
+        if not r.get("plugin"):
+            without[key] = rate
+            continue
+        fmt = lambda v: f"{v:.0f}" if v is not None else dash
+        per_node = lambda k: f"{r[k]:.1f}" if r.get(k) is not None else dash
+        out.append(
+            f"| {r['seed']}, {r.get('round', 1)} | {r['nodes']} × {r['cpus']} | {r['jobs']} "
+            f"| {fmt(without.get(key))} | {fmt(rate)} "
+            f"| {per_node('rfaas_slurmctld_rpcs_per_node_min')} "
+            f"| {per_node('rfaas_slurmctld_rpcs_bound_per_node_min')} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 VIEWS = {
     "table": view_table,
     "targets": view_targets,
@@ -355,6 +383,7 @@ VIEWS = {
     "latency-ns": view_latency_ns,
     "control": view_control,
     "harvest": view_harvest,
+    "harvest-slurmctld": view_harvest_slurmctld,
 }
 
 

@@ -21,8 +21,9 @@
 //!   one notice every 20 ms at most.
 //! - [`auth`]: the admin token and node and user credentials.
 //! - [`signer`]: the key that signs lease tokens and accounting tickets.
-//! - [`slurm`]: Slurm's word on a job (its user, account, state and
-//!   nodes), which the job routes go by rather than a node's, and on the
+//! - [`slurm`]: Slurm's word on a job (its user, account, state, nodes
+//!   and time limit), asked once for all the nodes of a job asking at
+//!   once, which the job routes go by rather than a node's, and on the
 //!   accounts a user coordinates, which widens what the usage route shows.
 //! - [`serve`]: the REST port's accept loop: HTTPS, timeouts, connection
 //!   caps, certificate reload.

@@ -7,8 +7,14 @@
 //! ([`crate::api`]'s usage route) comes from Slurm's accounting database,
 //! asked with `sacctmgr` when `[slurm] coordinators = true`.
 //!
-//! Answers are cached for `cache_ms` (every node of a job asks once per
-//! step), a few Slurm commands run at once at most (one runner for both;
+//! Answers are cached for `cache_ms`, and the nodes of a job that ask at
+//! once (each node asks once per job, as its first step starts, and once
+//! as the job ends) share one question to Slurm: a job on N nodes costs
+//! each replica one `squeue` as it starts and one as it ends, not N. An
+//! end keeps what Slurm said about the job's nodes but marks it ended, so
+//! the other nodes' ends are checked without asking again and no
+//! credential is minted for it from the cached running state.
+//! A few Slurm commands run at once at most (one runner for both;
 //! `sacctmgr` takes turns of its own, so usage reads never hold up job
 //! checks), each bounded by `timeout_ms`, and a Slurm that cannot be asked
 //! refuses:
@@ -20,12 +26,12 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rfaas_proto::hostlist::hostlist_contains;
 use rfaas_proto::manager::slurm_job_account;
-use tokio::sync::Semaphore;
+use tokio::sync::{OnceCell, Semaphore};
 
 /// Cached answers kept at most; expired ones go first when it is full.
 const CACHED: usize = 4096;
@@ -84,6 +90,9 @@ pub struct SlurmJob {
     pub state: String,
     /// Its nodes, as a Slurm host list (`node[1-3]`).
     pub nodes: String,
+    /// When its time limit ends, Unix seconds (from the time left Slurm
+    /// reported when asked); `None`: no limit.
+    pub ends_at: Option<u64>,
 }
 
 impl SlurmJob {
@@ -151,16 +160,29 @@ impl<K: Eq + Hash, V: Clone> Cache<K, V> {
         answers.insert(key, (Instant::now(), value));
     }
 
-    fn remove(&self, key: &K) {
-        self.lock().remove(key);
+    /// Changes the answer kept for `key`, if any, keeping its age.
+    fn update(&self, key: &K, change: impl FnOnce(&mut V)) {
+        if let Some((_, v)) = self.lock().get_mut(key) {
+            change(v);
+        }
     }
 }
+
+/// One question to Slurm about a job, shared by whoever asks while it is
+/// out.
+type Flight = Arc<OnceCell<Result<Option<SlurmJob>, SlurmUnavailable>>>;
+
+/// What an ended job's cached answer says it is: not running, so no
+/// credential is minted from it, with the nodes Slurm placed it on.
+const ENDED: &str = "COMPLETING";
 
 /// Asks Slurm about jobs and coordinators, with a short cache.
 #[derive(Debug)]
 pub struct Slurm {
     settings: SlurmSettings,
     jobs: Cache<u64, Option<SlurmJob>>,
+    /// The questions about jobs out now.
+    flights: Mutex<HashMap<u64, Flight>>,
     coordinated: Cache<String, Vec<String>>,
     running: Semaphore,
     reading: Semaphore,
@@ -171,6 +193,7 @@ impl Slurm {
     pub fn new(settings: SlurmSettings) -> Slurm {
         Slurm {
             jobs: Cache::new(settings.cache_ms),
+            flights: Mutex::new(HashMap::new()),
             coordinated: Cache::new(settings.cache_ms),
             settings,
             running: Semaphore::new(AT_ONCE),
@@ -191,19 +214,46 @@ impl Slurm {
     /// Job `job_id` as Slurm reports it, in any state it still keeps;
     /// `None`: Slurm knows no such job (never submitted, or ended longer
     /// ago than its `MinJobAge`).
+    /// Callers asking at once share one `squeue`, and its answer (or
+    /// failure).
     pub async fn job(&self, job_id: u64) -> Result<Option<SlurmJob>, SlurmUnavailable> {
         if let Some(job) = self.jobs.get(&job_id) {
             return Ok(job);
         }
-        let job = self.ask(job_id).await?;
-        self.jobs.insert(job_id, job.clone());
-        Ok(job)
+        let flight = Arc::clone(self.lock_flights().entry(job_id).or_default());
+        flight
+            .get_or_init(|| async {
+                let answer = self.ask(job_id).await;
+                if let Ok(job) = &answer {
+                    self.jobs.insert(job_id, job.clone());
+                }
+                let mut flights = self.lock_flights();
+                if flights
+                    .get(&job_id)
+                    .is_some_and(|f| Arc::ptr_eq(f, &flight))
+                {
+                    flights.remove(&job_id);
+                }
+                answer
+            })
+            .await
+            .clone()
     }
 
-    /// Forgets what Slurm said about job `job_id` (its end was recorded:
-    /// the next question about it goes to Slurm).
-    pub fn forget(&self, job_id: u64) {
-        self.jobs.remove(&job_id);
+    fn lock_flights(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Flight>> {
+        self.flights.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Job `job_id`'s end was recorded: what Slurm said about it (if
+    /// kept) now says it ended, so no credential is minted from a running
+    /// state cached from before, and its other nodes' ends are checked
+    /// against the nodes kept without asking Slurm again.
+    pub fn ended(&self, job_id: u64) {
+        self.jobs.update(&job_id, |job| {
+            if let Some(job) = job {
+                job.state = ENDED.to_owned();
+            }
+        });
     }
 
     /// The accounts `user` coordinates as Slurm's accounting database
@@ -281,7 +331,7 @@ impl Slurm {
 
     /// Runs `squeue` for `job_id`. Only fixed fields are asked for, the
     /// account (free text where Slurm keeps no accounts) last, never the
-    /// job's name or comment.
+    /// job's name or comment. Its time left counts from now.
     async fn ask(&self, job_id: u64) -> Result<Option<SlurmJob>, SlurmUnavailable> {
         let about = format!("job {job_id}");
         let program = &self.settings.squeue;
@@ -296,7 +346,7 @@ impl Slurm {
                     "--jobs",
                     &job_id.to_string(),
                     "--format",
-                    "%U|%u|%T|%N|%a",
+                    "%U|%u|%T|%N|%L|%a",
                 ],
             )
             .await?;
@@ -306,7 +356,7 @@ impl Slurm {
             }
             return Err(unavailable(program, &about, failed(&out)));
         }
-        parse_squeue(&String::from_utf8_lossy(&out.stdout))
+        parse_squeue(&String::from_utf8_lossy(&out.stdout), crate::now_s())
             .map_err(|why| unavailable(program, &about, why))
     }
 }
@@ -359,8 +409,9 @@ fn parse_coordinators(out: &str, user: &str) -> Result<Vec<String>, String> {
     Ok(accounts)
 }
 
-/// `uid|user|state|nodes|account`, one line; nothing: no such job.
-fn parse_squeue(out: &str) -> Result<Option<SlurmJob>, String> {
+/// `uid|user|state|nodes|time left|account`, one line, read at Unix
+/// second `now`; nothing: no such job.
+fn parse_squeue(out: &str, now: u64) -> Result<Option<SlurmJob>, String> {
     let mut lines = out.lines().filter(|l| !l.trim().is_empty());
     let Some(line) = lines.next() else {
         return Ok(None);
@@ -369,8 +420,8 @@ fn parse_squeue(out: &str) -> Result<Option<SlurmJob>, String> {
         return Err(format!("more than one line for one job: {out:?}"));
     }
     let line = line.trim_end();
-    let f: Vec<&str> = line.splitn(5, '|').collect();
-    let [uid, user, state, nodes, account] = f[..] else {
+    let f: Vec<&str> = line.splitn(6, '|').collect();
+    let [uid, user, state, nodes, left, account] = f[..] else {
         return Err(format!("unexpected squeue line {line:?}"));
     };
     let uid = uid
@@ -383,7 +434,32 @@ fn parse_squeue(out: &str) -> Result<Option<SlurmJob>, String> {
         account: slurm_job_account(account, user),
         state: state.to_owned(),
         nodes: nodes.to_owned(),
+        ends_at: parse_time_left(left)
+            .ok_or_else(|| format!("unexpected time left {left:?} in squeue line {line:?}"))?
+            .map(|left| now.saturating_add(left)),
     }))
+}
+
+/// Slurm's time left: `[days-][hours:]minutes:seconds`, or `UNLIMITED` /
+/// `NOT_SET` (no limit: `Some(None)`). `None`: unreadable.
+fn parse_time_left(s: &str) -> Option<Option<u64>> {
+    if matches!(s, "UNLIMITED" | "NOT_SET" | "INVALID") {
+        return Some(None);
+    }
+    let (days, rest) = match s.split_once('-') {
+        Some((d, r)) => (d.parse::<u64>().ok()?, r),
+        None => (0, s),
+    };
+    let parts: Vec<u64> = rest
+        .split(':')
+        .map(|p| p.parse::<u64>().ok())
+        .collect::<Option<_>>()?;
+    let (h, m, sec) = match parts[..] {
+        [m, s] => (0, m, s),
+        [h, m, s] => (h, m, s),
+        _ => return None,
+    };
+    Some(Some(days * 86_400 + h * 3600 + m * 60 + sec))
 }
 
 #[cfg(test)]
@@ -391,9 +467,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn time_left_in_slurm_formats() {
+        assert_eq!(parse_time_left("59:30"), Some(Some(3570)));
+        assert_eq!(parse_time_left("1:00:00"), Some(Some(3600)));
+        assert_eq!(
+            parse_time_left("2-03:00:01"),
+            Some(Some(2 * 86_400 + 3 * 3600 + 1))
+        );
+        assert_eq!(parse_time_left("UNLIMITED"), Some(None));
+        assert_eq!(parse_time_left("NOT_SET"), Some(None));
+        assert_eq!(parse_time_left("soon"), None);
+        assert_eq!(parse_time_left("1:2:3:4"), None);
+    }
+
+    #[test]
     fn squeue_lines() {
+        let parse_squeue = |out: &str| parse_squeue(out, 1000);
         assert_eq!(parse_squeue("").unwrap(), None);
-        let j = parse_squeue("1000|alice|RUNNING|node[1-2]|physics\n")
+        let j = parse_squeue("1000|alice|RUNNING|node[1-2]|59:00|physics\n")
             .unwrap()
             .unwrap();
         assert_eq!(
@@ -404,23 +495,25 @@ mod tests {
                 account: "physics".into(),
                 state: "RUNNING".into(),
                 nodes: "node[1-2]".into(),
+                ends_at: Some(1000 + 3540),
             }
         );
         assert!(j.running() && j.on("node2") && !j.on("node3"));
         // No account kept: the user's name, as the executor asks.
-        let j = parse_squeue("0|root|COMPLETED|node1|(null)")
+        let j = parse_squeue("0|root|COMPLETED|node1|UNLIMITED|(null)")
             .unwrap()
             .unwrap();
-        assert_eq!(j.account, "root");
+        assert_eq!((j.account.as_str(), j.ends_at), ("root", None));
         assert!(!j.running());
         // An account is free text: a `|` in it stays in it.
-        let j = parse_squeue("7|bob|RUNNING|node1|a|RUNNING")
+        let j = parse_squeue("7|bob|RUNNING|node1|1:00|a|RUNNING")
             .unwrap()
             .unwrap();
         assert_eq!(j.account, "a|RUNNING");
         assert!(parse_squeue("1000|alice|RUNNING").is_err());
-        assert!(parse_squeue("x|alice|RUNNING|node1|a").is_err());
-        assert!(parse_squeue("1|a|RUNNING|node1|a\n1|a|RUNNING|node2|a\n").is_err());
+        assert!(parse_squeue("x|alice|RUNNING|node1|1:00|a").is_err());
+        assert!(parse_squeue("1|a|RUNNING|node1|soon|a").is_err());
+        assert!(parse_squeue("1|a|RUNNING|node1|1:00|a\n1|a|RUNNING|node2|1:00|a\n").is_err());
     }
 
     #[test]

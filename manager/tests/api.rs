@@ -1096,9 +1096,10 @@ fn slurm_jobs_get_credentials_and_their_end_releases_their_leases(kind: &str) {
         ),
         (
             20,
-            json!({"user": "alice", "account": "physics", "expires_at": now + 60, "uid": 0}),
+            json!({"user": "alice", "account": "physics", "expires_at": now + 60, "node": "a"}),
         ),
-        (20, json!({"user": "alice"})),
+        (20, json!({"user": "alice", "uid": "root"})),
+        (20, json!({"account": "physics"})),
     ] {
         let (s, e) = ask(&node, job_id, bad.clone());
         assert!((400..500).contains(&s), "{bad}: {s} {e}");
@@ -1106,6 +1107,22 @@ fn slurm_jobs_get_credentials_and_their_end_releases_their_leases(kind: &str) {
     }
     let (s, e) = node.call("POST", "/v1/jobs/0/end", None);
     assert_eq!(s, 400, "{e}");
+
+    // A node that names only the user (and uid), as executord does: with
+    // no Slurm to ask, the account is the user's name and the limit the
+    // cap.
+    let (s, c) = ask(&node, 21, json!({"user": "carol", "uid": 1234}));
+    assert_eq!(s, 201, "{c}");
+    assert_eq!(
+        (c["subject"].as_str(), c["account"].as_str()),
+        (Some("carol"), Some("carol")),
+        "{c}"
+    );
+    let cap = c["expires_at"].as_u64().unwrap();
+    assert!(
+        cap <= now + 7 * 86_400 + 5 && cap >= now + 7 * 86_400 - 5,
+        "{c}"
+    );
 }
 on_both!(slurm_jobs_get_credentials_and_their_end_releases_their_leases);
 

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use common::*;
@@ -201,3 +202,103 @@ fn a_lease_never_outlives_its_credential(kind: &str) {
     assert!(shown[0]["expires_at"].as_u64().unwrap() <= until, "{shown}");
 }
 on_both!(a_lease_never_outlives_its_credential);
+
+/// Every node of a job asks for its credential as the job starts, and
+/// says it ended as it ends: a replica asks Slurm once for all of them,
+/// whether they ask at once or one after the other (answers kept long
+/// here, so that nothing depends on timing). A node names only the job's
+/// user and uid, as executord does: the account and time limit are
+/// Slurm's, and a wrong uid is refused.
+fn a_job_on_many_nodes_costs_a_replica_one_slurm_question(kind: &str) {
+    let mut db = Db::new(kind);
+    let cluster = SlurmCluster::start(SlurmOptions {
+        nodes: 2,
+        ..SlurmOptions::default()
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    // A real squeue, each run of it counted.
+    let dir =
+        std::env::temp_dir().join(format!("rfaas-squeue-count-{}-{kind}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let runs = dir.join("runs");
+    let squeue = dir.join("squeue");
+    std::fs::write(
+        &squeue,
+        format!(
+            "#!/bin/sh\necho run >> {:?}\nexec squeue \"$@\"\n",
+            runs.display().to_string()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&squeue, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let m = db.manager_with(
+        &format!(
+            "[slurm]\nconf = {:?}\nsqueue = {:?}\ncache_ms = 600000\ntimeout_ms = 20000\n",
+            cluster.conf().display().to_string(),
+            squeue.display().to_string()
+        ),
+        None,
+    );
+    let nodes = [
+        register(&m, "node1", 4, 4096),
+        register(&m, "node2", 4, 4096),
+    ];
+    let job = cluster
+        .sbatch(&["-N2", "-t", "10", "-A", "physics", "--wrap", "sleep 600"])
+        .unwrap();
+    let state = cluster
+        .wait_job_state(job, &["RUNNING", "FAILED", "CANCELLED"], BOUND)
+        .unwrap();
+    assert_eq!(state, "RUNNING");
+    let count = || {
+        std::fs::read_to_string(&runs)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let before = now();
+    let body = json!({"user": "root", "uid": 0});
+    let path = format!("/v1/jobs/{job}/credential");
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let asks: Vec<_> = nodes
+            .iter()
+            .map(|n| s.spawn(|| n.call("POST", &path, Some(&body))))
+            .collect();
+        asks.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    for (s, c) in &answers {
+        assert_eq!(*s, 201, "{c}\n{}", m.log());
+        assert_eq!(
+            (c["subject"].as_str(), c["account"].as_str()),
+            (Some("root"), Some("physics")),
+            "{c}"
+        );
+        // Slurm's time limit: 10 minutes from the job's start.
+        let until = c["expires_at"].as_u64().unwrap();
+        assert!(until > before && until <= now() + 600, "{c}");
+    }
+    // A later step on a node, and a wrong uid.
+    let (s, _) = nodes[0].call("POST", &path, Some(&body));
+    assert_eq!(s, 201);
+    let r = nodes[1].call("POST", &path, Some(&json!({"user": "root", "uid": 1000})));
+    assert_eq!(refusal(&r), (403, Some("forbidden")), "{}", r.1);
+    assert!(
+        r.1["message"].as_str().unwrap().contains("not as uid 1000"),
+        "{}",
+        r.1
+    );
+    assert_eq!(count(), 1, "one squeue for the job's start\n{}", m.log());
+
+    // Both nodes say it ended: checked against the nodes kept, and no
+    // credential after, though what Slurm said of it was kept running.
+    for n in &nodes {
+        let (s, e) = n.call("POST", &format!("/v1/jobs/{job}/end"), None);
+        assert_eq!(s, 200, "{e}");
+    }
+    let r = nodes[0].call("POST", &path, Some(&body));
+    assert_eq!(refusal(&r), (403, Some("forbidden")), "{}", r.1);
+    assert_eq!(count(), 1, "no squeue for the job's end\n{}", m.log());
+    cluster.run("scancel", &[&job.to_string()]).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+on_both!(a_job_on_many_nodes_costs_a_replica_one_slurm_question);

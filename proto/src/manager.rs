@@ -377,6 +377,14 @@ pub fn slurm_job_account(squeue_account: &str, user: &str) -> String {
 /// when the job starts with `--rfaas`. It expires with the job's time
 /// limit (capped by the manager's `max_job_credential_s`) and is revoked
 /// when the job ends (`POST /v1/jobs/{job_id}/end`).
+///
+/// The node says only what slurmstepd told it (the job's uid, and the
+/// login name the node's users database has for it): the account and the
+/// time limit are Slurm's, which the manager asks anyway, so no node asks
+/// Slurm as a job step starts. Each field given is checked against
+/// Slurm's word; a manager that does not ask Slurm (`[slurm] unchecked`)
+/// takes the user's name as the account and `max_job_credential_s` as the
+/// limit when they are not given.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
@@ -384,12 +392,17 @@ pub struct JobCredentialRequest {
     /// The job's user (login name).
     #[cfg_attr(feature = "openapi", schema(pattern = r"^[A-Za-z0-9._@-]{1,253}$"))]
     pub user: String,
-    /// The account its leases are charged to.
+    /// The job's user's uid, as slurmstepd gives it to the plugin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// The account its leases are charged to; absent: Slurm's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(pattern = r"^[A-Za-z0-9._@-]{1,253}$"))]
-    pub account: String,
-    /// When the job's time limit ends, Unix seconds.
+    pub account: Option<String>,
+    /// When the job's time limit ends, Unix seconds; absent: Slurm's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
-    pub expires_at: u64,
+    pub expires_at: Option<u64>,
 }
 
 /// `POST /v1/jobs/{job_id}/end` (node or admin): what the job's end did.

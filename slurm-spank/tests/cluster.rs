@@ -1208,3 +1208,119 @@ fn with_executord_killed_jobs_start_on_time_and_no_worker_survives() {
     let log = std::fs::read_to_string(dir.path("spank.log")).unwrap_or_default();
     assert!(log.contains("fail open"), "{log}");
 }
+
+/// slurmctld's RPCs since its statistics were last reset, by message type
+/// (`sdiag`), but `sdiag`'s own; and the jobs it has completed.
+fn sdiag(cluster: &SlurmCluster) -> (BTreeMap<String, u64>, u64) {
+    let text = cluster.run("sdiag", &[]).unwrap();
+    let completed = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Jobs completed:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no jobs completed in sdiag's output:\n{text}"));
+    let by_type = text
+        .split("statistics by message type")
+        .nth(1)
+        .and_then(|t| t.split("statistics by user").next())
+        .unwrap_or_else(|| panic!("no RPCs by type in sdiag's output:\n{text}"));
+    let rpcs = by_type
+        .lines()
+        .filter_map(|l| {
+            let (name, rest) = l.trim().split_once(' ')?;
+            let count = rest.split("count:").nth(1)?.split_whitespace().next()?;
+            Some((name.to_owned(), count.parse().ok()?))
+        })
+        .filter(|(name, _)| name != "REQUEST_STATS_INFO")
+        .collect();
+    (rpcs, completed)
+}
+
+/// The window both runs measure: `jobs` jobs on every node of `cluster`,
+/// one after another (`srun -N.. sleep 1`, with `more` arguments),
+/// counted by `sdiag` from a reset until slurmctld completed them all and
+/// `settled` (what rfaas does at their ends is over). Returns slurmctld's
+/// RPCs by type, and the window's length. Nothing here asks slurmctld but
+/// for the jobs (`sdiag` is not counted).
+fn rpcs_over_jobs(
+    cluster: &SlurmCluster,
+    jobs: u64,
+    more: &[&str],
+    settled: impl Fn() -> bool,
+) -> (BTreeMap<String, u64>, Duration) {
+    let nodes = format!("-N{}", cluster.nodes().len());
+    cluster.run("sdiag", &["-r"]).unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..jobs {
+        let mut args = vec![nodes.as_str()];
+        args.extend_from_slice(more);
+        args.extend_from_slice(&["sleep", "1"]);
+        let out = cluster.output("srun", &args).unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    let rpcs = poll_for(JOB_BOUND, || {
+        let (rpcs, completed) = sdiag(cluster);
+        (completed >= jobs && settled()).then_some(rpcs)
+    })
+    .unwrap_or_else(|| panic!("the jobs did not complete and settle within {JOB_BOUND:?}"));
+    (rpcs, start.elapsed())
+}
+
+/// What rfaas adds to slurmctld stays within its budget, measured with
+/// `sdiag` on the same jobs without rfaas and with it (a manager, an
+/// executord with `[slurm]` on each of four nodes, the plugin, `--rfaas`
+/// jobs): per node and minute one RPC (reconciliation, the default
+/// interval), plus on each node one query per job start (the take-back's
+/// `scontrol`) and one RPC per job end (slurmd's `MESSAGE_EPILOG_COMPLETE`,
+/// which it sends once a plugin has an epilog), plus one query per job
+/// start and one per job end for the manager; a query is at most three
+/// RPCs. Nothing may ask Slurm as a job step starts on each node: that
+/// alone would be one query more per node and job.
+#[test]
+fn rfaas_adds_little_to_slurmctld_whatever_the_cluster_size() {
+    const NODES: u64 = 4;
+    const JOBS: u64 = 3;
+    const RPCS_PER_QUERY: u64 = 3;
+    let (without, _) = {
+        let cluster = start(SlurmOptions {
+            nodes: NODES as u32,
+            ..SlurmOptions::default()
+        });
+        rpcs_over_jobs(&cluster, JOBS, &[], || true)
+    };
+
+    let dir = TempDir::new("sdiag");
+    let env = RfaasOnSlurm::start(&dir, NODES as u32, "grace=5", false);
+    let (with, window) = rpcs_over_jobs(&env.cluster, JOBS, &["--rfaas"], || {
+        // Each job's end told the manager (the first node revokes its
+        // credential), and every node has its CPUs back.
+        env.manager.log().matches("Slurm job ended").count() as u64 >= JOBS
+            && env.executords.iter().all(|d| {
+                matches!(d.status(), LocalReply::Status { free_cpus, .. } if free_cpus.len() == 4)
+            })
+    });
+    // Each job's steps got a credential on every node.
+    let minted = env
+        .executords
+        .iter()
+        .map(|d| d.log().matches("job credential minted").count() as u64)
+        .sum::<u64>();
+    assert_eq!(minted, JOBS * NODES, "{}", env.logs(&dir));
+
+    let added: u64 = with
+        .iter()
+        .map(|(name, n)| n.saturating_sub(without.get(name).copied().unwrap_or(0)))
+        .sum();
+    let minutes = window.as_secs().div_ceil(60).max(1);
+    let budget = NODES * minutes + JOBS * NODES * (RPCS_PER_QUERY + 1) + JOBS * 2 * RPCS_PER_QUERY;
+    assert!(
+        added <= budget,
+        "rfaas added {added} slurmctld RPCs over {window:?} ({JOBS} jobs on {NODES} nodes), more than {budget}:\nwithout rfaas {without:?}\nwith rfaas {with:?}\n{}",
+        env.logs(&dir)
+    );
+    // The bound can fail: rfaas's own queries are counted.
+    assert!(
+        with.get("REQUEST_JOB_INFO_SINGLE") > without.get("REQUEST_JOB_INFO_SINGLE"),
+        "without rfaas {without:?}\nwith rfaas {with:?}"
+    );
+    eprintln!("rfaas added {added} of {budget} slurmctld RPCs over {window:?}:\nwithout {without:?}\nwith {with:?}");
+}

@@ -6,12 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::io::{self, Write};
+use std::time::Duration;
 
 use serde_json::Value;
 
 use super::figures::{
     harvest, percentile, placement, registrations, start_delays, take_back_times, Harvest,
 };
+use super::records::JobRecord;
 use super::replay::Run;
 use super::Settings;
 use crate::error::{Context, Result};
@@ -63,6 +65,27 @@ impl IdleNodes {
     }
 }
 
+/// slurmctld RPCs one Slurm query of rfaas's costs at most (`squeue` or
+/// `scontrol` about one job: `REQUEST_FED_INFO`, `REQUEST_JOB_INFO_SINGLE`
+/// and a node or partition listing).
+const RPCS_PER_QUERY: f64 = 3.0;
+
+/// What rfaas may add to slurmctld per minute over a run of `jobs` on
+/// `nodes` nodes lasting `window` (docs/slurm.md, "What rfaas asks
+/// Slurm"): one RPC per node and minute, plus on each of a job's nodes a
+/// query at its start and slurmd's epilog message at its end, plus a
+/// manager's query at each job's start and end.
+pub fn rpc_bound_per_min(nodes: u32, jobs: &[JobRecord], window: Duration) -> f64 {
+    let minutes = window.as_secs_f64() / 60.0;
+    if minutes <= 0.0 {
+        return f64::from(nodes);
+    }
+    let node_starts: usize = jobs.iter().map(|j| j.nodes.len()).sum();
+    let per_job =
+        node_starts as f64 * (RPCS_PER_QUERY + 1.0) + jobs.len() as f64 * 2.0 * RPCS_PER_QUERY;
+    f64::from(nodes) + per_job / minutes
+}
+
 /// One run's row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunRow {
@@ -102,6 +125,16 @@ pub struct RunRow {
     pub slurm_samples: usize,
     pub manager_samples: usize,
     pub sample_misses: u64,
+    /// slurmctld's RPCs from root over the run (its daemons, sbatch and,
+    /// with the plugin, rfaas; not the bench's sampling), and per minute.
+    pub slurmctld_rpcs: Option<u64>,
+    pub slurmctld_rpcs_per_min: Option<f64>,
+    /// With the plugin: what rfaas added to slurmctld, per node and
+    /// minute (this run's rate less the run without it, over the nodes).
+    pub rfaas_rpcs_per_node_min: Option<f64>,
+    /// With the plugin: what rfaas may add per minute over the run
+    /// ([`rpc_bound_per_min`]).
+    pub rfaas_rpcs_bound_per_min: Option<f64>,
     /// Each job's start delay by stream index (not printed).
     pub delays: BTreeMap<usize, u64>,
 }
@@ -114,6 +147,10 @@ impl RunRow {
         let (from, to) = run.window;
         let manager = run.manager.as_ref().map_or(&[][..], |m| &m.samples[..]);
         let h = harvest(&run.slurm.samples, manager, from, to);
+        let slurmctld_rpcs_per_min = run
+            .slurmctld_rpcs
+            .filter(|(_, window)| !window.is_zero())
+            .map(|(n, window)| n as f64 * 60.0 / window.as_secs_f64());
         let delays = start_delays(&run.jobs);
         let take_backs = take_back_times(&run.jobs);
         let (registration, superseded, unregistered) = match &run.manager {
@@ -199,6 +236,20 @@ impl RunRow {
             slurm_samples: run.slurm.samples.len(),
             manager_samples: run.manager.as_ref().map_or(0, |m| m.samples.len()),
             sample_misses: run.slurm.misses + run.manager.as_ref().map_or(0, |m| m.misses),
+            slurmctld_rpcs: run.slurmctld_rpcs.map(|(n, _)| n),
+            slurmctld_rpcs_per_min,
+            rfaas_rpcs_bound_per_min: match (run.plugin, run.slurmctld_rpcs) {
+                (true, Some((_, window))) => {
+                    Some(rpc_bound_per_min(settings.stream.nodes, &run.jobs, window))
+                }
+                _ => None,
+            },
+            rfaas_rpcs_per_node_min: match (run.plugin, slurmctld_rpcs_per_min, without) {
+                (true, Some(with), Some(w)) => w
+                    .slurmctld_rpcs_per_min
+                    .map(|without| (with - without) / f64::from(settings.stream.nodes.max(1))),
+                _ => None,
+            },
             delays,
         }
     }
@@ -380,7 +431,30 @@ impl RunRow {
             ("slurm_samples", self.slurm_samples.into()),
             ("manager_samples", self.manager_samples.into()),
             ("sample_misses", self.sample_misses.into()),
+            (
+                "slurmctld_rpcs",
+                self.slurmctld_rpcs.map_or(Value::Null, Value::from),
+            ),
+            (
+                "slurmctld_rpcs_per_min",
+                self.slurmctld_rpcs_per_min.map_or(Value::Null, Value::from),
+            ),
         ]);
+        if self.plugin {
+            fields.extend([
+                (
+                    "rfaas_slurmctld_rpcs_per_node_min",
+                    self.rfaas_rpcs_per_node_min
+                        .map_or(Value::Null, Value::from),
+                ),
+                (
+                    "rfaas_slurmctld_rpcs_bound_per_node_min",
+                    self.rfaas_rpcs_bound_per_min
+                        .map(|b| b / f64::from(self.nodes.max(1)))
+                        .map_or(Value::Null, Value::from),
+                ),
+            ]);
+        }
         if self.plugin {
             let verdicts = self.verdicts();
             let missed: Vec<&str> = verdicts
@@ -657,8 +731,34 @@ mod tests {
             slurm_samples: 100,
             manager_samples: 400,
             sample_misses: 0,
+            slurmctld_rpcs: Some(600),
+            slurmctld_rpcs_per_min: Some(100.0),
+            rfaas_rpcs_per_node_min: Some(2.5),
+            rfaas_rpcs_bound_per_min: Some(40.0),
             delays: BTreeMap::new(),
         }
+    }
+
+    #[test]
+    fn rpc_bound_per_node_minute_and_per_job() {
+        let job = |nodes: &[&str]| JobRecord {
+            index: 0,
+            id: 1,
+            size: crate::harvest::stream::Size::Nodes(nodes.len() as u32),
+            submitted_ns: 0,
+            allocated_ns: None,
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            started_ns: None,
+            ended_ns: None,
+            taken_back_ns: None,
+        };
+        let two_minutes = Duration::from_secs(120);
+        // Nothing ran: one RPC per node and minute.
+        assert_eq!(rpc_bound_per_min(32, &[], two_minutes), 32.0);
+        // A job on two nodes and one on one: (3 × 4 + 2 × 2 × 3) / 2 min.
+        let jobs = [job(&["node1", "node2"]), job(&["node3"])];
+        assert_eq!(rpc_bound_per_min(32, &jobs, two_minutes), 32.0 + 12.0);
+        assert_eq!(rpc_bound_per_min(4, &jobs, Duration::ZERO), 4.0);
     }
 
     #[test]

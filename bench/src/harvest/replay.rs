@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use super::clients::{Clients, Tally};
 use super::records::{allocations, parse_stamps, take_backs, JobRecord};
-use super::sample::{ask_manager, ask_slurm, LentNode, Sampler, Samples, SlurmNode};
+use super::sample::{
+    ask_manager, ask_slurm, observer, reset_rpcs, root_rpcs, LentNode, Sampler, Samples, SlurmNode,
+};
 use super::site::{mint, Site};
 use super::stream::JobSpec;
 use super::{interrupted, unix_ns, Settings};
@@ -27,6 +29,10 @@ pub struct Run {
     pub failed_jobs: usize,
     /// Nodes Slurm shows drained, down or failing at the end.
     pub drained_nodes: Vec<String>,
+    /// The RPCs slurmctld had from root (its daemons, sbatch, rfaas; not
+    /// the bench's sampling, nor sdiag) from the first submission until
+    /// the run settled, and that window's length; `None`: sdiag failed.
+    pub slurmctld_rpcs: Option<(u64, Duration)>,
 }
 
 /// The clients' user: their workers run as this user on the nodes, so it
@@ -71,10 +77,20 @@ pub fn replay(settings: &Settings, stream: &[JobSpec], plugin: bool) -> Result<R
         true => e,
         false => Error::new(format!("{e}\n{}", site.logs())),
     };
+    let counted = reset_rpcs(&site.cluster)
+        .map(|()| Instant::now())
+        .map_err(|e| eprintln!("harvest: cannot reset slurmctld's RPC counts: {e}"))
+        .ok();
     let submitted = submit_all(settings, &site, stream).map_err(with_logs)?;
     wait_drained(&site).map_err(with_logs)?;
     // The last ends' registrations, sampled.
     std::thread::sleep(settings.settle);
+    let slurmctld_rpcs = counted.and_then(|since| {
+        root_rpcs(&site.cluster)
+            .map(|n| (n, since.elapsed()))
+            .map_err(|e| eprintln!("harvest: cannot read slurmctld's RPC counts: {e}"))
+            .ok()
+    });
 
     let clients = clients.map(Clients::finish).unwrap_or_default();
     let slurm = slurm_sampler.finish();
@@ -122,6 +138,7 @@ pub fn replay(settings: &Settings, stream: &[JobSpec], plugin: bool) -> Result<R
         clients,
         failed_jobs,
         drained_nodes,
+        slurmctld_rpcs,
     })
 }
 
@@ -193,10 +210,18 @@ fn wait_drained(site: &Site) -> Result<()> {
         if interrupted() {
             return Err(Error::new("interrupted"));
         }
-        let queue = site
-            .cluster
-            .run("squeue", &["-h", "-o", "%i %T %R"])
-            .map_err(Error::new)?;
+        let out = observer(site.cluster.command("squeue"))
+            .args(["-h", "-o", "%i %T %R"])
+            .output()
+            .map_err(|e| Error::new(format!("could not run squeue: {e}")))?;
+        if !out.status.success() {
+            return Err(Error::new(format!(
+                "squeue failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        let queue = String::from_utf8_lossy(&out.stdout);
         if queue.trim().is_empty() {
             return Ok(());
         }

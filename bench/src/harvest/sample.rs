@@ -2,9 +2,12 @@
 //! their own while the stream runs: `sinfo -N -o "%N %C"` (CPUs allocated,
 //! idle, other, total per node) and the manager's `GET /v1/nodes` (cores,
 //! leased, withheld, state). Each sample carries the middle of the moment
-//! it was asked for, on the wall clock the job stamps use.
+//! it was asked for, on the wall clock the job stamps use. The bench asks
+//! Slurm as `nobody` ([`OBSERVER_UID`]), so that `sdiag`'s counts by user
+//! keep its own questions apart from what rfaas asks slurmctld.
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rfaas_testkit::manager::Api;
+use rfaas_testkit::slurm::SlurmCluster;
 
 use super::unix_ns;
 
@@ -144,7 +148,7 @@ impl<T> Drop for Sampler<T> {
 pub fn ask_slurm(conf: &Path) -> impl FnMut() -> Result<BTreeMap<String, SlurmNode>, String> {
     let conf: PathBuf = conf.to_owned();
     move || {
-        let out = Command::new("sinfo")
+        let out = observer(Command::new("sinfo"))
             .env("SLURM_CONF", &conf)
             .args(["-N", "-h", "-o", "%N %C"])
             .output()
@@ -158,6 +162,55 @@ pub fn ask_slurm(conf: &Path) -> impl FnMut() -> Result<BTreeMap<String, SlurmNo
         }
         parse_sinfo(&String::from_utf8_lossy(&out.stdout))
     }
+}
+
+/// The user the bench asks Slurm as while it watches (`nobody`), so that
+/// slurmctld counts its questions apart from root's: rfaas's, sbatch's
+/// and Slurm's own daemons'.
+pub const OBSERVER_UID: u32 = 65534;
+
+/// `cmd`, run as [`OBSERVER_UID`].
+pub fn observer(mut cmd: Command) -> Command {
+    cmd.uid(OBSERVER_UID).gid(OBSERVER_UID);
+    cmd
+}
+
+/// Resets slurmctld's RPC counts (`sdiag -r`).
+pub fn reset_rpcs(cluster: &SlurmCluster) -> Result<(), String> {
+    cluster.run("sdiag", &["-r"]).map(drop)
+}
+
+/// The RPCs slurmctld had from root since [`reset_rpcs`] (its daemons,
+/// sbatch and, with the plugin, rfaas), but `sdiag`'s own.
+pub fn root_rpcs(cluster: &SlurmCluster) -> Result<u64, String> {
+    parse_root_rpcs(&cluster.run("sdiag", &[])?)
+}
+
+/// From `sdiag`'s text: root's RPC count less the `REQUEST_STATS_INFO`
+/// ones (only the bench runs sdiag, as root).
+fn parse_root_rpcs(text: &str) -> Result<u64, String> {
+    let count = |line: &str| -> Option<u64> {
+        line.split("count:")
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let (by_type, by_user) = text
+        .split_once("statistics by user")
+        .ok_or_else(|| format!("sdiag printed no RPCs by user:\n{text}"))?;
+    let root = by_user
+        .lines()
+        .find(|l| l.trim_start().starts_with("root "))
+        .and_then(count)
+        .unwrap_or(0);
+    let stats = by_type
+        .lines()
+        .find(|l| l.trim_start().starts_with("REQUEST_STATS_INFO "))
+        .and_then(count)
+        .unwrap_or(0);
+    Ok(root.saturating_sub(stats))
 }
 
 /// `node1 1/3/0/4` lines -> nodes.
@@ -224,6 +277,23 @@ fn parse_nodes(body: &serde_json::Value) -> Result<BTreeMap<String, LentNode>, S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sdiag_root_rpcs_less_its_own() {
+        let text = "Remote Procedure Call statistics by message type
+	REQUEST_JOB_INFO_SINGLE                 ( 2021) count:15     ave_time:178    total_time:356
+	REQUEST_STATS_INFO                      ( 2035) count:2      ave_time:208    total_time:208
+
+Remote Procedure Call statistics by user
+	nobody          (   65534) count:40     ave_time:228    total_time:915
+	root            (       0) count:17     ave_time:187    total_time:1686
+
+Pending RPC statistics
+	No pending RPCs
+";
+        assert_eq!(parse_root_rpcs(text), Ok(15));
+        assert!(parse_root_rpcs("garbage").is_err());
+    }
 
     #[test]
     fn sinfo_lines() {

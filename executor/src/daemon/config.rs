@@ -138,7 +138,9 @@ pub struct SlurmConfig {
     /// with, else Slurm's own default).
     pub conf: Option<PathBuf>,
     /// How often the daemon compares what it took back with the jobs Slurm
-    /// runs here, ms; 0: never (default 5000).
+    /// runs here, on average (each wait is drawn between half and one and
+    /// a half of it), ms; 0: never (default 120000: one slurmctld RPC per
+    /// node per minute).
     pub reconcile_interval_ms: Option<u64>,
     /// Longest wait for one `scontrol`, ms; it is killed after (default
     /// 1000).
@@ -244,7 +246,9 @@ impl SlurmConfig {
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("scontrol")),
             conf: self.conf.clone(),
-            reconcile_interval_ms: self.reconcile_interval_ms.unwrap_or(5000),
+            reconcile_interval_ms: self
+                .reconcile_interval_ms
+                .unwrap_or(DEFAULT_RECONCILE_INTERVAL_MS),
             timeout_ms,
             grace_ms: self.grace_ms.unwrap_or(30_000),
             cpu_map,
@@ -974,6 +978,11 @@ impl Config {
 /// Slurm jobs take the rest.
 pub const DEFAULT_RESERVE_MEMORY_MIB: u32 = 1024;
 
+/// `[slurm] reconcile_interval_ms` when not set: a round (two slurmctld
+/// RPCs) every 120 s on average is one RPC per node per minute, what a
+/// cluster of any size can afford.
+pub const DEFAULT_RECONCILE_INTERVAL_MS: u64 = 120_000;
+
 /// The system's account policy, read for `UID_MIN`.
 const LOGIN_DEFS: &str = "/etc/login.defs";
 
@@ -1425,7 +1434,7 @@ UID_MIN		 2000
                 node: "n7".into(),
                 scontrol: PathBuf::from("scontrol"),
                 conf: None,
-                reconcile_interval_ms: 5000,
+                reconcile_interval_ms: 120_000,
                 timeout_ms: 1000,
                 grace_ms: 30_000,
                 cpu_map: CpuMap::Index,

@@ -7,7 +7,7 @@
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded, Role};
+use rfaas_proto::manager::{slurm_job_account, Credential, JobCredentialRequest, JobEnded, Role};
 
 use super::check::check_name;
 use super::extract::{Node, Sent};
@@ -76,14 +76,14 @@ fn check_on_node(job_id: u64, job: &SlurmJob, node: &Node) -> ApiResult<()> {
 }
 
 /// Refuses a job credential Slurm's word on job `job_id` does not back:
-/// the job must run, on the calling node, as `user` in `account`.
+/// the job must run, on the calling node, as the user (and uid, and
+/// account) asked for. Returns the job as Slurm has it.
 async fn check_with_slurm(
     app: &App,
     job_id: u64,
     node: &Node,
-    user: &str,
-    account: &str,
-) -> ApiResult<()> {
+    body: &JobCredentialRequest,
+) -> ApiResult<SlurmJob> {
     let job = slurm_job(app, job_id).await?;
     if !job.running() {
         return Err(ApiError::Forbidden(format!(
@@ -92,22 +92,32 @@ async fn check_with_slurm(
         )));
     }
     check_on_node(job_id, &job, node)?;
-    if job.user != user || job.account != account {
+    let user = &body.user;
+    let account = body.account.as_deref().unwrap_or(&job.account);
+    if job.user != *user || job.account != account {
         return Err(ApiError::Forbidden(format!(
             "Slurm runs job {job_id} as user {:?} in account {:?}, not as user {user:?} in account {account:?}: a job credential is for the job's own user and account",
             job.user, job.account
         )));
     }
-    Ok(())
+    if let Some(uid) = body.uid.filter(|uid| *uid != job.uid) {
+        return Err(ApiError::Forbidden(format!(
+            "Slurm runs job {job_id} as uid {}, not as uid {uid}: a job credential is for the job's own user",
+            job.uid
+        )));
+    }
+    Ok(job)
 }
 
 /// Mint a user credential for a Slurm job (node or admin): what a job
 /// started with `--rfaas` finds in its environment. Only for a job Slurm
-/// reports running on the calling node, as the user and in the account
-/// Slurm has for it (`403` otherwise; `503 slurm_unavailable` when Slurm
-/// cannot be asked). It expires with the job's time limit (at most
-/// `max_job_credential_s` from now), leases asked for with it name the
-/// job, and the job's end revokes it.
+/// reports running on the calling node, as the user (and uid, and
+/// account, when given) Slurm has for it (`403` otherwise; `503
+/// slurm_unavailable` when Slurm cannot be asked). It is charged to the
+/// job's account and expires with the job's time limit, as Slurm reports
+/// them unless the request names them (at most `max_job_credential_s`
+/// from now); leases asked for with it name the job, and the job's end
+/// revokes it.
 #[utoipa::path(post, path = "/v1/jobs/{job_id}/credential",
     params(("job_id" = u64, Path, description = "The Slurm job", minimum = 1)),
     request_body = JobCredentialRequest,
@@ -119,29 +129,32 @@ pub(super) async fn job_credential(
 ) -> ApiResult<(StatusCode, Json<Credential>)> {
     check_job_id(job_id)?;
     check_name("user", &body.user)?;
-    check_name("account", &body.account)?;
+    if let Some(account) = &body.account {
+        check_name("account", account)?;
+    }
     let now = now_s();
-    if body.expires_at <= now {
+    if let Some(expires_at) = body.expires_at.filter(|at| *at <= now) {
         return Err(ApiError::Malformed(format!(
-            "expires_at {} is not in the future (now {now}): the job's time is up",
-            body.expires_at
+            "expires_at {expires_at} is not in the future (now {now}): the job's time is up"
         )));
     }
-    if !app.slurm.unchecked() {
-        check_with_slurm(&app, job_id, &node, &body.user, &body.account).await?;
-    }
-    let expires_at = body
-        .expires_at
-        .min(now.saturating_add(app.settings.max_job_credential_s));
+    let (account, ends_at) = if app.slurm.unchecked() {
+        let account = body
+            .account
+            .clone()
+            .unwrap_or_else(|| slurm_job_account("", &body.user));
+        (account, body.expires_at)
+    } else {
+        let job = check_with_slurm(&app, job_id, &node, &body).await?;
+        (job.account, body.expires_at.or(job.ends_at))
+    };
+    let cap = now.saturating_add(app.settings.max_job_credential_s);
+    // Slurm's limit may have passed while a job runs over it (OverTimeLimit):
+    // a second is left to it, as Slurm ends it anyway.
+    let expires_at = ends_at.map_or(cap, |at| at.max(now + 1).min(cap));
     let (row, token) = app
         .auth
-        .mint(
-            Role::User,
-            &body.user,
-            &body.account,
-            expires_at,
-            Some(job_id),
-        )
+        .mint(Role::User, &body.user, &account, expires_at, Some(job_id))
         .map_err(|e| ApiError::Internal(format!("no randomness: {e}")))?;
     app.store.add_credential(&row, now_ms()).await?;
     tracing::info!(id = %row.id, job_id, user = %row.subject, account = %row.account, expires_at, by = %node.subject, "job credential minted");
@@ -176,8 +189,9 @@ pub(super) async fn end_job(
     }
     let (revoked, ended) = retrying(|| app.store.end_job(job_id, now_ms())).await?;
     // A running state cached from before must not mint a credential the
-    // end already passed.
-    app.slurm.forget(job_id);
+    // end already passed; the job's other nodes' ends are checked against
+    // the nodes kept.
+    app.slurm.ended(job_id);
     for id in &revoked {
         app.auth.forget(id);
     }

@@ -2,43 +2,41 @@
 //! environment, and the end of those credentials with the job.
 //!
 //! The SPANK plugin asks on the local socket (root only) as a job step
-//! starts ([`LocalRequest::SlurmJobEnv`]). The daemon checks with Slurm
-//! (`squeue`, next to `[slurm] scontrol`) that the job runs on this node
-//! for that user, takes its user,
-//! account and time left, and asks a manager, with the node's credential,
-//! for a user credential scoped to the job (`POST
-//! /v1/jobs/{job_id}/credential`). The credential is kept until the job
-//! ends here, so the job's later steps get the same one without asking
-//! again. At the job's end (the epilog's offer) the daemon tells a manager
-//! (`POST /v1/jobs/{job_id}/end`), which revokes the job's credentials and
-//! releases its leases; it keeps trying for [`END_RETRY_FOR`] while no
-//! manager answers (after that the credential still expires with the
-//! job's time limit).
+//! starts ([`LocalRequest::SlurmJobEnv`]), with the job's id and uid as
+//! slurmstepd gives them. The daemon does not ask Slurm: it names the
+//! uid's user from the node's users database and asks a manager, with the
+//! node's credential, for a user credential scoped to the job (`POST
+//! /v1/jobs/{job_id}/credential`). The manager checks with Slurm that the
+//! job runs on this node as that uid and user (one `squeue` per job per
+//! replica, whichever of the job's nodes ask) and takes the job's account
+//! and time limit from Slurm's answer. The credential is kept until the
+//! job ends here, so the job's later steps get the same one without
+//! asking again. At the job's end (the epilog's offer) the daemon tells a
+//! manager (`POST /v1/jobs/{job_id}/end`), which revokes the job's
+//! credentials and releases its leases; it keeps trying for
+//! [`END_RETRY_FOR`] while no manager answers (after that the credential
+//! still expires with the job's time limit).
 //!
 //! [`LocalRequest::SlurmJobEnv`]: rfaas_proto::control::local::LocalRequest::SlurmJobEnv
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rfaas_proto::control::local::LocalReply;
 use rfaas_proto::control::ErrorCode;
-use rfaas_proto::manager::{slurm_job_account, Credential, JobCredentialRequest, JobEnded};
+use rfaas_proto::manager::{Credential, JobCredentialRequest, JobEnded};
 
 pub(crate) mod store;
 
 use super::clock::unix_now;
 use super::register::{Backoff, CallError, Managers};
 use super::shared::Shared;
-use super::slurm::scontrol::run_bounded;
+use super::users;
 use store::Held;
 
-/// The least bound on asking Slurm about a job.
-pub(crate) const SLURM_TIMEOUT: Duration = Duration::from_millis(1500);
-
-/// The bound on each request to a manager for a job.
+/// The bound on each request to a manager for a job (within the plugin's
+/// own bound, 2 s by default).
 const MANAGER_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// How long the daemon keeps telling the managers that a job ended.
@@ -50,18 +48,6 @@ const KEPT: usize = 4096;
 
 pub(crate) use rfaas_proto::control::local::{CREDENTIAL_VAR, MANAGERS_VAR};
 
-/// A job as `squeue` shows it on this node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct SlurmJob {
-    pub uid: u32,
-    pub user: String,
-    /// The account it is charged to ([`slurm_job_account`]).
-    pub account: String,
-    /// Seconds until its time limit; `None`: no limit.
-    pub time_left_s: Option<u64>,
-    pub state: String,
-}
-
 /// Why a job gets no credential.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum JobError {
@@ -69,18 +55,18 @@ pub(crate) enum JobError {
     NoManager,
     #[error("Slurm job ids start at 1; the plugin could not tell the job")]
     NoJob,
-    #[error("cannot ask Slurm about job {job_id}: {why}")]
-    Slurm { job_id: u64, why: String },
-    #[error("Slurm runs no job {job_id} on node {node} (or it has ended)")]
-    NotHere { job_id: u64, node: String },
     #[error("Slurm job {job_id} is user {actual}'s, not uid {asked}'s")]
     WrongUser {
         job_id: u64,
         asked: u32,
         actual: u32,
     },
-    #[error("Slurm job {job_id} is {state}, not running")]
-    NotRunning { job_id: u64, state: String },
+    #[error("no user of this node's users database has uid {uid} (job {job_id}); check NSS (getent passwd {uid})")]
+    NoUser { job_id: u64, uid: u32 },
+    #[error("cannot look up uid {uid} in this node's users database (job {job_id}): {why}")]
+    Users { job_id: u64, uid: u32, why: String },
+    #[error("the manager refused a credential for job {job_id}: {why}")]
+    Refused { job_id: u64, why: String },
     #[error("no manager minted a credential for job {job_id}: {why}")]
     Manager { job_id: u64, why: String },
 }
@@ -90,10 +76,10 @@ impl JobError {
     pub(crate) fn code(&self) -> ErrorCode {
         match self {
             JobError::NoJob => ErrorCode::MalformedRequest,
-            JobError::NotHere { .. } | JobError::WrongUser { .. } | JobError::NotRunning { .. } => {
+            JobError::WrongUser { .. } | JobError::NoUser { .. } | JobError::Refused { .. } => {
                 ErrorCode::UserRefused
             }
-            JobError::NoManager | JobError::Slurm { .. } | JobError::Manager { .. } => {
+            JobError::NoManager | JobError::Users { .. } | JobError::Manager { .. } => {
                 ErrorCode::Internal
             }
         }
@@ -126,37 +112,36 @@ pub(crate) fn job_env(shared: &Shared, job_id: u64, uid: u32) -> Result<LocalRep
             });
         }
     }
-    let squeue = Squeue::of(shared);
-    let job = squeue.job(job_id)?.ok_or_else(|| JobError::NotHere {
-        job_id,
-        node: squeue.node.clone(),
-    })?;
-    if job.uid != uid {
-        return Err(JobError::WrongUser {
-            job_id,
-            asked: uid,
-            actual: job.uid,
-        });
-    }
-    if !matches!(job.state.as_str(), "RUNNING" | "CONFIGURING") {
-        return Err(JobError::NotRunning {
-            job_id,
-            state: job.state,
-        });
-    }
-    // No time limit: the manager caps it (max_job_credential_s).
-    let expires_at = now + job.time_left_s.unwrap_or(100 * 365 * 86_400).max(1);
+    let user = match users::by_uid(uid) {
+        Ok(Some(u)) => u.name,
+        Ok(None) => return Err(JobError::NoUser { job_id, uid }),
+        Err(e) => {
+            return Err(JobError::Users {
+                job_id,
+                uid,
+                why: e.to_string(),
+            })
+        }
+    };
+    // The account and the time limit are Slurm's, which the manager asks.
     let body = JobCredentialRequest {
-        account: job.account,
-        user: job.user,
-        expires_at,
+        user,
+        uid: Some(uid),
+        account: None,
+        expires_at: None,
     };
     let mut managers = Managers::with_timeout(m, node_credential.clone(), MANAGER_TIMEOUT);
     let c: Credential = managers
         .call(false, &format!("/v1/jobs/{job_id}/credential"), &body)
-        .map_err(|e| JobError::Manager {
-            job_id,
-            why: e.to_string(),
+        .map_err(|e| match e {
+            CallError::Rejected { .. } => JobError::Refused {
+                job_id,
+                why: e.to_string(),
+            },
+            CallError::Unreachable(_) => JobError::Manager {
+                job_id,
+                why: e.to_string(),
+            },
         })?;
     let (Some(token), Some(expires_at)) = (c.token, c.expires_at) else {
         return Err(JobError::Manager {
@@ -191,7 +176,7 @@ pub(crate) fn job_env(shared: &Shared, job_id: u64, uid: u32) -> Result<LocalRep
             expires_at,
         },
     );
-    tracing::info!(job_id, uid, account = %body.account, expires_at, credential = %c.id, "job credential minted");
+    tracing::info!(job_id, uid, user = %body.user, account = ?c.account, expires_at, credential = %c.id, "job credential minted");
     Ok(LocalReply::JobEnv { vars, expires_at })
 }
 
@@ -247,151 +232,5 @@ pub(crate) fn job_ended(shared: &Arc<Shared>, job_id: u64) {
         });
     if let Err(e) = spawned {
         tracing::warn!(job_id, error = %e, "cannot start a thread to tell the manager the Slurm job ended");
-    }
-}
-
-/// How to run `squeue`: next to `[slurm] scontrol`, with its `SLURM_CONF`
-/// and bound; without `[slurm]`, from `PATH`, for the node `node_name`.
-struct Squeue {
-    program: PathBuf,
-    conf: Option<PathBuf>,
-    node: String,
-    timeout: Duration,
-}
-
-impl Squeue {
-    fn of(shared: &Shared) -> Squeue {
-        match &shared.settings.slurm {
-            Some(s) => Squeue {
-                program: s.scontrol.with_file_name("squeue"),
-                conf: s.conf.clone(),
-                node: s.node.clone(),
-                timeout: Duration::from_millis(s.timeout_ms).max(SLURM_TIMEOUT),
-            },
-            None => Squeue {
-                program: PathBuf::from("squeue"),
-                conf: None,
-                node: shared.settings.node_name.clone(),
-                timeout: SLURM_TIMEOUT,
-            },
-        }
-    }
-
-    /// Job `job_id` on this node; `None`: Slurm does not run it here.
-    /// Only fixed fields are asked for, never the job's own text (its
-    /// name, its comment), which its user could make look like fields.
-    fn job(&self, job_id: u64) -> Result<Option<SlurmJob>, JobError> {
-        let slurm = |why: String| JobError::Slurm { job_id, why };
-        let mut cmd = Command::new(&self.program);
-        cmd.args([
-            "--noheader",
-            "--jobs",
-            &job_id.to_string(),
-            "--nodelist",
-            &self.node,
-            "--format",
-            "%U|%u|%a|%L|%T",
-        ]);
-        if let Some(conf) = &self.conf {
-            cmd.env("SLURM_CONF", conf);
-        }
-        let (status, out, err) =
-            run_bounded(cmd, &self.program, self.timeout).map_err(|e| slurm(e.to_string()))?;
-        if !status.success() {
-            // A job Slurm no longer knows: not here.
-            if err.contains("Invalid job id") {
-                return Ok(None);
-            }
-            return Err(slurm(format!(
-                "{} failed ({status}): {}",
-                self.program.display(),
-                err.trim()
-            )));
-        }
-        parse_squeue(&out).map_err(slurm)
-    }
-}
-
-/// `uid|user|account|time left|state`, one line; empty: no such job here.
-fn parse_squeue(out: &str) -> Result<Option<SlurmJob>, String> {
-    let Some(line) = out.lines().map(str::trim).find(|l| !l.is_empty()) else {
-        return Ok(None);
-    };
-    let f: Vec<&str> = line.split('|').collect();
-    let [uid, user, account, left, state] = f[..] else {
-        return Err(format!("unexpected squeue line {line:?}"));
-    };
-    let uid = uid
-        .parse()
-        .map_err(|_| format!("unexpected uid in squeue line {line:?}"))?;
-    Ok(Some(SlurmJob {
-        uid,
-        user: user.to_owned(),
-        account: slurm_job_account(account, user),
-        time_left_s: parse_time_left(left)
-            .ok_or_else(|| format!("unexpected time left {left:?} in squeue line {line:?}"))?,
-        state: state.to_owned(),
-    }))
-}
-
-/// Slurm's time left: `[days-][hours:]minutes:seconds`, or `UNLIMITED` /
-/// `NOT_SET` (no limit: `Some(None)`). `None`: unreadable.
-fn parse_time_left(s: &str) -> Option<Option<u64>> {
-    if matches!(s, "UNLIMITED" | "NOT_SET" | "INVALID") {
-        return Some(None);
-    }
-    let (days, rest) = match s.split_once('-') {
-        Some((d, r)) => (d.parse::<u64>().ok()?, r),
-        None => (0, s),
-    };
-    let parts: Vec<u64> = rest
-        .split(':')
-        .map(|p| p.parse::<u64>().ok())
-        .collect::<Option<_>>()?;
-    let (h, m, sec) = match parts[..] {
-        [m, s] => (0, m, s),
-        [h, m, s] => (h, m, s),
-        _ => return None,
-    };
-    Some(Some(days * 86_400 + h * 3600 + m * 60 + sec))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn time_left_in_slurm_formats() {
-        assert_eq!(parse_time_left("59:30"), Some(Some(3570)));
-        assert_eq!(parse_time_left("1:00:00"), Some(Some(3600)));
-        assert_eq!(
-            parse_time_left("2-03:00:01"),
-            Some(Some(2 * 86_400 + 3 * 3600 + 1))
-        );
-        assert_eq!(parse_time_left("UNLIMITED"), Some(None));
-        assert_eq!(parse_time_left("NOT_SET"), Some(None));
-        assert_eq!(parse_time_left("soon"), None);
-        assert_eq!(parse_time_left("1:2:3:4"), None);
-    }
-
-    #[test]
-    fn squeue_lines() {
-        assert_eq!(parse_squeue("").unwrap(), None);
-        assert_eq!(
-            parse_squeue("1000|alice|physics|59:00|RUNNING\n").unwrap(),
-            Some(SlurmJob {
-                uid: 1000,
-                user: "alice".into(),
-                account: "physics".into(),
-                time_left_s: Some(3540),
-                state: "RUNNING".into(),
-            })
-        );
-        let j = parse_squeue("0|root|(null)|UNLIMITED|CONFIGURING")
-            .unwrap()
-            .unwrap();
-        assert_eq!((j.account.as_str(), j.time_left_s), ("root", None));
-        assert!(parse_squeue("1000|alice|RUNNING").is_err());
-        assert!(parse_squeue("x|alice|a|1:00|RUNNING").is_err());
     }
 }

@@ -18,7 +18,9 @@
 //! asked in time (or the hook counted none) the whole node: more is safe,
 //! less is not. Reconciliation puts such a guess right once Slurm answers.
 //!
-//! Reconciliation, at start and every `reconcile_interval_ms`: a job
+//! Reconciliation, at start and then about every `reconcile_interval_ms`
+//! (each wait drawn between half and one and a half of it, so the nodes
+//! of a cluster started together do not ask together): a job
 //! Slurm runs here that the daemon holds nothing for is taken back (its
 //! prolog was missed), a job the daemon holds that Slurm no longer runs
 //! here is given back (its epilog was missed), and a running job's hold
@@ -28,6 +30,16 @@
 //! shows running on other nodes only keeps its hold, and one whose CPU
 //! ids here cannot be read takes the whole node (a prolog: its count).
 //! When Slurm cannot be asked, nothing changes.
+//!
+//! What it costs slurmctld: a round is one `scontrol -d -o show job` (two
+//! RPCs, `REQUEST_JOB_INFO` and `REQUEST_NODE_INFO`), so the default of
+//! 120 s is one RPC per node per minute on average at any cluster size; a
+//! take-back is one `scontrol -d -o show job ID` (three RPCs) per job
+//! start on the node. Nothing asks Slurm as a job step starts
+//! ([`super::jobs`]). A missed prolog or epilog (the hook could not reach
+//! the daemon) is put right by the next round, up to 180 s later; a
+//! daemon that was down puts everything right at start, before it
+//! serves.
 
 pub(crate) mod hold;
 pub(crate) mod scontrol;
@@ -684,15 +696,25 @@ pub(crate) fn run(shared: Arc<Shared>) {
     yield_to_slurm();
     let mut failing_since: Option<Instant> = None;
     let mut last_line: Option<Instant> = None;
+    let mut rng = fastrand::Rng::new();
     loop {
         {
             let st = shared.lock();
-            if shared.wait_until(st, interval, |st| st.stopping).1 {
+            let wait = jittered(interval, &mut rng);
+            if shared.wait_until(st, wait, |st| st.stopping).1 {
                 return;
             }
         }
         round(&shared, &mut failing_since, &mut last_line);
     }
+}
+
+/// The wait before the next round: drawn evenly between half and one and
+/// a half of `interval`, so rounds come `interval` apart on average and
+/// the nodes of a cluster started at once spread their questions.
+fn jittered(interval: Duration, rng: &mut fastrand::Rng) -> Duration {
+    let ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
+    Duration::from_millis((ms / 2).saturating_add(rng.u64(0..=ms)))
 }
 
 /// The first round, at start: once, before the daemon serves.
@@ -746,6 +768,25 @@ mod tests {
     use crate::daemon::outbox::Outbox;
     use crate::daemon::state::Allocation;
     use std::path::{Path, PathBuf};
+
+    #[test]
+    fn rounds_come_an_interval_apart_on_average_and_spread() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let interval = Duration::from_secs(120);
+        let waits: Vec<Duration> = (0..10_000).map(|_| jittered(interval, &mut rng)).collect();
+        assert!(waits
+            .iter()
+            .all(|w| *w >= interval / 2 && *w <= interval * 3 / 2));
+        let mean = waits.iter().sum::<Duration>() / waits.len() as u32;
+        assert!(
+            mean >= interval * 98 / 100 && mean <= interval * 102 / 100,
+            "{mean:?}"
+        );
+        // Spread: not all in one tenth of the range.
+        let early = waits.iter().filter(|w| **w < interval * 6 / 10).count();
+        assert!(early > 500 && early < 1500, "{early}");
+        assert_eq!(jittered(Duration::ZERO, &mut rng), Duration::ZERO);
+    }
 
     #[test]
     fn slurm_queries_off_the_jobs_path_run_at_a_lower_priority() {
