@@ -341,6 +341,8 @@ impl Slurm {
                 program,
                 &about,
                 &[
+                    // No federation lookup: one slurmctld RPC less.
+                    "--local",
                     "--noheader",
                     "--states=all",
                     "--jobs",

@@ -224,9 +224,18 @@ pub(crate) struct Scontrol {
 }
 
 impl Scontrol {
-    /// `scontrol -d -o show job [JOB]`: every job (or job `job`), as text.
+    /// `scontrol --local -d -o show job [JOB]`: every job (or job `job`),
+    /// as text. `--local` skips the federation lookup scontrol makes
+    /// first: job `job` is one slurmctld RPC (`REQUEST_JOB_INFO_SINGLE`),
+    /// every job two (`REQUEST_JOB_INFO`, `REQUEST_NODE_INFO`).
     pub(crate) fn show_jobs(&self, job: Option<u64>) -> Result<String, ScontrolError> {
-        let mut args = vec!["-d".to_string(), "-o".into(), "show".into(), "job".into()];
+        let mut args = vec![
+            "--local".to_string(),
+            "-d".into(),
+            "-o".into(),
+            "show".into(),
+            "job".into(),
+        ];
         if let Some(j) = job {
             args.push(j.to_string());
         }
@@ -533,11 +542,11 @@ mod tests {
         let echo = fake(&dir, "echo", r#"echo "$SLURM_CONF $*""#);
         assert_eq!(
             scontrol(echo.clone(), 10_000).show_jobs(Some(12)).unwrap(),
-            "/etc/test/slurm.conf -d -o show job 12\n"
+            "/etc/test/slurm.conf --local -d -o show job 12\n"
         );
         assert_eq!(
             scontrol(echo, 10_000).show_jobs(None).unwrap(),
-            "/etc/test/slurm.conf -d -o show job\n"
+            "/etc/test/slurm.conf --local -d -o show job\n"
         );
 
         let hung = fake(&dir, "hung", "exec sleep 600");
