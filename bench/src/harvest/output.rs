@@ -65,10 +65,11 @@ impl IdleNodes {
     }
 }
 
-/// slurmctld RPCs one Slurm query of rfaas's costs at most (`squeue` or
-/// `scontrol` about one job: `REQUEST_FED_INFO`, `REQUEST_JOB_INFO_SINGLE`
-/// and a node or partition listing).
-const RPCS_PER_QUERY: f64 = 3.0;
+/// slurmctld RPCs one Slurm query of rfaas's costs at most (`squeue
+/// --local` or `scontrol --local` about one job: `REQUEST_JOB_INFO_SINGLE`
+/// and, for a job on several nodes or squeue, a node or partition
+/// listing).
+const RPCS_PER_QUERY: f64 = 2.0;
 
 /// What rfaas may add to slurmctld per minute over a run of `jobs` on
 /// `nodes` nodes lasting `window` (docs/slurm.md, "What rfaas asks
@@ -755,9 +756,9 @@ mod tests {
         let two_minutes = Duration::from_secs(120);
         // Nothing ran: one RPC per node and minute.
         assert_eq!(rpc_bound_per_min(32, &[], two_minutes), 32.0);
-        // A job on two nodes and one on one: (3 × 4 + 2 × 2 × 3) / 2 min.
+        // A job on two nodes and one on one: (3 × 3 + 2 × 2 × 2) / 2 min.
         let jobs = [job(&["node1", "node2"]), job(&["node3"])];
-        assert_eq!(rpc_bound_per_min(32, &jobs, two_minutes), 32.0 + 12.0);
+        assert_eq!(rpc_bound_per_min(32, &jobs, two_minutes), 32.0 + 8.5);
         assert_eq!(rpc_bound_per_min(4, &jobs, Duration::ZERO), 4.0);
     }
 
