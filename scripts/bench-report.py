@@ -18,6 +18,7 @@ latest date and time, then the higher N (no git history needed). VIEW says how:
     latency-ns      name and median in ns (rows below a microsecond)
     control         rfaas-control-bench's phases
     harvest         rfaas-harvest's runs with the plugin, against its targets
+    fleet           rfaas-fleet's points, against their targets
 
     scripts/bench-report.py --check   fail, naming the table, if the page
                                       differs from what the results render
@@ -348,6 +349,29 @@ def view_harvest(rows):
     return "\n".join(out) + "\n"
 
 
+def view_fleet(rows):
+    out = [
+        "| nodes | replicas | heartbeats/s | liveness statements /node/min (≤ 1) | other statements /node/min "
+        "| replica CPU ms /node/min | grant p99 (≤ 2 × smallest) | node_visible p99 "
+        "| silent node lost after (≤ lost_after + interval) | lost in restart (0) | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("name") != "fleet":
+            continue
+        met = "met" if r.get("meets_target") else "**missed** " + ", ".join(r.get("missed", []))
+        out.append(
+            f"| {r['nodes']} | {r['replicas']} | {r['heartbeats_per_s']:.0f} "
+            f"| {r['db_statements_per_node_min']:.3f} | {r['db_other_statements_per_node_min']:.3f} "
+            f"| {r['replica_cpu_ms_per_node_min']:.3f} "
+            f"| {r['grant_p99_ns'] / 1e6:.1f} ms ({r['grant_p99_growth']:.2f} ×) "
+            f"| {r['node_visible_p99_ns'] / 1e6:.1f} ms "
+            f"| {r['lost_detect_ns'] / 1e9:.2f} s ({r['lost_detect_target_ns'] / 1e9:.2f} s) "
+            f"| {r['lost_in_restart']} | {met} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 VIEWS = {
     "table": view_table,
     "targets": view_targets,
@@ -355,6 +379,7 @@ VIEWS = {
     "latency-ns": view_latency_ns,
     "control": view_control,
     "harvest": view_harvest,
+    "fleet": view_fleet,
 }
 
 

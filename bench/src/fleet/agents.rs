@@ -237,7 +237,9 @@ fn newer_interval(reply: &str) -> Option<u64> {
 /// - `silence <name>...`: the nodes stop heartbeating (after a step under
 ///   way); `silenced <name>:<last answer, Unix ms>...`;
 /// - `resume`: every silent node heartbeats again; `resumed`;
-/// - `stats`: `stats <heartbeats> <failures> <registrations again>`.
+/// - `stats`: `stats <heartbeats> <failures> <registrations again>
+///   <interval_ms> <lost_after_ms>`, the last two as a replica handed them
+///   out last.
 ///
 /// Ends when stdin closes.
 fn serve(args: &[String], ready: Ready) -> Result<()> {
@@ -341,10 +343,12 @@ fn serve(args: &[String], ready: Ready) -> Result<()> {
                 "resumed".to_owned()
             }
             Some("stats") => format!(
-                "stats {} {} {}",
+                "stats {} {} {} {} {}",
                 fleet.heartbeats.load(Ordering::Relaxed),
                 fleet.failures.load(Ordering::Relaxed),
-                fleet.reregistrations.load(Ordering::Relaxed)
+                fleet.reregistrations.load(Ordering::Relaxed),
+                fleet.interval_ms.load(Ordering::Relaxed),
+                fleet.lost_after_ms.load(Ordering::Relaxed)
             ),
             _ => format!("error: unknown command {line:?}"),
         };

@@ -140,15 +140,29 @@ struct Agents {
     procs: Vec<(Peer, Vec<String>)>,
 }
 
+/// What the agent processes say of themselves.
+#[derive(Debug, Clone, Copy, Default)]
+struct AgentStats {
+    heartbeats: u64,
+    failures: u64,
+    /// The interval and loss timeout the replicas handed out last, ms.
+    interval_ms: u64,
+    lost_after_ms: u64,
+}
+
 impl Agents {
-    /// Heartbeats, failures and registrations again, summed.
-    fn stats(&mut self) -> Result<[u64; 3]> {
-        let mut sum = [0u64; 3];
+    /// Heartbeats and failures summed, the newest interval and loss
+    /// timeout (the largest any process holds).
+    fn stats(&mut self) -> Result<AgentStats> {
+        let mut sum = AgentStats::default();
         for (peer, _) in &mut self.procs {
             let line = peer.request("stats", Duration::from_secs(30))?;
-            for (s, f) in sum.iter_mut().zip(figures::<3>(&line, "stats")?) {
-                *s += f;
-            }
+            let [heartbeats, failures, _, interval_ms, lost_after_ms] =
+                figures::<5>(&line, "stats")?;
+            sum.heartbeats += heartbeats;
+            sum.failures += failures;
+            sum.interval_ms = sum.interval_ms.max(interval_ms);
+            sum.lost_after_ms = sum.lost_after_ms.max(lost_after_ms);
         }
         Ok(sum)
     }
@@ -204,8 +218,6 @@ fn point(
         started.elapsed().as_secs_f64()
     );
     let mut agents = spawn_agents(s, dir, &reps.urls, &names, &tokens)?;
-    let mut interval_ms = 0;
-    let mut lost_after_ms = 0;
     for (peer, own) in &mut agents.procs {
         let line = peer.request("wait-registered", Duration::from_secs(660))?;
         let f = figures::<3>(&line, "registered")?;
@@ -215,11 +227,10 @@ fn point(
                 own.len()
             )));
         }
-        interval_ms = f[1];
-        lost_after_ms = f[2];
     }
+    let AgentStats { interval_ms, .. } = agents.stats()?;
     eprintln!(
-        "fleet: {nodes} nodes registered in {:.1} s; interval {interval_ms} ms, lost after {lost_after_ms} ms",
+        "fleet: {nodes} nodes registered in {:.1} s; interval {interval_ms} ms",
         started.elapsed().as_secs_f64()
     );
     // Every node heartbeats once before the window: the first beats
@@ -242,6 +253,9 @@ fn point(
     let statements = db.statements()?;
     let cpu1 = measure::cpu_ms(&pids);
     let stats1 = agents.stats()?;
+    // What the replicas handed out for this fleet: the interval of the
+    // heartbeat replies, the loss timeout of the last registrations.
+    let (interval_ms, lost_after_ms) = (stats1.interval_ms, stats1.lost_after_ms);
     let per_node_min = |x: u64| x as f64 / nodes as f64 / (window.as_secs_f64() / 60.0);
 
     let lost_detect = lost_detect(
@@ -270,8 +284,8 @@ fn point(
         grant_p50_ns: grant.map_or(0, |g| g.median_ns),
         grant_p99_ns: grant.map_or(0, |g| g.p99_ns),
         grant_p99_growth: 1.0,
-        heartbeats_per_s: (stats1[0] - stats0[0]) as f64 / window.as_secs_f64(),
-        agent_failures: stats2[1],
+        heartbeats_per_s: (stats1.heartbeats - stats0.heartbeats) as f64 / window.as_secs_f64(),
+        agent_failures: stats2.failures,
         db_statements_per_node_min: per_node_min(statements.liveness),
         db_other_statements_per_node_min: per_node_min(statements.other),
         replica_cpu_ms_per_node_min: per_node_min(cpu1.saturating_sub(cpu0)),

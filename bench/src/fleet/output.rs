@@ -103,13 +103,13 @@ fn round3(x: f64) -> f64 {
 }
 
 /// The table's header.
-pub const HEADER: &str = "nodes   replicas  hb/s      liveness/node/min  other/node/min  cpu ms/node/min  grant p99 ms (x smallest)  visible p99 ms  lost after ms (target)  lost in restart  targets";
+pub const HEADER: &str = "nodes   replicas  hb/s      liveness/node/min  other/node/min  cpu ms/node/min  grant p99 ms (x smallest)  visible p99 ms  silent lost ms (target)  lost in restart  targets";
 
 /// The row as a line of the table.
 pub fn table_line(r: &FleetRow) -> String {
     let missed = r.missed();
     format!(
-        "{:<7} {:<9} {:<9.1} {:<18.3} {:<15.3} {:<16.3} {:<26} {:<15.3} {:<23} {:<16} {}",
+        "{:<7} {:<9} {:<9.1} {:<18.3} {:<15.3} {:<16.3} {:<26} {:<15.3} {:<24} {:<16} {}",
         r.nodes,
         r.replicas,
         r.heartbeats_per_s,
