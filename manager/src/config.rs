@@ -14,6 +14,10 @@ use crate::slurm::SlurmSettings;
 /// `[accounting] lost_after_ms` when not set.
 pub const DEFAULT_ACCOUNTING_LOST_AFTER_MS: u64 = 10_000;
 
+/// `heartbeats_per_s` when not set: up to 2,000 nodes heartbeat every
+/// second, 10,000 every 5 s (docs/sizing.md).
+pub const DEFAULT_HEARTBEATS_PER_S: u64 = 2000;
+
 /// The configuration file as written.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -29,8 +33,14 @@ pub struct FileConfig {
     pub admin_token_file: Option<PathBuf>,
     /// The Ed25519 secret key file that signs lease tokens.
     pub lease_key_file: Option<PathBuf>,
-    /// How often nodes heartbeat, ms.
+    /// How often nodes heartbeat, ms: the least interval, which grows
+    /// with the fleet (see `heartbeats_per_s`).
     pub heartbeat_interval_ms: Option<u64>,
+    /// The heartbeats a second the replicas together take at most: past
+    /// `heartbeats_per_s × heartbeat_interval_ms / 1000` nodes the interval
+    /// (and `lost_after_ms` with it) grows with the fleet. 0: it never
+    /// grows.
+    pub heartbeats_per_s: Option<u64>,
     /// How long an accounting ticket (in registration and heartbeat
     /// replies) lasts, seconds.
     pub accounting_ticket_s: Option<u64>,
@@ -226,8 +236,10 @@ pub struct Settings {
     pub admin_token_file: PathBuf,
     /// The lease signing key's file.
     pub lease_key_file: PathBuf,
-    /// Heartbeat interval, ms.
+    /// Heartbeat interval, ms (the least; [`Settings::intervals`]).
     pub heartbeat_interval_ms: u64,
+    /// Heartbeats a second the replicas take at most (0: no growth).
+    pub heartbeats_per_s: u64,
     /// Accounting ticket lifetime, seconds.
     pub accounting_ticket_s: u64,
     /// Lost after, ms.
@@ -253,6 +265,19 @@ pub struct Settings {
     /// The configuration directory the defaults came from.
     #[serde(skip)]
     pub config_dir: ConfigDir,
+}
+
+impl Settings {
+    /// The heartbeat interval and loss timeout for `nodes` nodes.
+    pub fn intervals(&self, nodes: usize) -> crate::liveness::Intervals {
+        crate::liveness::Intervals::of(
+            nodes,
+            self.heartbeat_interval_ms,
+            self.heartbeats_per_s,
+            self.lost_after_ms,
+            self.refresh_ms,
+        )
+    }
 }
 
 impl FileConfig {
@@ -302,6 +327,7 @@ impl FileConfig {
                 .lease_key_file
                 .unwrap_or_else(|| dir.file(LEASE_KEY_SECRET)),
             heartbeat_interval_ms: self.heartbeat_interval_ms.unwrap_or(1000),
+            heartbeats_per_s: self.heartbeats_per_s.unwrap_or(DEFAULT_HEARTBEATS_PER_S),
             accounting_ticket_s: self
                 .accounting_ticket_s
                 .unwrap_or(rfaas_proto::ticket::DEFAULT_LIFETIME_S),

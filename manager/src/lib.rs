@@ -31,8 +31,12 @@
 //! - [`ctl`]: the client side `rfaasctl` (the admin's command line) is
 //!   built on.
 //!
-//! Background work in each replica ([`start`]): reload the view (nodes
-//! and accounting instances), end expired leases, and mark nodes lost
+//! - [`liveness`]: heartbeats kept in memory and written in batches; the
+//!   heartbeat interval and loss timeout for the fleet's size.
+//!
+//! Background work in each replica ([`start`]): write the heartbeats
+//! heard, reload the view (nodes and accounting instances) and the leases
+//! recently ended, end expired leases, and mark nodes lost
 //! that stopped heartbeating (only once the replica itself has reached the
 //! database for `lost_after`, so a database outage never loses every
 //! node); purge old ended leases ([`retention`]); on SQLite also checkpoint the write-ahead log
@@ -44,6 +48,7 @@ pub mod auth;
 pub mod config;
 pub mod ctl;
 pub mod error;
+pub mod liveness;
 pub mod metrics;
 pub mod retention;
 pub mod serve;
@@ -91,6 +96,8 @@ pub struct App {
     pub signer: Signer,
     /// Slurm's word on jobs.
     pub slurm: Slurm,
+    /// Heartbeats heard and not yet written; leases recently ended.
+    pub liveness: liveness::Liveness,
     /// Since when the database has answered without a break.
     healthy_since: Mutex<Option<Instant>>,
 }
@@ -109,10 +116,14 @@ pub struct Running {
 }
 
 impl Running {
-    /// Stops serving (in-flight requests finish) and waits.
+    /// Stops serving (in-flight requests finish), writes the heartbeats
+    /// heard and not yet written, and waits.
     pub async fn stop(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
         self.server.await.context("the server task")??;
+        if let Err(e) = self.app.liveness.flush(&self.app.store).await {
+            tracing::warn!(error = %e, "cannot write the last heartbeats heard; the other replicas hear the nodes from now on");
+        }
         Ok(())
     }
 
@@ -230,8 +241,14 @@ pub async fn start(settings: Settings) -> anyhow::Result<Running> {
         metrics: Metrics::new(),
         signer,
         slurm: Slurm::new(settings_slurm),
+        liveness: liveness::Liveness::default(),
         healthy_since: Mutex::new(Some(Instant::now())),
     });
+    // Heartbeats are answered from memory once the leases ended lately
+    // are known; if this fails, the first round loads them.
+    if let Err(e) = app.liveness.load_ended(&app.store, now_ms()).await {
+        tracing::warn!(error = %e, "cannot load the leases ended lately; heartbeats go to the database until a round does");
+    }
     let (stop, _) = tokio::sync::watch::channel(false);
     tokio::spawn(refresh_loop(app.clone(), stop.subscribe()));
     if app.settings.retention.enabled {
@@ -320,12 +337,24 @@ impl App {
             .map_or(Duration::ZERO, |t| t.elapsed())
     }
 
-    /// One round of background work: reload the view (nodes and
-    /// accounting instances), end expired leases, mark lost nodes.
+    /// The heartbeat interval and loss timeout for the nodes known now
+    /// ([`liveness::Intervals`]).
+    pub fn intervals(&self) -> liveness::Intervals {
+        self.settings.intervals(self.view.len())
+    }
+
+    /// One round of background work: write the heartbeats heard
+    /// ([`liveness`]), reload the view (nodes and accounting instances)
+    /// and the leases recently ended, end expired leases, mark lost
+    /// nodes.
     pub async fn refresh(&self) -> Result<(), db::DbError> {
+        let flushed = self.liveness.flush(&self.store).await;
+        self.healthy(flushed.is_ok());
+        self.metrics.heartbeats_written.inc_by(flushed? as u64);
         let nodes = self.store.nodes().await;
         self.healthy(nodes.is_ok());
         self.view.replace_all(nodes?);
+        self.liveness.load_ended(&self.store, now_ms()).await?;
         self.view
             .replace_instances(self.store.accounting_instances().await?);
         let expired = self.store.reap_expired(now_s(), now_ms()).await?;
@@ -333,13 +362,14 @@ impl App {
             self.metrics.expiries.inc_by(expired.len() as u64);
             tracing::info!(count = expired.len(), "leases expired");
         }
-        let lost_after = Duration::from_millis(self.settings.lost_after_ms);
+        let lost_after_ms = self.intervals().lost_after_ms;
+        let lost_after = Duration::from_millis(lost_after_ms);
         let mut changed = !expired.is_empty();
         if self.healthy_for() >= lost_after {
             let now = now_ms();
             let (lost, ended) = self
                 .store
-                .reap_lost(now.saturating_sub(self.settings.lost_after_ms), now)
+                .reap_lost(now.saturating_sub(lost_after_ms), now)
                 .await?;
             for node in &lost {
                 tracing::warn!(%node, "node lost: no heartbeat for lost_after");

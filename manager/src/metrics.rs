@@ -50,6 +50,11 @@ pub struct Metrics {
     pub lost_leases: IntCounter,
     /// Nodes marked lost.
     pub lost_nodes: IntCounter,
+    /// Heartbeats answered, by path: `memory` (noted, written later in a
+    /// batch) or `database` (a change written at once).
+    pub heartbeats: IntCounterVec,
+    /// Heartbeats written to the database in batches.
+    pub heartbeats_written: IntCounter,
     /// Node leases granted without a billing slot.
     pub unbilled_leases: IntCounter,
     /// Connections closed at once because a cap was reached, by cap.
@@ -96,6 +101,22 @@ impl Metrics {
         let lost_nodes = IntCounter::new(
             "lost_nodes_total",
             "Nodes this replica marked lost after missed heartbeats",
+        )
+        .expect("valid");
+        let heartbeats = IntCounterVec::new(
+            Opts::new(
+                "heartbeats_total",
+                "Node heartbeats this replica answered, by path: memory (noted and written later in a batch) or database (a change written at once)",
+            ),
+            &["path"],
+        )
+        .expect("valid");
+        for path in ["memory", "database"] {
+            heartbeats.with_label_values(&[path]);
+        }
+        let heartbeats_written = IntCounter::new(
+            "heartbeats_written_total",
+            "Heartbeats this replica wrote to the database in its batched rounds (one per node heard per round)",
         )
         .expect("valid");
         let unbilled_leases = IntCounter::new(
@@ -184,6 +205,8 @@ impl Metrics {
             Box::new(expiries.clone()),
             Box::new(lost_leases.clone()),
             Box::new(lost_nodes.clone()),
+            Box::new(heartbeats.clone()),
+            Box::new(heartbeats_written.clone()),
             Box::new(unbilled_leases.clone()),
             Box::new(accounting_instances.clone()),
             Box::new(requests.clone()),
@@ -213,6 +236,8 @@ impl Metrics {
             expiries,
             lost_leases,
             lost_nodes,
+            heartbeats,
+            heartbeats_written,
             unbilled_leases,
             connections_refused,
             retention_purged,

@@ -91,8 +91,11 @@ impl Reach {
 
 /// `read` as the view takes it over `held`: all of it, but the leased
 /// counters only if they are newer.
+///
+/// A heartbeat this replica heard and has not written yet is newer than
+/// the row: the later of the two times stays.
 fn merge(read: StoredNode, held: Option<&StoredNode>) -> StoredNode {
-    match held {
+    let mut out = match held {
         Some(h) if h.lease_seq > read.lease_seq => {
             let mut node = read.node;
             set_leased(&mut node, h.node.leased_cores, h.node.leased_memory_mib);
@@ -102,7 +105,12 @@ fn merge(read: StoredNode, held: Option<&StoredNode>) -> StoredNode {
             }
         }
         _ => read,
+    };
+    if let Some(h) = held {
+        let last = &mut out.node.last_heartbeat_ms;
+        *last = (*last).max(h.node.last_heartbeat_ms);
     }
+    out
 }
 
 /// Sets what `n` has leased, and its capacity as the database settles it
@@ -205,6 +213,34 @@ impl View {
             .unwrap_or_else(|p| p.into_inner())
             .get(name)
             .map(|n| n.node.clone())
+    }
+
+    /// How many nodes are known.
+    pub fn len(&self) -> usize {
+        self.nodes.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Whether no node is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A heartbeat from `name` at `at_ms` that withholds `withheld_cores`:
+    /// when the node is known, not lost, and withholds as many cores
+    /// already, the heartbeat changes nothing grants go by, so it is only
+    /// noted here (`true`); otherwise (`false`) it must go to the
+    /// database ([`crate::liveness`]).
+    pub fn beat(&self, name: &str, at_ms: u64, withheld_cores: u32) -> bool {
+        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+        match nodes.get_mut(name) {
+            Some(n)
+                if n.node.state != NodeState::Lost && n.node.withheld_cores == withheld_cores =>
+            {
+                n.node.last_heartbeat_ms = n.node.last_heartbeat_ms.max(at_ms);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Every node, by name.

@@ -317,3 +317,36 @@ fn a_lease_storm_onto_executords_holds_no_core_twice_and_survives_the_database()
         lease.release().unwrap();
     }
 }
+
+/// A fleet that grows past `heartbeats_per_s` slows its heartbeats: the
+/// daemon takes the interval of each heartbeat reply.
+#[test]
+fn executord_takes_the_interval_the_fleet_size_asks_for() {
+    let mut db = Db::new("sqlite");
+    let m = db.manager_with(
+        "heartbeats_per_s = 5\nheartbeat_interval_ms = 200\nrefresh_ms = 100\n",
+        None,
+    );
+    let cred = credential_file(&m, "node-a");
+    let d = executord("node-a", "0", &[&m], &cred, "", "");
+    let admin = m.admin();
+    wait_for("the node to register", Duration::from_secs(20), || {
+        let (_, n) = admin.call("GET", "/v1/nodes/node-a", None);
+        (n["state"] == "up").then_some(())
+    });
+    assert!(!d.log().contains("new heartbeat interval"), "{}", d.log());
+    // Four more nodes: five at five heartbeats a second is one a second.
+    for k in 0..4 {
+        m.register_node(&format!("extra{k}"), 1, 256);
+    }
+    wait_for(
+        "the daemon to take the new interval",
+        Duration::from_secs(20),
+        || {
+            d.log()
+                .lines()
+                .any(|l| l.contains("new heartbeat interval") && l.contains("heartbeat_ms=1000"))
+                .then_some(())
+        },
+    );
+}

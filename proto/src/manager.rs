@@ -136,6 +136,11 @@ pub struct HeartbeatReply {
     /// stops their workers.
     #[serde(default)]
     pub ended_leases: Vec<u64>,
+    /// The interval to heartbeat at from now on, ms: it grows with the
+    /// fleet (the manager's `heartbeats_per_s`). Absent from managers of
+    /// older releases: keep the one registration gave.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_interval_ms: Option<u64>,
     /// A fresh accounting ticket for the node, base64url without padding
     /// (see `rfaas_proto::ticket`): executord shows the newest it holds in
     /// its hello to accounting services, instead of its credential.
@@ -647,6 +652,28 @@ mod tests {
         let newer = r#"{"ended_leases":[3,4],"added_later":true}"#;
         let reply: HeartbeatReply = serde_json::from_str(newer).unwrap();
         assert_eq!(reply.ended_leases, vec![3, 4]);
+        assert_eq!(
+            reply.heartbeat_interval_ms, None,
+            "older managers send none"
+        );
+    }
+
+    #[test]
+    fn a_heartbeat_reply_carries_the_interval_only_when_set() {
+        let mut reply = HeartbeatReply {
+            ended_leases: vec![7],
+            heartbeat_interval_ms: None,
+            accounting_ticket: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&reply).unwrap(),
+            r#"{"ended_leases":[7]}"#
+        );
+        reply.heartbeat_interval_ms = Some(5000);
+        assert_eq!(
+            serde_json::to_string(&reply).unwrap(),
+            r#"{"ended_leases":[7],"heartbeat_interval_ms":5000}"#
+        );
     }
 
     #[test]

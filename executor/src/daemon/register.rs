@@ -156,11 +156,12 @@ impl Managers {
             tracing::error!(error = %e, "manager CA file unusable; checking the managers' certificates with the system's roots");
             rfaas_tls::system_agent(timeout)
         });
+        let current = first_manager(&credential, m.urls.len());
         Managers {
             urls: m.urls.clone(),
             credential,
             agent,
-            current: 0,
+            current,
         }
     }
 
@@ -264,7 +265,7 @@ pub(crate) fn run(
             heartbeat_ms = registered.heartbeat_interval_ms,
             "registered with the manager"
         );
-        let interval = Duration::from_millis(registered.heartbeat_interval_ms.clamp(50, 60_000));
+        let mut interval = beat_interval(registered.heartbeat_interval_ms);
         let mut outage = false;
         loop {
             if next_beat(&shared, interval) {
@@ -280,6 +281,13 @@ pub(crate) fn run(
                         outage = false;
                     }
                     keep_ticket(&tickets, reply.accounting_ticket.as_deref());
+                    if let Some(ms) = reply.heartbeat_interval_ms {
+                        let next = beat_interval(ms);
+                        if next != interval {
+                            tracing::info!(heartbeat_ms = ms, "the manager set a new heartbeat interval (the fleet's size changed)");
+                            interval = next;
+                        }
+                    }
                     if !reply.ended_leases.is_empty() {
                         let n = shared.end_leases(&reply.ended_leases, unix_now());
                         tracing::info!(leases = ?reply.ended_leases, workers = n, "the manager ended leases");
@@ -298,6 +306,23 @@ pub(crate) fn run(
             }
         }
     }
+}
+
+/// Which of `count` managers a node asks first: one picked by its
+/// credential (so by the node), the same at every start, so a fleet's
+/// nodes spread over the replicas and each keeps its connection to one.
+fn first_manager(credential: &str, count: usize) -> usize {
+    // FNV-1a: stable across releases and platforms.
+    let hash = credential.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (hash % count.max(1) as u64) as usize
+}
+
+/// The heartbeat interval a manager asked for, within bounds a wrong
+/// value cannot push the daemon past.
+fn beat_interval(ms: u64) -> Duration {
+    Duration::from_millis(ms.clamp(50, 60_000))
 }
 
 /// Keeps the accounting ticket of a manager's reply for the billing
@@ -385,6 +410,20 @@ fn heartbeat(shared: &Shared) -> Heartbeat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_spread_over_the_managers_and_keep_theirs() {
+        let mut per = [0usize; 3];
+        for k in 0..3000 {
+            let cred = format!("rfaas_node.node{k}.secret{k}");
+            let first = first_manager(&cred, 3);
+            assert_eq!(first_manager(&cred, 3), first, "the same at every start");
+            per[first] += 1;
+        }
+        assert!(per.iter().all(|&n| n > 800), "uneven: {per:?}");
+        assert_eq!(first_manager("x", 1), 0);
+        assert_eq!(first_manager("x", 0), 0);
+    }
 
     #[test]
     fn backoff_doubles_to_its_cap_with_full_jitter() {

@@ -129,10 +129,11 @@ pub(super) async fn register_node(
             "node registered with less than it has leased: its leases run on, it takes no new one until they fit, and the difference drains as they end"
         );
     }
+    let intervals = app.intervals();
     Ok(Json(Registered {
         node,
-        heartbeat_interval_ms: app.settings.heartbeat_interval_ms,
-        lost_after_ms: app.settings.lost_after_ms,
+        heartbeat_interval_ms: intervals.heartbeat_ms,
+        lost_after_ms: intervals.lost_after_ms,
         accounting_ticket: ticket(&app, &name, &this),
     }))
 }
@@ -144,7 +145,7 @@ fn ticket(app: &App, name: &str, this: &ThisNode) -> Option<String> {
     let now_s = now_ms() / 1000;
     match app
         .signer
-        .ticket(name, credential_id, now_s, app.settings.accounting_ticket_s)
+        .node_ticket(name, credential_id, now_s, app.settings.accounting_ticket_s)
     {
         Ok(t) => Some(t),
         Err(e) => {
@@ -156,8 +157,14 @@ fn ticket(app: &App, name: &str, this: &ThisNode) -> Option<String> {
 }
 
 /// A node's heartbeat: its free capacity and the leases it holds. The
-/// answer lists those that have ended, and carries a fresh accounting
-/// ticket when the node's own credential asked. `404`: register again.
+/// answer lists those that have ended, the interval to heartbeat at
+/// (it grows with the fleet), and a fresh accounting ticket when the
+/// node's own credential asked. `404`: register again.
+///
+/// A heartbeat that changes nothing grants go by is noted in memory and
+/// written with the others in the replica's next round
+/// ([`crate::liveness`]); one that does (a lost node back, other withheld
+/// cores, a node this replica has not seen yet) is written at once.
 #[utoipa::path(post, path = "/v1/nodes/{name}/heartbeat", request_body = Heartbeat,
     params(("name" = String, Path, description = "The node's name (see rfaas_proto::node_name)", pattern = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$", max_length = 253)),
     responses((status = 200, body = HeartbeatReply)))]
@@ -166,18 +173,30 @@ pub(super) async fn heartbeat(
     Path(name): Path<String>,
     Sent(this, body): Sent<ThisNode, Heartbeat>,
 ) -> ApiResult<Json<HeartbeatReply>> {
-    match app.store.heartbeat(&name, &body, now_ms()).await? {
-        Some((node, ended_leases)) => {
+    let now = now_ms();
+    let ended_leases =
+        if app.liveness.knows_ended() && app.view.beat(&name, now, body.withheld_cores) {
+            app.liveness.heard(&name, now);
+            app.metrics.heartbeats.with_label_values(&["memory"]).inc();
+            app.liveness.ended_of(&name, &body.allocations)
+        } else {
+            let Some((node, ended)) = app.store.heartbeat(&name, &body, now).await? else {
+                return Err(ApiError::NotFound(format!(
+                    "node {name:?} is not registered here; register it (PUT /v1/nodes/{name})"
+                )));
+            };
             app.view.upsert(node);
-            Ok(Json(HeartbeatReply {
-                ended_leases,
-                accounting_ticket: ticket(&app, &name, &this),
-            }))
-        }
-        None => Err(ApiError::NotFound(format!(
-            "node {name:?} is not registered here; register it (PUT /v1/nodes/{name})"
-        ))),
-    }
+            app.metrics
+                .heartbeats
+                .with_label_values(&["database"])
+                .inc();
+            ended
+        };
+    Ok(Json(HeartbeatReply {
+        ended_leases,
+        heartbeat_interval_ms: Some(app.intervals().heartbeat_ms),
+        accounting_ticket: ticket(&app, &name, &this),
+    }))
 }
 
 /// Query of `GET /v1/nodes`.

@@ -8,6 +8,16 @@ use super::Store;
 use crate::announce::Leased;
 use crate::db::{i, text_col, u64_col, DbError};
 
+/// The mark at the start of every statement liveness runs (registrations,
+/// heartbeats, their batched flush, nodes lost, the view's reloads), so a
+/// site (and the fleet benchmark) can tell them apart in
+/// `pg_stat_statements` from grants' and releases'.
+pub const LIVENESS: &str = "/* rfaas:liveness */";
+
+/// Most nodes one flush statement names (two parameters each: far below
+/// either database's limit).
+const FLUSH_CHUNK: usize = 4000;
+
 /// The columns of a node, in the order [`node_from_row`] reads them.
 const NODE_COLS: &str = "name, admin_state, lost, control_addr, control_tls, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq";
 
@@ -81,7 +91,7 @@ impl Store {
         let providers = serde_json::to_string(&r.providers).expect("providers serialise");
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
-            "INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested, control_tls)
+            "{LIVENESS} INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested, control_tls)
              VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8, $9)
              ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, control_tls = excluded.control_tls, providers = excluded.providers,
                 cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores ELSE excluded.cores END,
@@ -122,17 +132,19 @@ impl Store {
         let mut tx = self.pool.begin().await?;
         // A lost node that heartbeats again is back: other replicas must
         // hear of it, as of nothing else a heartbeat changes.
-        let was_lost = sqlx::query("UPDATE nodes SET lost = 0 WHERE name = $1 AND lost = 1")
-            .bind(name)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
+        let was_lost = sqlx::query(&format!(
+            "{LIVENESS} UPDATE nodes SET lost = 0 WHERE name = $1 AND lost = 1"
+        ))
+        .bind(name)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
             == 1;
         // So is a change of the cores the node withholds: grants on other
         // replicas must stop (or start) placing leases there.
-        let withheld_changed = sqlx::query(
-            "UPDATE nodes SET withheld_cores = $2 WHERE name = $1 AND withheld_cores <> $2",
-        )
+        let withheld_changed = sqlx::query(&format!(
+            "{LIVENESS} UPDATE nodes SET withheld_cores = $2 WHERE name = $1 AND withheld_cores <> $2"
+        ))
         .bind(name)
         .bind(i(h.withheld_cores.into()))
         .execute(&mut *tx)
@@ -140,7 +152,7 @@ impl Store {
         .rows_affected()
             == 1;
         let row = sqlx::query(&format!(
-            "UPDATE nodes SET last_heartbeat_ms = $2, free_cores = $3, free_memory_mib = $4
+            "{LIVENESS} UPDATE nodes SET last_heartbeat_ms = $2, free_cores = $3, free_memory_mib = $4
              WHERE name = $1 RETURNING {NODE_COLS}"
         ))
         .bind(name)
@@ -157,7 +169,7 @@ impl Store {
         for chunk in h.allocations.chunks(500) {
             let marks: Vec<String> = (0..chunk.len()).map(|k| format!("${}", k + 2)).collect();
             let sql = format!(
-                "SELECT id FROM leases WHERE node = $1 AND state <> 'active' AND id IN ({})",
+                "{LIVENESS} SELECT id FROM leases WHERE node = $1 AND state <> 'active' AND id IN ({})",
                 marks.join(", ")
             );
             let mut q = sqlx::query(&sql).bind(name);
@@ -173,6 +185,50 @@ impl Store {
         }
         tx.commit().await?;
         Ok(Some((node, ended)))
+    }
+
+    /// Writes the heartbeats a replica heard since its last flush (node,
+    /// when heard), a statement per [`FLUSH_CHUNK`] nodes: a node's
+    /// `last_heartbeat_ms` only moves forward, whichever replica flushes
+    /// first. Nodes not registered are skipped; a lost node stays lost
+    /// (its next heartbeat brings it back, through [`Store::heartbeat`]).
+    pub async fn flush_heartbeats(&self, heard: &[(String, u64)]) -> Result<(), DbError> {
+        for chunk in heard.chunks(FLUSH_CHUNK) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|k| format!("(${}, ${})", 2 * k + 1, 2 * k + 2))
+                .collect();
+            let sql = format!(
+                "{LIVENESS} WITH heard (name, at_ms) AS (VALUES {})
+                 UPDATE nodes SET last_heartbeat_ms = heard.at_ms FROM heard
+                 WHERE nodes.name = heard.name AND nodes.last_heartbeat_ms < heard.at_ms",
+                rows.join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for (name, at_ms) in chunk {
+                q = q.bind(name.as_str()).bind(i(*at_ms));
+            }
+            q.execute(&self.pool).await?;
+        }
+        Ok(())
+    }
+
+    /// The leases that ended at `since_ms` or later: (lease, node, when).
+    pub async fn ended_since(&self, since_ms: u64) -> Result<Vec<(u64, String, u64)>, DbError> {
+        sqlx::query(&format!(
+            "{LIVENESS} SELECT id, node, ended_ms FROM leases WHERE state <> 'active' AND ended_ms >= $1"
+        ))
+        .bind(i(since_ms))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            Ok((
+                u64_col(row, "id")?,
+                text_col(row, "node")?,
+                u64_col(row, "ended_ms")?,
+            ))
+        })
+        .collect()
     }
 
     /// Drains (`true`) or resumes a node. `None`: unknown.
@@ -199,12 +255,14 @@ impl Store {
 
     /// Every node, by name.
     pub async fn nodes(&self) -> Result<Vec<StoredNode>, DbError> {
-        sqlx::query(&format!("SELECT {NODE_COLS} FROM nodes ORDER BY name"))
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(node_from_row)
-            .collect()
+        sqlx::query(&format!(
+            "{LIVENESS} SELECT {NODE_COLS} FROM nodes ORDER BY name"
+        ))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(node_from_row)
+        .collect()
     }
 
     /// Some nodes by name (missing ones left out), 500 to a query.
@@ -213,7 +271,7 @@ impl Store {
         for chunk in names.chunks(500) {
             let marks: Vec<String> = (1..=chunk.len()).map(|k| format!("${k}")).collect();
             let sql = format!(
-                "SELECT {NODE_COLS} FROM nodes WHERE name IN ({})",
+                "{LIVENESS} SELECT {NODE_COLS} FROM nodes WHERE name IN ({})",
                 marks.join(", ")
             );
             let mut q = sqlx::query(&sql);
@@ -236,9 +294,9 @@ impl Store {
         now_ms: u64,
     ) -> Result<(Vec<String>, Vec<LeaseRow>), DbError> {
         let mut tx = self.pool.begin().await?;
-        let lost: Vec<String> = sqlx::query(
-            "UPDATE nodes SET lost = 1 WHERE lost = 0 AND last_heartbeat_ms < $1 RETURNING name",
-        )
+        let lost: Vec<String> = sqlx::query(&format!(
+            "{LIVENESS} UPDATE nodes SET lost = 1 WHERE lost = 0 AND last_heartbeat_ms < $1 RETURNING name"
+        ))
         .bind(i(cut_ms))
         .fetch_all(&mut *tx)
         .await?
@@ -251,7 +309,7 @@ impl Store {
 
         // Lease rows before node rows: a second transaction.
         let sql = format!(
-            "UPDATE leases SET state = 'lost', ended_ms = $1 WHERE state = 'active'
+            "{LIVENESS} UPDATE leases SET state = 'lost', ended_ms = $1 WHERE state = 'active'
                AND node IN (SELECT name FROM nodes WHERE lost = 1) RETURNING {LEASE_COLS}"
         );
         let ended = self.end_leases(sqlx::query(&sql).bind(i(now_ms))).await?;
