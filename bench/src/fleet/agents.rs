@@ -22,6 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rfaas_proto::manager::{Heartbeat, HeartbeatReply, Registered};
+
 use crate::child::{peer_arg, PeerSpec, Ready};
 use crate::error::{Context, Error, Result};
 use crate::manager::{agent, register_body};
@@ -136,13 +138,11 @@ impl Fleet {
             let path = format!("/v1/nodes/{}", node.name);
             return match self.call(agent, node, &mut st, true, &path, &self.register) {
                 Answer::Ok(text) => {
-                    let reply: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-                    if let Some(ms) = reply["heartbeat_interval_ms"].as_u64() {
-                        st.interval = interval(ms);
-                        self.interval_ms.store(ms, Ordering::Relaxed);
-                    }
-                    if let Some(ms) = reply["lost_after_ms"].as_u64() {
-                        self.lost_after_ms.store(ms, Ordering::Relaxed);
+                    if let Ok(r) = serde_json::from_str::<Registered>(&text) {
+                        st.interval = interval(r.heartbeat_interval_ms);
+                        self.interval_ms
+                            .store(r.heartbeat_interval_ms, Ordering::Relaxed);
+                        self.lost_after_ms.store(r.lost_after_ms, Ordering::Relaxed);
                     }
                     st.registered = true;
                     st.last_ack_ms = rfaas_service::now_ms();
@@ -222,10 +222,9 @@ fn interval(ms: u64) -> Duration {
 
 /// The `heartbeat_interval_ms` of a heartbeat reply, when it has one.
 fn newer_interval(reply: &str) -> Option<u64> {
-    if !reply.contains("heartbeat_interval_ms") {
-        return None;
-    }
-    serde_json::from_str::<serde_json::Value>(reply).ok()?["heartbeat_interval_ms"].as_u64()
+    serde_json::from_str::<HeartbeatReply>(reply)
+        .ok()?
+        .heartbeat_interval_ms
 }
 
 /// Peer side. Arguments: the nodes file (`name token` a line), worker
@@ -267,7 +266,7 @@ fn serve(args: &[String], ready: Ready) -> Result<()> {
             }),
         });
     }
-    let heartbeat = serde_json::to_string(&rfaas_proto::manager::Heartbeat {
+    let heartbeat = serde_json::to_string(&Heartbeat {
         free_cores: cores,
         free_memory_mib: crate::manager::NODE_MEMORY_MIB,
         draining: false,

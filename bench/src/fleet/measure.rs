@@ -5,17 +5,13 @@
 
 use std::time::Duration;
 
+use rfaas_manager::store::LIVENESS;
 use rfaas_testkit::postgres::Postgres;
 use sqlx::Row as _;
 
 use crate::cleanup;
 use crate::error::{Error, Result};
 use crate::manager::{agent, call};
-
-/// The comment that starts every statement the manager runs for
-/// liveness (heartbeats, the batched liveness flush, registration,
-/// marking nodes lost, the reload of the node view).
-pub const LIVENESS_TAG: &str = "rfaas:liveness";
 
 /// A throwaway PostgreSQL server with `pg_stat_statements` loaded.
 #[derive(Debug)]
@@ -28,7 +24,7 @@ pub struct Database {
 /// Statements run since the last reset, by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Statements {
-    /// Those tagged [`LIVENESS_TAG`].
+    /// Those tagged [`LIVENESS`], the manager's liveness statements.
     pub liveness: u64,
     /// Every other (grants and releases mostly).
     pub other: u64,
@@ -90,15 +86,16 @@ impl Database {
 
     /// The statements run since [`Database::reset`], but the bench's own.
     pub fn statements(&self) -> Result<Statements> {
-        let sql = format!(
-            "SELECT CAST(COALESCE(SUM(calls) FILTER (WHERE query LIKE '%{LIVENESS_TAG}%'), 0) AS BIGINT),
-                    CAST(COALESCE(SUM(calls) FILTER (WHERE query NOT LIKE '%{LIVENESS_TAG}%'), 0) AS BIGINT)
-             FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%'"
-        );
+        // The tag is the comment the manager's liveness statements start
+        // with (`rfaas_manager::store::LIVENESS`).
+        let sql =
+            "SELECT CAST(COALESCE(SUM(calls) FILTER (WHERE strpos(query, $1) > 0), 0) AS BIGINT),
+                    CAST(COALESCE(SUM(calls) FILTER (WHERE strpos(query, $1) = 0), 0) AS BIGINT)
+             FROM pg_stat_statements WHERE strpos(query, 'pg_stat_statements') = 0";
         self.runtime
             .block_on(async {
                 let pool = pool(self.pg.url()).await?;
-                let row = sqlx::query(&sql).fetch_one(&pool).await?;
+                let row = sqlx::query(sql).bind(LIVENESS).fetch_one(&pool).await?;
                 pool.close().await;
                 Ok::<_, sqlx::Error>(Statements {
                     liveness: row.try_get::<i64, _>(0)?.max(0) as u64,
