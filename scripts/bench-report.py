@@ -351,8 +351,8 @@ def view_harvest(rows):
 
 def view_fleet(rows):
     out = [
-        "| nodes | replicas | heartbeats/s | liveness statements /node/min (≤ 1) | other statements /node/min "
-        "| replica CPU ms /node/min | grant p99 (≤ 2 × smallest) | node_visible p99 "
+        "| nodes | replicas | heartbeats/s | liveness statements /node/min (≤ 1 at 10 000) | other statements /node/min "
+        "| replica CPU ms /node/min | grant p99 (≤ 2 × smallest at 10 000) | node_visible p99 "
         "| silent node lost after (≤ lost_after + interval) | lost in restart (0) | |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
