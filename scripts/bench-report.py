@@ -21,6 +21,7 @@ latest date and time, then the higher N (no git history needed). VIEW says how:
     harvest-slurmctld
                     rfaas-harvest's runs: the cluster, and slurmctld's RPC
                     rate without rfaas, with it, and what rfaas added
+    fleet           rfaas-fleet's points, against their targets
 
     scripts/bench-report.py --check   fail, naming the table, if the page
                                       differs from what the results render
@@ -376,6 +377,29 @@ def view_harvest_slurmctld(rows):
     return "\n".join(out) + "\n"
 
 
+def view_fleet(rows):
+    out = [
+        "| nodes | replicas | heartbeats/s | liveness statements /node/min (≤ 1 at 10 000) | other statements /node/min "
+        "| replica CPU ms /node/min | grant p99 (≤ 2 × smallest at 10 000) | node_visible p99 "
+        "| silent node lost after (≤ lost_after + interval) | lost in restart (0) | |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("name") != "fleet":
+            continue
+        met = "met" if r.get("meets_target") else "**missed** " + ", ".join(r.get("missed", []))
+        out.append(
+            f"| {r['nodes']} | {r['replicas']} | {r['heartbeats_per_s']:.0f} "
+            f"| {r['db_statements_per_node_min']:.3f} | {r['db_other_statements_per_node_min']:.3f} "
+            f"| {r['replica_cpu_ms_per_node_min']:.3f} "
+            f"| {r['grant_p99_ns'] / 1e6:.1f} ms ({r['grant_p99_growth']:.2f} ×) "
+            f"| {r['node_visible_p99_ns'] / 1e6:.1f} ms "
+            f"| {r['lost_detect_ns'] / 1e9:.2f} s ({r['lost_detect_target_ns'] / 1e9:.2f} s) "
+            f"| {r['lost_in_restart']} | {met} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 VIEWS = {
     "table": view_table,
     "targets": view_targets,
@@ -384,6 +408,7 @@ VIEWS = {
     "control": view_control,
     "harvest": view_harvest,
     "harvest-slurmctld": view_harvest_slurmctld,
+    "fleet": view_fleet,
 }
 
 

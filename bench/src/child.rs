@@ -68,6 +68,8 @@ pub struct Peer {
     child: Child,
     what: String,
     addr: String,
+    /// What was read from its stdout past the last whole line.
+    pending: Vec<u8>,
 }
 
 impl Peer {
@@ -82,13 +84,34 @@ impl Peer {
         cpu: Option<usize>,
         inherit: &[BorrowedFd<'_>],
     ) -> Result<Peer> {
+        Peer::start(what, args, cpu, inherit, false)
+    }
+
+    /// [`Peer::spawn`] with the peer's stdin kept open for
+    /// [`Peer::request`]: a peer told what to do while it runs. It ends
+    /// when its stdin closes, or is killed on drop.
+    pub fn spawn_talking(what: &str, args: &[String]) -> Result<Peer> {
+        Peer::start(what, args, None, &[], true)
+    }
+
+    fn start(
+        what: &str,
+        args: &[String],
+        cpu: Option<usize>,
+        inherit: &[BorrowedFd<'_>],
+        talking: bool,
+    ) -> Result<Peer> {
         let exe = std::env::current_exe()
             .context(|| "could not find the bench's own executable to start a peer".to_owned())?;
         let mut cmd = Command::new(&exe);
         cmd.arg("--serve")
             .arg(what)
             .args(args)
-            .stdin(Stdio::null())
+            .stdin(if talking {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let inherit: Vec<RawFd> = inherit.iter().map(|fd| fd.as_raw_fd()).collect();
@@ -128,6 +151,7 @@ impl Peer {
             child,
             what: what.to_owned(),
             addr: String::new(),
+            pending: Vec::new(),
         };
         // On error `peer` is dropped here, which kills and reaps it.
         peer.addr = peer.wait_ready()?;
@@ -168,21 +192,48 @@ impl Peer {
         // Drop kills and reaps.
     }
 
+    /// Sends `line` to a peer started with [`Peer::spawn_talking`] and
+    /// returns the line it answers, waiting `within` at most.
+    pub fn request(&mut self, line: &str, within: Duration) -> Result<String> {
+        let what = self.what.clone();
+        let stdin = self.child.stdin.as_mut().ok_or_else(|| {
+            Error::new(format!("the {what} peer was not started to be talked to"))
+        })?;
+        writeln!(stdin, "{line}")
+            .and_then(|()| stdin.flush())
+            .context(|| format!("could not tell the {what} peer `{line}`"))?;
+        self.read_line(within)
+            .map_err(|e| Error::new(format!("the {what} peer did not answer `{line}`: {e}")))
+    }
+
     fn wait_ready(&mut self) -> Result<String> {
+        let first = self.read_line(READY_TIMEOUT)?;
+        first
+            .strip_prefix("ready ")
+            .map(str::to_owned)
+            .ok_or_else(|| {
+                Error::new(format!(
+                    "the {} peer process printed {first:?} instead of `ready <address>`",
+                    self.what
+                ))
+            })
+    }
+
+    /// The next line of the peer's stdout, within `within`.
+    fn read_line(&mut self, within: Duration) -> Result<String> {
         let what = self.what.clone();
         let stdout = self
             .child
             .stdout
             .as_mut()
             .ok_or_else(|| Error::new("the peer's stdout was not captured"))?;
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let mut line = Vec::new();
-        while !line.contains(&b'\n') {
+        let deadline = Instant::now() + within;
+        while !self.pending.contains(&b'\n') {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || !poll_readable(stdout.as_raw_fd(), left)? {
                 return Err(Error::new(format!(
-                    "the {what} peer process did not report ready within {} s",
-                    READY_TIMEOUT.as_secs()
+                    "the {what} peer process printed no line within {} s",
+                    within.as_secs()
                 )));
             }
             let mut chunk = [0u8; 256];
@@ -199,22 +250,22 @@ impl Peer {
                     .wait()
                     .context(|| format!("could not reap the {what} peer process"))?;
                 return Err(Error::new(format!(
-                    "the {what} peer process exited ({status}) before it was ready; \
+                    "the {what} peer process exited ({status}); \
                      its own error is printed above"
                 )));
             }
-            line.extend_from_slice(&chunk[..n]);
+            self.pending.extend_from_slice(&chunk[..n]);
         }
-        let text = String::from_utf8_lossy(&line);
-        let first = text.lines().next().unwrap_or_default();
-        first
-            .strip_prefix("ready ")
-            .map(str::to_owned)
-            .ok_or_else(|| {
-                Error::new(format!(
-                    "the {what} peer process printed {first:?} instead of `ready <address>`"
-                ))
-            })
+        let end = self
+            .pending
+            .iter()
+            .position(|&b| b == b'\n')
+            .unwrap_or(self.pending.len());
+        let line: Vec<u8> = self
+            .pending
+            .drain(..=end.min(self.pending.len() - 1))
+            .collect();
+        Ok(String::from_utf8_lossy(&line).trim_end().to_owned())
     }
 }
 

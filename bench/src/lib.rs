@@ -18,6 +18,10 @@
 //!   cluster without rfaas and with it, and reports the idle capacity
 //!   offered, how soon job ends are lent again, the plugin's cost to job
 //!   starts and the calls served meanwhile.
+//! - `rfaas-fleet` runs thousands of simulated node agents against real
+//!   manager replicas on PostgreSQL and reports what each node costs the
+//!   replicas and the database, grant and registration latencies, how
+//!   soon a silent node is lost, and the nodes a rolling restart loses.
 //!
 //! # Layout
 //!
@@ -47,6 +51,8 @@
 //! - [`child`]: the peer process a two-sided row runs against, started by
 //!   re-executing the binary with the hidden `--serve <what>`;
 //! - [`cleanup`]: stops the daemons the bench started on SIGINT/SIGTERM;
+//! - [`fleet`]: `rfaas-fleet`: the simulated node agents, what is
+//!   measured around them, the `fleet` row;
 //! - [`harvest`]: `rfaas-harvest`: the job stream, the site it runs on,
 //!   the samplers and the figures;
 //! - [`stats`]: latency samples -> median, p99, min, mean;
@@ -69,6 +75,7 @@ pub mod cli;
 pub mod derived;
 pub mod error;
 pub mod fabric_rows;
+pub mod fleet;
 pub mod grpc;
 pub mod harvest;
 pub mod invoke;

@@ -8,7 +8,7 @@
 //! | `lease_grant_paced` | the same, open loop: pairs start on a fixed schedule at half the best `lease_grant` rate of the round (same backend and replicas), whatever the earlier ones did; a sample runs from its scheduled start, so a queue behind a slow pair counts |
 //! | `raw_db_grant` | `Store::grant` and `Store::end_grant` of `rfaas_manager::store` on a pool of the same database, from `concurrency` tasks: the same transactions (budget check, row locks, billing slots when accounting instances are registered, inserts, notifications) without HTTP, authentication, the view of the nodes and signing |
 //! | `lease_grant_aged` | `lease_grant` at 1 replica and the largest concurrency, against a second database of the same backend that holds `--ended-leases` ended leases (inserted once, in one statement, ended over the last 80 days: none is old enough to purge); runs only when `--rows` names it, each round right after `lease_grant` |
-//! | `node_visible` | a node's `PUT /v1/nodes/{name}` to one replica until every replica's `GET /v1/nodes` (its in-memory view, not `?fresh=true`) lists the node, each replica polled every millisecond; registrations start at random points of the replicas' `refresh_ms` |
+//! | `node_visible` | a node's `PUT /v1/nodes/{name}` to one replica until every replica's `GET /v1/nodes/{name}` (its in-memory view, as `GET /v1/nodes` without `?fresh=true`) shows the node, each replica polled every millisecond; registrations start at random points of the replicas' `refresh_ms` |
 //!
 //! Every replica is a real `rfaas-manager` process on 127.0.0.1 (release
 //! build, from next to the bench or `--manager-bin`), stopped by pid; all
@@ -71,9 +71,9 @@ pub const DERIVED: &[(&str, &str)] = &[
 /// Nodes registered, and cores each lends: grants never run out.
 const NODES: usize = 8;
 const NODE_CORES: u32 = 4096;
-const NODE_MEMORY_MIB: u64 = 1 << 30;
+pub(crate) const NODE_MEMORY_MIB: u64 = 1 << 30;
 /// What each grant asks for.
-const GRANT_BODY: &str = r#"{"cores":1,"memory_mib":1,"duration_s":600}"#;
+pub(crate) const GRANT_BODY: &str = r#"{"cores":1,"memory_mib":1,"duration_s":600}"#;
 const GRANT_MEMORY_MIB: u64 = 1;
 const GRANT_DURATION_S: u64 = 600;
 
@@ -141,7 +141,7 @@ pub fn run(s: &Settings) -> Result<()> {
             bin.display()
         )));
     }
-    let dir = Scratch::new()?;
+    let dir = Scratch::new("manager")?;
     let aged = s
         .rows
         .as_ref()
@@ -211,11 +211,12 @@ fn check(s: &Settings) -> Result<()> {
 
 /// A private directory for the key, the token and the SQLite file,
 /// removed at the end.
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Scratch {
-    fn new() -> Result<Scratch> {
-        let dir = std::env::temp_dir().join(format!("rfaas-bench-manager-{}", std::process::id()));
+    /// `/tmp/rfaas-bench-<what>-<pid>`.
+    pub(crate) fn new(what: &str) -> Result<Scratch> {
+        let dir = std::env::temp_dir().join(format!("rfaas-bench-{what}-{}", std::process::id()));
         std::fs::create_dir_all(&dir)
             .map_err(|e| Error::new(format!("could not create {}: {e}", dir.display())))?;
         Ok(Scratch(dir))
@@ -230,15 +231,15 @@ impl Drop for Scratch {
 
 /// What every replica of the run shares: binary, admin token, lease key,
 /// configuration.
-struct Common {
-    bin: PathBuf,
-    admin_token: String,
-    lease_key: PathBuf,
-    refresh_ms: u64,
+pub(crate) struct Common {
+    pub(crate) bin: PathBuf,
+    pub(crate) admin_token: String,
+    pub(crate) lease_key: PathBuf,
+    pub(crate) refresh_ms: u64,
 }
 
 impl Common {
-    fn new(bin: &Path, dir: &Path, refresh_ms: u64) -> Result<Common> {
+    pub(crate) fn new(bin: &Path, dir: &Path, refresh_ms: u64) -> Result<Common> {
         let lease_key = dir.join("lease-key.secret");
         write_lease_key(&lease_key).map_err(Error::new)?;
         Ok(Common {
@@ -291,23 +292,32 @@ impl Database {
 }
 
 /// Running replicas, stopped (kill -9) on drop.
-struct Replicas {
-    _managers: Vec<(Manager, Option<cleanup::Registered>)>,
-    urls: Vec<String>,
+pub(crate) struct Replicas {
+    managers: Vec<(Manager, Option<cleanup::Registered>)>,
+    pub(crate) urls: Vec<String>,
 }
 
 impl Replicas {
+    /// `n` replicas on `db` for the grant rows: heartbeats every second,
+    /// and nodes never lost.
     fn start(common: &Common, db: &Database, n: u32) -> Result<Replicas> {
+        let config = format!(
+            "heartbeat_interval_ms = 1000\nlost_after_ms = 86400000\nrefresh_ms = {}\n",
+            common.refresh_ms
+        );
+        Replicas::start_with(common, &db.url, n, &config)
+    }
+
+    /// `n` replicas on the database at `url`, `config` added to their
+    /// configuration.
+    pub(crate) fn start_with(common: &Common, url: &str, n: u32, config: &str) -> Result<Replicas> {
         let mut managers = Vec::new();
         for _ in 0..n {
             let opts = ManagerOptions {
-                database: Some(db.url.clone()),
+                database: Some(url.to_owned()),
                 admin_token: Some(common.admin_token.clone()),
                 lease_key: Some(common.lease_key.clone()),
-                extra_config: format!(
-                    "heartbeat_interval_ms = 1000\nlost_after_ms = 86400000\nrefresh_ms = {}\n",
-                    common.refresh_ms
-                ),
+                extra_config: config.to_owned(),
                 ..ManagerOptions::default()
             };
             let m = Manager::try_start(&common.bin, opts).map_err(Error::new)?;
@@ -315,22 +325,40 @@ impl Replicas {
             managers.push((m, registered));
         }
         let urls = managers.iter().map(|(m, _)| m.url().to_owned()).collect();
-        Ok(Replicas {
-            _managers: managers,
-            urls,
-        })
+        Ok(Replicas { managers, urls })
+    }
+
+    /// The replicas' pids, those running.
+    pub(crate) fn pids(&self) -> Vec<u32> {
+        self.managers.iter().filter_map(|(m, _)| m.pid()).collect()
+    }
+
+    /// Stops replica `i` (SIGTERM, as an upgrade does) and starts it
+    /// again on the same port.
+    pub(crate) fn restart(&mut self, i: usize) -> Result<()> {
+        let (m, registered) = &mut self.managers[i];
+        *registered = None;
+        m.restart().map_err(|e| {
+            Error::new(format!(
+                "could not restart the replica at {}: {e}; its log:\n{}",
+                self.urls[i],
+                m.log()
+            ))
+        })?;
+        *registered = m.pid().map(cleanup::register);
+        Ok(())
     }
 }
 
 /// A blocking HTTP agent: keep-alive, statuses as values, trusting
 /// `RFAAS_CA_FILE` or the system's roots.
-fn agent() -> ureq::Agent {
+pub(crate) fn agent() -> ureq::Agent {
     let options = rfaas_tls::AgentOptions::new(Duration::from_secs(30)).ca_file_or_env(None);
     rfaas_tls::agent(&options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// `method path` on `base` with `token`; the status and the body.
-fn call(
+pub(crate) fn call(
     agent: &ureq::Agent,
     method: &str,
     url: &str,
@@ -363,7 +391,7 @@ fn call(
 }
 
 /// [`call`], failing unless the status is `want`.
-fn expect(
+pub(crate) fn expect(
     agent: &ureq::Agent,
     method: &str,
     url: &str,
@@ -380,7 +408,7 @@ fn expect(
     Ok(text)
 }
 
-fn credential(
+pub(crate) fn credential(
     agent: &ureq::Agent,
     url: &str,
     admin: &str,
@@ -404,7 +432,7 @@ fn credential(
         .ok_or_else(|| Error::new(format!("a credential without a token: {text}")))
 }
 
-fn register_body(name_seq: usize, cores: u32) -> String {
+pub(crate) fn register_body(name_seq: usize, cores: u32) -> String {
     serde_json::json!({
         "control_addr": format!("127.0.0.1:{}", 20_000 + name_seq % 40_000),
         "providers": [{"name": "tcp", "host": "127.0.0.1"}],
@@ -810,12 +838,14 @@ fn paced(
 }
 
 /// `iters` registrations of new nodes, each on the next replica; a
-/// sample ends when the last replica's view lists the node. Each waits a
+/// sample ends when the last replica's view shows the node (`GET
+/// /v1/nodes/{name}`, which reads the view as the listing does, at a
+/// cost that does not grow with the nodes). Each waits a
 /// random part of `refresh_ms` first: otherwise every registration would
 /// start just after the slowest replica's reload, which is what ended the
 /// sample before, and SQLite's figure would always be a whole period. The
 /// nodes are drained after, so later grants do not pick them.
-fn node_visible(
+pub(crate) fn node_visible(
     urls: &[String],
     admin: &str,
     iters: usize,
@@ -832,7 +862,6 @@ fn node_visible(
         let token = credential(&a, &urls[0], admin, "node", &name)?;
         let body = register_body(NODES + k, 1);
         let target = &urls[k % urls.len()];
-        let needle = format!("\"name\":\"{name}\"");
         let go = Barrier::new(urls.len() + 1);
         std::thread::sleep(Duration::from_millis(fastrand::u64(0..refresh_ms.max(1))));
         let (t0, seen) = std::thread::scope(|scope| {
@@ -840,19 +869,25 @@ fn node_visible(
                 .iter()
                 .zip(&pollers)
                 .map(|(url, agent)| {
-                    let (go, needle) = (&go, &needle);
+                    let (go, name) = (&go, &name);
                     scope.spawn(move || -> Result<Instant> {
-                        let list = format!("{url}/v1/nodes");
+                        let show = format!("{url}/v1/nodes/{name}");
                         go.wait();
                         let since = Instant::now();
                         loop {
-                            let text = expect(agent, "GET", &list, admin, None, 200)?;
-                            if text.contains(needle.as_str()) {
-                                return Ok(Instant::now());
+                            let (status, text) = call(agent, "GET", &show, admin, None)?;
+                            match status {
+                                200 => return Ok(Instant::now()),
+                                404 => {}
+                                _ => {
+                                    return Err(Error::new(format!(
+                                        "GET {show} answered {status}, not 200 or 404: {text}"
+                                    )))
+                                }
                             }
                             if since.elapsed() > deadline {
                                 return Err(Error::new(format!(
-                                    "the replica at {url} did not list {needle} within {deadline:?}"
+                                    "the replica at {url} did not show node {name} within {deadline:?}"
                                 )));
                             }
                             std::thread::sleep(POLL);

@@ -15,17 +15,7 @@ fn json_rows(bin: &str, args: &[&str]) -> Vec<Value> {
         .args(["--json", "--cpu-pin", "off"])
         .output()
         .expect("start the bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{bin} {args:?} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?} is not JSON: {e}")))
-        .collect()
+    rfaas_testkit::json_lines(&out)
 }
 
 fn find<'a>(rows: &'a [Value], name: &str, provider: &str, size: u64) -> &'a Value {

@@ -24,8 +24,9 @@
 //!   process to end.
 //! - [`prometheus`]: a real Prometheus server scraping given targets, and
 //!   queries through its HTTP API.
-//! - [`TempDir`] and [`output_text`]: a test's own directory, and a
-//!   finished command's output for an assertion's message.
+//! - [`TempDir`], [`output_text`] and [`json_lines`]: a test's own
+//!   directory, a finished command's output for an assertion's message,
+//!   and a bench's JSON lines.
 //! - [`slurm`]: a real Slurm cluster of several nodes on loopback (through
 //!   `scripts/slurm-cluster.sh`), optionally with slurmdbd, its clients
 //!   (srun, sbatch, sacctmgr, ...), and the SPANK plugin the tests load
@@ -130,6 +131,20 @@ pub fn output_text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
+}
+
+/// The JSON lines a bench printed on its stdout (with `--json`), one value
+/// each; panics with the whole output when the command failed or a line
+/// is not JSON.
+pub fn json_lines(o: &Output) -> Vec<serde_json::Value> {
+    assert!(o.status.success(), "the command failed: {}", output_text(o));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("{l:?} is not JSON ({e}): {}", output_text(o)))
+        })
+        .collect()
 }
 
 /// Generates one test per database from `fn $name(kind: &str)`, called
