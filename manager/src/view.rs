@@ -31,7 +31,8 @@
 //! `refresh_ms`, so a grant picks a live instance for its billing slots
 //! without a query of its own.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Bound;
 use std::sync::RwLock;
 
 use rfaas_proto::manager::{ClusterOffer, NodeView};
@@ -55,6 +56,8 @@ pub struct View {
 #[derive(Debug, Default)]
 struct Nodes {
     map: HashMap<String, StoredNode>,
+    /// The same names in order, for pages of the listing.
+    names: BTreeSet<String>,
     free: Free,
 }
 
@@ -148,7 +151,8 @@ impl View {
             })
             .collect();
         let free = Free::of(&map);
-        *nodes = Nodes { map, free };
+        let names = map.keys().cloned().collect();
+        *nodes = Nodes { map, names, free };
         *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes.map);
     }
 
@@ -160,6 +164,9 @@ impl View {
         let before = nodes.map.get(&name).map(|held| registered(&held.node));
         let changed = before != Some(registered(&n.node));
         nodes.free.set(&name, Some(&n.node));
+        if !nodes.names.contains(&name) {
+            nodes.names.insert(name.clone());
+        }
         nodes.map.insert(name, n);
         // Heartbeats change nothing here; registrations may.
         if changed {
@@ -224,6 +231,41 @@ impl View {
             .collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
+    }
+
+    /// A page of the nodes by name: those after `after` whose name starts
+    /// with `prefix` and that `keep` keeps, at most `limit`, and whether
+    /// more remain. It reads the nodes from `after` on until the page is
+    /// full.
+    pub fn page(
+        &self,
+        after: Option<&str>,
+        prefix: &str,
+        limit: usize,
+        keep: impl Fn(&NodeView) -> bool,
+    ) -> (Vec<NodeView>, bool) {
+        let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
+        let start = match after {
+            Some(a) if a >= prefix => Bound::Excluded(a),
+            _ => Bound::Included(prefix),
+        };
+        let mut out = Vec::new();
+        for name in nodes
+            .names
+            .range::<str, _>((start, Bound::Unbounded))
+            .take_while(|n| n.starts_with(prefix))
+        {
+            let Some(n) = nodes.map.get(name).map(|s| &s.node) else {
+                continue;
+            };
+            if keep(n) {
+                if out.len() == limit {
+                    return (out, true);
+                }
+                out.push(n.clone());
+            }
+        }
+        (out, false)
     }
 
     /// Nodes to try for a lease of `cores` at `memory_mib` per node, with

@@ -54,6 +54,68 @@ fn nodes_register_heartbeat_drain_resume(kind: &str) {
 }
 on_both!(nodes_register_heartbeat_drain_resume);
 
+/// `GET /v1/nodes` pages by name, filtered, and `rfaas_manager::ctl`
+/// follows the `Link` headers; from the view and, `fresh`, from the
+/// database.
+fn nodes_come_in_pages_that_ctl_follows(kind: &str) {
+    use rfaas_manager::ctl::Ctl;
+    use rfaas_proto::manager::NodeView;
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    for name in ["n4", "n1", "m1", "n3", "n5", "n2"] {
+        register(&m, name, 2, 1024);
+    }
+    let admin = m.admin();
+    let (s, v) = admin.call("POST", "/v1/nodes/n3/drain", None);
+    assert_eq!(s, 200, "{v}");
+    let ctl = Ctl::new(
+        vec![m.url().to_owned()],
+        m.admin_token().to_owned(),
+        None,
+        rfaas_tls::PlainHttp::LoopbackOnly,
+    )
+    .expect("a client");
+    let names = |path: &str| -> Vec<String> {
+        let (_, nodes): (_, Vec<NodeView>) = ctl.get_pages(path).expect(path);
+        nodes.into_iter().map(|n| n.name).collect()
+    };
+    let all = ["m1", "n1", "n2", "n3", "n4", "n5"];
+    assert_eq!(names("/v1/nodes?limit=2"), all);
+    assert_eq!(names("/v1/nodes?limit=1&fresh=true"), all);
+    assert_eq!(names("/v1/nodes"), all);
+    assert_eq!(names("/v1/nodes?state=drained&limit=1"), ["n3"]);
+    assert_eq!(
+        names("/v1/nodes?state=up&prefix=n&limit=1"),
+        ["n1", "n2", "n4", "n5"]
+    );
+    assert_eq!(names("/v1/nodes?prefix=zz"), Vec::<String>::new());
+    // One page without following: its rows only.
+    let (s, page) = admin.call("GET", "/v1/nodes?limit=2", None);
+    assert_eq!((s, page.as_array().map(Vec::len)), (200, Some(2)), "{page}");
+    let (s, page) = admin.call("GET", "/v1/nodes?limit=2&after=n2", None);
+    assert_eq!(page[0]["name"], "n3", "{s} {page}");
+    for bad in [
+        "limit=0",
+        "limit=10001",
+        "limit=many",
+        "after=..",
+        "state=sleepy",
+        "colour=red",
+    ] {
+        let (s, e) = admin.call("GET", &format!("/v1/nodes?{bad}"), None);
+        assert_eq!(
+            (s, e["error"].as_str()),
+            (400, Some("malformed_request")),
+            "{bad}: {e}"
+        );
+        assert!(
+            e["message"].as_str().is_some_and(|t| t.len() > 10),
+            "{bad}: {e}"
+        );
+    }
+}
+on_both!(nodes_come_in_pages_that_ctl_follows);
+
 fn leases_span_nodes_all_or_nothing(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager();

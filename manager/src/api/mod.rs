@@ -22,6 +22,7 @@ pub mod extract;
 mod jobs;
 mod leases;
 mod nodes;
+mod page;
 mod usage;
 
 use std::sync::Arc;

@@ -221,7 +221,7 @@ fn run(args: &Args) -> Result<(), CtlError> {
             } else {
                 "/v1/nodes"
             };
-            let (v, nodes): (_, Vec<NodeView>) = ctl.get(path)?;
+            let (v, nodes): (_, Vec<NodeView>) = ctl.get_pages(path)?;
             if args.json {
                 print_json(&v);
             } else {
