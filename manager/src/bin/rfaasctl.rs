@@ -74,6 +74,16 @@ enum Command {
         /// second old).
         #[arg(long)]
         fresh: bool,
+        /// Only nodes in this state.
+        #[arg(long, value_parser = ["up", "drained", "lost"])]
+        state: Option<String>,
+        /// Only nodes whose name starts with this.
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Nodes per request to the manager (1 to 10000); every page is
+        /// read and printed as one list.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        page_size: Option<u32>,
     },
     /// Show one node.
     Node {
@@ -215,13 +225,24 @@ fn run(args: &Args) -> Result<(), CtlError> {
     let now_ms = rfaas_service::now_ms();
     let now = now_ms / 1000;
     match &args.command {
-        Command::Nodes { fresh } => {
-            let path = if *fresh {
-                "/v1/nodes?fresh=true"
-            } else {
-                "/v1/nodes"
-            };
-            let (v, nodes): (_, Vec<NodeView>) = ctl.get_pages(path)?;
+        Command::Nodes {
+            fresh,
+            state,
+            prefix,
+            page_size,
+        } => {
+            let mut query = vec![format!("fresh={fresh}")];
+            if let Some(s) = state {
+                query.push(format!("state={s}"));
+            }
+            if let Some(p) = prefix {
+                query.push(format!("prefix={}", ctl::path_segment(p)));
+            }
+            if let Some(n) = page_size {
+                query.push(format!("limit={n}"));
+            }
+            let path = format!("/v1/nodes?{}", query.join("&"));
+            let (v, nodes): (_, Vec<NodeView>) = ctl.get_pages(&path)?;
             if args.json {
                 print_json(&v);
             } else {
