@@ -196,9 +196,10 @@ pub(super) struct NodesQuery {
     /// Only nodes whose name starts with this.
     #[param(max_length = 253)]
     prefix: Option<String>,
-    /// At most this many nodes (1 to 10000, default 1000); a `Link`
-    /// header with `rel="next"` gives the next page.
-    #[param(minimum = 1, maximum = 10000)]
+    /// At most this many nodes a page (default 1000; more than 10000 is
+    /// read as 10000); a `Link` header with `rel="next"` gives the next
+    /// page.
+    #[param(minimum = 1)]
     limit: Option<u32>,
     /// The cursor from the previous page's `Link` header.
     #[param(max_length = 253)]
@@ -228,7 +229,7 @@ pub(super) async fn list_nodes(
             prefix.len()
         )));
     }
-    let keep = |n: &NodeView| q.state.is_none_or(|s| n.state == s);
+    let keep = |n: &NodeView| q.state.map_or(true, |s| n.state == s);
     let (nodes, more) = if q.fresh {
         let fresh = View::default();
         fresh.replace_all(app.store.nodes().await?);

@@ -14,16 +14,15 @@ pub(super) const DEFAULT_LIMIT: u32 = 1000;
 /// The most rows a page holds.
 pub(super) const MAX_LIMIT: u32 = 10_000;
 
-/// `limit` as asked, checked: 1 to [`MAX_LIMIT`], [`DEFAULT_LIMIT`] if absent.
+/// `limit` as asked, checked: [`DEFAULT_LIMIT`] if absent, at most
+/// [`MAX_LIMIT`] (a larger one, which listings took before they came in
+/// pages, gets a full page and a link to the next).
 pub(super) fn limit(asked: Option<u32>) -> Result<usize, ApiError> {
     match asked.unwrap_or(DEFAULT_LIMIT) {
         0 => Err(ApiError::Malformed(format!(
             "limit is 0; ask for 1 to {MAX_LIMIT} rows a page"
         ))),
-        n if n > MAX_LIMIT => Err(ApiError::Malformed(format!(
-            "limit is {n}; a page holds at most {MAX_LIMIT} rows, follow the Link header for more"
-        ))),
-        n => Ok(n as usize),
+        n => Ok(n.min(MAX_LIMIT) as usize),
     }
 }
 
