@@ -1,6 +1,8 @@
 //! `rfaasctl`'s side of the REST API: [`Ctl`] calls the managers, failing
-//! over to the next replica when one cannot be reached, and the functions
-//! below turn the answers into the tables and lines it prints for people.
+//! over to the next replica when one cannot be reached, and reads a
+//! listing page by page through its `rel="next"` links
+//! ([`Ctl::get_pages`]); the functions below turn the answers into the
+//! tables and lines it prints for people.
 
 use std::fmt::Write as _;
 use std::time::Duration;
