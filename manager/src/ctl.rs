@@ -1,6 +1,8 @@
 //! `rfaasctl`'s side of the REST API: [`Ctl`] calls the managers, failing
-//! over to the next replica when one cannot be reached, and the functions
-//! below turn the answers into the tables and lines it prints for people.
+//! over to the next replica when one cannot be reached, and reads a
+//! listing page by page through its `rel="next"` links
+//! ([`Ctl::get_pages`]); the functions below turn the answers into the
+//! tables and lines it prints for people.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -138,6 +140,17 @@ impl Ctl {
     /// (`Null` when empty), anything else its [`ApiError`]. A manager
     /// that cannot be reached is skipped, so a request is never sent twice.
     pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Value, CtlError> {
+        self.call_linked(method, path, body).map(|(v, _)| v)
+    }
+
+    /// As [`call`](Self::call), with the path of the `rel="next"` link
+    /// the answer carries, if any.
+    fn call_linked(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(Value, Option<String>), CtlError> {
         let mut tried = Vec::new();
         for base in &self.urls {
             let url = format!("{base}{path}");
@@ -166,6 +179,12 @@ impl Ctl {
                 }
             };
             let status = resp.status().as_u16();
+            let next = resp
+                .headers()
+                .get_all("link")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .find_map(next_link);
             let text = resp
                 .body_mut()
                 .read_to_string()
@@ -175,11 +194,13 @@ impl Ctl {
                 })?;
             if (200..300).contains(&status) {
                 if text.trim().is_empty() {
-                    return Ok(Value::Null);
+                    return Ok((Value::Null, next));
                 }
-                return serde_json::from_str(&text).map_err(|e| CtlError::Protocol {
-                    url: base.clone(),
-                    why: e.to_string(),
+                return serde_json::from_str(&text).map(|v| (v, next)).map_err(|e| {
+                    CtlError::Protocol {
+                        url: base.clone(),
+                        why: e.to_string(),
+                    }
                 });
             }
             return Err(match serde_json::from_str::<ApiError>(&text) {
@@ -203,6 +224,58 @@ impl Ctl {
         let t = typed(&self.urls, &v)?;
         Ok((v, t))
     }
+}
+
+impl Ctl {
+    /// Every row of a paged listing: `path`'s first page, then each page
+    /// its `Link: <...>; rel="next"` header points to, until none does;
+    /// all rows as one JSON array, and as `T`.
+    pub fn get_pages<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+    ) -> Result<(Value, Vec<T>), CtlError> {
+        let mut rows = Vec::new();
+        let mut next = Some(path.to_owned());
+        while let Some(path) = next.take() {
+            let (v, link) = self.call_linked("GET", &path, None)?;
+            match v {
+                Value::Array(page) => rows.extend(page),
+                _ => {
+                    return Err(CtlError::Protocol {
+                        url: self.urls.join(","),
+                        why: format!("GET {path} answered with something other than a list"),
+                    })
+                }
+            }
+            next = link;
+        }
+        let v = Value::Array(rows);
+        let t = typed(&self.urls, &v)?;
+        Ok((v, t))
+    }
+}
+
+/// The path and query of a `Link` header's `rel="next"` target, if it
+/// has one (RFC 8288; the managers give paths, a full URL is cut to its
+/// path so the next page goes to the same managers).
+pub fn next_link(header: &str) -> Option<String> {
+    header.split(',').find_map(|link| {
+        let (target, params) = link.trim().split_once(';')?;
+        let target = target.trim().strip_prefix('<')?.strip_suffix('>')?;
+        let is_next = params.split(';').any(|p| {
+            let p = p.trim().replace(' ', "");
+            p == "rel=\"next\"" || p == "rel=next"
+        });
+        if !is_next {
+            return None;
+        }
+        match target.find("://") {
+            Some(k) => target[k + 3..]
+                .find('/')
+                .map(|p| target[k + 3 + p..].to_owned()),
+            None => target.starts_with('/').then(|| target.to_owned()),
+        }
+    })
 }
 
 /// Reads an answer as `T`.
@@ -502,6 +575,20 @@ mod tests {
     fn path_segments_are_encoded() {
         assert_eq!(path_segment("node-1.a_b@c"), "node-1.a_b@c");
         assert_eq!(path_segment("a/b c"), "a%2Fb%20c");
+    }
+
+    #[test]
+    fn next_links_are_found_among_others() {
+        assert_eq!(
+            next_link(r#"</v1/nodes?after=n2&limit=2>; rel="next""#).as_deref(),
+            Some("/v1/nodes?after=n2&limit=2")
+        );
+        assert_eq!(
+            next_link(r#"<https://m:7000/v1/nodes?after=a>; rel="prev", <https://m:7000/v1/nodes?after=b>; rel="next""#)
+                .as_deref(),
+            Some("/v1/nodes?after=b")
+        );
+        assert_eq!(next_link(r#"</v1/nodes?after=a>; rel="prev""#), None);
     }
 
     #[test]

@@ -16,7 +16,9 @@
 //!   grants by conditional updates, so no core is leased twice and no
 //!   billing slot given to two leases under any concurrency.
 //! - [`view`]: each replica's in-memory view of the nodes, which placement
-//!   reads; refreshed by `LISTEN/NOTIFY` on PostgreSQL and periodically.
+//!   reads through an index of the nodes with free cores (so a grant reads
+//!   a bounded number of nodes); refreshed by `LISTEN/NOTIFY` on
+//!   PostgreSQL and periodically.
 //! - [`announce`]: grants' and releases' counters for the other replicas,
 //!   one notice every 20 ms at most.
 //! - [`auth`]: the admin token and node and user credentials.

@@ -22,25 +22,43 @@
 //! that a request no node could ever hold is told so without a query and
 //! without walking the nodes.
 //!
+//! Placement reads an index of the nodes that may be offered
+//! ([`free`]), kept in step with every change here, so a grant reads the
+//! nodes it needs and a bounded number more, whatever the fleet's size.
+//!
 //! It also holds the accounting instances (`accounting_instances`, which
 //! the accounting services write), reloaded with the nodes every
 //! `refresh_ms`, so a grant picks a live instance for its billing slots
 //! without a query of its own.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Bound;
 use std::sync::RwLock;
 
 use rfaas_proto::manager::{ClusterOffer, NodeState, NodeView};
 
 use crate::store::{AccountingInstance, LeaseRow, StoredNode};
 
+mod free;
+
+use free::Free;
+
 /// The view.
 #[derive(Debug, Default)]
 pub struct View {
-    nodes: RwLock<HashMap<String, StoredNode>>,
+    nodes: RwLock<Nodes>,
     /// Summed up from `nodes` (lock order: `nodes` first).
     reach: RwLock<Reach>,
     instances: RwLock<Vec<AccountingInstance>>,
+}
+
+/// The nodes by name, and the placement index over them.
+#[derive(Debug, Default)]
+struct Nodes {
+    map: HashMap<String, StoredNode>,
+    /// The same names in order, for pages of the listing.
+    names: BTreeSet<String>,
+    free: Free,
 }
 
 /// Every known node's registered capacity, summed up.
@@ -127,49 +145,40 @@ fn set_leased(n: &mut NodeView, cores: u32, memory_mib: u64) {
     n.draining_memory_mib = n.memory_mib - registered_memory;
 }
 
-/// Cores of `n` neither leased, withheld by the node, nor draining.
-fn lendable(n: &NodeView) -> u32 {
-    n.cores
-        .saturating_sub(n.draining_cores)
-        .saturating_sub(n.leased_cores)
-        .saturating_sub(n.withheld_cores)
-}
-
-/// Memory of `n` neither leased nor draining, MiB.
-fn lendable_memory(n: &NodeView) -> u64 {
-    n.memory_mib
-        .saturating_sub(n.draining_memory_mib)
-        .saturating_sub(n.leased_memory_mib)
-}
-
 impl View {
     /// Replaces the whole view with what was read (the nodes not read are
     /// gone), keeping newer leased counters.
     pub fn replace_all(&self, read: Vec<StoredNode>) {
         let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
-        let map = read
+        let map: HashMap<String, StoredNode> = read
             .into_iter()
             .map(|n| {
                 let name = n.node.name.clone();
-                let n = merge(n, nodes.get(&name));
+                let n = merge(n, nodes.map.get(&name));
                 (name, n)
             })
             .collect();
-        *nodes = map;
-        *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes);
+        let free = Free::of(&map);
+        let names = map.keys().cloned().collect();
+        *nodes = Nodes { map, names, free };
+        *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes.map);
     }
 
     /// Adds or replaces one node, keeping newer leased counters.
     pub fn upsert(&self, read: StoredNode) {
         let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
         let name = read.node.name.clone();
-        let n = merge(read, nodes.get(&name));
-        let before = nodes.get(&name).map(|held| registered(&held.node));
+        let n = merge(read, nodes.map.get(&name));
+        let before = nodes.map.get(&name).map(|held| registered(&held.node));
         let changed = before != Some(registered(&n.node));
-        nodes.insert(name, n);
+        nodes.free.set(&name, Some(&n.node));
+        if !nodes.names.contains(&name) {
+            nodes.names.insert(name.clone());
+        }
+        nodes.map.insert(name, n);
         // Heartbeats change nothing here; registrations may.
         if changed {
-            *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes);
+            *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes.map);
         }
     }
 
@@ -193,12 +202,14 @@ impl View {
     /// `lease_seq` to `seq`, unless the view has a later one; `false` when
     /// the view does not know the node.
     pub fn set_leased(&self, name: &str, cores: u32, memory_mib: u64, seq: u64) -> bool {
-        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
-        match nodes.get_mut(name) {
+        let mut guard = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+        let nodes = &mut *guard;
+        match nodes.map.get_mut(name) {
             Some(n) => {
                 if seq > n.lease_seq {
                     set_leased(&mut n.node, cores, memory_mib);
                     n.lease_seq = seq;
+                    nodes.free.set(name, Some(&n.node));
                 }
                 true
             }
@@ -211,13 +222,14 @@ impl View {
         self.nodes
             .read()
             .unwrap_or_else(|p| p.into_inner())
+            .map
             .get(name)
             .map(|n| n.node.clone())
     }
 
     /// How many nodes are known.
     pub fn len(&self) -> usize {
-        self.nodes.read().unwrap_or_else(|p| p.into_inner()).len()
+        self.nodes.read().unwrap_or_else(|p| p.into_inner()).map.len()
     }
 
     /// Whether no node is known.
@@ -232,7 +244,7 @@ impl View {
     /// database ([`crate::liveness`]).
     pub fn beat(&self, name: &str, at_ms: u64, withheld_cores: u32) -> bool {
         let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
-        match nodes.get_mut(name) {
+        match nodes.map.get_mut(name) {
             Some(n)
                 if n.node.state != NodeState::Lost && n.node.withheld_cores == withheld_cores =>
             {
@@ -249,6 +261,7 @@ impl View {
             .nodes
             .read()
             .unwrap_or_else(|p| p.into_inner())
+            .map
             .values()
             .map(|n| n.node.clone())
             .collect();
@@ -256,30 +269,59 @@ impl View {
         v
     }
 
-    /// Nodes to try for a lease of `memory_mib` per node, with their free
-    /// cores: the `preferred` ones first, in the order given, then the
-    /// others in random order, so that grants spread over the pool.
-    pub fn candidates(&self, memory_mib: u64, preferred: &[String]) -> Vec<(String, u32)> {
+    /// A page of the nodes by name: those after `after` whose name starts
+    /// with `prefix` and that `keep` keeps, at most `limit`, and whether
+    /// more remain. It reads the nodes from `after` on until the page is
+    /// full.
+    pub fn page(
+        &self,
+        after: Option<&str>,
+        prefix: &str,
+        limit: usize,
+        keep: impl Fn(&NodeView) -> bool,
+    ) -> (Vec<NodeView>, bool) {
         let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
-        let fits = |n: &NodeView| {
-            n.state == NodeState::Up && lendable(n) > 0 && memory_mib <= lendable_memory(n)
+        let start = match after {
+            Some(a) if a >= prefix => Bound::Excluded(a),
+            _ => Bound::Included(prefix),
         };
-        let mut out: Vec<(String, u32)> = preferred
-            .iter()
-            .filter_map(|p| nodes.get(p).map(|n| &n.node))
-            .filter(|n| fits(n))
-            .map(|n| (n.name.clone(), lendable(n)))
-            .collect();
-        let mut rest: Vec<(String, u32)> = nodes
-            .values()
-            .map(|n| &n.node)
-            .filter(|n| fits(n) && !preferred.contains(&n.name))
-            .map(|n| (n.name.clone(), lendable(n)))
-            .collect();
-        rest.sort();
-        fastrand::shuffle(&mut rest);
-        out.extend(rest);
-        out
+        let mut out = Vec::new();
+        for name in nodes
+            .names
+            .range::<str, _>((start, Bound::Unbounded))
+            .take_while(|n| n.starts_with(prefix))
+        {
+            let Some(n) = nodes.map.get(name).map(|s| &s.node) else {
+                continue;
+            };
+            if keep(n) {
+                if out.len() == limit {
+                    return (out, true);
+                }
+                out.push(n.clone());
+            }
+        }
+        (out, false)
+    }
+
+    /// Nodes to try for a lease of `cores` at `memory_mib` per node, with
+    /// their free cores: the `preferred` ones first, in the order given,
+    /// then others drawn at random, so that grants spread over the pool,
+    /// until they cover the request with a few to spare (or all that fit,
+    /// if they do not). It reads a bounded number of nodes beyond those the
+    /// request needs, whatever the number of nodes ([`free`]).
+    pub fn candidates(
+        &self,
+        memory_mib: u64,
+        cores: u32,
+        preferred: &[String],
+    ) -> Vec<(String, u32)> {
+        self.place(memory_mib, cores, preferred).candidates
+    }
+
+    fn place(&self, memory_mib: u64, cores: u32, preferred: &[String]) -> free::Placement {
+        let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
+        nodes.free.place(&nodes.map, memory_mib, cores, preferred)
     }
 
     /// Replaces the accounting instances.
@@ -346,6 +388,7 @@ impl View {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rfaas_proto::manager::NodeState;
 
     fn node(name: &str, cores: u32, leased: u32, state: NodeState) -> NodeView {
         NodeView {
@@ -381,7 +424,7 @@ mod tests {
         let mut b = node("b", 4, 0, NodeState::Up);
         b.withheld_cores = 4;
         v.replace_all(read(vec![a, b]));
-        assert_eq!(v.candidates(1, &[]), [("a".to_string(), 1)]);
+        assert_eq!(v.candidates(1, 1, &[]), [("a".to_string(), 1)]);
     }
 
     #[test]
@@ -404,11 +447,11 @@ mod tests {
         (a.draining_cores, a.memory_mib, a.leased_memory_mib) = (3, 2048, 2048);
         a.draining_memory_mib = 1048;
         v.replace_all(read(vec![a]));
-        assert!(v.candidates(1, &[]).is_empty());
+        assert!(v.candidates(1, 1, &[]).is_empty());
         // A release another replica announces: 1 core and 1024 MiB left.
         assert!(v.set_leased("a", 1, 1024, 1));
         assert_eq!(caps(&v), Some((1, 1, 0, 1024, 1024, 24)));
-        assert!(v.candidates(1, &[]).is_empty(), "memory still drains");
+        assert!(v.candidates(1, 1, &[]).is_empty(), "memory still drains");
         // A reload that read the row before that release keeps the newer
         // counters and the capacity they settle.
         let mut old = node("a", 4, 4, NodeState::Up);
@@ -422,8 +465,8 @@ mod tests {
         // Every lease gone: what the node registered.
         assert!(v.set_leased("a", 0, 0, 2));
         assert_eq!(caps(&v), Some((1, 0, 0, 1000, 0, 0)));
-        assert_eq!(v.candidates(1000, &[]), [("a".to_string(), 1)]);
-        assert!(v.candidates(1001, &[]).is_empty());
+        assert_eq!(v.candidates(1000, 1, &[]), [("a".to_string(), 1)]);
+        assert!(v.candidates(1001, 1, &[]).is_empty());
     }
 
     #[test]
@@ -481,11 +524,11 @@ mod tests {
             node("d", 4, 0, NodeState::Drained),
             node("e", 4, 0, NodeState::Lost),
         ]));
-        let c = v.candidates(64, &["c".into(), "d".into(), "zz".into()]);
+        let c = v.candidates(64, 1, &["c".into(), "d".into(), "zz".into()]);
         assert_eq!(c[0], ("c".to_string(), 3));
         assert_eq!(c.len(), 2, "{c:?}");
         assert_eq!(c[1], ("a".to_string(), 4));
-        assert!(v.candidates(2048, &[]).is_empty(), "memory must fit");
+        assert!(v.candidates(2048, 1, &[]).is_empty(), "memory must fit");
     }
 
     #[test]
@@ -497,7 +540,7 @@ mod tests {
         assert!(v.set_leased("a", 4, 512, 3));
         assert!(v.set_leased("a", 2, 256, 2));
         assert_eq!(leased(&v), Some((4, 512)));
-        assert!(v.candidates(64, &[]).is_empty(), "a is full");
+        assert!(v.candidates(64, 1, &[]).is_empty(), "a is full");
         // A reload that read the row before seq 3: its other fields, not
         // its counters.
         let mut old = node("a", 8, 2, NodeState::Up);
@@ -511,7 +554,7 @@ mod tests {
             v.get("a").map(|n| (n.cores, n.withheld_cores)),
             Some((8, 1))
         );
-        assert_eq!(v.candidates(64, &[]), [("a".to_string(), 3)]);
+        assert_eq!(v.candidates(64, 1, &[]), [("a".to_string(), 3)]);
         // A heartbeat's read after a release (seq 4) takes over.
         old.leased_cores = 0;
         v.upsert(StoredNode {
@@ -534,9 +577,134 @@ mod tests {
                 .collect(),
         ));
         let firsts: std::collections::HashSet<String> = (0..200)
-            .map(|_| v.candidates(1, &[])[0].0.clone())
+            .map(|_| v.candidates(1, 1, &[])[0].0.clone())
             .collect();
         assert!(firsts.len() >= 6, "placement is not randomised: {firsts:?}");
+    }
+
+    /// Checks the index, and a placement from it, against a walk of
+    /// every node.
+    fn check_against_a_walk(v: &View, memory_mib: u64, cores: u32, preferred: &[String]) {
+        let nodes = v.nodes.read().unwrap_or_else(|p| p.into_inner());
+        nodes.free.check(&nodes.map);
+        let fits: HashMap<String, u32> = nodes
+            .map
+            .values()
+            .map(|s| &s.node)
+            .filter(|n| {
+                n.state == NodeState::Up
+                    && free::lendable(n) > 0
+                    && memory_mib <= free::lendable_memory(n)
+            })
+            .map(|n| (n.name.clone(), free::lendable(n)))
+            .collect();
+        drop(nodes);
+        let c = v.candidates(memory_mib, cores, preferred);
+        let mut seen = std::collections::HashSet::new();
+        for (name, free) in &c {
+            assert_eq!(fits.get(name), Some(free), "{name} in {c:?}");
+            assert!(seen.insert(name), "{name} twice in {c:?}");
+        }
+        let mut first: Vec<&String> = Vec::new();
+        for p in preferred {
+            if fits.contains_key(p) && !first.contains(&p) {
+                first.push(p);
+            }
+        }
+        let names: Vec<&String> = c.iter().map(|e| &e.0).collect();
+        assert_eq!(names[..first.len()], first[..], "preferred first");
+        let got: u64 = c.iter().map(|e| u64::from(e.1)).sum();
+        let all: u64 = fits.values().map(|&f| u64::from(f)).sum();
+        if all >= u64::from(cores) {
+            assert!(got >= u64::from(cores), "{got} of {cores} cores: {c:?}");
+        } else {
+            assert_eq!(c.len(), fits.len(), "every node that fits");
+        }
+    }
+
+    fn random_node(name: &str) -> NodeView {
+        let state = match fastrand::u8(..8) {
+            0 => NodeState::Lost,
+            1 => NodeState::Drained,
+            _ => NodeState::Up,
+        };
+        let mut n = node(name, fastrand::u32(..9), 0, state);
+        n.leased_cores = fastrand::u32(..=n.cores + 1);
+        n.withheld_cores = fastrand::u32(..3);
+        n.draining_cores = fastrand::u32(..2);
+        n.memory_mib = [0, 512, 1024, 4096, 65536][fastrand::usize(..5)];
+        n.leased_memory_mib = fastrand::u64(..=n.memory_mib);
+        n.draining_memory_mib = fastrand::u64(..=256);
+        n
+    }
+
+    #[test]
+    fn the_placement_index_agrees_with_a_walk_of_the_nodes() {
+        fastrand::seed(27);
+        let v = View::default();
+        let names: Vec<String> = (0..300).map(|k| format!("n{k}")).collect();
+        let pick = || names[fastrand::usize(..names.len())].clone();
+        v.replace_all(read(names.iter().map(|n| random_node(n)).collect()));
+        for step in 0..3000u64 {
+            match fastrand::u8(..20) {
+                0 => v.replace_all(read(
+                    names
+                        .iter()
+                        .filter(|_| fastrand::bool())
+                        .map(|n| random_node(n))
+                        .collect(),
+                )),
+                1..=9 => v.upsert(StoredNode {
+                    node: random_node(&pick()),
+                    lease_seq: fastrand::u64(..step + 1),
+                }),
+                _ => {
+                    let cores = fastrand::u32(..10);
+                    let memory = fastrand::u64(..70_000);
+                    v.set_leased(&pick(), cores, memory, step + 1);
+                }
+            }
+            let preferred: Vec<String> = (0..fastrand::usize(..4)).map(|_| pick()).collect();
+            let memory = [0, 1, 600, 2000, 5000, 60_000][fastrand::usize(..6)];
+            check_against_a_walk(&v, memory, fastrand::u32(1..40), &preferred);
+        }
+    }
+
+    #[test]
+    fn a_grant_among_10000_nodes_reads_a_bounded_number_of_them() {
+        // Bounded whatever the fleet's size: the nodes the request needs,
+        // its preferred ones, and a fixed number of misses.
+        const K: usize = 100;
+        let v = View::default();
+        let mut fleet: Vec<NodeView> = (0..10_000)
+            .map(|k| {
+                let mut n = node(&format!("n{k:05}"), 4, k % 4, NodeState::Up);
+                n.memory_mib = 4096;
+                n
+            })
+            .collect();
+        for k in [17, 4242, 9999] {
+            fleet[k].memory_mib = 65536;
+        }
+        v.replace_all(read(fleet));
+        let preferred: Vec<String> = (0..10).map(|k| format!("n{:05}", k * 7)).collect();
+        for (memory, prefer) in [(1024, &[][..]), (1024, &preferred[..]), (16384, &[][..])] {
+            check_against_a_walk(&v, memory, 8, prefer);
+            let p = v.place(memory, 8, prefer);
+            assert!(
+                p.looked <= K + prefer.len(),
+                "{} nodes read for 8 cores at {memory} MiB",
+                p.looked
+            );
+        }
+        // Only three nodes have the memory: all three, found without a walk.
+        let mut big: Vec<String> = v
+            .candidates(16384, 8, &[])
+            .into_iter()
+            .map(|c| c.0)
+            .collect();
+        big.sort();
+        assert_eq!(big, ["n00017", "n04242", "n09999"]);
     }
 
     fn instance(name: &str, slots: u32, used: u32, last_heartbeat_ms: u64) -> AccountingInstance {

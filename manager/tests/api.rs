@@ -54,6 +54,200 @@ fn nodes_register_heartbeat_drain_resume(kind: &str) {
 }
 on_both!(nodes_register_heartbeat_drain_resume);
 
+/// Each of `queries` on `path` is refused `400 malformed_request`, in
+/// words.
+fn malformed_queries(api: &Api, path: &str, queries: &[&str]) {
+    for bad in queries {
+        let (s, e) = api.call("GET", &format!("{path}?{bad}"), None);
+        assert_eq!(
+            (s, e["error"].as_str()),
+            (400, Some("malformed_request")),
+            "{bad}: {e}"
+        );
+        assert!(
+            e["message"].as_str().is_some_and(|t| t.len() > 10),
+            "{bad}: {e}"
+        );
+    }
+}
+
+/// rfaasctl's client for manager `m`, with `token`.
+fn ctl_for(m: &rfaas_testkit::manager::Manager, token: &str) -> rfaas_manager::ctl::Ctl {
+    rfaas_manager::ctl::Ctl::new(
+        vec![m.url().to_owned()],
+        token.to_owned(),
+        None,
+        rfaas_tls::PlainHttp::LoopbackOnly,
+    )
+    .expect("a client")
+}
+
+/// `GET /v1/nodes` pages by name, filtered, and `rfaas_manager::ctl`
+/// follows the `Link` headers; from the view and, `fresh`, from the
+/// database.
+fn nodes_come_in_pages_that_ctl_follows(kind: &str) {
+    use rfaas_proto::manager::NodeView;
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    for name in ["n4", "n1", "m1", "n3", "n5", "n2"] {
+        register(&m, name, 2, 1024);
+    }
+    let admin = m.admin();
+    let (s, v) = admin.call("POST", "/v1/nodes/n3/drain", None);
+    assert_eq!(s, 200, "{v}");
+    let ctl = ctl_for(&m, m.admin_token());
+    let names = |path: &str| -> Vec<String> {
+        let (_, nodes): (_, Vec<NodeView>) = ctl.get_pages(path).expect(path);
+        nodes.into_iter().map(|n| n.name).collect()
+    };
+    let all = ["m1", "n1", "n2", "n3", "n4", "n5"];
+    assert_eq!(names("/v1/nodes?limit=2"), all);
+    assert_eq!(names("/v1/nodes?limit=1&fresh=true"), all);
+    assert_eq!(names("/v1/nodes"), all);
+    assert_eq!(names("/v1/nodes?state=drained&limit=1"), ["n3"]);
+    assert_eq!(
+        names("/v1/nodes?state=up&prefix=n&limit=1"),
+        ["n1", "n2", "n4", "n5"]
+    );
+    assert_eq!(names("/v1/nodes?prefix=zz"), Vec::<String>::new());
+    // One page without following: its rows only.
+    let (s, page) = admin.call("GET", "/v1/nodes?limit=2", None);
+    assert_eq!((s, page.as_array().map(Vec::len)), (200, Some(2)), "{page}");
+    let (s, page) = admin.call("GET", "/v1/nodes?limit=100000", None);
+    assert_eq!((s, page.as_array().map(Vec::len)), (200, Some(6)), "{page}");
+    let (s, page) = admin.call("GET", "/v1/nodes?limit=2&after=n2", None);
+    assert_eq!(page[0]["name"], "n3", "{s} {page}");
+    malformed_queries(
+        &admin,
+        "/v1/nodes",
+        &[
+            "limit=0",
+            "limit=many",
+            "after=..",
+            "state=sleepy",
+            "colour=red",
+        ],
+    );
+}
+on_both!(nodes_come_in_pages_that_ctl_follows);
+
+/// `GET /v1/leases` pages newest first, filtered, each caller seeing its
+/// own, with `rfaas_manager::ctl` following the links; among many ended
+/// leases each listing reads an index in its order, not the table.
+fn leases_come_in_pages_through_an_index(kind: &str) {
+    use rfaas_manager::ctl::Ctl;
+    use rfaas_manager::store::LeaseFilter;
+    use rfaas_proto::manager::{LeaseState, LeaseView};
+    let mut db = Db::new(kind);
+    let m = db.manager_with("lost_after_ms = 600000\n", None);
+    register(&m, "a", 8, 8192);
+    register(&m, "b", 8, 8192);
+    let alice = user(&m, "alice", "physics");
+    let bob = user(&m, "bob", "chem");
+    let mut grants = Vec::new();
+    for _ in 0..5 {
+        grants.push(granted(&alice, 1, 64, 600)["id"].clone());
+    }
+    for _ in 0..3 {
+        granted(&bob, 1, 64, 600);
+    }
+    for g in &grants[..2] {
+        let (s, e) = alice.call("DELETE", &format!("/v1/leases/{g}"), None);
+        assert_eq!(s, 204, "{e}");
+    }
+    let ctl = |token: &str| ctl_for(&m, token);
+    let admin = ctl(m.admin_token());
+    let list = |c: &Ctl, path: &str| -> Vec<LeaseView> { c.get_pages(path).expect(path).1 };
+    let everything = list(&admin, "/v1/leases?all=true&limit=1000");
+    assert_eq!(everything.len(), 8);
+    let key = |l: &LeaseView| {
+        (
+            std::cmp::Reverse(l.issued_at),
+            std::cmp::Reverse(l.lease_id),
+        )
+    };
+    assert!(
+        everything.windows(2).all(|w| key(&w[0]) < key(&w[1])),
+        "newest first"
+    );
+    assert_eq!(list(&admin, "/v1/leases?all=true&limit=3"), everything);
+    let active = list(&admin, "/v1/leases?limit=2");
+    assert_eq!(active.len(), 6);
+    assert!(active.iter().all(|l| l.state == LeaseState::Active));
+    assert_eq!(list(&admin, "/v1/leases?state=released&limit=1").len(), 2);
+    assert_eq!(list(&admin, "/v1/leases?user=bob&limit=1").len(), 3);
+    assert_eq!(
+        list(&admin, "/v1/leases?account=physics&all=true&limit=2").len(),
+        5
+    );
+    let on_a = list(&admin, "/v1/leases?node=a&all=true&limit=1");
+    assert!(on_a.iter().all(|l| l.node == "a"));
+    assert_eq!(
+        on_a.len(),
+        everything.iter().filter(|l| l.node == "a").count()
+    );
+    assert!(list(&admin, "/v1/leases?job=5").is_empty());
+    // A user sees only their own, whatever the filters say.
+    let hers = list(&ctl(alice.token()), "/v1/leases?all=true&limit=2");
+    assert_eq!(hers.len(), 5);
+    assert!(list(&ctl(alice.token()), "/v1/leases?user=bob").is_empty());
+    let api = m.admin();
+    malformed_queries(
+        &api,
+        "/v1/leases",
+        &[
+            "limit=0",
+            "after=yesterday",
+            "state=zombie",
+            "job=-1",
+            "user=",
+            "sort=name",
+        ],
+    );
+
+    // Many ended leases: each listing walks an index in its order.
+    let now = rfaas_service::now_s();
+    db.sql(&[
+        &format!(
+            "WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < 20000)
+             INSERT INTO leases (id, grant_id, node, owner, user_name, account, cores, memory_mib,
+                issued_at, expires_at, state, ended_ms, harvested)
+             SELECT 1000000000 + i, 1000000000 + i, 'a', 'user:carol', 'carol', 'physics', 1, 64,
+                {now} - 100000 - i, {now} - 90000, 'released', 1, 0 FROM k"
+        ),
+        "ANALYZE",
+    ]);
+    assert_eq!(list(&admin, "/v1/leases?limit=4").len(), 6);
+    for (filter, index) in [
+        (
+            LeaseFilter {
+                state: Some(LeaseState::Active),
+                ..Default::default()
+            },
+            "leases_listed",
+        ),
+        (LeaseFilter::default(), "leases_listed_all"),
+    ] {
+        for after in [None, Some((now, 7))] {
+            let (sql, texts, numbers) = filter.select(after, 1001);
+            let mut sql = sql;
+            for (k, n) in numbers.iter().enumerate().rev() {
+                sql = sql.replace(&format!("${}", texts.len() + k + 1), &n.to_string());
+            }
+            for (k, t) in texts.iter().enumerate().rev() {
+                sql = sql.replace(&format!("${}", k + 1), &format!("'{t}'"));
+            }
+            let plan = db.plan(&sql);
+            assert!(plan.contains(index), "{sql}\n{plan}");
+            assert!(
+                !plan.contains("Sort") && !plan.contains("TEMP B-TREE"),
+                "ordered by the index, not sorted: {sql}\n{plan}"
+            );
+        }
+    }
+}
+on_both!(leases_come_in_pages_through_an_index);
+
 fn leases_span_nodes_all_or_nothing(kind: &str) {
     let mut db = Db::new(kind);
     let m = db.manager();

@@ -208,22 +208,26 @@ fn the_purge_task_removes_old_leases_in_batches(kind: &str) {
     let alice = user(&m, "alice", "physics");
     let (_, live) = lease_of(&granted(&alice, 1, 64, 600));
     add_ended_leases(&db, 20_000, 100);
+    // Either index that leads with the state reads live leases only.
     for (statement, index) in [
         (
             "SELECT MIN(expires_at) AS soonest FROM leases WHERE state = 'active'",
-            "leases_by_state",
+            &["leases_by_state", "leases_listed"][..],
         ),
         (
             "UPDATE leases SET state = 'expired', ended_ms = 1 WHERE state = 'active' AND expires_at <= 5 RETURNING id",
-            "leases_by_state",
+            &["leases_by_state", "leases_listed"],
         ),
         (
             "SELECT id FROM leases WHERE state <> 'active' AND ended_ms < 5 ORDER BY ended_ms LIMIT 100",
-            "leases_ended",
+            &["leases_ended"],
         ),
     ] {
         let plan = db.plan(statement);
-        assert!(plan.contains(index), "{statement}:\n{plan}");
+        assert!(
+            index.iter().any(|i| plan.contains(i)),
+            "{statement}:\n{plan}"
+        );
     }
 
     // Another replica, purging every second: the first replica's purge

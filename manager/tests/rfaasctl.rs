@@ -112,6 +112,35 @@ fn nodes_as_a_table_and_as_json() {
 }
 
 #[test]
+fn nodes_are_read_page_by_page_and_filtered() {
+    let (m, admin) = started();
+    for name in ["n3", "n1", "x1", "n2", "n5", "n4"] {
+        register(&m, name, 2, 1024);
+    }
+    ok(&m, &admin, &["drain", "n2"]);
+    let names = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["--json", "nodes"];
+        all.extend_from_slice(args);
+        let json: Value = serde_json::from_str(&ok(&m, &admin, &all)).expect("JSON");
+        json.as_array()
+            .expect("a list")
+            .iter()
+            .map(|n| n["name"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    let all = ["n1", "n2", "n3", "n4", "n5", "x1"];
+    assert_eq!(names(&["--page-size", "2"]), all);
+    assert_eq!(names(&["--page-size", "1", "--fresh"]), all);
+    assert_eq!(
+        names(&["--page-size", "1", "--state", "up", "--prefix", "n"]),
+        ["n1", "n3", "n4", "n5"]
+    );
+    assert_eq!(names(&["--state", "drained"]), ["n2"]);
+    let table = ok(&m, &admin, &["nodes", "--page-size", "4"]);
+    assert_eq!(table.lines().count(), 7, "a header and six nodes: {table}");
+}
+
+#[test]
 fn a_user_credential_it_prints_leases_cores() {
     let (m, admin) = started();
     register(&m, "n1", 4, 4096);

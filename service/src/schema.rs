@@ -96,6 +96,7 @@ pub const MANAGER: Owner = migrations!("manager":
     7 "0007_credential_id_key.sql",
     8 "0008_node_control_tls.sql",
     9 "0009_usage_daily.sql",
+    10 "0010_leases_listed.sql",
 );
 
 /// The accounting service's tables.

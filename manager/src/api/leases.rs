@@ -4,6 +4,7 @@
 
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use axum::response::Response;
 use axum::Json;
 use rfaas_proto::lease::LeaseClaims;
 use rfaas_proto::manager::{
@@ -13,11 +14,11 @@ use serde::Deserialize;
 
 use super::check::{check_memory, check_node_name};
 use super::extract::{within_credential, Holder, Sent, User};
-use super::{ApiResult, AppState};
+use super::{page, ApiResult, AppState};
 use crate::auth::Caller;
 use crate::db::retrying;
 use crate::error::{ApiError, Kind, RefusalTable};
-use crate::store::{Denied, GrantPlan, LeaseAsk, LeaseRow, Refused};
+use crate::store::{lease_state_name, Denied, GrantPlan, LeaseAsk, LeaseFilter, LeaseRow, Refused};
 use crate::{now_ms, now_s, App};
 
 /// The longest `Retry-After` of a `503 no_capacity`, seconds: the soonest
@@ -237,28 +238,99 @@ fn refusal(ask: &GrantPlan, refused: Refused) -> ApiError {
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ListQuery {
-    /// Also ended leases.
+    /// Leases of every state, not only active ones (unless `state`).
     #[serde(default)]
     all: bool,
-    /// At most this many (default 1000).
-    #[serde(default)]
+    /// Only leases in this state.
+    state: Option<LeaseState>,
+    /// Only leases whose workers run as this user.
+    #[param(max_length = 256)]
+    user: Option<String>,
+    /// Only leases charged to this account.
+    #[param(max_length = 256)]
+    account: Option<String>,
+    /// Only leases on this node.
+    #[param(max_length = 253)]
+    node: Option<String>,
+    /// Only leases for this batch job.
+    job: Option<u64>,
+    /// At most this many leases a page (default 1000; more than 10000
+    /// is read as 10000); a `Link` header with `rel="next"` gives the
+    /// next page.
+    #[param(minimum = 1)]
     limit: Option<u32>,
+    /// The cursor from the previous page's `Link` header.
+    #[param(max_length = 64)]
+    after: Option<String>,
 }
 
-/// Leases, newest first: a user's own, or every lease for the admin.
+/// A lease cursor: the last row's issue time and id.
+fn lease_cursor(text: &str) -> Option<(u64, u64)> {
+    let (issued_at, id) = text.split_once('.')?;
+    Some((issued_at.parse().ok()?, id.parse().ok()?))
+}
+
+/// Leases, newest first, in pages (a `Link: <...>; rel="next"` header
+/// points to the next one): a user's own, or every lease for the admin,
+/// active ones unless `all` or `state` says otherwise.
 #[utoipa::path(get, path = "/v1/leases", params(ListQuery),
-    responses((status = 200, body = Vec<LeaseView>)))]
+    responses((status = 200, body = Vec<LeaseView>,
+        headers(("Link" = String, description = "`<url>; rel=\"next\"` while more leases remain")))))]
 pub(super) async fn list_leases(
     State(app): AppState,
     Query(q): Query<ListQuery>,
     holder: Holder,
-) -> ApiResult<Json<Vec<LeaseView>>> {
-    let limit = q.limit.unwrap_or(1000).min(100_000);
-    let rows = app
-        .store
-        .leases(q.all, holder.owner.as_deref(), limit)
-        .await?;
-    Ok(Json(rows.into_iter().map(|r| r.view).collect()))
+) -> ApiResult<Response> {
+    let limit = page::limit(q.limit)?;
+    let after = page::cursor(q.after.as_deref(), lease_cursor)?;
+    for (name, value, max) in [
+        ("user", &q.user, 256),
+        ("account", &q.account, 256),
+        ("node", &q.node, 253),
+    ] {
+        if let Some(v) = value {
+            if v.is_empty() || v.len() > max {
+                return Err(ApiError::Malformed(format!(
+                    "{name} is {} bytes long; give 1 to {max}, or leave it out",
+                    v.len()
+                )));
+            }
+        }
+    }
+    let filter = LeaseFilter {
+        state: q.state.or((!q.all).then_some(LeaseState::Active)),
+        owner: holder.owner.as_deref(),
+        user: q.user.as_deref(),
+        account: q.account.as_deref(),
+        node: q.node.as_deref(),
+        job_id: q.job,
+    };
+    let mut rows = app.store.leases(&filter, after, limit as u32 + 1).await?;
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    let next = more
+        .then(|| {
+            rows.last()
+                .map(|r| format!("{}.{}", r.view.issued_at, r.view.lease_id))
+        })
+        .flatten();
+    let mut query = vec![("limit", limit.to_string())];
+    if q.all {
+        query.push(("all", "true".into()));
+    }
+    if let Some(s) = q.state {
+        query.push(("state", lease_state_name(s).into()));
+    }
+    for (name, value) in [("user", q.user), ("account", q.account), ("node", q.node)] {
+        if let Some(v) = value {
+            query.push((name, v));
+        }
+    }
+    if let Some(job) = q.job {
+        query.push(("job", job.to_string()));
+    }
+    let leases: Vec<LeaseView> = rows.into_iter().map(|r| r.view).collect();
+    Ok(page::page("/v1/leases", leases, next, &query))
 }
 
 async fn owned_grant(app: &App, c: &Caller, id: u64) -> ApiResult<Vec<LeaseRow>> {

@@ -14,6 +14,8 @@
 //! - [`budgets`]: accounts' budgets.
 //! - [`usage`]: usage per lease over a period, for reports.
 //! - [`check`]: checks of fields several resources share.
+//! - [`page`]: listings in pages: `limit`, the `after` cursor and the
+//!   `Link: <...>; rel="next"` header.
 
 mod budgets;
 mod check;
@@ -22,6 +24,7 @@ pub mod extract;
 mod jobs;
 mod leases;
 mod nodes;
+mod page;
 mod usage;
 
 use std::sync::Arc;

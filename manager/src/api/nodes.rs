@@ -5,15 +5,19 @@
 //! credential.
 
 use axum::extract::{Path, Query, State};
+use axum::response::Response;
 use axum::Json;
-use rfaas_proto::manager::{Heartbeat, HeartbeatReply, NodeView, RegisterNode, Registered};
+use rfaas_proto::manager::{
+    Heartbeat, HeartbeatReply, NodeState, NodeView, RegisterNode, Registered,
+};
 use serde::Deserialize;
 
 use super::check::{check_memory, check_node_name, check_text};
 use super::extract::{Admin, Sent, ThisNode};
-use super::{ApiResult, AppState};
+use super::{page, ApiResult, AppState};
 use crate::auth::Caller;
 use crate::error::{ApiError, Kind, RefusalTable};
+use crate::view::View;
 use crate::{now_ms, App};
 
 /// What each operation here refuses, for the OpenAPI document.
@@ -206,22 +210,72 @@ pub(super) struct NodesQuery {
     /// Read the database, not this replica's view.
     #[serde(default)]
     fresh: bool,
+    /// Only nodes in this state.
+    state: Option<NodeState>,
+    /// Only nodes whose name starts with this.
+    #[param(max_length = 253)]
+    prefix: Option<String>,
+    /// At most this many nodes a page (default 1000; more than 10000 is
+    /// read as 10000); a `Link` header with `rel="next"` gives the next
+    /// page.
+    #[param(minimum = 1)]
+    limit: Option<u32>,
+    /// The cursor from the previous page's `Link` header.
+    #[param(max_length = 253)]
+    after: Option<String>,
 }
 
-/// Every node, as this replica sees it (at most `refresh_ms` old), or as
-/// the database has it now with `fresh=true`.
+/// The nodes by name, as this replica sees them (at most `refresh_ms`
+/// old), or as the database has them now with `fresh=true`, in pages: a
+/// `Link: <...>; rel="next"` header points to the next one.
 #[utoipa::path(get, path = "/v1/nodes", params(NodesQuery),
-    responses((status = 200, body = Vec<NodeView>)))]
+    responses((status = 200, body = Vec<NodeView>,
+        headers(("Link" = String, description = "`<url>; rel=\"next\"` while more nodes remain")))))]
 pub(super) async fn list_nodes(
     State(app): AppState,
     Query(q): Query<NodesQuery>,
     _: Caller,
-) -> ApiResult<Json<Vec<NodeView>>> {
-    if q.fresh {
-        let read = app.store.nodes().await?;
-        return Ok(Json(read.into_iter().map(|n| n.node).collect()));
+) -> ApiResult<Response> {
+    let limit = page::limit(q.limit)?;
+    // The cursor is the last name of the page before.
+    let after = page::cursor(q.after.as_deref(), |a| {
+        check_node_name(a).is_ok().then(|| a.to_owned())
+    })?;
+    let prefix = q.prefix.unwrap_or_default();
+    if prefix.len() > 253 {
+        return Err(ApiError::Malformed(format!(
+            "prefix is {} bytes long; node names have at most 253",
+            prefix.len()
+        )));
     }
-    Ok(Json(app.view.all()))
+    let keep = |n: &NodeView| q.state.map_or(true, |s| n.state == s);
+    let (nodes, more) = if q.fresh {
+        let fresh = View::default();
+        fresh.replace_all(app.store.nodes().await?);
+        fresh.page(after.as_deref(), &prefix, limit, keep)
+    } else {
+        app.view.page(after.as_deref(), &prefix, limit, keep)
+    };
+    let next = more.then(|| nodes.last().map(|n| n.name.clone())).flatten();
+    let mut query = vec![("limit", limit.to_string())];
+    if q.fresh {
+        query.push(("fresh", "true".into()));
+    }
+    if let Some(s) = q.state {
+        query.push(("state", state_name(s).into()));
+    }
+    if !prefix.is_empty() {
+        query.push(("prefix", prefix));
+    }
+    Ok(page::page("/v1/nodes", nodes, next, &query))
+}
+
+fn state_name(s: NodeState) -> &'static str {
+    match s {
+        NodeState::Up => "up",
+        NodeState::Drained => "drained",
+        NodeState::Lost => "lost",
+    }
 }
 
 /// One node.

@@ -74,6 +74,16 @@ enum Command {
         /// second old).
         #[arg(long)]
         fresh: bool,
+        /// Only nodes in this state.
+        #[arg(long, value_parser = ["up", "drained", "lost"])]
+        state: Option<String>,
+        /// Only nodes whose name starts with this.
+        #[arg(long)]
+        prefix: Option<String>,
+        /// Nodes per request to the manager (1 to 10000); every page is
+        /// read and printed as one list.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        page_size: Option<u32>,
     },
     /// Show one node.
     Node {
@@ -95,8 +105,24 @@ enum Command {
         /// Also the leases that have ended.
         #[arg(long)]
         all: bool,
-        /// Show at most this many.
-        #[arg(long, value_name = "N")]
+        /// Only leases in this state (implies --all for ended states).
+        #[arg(long, value_parser = ["active", "released", "expired", "lost"])]
+        state: Option<String>,
+        /// Only leases whose workers run as this user.
+        #[arg(long)]
+        user: Option<String>,
+        /// Only leases charged to this account.
+        #[arg(long)]
+        account: Option<String>,
+        /// Only leases on this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// Only leases for this batch job.
+        #[arg(long, value_name = "JOB_ID")]
+        job: Option<u64>,
+        /// Show at most this many, the newest (one page; without it,
+        /// every lease, page by page).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
         limit: Option<u32>,
     },
     /// Release a grant (all its node leases) at once.
@@ -215,13 +241,24 @@ fn run(args: &Args) -> Result<(), CtlError> {
     let now_ms = rfaas_service::now_ms();
     let now = now_ms / 1000;
     match &args.command {
-        Command::Nodes { fresh } => {
-            let path = if *fresh {
-                "/v1/nodes?fresh=true"
-            } else {
-                "/v1/nodes"
-            };
-            let (v, nodes): (_, Vec<NodeView>) = ctl.get(path)?;
+        Command::Nodes {
+            fresh,
+            state,
+            prefix,
+            page_size,
+        } => {
+            let mut query = vec![format!("fresh={fresh}")];
+            if let Some(s) = state {
+                query.push(format!("state={s}"));
+            }
+            if let Some(p) = prefix {
+                query.push(format!("prefix={}", ctl::path_segment(p)));
+            }
+            if let Some(n) = page_size {
+                query.push(format!("limit={n}"));
+            }
+            let path = format!("/v1/nodes?{}", query.join("&"));
+            let (v, nodes): (_, Vec<NodeView>) = ctl.get_pages(&path)?;
             if args.json {
                 print_json(&v);
             } else {
@@ -257,12 +294,33 @@ fn run(args: &Args) -> Result<(), CtlError> {
                 println!("node {} is offered again", node.name);
             }
         }
-        Command::Leases { all, limit } => {
+        Command::Leases {
+            all,
+            state,
+            user,
+            account,
+            node,
+            job,
+            limit,
+        } => {
             let mut path = format!("/v1/leases?all={all}");
-            if let Some(n) = limit {
-                path.push_str(&format!("&limit={n}"));
+            for (name, value) in [
+                ("state", state),
+                ("user", user),
+                ("account", account),
+                ("node", node),
+            ] {
+                if let Some(v) = value {
+                    path.push_str(&format!("&{name}={}", ctl::path_segment(v)));
+                }
             }
-            let (v, leases): (_, Vec<LeaseView>) = ctl.get(&path)?;
+            if let Some(j) = job {
+                path.push_str(&format!("&job={j}"));
+            }
+            let (v, leases): (_, Vec<LeaseView>) = match limit {
+                Some(n) => ctl.get(&format!("{path}&limit={n}"))?,
+                None => ctl.get_pages(&path)?,
+            };
             if args.json {
                 print_json(&v);
             } else {

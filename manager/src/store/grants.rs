@@ -412,14 +412,14 @@ impl Store {
         if plan.billing_required && plan.billing.is_empty() {
             return Ok(Err(Refused::Denied(Denied::AccountingUnavailable)));
         }
-        plan.candidates = view.candidates(memory_mib, ask.preferred);
+        plan.candidates = view.candidates(memory_mib, plan.cores, ask.preferred);
         let mut outcome = retrying(|| self.grant(&plan)).await?;
         if outcome == GrantOutcome::NoCapacity {
             view.replace_all(self.nodes().await?);
             if let Some(refused) = beyond(view) {
                 return Ok(Err(refused));
             }
-            plan.candidates = view.candidates(memory_mib, ask.preferred);
+            plan.candidates = view.candidates(memory_mib, plan.cores, ask.preferred);
             outcome = retrying(|| self.grant(&plan)).await?;
         }
         Ok(match outcome {

@@ -53,6 +53,77 @@ fn lease_state(s: &str) -> LeaseState {
     }
 }
 
+/// Which leases a listing keeps.
+#[derive(Debug, Clone, Default)]
+pub struct LeaseFilter<'a> {
+    /// In this state only; `None`: every state.
+    pub state: Option<LeaseState>,
+    /// Of this credential subject only.
+    pub owner: Option<&'a str>,
+    /// Run as this user only.
+    pub user: Option<&'a str>,
+    /// Charged to this account only.
+    pub account: Option<&'a str>,
+    /// On this node only.
+    pub node: Option<&'a str>,
+    /// For this batch job only.
+    pub job_id: Option<u64>,
+}
+
+impl LeaseFilter<'_> {
+    /// The listing's statement and its text and number parameters, in
+    /// that order.
+    pub fn select(&self, after: Option<(u64, u64)>, limit: u32) -> (String, Vec<String>, Vec<i64>) {
+        let mut conds: Vec<String> = Vec::new();
+        let mut texts: Vec<String> = Vec::new();
+        let mut numbers: Vec<i64> = Vec::new();
+        let state = self.state.map(|s| lease_state_name(s).to_owned());
+        let columns = [
+            ("state", state.as_deref()),
+            ("owner", self.owner),
+            ("user_name", self.user),
+            ("account", self.account),
+            ("node", self.node),
+        ];
+        for (col, value) in columns {
+            if let Some(v) = value {
+                texts.push(v.to_owned());
+                conds.push(format!("{col} = ${}", texts.len()));
+            }
+        }
+        let mut number = |n: u64| {
+            numbers.push(i(n));
+            format!("${}", texts.len() + numbers.len())
+        };
+        if let Some(job) = self.job_id {
+            conds.push(format!("job_id = {}", number(job)));
+        }
+        if let Some((issued_at, id)) = after {
+            let (a, b) = (number(issued_at), number(id));
+            conds.push(format!(
+                "(issued_at < {a} OR (issued_at = {a} AND id < {b}))"
+            ));
+        }
+        let limit = number(limit.into());
+        let filter = if conds.is_empty() {
+            String::new()
+        } else {
+            format!("WHERE {}", conds.join(" AND "))
+        };
+        // The state index orders the rows of one state by issue time.
+        let order = if self.state.is_some() {
+            "state DESC, issued_at DESC, id DESC"
+        } else {
+            "issued_at DESC, id DESC"
+        };
+        (
+            format!("SELECT {LEASE_COLS} FROM leases {filter} ORDER BY {order} LIMIT {limit}"),
+            texts,
+            numbers,
+        )
+    }
+}
+
 /// The stored name of a lease state.
 pub fn lease_state_name(s: LeaseState) -> &'static str {
     match s {
@@ -270,23 +341,25 @@ impl Store {
             .collect()
     }
 
-    /// Leases, newest first: active ones only unless `all`, of `owner`
-    /// only if given, at most `limit`.
+    /// A page of the leases `filter` keeps, newest first (then by id,
+    /// highest first): those after the `(issued_at, id)` cursor `after`,
+    /// at most `limit`. It reads an index in that order
+    /// (`leases_listed`, or `leases_listed_all` for every state).
     pub async fn leases(
         &self,
-        all: bool,
-        owner: Option<&str>,
+        filter: &LeaseFilter<'_>,
+        after: Option<(u64, u64)>,
         limit: u32,
     ) -> Result<Vec<LeaseRow>, DbError> {
-        let sql = format!(
-            "SELECT {LEASE_COLS} FROM leases WHERE ($1 = 1 OR state = 'active') AND ($2 = '' OR owner = $2)
-             ORDER BY issued_at DESC, id LIMIT $3"
-        );
-        sqlx::query(&sql)
-            .bind(i64::from(all))
-            .bind(owner.unwrap_or(""))
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
+        let (sql, texts, numbers) = filter.select(after, limit);
+        let mut q = sqlx::query(&sql);
+        for t in texts {
+            q = q.bind(t);
+        }
+        for n in numbers {
+            q = q.bind(n);
+        }
+        q.fetch_all(&self.pool)
             .await?
             .iter()
             .map(lease_from_row)

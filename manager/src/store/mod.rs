@@ -34,7 +34,7 @@ use crate::view::View;
 pub use billing::AccountingInstance;
 pub use credentials::role_name;
 pub use grants::{Beyond, Denied, Grant, GrantOutcome, GrantPlan, LeaseAsk, Refused};
-pub use leases::{lease_state_name, LeaseRow};
+pub use leases::{lease_state_name, LeaseFilter, LeaseRow};
 pub use nodes::{StoredNode, LIVENESS};
 pub use retention::{Purged, DAY_MS};
 
