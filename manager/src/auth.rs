@@ -5,8 +5,14 @@
 //!   ([`read_admin_token`]).
 //! - Node and user credentials are `rfaasc.<id>.<secret>`, minted by an
 //!   admin (`POST /v1/credentials`). The database keeps the secret's
-//!   SHA-256, never the secret. A replica caches a verified credential for
-//!   [`CACHE_TTL`], so a revocation takes effect everywhere within it.
+//!   SHA-256, never the secret. A replica caches a verified credential,
+//!   and each background round reads the credentials revoked since the
+//!   last one, by any replica ([`Auth::follow_revocations`], one indexed
+//!   query), and forgets them: a revocation takes effect everywhere within
+//!   a round (`refresh_ms`). So a node's credential is read from the
+//!   database once per [`VERIFIED_TTL`], not at every heartbeat. While the
+//!   rounds cannot read the revocations, a verified credential is trusted
+//!   for [`CACHE_TTL`] only, as before.
 //! - A credential's id is 8 random bytes and a tag: the first 8 bytes of
 //!   their HMAC-SHA256 under a key the replicas share (stored in the
 //!   database, `manager_keys`, made by the first replica to start), all in
@@ -88,6 +94,15 @@ pub const UNKNOWN_TTL: Duration = Duration::from_secs(2);
 /// Most ids remembered as unknown; beyond, the oldest half is forgotten.
 const UNKNOWN_MAX: usize = 16_384;
 
+/// How long a verified credential is trusted while the rounds follow
+/// the revocations; read again after that anyway.
+pub const VERIFIED_TTL: Duration = Duration::from_secs(600);
+
+/// How far back each round's read of revocations reaches before the
+/// previous round's start: a revocation committed after that read, with
+/// an earlier `revoked_ms`, is still seen.
+const REVOKED_OVERLAP_MS: u64 = 10_000;
+
 /// Most credentials remembered as verified; beyond, all are forgotten.
 const KNOWN_MAX: usize = 100_000;
 
@@ -107,6 +122,8 @@ pub struct Auth {
     id_key: Vec<u8>,
     /// Untagged ids the database held at start.
     untagged: HashSet<String>,
+    /// Revocations read up to (ms), and when last read.
+    revocations: Mutex<(u64, Option<Instant>)>,
 }
 
 /// Hex digits of a credential id's random part, and of its tag.
@@ -154,6 +171,7 @@ impl Auth {
         Auth {
             admin_token,
             cache: Mutex::new(HashMap::new()),
+            revocations: Mutex::new((rfaas_service::now_ms(), None)),
             unknown: Mutex::new(HashMap::new()),
             lookups: (0..(connections as usize / 4).max(1))
                 .map(|_| tokio::sync::Mutex::new(()))
@@ -358,7 +376,7 @@ impl Auth {
         {
             let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
             if let Some((row, at)) = cache.get(id) {
-                if at.elapsed() < CACHE_TTL {
+                if at.elapsed() < self.trust() {
                     return (Some(Some(row.clone())), true);
                 }
                 return (None, true);
@@ -368,6 +386,32 @@ impl Auth {
         match unknown.get(id) {
             Some(at) if at.elapsed() < UNKNOWN_TTL => (Some(None), false),
             _ => (None, false),
+        }
+    }
+
+    /// Reads the credentials revoked since the last read (by any replica)
+    /// and forgets them; a background round does it. Returns how many.
+    pub async fn follow_revocations(&self, store: &Store) -> Result<usize, crate::db::DbError> {
+        let now = rfaas_service::now_ms();
+        let since = self.revocations.lock().unwrap_or_else(|p| p.into_inner()).0;
+        let revoked = store
+            .revoked_since(since.saturating_sub(REVOKED_OVERLAP_MS))
+            .await?;
+        for id in &revoked {
+            self.forget(id);
+        }
+        *self.revocations.lock().unwrap_or_else(|p| p.into_inner()) = (now, Some(Instant::now()));
+        Ok(revoked.len())
+    }
+
+    /// How long a verified credential is trusted now: [`VERIFIED_TTL`]
+    /// while the revocations were read within [`CACHE_TTL`], else
+    /// [`CACHE_TTL`].
+    fn trust(&self) -> Duration {
+        let read = self.revocations.lock().unwrap_or_else(|p| p.into_inner()).1;
+        match read {
+            Some(at) if at.elapsed() < CACHE_TTL => VERIFIED_TTL,
+            _ => CACHE_TTL,
         }
     }
 

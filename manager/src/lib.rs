@@ -358,6 +358,7 @@ impl App {
         self.healthy(nodes.is_ok());
         self.view.replace_all(nodes?);
         self.liveness.load_ended(&self.store, now_ms()).await?;
+        self.auth.follow_revocations(&self.store).await?;
         self.view
             .replace_instances(self.store.accounting_instances().await?);
         let expired = self.store.reap_expired(now_s(), now_ms()).await?;

@@ -229,7 +229,11 @@ impl View {
 
     /// How many nodes are known.
     pub fn len(&self) -> usize {
-        self.nodes.read().unwrap_or_else(|p| p.into_inner()).map.len()
+        self.nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .len()
     }
 
     /// Whether no node is known.

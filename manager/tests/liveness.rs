@@ -230,3 +230,44 @@ fn the_heartbeat_interval_grows_with_the_fleet() {
     assert_eq!(r["heartbeat_interval_ms"], 600, "{r}");
     assert_eq!(r["lost_after_ms"], 3 * 600 + 2 * 100 + 2000, "{r}");
 }
+
+/// A verified credential is not read again at every request: each round
+/// reads the revocations instead, so a revocation on one replica takes
+/// effect on the others within a round, and a row changed behind the
+/// replicas' back (no revocation time) is not re-read within
+/// `CACHE_TTL`.
+fn revocations_reach_every_replica_in_a_round(kind: &str) {
+    let mut db = Db::new(kind);
+    let config = "lost_after_ms = 600000\nrefresh_ms = 100\n";
+    let m1 = db.manager_with(config, None);
+    let m2 = db.manager_with(config, Some(&m1));
+    let on_1 = register(&m1, "a", 2, 1024);
+    let on_2 = Api::new(m2.url(), on_1.token());
+    let id = on_1.token().split('.').nth(1).unwrap().to_owned();
+    beat(&on_2, "a", &[]);
+    // Behind the replicas' back: the cache is trusted past CACHE_TTL.
+    db.sql(&[&format!(
+        "UPDATE credentials SET revoked = 1 WHERE id = '{id}'"
+    )]);
+    std::thread::sleep(rfaas_service::credentials::CACHE_TTL + Duration::from_secs(1));
+    beat(&on_2, "a", &[]);
+    db.sql(&[&format!(
+        "UPDATE credentials SET revoked = 0 WHERE id = '{id}'"
+    )]);
+    // Revoked on the first replica: the second refuses within a round.
+    let (s, e) = m1
+        .admin()
+        .call("DELETE", &format!("/v1/credentials/{id}"), None);
+    assert_eq!(s, 204, "{e}");
+    let hb = json!({"free_cores": 1, "free_memory_mib": 512, "allocations": []});
+    let refused = wait_for(
+        "the second replica to refuse the credential",
+        Duration::from_secs(3),
+        || {
+            let (s, _) = on_2.call("POST", "/v1/nodes/a/heartbeat", Some(&hb));
+            (s == 401).then_some(s)
+        },
+    );
+    assert_eq!(refused, 401);
+}
+on_both!(revocations_reach_every_replica_in_a_round);

@@ -97,6 +97,7 @@ pub const MANAGER: Owner = migrations!("manager":
     8 "0008_node_control_tls.sql",
     9 "0009_usage_daily.sql",
     10 "0010_leases_listed.sql",
+    11 "0011_credentials_revoked_ms.sql",
 );
 
 /// The accounting service's tables.

@@ -4,7 +4,7 @@ use rfaas_proto::manager::Role;
 use rfaas_service::credentials::{self, CredentialRow};
 use sqlx::Row as _;
 
-use super::Store;
+use super::{Store, LIVENESS};
 use crate::db::{i, DbError};
 
 impl Store {
@@ -74,11 +74,29 @@ impl Store {
 
     /// Revokes a credential. `false`: unknown.
     pub async fn revoke_credential(&self, id: &str) -> Result<bool, DbError> {
-        let done = sqlx::query("UPDATE credentials SET revoked = 1 WHERE id = $1")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        let done = sqlx::query(
+            "UPDATE credentials SET revoked = 1, revoked_ms = CASE WHEN revoked = 1 THEN revoked_ms ELSE $2 END WHERE id = $1",
+        )
+        .bind(id)
+        .bind(i(crate::now_ms()))
+        .execute(&self.pool)
+        .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// The credentials revoked at `since_ms` or later, by any replica:
+    /// each round's read, which keeps every replica's cache of verified
+    /// credentials honest ([`crate::auth`]).
+    pub async fn revoked_since(&self, since_ms: u64) -> Result<Vec<String>, DbError> {
+        sqlx::query(&format!(
+            "{LIVENESS} SELECT id FROM credentials WHERE revoked = 1 AND revoked_ms >= $1"
+        ))
+        .bind(i(since_ms))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| Ok(r.try_get("id")?))
+        .collect()
     }
 }
 

@@ -24,9 +24,10 @@ impl Store {
         // Credentials last: leases, accounts and nodes keep their lock
         // order (see `crate::db`).
         let revoked = sqlx::query(
-            "UPDATE credentials SET revoked = 1 WHERE job_id = $1 AND revoked = 0 RETURNING id",
+            "UPDATE credentials SET revoked = 1, revoked_ms = $2 WHERE job_id = $1 AND revoked = 0 RETURNING id",
         )
         .bind(i(job_id))
+        .bind(i(now_ms))
         .fetch_all(&mut *tx)
         .await?
         .iter()
