@@ -31,7 +31,7 @@
 //! `refresh_ms`, so a grant picks a live instance for its billing slots
 //! without a query of its own.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::RwLock;
 
@@ -148,20 +148,46 @@ fn set_leased(n: &mut NodeView, cores: u32, memory_mib: u64) {
 impl View {
     /// Replaces the whole view with what was read (the nodes not read are
     /// gone), keeping newer leased counters.
+    ///
+    /// Each round reloads every node, so this runs every `refresh_ms`
+    /// under the lock grants' placement reads through: it changes the
+    /// view in place, node by node, and the index and the summed
+    /// capacity only where a node's offer or capacity changed (a
+    /// heartbeat time changes neither), rather than building them again.
     pub fn replace_all(&self, read: Vec<StoredNode>) {
         let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
-        let map: HashMap<String, StoredNode> = read
-            .into_iter()
-            .map(|n| {
-                let name = n.node.name.clone();
-                let n = merge(n, nodes.map.get(&name));
-                (name, n)
-            })
-            .collect();
-        let free = Free::of(&map);
-        let names = map.keys().cloned().collect();
-        *nodes = Nodes { map, names, free };
-        *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes.map);
+        let mut reach_changed = false;
+        let mut seen = HashSet::with_capacity(read.len());
+        for n in read {
+            let name = n.node.name.clone();
+            let held = nodes.map.get(&name);
+            let before = held.map(|h| registered(&h.node));
+            let n = merge(n, held);
+            reach_changed |= before != Some(registered(&n.node));
+            nodes.free.set(&name, Some(&n.node));
+            if !nodes.names.contains(&name) {
+                nodes.names.insert(name.clone());
+            }
+            seen.insert(name.clone());
+            nodes.map.insert(name, n);
+        }
+        if seen.len() != nodes.map.len() {
+            let gone: Vec<String> = nodes
+                .map
+                .keys()
+                .filter(|k| !seen.contains(*k))
+                .cloned()
+                .collect();
+            for name in gone {
+                nodes.map.remove(&name);
+                nodes.names.remove(&name);
+                nodes.free.set(&name, None);
+            }
+            reach_changed = true;
+        }
+        if reach_changed {
+            *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes.map);
+        }
     }
 
     /// Adds or replaces one node, keeping newer leased counters.

@@ -71,15 +71,6 @@ pub(super) struct Placement {
 }
 
 impl Free {
-    /// The index of `nodes`.
-    pub(super) fn of(nodes: &HashMap<String, StoredNode>) -> Free {
-        let mut free = Free::default();
-        for (name, n) in nodes {
-            free.set(name, Some(&n.node));
-        }
-        free
-    }
-
     /// Puts `name` in step with `node` (`None`: the node is gone). A
     /// change that leaves its lendable memory as it was (a heartbeat)
     /// leaves its entry alone.
