@@ -72,6 +72,8 @@ pub struct Metrics {
     cores: GaugeVec,
     memory: GaugeVec,
     heartbeat_lag: GaugeVec,
+    heartbeat_interval: Gauge,
+    lost_after: Gauge,
 }
 
 impl Metrics {
@@ -166,6 +168,16 @@ impl Metrics {
             &["stat"],
         )
         .expect("valid");
+        let heartbeat_interval = Gauge::new(
+            "heartbeat_interval_seconds",
+            "The heartbeat interval this replica hands the nodes now (it grows with the fleet)",
+        )
+        .expect("valid");
+        let lost_after = Gauge::new(
+            "lost_after_seconds",
+            "The silence after which this replica marks a node lost now (it grows with the interval)",
+        )
+        .expect("valid");
         let connections_refused = IntCounterVec::new(
             Opts::new(
                 "connections_refused_total",
@@ -214,6 +226,8 @@ impl Metrics {
             Box::new(cores.clone()),
             Box::new(memory.clone()),
             Box::new(heartbeat_lag.clone()),
+            Box::new(heartbeat_interval.clone()),
+            Box::new(lost_after.clone()),
             Box::new(retention_purged.clone()),
             Box::new(retention_last_run.clone()),
             Box::new(retention_duration.clone()),
@@ -249,6 +263,8 @@ impl Metrics {
             cores,
             memory,
             heartbeat_lag,
+            heartbeat_interval,
+            lost_after,
         }
     }
 
@@ -268,7 +284,17 @@ impl Metrics {
 
     /// The text exposition, the pool's gauges read from `view` first;
     /// accounting instances are live within `instance_lost_after_ms`.
-    pub fn render(&self, view: &View, now_ms: u64, instance_lost_after_ms: u64) -> String {
+    /// `intervals` are those the replica hands the nodes now.
+    pub fn render(
+        &self,
+        view: &View,
+        now_ms: u64,
+        instance_lost_after_ms: u64,
+        intervals: crate::liveness::Intervals,
+    ) -> String {
+        self.heartbeat_interval
+            .set(intervals.heartbeat_ms as f64 / 1000.0);
+        self.lost_after.set(intervals.lost_after_ms as f64 / 1000.0);
         let (live, lost) = view.instances_live(now_ms, instance_lost_after_ms);
         self.accounting_instances
             .with_label_values(&["live"])

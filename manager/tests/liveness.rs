@@ -229,6 +229,9 @@ fn the_heartbeat_interval_grows_with_the_fleet() {
     assert_eq!(s, 200, "{r}");
     assert_eq!(r["heartbeat_interval_ms"], 600, "{r}");
     assert_eq!(r["lost_after_ms"], 3 * 600 + 2 * 100 + 2000, "{r}");
+    // What the replica hands out, for the lag alert.
+    assert_eq!(metric(&m, "rfaas_manager_heartbeat_interval_seconds"), 0.6);
+    assert_eq!(metric(&m, "rfaas_manager_lost_after_seconds"), 4.0);
 }
 
 /// A verified credential is not read again at every request: each round

@@ -196,8 +196,12 @@ async fn healthz(State(app): AppState) -> ApiResult<Json<serde_json::Value>> {
 async fn metrics(State(app): AppState) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.metrics
-            .render(&app.view, now_ms(), app.settings.accounting.lost_after_ms),
+        app.metrics.render(
+            &app.view,
+            now_ms(),
+            app.settings.accounting.lost_after_ms,
+            app.intervals(),
+        ),
     )
 }
 
