@@ -924,7 +924,7 @@ fn fake_scontrol(dir: &Path) -> String {
     std::fs::write(
         &p,
         format!(
-            "#!/bin/sh\nd={}\nif [ -n \"$5\" ]; then\n  [ -f \"$d/job-$5.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$5.txt\"\nfi\nexec cat \"$d/jobs.txt\"\n",
+            "#!/bin/sh\nd={}\nif [ -n \"$6\" ]; then\n  [ -f \"$d/job-$6.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$6.txt\"\nfi\nexec cat \"$d/jobs.txt\"\n",
             dir.display()
         ),
     )

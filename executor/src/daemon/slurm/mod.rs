@@ -979,7 +979,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let p = dir.join("scontrol");
         let body = format!(
-            "#!/bin/sh\nd={dir}\nwhile [ -e \"$d/wait\" ]; do sleep 0.01; done\nif [ -n \"$5\" ]; then\n  [ -f \"$d/job-$5.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$5.txt\"\nfi\n[ -f \"$d/jobs.txt\" ] || {{ echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1; }}\nexec cat \"$d/jobs.txt\"\n",
+            "#!/bin/sh\nd={dir}\nwhile [ -e \"$d/wait\" ]; do sleep 0.01; done\nif [ -n \"$6\" ]; then\n  [ -f \"$d/job-$6.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$6.txt\"\nfi\n[ -f \"$d/jobs.txt\" ] || {{ echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1; }}\nexec cat \"$d/jobs.txt\"\n",
             dir = dir.display()
         );
         std::fs::write(&p, body).unwrap();
