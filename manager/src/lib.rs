@@ -354,9 +354,12 @@ impl App {
         let flushed = self.liveness.flush(&self.store).await;
         self.healthy(flushed.is_ok());
         self.metrics.heartbeats_written.inc_by(flushed? as u64);
-        let nodes = self.store.nodes().await;
-        self.healthy(nodes.is_ok());
-        self.view.replace_all(nodes?);
+        let read = self
+            .liveness
+            .follow(&self.store, &self.view, now_ms(), self.settings.refresh_ms)
+            .await;
+        self.healthy(read.is_ok());
+        self.metrics.view_reads.with_label_values(&[read?]).inc();
         self.liveness.load_ended(&self.store, now_ms()).await?;
         self.auth.follow_revocations(&self.store).await?;
         self.view
@@ -368,7 +371,7 @@ impl App {
         }
         let lost_after_ms = self.intervals().lost_after_ms;
         let lost_after = Duration::from_millis(lost_after_ms);
-        let mut changed = !expired.is_empty();
+        let mut touched: BTreeSet<String> = expired.iter().map(|l| l.view.node.clone()).collect();
         if self.healthy_for() >= lost_after {
             let now = now_ms();
             let (lost, ended) = self
@@ -380,10 +383,14 @@ impl App {
             }
             self.metrics.lost_nodes.inc_by(lost.len() as u64);
             self.metrics.lost_leases.inc_by(ended.len() as u64);
-            changed |= !lost.is_empty() || !ended.is_empty();
+            touched.extend(lost);
+            touched.extend(ended.into_iter().map(|l| l.view.node));
         }
-        if changed {
-            self.view.replace_all(self.store.nodes().await?);
+        if !touched.is_empty() {
+            let names: Vec<&str> = touched.iter().map(String::as_str).collect();
+            for node in self.store.nodes_named(&names).await? {
+                self.view.upsert(node);
+            }
         }
         Ok(())
     }

@@ -55,6 +55,9 @@ pub struct Metrics {
     pub heartbeats: IntCounterVec,
     /// Heartbeats written to the database in batches.
     pub heartbeats_written: IntCounter,
+    /// The rounds' reads of the nodes, by read: `full` (every node's row)
+    /// or `heard` (the heartbeat times written since the last read).
+    pub view_reads: IntCounterVec,
     /// Node leases granted without a billing slot.
     pub unbilled_leases: IntCounter,
     /// Connections closed at once because a cap was reached, by cap.
@@ -121,6 +124,17 @@ impl Metrics {
             "Heartbeats this replica wrote to the database in its batched rounds (one per node heard per round)",
         )
         .expect("valid");
+        let view_reads = IntCounterVec::new(
+            Opts::new(
+                "view_reads_total",
+                "Reads of the nodes by this replica's rounds: full (every node's row, at start and every 30 s) or heard (the heartbeat times written since the last read)",
+            ),
+            &["read"],
+        )
+        .expect("valid");
+        for read in ["full", "heard"] {
+            view_reads.with_label_values(&[read]);
+        }
         let unbilled_leases = IntCounter::new(
             "unbilled_leases_total",
             "Node leases this replica granted without a billing slot (no live accounting instance had a free one)",
@@ -219,6 +233,7 @@ impl Metrics {
             Box::new(lost_nodes.clone()),
             Box::new(heartbeats.clone()),
             Box::new(heartbeats_written.clone()),
+            Box::new(view_reads.clone()),
             Box::new(unbilled_leases.clone()),
             Box::new(accounting_instances.clone()),
             Box::new(requests.clone()),
@@ -252,6 +267,7 @@ impl Metrics {
             lost_nodes,
             heartbeats,
             heartbeats_written,
+            view_reads,
             unbilled_leases,
             connections_refused,
             retention_purged,

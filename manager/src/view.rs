@@ -39,6 +39,10 @@ use rfaas_proto::manager::{ClusterOffer, NodeState, NodeView};
 
 use crate::store::{AccountingInstance, LeaseRow, StoredNode};
 
+/// Nodes changed per hold of the view's lock by a bulk update
+/// ([`View::replace_all`], [`View::heard`]).
+pub const LOCK_CHUNK: usize = 256;
+
 mod free;
 
 use free::Free;
@@ -149,28 +153,35 @@ impl View {
     /// Replaces the whole view with what was read (the nodes not read are
     /// gone), keeping newer leased counters.
     ///
-    /// Each round reloads every node, so this runs every `refresh_ms`
-    /// under the lock grants' placement reads through: it changes the
-    /// view in place, node by node, and the index and the summed
+    /// It runs at start, every [`crate::liveness::FULL_RELOAD_MS`] and
+    /// when a notice may have been missed, under the lock grants'
+    /// placement reads through: it changes the view in place, node by
+    /// node, a [`LOCK_CHUNK`] at a time, and the index and the summed
     /// capacity only where a node's offer or capacity changed (a
     /// heartbeat time changes neither), rather than building them again.
     pub fn replace_all(&self, read: Vec<StoredNode>) {
-        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
         let mut reach_changed = false;
         let mut seen = HashSet::with_capacity(read.len());
-        for n in read {
-            let name = n.node.name.clone();
-            let held = nodes.map.get(&name);
-            let before = held.map(|h| registered(&h.node));
-            let n = merge(n, held);
-            reach_changed |= before != Some(registered(&n.node));
-            nodes.free.set(&name, Some(&n.node));
-            if !nodes.names.contains(&name) {
-                nodes.names.insert(name.clone());
+        let mut read = read.into_iter().peekable();
+        // A few hundred nodes per hold of the lock, so that a grant's
+        // placement waits for one chunk, not for a whole fleet's.
+        while read.peek().is_some() {
+            let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+            for n in read.by_ref().take(LOCK_CHUNK) {
+                let name = n.node.name.clone();
+                let held = nodes.map.get(&name);
+                let before = held.map(|h| registered(&h.node));
+                let n = merge(n, held);
+                reach_changed |= before != Some(registered(&n.node));
+                nodes.free.set(&name, Some(&n.node));
+                if !nodes.names.contains(&name) {
+                    nodes.names.insert(name.clone());
+                }
+                seen.insert(name.clone());
+                nodes.map.insert(name, n);
             }
-            seen.insert(name.clone());
-            nodes.map.insert(name, n);
         }
+        let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
         if seen.len() != nodes.map.len() {
             let gone: Vec<String> = nodes
                 .map
@@ -187,6 +198,20 @@ impl View {
         }
         if reach_changed {
             *self.reach.write().unwrap_or_else(|p| p.into_inner()) = Reach::of(&nodes.map);
+        }
+    }
+
+    /// Heartbeat times read from the database (other replicas heard
+    /// them): each moves a known node's last heartbeat forward, never
+    /// back. Unknown nodes are left to the next full reload.
+    pub fn heard(&self, heard: &[(String, u64)]) {
+        for chunk in heard.chunks(LOCK_CHUNK) {
+            let mut nodes = self.nodes.write().unwrap_or_else(|p| p.into_inner());
+            for (name, at_ms) in chunk {
+                if let Some(n) = nodes.map.get_mut(name) {
+                    n.node.last_heartbeat_ms = n.node.last_heartbeat_ms.max(*at_ms);
+                }
+            }
         }
     }
 

@@ -274,3 +274,46 @@ fn revocations_reach_every_replica_in_a_round(kind: &str) {
     assert_eq!(refused, 401);
 }
 on_both!(revocations_reach_every_replica_in_a_round);
+
+/// A round reads only the heartbeat times the replicas wrote, not every
+/// node's row; still, a node heard by one replica shows as heard in the
+/// other's view (and its heartbeat-lag gauge) within a few rounds.
+fn a_round_reads_other_replicas_heartbeats_not_every_row(kind: &str) {
+    let mut db = Db::new(kind);
+    let config = "lost_after_ms = 600000\nrefresh_ms = 100\n";
+    let m1 = db.manager_with(config, None);
+    let m2 = db.manager_with(config, Some(&m1));
+    let on_1 = register(&m1, "a", 2, 1024);
+    let registered = stored_heartbeat(&db, "a");
+    let reads = |m: &rfaas_testkit::manager::Manager, read: &str| {
+        metric(
+            m,
+            &format!("rfaas_manager_view_reads_total{{read=\"{read}\"}}"),
+        )
+    };
+    let full_before = reads(&m2, "full");
+    let seen = wait_for(
+        "the second replica to see a heartbeat the first heard",
+        Duration::from_secs(10),
+        || {
+            beat(&on_1, "a", &[]);
+            std::thread::sleep(Duration::from_millis(100));
+            let (_, n) = m2.admin().call("GET", "/v1/nodes/a", None);
+            let t = n["last_heartbeat_ms"].as_u64().unwrap();
+            (t > registered).then_some(t)
+        },
+    );
+    assert!(seen > registered);
+    let heard_before = reads(&m2, "heard");
+    wait_for(
+        "more rounds to read heartbeat times",
+        Duration::from_secs(10),
+        || (reads(&m2, "heard") >= heard_before + 3.0).then_some(()),
+    );
+    assert!(
+        reads(&m2, "full") <= full_before + 1.0,
+        "rounds must not reload every row each time: {} full reads",
+        reads(&m2, "full") - full_before
+    );
+}
+on_both!(a_round_reads_other_replicas_heartbeats_not_every_row);

@@ -104,6 +104,42 @@ impl Database {
             })
             .map_err(|e| Error::new(format!("could not read pg_stat_statements: {e}")))
     }
+    /// The `n` statements with the longest single run since
+    /// [`Database::reset`]: where a slow grant's time may have gone
+    /// (a lock wait shows as a long maximum on a short statement).
+    pub fn slowest(&self, n: u32) -> Result<Vec<Slow>> {
+        let sql = "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 90), calls,
+                          mean_exec_time, max_exec_time
+                   FROM pg_stat_statements WHERE strpos(query, 'pg_stat_statements') = 0
+                   ORDER BY max_exec_time DESC LIMIT $1";
+        self.runtime
+            .block_on(async {
+                let pool = pool(self.pg.url()).await?;
+                let rows = sqlx::query(sql).bind(i64::from(n)).fetch_all(&pool).await?;
+                pool.close().await;
+                rows.iter()
+                    .map(|row| {
+                        Ok(Slow {
+                            query: row.try_get(0)?,
+                            calls: row.try_get::<i64, _>(1)?.max(0) as u64,
+                            mean_ms: row.try_get(2)?,
+                            max_ms: row.try_get(3)?,
+                        })
+                    })
+                    .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
+            })
+            .map_err(|e| Error::new(format!("could not read pg_stat_statements: {e}")))
+    }
+}
+
+/// One statement's times, from `pg_stat_statements`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slow {
+    /// The statement's first 90 characters, spaces folded.
+    pub query: String,
+    pub calls: u64,
+    pub mean_ms: f64,
+    pub max_ms: f64,
 }
 
 async fn pool(url: &str) -> std::result::Result<sqlx::PgPool, sqlx::Error> {

@@ -251,6 +251,12 @@ fn point(
     )?;
     let window = t0.elapsed();
     let statements = db.statements()?;
+    for slow in db.slowest(5)? {
+        eprintln!(
+            "fleet:   slowest statement: max {:.1} ms, mean {:.2} ms, {} calls: {}",
+            slow.max_ms, slow.mean_ms, slow.calls, slow.query
+        );
+    }
     let cpu1 = measure::cpu_ms(&pids);
     let stats1 = agents.stats()?;
     // What the replicas handed out for this fleet: the interval of the

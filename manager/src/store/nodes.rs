@@ -212,6 +212,21 @@ impl Store {
         Ok(())
     }
 
+    /// The nodes last heard at `since_ms` or later, and when, as the
+    /// database holds it (what every replica flushed): the narrow read a
+    /// round makes instead of reloading every node's row.
+    pub async fn heard_since(&self, since_ms: u64) -> Result<Vec<(String, u64)>, DbError> {
+        sqlx::query(&format!(
+            "{LIVENESS} SELECT name, last_heartbeat_ms FROM nodes WHERE last_heartbeat_ms >= $1"
+        ))
+        .bind(i(since_ms))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| Ok((text_col(row, "name")?, u64_col(row, "last_heartbeat_ms")?)))
+        .collect()
+    }
+
     /// The leases that ended at `since_ms` or later: (lease, node, when).
     pub async fn ended_since(&self, since_ms: u64) -> Result<Vec<(u64, String, u64)>, DbError> {
         sqlx::query(&format!(
