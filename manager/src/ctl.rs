@@ -621,6 +621,7 @@ mod tests {
             withheld_cores: if cores > 64 { 0 } else { 2 },
             draining_cores: 0,
             draining_memory_mib: 0,
+            partitions: Vec::new(),
         };
         // Registered at 1 core and 1000 MiB under 4 and 2048 leased.
         let shrunk = NodeView {

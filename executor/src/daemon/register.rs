@@ -74,6 +74,7 @@ pub(crate) fn node_record(s: &Settings, control_addr: std::net::SocketAddr) -> R
         memory_mib: u64::from(s.memory_mib),
         version: env!("CARGO_PKG_VERSION").into(),
         harvested: m.is_some_and(|m| m.harvested),
+        partitions: Vec::new(),
     }
 }
 
