@@ -388,6 +388,9 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
         ),
     );
     line("providers", providers.join(", "));
+    if !n.partitions.is_empty() {
+        line("partitions", n.partitions.join(", "));
+    }
     let draining = |amount: u64, unit: &str| {
         if amount == 0 {
             String::new()
