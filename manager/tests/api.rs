@@ -1296,6 +1296,28 @@ fn openapi_document_and_metrics() {
         "{doc}"
     );
     assert!(doc["components"]["schemas"]["BillingSlot"].is_object());
+    // Partition names have one pattern, in bodies and in the listing's query.
+    let partitions = &doc["components"]["schemas"]["RegisterNode"]["properties"]["partitions"];
+    assert_eq!(partitions["maxItems"], 64, "{partitions}");
+    assert_eq!(
+        partitions["items"]["$ref"], "#/components/schemas/PartitionName",
+        "{partitions}"
+    );
+    let name = &doc["components"]["schemas"]["PartitionName"];
+    assert_eq!(
+        name["pattern"].as_str(),
+        Some(rfaas_proto::manager::PARTITION_PATTERN),
+        "{name}"
+    );
+    let query = doc["paths"]["/v1/nodes"]["get"]["parameters"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "partition"))
+        .unwrap_or_else(|| panic!("no partition parameter: {doc}"));
+    assert_eq!(
+        query["schema"]["pattern"].as_str(),
+        Some(rfaas_proto::manager::PARTITION_PATTERN),
+        "{query}"
+    );
     let refusals = &doc["paths"]["/v1/leases"]["post"]["responses"];
     assert!(
         refusals["422"]["description"]

@@ -88,6 +88,10 @@ pub const MAX_PARTITIONS: usize = 64;
 /// Longest partition name, bytes.
 pub const MAX_PARTITION_NAME: usize = 64;
 
+/// The pattern of a partition name, as the OpenAPI document gives it
+/// ([`partition_name`] checks it).
+pub const PARTITION_PATTERN: &str = r"^[A-Za-z0-9_.-]{1,64}$";
+
 /// A Slurm partition name, as `partitions` carries it (for the OpenAPI
 /// document).
 #[cfg(feature = "openapi")]
@@ -99,7 +103,7 @@ impl utoipa::PartialSchema for PartitionName {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
         utoipa::openapi::ObjectBuilder::new()
             .schema_type(utoipa::openapi::schema::Type::String)
-            .pattern(Some(r"^[A-Za-z0-9_.-]{1,64}$"))
+            .pattern(Some(PARTITION_PATTERN))
             .min_length(Some(1))
             .max_length(Some(MAX_PARTITION_NAME))
             .into()
