@@ -1099,11 +1099,6 @@ fn executord_registers_its_slurm_partitions() {
     let cred = dir.join("node.credential");
     std::fs::write(&cred, m.credential("node", "rfaas-test-node", None)).unwrap();
     std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
-    std::fs::write(
-        dir.join("node.txt"),
-        "NodeName=rfaas-test-node Arch=x86_64 CPUTot=4 Partitions=batch,gpu State=IDLE Reason=none\n",
-    )
-    .unwrap();
     let config = |partitions: &str| {
         format!(
             "{}reconcile_interval_ms = 0\n{partitions}[manager]\nurls = [{:?}]\ncredential_file = {:?}\n",
@@ -1128,6 +1123,32 @@ fn executord_registers_its_slurm_partitions() {
             .map(str::to_owned)
             .collect::<Vec<_>>()
     };
+    // Slurm cannot be asked: the daemon registers without partitions,
+    // and says why.
+    let d = start(ExecutordOptions {
+        extra_config: config(""),
+        ..Default::default()
+    });
+    let n = poll_for(MINUTE, || {
+        let (_, n) = admin.call("GET", "/v1/nodes/rfaas-test-node", None);
+        (n["state"] == "up").then_some(n)
+    })
+    .unwrap_or_else(|| panic!("never registered:\n{}", d.log()));
+    assert!(n.get("partitions").is_none(), "{n}");
+    assert!(
+        d.log()
+            .contains("cannot ask Slurm which partitions this node is in"),
+        "{}",
+        d.log()
+    );
+    drop(d);
+    std::fs::remove_file(dir.join("calls.txt")).unwrap();
+
+    std::fs::write(
+        dir.join("node.txt"),
+        "NodeName=rfaas-test-node Arch=x86_64 CPUTot=4 Partitions=batch,gpu State=IDLE Reason=none\n",
+    )
+    .unwrap();
     let d = start(ExecutordOptions {
         extra_config: config(""),
         ..Default::default()
