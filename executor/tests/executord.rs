@@ -915,7 +915,9 @@ fn slurm_jobs_take_the_node_back_until_the_last_one_ends() {
 }
 
 /// A stand-in `scontrol` in `dir` (a shell script): every job is
-/// `jobs.txt`, job N is `job-N.txt` (Slurm does not know N without it).
+/// `jobs.txt`, job N is `job-N.txt` (Slurm does not know N without it),
+/// the node is `node.txt` (Slurm cannot be asked without it); each run's
+/// arguments are appended to `calls.txt`.
 /// The daemon's side of Slurm is what these tests are about; the real
 /// `scontrol` runs in slurm-spank/tests/cluster.rs.
 fn fake_scontrol(dir: &Path) -> String {
@@ -924,7 +926,7 @@ fn fake_scontrol(dir: &Path) -> String {
     std::fs::write(
         &p,
         format!(
-            "#!/bin/sh\nd={}\nif [ -n \"$6\" ]; then\n  [ -f \"$d/job-$6.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$6.txt\"\nfi\nexec cat \"$d/jobs.txt\"\n",
+            "#!/bin/sh\nd={}\necho \"$*\" >> \"$d/calls.txt\"\nif [ \"$4\" = node ]; then\n  [ -f \"$d/node.txt\" ] || {{ echo 'slurm_load_node error: Unable to contact slurm controller' >&2; exit 1; }}\n  exec cat \"$d/node.txt\"\nfi\nif [ -n \"$6\" ]; then\n  [ -f \"$d/job-$6.txt\" ] || {{ echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1; }}\n  exec cat \"$d/job-$6.txt\"\nfi\nexec cat \"$d/jobs.txt\"\n",
             dir.display()
         ),
     )
@@ -1080,6 +1082,96 @@ fn a_take_back_sends_a_heartbeat_at_once() {
         (beat() > Some(registered)).then_some(())
     })
     .unwrap_or_else(|| panic!("no heartbeat after the take-back:\n{}", d.log()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The daemon registers the Slurm partitions `scontrol` says its node is
+/// in, asking once at start; partitions set in `[slurm]` win, and then
+/// Slurm is not asked.
+#[test]
+fn executord_registers_its_slurm_partitions() {
+    use std::os::unix::fs::PermissionsExt;
+    let m = rfaas_testkit::manager::Manager::start(rfaas_testkit::manager::ManagerOptions {
+        extra_config: "lost_after_ms = 600000\n".into(),
+        ..Default::default()
+    });
+    let dir = scratch("partitions");
+    let cred = dir.join("node.credential");
+    std::fs::write(&cred, m.credential("node", "rfaas-test-node", None)).unwrap();
+    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = |partitions: &str| {
+        format!(
+            "{}reconcile_interval_ms = 0\n{partitions}[manager]\nurls = [{:?}]\ncredential_file = {:?}\n",
+            fake_scontrol(&dir),
+            m.url(),
+            cred.display().to_string()
+        )
+    };
+    let admin = m.admin();
+    let registered_in = |want: serde_json::Value, d: &Executord| {
+        poll_for(MINUTE, || {
+            let (_, n) = admin.call("GET", "/v1/nodes/rfaas-test-node", None);
+            (n["partitions"] == want).then_some(())
+        })
+        .unwrap_or_else(|| panic!("never registered in {want}:\n{}", d.log()));
+    };
+    let node_queries = || {
+        std::fs::read_to_string(dir.join("calls.txt"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(" node "))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    // Slurm cannot be asked: the daemon registers without partitions,
+    // and says why.
+    let d = start(ExecutordOptions {
+        extra_config: config(""),
+        ..Default::default()
+    });
+    let n = poll_for(MINUTE, || {
+        let (_, n) = admin.call("GET", "/v1/nodes/rfaas-test-node", None);
+        (n["state"] == "up").then_some(n)
+    })
+    .unwrap_or_else(|| panic!("never registered:\n{}", d.log()));
+    assert!(n.get("partitions").is_none(), "{n}");
+    assert!(
+        d.log()
+            .contains("cannot ask Slurm which partitions this node is in"),
+        "{}",
+        d.log()
+    );
+    drop(d);
+    std::fs::remove_file(dir.join("calls.txt")).unwrap();
+
+    std::fs::write(
+        dir.join("node.txt"),
+        "NodeName=rfaas-test-node Arch=x86_64 CPUTot=4 Partitions=batch,gpu State=IDLE Reason=none\n",
+    )
+    .unwrap();
+    let d = start(ExecutordOptions {
+        extra_config: config(""),
+        ..Default::default()
+    });
+    registered_in(serde_json::json!(["batch", "gpu"]), &d);
+    assert_eq!(
+        node_queries(),
+        ["--local -o show node rfaas-test-node"],
+        "one query at start"
+    );
+    drop(d);
+
+    let d = start(ExecutordOptions {
+        extra_config: config("partitions = [\"debug\"]\n"),
+        ..Default::default()
+    });
+    registered_in(serde_json::json!(["debug"]), &d);
+    assert_eq!(
+        node_queries().len(),
+        1,
+        "the configuration is not asked of Slurm"
+    );
+    drop(d);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

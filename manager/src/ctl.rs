@@ -388,6 +388,9 @@ pub fn node_detail(n: &NodeView, now_ms: u64) -> String {
         ),
     );
     line("providers", providers.join(", "));
+    if !n.partitions.is_empty() {
+        line("partitions", n.partitions.join(", "));
+    }
     let draining = |amount: u64, unit: &str| {
         if amount == 0 {
             String::new()
@@ -621,6 +624,7 @@ mod tests {
             withheld_cores: if cores > 64 { 0 } else { 2 },
             draining_cores: 0,
             draining_memory_mib: 0,
+            partitions: Vec::new(),
         };
         // Registered at 1 core and 1000 MiB under 4 and 2048 leased.
         let shrunk = NodeView {

@@ -461,6 +461,7 @@ mod tests {
             withheld_cores: 0,
             draining_cores: 0,
             draining_memory_mib: 0,
+            partitions: Vec::new(),
         }
     }
 

@@ -131,6 +131,157 @@ fn nodes_come_in_pages_that_ctl_follows(kind: &str) {
 }
 on_both!(nodes_come_in_pages_that_ctl_follows);
 
+/// Registers node `name` in `partitions` with its own credential: the
+/// status and reply.
+fn register_in(
+    m: &rfaas_testkit::manager::Manager,
+    name: &str,
+    partitions: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let api = Api::new(m.url(), &m.credential("node", name, None));
+    let mut body = node_body(7100, 2, 1024);
+    body["partitions"] = partitions;
+    api.call("PUT", &format!("/v1/nodes/{name}"), Some(&body))
+}
+
+/// Nodes register their Slurm partitions: the views show them, a new
+/// registration replaces them, bad names are refused with nothing stored,
+/// and `GET /v1/nodes?partition=` pages the nodes of one partition
+/// through the index of nodes by partition, with the other filters.
+fn nodes_are_listed_by_partition_through_an_index(kind: &str) {
+    use rfaas_proto::manager::NodeView;
+    let mut db = Db::new(kind);
+    let m = db.manager();
+    for (name, parts) in [
+        ("n4", json!(["batch", "gpu"])),
+        ("n1", json!(["batch"])),
+        ("m1", json!(["batch"])),
+        ("n3", json!(["batch", "debug"])),
+        ("n5", json!(["gpu"])),
+        ("n2", json!(["batch"])),
+        ("n6", json!([])),
+    ] {
+        let (s, r) = register_in(&m, name, parts.clone());
+        assert_eq!(s, 200, "{name}: {r}");
+        let shown = r["node"].get("partitions").cloned().unwrap_or(json!([]));
+        assert_eq!(shown, parts, "{r}");
+    }
+    let admin = m.admin();
+    let (s, v) = admin.call("POST", "/v1/nodes/n3/drain", None);
+    assert_eq!(s, 200, "{v}");
+    let ctl = ctl_for(&m, m.admin_token());
+    let names = |path: &str| -> Vec<String> {
+        let (_, nodes): (_, Vec<NodeView>) = ctl.get_pages(path).expect(path);
+        nodes.into_iter().map(|n| n.name).collect()
+    };
+    assert_eq!(
+        names("/v1/nodes?partition=batch&limit=1"),
+        ["m1", "n1", "n2", "n3", "n4"]
+    );
+    assert_eq!(
+        names("/v1/nodes?partition=batch&limit=2"),
+        names("/v1/nodes?partition=batch")
+    );
+    assert_eq!(
+        names("/v1/nodes?partition=batch&prefix=n&state=up&limit=1"),
+        ["n1", "n2", "n4"]
+    );
+    assert_eq!(names("/v1/nodes?partition=gpu&limit=1"), ["n4", "n5"]);
+    assert_eq!(names("/v1/nodes?partition=none"), Vec::<String>::new());
+    // The first page's link carries the filters on to the next.
+    let (s, page) = admin.call("GET", "/v1/nodes?partition=batch&state=up&limit=2", None);
+    assert_eq!(s, 200, "{page}");
+    let shown: Vec<&str> = page
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(shown, ["m1", "n1"]);
+    let (s, page) = admin.call(
+        "GET",
+        "/v1/nodes?partition=batch&state=up&limit=2&after=n1",
+        None,
+    );
+    assert_eq!(s, 200, "{page}");
+    let shown: Vec<&str> = page
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(shown, ["n2", "n4"]);
+
+    // A new registration replaces the node's partitions.
+    let (s, r) = register_in(&m, "n4", json!(["debug"]));
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(names("/v1/nodes?partition=gpu"), ["n5"]);
+    assert_eq!(names("/v1/nodes?partition=debug"), ["n3", "n4"]);
+    let (_, n4) = admin.call("GET", "/v1/nodes/n4", None);
+    assert_eq!(n4["partitions"], json!(["debug"]), "{n4}");
+
+    // Bad partitions are refused, saying which, and change nothing.
+    let many: Vec<String> = (0..65).map(|k| format!("p{k}")).collect();
+    for (bad, says) in [
+        (json!(["a b"]), "is not a Slurm partition name"),
+        (json!(["ok", "tab\t"]), "is not a Slurm partition name"),
+        (json!([""]), "is not a Slurm partition name"),
+        (json!(["p".repeat(65)]), "is not a Slurm partition name"),
+        (json!(["gpu", "gpu"]), "listed twice"),
+        (json!(many), "at most 64"),
+    ] {
+        let (s, e) = register_in(&m, "n4", bad.clone());
+        assert_eq!(
+            (s, e["error"].as_str()),
+            (400, Some("malformed_request")),
+            "{bad}: {e}"
+        );
+        assert!(
+            e["message"].as_str().is_some_and(|t| t.contains(says)),
+            "{bad}: {e}"
+        );
+    }
+    let (_, n4) = admin.call("GET", "/v1/nodes/n4", None);
+    assert_eq!(n4["partitions"], json!(["debug"]), "{n4}");
+    assert_eq!(names("/v1/nodes?partition=debug&fresh=true"), ["n3", "n4"]);
+    assert_eq!(
+        db.sql(&["SELECT COUNT(*) FROM node_partitions WHERE node = 'n4'"]),
+        [[1]]
+    );
+    malformed_queries(
+        &admin,
+        "/v1/nodes",
+        &["partition=", "partition=a%20b", "partition=a,b"],
+    );
+
+    // Among many nodes, the listing of one partition reads the index in
+    // name order, not the nodes table nor a sort.
+    db.sql(&[
+        "CREATE TEMP TABLE like_n1 AS SELECT * FROM nodes WHERE name = 'n1'",
+        "ALTER TABLE like_n1 DROP COLUMN name",
+        "WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < 20000)
+         INSERT INTO nodes SELECT 'x' || i, like_n1.* FROM k, like_n1",
+        "WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < 20000)
+         INSERT INTO node_partitions (node, partition) SELECT 'x' || i, 'p' || (i % 2) FROM k",
+        "ANALYZE",
+    ]);
+    let sql = rfaas_manager::store::nodes_in_sql()
+        .replace("$1", "'p1'")
+        .replace("$2", "'x1'")
+        .replace("$3", "''")
+        .replace("$4", "1001");
+    let plan = db.plan(&sql);
+    assert!(
+        plan.contains("node_partitions_by_partition"),
+        "{sql}\n{plan}"
+    );
+    assert!(
+        !plan.contains("Sort") && !plan.contains("TEMP B-TREE"),
+        "ordered by the index, not sorted: {sql}\n{plan}"
+    );
+}
+on_both!(nodes_are_listed_by_partition_through_an_index);
+
 /// `GET /v1/leases` pages newest first, filtered, each caller seeing its
 /// own, with `rfaas_manager::ctl` following the links; among many ended
 /// leases each listing reads an index in its order, not the table.
@@ -1145,6 +1296,28 @@ fn openapi_document_and_metrics() {
         "{doc}"
     );
     assert!(doc["components"]["schemas"]["BillingSlot"].is_object());
+    // Partition names have one pattern, in bodies and in the listing's query.
+    let partitions = &doc["components"]["schemas"]["RegisterNode"]["properties"]["partitions"];
+    assert_eq!(partitions["maxItems"], 64, "{partitions}");
+    assert_eq!(
+        partitions["items"]["$ref"], "#/components/schemas/PartitionName",
+        "{partitions}"
+    );
+    let name = &doc["components"]["schemas"]["PartitionName"];
+    assert_eq!(
+        name["pattern"].as_str(),
+        Some(rfaas_proto::manager::PARTITION_PATTERN),
+        "{name}"
+    );
+    let query = doc["paths"]["/v1/nodes"]["get"]["parameters"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "partition"))
+        .unwrap_or_else(|| panic!("no partition parameter: {doc}"));
+    assert_eq!(
+        query["schema"]["pattern"].as_str(),
+        Some(rfaas_proto::manager::PARTITION_PATTERN),
+        "{query}"
+    );
     let refusals = &doc["paths"]["/v1/leases"]["post"]["responses"];
     assert!(
         refusals["422"]["description"]

@@ -136,6 +136,20 @@ fn nodes_are_read_page_by_page_and_filtered() {
         ["n1", "n3", "n4", "n5"]
     );
     assert_eq!(names(&["--state", "drained"]), ["n2"]);
+    // n4 and x1 move into Slurm partition "gpu".
+    for name in ["x1", "n4"] {
+        let api = Api::new(m.url(), &m.credential("node", name, None));
+        let mut body = node_body(7100, 2, 1024);
+        body["partitions"] = serde_json::json!(["batch", "gpu"]);
+        let (s, r) = api.call("PUT", &format!("/v1/nodes/{name}"), Some(&body));
+        assert_eq!(s, 200, "{r}");
+    }
+    assert_eq!(
+        names(&["--page-size", "1", "--partition", "gpu"]),
+        ["n4", "x1"]
+    );
+    assert_eq!(names(&["--partition", "gpu", "--prefix", "x"]), ["x1"]);
+    assert!(ok(&m, &admin, &["node", "x1"]).contains("partitions      batch, gpu"));
     let table = ok(&m, &admin, &["nodes", "--page-size", "4"]);
     assert_eq!(table.lines().count(), 7, "a header and six nodes: {table}");
 }

@@ -71,6 +71,82 @@ pub struct RegisterNode {
     /// between jobs): its leases are priced at the harvested discount.
     #[serde(default)]
     pub harvested: bool,
+    /// The Slurm partitions the node is in (`partitions` in executord.toml,
+    /// or what `scontrol` says at start); none outside Slurm. At most
+    /// [`MAX_PARTITIONS`], each a [`partition_name`].
+    #[cfg_attr(
+        feature = "openapi",
+        schema(max_items = 64, value_type = Vec<PartitionName>)
+    )]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<String>,
+}
+
+/// Most partitions a node registers.
+pub const MAX_PARTITIONS: usize = 64;
+
+/// Longest partition name, bytes.
+pub const MAX_PARTITION_NAME: usize = 64;
+
+/// The pattern of a partition name, as the OpenAPI document gives it
+/// ([`partition_name`] checks it).
+pub const PARTITION_PATTERN: &str = r"^[A-Za-z0-9_.-]{1,64}$";
+
+/// A Slurm partition name, as `partitions` carries it (for the OpenAPI
+/// document).
+#[cfg(feature = "openapi")]
+#[derive(Debug)]
+pub struct PartitionName;
+
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for PartitionName {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .pattern(Some(PARTITION_PATTERN))
+            .min_length(Some(1))
+            .max_length(Some(MAX_PARTITION_NAME))
+            .into()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for PartitionName {}
+
+/// Checks a partition name: 1 to 64 letters, digits, `_`, `.` or `-` (a
+/// Slurm partition name, never a control character, space, comma or `=`).
+/// The error is a sentence naming the input.
+pub fn partition_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_PARTITION_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "partition {name:?} is not a Slurm partition name: use 1 to 64 letters, digits, '_', '.' or '-'"
+        ))
+    }
+}
+
+/// Checks a node's partitions: at most [`MAX_PARTITIONS`], each a
+/// [`partition_name`], none twice.
+pub fn partitions(names: &[String]) -> Result<(), String> {
+    if names.len() > MAX_PARTITIONS {
+        return Err(format!(
+            "partitions lists {} names; a node is in at most {MAX_PARTITIONS}",
+            names.len()
+        ));
+    }
+    for (k, n) in names.iter().enumerate() {
+        partition_name(n)?;
+        if names[..k].contains(n) {
+            return Err(format!("partition {n:?} is listed twice"));
+        }
+    }
+    Ok(())
 }
 
 /// The manager's answer to a registration: how often to heartbeat, and
@@ -208,6 +284,9 @@ pub struct NodeView {
     /// `draining_cores`.
     #[serde(default)]
     pub draining_memory_mib: u64,
+    /// The Slurm partitions it registered (none outside Slurm).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<String>,
 }
 
 /// `POST /v1/leases`: a job asks for cores.
@@ -617,6 +696,7 @@ mod tests {
             memory_mib: 4096,
             version: "0.1.0".into(),
             harvested: true,
+            partitions: Vec::new(),
         };
         assert_eq!(
             serde_json::to_string(&body).unwrap(),
@@ -637,6 +717,36 @@ mod tests {
             json.starts_with(r#"{"control_addr":"10.0.0.1:7100","control_tls":true,"#),
             "{json}"
         );
+        // Partitions are said only when the node is in some.
+        assert!(older.partitions.is_empty());
+        body.partitions = vec!["batch".into(), "gpu-a100".into()];
+        let json = serde_json::to_string(&body).unwrap();
+        assert!(
+            json.ends_with(r#""harvested":true,"partitions":["batch","gpu-a100"]}"#),
+            "{json}"
+        );
+        let back: RegisterNode = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, body);
+    }
+
+    #[test]
+    fn partitions_are_slurm_partition_names() {
+        assert_eq!(partitions(&["batch".into(), "gpu_a.1-2".into()]), Ok(()));
+        assert_eq!(partitions(&[]), Ok(()));
+        for bad in ["", "a b", "a,b", "a=b", "tab\t", "\u{7f}", "é"] {
+            let err = partition_name(bad).unwrap_err();
+            assert!(
+                err.contains("is not a Slurm partition name"),
+                "{bad:?}: {err}"
+            );
+        }
+        assert!(partition_name(&"p".repeat(64)).is_ok());
+        assert!(partition_name(&"p".repeat(65)).is_err());
+        let many: Vec<String> = (0..=MAX_PARTITIONS).map(|k| format!("p{k}")).collect();
+        assert!(partitions(&many).unwrap_err().contains("at most 64"));
+        assert!(partitions(&many[..MAX_PARTITIONS]).is_ok());
+        let twice = partitions(&["a".into(), "b".into(), "a".into()]).unwrap_err();
+        assert!(twice.contains("listed twice"), "{twice}");
     }
 
     #[test]

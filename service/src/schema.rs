@@ -98,6 +98,7 @@ pub const MANAGER: Owner = migrations!("manager":
     9 "0009_usage_daily.sql",
     10 "0010_leases_listed.sql",
     11 "0011_credentials_revoked_ms.sql",
+    12 "0012_node_partitions.sql",
 );
 
 /// The accounting service's tables.

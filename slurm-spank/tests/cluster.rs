@@ -1292,6 +1292,19 @@ fn rfaas_adds_little_to_slurmctld_whatever_the_cluster_size() {
 
     let dir = TempDir::new("sdiag");
     let env = RfaasOnSlurm::start(&dir, NODES as u32, "grace=5", false);
+    // Each daemon asked Slurm its node's partitions once, at start (one
+    // RPC, before the window: the budget below has nothing for it), and
+    // registered them.
+    let (_, in_debug) = env
+        .manager
+        .admin()
+        .call("GET", "/v1/nodes?partition=debug", None);
+    assert_eq!(
+        in_debug.as_array().map(Vec::len),
+        Some(NODES as usize),
+        "{in_debug}\n{}",
+        env.logs(&dir)
+    );
     let (with, window) = rpcs_over_jobs(&env.cluster, JOBS, &["--rfaas"], || {
         // Each job's end told the manager (the first node revokes its
         // credential), and every node has its CPUs back.

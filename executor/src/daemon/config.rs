@@ -153,6 +153,10 @@ pub struct SlurmConfig {
     /// (Slurm CPU id i is CPU i), or a list in Slurm's order (`"4-7,0-3"`:
     /// Slurm CPU id 0 is CPU 4).
     pub cpu_map: Option<String>,
+    /// The Slurm partitions this node is in, as it registers them with the
+    /// managers (default: what `scontrol --local -o show node` says, asked
+    /// once at start).
+    pub partitions: Option<Vec<String>>,
 }
 
 /// How Slurm's CPU ids on this node name the daemon's CPUs.
@@ -202,6 +206,8 @@ pub struct SlurmSettings {
     pub grace_ms: u64,
     /// Slurm CPU ids to the daemon's CPUs.
     pub cpu_map: CpuMap,
+    /// The partitions the admin set; `None`: ask Slurm.
+    pub partitions: Option<Vec<String>>,
 }
 
 impl SlurmConfig {
@@ -239,6 +245,10 @@ impl SlurmConfig {
                 )
             })?),
         };
+        if let Some(p) = &self.partitions {
+            rfaas_proto::manager::partitions(p)
+                .map_err(|why| invalid("slurm.partitions", p, &why))?;
+        }
         Ok(SlurmSettings {
             node,
             scontrol: self
@@ -252,6 +262,7 @@ impl SlurmConfig {
             timeout_ms,
             grace_ms: self.grace_ms.unwrap_or(30_000),
             cpu_map,
+            partitions: self.partitions.clone(),
         })
     }
 }
@@ -1438,6 +1449,7 @@ UID_MIN		 2000
                 timeout_ms: 1000,
                 grace_ms: 30_000,
                 cpu_map: CpuMap::Index,
+                partitions: None,
             }
         );
         let s = resolve(
@@ -1462,10 +1474,17 @@ UID_MIN		 2000
             ("[slurm]\nnode = \"\"", "slurm.node"),
             ("[slurm]\ncpu_map = \"0,0\"", "named twice"),
             ("[slurm]\ncpu_map = \"cores\"", "slurm.cpu_map"),
+            ("[slurm]\npartitions = [\"a b\"]", "slurm.partitions"),
+            ("[slurm]\npartitions = [\"gpu\", \"gpu\"]", "listed twice"),
         ] {
             let err = resolve(text).unwrap_err().to_string();
             assert!(err.contains(key), "{text}: {err}");
         }
+        let s = resolve("[slurm]\npartitions = [\"batch\", \"gpu\"]").unwrap();
+        assert_eq!(
+            s.slurm.unwrap().partitions,
+            Some(vec!["batch".to_owned(), "gpu".to_owned()])
+        );
         let err = Config::parse("[slurm]\ninterval_ms = 5").unwrap_err();
         assert!(err.contains("interval_ms"), "{err}");
     }

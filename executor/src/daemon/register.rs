@@ -9,6 +9,11 @@
 //! configured URLs. A manager that no longer knows the node (its database
 //! was reset, or it marked the node lost and forgot it) answers a heartbeat
 //! `404`, and the daemon registers again.
+//!
+//! The node registers the Slurm partitions it is in: those `[slurm]`
+//! `partitions` sets, or else what Slurm says, asked once before the first
+//! registration ([`super::slurm::node_partitions`]) and again before the
+//! next only if Slurm could not be asked.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -74,6 +79,11 @@ pub(crate) fn node_record(s: &Settings, control_addr: std::net::SocketAddr) -> R
         memory_mib: u64::from(s.memory_mib),
         version: env!("CARGO_PKG_VERSION").into(),
         harvested: m.is_some_and(|m| m.harvested),
+        partitions: s
+            .slurm
+            .as_ref()
+            .and_then(|sl| sl.partitions.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -225,7 +235,7 @@ impl Managers {
 /// returns when the daemon stops.
 pub(crate) fn run(
     shared: Arc<Shared>,
-    record: RegisterNode,
+    mut record: RegisterNode,
     credential: String,
     tickets: Arc<Tickets>,
 ) {
@@ -238,7 +248,20 @@ pub(crate) fn run(
     let uniform = |n: u64| fastrand::u64(0..=n);
     let register_path = format!("/v1/nodes/{node}");
     let heartbeat_path = format!("/v1/nodes/{node}/heartbeat");
+    // With `[slurm]` and no partitions set, Slurm is asked once; if it
+    // cannot be, again at the next registration.
+    let mut ask_slurm = shared
+        .settings
+        .slurm
+        .as_ref()
+        .is_some_and(|sl| sl.partitions.is_none());
     'register: loop {
+        if ask_slurm {
+            if let Some(p) = super::slurm::node_partitions(&shared) {
+                record.partitions = p;
+                ask_slurm = false;
+            }
+        }
         let mut failures = 0u32;
         let registered: Registered = loop {
             let result = managers.call(true, &register_path, &record);

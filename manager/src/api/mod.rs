@@ -40,8 +40,8 @@ use rfaas_proto::accounting::{BillingSlot, UsageFigures};
 use rfaas_proto::manager::{
     ApiError as ErrorBody, BudgetView, Credential, CredentialRequest, Heartbeat, HeartbeatReply,
     JobCredentialRequest, JobEnded, LeaseGrant, LeaseRequest, LeaseState, LeaseUsage, LeaseView,
-    NodeLease, NodeProvider, NodeState, NodeView, RegisterNode, Registered, RenewRequest, Role,
-    SetBudget,
+    NodeLease, NodeProvider, NodeState, NodeView, PartitionName, RegisterNode, Registered,
+    RenewRequest, Role, SetBudget,
 };
 use utoipa::OpenApi;
 
@@ -82,7 +82,7 @@ const REFUSALS: RefusalTable = &[("healthz", &[Kind::DatabaseUnavailable])];
         ErrorBody, RegisterNode, Registered, Heartbeat, HeartbeatReply, NodeView, NodeState,
         NodeProvider, LeaseRequest, LeaseGrant, NodeLease, BillingSlot, RenewRequest, LeaseView,
         LeaseState, CredentialRequest, Credential, Role, SetBudget, BudgetView,
-        JobCredentialRequest, JobEnded, LeaseUsage, UsageFigures
+        JobCredentialRequest, JobEnded, LeaseUsage, UsageFigures, PartitionName
     )),
     modifiers(&BearerAuth, &ALL_REFUSALS),
     security(("bearer" = []))

@@ -103,7 +103,7 @@ fn check_register(r: &RegisterNode) -> ApiResult<()> {
             "version is longer than 64 characters".into(),
         ));
     }
-    Ok(())
+    rfaas_proto::manager::partitions(&r.partitions).map_err(ApiError::Malformed)
 }
 /// Register a node, or update its record. Idempotent. The reply carries
 /// a fresh accounting ticket when the node's own credential asked. With fewer cores or
@@ -215,6 +215,10 @@ pub(super) struct NodesQuery {
     /// Only nodes whose name starts with this.
     #[param(max_length = 253)]
     prefix: Option<String>,
+    /// Only nodes in this Slurm partition (read from the database, through
+    /// its index of nodes by partition).
+    #[param(pattern = r"^[A-Za-z0-9_.-]{1,64}$", min_length = 1, max_length = 64)]
+    partition: Option<String>,
     /// At most this many nodes a page (default 1000; more than 10000 is
     /// read as 10000); a `Link` header with `rel="next"` gives the next
     /// page.
@@ -249,7 +253,10 @@ pub(super) async fn list_nodes(
         )));
     }
     let keep = |n: &NodeView| q.state.map_or(true, |s| n.state == s);
-    let (nodes, more) = if q.fresh {
+    let (nodes, more) = if let Some(p) = &q.partition {
+        rfaas_proto::manager::partition_name(p).map_err(ApiError::Malformed)?;
+        partition_page(&app, p, after.as_deref(), &prefix, limit, keep).await?
+    } else if q.fresh {
         let fresh = View::default();
         fresh.replace_all(app.store.nodes().await?);
         fresh.page(after.as_deref(), &prefix, limit, keep)
@@ -267,7 +274,48 @@ pub(super) async fn list_nodes(
     if !prefix.is_empty() {
         query.push(("prefix", prefix));
     }
+    if let Some(p) = q.partition {
+        query.push(("partition", p));
+    }
     Ok(page::page("/v1/nodes", nodes, next, &query))
+}
+
+/// A page of the nodes of `partition` named after `after` and starting
+/// with `prefix` that `keep` keeps, read from the database in batches
+/// through the index of nodes by partition; whether more follow.
+async fn partition_page(
+    app: &App,
+    partition: &str,
+    after: Option<&str>,
+    prefix: &str,
+    limit: usize,
+    keep: impl Fn(&NodeView) -> bool,
+) -> ApiResult<(Vec<NodeView>, bool)> {
+    let batch = u32::try_from(limit.saturating_add(1)).unwrap_or(u32::MAX);
+    let mut cursor = after.unwrap_or("").to_owned();
+    let mut out = Vec::new();
+    loop {
+        let read = app
+            .store
+            .nodes_in(partition, &cursor, prefix, batch)
+            .await?;
+        let full = read.len() == batch as usize;
+        for n in read {
+            if !n.node.name.starts_with(prefix) {
+                return Ok((out, false));
+            }
+            cursor.clone_from(&n.node.name);
+            if keep(&n.node) {
+                if out.len() == limit {
+                    return Ok((out, true));
+                }
+                out.push(n.node);
+            }
+        }
+        if !full {
+            return Ok((out, false));
+        }
+    }
 }
 
 fn state_name(s: NodeState) -> &'static str {

@@ -80,6 +80,9 @@ enum Command {
         /// Only nodes whose name starts with this.
         #[arg(long)]
         prefix: Option<String>,
+        /// Only nodes in this Slurm partition.
+        #[arg(long)]
+        partition: Option<String>,
         /// Nodes per request to the manager (1 to 10000); every page is
         /// read and printed as one list.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
@@ -245,6 +248,7 @@ fn run(args: &Args) -> Result<(), CtlError> {
             fresh,
             state,
             prefix,
+            partition,
             page_size,
         } => {
             let mut query = vec![format!("fresh={fresh}")];
@@ -253,6 +257,9 @@ fn run(args: &Args) -> Result<(), CtlError> {
             }
             if let Some(p) = prefix {
                 query.push(format!("prefix={}", ctl::path_segment(p)));
+            }
+            if let Some(p) = partition {
+                query.push(format!("partition={}", ctl::path_segment(p)));
             }
             if let Some(n) = page_size {
                 query.push(format!("limit={n}"));

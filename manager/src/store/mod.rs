@@ -35,7 +35,7 @@ pub use billing::AccountingInstance;
 pub use credentials::role_name;
 pub use grants::{Beyond, Denied, Grant, GrantOutcome, GrantPlan, LeaseAsk, Refused};
 pub use leases::{lease_state_name, LeaseFilter, LeaseRow};
-pub use nodes::{StoredNode, LIVENESS};
+pub use nodes::{nodes_in_sql, StoredNode, LIVENESS};
 pub use retention::{Purged, DAY_MS};
 
 /// The manager's database.

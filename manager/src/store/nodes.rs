@@ -19,7 +19,7 @@ pub const LIVENESS: &str = "/* rfaas:liveness */";
 const FLUSH_CHUNK: usize = 4000;
 
 /// The columns of a node, in the order [`node_from_row`] reads them.
-const NODE_COLS: &str = "name, admin_state, lost, control_addr, control_tls, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq";
+const NODE_COLS: &str = "name, admin_state, lost, control_addr, control_tls, providers, cores, memory_mib, leased_cores, leased_memory_mib, last_heartbeat_ms, harvested, withheld_cores, draining_cores, draining_memory_mib, lease_seq, partitions";
 
 /// A node as stored: what the API shows, and how many grants and releases
 /// have changed its leased counters (`lease_seq`), which orders the
@@ -54,6 +54,8 @@ fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
     };
     let providers: Vec<NodeProvider> = serde_json::from_str(&text_col(row, "providers")?)
         .map_err(|e| DbError::Other(format!("stored providers: {e}")))?;
+    let partitions: Vec<String> = serde_json::from_str(&text_col(row, "partitions")?)
+        .map_err(|e| DbError::Other(format!("stored partitions: {e}")))?;
     let node = NodeView {
         name: text_col(row, "name")?,
         state,
@@ -69,6 +71,7 @@ fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
         withheld_cores: u64_col(row, "withheld_cores")? as u32,
         draining_cores: u64_col(row, "draining_cores")? as u32,
         draining_memory_mib: u64_col(row, "draining_memory_mib")?,
+        partitions,
     };
     Ok(StoredNode {
         node,
@@ -76,12 +79,25 @@ fn node_from_row(row: &AnyRow) -> Result<StoredNode, DbError> {
     })
 }
 
+/// The statement [`Store::nodes_in`] runs: the nodes of partition `$1`
+/// named after `$2` and from `$3` on, by name, at most `$4`, through the index on
+/// `node_partitions (partition, node)`.
+pub fn nodes_in_sql() -> String {
+    let cols: Vec<String> = NODE_COLS.split(", ").map(|c| format!("n.{c}")).collect();
+    format!(
+        "SELECT {} FROM node_partitions p JOIN nodes n ON n.name = p.node
+         WHERE p.partition = $1 AND p.node > $2 AND p.node >= $3 ORDER BY p.node LIMIT $4",
+        cols.join(", ")
+    )
+}
+
 impl Store {
     /// Registers `name`, or updates its record; a lost node comes back.
     ///
     /// A node registered with fewer cores or less memory than it has
     /// leased keeps its leases: its capacity stays at what is leased, and
-    /// the difference is recorded as draining (see `NODE_CAPACITY`).
+    /// the difference is recorded as draining (see `NODE_CAPACITY`). The
+    /// partitions it names replace those it had.
     pub async fn register(
         &self,
         name: &str,
@@ -89,10 +105,11 @@ impl Store {
         now_ms: u64,
     ) -> Result<StoredNode, DbError> {
         let providers = serde_json::to_string(&r.providers).expect("providers serialise");
+        let partitions = serde_json::to_string(&r.partitions).expect("partitions serialise");
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(&format!(
-            "{LIVENESS} INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested, control_tls)
-             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8, $9)
+            "{LIVENESS} INSERT INTO nodes (name, admin_state, lost, control_addr, providers, cores, memory_mib, leased_cores, leased_memory_mib, free_cores, free_memory_mib, version, registered_ms, last_heartbeat_ms, harvested, control_tls, partitions)
+             VALUES ($1, 'up', 0, $2, $3, $4, $5, 0, 0, $4, $5, $6, $7, $7, $8, $9, $10)
              ON CONFLICT (name) DO UPDATE SET lost = 0, control_addr = excluded.control_addr, control_tls = excluded.control_tls, providers = excluded.providers,
                 cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores ELSE excluded.cores END,
                 draining_cores = CASE WHEN nodes.leased_cores > excluded.cores THEN nodes.leased_cores - excluded.cores ELSE 0 END,
@@ -101,7 +118,7 @@ impl Store {
                     THEN nodes.leased_memory_mib - excluded.memory_mib ELSE 0 END,
                 version = excluded.version,
                 registered_ms = excluded.registered_ms, last_heartbeat_ms = excluded.last_heartbeat_ms,
-                harvested = excluded.harvested
+                harvested = excluded.harvested, partitions = excluded.partitions
              RETURNING {NODE_COLS}"
         ))
         .bind(name)
@@ -113,9 +130,25 @@ impl Store {
         .bind(i(now_ms))
         .bind(i64::from(r.harvested))
         .bind(i64::from(r.control_tls))
+        .bind(partitions)
         .fetch_one(&mut *tx)
         .await?;
         let node = node_from_row(&row)?;
+        sqlx::query(&format!(
+            "{LIVENESS} DELETE FROM node_partitions WHERE node = $1"
+        ))
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
+        for p in &r.partitions {
+            sqlx::query(&format!(
+                "{LIVENESS} INSERT INTO node_partitions (node, partition) VALUES ($1, $2)"
+            ))
+            .bind(name)
+            .bind(p.as_str())
+            .execute(&mut *tx)
+            .await?;
+        }
         self.notify(&mut tx, &[name]).await?;
         tx.commit().await?;
         Ok(node)
@@ -278,6 +311,28 @@ impl Store {
         .iter()
         .map(node_from_row)
         .collect()
+    }
+
+    /// The nodes of `partition` named after `after` and not before `from`,
+    /// by name, at most `limit`: an index read whatever the number of
+    /// nodes.
+    pub async fn nodes_in(
+        &self,
+        partition: &str,
+        after: &str,
+        from: &str,
+        limit: u32,
+    ) -> Result<Vec<StoredNode>, DbError> {
+        sqlx::query(&format!("{LIVENESS} {}", nodes_in_sql()))
+            .bind(partition)
+            .bind(after)
+            .bind(from)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(node_from_row)
+            .collect()
     }
 
     /// Some nodes by name (missing ones left out), 500 to a query.

@@ -31,11 +31,15 @@
 //! ids here cannot be read takes the whole node (a prolog: its count).
 //! When Slurm cannot be asked, nothing changes.
 //!
-//! What it costs slurmctld: a round is one `scontrol -d -o show job` (two
+//! What it costs slurmctld: a round is one `scontrol --local -d -o show job` (two
 //! RPCs, `REQUEST_JOB_INFO` and `REQUEST_NODE_INFO`), so the default of
 //! 120 s is one RPC per node per minute on average at any cluster size; a
-//! take-back is one `scontrol -d -o show job ID` (three RPCs) per job
-//! start on the node. Nothing asks Slurm as a job step starts
+//! take-back is one `scontrol --local -d -o show job ID` (one RPC,
+//! `REQUEST_JOB_INFO_SINGLE`; two for a job on several nodes, whose `-d`
+//! adds `REQUEST_NODE_INFO`) per job start on the node; and unless
+//! `[slurm]` sets `partitions`, the daemon asks once at start which
+//! partitions its node is in (`scontrol --local -o show node`, one RPC),
+//! to register them ([`node_partitions`]). Nothing asks Slurm as a job step starts
 //! ([`super::jobs`]). A missed prolog or epilog (the hook could not reach
 //! the daemon) is put right by the next round, up to 180 s later; a
 //! daemon that was down puts everything right at start, before it
@@ -715,6 +719,23 @@ pub(crate) fn run(shared: Arc<Shared>) {
 fn jittered(interval: Duration, rng: &mut fastrand::Rng) -> Duration {
     let ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
     Duration::from_millis((ms / 2).saturating_add(rng.u64(0..=ms)))
+}
+
+/// The Slurm partitions this node is in, as `scontrol` says (one
+/// slurmctld RPC); `None` without `[slurm]` or when Slurm cannot be asked
+/// (logged).
+pub(crate) fn node_partitions(shared: &Shared) -> Option<Vec<String>> {
+    let s = shared.settings.slurm.as_ref()?;
+    match scontrol(s).node_partitions(&s.node) {
+        Ok(p) => {
+            tracing::info!(node = %s.node, partitions = ?p, "Slurm says which partitions this node is in");
+            Some(p)
+        }
+        Err(e) => {
+            tracing::warn!(node = %s.node, error = %e, "cannot ask Slurm which partitions this node is in; registering without them and asking again at the next registration (set partitions in [slurm] to skip asking)");
+            None
+        }
+    }
 }
 
 /// The first round, at start: once, before the daemon serves.

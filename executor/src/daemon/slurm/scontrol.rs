@@ -229,18 +229,34 @@ impl Scontrol {
     /// first: job `job` is one slurmctld RPC (`REQUEST_JOB_INFO_SINGLE`),
     /// every job two (`REQUEST_JOB_INFO`, `REQUEST_NODE_INFO`).
     pub(crate) fn show_jobs(&self, job: Option<u64>) -> Result<String, ScontrolError> {
-        let mut args = vec![
-            "--local".to_string(),
-            "-d".into(),
-            "-o".into(),
-            "show".into(),
-            "job".into(),
-        ];
-        if let Some(j) = job {
-            args.push(j.to_string());
+        let mut args = vec!["-d", "-o", "show", "job"];
+        let id = job.map(|j| j.to_string());
+        if let Some(id) = &id {
+            args.push(id);
         }
+        self.show(&args, |stderr| {
+            job.filter(|_| stderr.contains("Invalid job id"))
+                .map(ScontrolError::UnknownJob)
+        })
+    }
+
+    /// The Slurm partitions node `node` is in: `scontrol --local -o show
+    /// node NODE`'s `Partitions=a,b` (none if it has no such field). One
+    /// slurmctld RPC (`REQUEST_NODE_INFO_SINGLE`).
+    pub(crate) fn node_partitions(&self, node: &str) -> Result<Vec<String>, ScontrolError> {
+        let text = self.show(&["-o", "show", "node", node], |_| None)?;
+        Ok(partitions_of(&text))
+    }
+
+    /// Runs `scontrol --local ARGS`: its output, or why it failed
+    /// (`known` names a failure it recognises from its standard error).
+    fn show(
+        &self,
+        args: &[&str],
+        known: impl FnOnce(&str) -> Option<ScontrolError>,
+    ) -> Result<String, ScontrolError> {
         let mut cmd = Command::new(&self.program);
-        cmd.args(&args);
+        cmd.arg("--local").args(args);
         if let Some(conf) = &self.conf {
             cmd.env("SLURM_CONF", conf);
         }
@@ -249,16 +265,30 @@ impl Scontrol {
             return Ok(stdout);
         }
         let stderr = stderr.trim().to_string();
-        match job {
-            Some(j) if stderr.contains("Invalid job id") => Err(ScontrolError::UnknownJob(j)),
-            _ => Err(ScontrolError::Failed {
-                program: self.program.clone(),
-                args: args.join(" "),
-                status,
-                stderr,
-            }),
+        Err(known(&stderr).unwrap_or_else(|| ScontrolError::Failed {
+            program: self.program.clone(),
+            args: format!("--local {}", args.join(" ")),
+            status,
+            stderr,
+        }))
+    }
+}
+
+/// The partitions in `scontrol -o show node`'s one line: its
+/// `Partitions=a,b` field, each name kept only if it is a partition name
+/// rfaas accepts.
+pub(crate) fn partitions_of(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let field = text
+        .split_whitespace()
+        .find_map(|t| t.strip_prefix("Partitions="));
+    for name in field.unwrap_or("").split(',') {
+        if rfaas_proto::manager::partition_name(name).is_ok() && !out.iter().any(|p| p == name) {
+            out.push(name.to_owned());
         }
     }
+    out.truncate(rfaas_proto::manager::MAX_PARTITIONS);
+    out
 }
 
 /// Runs `cmd` (named `program` in errors) for at most `limit`: its exit
@@ -498,6 +528,20 @@ mod tests {
         );
         assert!(parse("", "n1").is_empty());
         assert!(parse("No jobs in the system\n", "n1").is_empty());
+    }
+
+    #[test]
+    fn a_nodes_partitions_are_read_from_its_line() {
+        let line = "NodeName=n1 Arch=x86_64 CoresPerSocket=4 Partitions=batch,gpu,batch,bad=name State=IDLE Reason=none\n";
+        assert_eq!(partitions_of(line), ["batch", "gpu"]);
+        assert_eq!(
+            partitions_of("NodeName=n1 State=IDLE\n"),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            partitions_of("NodeName=n1 Partitions= State=IDLE"),
+            Vec::<String>::new()
+        );
     }
 
     #[test]
