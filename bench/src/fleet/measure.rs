@@ -185,6 +185,26 @@ fn cpu_ticks(stat: &str) -> Option<u64> {
 /// The replica at `url`'s count of the nodes it marked lost since it
 /// started (`rfaas_manager_lost_nodes_total`).
 pub fn lost_nodes(url: &str, admin: &str) -> Result<u64> {
+    metric(url, admin, "rfaas_manager_lost_nodes_total").map(|v| v as u64)
+}
+
+/// The heartbeat interval and loss timeout the replicas at `urls` go by
+/// now, ms (the largest of their `rfaas_manager_heartbeat_interval_seconds`
+/// and `rfaas_manager_lost_after_seconds`). A node keeps the loss timeout
+/// of its registration, which a replica whose view was still filling
+/// answered with a smaller fleet's; the reaping goes by these.
+pub fn intervals(urls: &[String], admin: &str) -> Result<(u64, u64)> {
+    let (mut interval, mut lost_after) = (0u64, 0u64);
+    for url in urls {
+        let ms = |name| metric(url, admin, name).map(|s| (s * 1000.0).round() as u64);
+        interval = interval.max(ms("rfaas_manager_heartbeat_interval_seconds")?);
+        lost_after = lost_after.max(ms("rfaas_manager_lost_after_seconds")?);
+    }
+    Ok((interval, lost_after))
+}
+
+/// An unlabelled sample `name` of the replica at `url`'s metrics.
+fn metric(url: &str, admin: &str, name: &str) -> Result<f64> {
     let (status, text) = call(&agent(), "GET", &format!("{url}/metrics"), admin, None)?;
     if status != 200 {
         return Err(Error::new(format!(
@@ -192,14 +212,9 @@ pub fn lost_nodes(url: &str, admin: &str) -> Result<u64> {
         )));
     }
     text.lines()
-        .find_map(|l| l.strip_prefix("rfaas_manager_lost_nodes_total "))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
-        .ok_or_else(|| {
-            Error::new(format!(
-                "the metrics of {url} have no rfaas_manager_lost_nodes_total"
-            ))
-        })
+        .ok_or_else(|| Error::new(format!("the metrics of {url} have no {name}")))
 }
 
 #[cfg(test)]

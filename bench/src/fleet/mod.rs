@@ -9,7 +9,7 @@
 //! | `replica_cpu_ms_per_node_min` | the replica processes' user and system time during the window (`/proc/<pid>/stat`), per node per minute |
 //! | `grant_p99_ns` | `POST /v1/leases` of 1 core, open loop at `--grant-rate` during the window, each from its scheduled start, rotating over the replicas; each lease released right after (untimed) |
 //! | `node_visible_p99_ns` | after the window, with the fleet still heartbeating: a new node's registration on one replica until every replica shows it (`rfaas-bench --manager`'s `node_visible`) |
-//! | `lost_detect_ns` | a few agents fall silent; from each one's last answered heartbeat until every replica shows it lost, the slowest; they heartbeat again after |
+//! | `lost_detect_ns` | a few agents fall silent; from each one's last answered heartbeat until every replica shows it lost, the slowest; they heartbeat again after. Its target is `lost_after_ms` plus one interval, as the replicas' gauges give them after the window |
 //! | `lost_in_restart` | the replicas restarted one after the other (SIGTERM, start on the same port, wait until it serves), then `lost_after_ms` and two intervals more: the nodes the replicas marked lost meanwhile (`rfaas_manager_lost_nodes_total`) |
 //!
 //! The agents (see [`agents`]) run in `--agent-procs` processes of this
@@ -259,9 +259,8 @@ fn point(
     }
     let cpu1 = measure::cpu_ms(&pids);
     let stats1 = agents.stats()?;
-    // What the replicas handed out for this fleet: the interval of the
-    // heartbeat replies, the loss timeout of the last registrations.
-    let (interval_ms, lost_after_ms) = (stats1.interval_ms, stats1.lost_after_ms);
+    // What the replicas go by for this fleet (their gauges).
+    let (interval_ms, lost_after_ms) = measure::intervals(&reps.urls, admin)?;
     let per_node_min = |x: u64| x as f64 / nodes as f64 / (window.as_secs_f64() / 60.0);
 
     let lost_detect = lost_detect(
