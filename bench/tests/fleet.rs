@@ -19,6 +19,8 @@ fn a_row_per_point_with_every_figure() {
         .args(["--probes", "2", "--silent", "2", "--json"])
         .args(["--heartbeat-interval-ms", &INTERVAL_MS.to_string()])
         .args(["--lost-after-ms", &LOST_AFTER_MS.to_string()])
+        // The configured interval at both sizes: it does not grow.
+        .args(["--heartbeats-per-s", "0"])
         .arg("--manager-bin")
         .arg(&manager)
         .output()

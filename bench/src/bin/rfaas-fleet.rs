@@ -71,6 +71,11 @@ struct Args {
     #[arg(long)]
     heartbeat_interval_ms: Option<u64>,
 
+    /// The replicas' heartbeats_per_s, the rate past which the interval
+    /// grows with the fleet (default: the manager's; 0 fixes the interval).
+    #[arg(long)]
+    heartbeats_per_s: Option<u64>,
+
     /// The replicas' lost_after_ms (default: the manager's).
     #[arg(long)]
     lost_after_ms: Option<u64>,
@@ -130,6 +135,7 @@ fn settings(args: &Args) -> Result<Settings> {
         agent_threads: args.agent_threads,
         node_cores: args.node_cores,
         heartbeat_interval_ms: args.heartbeat_interval_ms,
+        heartbeats_per_s: args.heartbeats_per_s,
         lost_after_ms: args.lost_after_ms,
         refresh_ms: args.refresh_ms,
         no_restart: args.no_restart,

@@ -61,9 +61,10 @@ pub struct Settings {
     pub agent_threads: usize,
     /// Cores each node lends.
     pub node_cores: u32,
-    /// The replicas' `heartbeat_interval_ms`, `lost_after_ms`,
-    /// `refresh_ms`; `None`: the manager's default.
+    /// The replicas' `heartbeat_interval_ms`, `heartbeats_per_s`,
+    /// `lost_after_ms`, `refresh_ms`; `None`: the manager's default.
     pub heartbeat_interval_ms: Option<u64>,
+    pub heartbeats_per_s: Option<u64>,
     pub lost_after_ms: Option<u64>,
     pub refresh_ms: Option<u64>,
     /// Skip the rolling restart.
@@ -197,6 +198,7 @@ fn point(
     let mut config = String::new();
     for (key, value) in [
         ("heartbeat_interval_ms", s.heartbeat_interval_ms),
+        ("heartbeats_per_s", s.heartbeats_per_s),
         ("lost_after_ms", s.lost_after_ms),
         ("refresh_ms", s.refresh_ms),
     ] {
