@@ -133,6 +133,9 @@ pub const GRANTS: &[(&str, &str, &str)] = &[
     ("usage_daily", "", "SELECT"),
     // The key of credential ids' tags: the manager's alone.
     ("manager_keys", "", ""),
+    // The nodes' Slurm partitions, for listing by partition: the manager's
+    // alone.
+    ("node_partitions", "", ""),
 ];
 
 /// The names of the three database roles.
