@@ -189,28 +189,23 @@ fn nodes_are_listed_by_partition_through_an_index(kind: &str) {
     assert_eq!(names("/v1/nodes?partition=gpu&limit=1"), ["n4", "n5"]);
     assert_eq!(names("/v1/nodes?partition=none"), Vec::<String>::new());
     // The first page's link carries the filters on to the next.
-    let (s, page) = admin.call("GET", "/v1/nodes?partition=batch&state=up&limit=2", None);
-    assert_eq!(s, 200, "{page}");
-    let shown: Vec<&str> = page
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(shown, ["m1", "n1"]);
-    let (s, page) = admin.call(
-        "GET",
-        "/v1/nodes?partition=batch&state=up&limit=2&after=n1",
-        None,
+    let one_page = |path: &str| -> Vec<String> {
+        let (s, page) = admin.call("GET", path, None);
+        assert_eq!(s, 200, "{page}");
+        page.as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        one_page("/v1/nodes?partition=batch&state=up&limit=2"),
+        ["m1", "n1"]
     );
-    assert_eq!(s, 200, "{page}");
-    let shown: Vec<&str> = page
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(shown, ["n2", "n4"]);
+    assert_eq!(
+        one_page("/v1/nodes?partition=batch&state=up&limit=2&after=n1"),
+        ["n2", "n4"]
+    );
 
     // A new registration replaces the node's partitions.
     let (s, r) = register_in(&m, "n4", json!(["debug"]));
