@@ -110,6 +110,7 @@ impl Client {
             library_name: spec.library_name.clone(),
             provider: self.inner.opts.provider.clone(),
             read_only_input: spec.read_only_input,
+            lanes: spec.lanes,
         };
         let timeout = self.inner.opts.allocation_timeout;
         let mut pause = ENDING_FIRST_PAUSE;

@@ -63,6 +63,7 @@ pub struct AllocationSpec {
     pub(crate) library_name: String,
     pub(crate) functions: Vec<String>,
     pub(crate) cores: u16,
+    pub(crate) lanes: u16,
     pub(crate) memory_mib: u32,
     pub(crate) mode: Mode,
     pub(crate) hot_timeout: Duration,
@@ -77,7 +78,7 @@ impl AllocationSpec {
     /// The library's bytes (an ELF shared object) and the functions to
     /// call, by symbol name; their order is the function table.
     ///
-    /// Defaults: 1 core (lane), 256 MiB, [`Mode::HotThenWarm`] with a 5 ms
+    /// Defaults: 1 core, a lane per core, 256 MiB, [`Mode::HotThenWarm`] with a 5 ms
     /// hot period, 64 KiB input capacity per lane (bigger payloads are
     /// pulled by the worker), 1 MiB output capacity, the executor's default
     /// deadline.
@@ -87,6 +88,7 @@ impl AllocationSpec {
             library_name: "library.so".into(),
             functions: functions.iter().map(|f| (*f).to_owned()).collect(),
             cores: 1,
+            lanes: 0,
             memory_mib: 256,
             mode: Mode::HotThenWarm,
             hot_timeout: Duration::from_millis(5),
@@ -98,10 +100,33 @@ impl AllocationSpec {
         }
     }
 
-    /// Worker threads (lanes), one core each: invocations in flight at once.
+    /// Worker threads, one core each (of the lease's): how many functions
+    /// run at once.
     pub fn cores(mut self, cores: u16) -> Self {
         self.cores = cores;
         self
+    }
+
+    /// Lanes: connections to the worker, one invocation in flight on each,
+    /// so how many calls this allocation keeps in flight at once. The
+    /// worker's [`cores`](Self::cores) threads serve them all (lane `i` on
+    /// thread `i mod cores`); many lanes on few cores keep every core busy
+    /// with short functions. 0 (the default) means one lane per core. Each
+    /// lane holds an input and an output buffer in the worker's memory.
+    /// An executor older than lanes gives one per core: see
+    /// [`Allocation::lanes`](crate::Allocation::lanes).
+    pub fn lanes(mut self, lanes: u16) -> Self {
+        self.lanes = lanes;
+        self
+    }
+
+    /// The lanes asked for: [`lanes`](Self::lanes), or one per core.
+    pub(crate) fn lane_count(&self) -> u16 {
+        if self.lanes == 0 {
+            self.cores
+        } else {
+            self.lanes
+        }
     }
 
     /// The worker's memory limit, MiB.
@@ -193,7 +218,7 @@ impl AllocationSpec {
     /// `memory_too_small` with the whole figure; docs/executor.md.)
     pub(crate) fn check_memory(&self) -> crate::Result<()> {
         const MIB: u64 = 1 << 20;
-        let lanes = u64::from(self.cores.max(1));
+        let lanes = u64::from(self.lane_count().max(1));
         let buffers = lanes * (u64::from(self.input_capacity) + u64::from(self.output_capacity));
         let known = buffers + self.library.len() as u64;
         if u64::from(self.memory_mib) * MIB >= known {

@@ -3,6 +3,7 @@
 //! invocations on the fabric never see it). Needs the daemon built: `cargo
 //! build -p rfaas-executor` first.
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
@@ -283,6 +284,54 @@ fn parallel_submissions_across_two_lanes(#[case] provider: &str) {
             });
         }
     });
+}
+
+/// Lanes apart from cores: eight calls in flight at once on one core, each
+/// on its own lane, answered on its own; one more is refused at once, and
+/// the worker runs one thread.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn eight_lanes_on_one_core_keep_eight_calls_in_flight(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(&d, provider, &spec().cores(1).lanes(8).mode(Mode::Hot));
+    assert_eq!(alloc.lanes(), 8);
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let inputs: Vec<_> = (0..8u32).map(|i| u32_input(&alloc, 20 + i)).collect();
+    let mut outputs: Vec<_> = (0..8).map(|_| alloc.buffer::<u32>(1).unwrap()).collect();
+    let mut spare = alloc.buffer::<u32>(1).unwrap();
+    let calls: Vec<_> = inputs
+        .iter()
+        .zip(outputs.iter_mut())
+        .map(|(input, output)| alloc.submit(sleep, input, 1, output).unwrap())
+        .collect();
+    let lanes: BTreeSet<usize> = calls.iter().map(|c| c.lane()).collect();
+    assert_eq!(lanes.len(), 8, "a lane per call");
+    assert!(matches!(
+        alloc.submit(sleep, &inputs[0], 1, &mut spare),
+        Err(Error::AllLanesBusy)
+    ));
+    // Taken in reverse: answers come in any order, each to its own call.
+    for c in calls.into_iter().rev() {
+        assert_eq!(c.get().unwrap(), 4);
+    }
+    for (i, out) in outputs.iter().enumerate() {
+        assert_eq!(out.to_vec(), [20 + i as u32], "call {i}'s own answer");
+    }
+    // Every lane has answered: the worker's threads have all started.
+    let pid = worker_pid(&d, alloc.id());
+    let serving = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.starts_with("rfaas-serve-"))
+        })
+        .count();
+    assert_eq!(serving, 1, "one thread for one core");
+    alloc.deallocate().unwrap();
 }
 
 #[rstest]

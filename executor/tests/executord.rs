@@ -494,6 +494,15 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
             ErrorCode::TooLarge,
         ),
         (
+            "more lanes than the executor allows, on one core",
+            AllocateRequest {
+                lanes: 4,
+                ..request(token(&d), 1, &["echo"])
+            },
+            lib.clone(),
+            ErrorCode::TooLarge,
+        ),
+        (
             "an output buffer over the limit",
             AllocateRequest {
                 output_capacity: 1 << 30,

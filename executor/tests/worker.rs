@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rfaas_executor::ipc::{recv_frame, sealed_memfd, send_frame};
+use rfaas_executor::meter::{MeterArea, TickClock};
 use rfaas_executor::worker::EXIT_DEADLINE;
 use rfaas_fabric::{
     Access, Completion, CompletionQueue, Domain, Endpoint, EndpointOptions, Fabric, MemoryRegion,
@@ -23,6 +24,7 @@ use rfaas_proto::control::client::{Descriptor, Mode};
 use rfaas_proto::control::worker::{Assignment, WorkerFailed, WorkerReady};
 use rfaas_proto::control::{ErrorCode, ErrorReply, Frame, FrameLimits, Kind};
 use rfaas_proto::hello::{LaneHello, LaneKey, LANE_HELLO_IMM};
+use rfaas_proto::meter::LaneState;
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 use rfaas_testkit::wait::{poll_for, wait_for, wait_until, wait_until_all_asleep};
 use rstest::rstest;
@@ -111,6 +113,7 @@ fn assignment(provider: &str, dir: &TempDir) -> Assignment {
         gid,
         cpus: vec![],
         lanes: 2,
+        threads: 0,
         memory_limit_bytes: 0,
         memory_mib: 0,
         pull_limit_bytes: 0,
@@ -175,6 +178,36 @@ impl Worker {
         let (frame, fds) = recv_frame(&self.control, FrameLimits::default()).unwrap();
         assert!(fds.is_empty());
         frame
+    }
+
+    /// [`Worker::ready`] with a meter area passed after the library, as the
+    /// daemon passes it; returns the daemon's side of the area too.
+    fn ready_metered(&self, a: &Assignment) -> (WorkerReady, MeterArea) {
+        let (area, area_fd) = MeterArea::create(a.lanes, TickClock::MONOTONIC).unwrap();
+        let library = rfaas_testkit::functions::c_library_bytes();
+        let memfd = sealed_memfd("libfunctions.so", &library).unwrap();
+        send_frame(
+            &self.control,
+            &Frame::new(a, vec![]),
+            &[memfd.as_fd(), area_fd.as_fd()],
+        )
+        .unwrap();
+        self.control.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let (frame, _) = recv_frame(&self.control, FrameLimits::default()).unwrap();
+        assert_eq!(frame.kind, Kind::WorkerReady, "{frame:?}");
+        (frame.parse().unwrap(), area)
+    }
+
+    /// The worker's threads named `rfaas-serve-<t>`.
+    fn serving_threads(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm"))
+                    .is_ok_and(|c| c.starts_with("rfaas-serve-"))
+            })
+            .count()
     }
 
     fn ready(&self, a: &Assignment) -> WorkerReady {
@@ -886,6 +919,175 @@ fn every_mode_serves(#[case] provider: &str, #[case] mode: Mode) {
     }
 }
 
+/// Many lanes on fewer threads: every lane's calls, made at once from as
+/// many client threads, come back byte-exact on their own lane, and the
+/// worker runs one thread per core, not per lane.
+#[rstest]
+#[case::tcp_hot("tcp", Mode::Hot)]
+#[case::shm_hot("shm", Mode::Hot)]
+#[case::shm_warm("shm", Mode::Warm)]
+fn many_lanes_share_few_threads(#[case] provider: &str, #[case] mode: Mode) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 9;
+    a.threads = 2;
+    a.mode = mode;
+    let ready = worker.ready(&a);
+    assert_eq!(ready.lanes.len(), 9);
+    let client = connect(provider, &ready, 64 << 10, 64 << 10);
+    let lanes = std::thread::scope(|s| {
+        let calls: Vec<_> = client
+            .lanes
+            .into_iter()
+            .enumerate()
+            .map(|(lane_no, mut lane)| {
+                s.spawn(move || {
+                    for round in 0..200u32 {
+                        let len = 1 + (round as usize * 97 + lane_no * 13) % 5000;
+                        let input = pattern(len, round + lane_no as u32 * 100_000);
+                        let (status, out) = lane.invoke(ECHO, &input);
+                        assert_eq!(status, InvocationStatus::Ok);
+                        assert!(out == input, "lane {lane_no}, call {round}: echo differs");
+                    }
+                    lane
+                })
+            })
+            .collect();
+        calls
+            .into_iter()
+            .map(|c| c.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    // Every lane has answered, so every thread has started; the clients
+    // are still connected.
+    assert_eq!(worker.serving_threads(), 2, "a thread per core");
+    drop(lanes);
+}
+
+/// One thread serving several lanes keeps each lane's meter record its
+/// own: invocations, bytes and compute per lane, exactly; polling once per
+/// thread, in its first lane's record, and nowhere else.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn the_meter_stays_per_lane_when_a_thread_serves_many(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 6;
+    a.threads = 2;
+    let started = Instant::now();
+    let (ready, area) = worker.ready_metered(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    // Lane k gets k + 1 calls of 10 × (k + 1) bytes each.
+    for (k, lane) in client.lanes.iter_mut().enumerate() {
+        for _ in 0..=k {
+            let (status, out) = lane.invoke(ECHO, &vec![k as u8; 10 * (k + 1)]);
+            assert_eq!(status, InvocationStatus::Ok);
+            assert_eq!(out.len(), 10 * (k + 1));
+        }
+    }
+    // The last answers are out before their lanes' records move on.
+    let settled = |k: u16| match k {
+        0 | 1 => LaneState::Hot.code(),
+        _ => LaneState::Handling.code(),
+    };
+    wait_until("every record to settle", TIMEOUT, || {
+        (0..6u16).all(|k| area.record(k).unwrap().read(100).0.state == settled(k))
+    });
+    let records: Vec<_> = (0..6u16)
+        .map(|k| {
+            let (v, consistent) = area.record(k).unwrap().read(100);
+            assert!(consistent, "lane {k}'s record reads consistently");
+            v
+        })
+        .collect();
+    let wall = started.elapsed().as_nanos() as u64;
+    for (k, v) in records.iter().enumerate() {
+        let calls = k as u64 + 1;
+        assert_eq!(v.invocations, calls, "lane {k}: its own calls");
+        assert_eq!(
+            v.bytes_in,
+            calls * 10 * calls,
+            "lane {k}: its own input bytes"
+        );
+        assert_eq!(v.bytes_out, v.bytes_in, "lane {k}: its own output bytes");
+        assert!(v.compute > 0, "lane {k}: compute time for its calls");
+        assert_eq!(v.warm, 0, "lane {k}: nobody waited");
+        if k < 2 {
+            // Lanes 0 and 1 are threads 0 and 1's own: they say the
+            // thread is polling.
+            assert_eq!(v.state, LaneState::Hot.code(), "lane {k}");
+        } else {
+            assert_eq!(
+                v.hot, 0,
+                "lane {k}: polling counts once per thread, not per lane"
+            );
+            assert_eq!(v.state, LaneState::Handling.code(), "lane {k}");
+        }
+    }
+    // Each thread's time is in one bucket at a time: its own lane's hot and
+    // compute and its other lanes' compute fit in the wall time.
+    for t in 0..2 {
+        let busy: u64 = records
+            .iter()
+            .skip(t)
+            .step_by(2)
+            .map(|v| v.compute)
+            .sum::<u64>()
+            + records[t].hot;
+        assert!(busy <= wall, "thread {t}: {busy} ns of {wall} ns");
+    }
+    drop(client);
+    let mut worker = worker;
+    assert!(worker.wait().success());
+    for k in 0..6u16 {
+        let (v, _) = area.record(k).unwrap().read(100);
+        assert_eq!(v.state, LaneState::Off.code(), "lane {k} ends off");
+        assert_eq!(v.invocations, u64::from(k) + 1);
+    }
+}
+
+/// Hot-then-warm falls back per thread: with several lanes on a thread,
+/// the thread goes to sleep once none of them has called for the hot
+/// period, and wakes for a call on any of them.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn a_thread_of_many_lanes_falls_back_to_warm(#[case] provider: &str) {
+    let dir = TempDir::new();
+    let worker = Worker::spawn();
+    let mut a = assignment(provider, &dir);
+    a.lanes = 4;
+    a.threads = 2;
+    a.mode = Mode::HotThenWarm;
+    a.hot_timeout_us = 2_000;
+    let (ready, area) = worker.ready_metered(&a);
+    let mut client = connect(provider, &ready, 64 << 10, 64 << 10);
+    for round in 0..3u32 {
+        for (k, lane) in client.lanes.iter_mut().enumerate() {
+            let (status, out) = lane.invoke(ECHO, &u32_input(round * 10 + k as u32));
+            assert_eq!(status, InvocationStatus::Ok);
+            assert_eq!(out, u32_input(round * 10 + k as u32));
+        }
+        wait_until_all_asleep(worker.pid());
+        for t in 0..2u16 {
+            let (v, _) = area.record(t).unwrap().read(100);
+            assert_eq!(
+                v.state,
+                LaneState::Warm.code(),
+                "round {round}: thread {t} waits"
+            );
+        }
+    }
+    let (v, _) = area.record(0).unwrap().read(100);
+    assert!(
+        v.warm > 0 && v.hot > 0,
+        "thread 0 polled, then slept: {v:?}"
+    );
+}
+
 /// Parses a kernel CPU list such as `0-2,5`.
 fn cpu_list(s: &str) -> BTreeSet<u32> {
     let mut out = BTreeSet::new();
@@ -952,7 +1154,7 @@ fn runs_as_the_user_pinned_and_limited(#[case] provider: &str) {
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let task = task.unwrap().path();
         let comm = std::fs::read_to_string(task.join("comm")).unwrap();
-        if let Some(i) = comm.trim().strip_prefix("rfaas-lane-") {
+        if let Some(i) = comm.trim().strip_prefix("rfaas-serve-") {
             let i: usize = i.parse().unwrap();
             let list = status_field(task.join("status").to_str().unwrap(), "Cpus_allowed_list:");
             assert_eq!(cpu_list(&list), BTreeSet::from([lane_cpus[i]]), "lane {i}");

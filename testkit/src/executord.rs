@@ -660,6 +660,7 @@ pub fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest
         library_name: "libfunctions.so".into(),
         provider: "tcp".into(),
         read_only_input: false,
+        lanes: 0,
     }
 }
 

@@ -162,7 +162,7 @@ fn is_fresh(lib: &Path, sources: &[PathBuf]) -> bool {
     sources.iter().all(|s| mtime(s) <= built)
 }
 
-/// Waits (up to 10 s, else panics) until a lane thread of the worker
+/// Waits (up to 10 s, else panics) until a worker thread of the worker
 /// process `pid` sleeps in `nanosleep`: it runs the C library's `sleep_ms`,
 /// so a call is under way inside its function. Reads
 /// `/proc/<pid>/task/*/syscall`, which needs the rights to trace the worker
@@ -175,7 +175,7 @@ pub fn wait_in_sleep_ms(pid: u32) {
             .split(' ')
             .next()
             .and_then(|n| n.parse::<i64>().ok());
-        comm.starts_with("rfaas-lane")
+        comm.starts_with("rfaas-serve")
             && nr.is_some_and(|n| n == libc::SYS_clock_nanosleep || n == libc::SYS_nanosleep)
     };
     crate::wait::wait_until(

@@ -3,10 +3,10 @@
 //! the process ends; the daemon's `WorkerExited` follows as before.
 //!
 //! A handler for the fatal signals ([`FATAL`]) runs on the faulting
-//! thread (on the lane thread's own alternate stack, [`arm_thread`], so a
-//! stack overflow is caught too) and does only async-signal-safe work: it finds
-//! the lane by thread id among those running a function, publishes the lane
-//! and the signal in one atomic word, wakes the [`watchdog`](super::watchdog)
+//! thread (on the worker thread's own alternate stack, [`arm_thread`], so
+//! a stack overflow is caught too) and does only async-signal-safe work: it
+//! finds the worker thread by thread id among those running a function,
+//! publishes its number and the signal in one atomic word, wakes the [`watchdog`](super::watchdog)
 //! with a futex, and waits, for [`ANSWER_WAIT`] at most, until the watchdog
 //! has answered. Then it raises the signal again: `SA_RESETHAND` restored
 //! the default action, so the process dies of the function's own signal and
@@ -14,7 +14,7 @@
 //!
 //! The answer is written by the watchdog thread, not in the handler: that
 //! thread was not interrupted inside the function, holds none of its locks,
-//! and uses the lane's endpoint through the same take-over as a deadline
+//! and uses the thread's endpoint through the same take-over as a deadline
 //! answer. A function that corrupted the process's memory may still break
 //! that write; the bounded wait means the process dies anyway, and the
 //! client falls back to the daemon's report.
@@ -44,10 +44,11 @@ pub const FATAL: [libc::c_int; 7] = [
 /// process dies regardless.
 pub const ANSWER_WAIT: Duration = Duration::from_secs(1);
 
-/// Every lane's [`Running`], by lane index; set before the first lane starts.
-static LANES: OnceLock<Box<[Arc<Running>]>> = OnceLock::new();
+/// Every worker thread's [`Running`], by thread number; set before the
+/// first thread starts.
+static THREADS: OnceLock<Box<[Arc<Running>]>> = OnceLock::new();
 
-/// 0, or the crash to answer: `(lane + 1) << 8 | signal`.
+/// 0, or the crash to answer: `(thread + 1) << 8 | signal`.
 static CRASH: AtomicU32 = AtomicU32::new(0);
 
 /// Set to 1 by the watchdog once the crash is answered (or cannot be).
@@ -56,29 +57,29 @@ static ANSWERED: AtomicU32 = AtomicU32::new(0);
 /// A crash the watchdog is to answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Crash {
-    /// The lane whose function crashed.
-    pub lane: usize,
+    /// The worker thread whose function crashed.
+    pub thread: usize,
     /// The signal.
     pub signal: i32,
 }
 
 impl Crash {
     fn encode(self) -> u32 {
-        ((self.lane as u32 + 1) << 8) | (self.signal as u32 & 0xff)
+        ((self.thread as u32 + 1) << 8) | (self.signal as u32 & 0xff)
     }
 
     fn decode(word: u32) -> Option<Crash> {
         (word != 0).then(|| Crash {
-            lane: (word >> 8) as usize - 1,
+            thread: (word >> 8) as usize - 1,
             signal: (word & 0xff) as i32,
         })
     }
 }
 
-/// Publishes the lanes and installs the handler for [`FATAL`]. Call once,
-/// before any lane runs a function.
-pub fn install(lanes: Box<[Arc<Running>]>) -> std::io::Result<()> {
-    if LANES.set(lanes).is_err() {
+/// Publishes the worker threads and installs the handler for [`FATAL`].
+/// Call once, before any thread runs a function.
+pub fn install(threads: Box<[Arc<Running>]>) -> std::io::Result<()> {
+    if THREADS.set(threads).is_err() {
         return Err(std::io::Error::other(
             "the crash handler is already installed",
         ));
@@ -109,21 +110,21 @@ pub fn wait(timeout: Option<Duration>) -> Option<Crash> {
     Crash::decode(CRASH.load(Ordering::Acquire))
 }
 
-/// Bytes of the alternate signal stack [`arm_thread`] gives a lane thread.
+/// Bytes of the alternate signal stack [`arm_thread`] gives a worker thread.
 const ALT_STACK: usize = 64 << 10;
 
-/// Bytes at the bottom of a lane thread's stack made inaccessible
+/// Bytes at the bottom of a worker thread's stack made inaccessible
 /// ([`arm_thread`]), above the one guard page the thread library puts
-/// below it. Lane threads are started with this much more stack
-/// ([`LANE_STACK`](super::LANE_STACK)).
+/// below it. Worker threads are started with this much more stack
+/// ([`THREAD_STACK`](super::THREAD_STACK)).
 pub const STACK_GUARD: usize = 256 << 10;
 
-/// Gives the calling (lane) thread an alternate signal stack of
+/// Gives the calling (worker) thread an alternate signal stack of
 /// [`ALT_STACK`] bytes for the handler, after turning the lowest
 /// [`STACK_GUARD`] bytes of its stack into a guard. The one std gives every thread is
 /// sized for std's own overflow message: a handler that waits for the
 /// watchdog needs more, and a second fault on that stack would end the
-/// process before the crash is answered. Lane threads live as long as the
+/// process before the crash is answered. Worker threads live as long as the
 /// process, so the stack is never unmapped.
 ///
 /// The wider guard: a function's frame can be larger than the one guard
@@ -132,10 +133,10 @@ pub const STACK_GUARD: usize = 256 << 10;
 /// into whatever lay below, which is the next thread's stack, with that
 /// thread's control block at its top: the watchdog's, which then crashed
 /// instead of answering. Whether the jump hit anything depended on how
-/// deep the lane's own frames were.
+/// deep the thread's own frames were.
 pub fn arm_thread() -> std::io::Result<()> {
     if let Err(e) = guard_own_stack() {
-        tracing::warn!(error = %e, "cannot widen the lane thread's stack guard; a function's stack overflow may corrupt another thread instead of being answered");
+        tracing::warn!(error = %e, "cannot widen the worker thread's stack guard; a function's stack overflow may corrupt another thread instead of being answered");
     }
     let page = rfaas_fabric::page_size();
     // SAFETY: an anonymous private mapping; the result is checked.
@@ -216,11 +217,15 @@ extern "C" fn on_fatal(sig: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::
     // Everything here is async-signal-safe: atomics, gettid, futex,
     // clock_gettime, raise.
     let tid = crate::gettid();
-    let lane = LANES
+    let thread = THREADS
         .get()
-        .and_then(|lanes| lanes.iter().position(|r| r.crashed_here(tid)));
-    if let Some(lane) = lane {
-        let word = Crash { lane, signal: sig }.encode();
+        .and_then(|threads| threads.iter().position(|r| r.crashed_here(tid)));
+    if let Some(thread) = thread {
+        let word = Crash {
+            thread,
+            signal: sig,
+        }
+        .encode();
         if CRASH
             .compare_exchange(0, word, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
@@ -284,8 +289,8 @@ mod tests {
 
     #[test]
     fn crash_words_round_trip() {
-        for (lane, signal) in [(0, libc::SIGSEGV), (3, libc::SIGABRT), (254, libc::SIGSYS)] {
-            let c = Crash { lane, signal };
+        for (thread, signal) in [(0, libc::SIGSEGV), (3, libc::SIGABRT), (254, libc::SIGSYS)] {
+            let c = Crash { thread, signal };
             assert_ne!(c.encode(), 0);
             assert_eq!(Crash::decode(c.encode()), Some(c));
         }

@@ -88,7 +88,14 @@ impl LaneMeter {
     /// The lane now does `state` (not [`LaneState::Function`]: see
     /// [`enter_function`](Self::enter_function)). Publishes every field.
     pub fn enter(&mut self, state: LaneState) {
-        let now = ticks(self.clock);
+        self.enter_at(state, ticks(self.clock));
+    }
+
+    /// [`enter`](Self::enter) with the clock read earlier, at `now`: a
+    /// worker thread that serves another lane's request moves its own lane's
+    /// record out of polling at the request's arrival, and back at its
+    /// answer, with the clock reads the served lane's record took.
+    pub fn enter_at(&mut self, state: LaneState, now: u64) {
         self.close_phase(now);
         self.state = state;
         self.v.state = state.code();
@@ -146,9 +153,10 @@ impl LaneMeter {
     }
 
     /// The lane has answered and goes on in `next` ([`LaneState::Hot`] or
-    /// [`LaneState::Handling`]). Hot path: one clock read, four stores.
+    /// [`LaneState::Handling`]); returns the clock read. Hot path: one
+    /// clock read, four stores.
     #[inline]
-    pub fn leave_function(&mut self, next: LaneState) {
+    pub fn leave_function(&mut self, next: LaneState) -> u64 {
         let now = ticks(self.clock);
         self.close_phase(now);
         self.state = next;
@@ -159,6 +167,7 @@ impl LaneMeter {
         r.since.store(self.v.since, Relaxed);
         r.compute.store(self.v.compute, Relaxed);
         self.seq = r.end(self.seq);
+        now
     }
 }
 

@@ -1,5 +1,6 @@
 //! The worker process (`rfaas-worker`): one per allocation; serves its
-//! invocations on one thread per lane. See `docs/invocation.md`.
+//! lanes' invocations on one thread per core, each thread serving several
+//! lanes (lane `i` on thread `i mod threads`). See `docs/invocation.md`.
 //!
 //! # Life
 //!
@@ -12,8 +13,9 @@
 //! the fabric, registers each lane's buffers, listens and answers
 //! [`WorkerReady`] (or [`WorkerFailed`], then
 //! exits with [`EXIT_SETUP_FAILED`]). It accepts one connection per lane,
-//! in order, and starts the lane threads (`rfaas-lane-<i>`). When every
-//! client has gone it exits 0. After `WorkerReady` the control socket
+//! in order, each onto its thread's completion queue, and then starts the
+//! worker threads (`rfaas-serve-<t>`). When every client has gone it exits
+//! 0. After `WorkerReady` the control socket
 //! carries only [`ExpiryMoved`] (a renewed lease's end), which a thread of
 //! its own (`rfaas-control`) applies and echoes.
 //! SIGUSR1 makes every later request answer `executor_draining`.
@@ -21,26 +23,30 @@
 //! daemon fills in its defaults); a bulk payload is bounded by
 //! `memory_limit_bytes`, or [`DEFAULT_PULL_LIMIT`] without one.
 //!
-//! # The lane loop
+//! # Serving a request
 //!
-//! A request is a receive completion carrying a [`RequestImm`](rfaas_proto::RequestImm). The lane
-//! re-posts the receive first, then checks the [`InvocationHeader`] in the
+//! A worker thread polls (or waits on) the one completion queue of all its
+//! lanes ([`thread`]). A request is a receive completion carrying a
+//! [`RequestImm`](rfaas_proto::RequestImm); its connection tag names the
+//! lane. The thread checks the [`InvocationHeader`] in the
 //! input buffer (`malformed_request`), the function index
 //! (`unknown_function`), the lease's end (`lease_expired`) and the drain
 //! flag (`executor_draining`). A bulk payload is read from the client in
 //! 1 MiB chunks, four in flight, into a pull buffer grown on demand
-//! (`payload_too_large` past the memory limit). The lane publishes the
+//! (`payload_too_large` past the memory limit). The thread publishes the
 //! start time for the [`watchdog`], calls the function, and answers
 //! with one write-with-immediate of the output into the client's output
 //! buffer ([`ResponseImm`](rfaas_proto::ResponseImm); the output only with `ok`, and
 //! `output_too_large` for a return value above the output capacity). A
-//! `PeerLost` or `Flushed` completion ends the lane.
+//! `PeerLost` or `Flushed` completion ends the lane; a thread ends with its
+//! last lane. The receive is posted again after the answer.
 //!
 //! Each lane publishes what it does in its record of the meter area the
 //! daemon passed with the assignment ([`meter`], [`rfaas_proto::meter`]):
-//! polling (hot), serving a request (from its arrival to its answer),
-//! blocked waiting (warm), with the clock read when a request arrives and
-//! once it is answered.
+//! serving a request (from its arrival to its answer), with the clock read
+//! when a request arrives and once it is answered; each thread publishes
+//! its polling (hot) and blocked waiting (warm) in its first lane's record
+//! (see [`thread`]).
 //!
 //! A function that dies of a signal cannot answer; the [`watchdog`]
 //! marks the crash in the meter area (so the daemon counts the worker as
@@ -48,7 +54,8 @@
 //! signal (see `crash`), and the process then dies of that signal. The
 //! watchdog starts once every lane is connected, as the client library
 //! waits for before its first call; a crash before that is reported by the
-//! daemon alone.
+//! daemon alone. One function runs at a time per thread, so the watchdog
+//! follows threads ([`watchdog::Running`]), each naming the lane it serves.
 //!
 //! # Output buffer and guard page
 //!
@@ -80,7 +87,8 @@
 //!   `adopt.sock`, or ending at the lease's end.
 //! - [`privileges`]: parent-death signal, pinning, memory limit, user drop.
 //! - [`library`]: `dlopen` from the memfd, the function table.
-//! - `lane`: one lane's resources and loop.
+//! - `lane`: one lane's resources and connection tags.
+//! - [`thread`]: a worker thread's loop over its lanes.
 //! - [`meter`]: a lane's counters and their record in the meter area.
 //! - `crash`: the fatal-signal handler and the crash it hands the watchdog.
 //! - [`watchdog`]: answers for crashed and overrunning functions.
@@ -91,12 +99,13 @@ mod lane;
 pub mod library;
 pub mod meter;
 pub mod privileges;
+pub mod thread;
 pub mod watchdog;
 
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread;
+
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::{Access, EndpointOptions, Fabric};
@@ -108,10 +117,11 @@ use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::ipc;
 use crate::meter::MeterArea;
-use lane::{Lane, LaneConfig, RECV_DEPTH};
+use lane::{Lane, RECV_DEPTH};
 use library::Library;
 use meter::LaneMeter;
-use watchdog::{LaneEndpoint, LaneWatch, Running};
+use thread::{ThreadConfig, WorkerThread};
+use watchdog::{Running, ThreadFabric, ThreadWatch};
 
 /// Exit code of an internal or control-socket failure.
 pub const EXIT_FAILURE: i32 = 1;
@@ -248,7 +258,7 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
     ipc::send_frame(&control, &Frame::new(&ready, vec![]), &[]).map_err(ControlError::Io)?;
     // It only reads and echoes small frames: a small stack, which counts
     // against the allocation's memory under RLIMIT_AS like any mapping.
-    thread::Builder::new()
+    std::thread::Builder::new()
         .name("rfaas-control".into())
         .stack_size(CONTROL_STACK)
         .spawn(move || follow_daemon(control, &assignment_dir, assignment_id))
@@ -256,9 +266,9 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
     serve(&assignment, prepared)
 }
 
-/// A lane thread's stack: 2 MiB for the functions, and the guard the
-/// lane makes of its lowest part (`crash::arm_thread`).
-pub const LANE_STACK: usize = (2 << 20) + crash::STACK_GUARD;
+/// A worker thread's stack: 2 MiB for the functions, and the guard the
+/// thread makes of its lowest part (`crash::arm_thread`).
+pub const THREAD_STACK: usize = (2 << 20) + crash::STACK_GUARD;
 
 /// The stack of the thread that follows lease renewals.
 const CONTROL_STACK: usize = 128 << 10;
@@ -326,7 +336,6 @@ fn follow_expiry(control: &UnixStream) {
 
 /// One lane's resources before its client connected.
 struct PreparedLane {
-    cq: rfaas_fabric::CompletionQueue,
     input: rfaas_fabric::MemoryRegion,
     output: Arc<rfaas_fabric::MemoryRegion>,
 }
@@ -341,6 +350,8 @@ struct Prepared {
     domain: Arc<rfaas_fabric::Domain>,
     listener: rfaas_fabric::Listener,
     lanes: Vec<PreparedLane>,
+    /// One completion queue per worker thread.
+    cqs: Vec<rfaas_fabric::CompletionQueue>,
     load_ns: u64,
     listen_ns: u64,
     /// The allocation's lane key, parsed from the assignment.
@@ -416,12 +427,19 @@ fn prepare(
             .map_err(|e| fabric_failed("create a domain", e))?,
     );
     let opts = endpoint_options();
+    let threads = usize::from(a.thread_count());
+    let lanes_per_thread = usize::from(a.lanes).div_ceil(threads);
+    let cqs = (0..threads)
+        .map(|_| {
+            // Room for every lane's operations and every connection on
+            // probation at once (accept_lane).
+            let depth = (opts.send_depth + opts.recv_depth) * (lanes_per_thread + MAX_CANDIDATES);
+            fabric.completion_queue(depth + 1)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| fabric_failed("create a completion queue", e))?;
     let mut lanes = Vec::with_capacity(a.lanes.into());
     for lane in 0..a.lanes {
-        // Room for every connection on probation at once (accept_lane).
-        let cq = fabric
-            .completion_queue((opts.send_depth + opts.recv_depth) * MAX_CANDIDATES + 1)
-            .map_err(|e| fabric_failed("create a completion queue", e))?;
         let input = domain
             .register(a.input_capacity as usize, Access::REMOTE_WRITE)
             .map_err(|e| {
@@ -439,7 +457,6 @@ fn prepare(
                 fabric_failed(&what, e)
             })?;
         lanes.push(PreparedLane {
-            cq,
             input,
             output: Arc::new(output),
         });
@@ -455,6 +472,7 @@ fn prepare(
         domain,
         listener,
         lanes,
+        cqs,
         load_ns,
         listen_ns,
         key,
@@ -540,8 +558,20 @@ fn check(a: &Assignment) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// Accepts each lane's connection, starts the lane threads and the
-/// watchdog, and waits for the lanes to end.
+/// One worker thread's part while the lanes are connected.
+struct ThreadParts {
+    cq: rfaas_fabric::CompletionQueue,
+    endpoints: Vec<rfaas_fabric::Endpoint>,
+    lanes: Vec<Lane>,
+    regions: Vec<Arc<rfaas_fabric::MemoryRegion>>,
+    /// Completions of its connected lanes taken while later lanes were
+    /// being connected.
+    early: Vec<rfaas_fabric::Completion>,
+}
+
+/// Accepts each lane's connection onto its thread's completion queue,
+/// starts the worker threads and the watchdog, and waits for the threads
+/// to end.
 fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     let functions: Arc<[library::Function]> = p.library.functions().into();
     let opts = endpoint_options();
@@ -552,31 +582,31 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     } else {
         DEFAULT_PULL_LIMIT
     };
-    let mut threads = Vec::with_capacity(p.lanes.len());
-    let mut watches = Vec::with_capacity(p.lanes.len());
-    let runnings: Box<[Arc<Running>]> = p.lanes.iter().map(|_| Arc::default()).collect();
-    // Before any lane can run a function.
-    crash::install(runnings.clone())
-        .map_err(|e| internal(format!("cannot install the crash handler: {e}")))?;
-    for ((index, mut l), running) in p.lanes.into_iter().enumerate().zip(runnings.iter()) {
-        let (endpoint, tag) = accept_lane(&p.listener, &p.domain, &mut l, &opts, index, &p.key)?;
-        let endpoint = Arc::new(LaneEndpoint::new(endpoint, l.cq));
-        let running = running.clone();
-        watches.push(LaneWatch {
-            running: running.clone(),
-            endpoint: endpoint.clone(),
-            region: l.output.clone(),
-        });
-        let cfg = LaneConfig {
+    let threads = p.cqs.len();
+    let mut parts: Vec<ThreadParts> = p
+        .cqs
+        .into_iter()
+        .map(|cq| ThreadParts {
+            cq,
+            endpoints: Vec::new(),
+            lanes: Vec::new(),
+            regions: Vec::new(),
+            early: Vec::new(),
+        })
+        .collect();
+    let mut attempts = 0u64;
+    for (index, l) in p.lanes.into_iter().enumerate() {
+        let part = &mut parts[index % threads];
+        let (endpoint, tag) = accept_lane(
+            &p.listener,
+            &p.domain,
+            part,
+            &l,
+            &opts,
             index,
-            cpu: (!a.cpus.is_empty()).then(|| a.cpus[index % a.cpus.len()]),
-            mode: a.mode,
-            hot_timeout: Duration::from_micros(a.hot_timeout_us),
-            output_capacity: a.output_capacity as usize,
-            pull_limit,
-            read_only_input: a.read_only_input,
-            tag,
-        };
+            &p.key,
+            &mut attempts,
+        )?;
         let meter = match p.meter {
             Some(area) => {
                 let record = area
@@ -586,30 +616,62 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             }
             None => LaneMeter::unread(),
         };
-        let lane = Lane::new(
+        part.endpoints.push(endpoint);
+        part.regions.push(l.output.clone());
+        part.lanes.push(Lane::new(
+            index,
+            tag,
+            l.input,
+            l.output,
+            a.output_capacity as usize,
+            meter,
+        ));
+    }
+    tracing::info!(lanes = a.lanes, threads, "every lane is connected");
+    let runnings: Box<[Arc<Running>]> = (0..threads).map(|_| Arc::default()).collect();
+    // Before any thread can run a function.
+    crash::install(runnings.clone())
+        .map_err(|e| internal(format!("cannot install the crash handler: {e}")))?;
+    let mut handles = Vec::with_capacity(threads);
+    let mut watches = Vec::with_capacity(threads);
+    for (index, (part, running)) in parts.into_iter().zip(runnings.iter()).enumerate() {
+        let fabric = Arc::new(ThreadFabric::new(part.endpoints, part.cq));
+        watches.push(ThreadWatch {
+            running: running.clone(),
+            fabric: fabric.clone(),
+            regions: part.regions,
+        });
+        let cfg = ThreadConfig {
+            index,
+            cpu: (!a.cpus.is_empty()).then(|| a.cpus[index % a.cpus.len()]),
+            mode: a.mode,
+            hot_timeout: Duration::from_micros(a.hot_timeout_us),
+            output_capacity: a.output_capacity as usize,
+            pull_limit,
+            read_only_input: a.read_only_input,
+        };
+        let worker = WorkerThread::new(
             cfg,
             functions.clone(),
             p.domain.clone(),
-            endpoint,
-            l.input,
-            l.output,
-            running,
-            meter,
+            fabric,
+            part.lanes,
+            running.clone(),
+            part.early,
         );
-        let handle = thread::Builder::new()
-            .name(format!("rfaas-lane-{index}"))
-            .stack_size(LANE_STACK)
-            .spawn(move || lane.run())
-            .map_err(|e| internal(format!("cannot start lane {index}'s thread: {e}")))?;
-        threads.push(handle);
+        let handle = std::thread::Builder::new()
+            .name(format!("rfaas-serve-{index}"))
+            .stack_size(THREAD_STACK)
+            .spawn(move || worker.run())
+            .map_err(|e| internal(format!("cannot start worker thread {index}: {e}")))?;
+        handles.push(handle);
     }
-    tracing::info!(lanes = threads.len(), "every lane is connected");
     let deadline = (a.deadline_ms > 0).then(|| Duration::from_millis(a.deadline_ms));
     watchdog::spawn(watches, deadline, p.meter)
         .map_err(|e| internal(format!("cannot start the watchdog: {e}")))?;
-    for t in threads {
+    for t in handles {
         if t.join().is_err() {
-            return Err(internal("a lane thread panicked".into()));
+            return Err(internal("a worker thread panicked".into()));
         }
     }
     tracing::info!("every client has gone; the worker ends");
@@ -637,19 +699,23 @@ struct Candidate {
 /// Accepts connections for lane `index` until one presents the allocation's
 /// lane hello (see `rfaas_proto::hello`); others are dropped, logged. Several
 /// connections can be on probation at once, so one that says nothing holds
-/// up nobody behind it. Leaves the endpoint with all [`RECV_DEPTH`]
-/// receives posted, and returns it with its connection tag
+/// up nobody behind it. Connections go onto the lane's thread's queue
+/// (`part`), tagged by `attempts`, counted over the whole worker so that
+/// tags never repeat on a queue. Leaves the endpoint with all
+/// [`RECV_DEPTH`] receives posted, and returns it with its connection tag
 /// ([`lane::conn_tag`]).
+#[allow(clippy::too_many_arguments)]
 fn accept_lane(
     listener: &rfaas_fabric::Listener,
     domain: &rfaas_fabric::Domain,
-    l: &mut PreparedLane,
+    part: &mut ThreadParts,
+    l: &PreparedLane,
     opts: &EndpointOptions,
     index: usize,
     key: &LaneKey,
+    attempts: &mut u64,
 ) -> Result<(rfaas_fabric::Endpoint, u64), WorkerError> {
     let mut candidates: Vec<Candidate> = Vec::new();
-    let mut attempts = 0u64;
     let mut done = [rfaas_fabric::Completion::EMPTY; 16];
     let drop_one = |why: &str| {
         tracing::warn!(
@@ -662,7 +728,7 @@ fn accept_lane(
         // only look, and not at all while the probation is full.
         let wait = (!candidates.is_empty()).then_some(Duration::ZERO);
         let accepted = if candidates.len() < MAX_CANDIDATES {
-            listener.accept(domain, &mut l.cq, opts, wait)
+            listener.accept(domain, &mut part.cq, opts, wait)
         } else {
             Err(rfaas_fabric::Error::Timeout("the lane's probation is full"))
         };
@@ -671,8 +737,8 @@ fn accept_lane(
                 // Receives of dropped connections may still complete
                 // (flushed), here or once the lane runs: the tag tells them
                 // apart.
-                let tag = lane::conn_tag(attempts);
-                attempts += 1;
+                let tag = lane::conn_tag(*attempts);
+                *attempts += 1;
                 for wr in 0..RECV_DEPTH as u64 {
                     endpoint.post_recv(tag | wr).map_err(|e| {
                         internal(format!("posting lane {index}'s receives failed: {e}"))
@@ -699,15 +765,20 @@ fn accept_lane(
         if candidates.is_empty() {
             continue;
         }
-        let n =
-            l.cq.wait(&mut done, HELLO_SLICE)
-                .map_err(|e| internal(format!("waiting for lane {index}'s hello failed: {e}")))?;
+        let n = part
+            .cq
+            .wait(&mut done, HELLO_SLICE)
+            .map_err(|e| internal(format!("waiting for lane {index}'s hello failed: {e}")))?;
         for c in &done[..n] {
-            let Some(at) = candidates
-                .iter()
-                .position(|k| k.tag == lane::tag_of(c.wr_id))
-            else {
-                continue; // a dropped connection's
+            let tag = lane::tag_of(c.wr_id);
+            let Some(at) = candidates.iter().position(|k| k.tag == tag) else {
+                // A connected lane's (a request sent before every lane
+                // was connected), kept for its thread; or a dropped
+                // connection's.
+                if part.lanes.iter().any(|l| l.tag == tag) {
+                    part.early.push(*c);
+                }
+                continue;
             };
             let verdict = check_hello(l, index, key, c).and_then(|wr_id| {
                 let k = &candidates[at];

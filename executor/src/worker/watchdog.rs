@@ -1,9 +1,10 @@
-//! The watchdog: one thread that answers for a lane whose function cannot
-//! answer: one that crashed ([`crash`](super::crash)), or one that runs
-//! longer than the allocation's deadline.
+//! The watchdog: one thread that answers for a worker thread whose
+//! function cannot answer: one that crashed ([`crash`](super::crash)), or
+//! one that runs longer than the allocation's deadline.
 //!
-//! Each lane publishes, in a [`Running`], when its current function started,
-//! on which thread, and whom to answer. For a crash the watchdog answers
+//! Each worker thread publishes, in a [`Running`], when its current
+//! function started, on which thread, for which of its lanes, and whom to
+//! answer. For a crash the watchdog answers
 //! `function_crashed` with the signal and lets the crashed thread die of
 //! it. For an overrun it answers `deadline_exceeded` and ends the process
 //! with [`EXIT_DEADLINE`]: a function that overran cannot be stopped inside
@@ -14,11 +15,11 @@
 //! (with the deadline's tick as timeout when there is a deadline).
 //!
 //! Endpoints and completion queues are `Send` but not all are `Sync`
-//! (shm's are not), so the lane and the watchdog never use them at the same
-//! time: while a function runs the lane leaves its endpoint and queue alone,
-//! and the watchdog takes them over by swapping the start time for `TAKEN`
-//! with a compare-and-swap. A lane whose function returns after that finds
-//! its start time gone and parks until the process ends.
+//! (shm's are not), so the worker thread and the watchdog never use them at
+//! the same time: while a function runs the thread leaves its endpoints and
+//! queue alone, and the watchdog takes them over by swapping the start time
+//! for `TAKEN` with a compare-and-swap. A thread whose function returns
+//! after that finds its start time gone and parks until the process ends.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
@@ -88,10 +89,12 @@ fn started_ms(stamp: u64) -> u64 {
     stamp >> SEQ_BITS
 }
 
-/// What one lane is running, published with atomics (the lane writes, the
-/// watchdog reads).
+/// What one worker thread is running, published with atomics (the thread
+/// writes, the watchdog reads).
 #[derive(Debug, Default)]
 pub struct Running {
+    /// The lane (the thread's own number for it) the function serves.
+    lane: AtomicU32,
     /// The [`stamp`] of the running function; 0 while the lane is idle.
     started_ns: AtomicU64,
     /// Invocations started (the lane writes it, nobody else).
@@ -112,7 +115,14 @@ impl Running {
     /// Marks a function as started; returns the stamp to hand to
     /// [`Running::finish`]. Hot path.
     #[inline]
-    pub fn start(&self, invocation_id: u32, output: RemoteAddr, output_capacity: u32) -> u64 {
+    pub fn start(
+        &self,
+        lane: u32,
+        invocation_id: u32,
+        output: RemoteAddr,
+        output_capacity: u32,
+    ) -> u64 {
+        self.lane.store(lane, Ordering::Relaxed);
         self.invocation_id.store(invocation_id, Ordering::Relaxed);
         self.output_addr.store(output.addr, Ordering::Relaxed);
         self.output_rkey.store(output.rkey, Ordering::Relaxed);
@@ -154,10 +164,11 @@ impl Running {
         (started != 0 && started != TAKEN).then_some(started)
     }
 
-    /// Takes the endpoint over from the function that started at `started`;
-    /// `None` when that function returned meanwhile. Returns the invocation
-    /// to answer, where, and the bytes the client's output buffer takes.
-    fn take_over(&self, started: u64) -> Option<(u32, RemoteAddr, u32)> {
+    /// Takes the endpoints over from the function that started at
+    /// `started`; `None` when that function returned meanwhile. Returns the
+    /// invocation to answer, on which lane, where, and the bytes the
+    /// client's output buffer takes.
+    fn take_over(&self, started: u64) -> Option<TakenOver> {
         self.started_ns
             .compare_exchange(started, TAKEN, Ordering::AcqRel, Ordering::Relaxed)
             .ok()?;
@@ -165,18 +176,30 @@ impl Running {
             addr: self.output_addr.load(Ordering::Relaxed),
             rkey: self.output_rkey.load(Ordering::Relaxed),
         };
-        Some((
-            self.invocation_id.load(Ordering::Relaxed),
+        Some(TakenOver {
+            lane: self.lane.load(Ordering::Relaxed) as usize,
+            id: self.invocation_id.load(Ordering::Relaxed),
             remote,
-            self.output_capacity.load(Ordering::Relaxed),
-        ))
+            capacity: self.output_capacity.load(Ordering::Relaxed),
+        })
     }
 }
 
-/// A lane's endpoint and its completion queue, shared by the lane and the
-/// watchdog, used by one of them at a time (see the module docs).
-pub struct LaneEndpoint {
-    endpoint: Endpoint,
+/// The invocation the watchdog answers for.
+#[derive(Debug, Clone, Copy)]
+struct TakenOver {
+    /// The thread's number for the lane.
+    lane: usize,
+    id: u32,
+    remote: RemoteAddr,
+    capacity: u32,
+}
+
+/// A worker thread's endpoints (one per lane it serves) and the completion
+/// queue they all complete into, shared by the thread and the watchdog,
+/// used by one of them at a time (see the module docs).
+pub struct ThreadFabric {
+    endpoints: Vec<Endpoint>,
     cq: UnsafeCell<CompletionQueue>,
 }
 
@@ -186,7 +209,7 @@ pub struct LaneEndpoint {
 // `TAKEN`, which the lane can never undo. The compare-and-swaps order every
 // use before the next user's, so neither is used from two threads at once,
 // and a `&mut` to the queue lives only inside one `poll` or `wait` call.
-unsafe impl Sync for LaneEndpoint {}
+unsafe impl Sync for ThreadFabric {}
 
 const _: () = {
     const fn sendable<T: Send>() {}
@@ -194,27 +217,29 @@ const _: () = {
     sendable::<CompletionQueue>();
 };
 
-impl std::fmt::Debug for LaneEndpoint {
+impl std::fmt::Debug for ThreadFabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LaneEndpoint")
-            .field("endpoint", &self.endpoint)
+        f.debug_struct("ThreadFabric")
+            .field("endpoints", &self.endpoints)
             .finish_non_exhaustive()
     }
 }
 
-impl LaneEndpoint {
-    /// Wraps a lane's endpoint and the completion queue it completes into.
-    pub fn new(endpoint: Endpoint, cq: CompletionQueue) -> LaneEndpoint {
-        LaneEndpoint {
-            endpoint,
+impl ThreadFabric {
+    /// Wraps a thread's endpoints, in its lane order, and the completion
+    /// queue they complete into.
+    pub fn new(endpoints: Vec<Endpoint>, cq: CompletionQueue) -> ThreadFabric {
+        ThreadFabric {
+            endpoints,
             cq: UnsafeCell::new(cq),
         }
     }
 
-    /// The endpoint, for its lane, outside the function call only.
+    /// The endpoint of the thread's lane `lane`, outside the function call
+    /// only.
     #[inline]
-    pub fn get(&self) -> &Endpoint {
-        &self.endpoint
+    pub fn get(&self, lane: usize) -> &Endpoint {
+        &self.endpoints[lane]
     }
 
     /// Polls the queue, for whoever uses the endpoint now. Hot path.
@@ -232,23 +257,24 @@ impl LaneEndpoint {
     }
 }
 
-/// What the watchdog needs of one lane to answer its client.
+/// What the watchdog needs of one worker thread to answer its clients.
 #[derive(Debug)]
-pub struct LaneWatch {
-    /// Published by the lane.
+pub struct ThreadWatch {
+    /// Published by the thread.
     pub running: Arc<Running>,
-    /// The lane's endpoint.
-    pub endpoint: Arc<LaneEndpoint>,
-    /// A region of the endpoint's domain, at least 4 bytes, that only the
-    /// lane writes: a crash response's signal is sent from its start.
-    pub region: Arc<MemoryRegion>,
+    /// The thread's endpoints and queue.
+    pub fabric: Arc<ThreadFabric>,
+    /// Per lane of the thread, a region of the endpoints' domain, at least
+    /// 4 bytes, that only the thread writes: a crash response's signal is
+    /// sent from its start.
+    pub regions: Vec<Arc<MemoryRegion>>,
 }
 
-/// Starts the watchdog over `lanes`, with `deadline` for every function
+/// Starts the watchdog over `threads`, with `deadline` for every function
 /// (`None`: no deadline, crashes only); a crash is marked in `meter`, the
 /// daemon's meter area, before it is answered.
 pub fn spawn(
-    lanes: Vec<LaneWatch>,
+    threads: Vec<ThreadWatch>,
     deadline: Option<Duration>,
     meter: Option<&'static MeterArea>,
 ) -> std::io::Result<()> {
@@ -257,21 +283,21 @@ pub fn spawn(
         .name("rfaas-watchdog".into())
         .spawn(move || loop {
             if let Some(c) = crash::wait(tick) {
-                crashed(&lanes, c, meter);
+                crashed(&threads, c, meter);
             }
             let Some(deadline) = deadline else { continue };
             let deadline_ms = deadline.as_millis() as u64;
             let now = coarse_ms();
-            for (i, lane) in lanes.iter().enumerate() {
-                let Some(started) = lane.running.started() else {
+            for (i, thread) in threads.iter().enumerate() {
+                let Some(started) = thread.running.started() else {
                     continue;
                 };
                 if now.saturating_sub(started_ms(started)) <= deadline_ms {
                     continue;
                 }
                 // Fails if that function just returned.
-                if let Some((id, remote, _)) = lane.running.take_over(started) {
-                    overran(i, lane, id, remote, deadline);
+                if let Some(t) = thread.running.take_over(started) {
+                    overran(i, thread, t, deadline);
                 }
             }
         })
@@ -284,37 +310,33 @@ pub fn spawn(
 /// ending. First it marks the crash in `meter`: a client that allocates
 /// again under the same lease at once finds the daemon counting this
 /// worker's cores as about to be free, not as taken for good.
-fn crashed(lanes: &[LaneWatch], c: Crash, meter: Option<&MeterArea>) -> ! {
+fn crashed(threads: &[ThreadWatch], c: Crash, meter: Option<&MeterArea>) -> ! {
     tracing::error!(
-        lane = c.lane,
+        thread = c.thread,
         signal = c.signal,
         "a function crashed; answering function_crashed and ending the worker"
     );
     if let Some(m) = meter {
         m.mark_crashed(c.signal);
     }
-    // The crashed lane is stopped inside its function, which cannot return.
-    if let Some((lane, (id, remote, capacity))) = lanes.get(c.lane).and_then(|l| {
-        let started = l.running.started()?;
-        l.running.take_over(started).map(|t| (l, t))
+    // The crashed thread is stopped inside its function, which cannot
+    // return.
+    if let Some((thread, t)) = threads.get(c.thread).and_then(|w| {
+        let started = w.running.started()?;
+        w.running.take_over(started).map(|t| (w, t))
     }) {
-        let len = if capacity >= 4 { 4 } else { 0 };
-        // SAFETY: the region is at least a page, ours, and nobody else
-        // writes it: its lane is stopped in the signal handler.
-        unsafe {
-            lane.region
-                .as_ptr()
-                .cast::<[u8; 4]>()
-                .write_unaligned((c.signal as u32).to_le_bytes())
-        };
-        answer(
-            c.lane,
-            lane,
-            id,
-            remote,
-            InvocationStatus::FunctionCrashed,
-            len,
-        );
+        let len = if t.capacity >= 4 { 4 } else { 0 };
+        if let Some(region) = thread.regions.get(t.lane) {
+            // SAFETY: the region is at least a page, ours, and nobody else
+            // writes it: its thread is stopped in the signal handler.
+            unsafe {
+                region
+                    .as_ptr()
+                    .cast::<[u8; 4]>()
+                    .write_unaligned((c.signal as u32).to_le_bytes())
+            };
+            answer(c.thread, thread, t, InvocationStatus::FunctionCrashed, len);
+        }
     }
     crash::answered();
     loop {
@@ -322,22 +344,16 @@ fn crashed(lanes: &[LaneWatch], c: Crash, meter: Option<&MeterArea>) -> ! {
     }
 }
 
-/// Answers `deadline_exceeded` on `lane` and ends the process.
-fn overran(index: usize, lane: &LaneWatch, id: u32, remote: RemoteAddr, deadline: Duration) -> ! {
+/// Answers `deadline_exceeded` for `thread` and ends the process.
+fn overran(index: usize, thread: &ThreadWatch, t: TakenOver, deadline: Duration) -> ! {
     tracing::error!(
-        lane = index,
-        invocation_id = id,
+        thread = index,
+        lane = t.lane,
+        invocation_id = t.id,
         deadline_ms = deadline.as_millis() as u64,
         "a function ran past the deadline; answering deadline_exceeded and ending the worker"
     );
-    answer(
-        index,
-        lane,
-        id,
-        remote,
-        InvocationStatus::DeadlineExceeded,
-        0,
-    );
+    answer(index, thread, t, InvocationStatus::DeadlineExceeded, 0);
     // SAFETY: _exit ends the process without running destructors or atexit
     // handlers, which could wait on the lane stuck in user code.
     unsafe { libc::_exit(EXIT_DEADLINE) }
@@ -346,26 +362,21 @@ fn overran(index: usize, lane: &LaneWatch, id: u32, remote: RemoteAddr, deadline
 /// Writes the first `len` bytes of the lane's region to its client with
 /// `status`, and waits until the write has completed, [`RESPONSE_GRACE`]
 /// at most.
-fn answer(
-    index: usize,
-    lane: &LaneWatch,
-    id: u32,
-    remote: RemoteAddr,
-    status: InvocationStatus,
-    len: usize,
-) {
+fn answer(index: usize, thread: &ThreadWatch, t: TakenOver, status: InvocationStatus, len: usize) {
     let imm = ResponseImm {
-        invocation_id: id,
+        invocation_id: t.id,
         status,
     }
     .encode()
     .unwrap_or(status.code() as u32);
-    if let Err(e) =
-        lane.endpoint
-            .get()
-            .write_with_imm(WATCHDOG_WR_ID, &lane.region, 0, len, remote, imm)
-    {
-        tracing::warn!(lane = index, error = %e, %status, "cannot send the watchdog's response");
+    let (Some(endpoint), Some(region)) = (
+        thread.fabric.endpoints.get(t.lane),
+        thread.regions.get(t.lane),
+    ) else {
+        return;
+    };
+    if let Err(e) = endpoint.write_with_imm(WATCHDOG_WR_ID, region, 0, len, t.remote, imm) {
+        tracing::warn!(thread = index, error = %e, %status, "cannot send the watchdog's response");
         return;
     }
     let until = Instant::now() + RESPONSE_GRACE;
@@ -373,22 +384,22 @@ fn answer(
     loop {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            tracing::warn!(lane = index, %status, "the watchdog's response did not complete in time; ending anyway");
+            tracing::warn!(thread = index, %status, "the watchdog's response did not complete in time; ending anyway");
             return;
         }
         // Other completions (requests the lane will never serve) are
         // dropped: the process is ending.
-        match lane.endpoint.wait(&mut done, left) {
+        match thread.fabric.wait(&mut done, left) {
             Ok(n) => {
                 if let Some(c) = done[..n].iter().find(|c| c.wr_id == WATCHDOG_WR_ID) {
                     if !c.status.is_ok() {
-                        tracing::warn!(lane = index, %status, completion = %c.status, "the watchdog's response failed");
+                        tracing::warn!(thread = index, %status, completion = %c.status, "the watchdog's response failed");
                     }
                     return;
                 }
             }
             Err(e) => {
-                tracing::warn!(lane = index, error = %e, %status, "cannot wait for the watchdog's response");
+                tracing::warn!(thread = index, error = %e, %status, "cannot wait for the watchdog's response");
                 return;
             }
         }
@@ -411,18 +422,19 @@ mod tests {
     }
 
     #[test]
-    fn a_running_lane_publishes_a_fresh_stamp_per_invocation() {
+    fn a_running_thread_publishes_a_fresh_stamp_per_invocation() {
         let r = Running::default();
         let remote = RemoteAddr { addr: 1, rkey: 2 };
-        let first = r.start(7, remote, 64);
+        let first = r.start(0, 7, remote, 64);
         assert_eq!(r.started(), Some(first));
         assert!(r.finish(first));
         assert_eq!(r.started(), None);
-        let second = r.start(8, remote, 64);
+        let second = r.start(3, 8, remote, 64);
         assert_ne!(first, second);
         // A take-over aimed at the first function misses the second.
         assert!(r.take_over(first).is_none());
-        assert!(r.take_over(second).is_some());
+        let t = r.take_over(second).expect("the second function still runs");
+        assert_eq!((t.lane, t.id, t.capacity), (3, 8, 64), "whom to answer");
         assert!(!r.finish(second), "the watchdog has the endpoint");
     }
 }

@@ -36,7 +36,7 @@ pub struct AllocateRequest {
     pub request_id: u64,
     /// The lease token ([`crate::lease`]).
     pub token: String,
-    /// Worker threads (lanes), one core each; at most the lease's cores.
+    /// Worker threads, one core each; at most the lease's cores.
     pub cores: u16,
     /// Memory limit of the worker process, MiB; at most the lease's memory.
     pub memory_mib: u32,
@@ -67,6 +67,33 @@ pub struct AllocateRequest {
     /// through a read-only mapping (a function that writes to it faults).
     #[serde(default)]
     pub read_only_input: bool,
+    /// Lanes: connections to the worker, each with its own input buffer,
+    /// one invocation in flight on each; the worker's `cores` threads
+    /// serve them all (lane `i` on thread `i mod cores`). 0, or absent
+    /// (older clients), means one lane per core.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lanes: u16,
+}
+
+fn is_zero(n: &u16) -> bool {
+    *n == 0
+}
+
+impl AllocateRequest {
+    /// The lanes the request asks for: [`lanes`](Self::lanes), or one per
+    /// core when it says 0.
+    pub fn lane_count(&self) -> u16 {
+        if self.lanes == 0 {
+            self.cores
+        } else {
+            self.lanes
+        }
+    }
+
+    /// Worker threads: one per core, and never more than there are lanes.
+    pub fn thread_count(&self) -> u16 {
+        self.cores.min(self.lane_count())
+    }
 }
 
 /// Time spent in each phase of an allocation on the executor, nanoseconds.
@@ -272,6 +299,7 @@ mod tests {
             library_name: "libfunctions.so".into(),
             provider: "tcp".into(),
             read_only_input: true,
+            lanes: 0,
         };
         let frame = Frame::new(&req, vec![0x7f, b'E', b'L', b'F']);
         let bytes = frame.to_bytes();
@@ -292,6 +320,29 @@ mod tests {
         let older = json.replace(r#","read_only_input":true"#, "");
         let older: AllocateRequest = serde_json::from_str(&older).unwrap();
         assert!(!older.read_only_input);
+    }
+
+    #[test]
+    fn lanes_are_apart_from_cores_and_absent_when_zero() {
+        let mut req: AllocateRequest = serde_json::from_str(
+            r#"{"request_id":3,"token":"t","cores":2,"memory_mib":256,"mode":"hot","hot_timeout_us":0,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["noop"],"library_name":"l","provider":"shm"}"#,
+        )
+        .unwrap();
+        // An older client's request: one lane per core.
+        assert_eq!((req.lanes, req.lane_count(), req.thread_count()), (0, 2, 2));
+        // 0 is not written, so an older executor reads the same bytes.
+        assert!(!serde_json::to_string(&req).unwrap().contains("lanes"));
+        req.lanes = 64;
+        let json = serde_json::to_string(&req).unwrap();
+        assert!(
+            json.ends_with(r#","provider":"shm","read_only_input":false,"lanes":64}"#),
+            "{json}"
+        );
+        let back: AllocateRequest = serde_json::from_str(&json).unwrap();
+        assert_eq!((back.lane_count(), back.thread_count()), (64, 2));
+        // Fewer lanes than cores: a thread per lane, no idle spinners.
+        req.lanes = 1;
+        assert_eq!(req.thread_count(), 1);
     }
 
     #[test]

@@ -28,14 +28,18 @@ pub struct Assignment {
     pub uid: u32,
     /// Group to run as.
     pub gid: u32,
-    /// CPUs to pin the lane threads to, one per lane, in lane order; empty
-    /// means no pinning.
+    /// CPUs to pin the worker threads to, one per thread, in thread order;
+    /// empty means no pinning.
     pub cpus: Vec<u32>,
     /// The allocation's lane key, 48 hex digits: a connection serves a
     /// lane only after a [`LaneHello`](crate::hello::LaneHello) with it.
     pub lane_key: String,
-    /// Lanes (worker threads).
+    /// Lanes: connections, each with its input buffer and meter record.
     pub lanes: u16,
+    /// Worker threads serving the lanes, lane `i` on thread `i mod
+    /// threads`; 0 (from a daemon that does not say) means one per lane.
+    #[serde(default)]
+    pub threads: u16,
     /// Address-space limit for the process in bytes (0: none), used when
     /// the daemon cannot apply a cgroup limit.
     pub memory_limit_bytes: u64,
@@ -75,6 +79,17 @@ pub struct Assignment {
     /// the worker ends with its daemon's socket.
     #[serde(default)]
     pub adopt_dir: String,
+}
+
+impl Assignment {
+    /// The worker threads to run: [`threads`](Self::threads), one per lane
+    /// for 0, never more than the lanes.
+    pub fn thread_count(&self) -> u16 {
+        match self.threads {
+            0 => self.lanes,
+            t => t.min(self.lanes),
+        }
+    }
 }
 
 /// Worker → daemon: the assignment is loaded and listening.
@@ -141,5 +156,29 @@ mod tests {
                 got: Kind::WorkerFailed
             })
         ));
+    }
+
+    #[test]
+    fn threads_default_to_one_per_lane_and_never_exceed_the_lanes() {
+        let json = serde_json::json!({
+            "allocation_id": 1, "uid": 1000, "gid": 1000, "cpus": [0, 1],
+            "lane_key": "00", "lanes": 16, "memory_limit_bytes": 0,
+            "mode": "hot", "hot_timeout_us": 0, "input_capacity": 4096,
+            "output_capacity": 4096, "deadline_ms": 0, "expires_at": 0,
+            "functions": ["noop"], "provider": "shm", "listen_addr": "x"
+        });
+        // From a daemon that does not say: one thread per lane, as before.
+        let mut a: Assignment = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!((a.threads, a.thread_count()), (0, 16));
+        a.threads = 2;
+        assert_eq!(a.thread_count(), 2);
+        let back: Assignment = serde_json::from_str(&serde_json::to_string(&a).unwrap()).unwrap();
+        assert_eq!(back, a);
+        a.threads = 40;
+        assert_eq!(
+            a.thread_count(),
+            16,
+            "a thread without lanes serves nothing"
+        );
     }
 }

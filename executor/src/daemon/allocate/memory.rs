@@ -26,11 +26,15 @@ const PAGE: u64 = 4096;
 /// build with the verbs provider fits too.
 pub(crate) const WORKER_BYTES: u64 = 12 * MIB;
 
-/// Each lane besides its buffers: its thread's stack (2 MiB, and a
-/// 256 KiB guard below it) and signal stack, its completion queue and
-/// endpoint. Measured: 3.2 MiB with a 2 MiB stack before the guard, so
-/// 3.45 MiB.
-pub(crate) const LANE_BYTES: u64 = 4 * MIB;
+/// Each worker thread: its stack (2 MiB, and a 256 KiB guard below it),
+/// its signal stack and its completion queue. With [`LANE_BYTES`], what one
+/// lane on its own thread was measured to take: 3.2 MiB with a 2 MiB stack
+/// before the guard, so 3.45 MiB, rounded up to 4.
+pub(crate) const THREAD_BYTES: u64 = 3 * MIB;
+
+/// Each lane besides its buffers: its endpoint and the thread's record of
+/// it.
+pub(crate) const LANE_BYTES: u64 = MIB;
 
 /// How many times the worker's address space holds each byte of a lane's
 /// output, and of a bulk payload it pulls.
@@ -62,6 +66,7 @@ fn copies(provider: &str, read_only_input: bool) -> Copies {
 /// What an allocation's worker needs at least, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Need {
+    threads: u64,
     lanes: u64,
     input: u64,
     output: u64,
@@ -73,7 +78,8 @@ impl Need {
     /// The need of `req` with `library` (its bytes).
     pub(crate) fn of(req: &AllocateRequest, library: &[u8]) -> Need {
         Need {
-            lanes: req.cores.into(),
+            threads: req.thread_count().into(),
+            lanes: req.lane_count().into(),
             input: round_up(req.input_capacity.into()),
             // The output buffer is whole pages with a guard page after it.
             output: round_up(u64::from(req.output_capacity).div_ceil(64) * 64) + PAGE,
@@ -88,7 +94,7 @@ impl Need {
 
     /// The whole, bytes.
     pub(crate) fn bytes(&self) -> u64 {
-        WORKER_BYTES + self.library + self.lanes * self.per_lane()
+        WORKER_BYTES + self.library + self.threads * THREAD_BYTES + self.lanes * self.per_lane()
     }
 
     /// The whole, MiB, rounded up.
@@ -116,11 +122,14 @@ impl Need {
             String::new()
         };
         format!(
-            "{} for the worker process itself, {} for the library's loaded segments, and {} lane{} \
-             × {} ({} for the lane's thread and fabric resources, {} for its input buffer, {} for \
-             its output buffer and guard page{shm})",
+            "{} for the worker process itself, {} for the library's loaded segments, {} thread{} \
+             × {}, and {} lane{} × {} ({} for the lane's fabric resources, {} for its input \
+             buffer, {} for its output buffer and guard page{shm})",
             size(WORKER_BYTES),
             size(self.library),
+            self.threads,
+            if self.threads == 1 { "" } else { "s" },
+            size(THREAD_BYTES),
             self.lanes,
             if self.lanes == 1 { "" } else { "s" },
             size(self.per_lane()),
@@ -223,6 +232,7 @@ mod tests {
             library_name: "lib.so".into(),
             provider: provider.into(),
             read_only_input: false,
+            lanes: 0,
         }
     }
 
@@ -259,13 +269,27 @@ mod tests {
         let lib = elf(0x10);
         let need = Need::of(&request(2, 0, "tcp"), &lib);
         let lane = LANE_BYTES + (64 << 10) + (1 << 20) + PAGE;
-        assert_eq!(need.bytes(), WORKER_BYTES + 0x4000 + 2 * lane);
+        assert_eq!(
+            need.bytes(),
+            WORKER_BYTES + 0x4000 + 2 * THREAD_BYTES + 2 * lane
+        );
         let text = need.describe();
         assert!(
             text.contains("12 MiB for the worker process itself"),
             "{text}"
         );
-        assert!(text.contains("2 lanes × 5.1 MiB"), "{text}");
+        assert!(text.contains("2 threads × 3 MiB"), "{text}");
+        assert!(text.contains("2 lanes × 2.1 MiB"), "{text}");
+
+        // More lanes than cores: a thread per core, the lanes' buffers each.
+        let mut many = request(2, 0, "tcp");
+        many.lanes = 64;
+        let many = Need::of(&many, &lib);
+        assert_eq!(
+            many.bytes(),
+            WORKER_BYTES + 0x4000 + 2 * THREAD_BYTES + 64 * lane
+        );
+        assert!(many.describe().contains("64 lanes"));
         assert!(text.contains("64 KiB for its input buffer"), "{text}");
 
         // On shm the output counts three times.

@@ -84,7 +84,7 @@ pub(super) fn start_worker(
         .map_err(|e| internal("create the allocation's cgroup", &e))?;
     let memfd = ipc::sealed_memfd(&memfd_name(&req.library_name), library)
         .map_err(|e| internal("copy the library into a memfd", &e))?;
-    let (area, area_fd) = MeterArea::create(req.cores, shared.usage.clock())
+    let (area, area_fd) = MeterArea::create(req.lane_count(), shared.usage.clock())
         .map_err(|e| internal("create the allocation's meter area", &e))?;
     let mut area = Some(area);
     let listen_addr = if req.provider == "shm" {
@@ -98,7 +98,8 @@ pub(super) fn start_worker(
         uid: user.uid,
         gid: user.gid,
         cpus: if s.pin { cpus.to_vec() } else { Vec::new() },
-        lanes: req.cores,
+        lanes: req.lane_count(),
+        threads: req.thread_count(),
         memory_limit_bytes: shared.limiter.rlimit_bytes(req.memory_mib),
         memory_mib: req.memory_mib,
         // 0 would mean the worker's own rule.
@@ -210,7 +211,7 @@ pub(super) fn start_worker(
     a.ready = true;
     a.worker_sock = Some(sock);
     let limits = Limits {
-        lanes: req.cores,
+        lanes: req.lane_count(),
         memory_mib: req.memory_mib,
         max_in: max_pull.max(u64::from(req.input_capacity)),
         max_out: u64::from(req.output_capacity),

@@ -12,7 +12,7 @@ use crate::daemon::refusal::Refused;
 pub(super) fn request(req: &AllocateRequest, s: &Settings) -> Result<(), Refused> {
     let malformed = |m: String| Err((ErrorCode::MalformedRequest, m));
     if req.cores == 0 {
-        return malformed("the request asks for 0 cores; ask for at least one lane".into());
+        return malformed("the request asks for 0 cores; ask for at least one".into());
     }
     if req.functions.is_empty() {
         return malformed("the request names no functions; list the symbols to call".into());
@@ -55,8 +55,8 @@ pub(super) fn limits(
             u64::from(s.max_library_bytes),
         ),
         (
-            "the number of lanes (cores)",
-            req.cores.into(),
+            "the number of lanes",
+            req.lane_count().into(),
             s.max_lanes.into(),
         ),
         (

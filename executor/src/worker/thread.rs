@@ -1,0 +1,624 @@
+//! A worker thread: serves the invocations of several lanes, one at a
+//! time, from the one completion queue all their endpoints complete into.
+//!
+//! The thread polls (hot) or waits on (warm) its queue; each completion's
+//! connection tag ([`lane::tag_of`]) names the lane it belongs to. A request
+//! is served as a lane served it alone (see the worker's module docs), then
+//! its receive is posted again. A lane whose client went away ends alone;
+//! the thread ends when the last of its lanes has. Completions the thread
+//! cannot take now (requests that arrive while it pulls a bulk payload or
+//! waits for room in a send queue) wait in a queue of their own and are
+//! served first, in arrival order.
+//!
+//! # Meter
+//!
+//! Every lane publishes into its own record: its invocations, bytes and
+//! compute time are its own. What the thread does between requests
+//! (polling, waiting) is published in the record of its first lane, the
+//! thread's own: so hot and warm time count once per thread, as the cores
+//! spend it, however many lanes it serves. While the thread serves another
+//! lane its own record says [`LaneState::Handling`] (counted nowhere), from
+//! the clock read that starts the served lane's function phase to the one
+//! that ends it; the other lanes' records say `Handling` between their
+//! requests.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rfaas_fabric::{Access, Completion, Domain, MemoryRegion, Opcode, RemoteAddr, Status};
+use rfaas_proto::control::client::Mode;
+use rfaas_proto::meter::LaneState;
+use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
+
+use super::lane::{self, Lane, PULL_WR, RECV_DEPTH, RESPONSE_WR};
+use super::library::Function;
+use super::watchdog::{Running, ThreadFabric};
+use super::{DRAINING, EXPIRES_AT};
+
+/// How long a warm thread sleeps in `wait` before it looks again.
+const WARM_WAIT: Duration = Duration::from_millis(100);
+
+/// Bytes per read of a bulk payload.
+const PULL_CHUNK: usize = 1 << 20;
+
+/// Reads of a bulk payload in flight at once.
+const PULL_IN_FLIGHT: usize = 4;
+
+/// Empty polls between two looks at the clock in hot-then-warm mode.
+const POLLS_PER_CLOCK_CHECK: u32 = 1024;
+
+/// Completions taken from the queue per poll.
+const POLL_BATCH: usize = 32;
+
+/// No lane: an entry of the tag table.
+const NO_LANE: u16 = u16::MAX;
+
+/// What a worker thread was given.
+#[derive(Debug)]
+pub struct ThreadConfig {
+    /// The thread's number.
+    pub index: usize,
+    /// CPU to pin the thread to.
+    pub cpu: Option<u32>,
+    /// How the thread waits.
+    pub mode: Mode,
+    /// Hot period of [`Mode::HotThenWarm`].
+    pub hot_timeout: Duration,
+    /// The allocation's output capacity, bytes.
+    pub output_capacity: usize,
+    /// Largest bulk payload the thread pulls.
+    pub pull_limit: usize,
+    /// The client promised read-only input: read bulk payloads in place
+    /// where the provider maps the client's memory (shm).
+    pub read_only_input: bool,
+}
+
+/// A worker thread's lanes, fabric and state.
+#[derive(Debug)]
+pub struct WorkerThread {
+    cfg: ThreadConfig,
+    functions: Arc<[Function]>,
+    domain: Arc<Domain>,
+    fabric: Arc<ThreadFabric>,
+    /// The lanes, in the thread's order (the endpoints' too); the first is
+    /// the thread's own (see the module docs).
+    lanes: Vec<Lane>,
+    /// The lane of each connection tag, by [`lane::tag_index`].
+    by_tag: Vec<u16>,
+    /// Lanes whose client is still there.
+    live: usize,
+    pull: Option<MemoryRegion>,
+    running: Arc<Running>,
+    /// What the thread does after a function: polls (hot modes) or handles
+    /// what it was woken for (warm).
+    after_function: LaneState,
+    deferred: VecDeque<Completion>,
+}
+
+/// Whether the thread goes on.
+enum Flow {
+    Continue,
+    End,
+}
+
+/// Whether a lane goes on.
+enum LaneFlow {
+    Continue,
+    End,
+}
+
+/// How a request's input was obtained.
+enum Input {
+    Ready(*mut u8, u32),
+    Refused(InvocationStatus),
+    End,
+}
+
+/// The first `n` reads of a pull all succeeded, or how it failed.
+enum Pull {
+    Done,
+    Failed(InvocationStatus),
+    PeerLost,
+}
+
+impl WorkerThread {
+    /// Assembles a thread from its lanes (at least one), their endpoints
+    /// (in `fabric`, in the same order), and the completions its queue gave
+    /// while later lanes were being connected (`early`).
+    pub fn new(
+        cfg: ThreadConfig,
+        functions: Arc<[Function]>,
+        domain: Arc<Domain>,
+        fabric: Arc<ThreadFabric>,
+        lanes: Vec<Lane>,
+        running: Arc<Running>,
+        early: Vec<Completion>,
+    ) -> WorkerThread {
+        assert!(
+            !lanes.is_empty(),
+            "a worker thread serves at least one lane"
+        );
+        let most = lanes.iter().map(|l| lane::tag_index(l.tag)).max();
+        let mut by_tag = vec![NO_LANE; most.map_or(0, |m| m + 1)];
+        for (i, l) in lanes.iter().enumerate() {
+            by_tag[lane::tag_index(l.tag)] = i as u16;
+        }
+        let after_function = match cfg.mode {
+            Mode::Warm => LaneState::Handling,
+            _ => LaneState::Hot,
+        };
+        let mut deferred = VecDeque::with_capacity(lanes.len() * RECV_DEPTH + POLL_BATCH);
+        deferred.extend(early);
+        WorkerThread {
+            cfg,
+            functions,
+            domain,
+            fabric,
+            live: lanes.len(),
+            lanes,
+            by_tag,
+            pull: None,
+            running,
+            after_function,
+            deferred,
+        }
+    }
+
+    /// Serves invocations until every lane's client has gone away.
+    pub fn run(mut self) {
+        self.serve_all();
+        for l in &mut self.lanes[1..] {
+            if l.live {
+                l.end();
+            }
+        }
+        self.lanes[0].end();
+    }
+
+    /// The thread's own lane's meter.
+    fn home(&mut self) -> &mut super::meter::LaneMeter {
+        &mut self.lanes[0].meter
+    }
+
+    fn serve_all(&mut self) {
+        let index = self.cfg.index;
+        self.running.bind_thread();
+        if let Err(e) = super::crash::arm_thread() {
+            tracing::warn!(thread = index, error = %e, "cannot give the worker thread its signal stack; a crash may go unanswered");
+        }
+        if let Some(cpu) = self.cfg.cpu {
+            if let Err(e) = super::privileges::pin_to(&[cpu]) {
+                tracing::warn!(thread = index, error = %e, "cannot pin the worker thread");
+            }
+        }
+        let mut done = [Completion::EMPTY; POLL_BATCH];
+        let mut hot = self.cfg.mode != Mode::Warm;
+        self.home().enter(if hot {
+            LaneState::Hot
+        } else {
+            LaneState::Handling
+        });
+        for l in &mut self.lanes[1..] {
+            l.meter.enter(LaneState::Handling);
+        }
+        // When the thread last served, read lazily at the first clock check
+        // after it (a clock read can cost microseconds; see watchdog.rs).
+        let mut last = Some(Instant::now());
+        let mut idle_polls = 0u32;
+        loop {
+            let n = if let Some(c) = self.deferred.pop_front() {
+                done[0] = c;
+                1
+            } else if hot {
+                let n = self.fabric.poll(&mut done);
+                if n == 0 {
+                    if self.cfg.mode == Mode::HotThenWarm {
+                        idle_polls += 1;
+                        if idle_polls >= POLLS_PER_CLOCK_CHECK {
+                            idle_polls = 0;
+                            hot = last.get_or_insert_with(Instant::now).elapsed()
+                                < self.cfg.hot_timeout;
+                        }
+                    }
+                    std::hint::spin_loop();
+                    continue;
+                }
+                n
+            } else {
+                // Warm until a request's arrival closes the phase (or the
+                // next wait reopens it): nothing to publish on the way
+                // from the wake-up to the request.
+                self.home().enter(LaneState::Warm);
+                match self.fabric.wait(&mut done, WARM_WAIT) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::error!(thread = index, error = %e, "waiting for completions failed; ending the thread");
+                        return;
+                    }
+                }
+            };
+            let mut served = false;
+            for c in &done[..n] {
+                match self.on_completion(*c, &mut served) {
+                    Flow::Continue => {}
+                    Flow::End => return,
+                }
+            }
+            if served && self.cfg.mode == Mode::HotThenWarm {
+                hot = true;
+                idle_polls = 0;
+                last = None;
+            }
+        }
+    }
+
+    /// The thread's number for the lane a wr_id was posted on; `None` for
+    /// a connection dropped while the lanes were being connected.
+    #[inline]
+    fn lane_of(&self, wr_id: u64) -> Option<usize> {
+        let tag = lane::tag_of(wr_id);
+        let j = *self.by_tag.get(lane::tag_index(tag))?;
+        (j != NO_LANE && self.lanes[usize::from(j)].tag == tag).then_some(usize::from(j))
+    }
+
+    fn on_completion(&mut self, c: Completion, served: &mut bool) -> Flow {
+        let Some(j) = self.lane_of(c.wr_id) else {
+            tracing::debug!(thread = self.cfg.index, wr_id = c.wr_id, status = %c.status, "a completion of a connection dropped while the lanes were connected; ignored");
+            return Flow::Continue;
+        };
+        if !self.lanes[j].live {
+            return Flow::Continue;
+        }
+        let lane = self.lanes[j].index;
+        if matches!(c.status, Status::PeerLost | Status::Flushed) {
+            tracing::info!(lane, status = %c.status, "the client went away; ending the lane");
+            return self.end_lane(j);
+        }
+        match c.opcode {
+            Opcode::RecvWithImm if c.status.is_ok() => {
+                *served = true;
+                self.serve(j, c)
+            }
+            Opcode::RecvWithImm => {
+                tracing::error!(lane, status = %c.status, "a receive failed; ending the lane");
+                self.end_lane(j)
+            }
+            _ => {
+                if !c.status.is_ok() {
+                    tracing::warn!(lane, opcode = ?c.opcode, status = %c.status, "an operation to the client failed (bad output descriptor?)");
+                }
+                Flow::Continue
+            }
+        }
+    }
+
+    /// Ends lane `j`; the thread ends with its last lane.
+    fn end_lane(&mut self, j: usize) -> Flow {
+        if j != 0 {
+            self.lanes[j].end();
+        } else {
+            // The thread's own record goes on saying what the thread does.
+            self.lanes[0].live = false;
+        }
+        self.live -= 1;
+        if self.live == 0 {
+            Flow::End
+        } else {
+            Flow::Continue
+        }
+    }
+
+    /// Serves one request of lane `j`, then posts its receive again. Hot
+    /// path (but for bulk pulls and failures).
+    fn serve(&mut self, j: usize, c: Completion) -> Flow {
+        // Read now, used once the request proved inline: see meter.rs.
+        let arrived = self.lanes[0].meter.now();
+        if let LaneFlow::End = self.answer(j, c, arrived) {
+            return self.end_lane(j);
+        }
+        // After the response, off the invocation's path: a spare receive
+        // (RECV_DEPTH) takes the next request if it comes first.
+        if let Err(e) = self.fabric.get(j).post_recv(c.wr_id) {
+            tracing::error!(lane = self.lanes[j].index, error = %e, "cannot re-post a receive; ending the lane");
+            return self.end_lane(j);
+        }
+        Flow::Continue
+    }
+
+    /// Runs the function a request of lane `j` names and sends its
+    /// response; `arrived` is the clock read when its completion was taken.
+    fn answer(&mut self, j: usize, c: Completion, arrived: u64) -> LaneFlow {
+        let req = RequestImm::decode(c.imm);
+        // SAFETY: the input region is at least InvocationHeader::LEN bytes
+        // (checked at assignment), page-aligned, and the client wrote it
+        // before the completion we hold.
+        let head = unsafe {
+            &*self.lanes[j]
+                .input
+                .as_ptr()
+                .cast::<[u8; InvocationHeader::LEN]>()
+        };
+        // Even a header that does not decode names where to answer.
+        let reply = InvocationHeader::peek_reply_to(head);
+        let reply_to = RemoteAddr {
+            addr: reply.addr,
+            rkey: reply.rkey,
+        };
+        let header = match InvocationHeader::decode(head) {
+            Ok(h) if c.byte_len as usize >= InvocationHeader::LEN => h,
+            _ => {
+                return self.respond(
+                    j,
+                    req.invocation_id,
+                    reply_to,
+                    InvocationStatus::MalformedRequest,
+                    0,
+                )
+            }
+        };
+        let (in_ptr, in_len) = match self.input_of(j, &req, &header, c.byte_len) {
+            Input::Ready(p, l) => (p, l),
+            Input::Refused(status) => {
+                return self.respond(j, req.invocation_id, reply_to, status, 0)
+            }
+            Input::End => return LaneFlow::End,
+        };
+        let f = self.functions[usize::from(req.function_index)];
+        let lane = &self.lanes[j];
+        // SAFETY: out_offset + the rounded output capacity is the region's
+        // end, so the pointer is in the region (or at its end, for capacity 0).
+        let out_ptr = unsafe { lane.output.as_ptr().add(lane.out_offset) };
+        let limit = self
+            .cfg
+            .output_capacity
+            .min(header.output_capacity as usize);
+        let stamp = self
+            .running
+            .start(j as u32, req.invocation_id, reply_to, limit as u32);
+        let started = if header.is_inline() {
+            arrived
+        } else {
+            self.lanes[0].meter.now()
+        };
+        if j != 0 {
+            self.lanes[0].meter.enter_at(LaneState::Handling, started);
+        }
+        self.lanes[j].meter.enter_function_at(started, in_len);
+        // SAFETY: `in_ptr` holds `in_len` readable bytes (read-only ones
+        // when read in place, as the client promised the function only
+        // reads); `out_ptr` holds the output capacity, followed by the guard
+        // page. The function is the user's, called with the rFaaS contract.
+        let returned = unsafe { f(in_ptr.cast(), in_len, out_ptr.cast()) };
+        if !self.running.finish(stamp) {
+            // The watchdog answered and owns the endpoints; the process ends.
+            loop {
+                std::thread::park();
+            }
+        }
+        let (status, len) = if returned as usize > limit {
+            (InvocationStatus::OutputTooLarge, 0)
+        } else {
+            (InvocationStatus::Ok, returned as usize)
+        };
+        // Before the answer: a worker stopped right after it (the client
+        // deallocates at once) still counts these bytes.
+        self.lanes[j].meter.count_output(len);
+        let flow = self.respond(j, req.invocation_id, reply_to, status, len);
+        // After the answer is on its way: the clock read is off the
+        // client's path.
+        if j == 0 {
+            self.lanes[0].meter.leave_function(self.after_function);
+        } else {
+            let now = self.lanes[j].meter.leave_function(LaneState::Handling);
+            let after = self.after_function;
+            self.lanes[0].meter.enter_at(after, now);
+        }
+        flow
+    }
+
+    /// Checks a request of lane `j` in order and finds its input. Hot path
+    /// for inline payloads.
+    fn input_of(
+        &mut self,
+        j: usize,
+        req: &RequestImm,
+        header: &InvocationHeader,
+        byte_len: u32,
+    ) -> Input {
+        let after = byte_len - InvocationHeader::LEN as u32;
+        if header.validate_inline(after).is_err() {
+            return Input::Refused(InvocationStatus::MalformedRequest);
+        }
+        if usize::from(req.function_index) >= self.functions.len() {
+            return Input::Refused(InvocationStatus::UnknownFunction);
+        }
+        let expires_at = EXPIRES_AT.load(Ordering::Relaxed);
+        if expires_at != 0 && super::watchdog::coarse_unix_secs() >= expires_at {
+            return Input::Refused(InvocationStatus::LeaseExpired);
+        }
+        if DRAINING.load(Ordering::Relaxed) {
+            return Input::Refused(InvocationStatus::ExecutorDraining);
+        }
+        if header.is_inline() {
+            // SAFETY: validate_inline proved input_len bytes arrived after
+            // the header, inside the input region.
+            let p = unsafe { self.lanes[j].input.as_ptr().add(InvocationHeader::LEN) };
+            return Input::Ready(p, header.input_len);
+        }
+        let len = header.input_len as usize;
+        if self.cfg.read_only_input {
+            let remote = RemoteAddr {
+                addr: header.input_addr,
+                rkey: header.input_rkey,
+            };
+            // In place, through the provider's read-only mapping of the
+            // client's buffer: no copy and no memory of ours. The view lasts
+            // until the thread's next operation on the endpoint, which comes
+            // after the function returned.
+            match self.fabric.get(j).peer_view(remote, len) {
+                Some(Ok(view)) => return Input::Ready(view.as_ptr().cast_mut(), header.input_len),
+                Some(Err(Status::PeerLost | Status::Flushed)) => return Input::End,
+                Some(Err(Status::RemoteAccess)) => {
+                    return Input::Refused(InvocationStatus::MalformedRequest)
+                }
+                Some(Err(_)) => return Input::Refused(InvocationStatus::InternalError),
+                None => {}
+            }
+        }
+        if len > self.cfg.pull_limit {
+            return Input::Refused(InvocationStatus::PayloadTooLarge);
+        }
+        if !self.grow_pull(len) {
+            return Input::Refused(InvocationStatus::PayloadTooLarge);
+        }
+        match self.pull(j, header) {
+            Pull::Done => {
+                let region = self.pull.as_ref().expect("grow_pull made the pull region");
+                Input::Ready(region.as_ptr(), header.input_len)
+            }
+            Pull::Failed(status) => Input::Refused(status),
+            Pull::PeerLost => Input::End,
+        }
+    }
+
+    /// Makes the pull region hold at least `len` bytes.
+    fn grow_pull(&mut self, len: usize) -> bool {
+        if self.pull.as_ref().is_some_and(|r| r.len() >= len) {
+            return true;
+        }
+        // Free the old region first: under a memory limit both may not fit.
+        self.pull = None;
+        let size = len.max(1).div_ceil(PULL_CHUNK) * PULL_CHUNK;
+        match self
+            .domain
+            .register(size.min(self.cfg.pull_limit.max(len)), Access::LOCAL)
+        {
+            Ok(region) => {
+                self.pull = Some(region);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(thread = self.cfg.index, bytes = size, error = %e, "cannot allocate the pull buffer for a bulk payload");
+                false
+            }
+        }
+    }
+
+    /// Reads a bulk payload of lane `j` into the pull region: chunks of
+    /// [`PULL_CHUNK`], [`PULL_IN_FLIGHT`] at a time. Other completions wait
+    /// in the deferred queue.
+    fn pull(&mut self, j: usize, header: &InvocationHeader) -> Pull {
+        let len = header.input_len as usize;
+        let chunks = len.div_ceil(PULL_CHUNK);
+        let region = self.pull.take().expect("grow_pull made the pull region");
+        let tag = self.lanes[j].tag;
+        let (mut posted, mut completed) = (0usize, 0usize);
+        let mut failure: Option<Pull> = None;
+        let mut done = [Completion::EMPTY; POLL_BATCH];
+        loop {
+            while failure.is_none() && posted < chunks && posted - completed < PULL_IN_FLIGHT {
+                let off = posted * PULL_CHUNK;
+                let n = PULL_CHUNK.min(len - off);
+                let remote = RemoteAddr {
+                    addr: header.input_addr.wrapping_add(off as u64),
+                    rkey: header.input_rkey,
+                };
+                if let Err(e) =
+                    self.fabric
+                        .get(j)
+                        .read(tag | PULL_WR | posted as u64, &region, off, n, remote)
+                {
+                    tracing::error!(lane = self.lanes[j].index, error = %e, "cannot post a read of a bulk payload");
+                    failure = Some(Pull::Failed(InvocationStatus::InternalError));
+                    break;
+                }
+                posted += 1;
+            }
+            if completed == posted {
+                break;
+            }
+            let n = self.fabric.poll(&mut done);
+            for c in &done[..n] {
+                if c.opcode == Opcode::Read && lane::tag_of(c.wr_id) == tag {
+                    completed += 1;
+                    match c.status {
+                        Status::Success => {}
+                        Status::PeerLost | Status::Flushed => failure = Some(Pull::PeerLost),
+                        Status::RemoteAccess => {
+                            failure.get_or_insert(Pull::Failed(InvocationStatus::MalformedRequest));
+                        }
+                        _ => {
+                            failure.get_or_insert(Pull::Failed(InvocationStatus::InternalError));
+                        }
+                    }
+                } else {
+                    self.defer(*c);
+                }
+            }
+            if n == 0 {
+                std::hint::spin_loop();
+            }
+        }
+        self.pull = Some(region);
+        failure.unwrap_or(Pull::Done)
+    }
+
+    /// Keeps a completion the thread cannot take now for later: requests,
+    /// and failures (a lost client); successful sends are done with.
+    fn defer(&mut self, c: Completion) {
+        if c.opcode == Opcode::RecvWithImm || !c.status.is_ok() {
+            self.deferred.push_back(c);
+        }
+    }
+
+    /// Writes lane `j`'s `out[..len]` with the response immediate. Hot path.
+    fn respond(
+        &mut self,
+        j: usize,
+        id: u32,
+        to: RemoteAddr,
+        status: InvocationStatus,
+        len: usize,
+    ) -> LaneFlow {
+        let imm = ResponseImm {
+            invocation_id: id,
+            status,
+        }
+        .encode()
+        .unwrap_or(u32::from(status.code()));
+        let lane = &self.lanes[j];
+        let write = |fabric: &ThreadFabric| {
+            fabric.get(j).write_with_imm(
+                lane.tag | RESPONSE_WR,
+                &lane.output,
+                lane.out_offset,
+                len,
+                to,
+                imm,
+            )
+        };
+        let first = write(&self.fabric);
+        let second = match first {
+            Err(rfaas_fabric::Error::QueueFull { .. }) => {
+                // Reap send completions and try once more.
+                let mut done = [Completion::EMPTY; POLL_BATCH];
+                let n = self.fabric.poll(&mut done);
+                let again = write(&self.fabric);
+                for c in &done[..n] {
+                    self.defer(*c);
+                }
+                again
+            }
+            other => other,
+        };
+        match second {
+            Ok(()) => LaneFlow::Continue,
+            Err(e) => {
+                tracing::error!(lane = self.lanes[j].index, error = %e, "cannot send a response; ending the lane");
+                LaneFlow::End
+            }
+        }
+    }
+}
