@@ -9,7 +9,8 @@
 //! | `pingpong_bandwidth_vs_bandwidth` | the fabric alone in an invocation's pattern (one payload each way, nothing overlapping) over its streaming `bandwidth` | none: the fabric's, not rfaas's |
 //! | `transfer_vs_pingpong_bandwidth` | `transfer` over `pingpong_bandwidth`: the share of the fabric's round trip the invocation path keeps | none |
 //! | `echo_copy_estimate` | what a sequential echo that copies its input reaches if each crossing runs at `bandwidth` and the copy at `memcpy_bandwidth`: `1 / (1 + bandwidth / (2 × memcpy_bandwidth))` | none: it explains `echo_vs_bandwidth` |
-//! | `hot_noop_rate_vs_pingpong_rate` | calls/s of `hot_noop_rate` over the fabric's `pingpong_rate` with as many in flight | none |
+//! | `hot_noop_rate_vs_pingpong_rate` | calls/s of `hot_noop_rate` over the fabric's `pingpong_rate` with as many in flight | at least 0.5 at 16 in flight on shm and tcp |
+//! | `warm_noop_rate_vs_pingpong_rate` | the same for `warm_noop_rate` | none |
 //! | `hot_noop_billed_over_hot_noop` | `hot_noop_billed` over `hot_noop`, same provider and size, by their interquartile means (the medians fall on the clock's ~10 ns steps, 3 % of a shm call): what billing adds to an invocation | ≤ 1.02 on tcp and shm |
 //! | `grpc_echo_over_hot_noop` | median `grpc_echo` over median `hot_noop` on tcp | ≥ 5 at 64 B |
 //! | `billing_adds_vs_raw_fetch_add` | adds/s of `billing_adds` over `raw_fetch_add`, same provider, initiators and window: what the accounting service costs an add | ≥ 0.8 |
@@ -41,7 +42,8 @@ pub const ROWS: &[(&str, &str)] = &[
     ("pingpong_bandwidth_vs_bandwidth", "the fabric alone in an invocation's pattern over its streaming bandwidth"),
     ("transfer_vs_pingpong_bandwidth", "the share of the fabric's own round trip the invocation path keeps"),
     ("echo_copy_estimate", "what an echo that copies its input can reach, from the bandwidth and memcpy_bandwidth rows"),
-    ("hot_noop_rate_vs_pingpong_rate", "hot_noop_rate over the fabric's pingpong_rate with as many in flight"),
+    ("hot_noop_rate_vs_pingpong_rate", "hot_noop_rate over the fabric's pingpong_rate with as many in flight (target: at least 0.5 at 16 in flight on shm and tcp)"),
+    ("warm_noop_rate_vs_pingpong_rate", "warm_noop_rate over the fabric's pingpong_rate with as many in flight"),
     ("hot_noop_billed_over_hot_noop", "hot_noop_billed over hot_noop by interquartile means: what billing adds to an invocation (target: at most 1.02 on tcp and shm)"),
     ("grpc_echo_over_hot_noop", "grpc_echo over hot_noop on tcp (target: at least 5 at 64 B)"),
     ("billing_adds_vs_raw_fetch_add", "billing_adds over raw_fetch_add with as many initiators: what the accounting service costs an add (target: at least 0.8)"),
@@ -123,7 +125,8 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             }
         }
     }
-    for row in rows.iter().filter(|r| r.name == "hot_noop_rate") {
+    let rate_rows = ["hot_noop_rate", "warm_noop_rate"];
+    for row in rows.iter().filter(|r| rate_rows.contains(&r.name.as_str())) {
         let fabric = rows
             .iter()
             .find(|r| r.name == "pingpong_rate" && r.same_row_but_name(row))
@@ -131,12 +134,16 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             .filter(|&b| b > 0);
         if let (Some(a), Some(b)) = (per_s(row), fabric) {
             let mut ratio = Row::ratio(
-                "hot_noop_rate_vs_pingpong_rate",
+                &format!("{}_vs_pingpong_rate", row.name),
                 &row.provider,
                 row.size,
                 a as f64 / b as f64,
-                "hot_noop_rate / pingpong_rate".into(),
-                None,
+                format!("{} / pingpong_rate", row.name),
+                // The bar: half the fabric's rate at 16 in flight.
+                (row.name == "hot_noop_rate"
+                    && row.in_flight == 16
+                    && matches!(row.provider.as_str(), "shm" | "tcp"))
+                .then_some(0.5),
             );
             ratio.in_flight = row.in_flight;
             out.push(ratio);

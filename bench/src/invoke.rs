@@ -8,7 +8,8 @@
 //! |---|---|
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
 //! | `hot_noop_billed` | `hot_noop` with billing on: the daemon is registered with a real `rfaas-manager`, the lease comes from it with a slot of a real `rfaas-accounting` (on the row's provider, one SQLite file for both), and the daemon posts the lease's usage there every second while the row runs |
-//! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with 1, 4 and 16 in flight, one per lane of an allocation with that many hot lanes (a lane holds one invocation at a time), each resubmitted as soon as its result is in; next to `pingpong_rate` |
+//! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with each `RATE_IN_FLIGHT` count in flight, one per lane of an allocation with that many lanes on one hot core (a lane holds one invocation at a time; the worker's one thread serves them all), each resubmitted as soon as its result is in; next to `pingpong_rate` |
+//! | `warm_noop_rate` | the same on a worker in `Mode::Warm` (the client polls) |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `warm_noop_spin` | a worker in `Mode::Warm` and a client that busy-polls (`spin`): only the worker sleeps |
 //! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below) |
@@ -53,6 +54,7 @@ const HOT_NOOP_BILLED: &str = "hot_noop_billed";
 const WARM_NOOP: &str = "warm_noop";
 const WARM_NOOP_SPIN: &str = "warm_noop_spin";
 const HOT_NOOP_RATE: &str = "hot_noop_rate";
+const WARM_NOOP_RATE: &str = "warm_noop_rate";
 const ECHO: &str = "echo";
 const ECHO_PULLED: &str = "echo_pulled";
 const ECHO_READ_ONLY: &str = "echo_read_only";
@@ -67,9 +69,12 @@ pub const PULLED_INPUT_CAPACITY: u32 = (64 << 10) + InvocationHeader::LEN as u32
 const LEASE_USER: &str = "nobody";
 const LEASE_MEMORY_MIB: u32 = 1024;
 const ALLOCATION_MEMORY_MIB: u32 = 256;
-/// `hot_noop_rate`'s allocations: up to 16 lane threads, each with its
-/// stack and, under `RLIMIT_AS`, its share of malloc arenas.
+/// The rate rows' allocations: up to 64 lanes, each with its buffers.
 const RATE_MEMORY_MIB: u32 = 2048;
+
+/// The rate rows' worker threads: one core, the peers' side of this
+/// machine's two, serving every lane (the client holds the other).
+const RATE_CORES: u16 = 1;
 
 pub const SUITE: Suite = Suite {
     rows: &[
@@ -91,10 +96,18 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: HOT_NOOP_RATE,
-            help: "noop calls per second from one client thread at 64 B, 1, 4 and 16 in flight, one per hot lane (next to pingpong_rate)",
+            help: "noop calls per second from one client thread at 64 B, 1, 4, 16 and 64 in flight, one per lane, all on one hot worker thread (next to pingpong_rate)",
             runner: Runner::PerProvider {
                 kind: None,
-                run: noop_rate,
+                run: |ctx, p, out| noop_rate(ctx, p, HOT_NOOP_RATE, Mode::Hot, out),
+            },
+        },
+        RowSpec {
+            name: WARM_NOOP_RATE,
+            help: "hot_noop_rate on a warm worker thread (the client polls)",
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| noop_rate(ctx, p, WARM_NOOP_RATE, Mode::Warm, out),
             },
         },
         RowSpec {
@@ -544,16 +557,22 @@ fn noop_on(
     Ok(())
 }
 
-fn noop_rate(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
-    let name = HOT_NOOP_RATE;
+fn noop_rate(
+    ctx: &Ctx,
+    provider: &Provider,
+    name: &str,
+    mode: Mode,
+    out: &mut Report,
+) -> Result<()> {
     let most = RATE_IN_FLIGHT.into_iter().max().unwrap_or(1);
     let daemon = Daemon::start_with(ctx, provider, most)?;
     let client = Client::new(ClientOptions::with_provider(&provider.spec));
     for in_flight in RATE_IN_FLIGHT {
         let lanes = u16::try_from(in_flight).unwrap_or(u16::MAX);
         let spec = AllocationSpec::new(library()?, &["noop"])
-            .cores(lanes)
-            .mode(Mode::Hot)
+            .cores(RATE_CORES)
+            .lanes(lanes)
+            .mode(mode)
             .memory_mib(RATE_MEMORY_MIB);
         let alloc = client
             .allocate(&daemon.addr(), &daemon.token_for(lanes), &spec)
@@ -585,7 +604,7 @@ fn noop_rate(ctx: &Ctx, provider: &Provider, out: &mut Report) -> Result<()> {
 
 /// `calls` calls of `noop`, one in flight per output buffer, each buffer's
 /// next call submitted as soon as its result is in. Hot loop of
-/// `hot_noop_rate`.
+/// `hot_noop_rate` and `warm_noop_rate`.
 fn calls_in_flight(
     name: &str,
     alloc: &Allocation,
