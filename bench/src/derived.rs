@@ -95,14 +95,23 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
         .filter(|r| PAYLOAD_ROWS.contains(&r.name.as_str()))
     {
         let target = (row.size >= ECHO_TARGET_FROM).then_some(ECHO_MIN_RATIO);
-        out.extend(bandwidth_ratio(rows, row, "bandwidth", target));
+        out.extend(
+            bandwidth_ratio(rows, row, "bandwidth", target).map(|mut ratio| {
+                ratio.in_flight = row.in_flight;
+                ratio
+            }),
+        );
     }
     // What the fabric itself reaches in an invocation's pattern, and the
     // share of that the invocation path keeps.
     for row in rows.iter().filter(|r| r.name == "pingpong_bandwidth") {
         out.extend(bandwidth_ratio(rows, row, "bandwidth", None));
     }
-    for row in rows.iter().filter(|r| r.name == "transfer") {
+    // One call at a time, as pingpong_bandwidth.
+    for row in rows
+        .iter()
+        .filter(|r| r.name == "transfer" && r.in_flight <= 1)
+    {
         out.extend(bandwidth_ratio(rows, row, "pingpong_bandwidth", None));
     }
     // An echo's round trip is two crossings and, in between, the function's

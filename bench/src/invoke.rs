@@ -12,7 +12,7 @@
 //! | `warm_noop_rate` | the same on a worker in `Mode::Warm` (the client polls) |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `warm_noop_spin` | a worker in `Mode::Warm` and a client that busy-polls (`spin`): only the worker sleeps |
-//! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below) |
+//! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below); then again with 4 calls in flight, one per lane, on one worker thread |
 //! | `echo` | the same with `echo`, which copies its input to its output |
 //! | `echo_pulled` | `echo` on a lane with a 64 KiB input buffer: from 1 MiB the worker pulls the payload with one-sided reads |
 //! | `echo_read_only` | `echo_pulled` with `read_only_input(true)`: on shm, bulk payloads are read in place instead of pulled |
@@ -773,7 +773,122 @@ fn payload(ctx: &Ctx, provider: &Provider, row: Payload, out: &mut Report) -> Re
         ))?;
     }
     alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
+    if row.name == TRANSFER {
+        transfer_in_flight(ctx, provider, &daemon, &client, capacity, out)?;
+    }
     drop(daemon);
+    Ok(())
+}
+
+/// Calls `transfer` keeps in flight in its second measurement.
+const TRANSFER_IN_FLIGHT: u32 = 4;
+
+/// `transfer` with [`TRANSFER_IN_FLIGHT`] calls in flight, each on its own
+/// lane with its own buffers, all lanes on one hot worker thread: what
+/// overlapping calls recover of the fabric's streaming bandwidth.
+fn transfer_in_flight(
+    ctx: &Ctx,
+    provider: &Provider,
+    daemon: &Daemon,
+    client: &Client,
+    capacity: u32,
+    out: &mut Report,
+) -> Result<()> {
+    let name = TRANSFER;
+    let lanes = TRANSFER_IN_FLIGHT as u16;
+    let spec = AllocationSpec::new(library()?, &["empty"])
+        .cores(1)
+        .lanes(lanes)
+        .mode(Mode::Hot)
+        .memory_mib(
+            ALLOCATION_MEMORY_MIB.max(capacity.div_ceil(1 << 20) * 4 * u32::from(lanes) + 64),
+        )
+        .input_capacity(capacity)
+        .output_capacity(capacity);
+    let alloc = client
+        .allocate(&daemon.addr(), &daemon.token(), &spec)
+        .ctx(|| format!("{name}: allocating {lanes} lanes on {}", daemon.addr()))?;
+    let f = alloc.function("empty").ctx(|| "finding empty".into())?;
+    let max = capacity as usize - InvocationHeader::LEN;
+    let mut pairs = (0..lanes)
+        .map(|_| Ok((alloc.buffer::<u8>(max)?, alloc.buffer::<u8>(max)?)))
+        .collect::<rfaas_client::Result<Vec<_>>>()
+        .ctx(|| "registering".into())?;
+    daemon.settle()?;
+    for &size in &ctx.bw_sizes {
+        // Untimed: faults the pages in on both sides.
+        sized_calls_in_flight(name, &alloc, f, &mut pairs, size, 4 * u64::from(lanes))?;
+        let calls = (ctx.bw_messages(size) / 2).max(8 * u64::from(lanes));
+        let start = Instant::now();
+        sized_calls_in_flight(name, &alloc, f, &mut pairs, size, calls)?;
+        let mut row = Row::bandwidth(
+            name,
+            &provider.spec,
+            size,
+            2 * size as u64 * calls,
+            start.elapsed(),
+        );
+        row.in_flight = TRANSFER_IN_FLIGHT;
+        out.push(&row)?;
+    }
+    alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
+    Ok(())
+}
+
+/// `calls` calls of `size` bytes, one in flight per (input, output) pair,
+/// each pair's next call submitted as soon as its result is in; each must
+/// return `size` bytes.
+fn sized_calls_in_flight(
+    name: &str,
+    alloc: &Allocation,
+    f: FunctionId,
+    pairs: &mut [(Buffer<u8>, Buffer<u8>)],
+    size: usize,
+    calls: u64,
+) -> Result<()> {
+    let submit = |pair: &mut (Buffer<u8>, Buffer<u8>)| {
+        let (input, output): (&Buffer<u8>, *mut Buffer<u8>) = (&pair.0, &mut pair.1);
+        // SAFETY: only the borrow's lifetime is widened, as in
+        // calls_in_flight: each pair's invocation is dropped before the
+        // next one is submitted on the same pair.
+        let output: &mut Buffer<u8> = unsafe { &mut *output };
+        let input: *const Buffer<u8> = input;
+        // SAFETY: as above, for the input, which the invocation only reads.
+        let input: &Buffer<u8> = unsafe { &*input };
+        alloc
+            .submit(f, input, size, output)
+            .ctx(|| format!("{name}: submitting {size} bytes"))
+    };
+    let mut slots = Vec::with_capacity(pairs.len());
+    let mut posted = 0u64;
+    for pair in pairs.iter_mut() {
+        if posted < calls {
+            slots.push(Some(submit(pair)?));
+            posted += 1;
+        }
+    }
+    let mut done = 0u64;
+    while done < calls {
+        for (slot, pair) in slots.iter_mut().zip(pairs.iter_mut()) {
+            let Some(inv) = slot else { continue };
+            let Some(result) = inv.try_get() else {
+                continue;
+            };
+            *slot = None;
+            match result.ctx(|| format!("{name}: a {size}-byte call failed"))? {
+                n if n == size => done += 1,
+                n => {
+                    return Err(Error::new(format!(
+                        "{name}: {size} bytes in, {n} bytes out"
+                    )))
+                }
+            }
+            if posted < calls {
+                *slot = Some(submit(pair)?);
+                posted += 1;
+            }
+        }
+    }
     Ok(())
 }
 
