@@ -14,7 +14,7 @@
 //!   (and verbs) the writes need no target CPU; on tcp the target's library
 //!   wakes to place the data.
 //! - `pingpong_rate`: the fabric's message rate: 64-byte writes-with-immediate
-//!   the peer answers, with 1, 4 and 16 outstanding on one endpoint (a new
+//!   the peer answers, with 1, 4, 16 and 64 outstanding on one endpoint (a new
 //!   one is posted as each answer arrives), in answers per second. The
 //!   ceiling `hot_noop_rate` is judged against.
 //!
@@ -54,7 +54,7 @@ const RECVS: u64 = 64;
 /// Message size of the rate rows (`pingpong_rate`, `hot_noop_rate`).
 pub const RATE_SIZE: usize = 64;
 /// Messages outstanding in the rate rows.
-pub const RATE_IN_FLIGHT: [u32; 3] = [1, 4, 16];
+pub const RATE_IN_FLIGHT: [u32; 4] = [1, 4, 16, 64];
 
 pub const SUITE: Suite = Suite {
     rows: &[
@@ -92,7 +92,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: PINGPONG_RATE,
-            help: "the fabric's message rate: 64-byte writes-with-immediate the peer answers, 1, 4 and 16 outstanding on one endpoint",
+            help: "the fabric's message rate: 64-byte writes-with-immediate the peer answers, 1, 4, 16 and 64 outstanding on one endpoint",
             runner: Runner::PerProvider {
                 kind: None,
                 run: pingpong_rate,
