@@ -259,6 +259,9 @@ fn adopt(shared: &Arc<Shared>, r: &Record) -> Result<(), String> {
     let expires_at = r.expires_at.max(rejoin.expires_at);
     let limits = Limits {
         lanes: r.lanes,
+        // As the allocation made them: a thread per core, at most one per
+        // lane.
+        threads: u16::try_from(r.cpus.len()).unwrap_or(u16::MAX).min(r.lanes),
         memory_mib: r.memory_mib,
         max_in: r.max_in,
         max_out: r.max_out,

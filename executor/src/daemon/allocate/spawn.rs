@@ -212,6 +212,7 @@ pub(super) fn start_worker(
     a.worker_sock = Some(sock);
     let limits = Limits {
         lanes: req.lane_count(),
+        threads: req.thread_count(),
         memory_mib: req.memory_mib,
         max_in: max_pull.max(u64::from(req.input_capacity)),
         max_out: u64::from(req.output_capacity),

@@ -17,7 +17,7 @@
 //! | `cpu_ns` | the kernel ([`cpu`]): the allocation's cgroup `cpu.stat`, or the worker's CPU clock and its `wait4` usage at reap, less what it used before its assignment | its own |
 //! | `hot_ns` | the lanes' hot-polling time | at most `cpu_ns` |
 //! | `compute_ns` | `cpu_ns - hot_ns` | `compute_ns + hot_ns == cpu_ns` exactly |
-//! | `warm_ns` | the lanes' blocked time | at most lanes × allocation wall time |
+//! | `warm_ns` | the worker threads' blocked time | at most threads × allocation wall time |
 //! | `invocations` | the lanes' count | at most one per 50 ns of `cpu_ns` |
 //! | `bytes_in`, `bytes_out` | the lanes' counts | at most `invocations` × the allocation's input (payload limit) or output capacity |
 //!
@@ -122,6 +122,10 @@ pub(crate) struct Reported {
 pub(crate) struct Limits {
     /// Lanes.
     pub lanes: u16,
+    /// Worker threads: the most time spent waiting at once is one per
+    /// thread (a thread waits for all its lanes, in its first lane's
+    /// record).
+    pub threads: u16,
     /// Memory, MiB.
     pub memory_mib: u32,
     /// Most input bytes one invocation can hand the function.
@@ -151,8 +155,8 @@ pub(crate) fn bound(
     // prev.hot + prev.compute == prev.cpu <= cpu, so both can only grow.
     let hot = between(rep.hot_ns, prev.hot_ns, cpu.saturating_sub(prev.compute_ns));
     let compute = cpu - hot;
-    let lanes_wall = wall_ns.saturating_mul(u64::from(lim.lanes));
-    let warm = between(rep.warm_ns, prev.warm_ns, lanes_wall);
+    let threads_wall = wall_ns.saturating_mul(u64::from(lim.threads.max(1)));
+    let warm = between(rep.warm_ns, prev.warm_ns, threads_wall);
     let invocations = between(
         rep.invocations,
         prev.invocations,

@@ -6,6 +6,7 @@ use super::*;
 
 const LIMITS: Limits = Limits {
     lanes: 2,
+    threads: 2,
     memory_mib: 512,
     max_in: 1000,
     max_out: 100,
@@ -59,7 +60,21 @@ fn huge_reports_get_their_bounds() {
         "hot-polling is at most the CPU time"
     );
     assert_eq!(f.usage.compute_ns, 0);
-    assert_eq!(f.usage.warm_ns, 6_000_000, "two lanes for 3 ms");
+    assert_eq!(f.usage.warm_ns, 6_000_000, "two threads for 3 ms");
+    // Many lanes on one thread wait once, not once per lane.
+    let one_thread = Limits {
+        lanes: 64,
+        threads: 1,
+        ..LIMITS
+    };
+    let f = bound(
+        &Figures::default(),
+        1_000_000,
+        3_000_000,
+        &huge,
+        &one_thread,
+    );
+    assert_eq!(f.usage.warm_ns, 3_000_000, "one thread for 3 ms");
     assert_eq!(f.usage.invocations, 1_000_000 / MIN_INVOCATION_CPU_NS);
     assert_eq!(f.usage.bytes_in, f.usage.invocations * 1000);
     assert_eq!(f.usage.bytes_out, f.usage.invocations * 100);
