@@ -80,7 +80,7 @@ pub struct Config {
     pub bwrap_path: Option<PathBuf>,
     /// Largest function library accepted, MiB.
     pub max_library_mib: Option<u32>,
-    /// Most lanes (cores) one allocation may ask for.
+    /// Most lanes (connections) one allocation may ask for.
     pub max_lanes: Option<u16>,
     /// Largest lane input buffer, bytes.
     pub max_input_capacity: Option<u32>,
