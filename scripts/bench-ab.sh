@@ -40,9 +40,11 @@ tree=$dir/tree-${rev:0:12}
 out=$dir/run-$(date -u +%Y%m%d-%H%M%S)
 mkdir -p "$out"
 
-if [[ ! -d $tree ]]; then
-    git worktree add --detach --quiet "$tree" "$rev"
-fi
+# The checkout of BASE lives for this run only (the target directory
+# stays, so the next run rebuilds little); it is unregistered on exit.
+git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"
+git worktree add --detach --quiet "$tree" "$rev"
+trap 'git -C "$repo" worktree remove --force "$tree" 2>/dev/null || true' EXIT
 
 # Builds the bench, the daemon and the worker of source tree $1 into the
 # shared target directory and copies them to $2.
