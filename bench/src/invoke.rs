@@ -583,11 +583,16 @@ fn noop_rate(
             .map(|_| alloc.buffer::<u8>(64))
             .collect::<rfaas_client::Result<Vec<_>>>()
             .ctx(|| "registering".into())?;
+        // One input for every call: noop only reads it.
+        let inputs = vec![&input; outputs.len()];
         daemon.settle()?;
-        calls_in_flight(name, &alloc, f, &input, &mut outputs, ctx.warmup as u64)?;
+        let run = |outputs: &mut [Buffer<u8>], calls| {
+            calls_in_flight(name, &alloc, f, &inputs, outputs, RATE_SIZE, 0, calls)
+        };
+        run(&mut outputs, ctx.warmup as u64)?;
         let calls = ctx.rate_calls();
         let start = Instant::now();
-        calls_in_flight(name, &alloc, f, &input, &mut outputs, calls)?;
+        run(&mut outputs, calls)?;
         out.push(&Row::rate(
             name,
             &provider.spec,
@@ -602,18 +607,22 @@ fn noop_rate(
     Ok(())
 }
 
-/// `calls` calls of `noop`, one in flight per output buffer, each buffer's
-/// next call submitted as soon as its result is in. Hot loop of
-/// `hot_noop_rate` and `warm_noop_rate`.
+/// `calls` calls of `f` with `size` input bytes, one in flight per
+/// (input, output) pair, each pair's next call submitted as soon as its
+/// result is in; each must return `expect` bytes. Hot loop of the rate rows
+/// and of `transfer` with calls in flight.
+#[allow(clippy::too_many_arguments)]
 fn calls_in_flight(
     name: &str,
     alloc: &Allocation,
     f: FunctionId,
-    input: &Buffer<u8>,
+    inputs: &[&Buffer<u8>],
     outputs: &mut [Buffer<u8>],
+    size: usize,
+    expect: usize,
     calls: u64,
 ) -> Result<()> {
-    let submit = |output: &mut Buffer<u8>| {
+    let submit = |i: usize, output: &mut Buffer<u8>| {
         let output: *mut Buffer<u8> = output;
         // SAFETY: only the borrow's lifetime is widened. An invocation
         // borrows its output buffer until it is dropped (it keeps no
@@ -622,31 +631,35 @@ fn calls_in_flight(
         // no two live invocations ever target one buffer.
         let output: &mut Buffer<u8> = unsafe { &mut *output };
         alloc
-            .submit(f, input, RATE_SIZE, output)
-            .ctx(|| format!("{name}: submitting"))
+            .submit(f, inputs[i], size, output)
+            .ctx(|| format!("{name}: submitting {size} bytes"))
     };
     let mut slots = Vec::with_capacity(outputs.len());
     let mut posted = 0u64;
-    for output in outputs.iter_mut() {
+    for (i, output) in outputs.iter_mut().enumerate() {
         if posted < calls {
-            slots.push(Some(submit(output)?));
+            slots.push(Some(submit(i, output)?));
             posted += 1;
         }
     }
     let mut done = 0u64;
     while done < calls {
-        for (slot, output) in slots.iter_mut().zip(outputs.iter_mut()) {
+        for (i, (slot, output)) in slots.iter_mut().zip(outputs.iter_mut()).enumerate() {
             let Some(inv) = slot else { continue };
             let Some(result) = inv.try_get() else {
                 continue;
             };
             *slot = None;
-            match result.ctx(|| format!("{name}: a call failed"))? {
-                0 => done += 1,
-                n => return Err(Error::new(format!("{name}: noop returned {n} bytes"))),
+            match result.ctx(|| format!("{name}: a {size}-byte call failed"))? {
+                n if n == expect => done += 1,
+                n => {
+                    return Err(Error::new(format!(
+                        "{name}: {size} bytes in, {n} bytes out (expected {expect})"
+                    )))
+                }
             }
             if posted < calls {
-                *slot = Some(submit(output)?);
+                *slot = Some(submit(i, output)?);
                 posted += 1;
             }
         }
@@ -810,17 +823,25 @@ fn transfer_in_flight(
         .ctx(|| format!("{name}: allocating {lanes} lanes on {}", daemon.addr()))?;
     let f = alloc.function("empty").ctx(|| "finding empty".into())?;
     let max = capacity as usize - InvocationHeader::LEN;
-    let mut pairs = (0..lanes)
-        .map(|_| Ok((alloc.buffer::<u8>(max)?, alloc.buffer::<u8>(max)?)))
-        .collect::<rfaas_client::Result<Vec<_>>>()
-        .ctx(|| "registering".into())?;
+    let buffers = |n| {
+        (0..n)
+            .map(|_| alloc.buffer::<u8>(max))
+            .collect::<rfaas_client::Result<Vec<_>>>()
+            .ctx(|| "registering".into())
+    };
+    let inputs = buffers(lanes)?;
+    let inputs: Vec<&Buffer<u8>> = inputs.iter().collect();
+    let mut outputs = buffers(lanes)?;
     daemon.settle()?;
     for &size in &ctx.bw_sizes {
+        let run = |outputs: &mut [Buffer<u8>], calls| {
+            calls_in_flight(name, &alloc, f, &inputs, outputs, size, size, calls)
+        };
         // Untimed: faults the pages in on both sides.
-        sized_calls_in_flight(name, &alloc, f, &mut pairs, size, 4 * u64::from(lanes))?;
+        run(&mut outputs, 4 * u64::from(lanes))?;
         let calls = (ctx.bw_messages(size) / 2).max(8 * u64::from(lanes));
         let start = Instant::now();
-        sized_calls_in_flight(name, &alloc, f, &mut pairs, size, calls)?;
+        run(&mut outputs, calls)?;
         let mut row = Row::bandwidth(
             name,
             &provider.spec,
@@ -832,63 +853,6 @@ fn transfer_in_flight(
         out.push(&row)?;
     }
     alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
-    Ok(())
-}
-
-/// `calls` calls of `size` bytes, one in flight per (input, output) pair,
-/// each pair's next call submitted as soon as its result is in; each must
-/// return `size` bytes.
-fn sized_calls_in_flight(
-    name: &str,
-    alloc: &Allocation,
-    f: FunctionId,
-    pairs: &mut [(Buffer<u8>, Buffer<u8>)],
-    size: usize,
-    calls: u64,
-) -> Result<()> {
-    let submit = |pair: &mut (Buffer<u8>, Buffer<u8>)| {
-        let (input, output): (&Buffer<u8>, *mut Buffer<u8>) = (&pair.0, &mut pair.1);
-        // SAFETY: only the borrow's lifetime is widened, as in
-        // calls_in_flight: each pair's invocation is dropped before the
-        // next one is submitted on the same pair.
-        let output: &mut Buffer<u8> = unsafe { &mut *output };
-        let input: *const Buffer<u8> = input;
-        // SAFETY: as above, for the input, which the invocation only reads.
-        let input: &Buffer<u8> = unsafe { &*input };
-        alloc
-            .submit(f, input, size, output)
-            .ctx(|| format!("{name}: submitting {size} bytes"))
-    };
-    let mut slots = Vec::with_capacity(pairs.len());
-    let mut posted = 0u64;
-    for pair in pairs.iter_mut() {
-        if posted < calls {
-            slots.push(Some(submit(pair)?));
-            posted += 1;
-        }
-    }
-    let mut done = 0u64;
-    while done < calls {
-        for (slot, pair) in slots.iter_mut().zip(pairs.iter_mut()) {
-            let Some(inv) = slot else { continue };
-            let Some(result) = inv.try_get() else {
-                continue;
-            };
-            *slot = None;
-            match result.ctx(|| format!("{name}: a {size}-byte call failed"))? {
-                n if n == size => done += 1,
-                n => {
-                    return Err(Error::new(format!(
-                        "{name}: {size} bytes in, {n} bytes out"
-                    )))
-                }
-            }
-            if posted < calls {
-                *slot = Some(submit(pair)?);
-                posted += 1;
-            }
-        }
-    }
     Ok(())
 }
 
