@@ -6,6 +6,7 @@ use std::fmt;
 use std::ops::{Bound, RangeBounds};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -104,12 +105,19 @@ pub struct RemoteAddr {
 
 /// The system page size.
 pub fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if size <= 0 {
-        4096
-    } else {
-        size as usize
+    // Asked once: callers use it on hot paths (a buffer's header offset).
+    static PAGE: AtomicUsize = AtomicUsize::new(0);
+    match PAGE.load(Ordering::Relaxed) {
+        0 => {
+            // SAFETY: sysconf has no memory-safety preconditions.
+            let size = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+                size if size > 0 => size as usize,
+                _ => 4096,
+            };
+            PAGE.store(size, Ordering::Relaxed);
+            size
+        }
+        size => size,
     }
 }
 
