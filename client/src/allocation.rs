@@ -16,6 +16,7 @@ use crate::control::{lock, ControlConn, Fate, FateState, Reply};
 use crate::error::{elements, Error, Result};
 use crate::invocation::Invocation;
 use crate::lane::{Lane, Take, LOST_GRACE};
+use crate::pipeline::Pipeline;
 use crate::spec::AllocationSpec;
 
 /// A function of an allocation's table, by index. Valid only for the
@@ -349,6 +350,31 @@ impl Allocation {
         }
     }
 
+    /// Takes an idle lane for a [`Pipeline`]: many calls in flight on it at
+    /// once, as many as the allocation has slots per lane
+    /// ([`AllocationSpec::slots`](crate::spec::AllocationSpec::slots)),
+    /// submitted and collected by one thread. Fails with
+    /// [`Error::AllLanesBusy`] when no lane is idle.
+    pub fn pipeline<I: Pod, O: Pod>(&self) -> Result<Pipeline<'_, I, O>> {
+        if self.fate.ended() {
+            return Err(self.fate.error(Duration::ZERO));
+        }
+        match self.take_lane()? {
+            Some(lane) => Ok(Pipeline::new(
+                self,
+                lane,
+                self.client.options().invocation_timeout,
+            )),
+            None => Err(Error::AllLanesBusy),
+        }
+    }
+
+    /// The invocations one lane holds in flight at once: 1 unless the
+    /// allocation asked for more slots (and the executor gave them).
+    pub fn slots(&self) -> usize {
+        self.lanes.first().map_or(1, |l| l.slots())
+    }
+
     /// Waits until `buffer` is no longer the output of a dropped,
     /// unfinished invocation ([`Buffer::is_busy`]): until its late answer
     /// has arrived (or the allocation has ended, after which nothing lands
@@ -552,7 +578,7 @@ impl Allocation {
 
     /// Checks a submission's arguments; returns the input and output sizes
     /// in bytes.
-    fn check<I: Pod, O: Pod>(
+    pub(crate) fn check<I: Pod, O: Pod>(
         &self,
         function: FunctionId,
         input: &Buffer<I>,

@@ -16,7 +16,7 @@ use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 use crate::allocation::{Allocation, ColdStart, Parts};
 use crate::control::{lock, ControlConn, Fate, Reply};
 use crate::error::{Error, Result};
-use crate::lane::{Lane, CQ_DEPTH, ENDPOINT_DEPTH};
+use crate::lane::{cq_depth, endpoint_depth, Lane};
 use crate::spec::{AllocationSpec, ClientOptions};
 use rfaas_proto::text::count;
 
@@ -111,6 +111,7 @@ impl Client {
             provider: self.inner.opts.provider.clone(),
             read_only_input: spec.read_only_input,
             lanes: spec.lanes,
+            slots: spec.slots,
         };
         let timeout = self.inner.opts.allocation_timeout;
         let mut pause = ENDING_FIRST_PAUSE;
@@ -216,6 +217,9 @@ impl Client {
                 "the output capacity is 0 bytes, so no function could answer; give AllocationSpec::output_capacity the most a function writes".into(),
             );
         }
+        if let Some(why) = rfaas_proto::control::client::slots_refusal(spec.slots) {
+            return invalid(format!("AllocationSpec::slots: {why}"));
+        }
         if let Err(e) = self.inner.opts.provider.parse::<ProviderKind>() {
             return invalid(format!("ClientOptions::provider: {e}"));
         }
@@ -230,9 +234,17 @@ impl Client {
         ok: &rfaas_proto::control::client::AllocateOk,
         fate: &Arc<Fate>,
     ) -> Result<Box<[Arc<Lane>]>> {
+        // An older executor says nothing of slots: one.
+        let slots = ok.slots.max(1);
+        if !slots.is_power_of_two() || (slots > 1 && ok.slot_stride < ok.lanes[0].len) {
+            return Err(Error::Protocol(format!(
+                "the executor's AllocateOk gives {slots} slots {} bytes apart for {}-byte requests",
+                ok.slot_stride, ok.lanes[0].len
+            )));
+        }
         let opts = EndpointOptions {
-            send_depth: ENDPOINT_DEPTH,
-            recv_depth: ENDPOINT_DEPTH,
+            send_depth: endpoint_depth(slots),
+            recv_depth: endpoint_depth(slots),
             connect_timeout: self.inner.opts.connect_timeout,
             ..EndpointOptions::default()
         };
@@ -246,7 +258,7 @@ impl Client {
                     count(remote.len, "byte")
                 )));
             }
-            let mut cq = fabric.completion_queue(CQ_DEPTH)?;
+            let mut cq = fabric.completion_queue(cq_depth(slots))?;
             let endpoint = domain.connect(&ok.fabric_addr, &mut cq, &opts)?;
             let mut header = domain.register(InvocationHeader::LEN, Access::LOCAL)?;
             let hello = LaneHello {
@@ -260,6 +272,7 @@ impl Client {
                 cq,
                 header,
                 *remote,
+                (slots, ok.slot_stride),
                 Arc::clone(fate),
                 Arc::clone(domain),
             )));

@@ -108,6 +108,13 @@ pub enum Error {
         "every lane of the allocation is busy; wait for an invocation to finish, or use submit_wait, which waits for a lane"
     )]
     AllLanesBusy,
+    /// Every slot of a [`Pipeline`](crate::Pipeline) has a call in flight.
+    /// Retryable at once: collect a call first.
+    #[error("all {slots} slots of the pipeline have a call in flight; collect one (test_any, wait_any) before submitting another")]
+    SlotsFull {
+        /// The pipeline's slots.
+        slots: usize,
+    },
     /// The output buffer may still receive the response of an invocation
     /// that was dropped unfinished. Retryable once that response arrives.
     #[error("the output buffer is still the target of a dropped, unfinished invocation; call again once its answer has come, or use another buffer")]
@@ -206,6 +213,7 @@ impl Error {
             | Error::WorkerLost
             | Error::Transport { .. }
             | Error::AllLanesBusy
+            | Error::SlotsFull { .. }
             | Error::BufferBusy
             | Error::Connect { .. }
             | Error::Timeout { .. } => true,
@@ -228,6 +236,7 @@ impl Error {
         match self {
             Error::FunctionFailed(status) => !status.ends_worker(),
             Error::AllLanesBusy
+            | Error::SlotsFull { .. }
             | Error::BufferBusy
             | Error::UnknownFunction(_)
             | Error::InvalidArgument(_) => true,
@@ -280,7 +289,10 @@ impl Error {
             Error::ExecutorStopped { .. } | Error::ExecutorLost { .. } | Error::Connect { .. } => {
                 Next::Elsewhere
             }
-            Error::AllLanesBusy | Error::BufferBusy | Error::Timeout { .. } => Next::Retry,
+            Error::AllLanesBusy
+            | Error::SlotsFull { .. }
+            | Error::BufferBusy
+            | Error::Timeout { .. } => Next::Retry,
             Error::Manager { status, .. } if *status >= 500 => Next::Retry,
             Error::Manager { .. } | Error::ExceedsCluster { .. } => Next::Fix,
             Error::ManagerUnreachable { .. } => Next::Retry,
@@ -562,6 +574,7 @@ mod tests {
                 status: rfaas_fabric::Status::RemoteAccess,
             },
             Error::AllLanesBusy,
+            Error::SlotsFull { slots: 4 },
             Error::BufferBusy,
             Error::UnknownFunction("f".into()),
             Error::InvalidArgument("x".into()),

@@ -22,6 +22,7 @@
 //! their completions are reaped.
 
 use std::cell::UnsafeCell;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -43,19 +44,30 @@ use crate::spin::{slept_once, spin_sleeps, Probe};
 
 /// wr_id of the request write.
 const SEND_WR: u64 = 1;
+/// wr_id of a pipelined request's write in slot `s`: `PIPE_SEND_WR + s`.
+const PIPE_SEND_WR: u64 = 1 << 16;
 /// wr_id of the response receive.
 const RECV_WR: u64 = 2;
 /// Completions per poll.
 const BATCH: usize = 8;
-/// Send and receive depth of a lane's endpoint: one invocation is in
-/// flight, the rest is slack.
+/// Send and receive depth of a lane's endpoint with one slot: one
+/// invocation is in flight, the rest is slack. With more slots, see
+/// [`endpoint_depth`].
 pub(crate) const ENDPOINT_DEPTH: usize = 8;
 /// Receives a lane keeps posted: one for the response in flight, one
 /// ahead for the next, posted while a request is on its way rather than
 /// before it leaves.
 const RECVS_POSTED: u32 = 2;
+/// Send and receive depth of a lane's endpoint with `slots` slots: a
+/// request and a receive per slot, and the slack.
+pub(crate) fn endpoint_depth(slots: u16) -> usize {
+    ENDPOINT_DEPTH.max(usize::from(slots) + 4)
+}
+
 /// Depth of a lane's completion queue (at least both endpoint depths).
-pub(crate) const CQ_DEPTH: usize = 2 * ENDPOINT_DEPTH;
+pub(crate) fn cq_depth(slots: u16) -> usize {
+    2 * endpoint_depth(slots)
+}
 /// How long a lane that lost its worker waits for the executor to say why.
 pub(crate) const LOST_GRACE: Duration = Duration::from_secs(2);
 /// How long one blocking wait sleeps before it looks at the allocation's
@@ -180,12 +192,109 @@ struct LaneInner {
     broken: Option<Status>,
     /// When the lane broke, or the fate was first seen ended.
     trouble_since: Option<Instant>,
+    /// The calls of a [`Pipeline`](crate::Pipeline) in flight, by slot.
+    pipe: Box<[Option<Piped>]>,
+    /// Slots whose call has ended, in the order they ended (an entry whose
+    /// call has gone since is skipped).
+    ended: VecDeque<usize>,
     done: [Completion; BATCH],
+}
+
+/// A pipelined call in its slot: see [`Pipeline`](crate::Pipeline).
+struct Piped {
+    id: u32,
+    /// Its request's send completion was reaped: the input is free.
+    sent: bool,
+    /// Its answer, once it came.
+    answer: Option<Result<usize>>,
+    /// Kept registered (and flagged busy) until the call has ended.
+    input: Arc<RegionShared>,
+    output: Arc<RegionShared>,
+    /// Nobody waits for it any more (its pipeline was dropped, or its
+    /// timeout passed): it goes once answered and sent.
+    abandoned: bool,
+}
+
+impl Piped {
+    fn ended(&self) -> bool {
+        self.sent && self.answer.is_some()
+    }
+
+    /// Frees its buffers' flags.
+    fn release(&self) {
+        self.input.header_busy.store(false, Ordering::Release);
+        self.output.output_busy.store(false, Ordering::Release);
+    }
+}
+
+/// What a response's status and length mean for its call. `crash_word`
+/// reads the signal a `function_crashed` answer carries in the output.
+fn answer_of(
+    r: ResponseImm,
+    byte_len: u32,
+    crash_word: impl FnOnce() -> Option<i32>,
+) -> Result<usize> {
+    match r.status {
+        InvocationStatus::Ok => Ok(byte_len as usize),
+        InvocationStatus::FunctionCrashed => Err(Error::crashed_in_band(if byte_len == 4 {
+            crash_word()
+        } else {
+            None
+        })),
+        status => Err(Error::FunctionFailed(status)),
+    }
 }
 
 impl LaneInner {
     fn is_clean(&self) -> bool {
         self.owed == 0 && self.unreaped_sends == 0
+    }
+
+    /// Accounts for a pipelined call's answer; false when `r` is not one.
+    fn absorb_piped(&mut self, r: ResponseImm, byte_len: u32) -> bool {
+        let slot = (r.invocation_id as usize) & (self.pipe.len() - 1);
+        let Some(p) = self.pipe.get_mut(slot).and_then(Option::as_mut) else {
+            return false;
+        };
+        if p.id != r.invocation_id || p.answer.is_some() {
+            return false;
+        }
+        let output = &p.output;
+        p.answer = Some(answer_of(r, byte_len, || {
+            // SAFETY: the worker wrote 4 bytes there, so the client
+            // declared at least 4 bytes of output capacity; the completion
+            // orders the write before this read.
+            Some(unsafe { output.first_word() })
+        }));
+        self.on_piped_progress(slot);
+        true
+    }
+
+    /// A pipelined call in `slot` got its answer or its send completion:
+    /// once both are in, it is ready for its waiter, or goes if abandoned.
+    fn on_piped_progress(&mut self, slot: usize) {
+        let Some(p) = &self.pipe[slot] else { return };
+        if !p.ended() {
+            return;
+        }
+        if p.abandoned {
+            p.release();
+            self.pipe[slot] = None;
+        } else {
+            self.ended.push_back(slot);
+        }
+    }
+
+    /// Accounts for a pipelined request's send completion in `slot`.
+    fn absorb_piped_send(&mut self, slot: usize, status: Status) {
+        self.unreaped_sends = self.unreaped_sends.saturating_sub(1);
+        if let Some(p) = self.pipe.get_mut(slot).and_then(Option::as_mut) {
+            p.sent = true;
+            self.on_piped_progress(slot);
+        }
+        if !status.is_ok() {
+            self.fail(status);
+        }
     }
 
     fn release_input(&mut self) {
@@ -231,23 +340,18 @@ impl LaneInner {
                 }
                 self.owed = self.owed.saturating_sub(1);
                 let decoded = ResponseImm::decode(c.imm);
-                let crash_signal = match decoded {
-                    Ok(r) if r.status == InvocationStatus::FunctionCrashed && c.byte_len == 4 => {
-                        self.output_word()
+                if let Ok(r) = decoded {
+                    if self.absorb_piped(r, c.byte_len) {
+                        return;
                     }
-                    _ => None,
-                };
+                }
+                let answer = decoded.map(|r| {
+                    let a = answer_of(r, c.byte_len, || self.output_word());
+                    (r.invocation_id, a)
+                });
                 self.release_output();
-                match decoded {
-                    Ok(r) if Some(r.invocation_id) == self.expected => {
-                        self.response = Some(match r.status {
-                            InvocationStatus::Ok => Ok(c.byte_len as usize),
-                            InvocationStatus::FunctionCrashed => {
-                                Err(Error::crashed_in_band(crash_signal))
-                            }
-                            status => Err(Error::FunctionFailed(status)),
-                        });
-                    }
+                match answer {
+                    Ok((id, a)) if Some(id) == self.expected => self.response = Some(a),
                     // The answer to an abandoned invocation.
                     Ok(_) => {}
                     Err(e) => {
@@ -259,6 +363,9 @@ impl LaneInner {
                         }
                     }
                 }
+            }
+            _ if c.wr_id & PIPE_SEND_WR != 0 => {
+                self.absorb_piped_send((c.wr_id - PIPE_SEND_WR) as usize, c.status);
             }
             _ => {
                 self.unreaped_sends = self.unreaped_sends.saturating_sub(1);
@@ -289,7 +396,12 @@ pub(crate) struct Lane {
     pub(crate) index: usize,
     // Dropped first: no remote write lands once the lane is gone.
     endpoint: Endpoint,
+    /// The lane's input buffer in the worker; `len` is one slot's.
     remote: Descriptor,
+    /// Bytes from one slot's part of the input buffer to the next's.
+    stride: u64,
+    /// Slots minus one: invocation `id` goes to slot `id & slot_mask`.
+    slot_mask: u32,
     busy: AtomicBool,
     inner: UnsafeCell<LaneInner>,
     pub(crate) fate: Arc<Fate>,
@@ -335,20 +447,26 @@ pub(crate) enum Take {
 }
 
 impl Lane {
-    /// Assembles a lane around a connected endpoint.
+    /// Assembles a lane around a connected endpoint, with `slots` (a
+    /// power of two) `stride` bytes apart in the worker's input buffer.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         index: usize,
         endpoint: Endpoint,
         cq: CompletionQueue,
         header: MemoryRegion,
         remote: Descriptor,
+        (slots, stride): (u16, u32),
         fate: Arc<Fate>,
         domain: Arc<Domain>,
     ) -> Lane {
+        debug_assert!(slots.is_power_of_two());
         Lane {
             index,
             endpoint,
             remote,
+            stride: u64::from(stride),
+            slot_mask: u32::from(slots) - 1,
             busy: AtomicBool::new(false),
             inner: UnsafeCell::new(LaneInner {
                 cq,
@@ -363,6 +481,8 @@ impl Lane {
                 output_hold: None,
                 broken: None,
                 trouble_since: None,
+                pipe: (0..slots).map(|_| None).collect(),
+                ended: VecDeque::with_capacity(2 * usize::from(slots)),
                 done: [Completion::EMPTY; BATCH],
             }),
             fate,
@@ -488,10 +608,7 @@ impl Lane {
             }
             inner.posted_recvs += 1;
         }
-        let remote = RemoteAddr {
-            addr: self.remote.addr,
-            rkey: self.remote.rkey,
-        };
+        let remote = self.slot_addr(id);
         if let Err(e) = self
             .endpoint
             .write_with_imm(SEND_WR, region, offset, len, remote, imm)
@@ -514,38 +631,78 @@ impl Lane {
         Ok(())
     }
 
+    /// Where in the worker's input buffer invocation `id` goes: its slot's
+    /// part.
+    #[inline]
+    fn slot_addr(&self, id: u32) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.remote.addr + u64::from(id & self.slot_mask) * self.stride,
+            rkey: self.remote.rkey,
+        }
+    }
+
     /// Drives the invocation in flight towards its end; `None` when `how`
     /// is [`How::Poll`] and it has not ended. The caller holds the lane.
     ///
     /// A spinning wait on a thread that shares its CPU with another busy
     /// thread sleeps instead (see the `spin` module).
     pub(crate) fn complete(&self, how: How, deadline: Option<Deadline>) -> Option<Result<usize>> {
+        let until = deadline.map(|d| d.at);
+        let driven = self.spun(how, |how, probe| {
+            self.drive(how, until, probe, |inner, how| {
+                outcome(self.index, &self.fate, inner, how)
+            })
+        });
+        match driven {
+            Driven::Ready(r) => Some(r),
+            Driven::Failed(e) => Some(Err(e)),
+            Driven::Idle => match deadline.filter(|d| Instant::now() >= d.at) {
+                Some(d) => {
+                    // SAFETY: the caller holds the lane.
+                    unsafe { self.inner() }.expected = None;
+                    Some(Err(Error::Timeout {
+                        what: INVOCATION,
+                        after: d.after,
+                    }))
+                }
+                None => None,
+            },
+        }
+    }
+
+    /// Runs a wait `f` as `how` says, but a spinning wait on a thread that
+    /// shares its CPU with another busy thread sleeps instead (see the
+    /// `spin` module).
+    fn spun<T>(&self, how: How, f: impl FnOnce(How, &mut Probe) -> T) -> T {
         if how == How::Spin && spin_sleeps() {
             slept_once();
-            return self.drive(How::Block, deadline, &mut Probe::default());
+            return f(How::Block, &mut Probe::default());
         }
         let mut probe = Probe::default();
-        let r = self.drive(how, deadline, &mut probe);
+        let r = f(how, &mut probe);
         if how == How::Spin && !spin_sleeps() {
             probe.finish();
         }
         r
     }
 
-    /// [`complete`](Self::complete)'s loop.
-    fn drive(
+    /// Moves completions in until `ready` finds what the waiter waits
+    /// for; [`Driven::Idle`] when `how` is [`How::Poll`] and it is not
+    /// there, or once `until` has passed. The caller holds the lane.
+    fn drive<T>(
         &self,
         mut how: How,
-        deadline: Option<Deadline>,
+        until: Option<Instant>,
         probe: &mut Probe,
-    ) -> Option<Result<usize>> {
+        mut ready: impl FnMut(&mut LaneInner, How) -> Option<T>,
+    ) -> Driven<T> {
         // SAFETY: the caller holds the lane (see the module docs).
         let inner = unsafe { self.inner() };
         let mut spins = 0u32;
         let mut spinning_since = None::<Instant>;
         loop {
-            if let Some(r) = outcome(self.index, &self.fate, inner, how) {
-                return Some(r);
+            if let Some(r) = ready(inner, how) {
+                return Driven::Ready(r);
             }
             let pumped = match how {
                 How::Poll | How::Spin => inner.pump(None),
@@ -553,7 +710,7 @@ impl Lane {
             };
             let n = match pumped {
                 Ok(n) => n,
-                Err(e) => return Some(Err(e)),
+                Err(e) => return Driven::Failed(e),
             };
             if n > 0 {
                 continue;
@@ -581,20 +738,161 @@ impl Lane {
                     inner.fail(Status::PeerLost);
                 }
             }
-            if let Some(r) = outcome(self.index, &self.fate, inner, how) {
-                return Some(r);
+            if let Some(r) = ready(inner, how) {
+                return Driven::Ready(r);
             }
-            if let Some(d) = deadline.filter(|d| Instant::now() >= d.at) {
-                inner.expected = None;
-                return Some(Err(Error::Timeout {
-                    what: INVOCATION,
-                    after: d.after,
-                }));
-            }
-            if how == How::Poll {
-                return None;
+            if how == How::Poll || until.is_some_and(|u| Instant::now() >= u) {
+                return Driven::Idle;
             }
         }
+    }
+
+    /// The lane's slots.
+    pub(crate) fn slots(&self) -> usize {
+        self.slot_mask as usize + 1
+    }
+
+    /// Pipeline: whether no call holds `slot`, not even an abandoned one
+    /// still owed its answer. The caller holds the lane.
+    pub(crate) fn pipe_slot_free(&self, slot: usize) -> bool {
+        // SAFETY: the caller holds the lane.
+        let inner = unsafe { self.inner() };
+        if let Some(Some(p)) = inner.pipe.get(slot) {
+            if !p.abandoned {
+                return false;
+            }
+            // An abandoned call goes once it has ended; look without waiting.
+            let _ = inner.pump(None);
+        }
+        matches!(inner.pipe.get(slot), Some(None))
+    }
+
+    /// Pipeline: sends a request in `slot` as invocation `id` (whose
+    /// slot it is), the header in the input buffer's header slot. Claims
+    /// the input's header slot and the output (both held until the call
+    /// has ended). Hot path. The caller holds the lane and found the slot
+    /// free; on error nothing has changed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pipe_start(
+        &self,
+        slot: usize,
+        id: u32,
+        function_index: u16,
+        input: &Arc<RegionShared>,
+        in_bytes: u32,
+        output: &Arc<RegionShared>,
+        out_bytes: u32,
+    ) -> Result<()> {
+        debug_assert_eq!(id & self.slot_mask, slot as u32);
+        // SAFETY: the caller holds the lane.
+        let inner = unsafe { self.inner() };
+        if let Some(status) = inner.broken {
+            return Err(Error::Transport {
+                lane: self.index,
+                status,
+            });
+        }
+        let imm = RequestImm {
+            invocation_id: id,
+            function_index,
+        }
+        .encode()
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let claim = |flag: &AtomicBool| {
+            flag.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+        };
+        if !claim(&output.output_busy) {
+            return Err(Error::BufferBusy);
+        }
+        if !claim(&input.header_busy) {
+            output.output_busy.store(false, Ordering::Release);
+            return Err(Error::BufferBusy);
+        }
+        let unclaim = || {
+            input.header_busy.store(false, Ordering::Release);
+            output.output_busy.store(false, Ordering::Release);
+        };
+        let (header, plan) = plan_request(
+            (output.data_addr(), output.region.rkey(), out_bytes),
+            (input.data_addr(), input.region.rkey()),
+            in_bytes,
+            self.remote.len,
+            true,
+        );
+        input.write_header(&header);
+        let len = match plan {
+            Plan::Inline => InvocationHeader::LEN + in_bytes as usize,
+            _ => InvocationHeader::LEN,
+        };
+        // A receive for every answer owed, this one's included.
+        while inner.posted_recvs <= inner.owed {
+            if let Err(e) = self.endpoint.post_recv(RECV_WR) {
+                unclaim();
+                return Err(e.into());
+            }
+            inner.posted_recvs += 1;
+        }
+        if let Err(e) = self.endpoint.write_with_imm(
+            PIPE_SEND_WR + slot as u64,
+            &input.region,
+            header_offset(),
+            len,
+            self.slot_addr(id),
+            imm,
+        ) {
+            unclaim();
+            return Err(e.into());
+        }
+        inner.unreaped_sends += 1;
+        inner.owed += 1;
+        inner.trouble_since = None;
+        inner.pipe[slot] = Some(Piped {
+            id,
+            sent: false,
+            answer: None,
+            input: Arc::clone(input),
+            output: Arc::clone(output),
+            abandoned: false,
+        });
+        Ok(())
+    }
+
+    /// Pipeline: the next call that has ended, as its slot and result;
+    /// `None` when `how` is [`How::Poll`] and none has, or once `until`
+    /// has passed. The caller holds the lane.
+    pub(crate) fn pipe_next(
+        &self,
+        how: How,
+        until: Option<Instant>,
+    ) -> Option<(usize, Result<usize>)> {
+        let driven = self.spun(how, |how, probe| {
+            self.drive(how, until, probe, |inner, how| {
+                piped_outcome(self.index, &self.fate, inner, how)
+            })
+        });
+        match driven {
+            Driven::Ready(r) => Some(r),
+            Driven::Idle => None,
+            Driven::Failed(e) => {
+                // The queue itself failed: the first call in flight says so.
+                // SAFETY: the caller holds the lane.
+                let inner = unsafe { self.inner() };
+                let slot = inner
+                    .pipe
+                    .iter()
+                    .position(|p| p.as_ref().is_some_and(|p| !p.abandoned))?;
+                abandon(inner, slot);
+                Some((slot, Err(e)))
+            }
+        }
+    }
+
+    /// Pipeline: gives up waiting for the call in `slot`; its buffers stay
+    /// registered until its answer has come. The caller holds the lane.
+    pub(crate) fn pipe_abandon(&self, slot: usize) {
+        // SAFETY: the caller holds the lane.
+        abandon(unsafe { self.inner() }, slot);
     }
 
     /// Hands the lane to its helper thread, which waits for the invocation
@@ -627,40 +925,118 @@ fn outcome(index: usize, fate: &Fate, inner: &mut LaneInner, how: How) -> Option
     if inner.unreaped_sends == 0 || inner.broken.is_some() {
         if let Some(r) = inner.response.take() {
             inner.expected = None;
-            // Answered in band that the worker is ending (or will serve
-            // nothing more): every other call of the allocation fails at
-            // once from here on, with the same error.
-            match &r {
-                Err(Error::WorkerCrashed { signal, .. }) => {
-                    fate.set(FateState::Crashed { signal: *signal });
-                }
-                Err(Error::FunctionFailed(status)) if status.ends_worker() => {
-                    fate.set(FateState::Refusing(*status));
-                }
-                _ => {}
-            }
+            note_fate(fate, &r);
             return Some(r);
         }
     }
+    let e = broken_outcome(index, fate, inner, how)?;
+    inner.expected = None;
+    Some(Err(e))
+}
+
+/// An answer in band that the worker is ending (or will serve nothing
+/// more): every other call of the allocation fails at once from here on,
+/// with the same error.
+fn note_fate(fate: &Fate, r: &Result<usize>) {
+    match r {
+        Err(Error::WorkerCrashed { signal, .. }) => {
+            fate.set(FateState::Crashed { signal: *signal });
+        }
+        Err(Error::FunctionFailed(status)) if status.ends_worker() => {
+            fate.set(FateState::Refusing(*status));
+        }
+        _ => {}
+    }
+}
+
+/// What a call on a broken lane ends with; `None` when the lane is not
+/// broken, or when it lost its peer and `how` is [`How::Poll`] while the
+/// executor may still say why.
+fn broken_outcome(index: usize, fate: &Fate, inner: &LaneInner, how: How) -> Option<Error> {
     let status = inner.broken?;
     if !matches!(status, Status::PeerLost | Status::Flushed) {
-        inner.expected = None;
-        return Some(Err(Error::Transport {
+        return Some(Error::Transport {
             lane: index,
             status,
-        }));
+        });
     }
     if fate.ended() {
-        inner.expected = None;
-        return Some(Err(fate.error(Duration::ZERO)));
+        return Some(fate.error(Duration::ZERO));
     }
     let since = inner.trouble_since.unwrap_or_else(Instant::now);
     let left = LOST_GRACE.saturating_sub(since.elapsed());
     if how == How::Poll && !left.is_zero() {
         return None;
     }
-    inner.expected = None;
-    Some(Err(fate.error(left)))
+    Some(fate.error(left))
+}
+
+/// The next pipelined call that has ended (answered and its request sent,
+/// or its lane broken), taken out of its slot; its buffers are free.
+fn piped_outcome(
+    index: usize,
+    fate: &Fate,
+    inner: &mut LaneInner,
+    how: How,
+) -> Option<(usize, Result<usize>)> {
+    while let Some(slot) = inner.ended.pop_front() {
+        let ready = inner.pipe[slot]
+            .as_ref()
+            .is_some_and(|p| p.ended() && !p.abandoned);
+        if ready {
+            return Some((slot, take_piped(fate, inner, slot)));
+        }
+    }
+    inner.broken?;
+    // A broken lane: answered calls whose send never completed end with
+    // their answer, the others with the lane's error.
+    let mut live = None;
+    for (slot, p) in inner.pipe.iter().enumerate() {
+        match p {
+            Some(p) if !p.abandoned && p.answer.is_some() => {
+                return Some((slot, take_piped(fate, inner, slot)));
+            }
+            Some(p) if !p.abandoned => {
+                live.get_or_insert(slot);
+            }
+            _ => {}
+        }
+    }
+    let slot = live?;
+    let e = broken_outcome(index, fate, inner, how)?;
+    let call = inner.pipe[slot].take().expect("live");
+    call.release();
+    Some((slot, Err(e)))
+}
+
+/// Takes the answered call out of `slot`, freeing its buffers.
+fn take_piped(fate: &Fate, inner: &mut LaneInner, slot: usize) -> Result<usize> {
+    let call = inner.pipe[slot].take().expect("an answered call");
+    call.release();
+    let r = call.answer.expect("answered");
+    note_fate(fate, &r);
+    r
+}
+
+/// Marks the call in `slot` abandoned; it goes now if it has ended.
+fn abandon(inner: &mut LaneInner, slot: usize) {
+    if let Some(p) = inner.pipe.get_mut(slot).and_then(Option::as_mut) {
+        p.abandoned = true;
+        if p.ended() || inner.broken.is_some() {
+            p.release();
+            inner.pipe[slot] = None;
+        }
+    }
+}
+
+/// What a wait found.
+enum Driven<T> {
+    /// What it waited for.
+    Ready(T),
+    /// The completion queue failed.
+    Failed(Error),
+    /// Nothing yet (a poll), or the time is up.
+    Idle,
 }
 
 /// A lane's helper: waits for the invocation of every hand-over.
@@ -699,7 +1075,7 @@ mod tests {
         let fabric = Fabric::open("tcp").unwrap();
         let domain = fabric.domain().unwrap();
         LaneInner {
-            cq: fabric.completion_queue(CQ_DEPTH).unwrap(),
+            cq: fabric.completion_queue(cq_depth(1)).unwrap(),
             header: domain.register(32, Access::LOCAL).unwrap(),
             next_id: 5,
             expected: Some(5),
@@ -711,6 +1087,8 @@ mod tests {
             output_hold: None,
             broken: None,
             trouble_since: None,
+            pipe: (0..4).map(|_| None).collect(),
+            ended: VecDeque::new(),
             done: [Completion::EMPTY; BATCH],
         }
     }

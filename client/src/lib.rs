@@ -65,6 +65,7 @@ pub mod invocation;
 mod lane;
 pub mod lease;
 pub mod leased;
+pub mod pipeline;
 pub mod spec;
 mod spin;
 
@@ -75,6 +76,7 @@ pub use error::{ClusterOffer, Error, Next, Result};
 pub use invocation::Invocation;
 pub use lease::{Lease, Managers};
 pub use leased::{LeaseOptions, LeasedAllocation};
+pub use pipeline::{CallId, Done, Pipeline, Rejected};
 pub use rfaas_proto::control::client::ExitCause;
 pub use rfaas_proto::control::ErrorCode;
 pub use rfaas_proto::InvocationStatus;

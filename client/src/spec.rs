@@ -64,6 +64,7 @@ pub struct AllocationSpec {
     pub(crate) functions: Vec<String>,
     pub(crate) cores: u16,
     pub(crate) lanes: u16,
+    pub(crate) slots: u16,
     pub(crate) memory_mib: u32,
     pub(crate) mode: Mode,
     pub(crate) hot_timeout: Duration,
@@ -89,6 +90,7 @@ impl AllocationSpec {
             functions: functions.iter().map(|f| (*f).to_owned()).collect(),
             cores: 1,
             lanes: 0,
+            slots: 0,
             memory_mib: 256,
             mode: Mode::HotThenWarm,
             hot_timeout: Duration::from_millis(5),
@@ -117,6 +119,17 @@ impl AllocationSpec {
     /// [`Allocation::lanes`](crate::Allocation::lanes).
     pub fn lanes(mut self, lanes: u16) -> Self {
         self.lanes = lanes;
+        self
+    }
+
+    /// Slots per lane: invocations one lane holds in flight at once, sent
+    /// and collected by one thread through a
+    /// [`Pipeline`](crate::Pipeline). A power of two, at most 64; 0 (the
+    /// default) means one. Each slot holds an input and an output buffer in
+    /// the worker's memory (counted like a lane's). An executor older than
+    /// slots gives one: see [`Allocation::slots`](crate::Allocation::slots).
+    pub fn slots(mut self, slots: u16) -> Self {
+        self.slots = slots;
         self
     }
 
@@ -218,7 +231,7 @@ impl AllocationSpec {
     /// `memory_too_small` with the whole figure; docs/executor.md.)
     pub(crate) fn check_memory(&self) -> crate::Result<()> {
         const MIB: u64 = 1 << 20;
-        let lanes = u64::from(self.lane_count().max(1));
+        let lanes = u64::from(self.lane_count().max(1)) * u64::from(self.slots.max(1));
         let buffers = lanes * (u64::from(self.input_capacity) + u64::from(self.output_capacity));
         let known = buffers + self.library.len() as u64;
         if u64::from(self.memory_mib) * MIB >= known {

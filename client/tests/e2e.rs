@@ -334,6 +334,274 @@ fn eight_lanes_on_one_core_keep_eight_calls_in_flight(#[case] provider: &str) {
     alloc.deallocate().unwrap();
 }
 
+/// Slots: one lane holds eight calls at once from one thread; a ninth is
+/// refused at once with its buffers back, and every answer reaches its own
+/// call and buffers. Then a stream of calls keeps the slots full.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn a_pipeline_keeps_eight_calls_in_flight_on_one_lane(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(
+        &d,
+        provider,
+        &spec().cores(1).lanes(1).slots(8).mode(Mode::Hot),
+    );
+    assert_eq!((alloc.lanes(), alloc.slots()), (1, 8));
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let echo = alloc.function("echo").unwrap();
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    assert_eq!(pipe.slots(), 8);
+    // The lane is the pipeline's: a plain call finds no idle lane.
+    let (input, mut output) = (u32_input(&alloc, 1), alloc.buffer::<u32>(1).unwrap());
+    assert!(matches!(
+        alloc.submit(echo, &input, 1, &mut output),
+        Err(Error::AllLanesBusy)
+    ));
+    let mut sent = std::collections::BTreeMap::new();
+    for i in 0..8u32 {
+        let id = pipe
+            .submit(sleep, u32_input(&alloc, 5 + i), 1, alloc.buffer(1).unwrap())
+            .unwrap();
+        sent.insert(id, 5 + i);
+    }
+    assert_eq!(pipe.in_flight(), 8);
+    let refused = pipe
+        .submit(sleep, u32_input(&alloc, 99), 1, alloc.buffer(1).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(refused.error, Error::SlotsFull { slots: 8 }),
+        "{:?}",
+        refused.error
+    );
+    assert!(refused.error.is_retryable());
+    assert_eq!(refused.input.to_vec(), [99], "the buffers come back");
+    while pipe.in_flight() > 0 {
+        let done = pipe.wait_any().unwrap();
+        let value = sent.remove(&done.id).expect("each call ends once");
+        assert_eq!(done.result.unwrap(), 4);
+        assert_eq!(done.input.to_vec(), [value]);
+        assert_eq!(
+            done.output.to_vec(),
+            [value],
+            "call {:?}'s own answer",
+            done.id
+        );
+    }
+    assert!(sent.is_empty());
+    assert!(pipe.test_any().is_none());
+    assert!(matches!(pipe.wait_any(), Err(Error::InvalidArgument(_))));
+
+    // A stream: 200 echoes, the slots kept full, each checked.
+    let mut free: Vec<_> = (0..8)
+        .map(|_| {
+            (
+                alloc.buffer::<u32>(1).unwrap(),
+                alloc.buffer::<u32>(1).unwrap(),
+            )
+        })
+        .collect();
+    let (mut next, mut checked) = (0u32, 0u32);
+    let mut expect = std::collections::BTreeMap::new();
+    while checked < 200 {
+        while next < 200 {
+            let Some((mut input, output)) = free.pop() else {
+                break;
+            };
+            input.write_from(0, &[1000 + next]);
+            let id = pipe.submit(echo, input, 1, output).unwrap();
+            expect.insert(id, 1000 + next);
+            next += 1;
+        }
+        let done = pipe.spin_any().unwrap();
+        assert_eq!(done.result.unwrap(), 4);
+        assert_eq!(done.output.to_vec(), [expect.remove(&done.id).unwrap()]);
+        checked += 1;
+        free.push((done.input, done.output));
+    }
+    drop(pipe);
+    // The lane is free again for plain calls.
+    assert_eq!(alloc.invoke(echo, &input, 1, &mut output).unwrap(), 4);
+    assert_eq!(output.to_vec(), [1]);
+    alloc.deallocate().unwrap();
+}
+
+/// A pipeline dropped with calls in flight: their answers still land in
+/// memory kept for them, and the lane serves again once they have.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn a_pipeline_dropped_with_calls_in_flight_leaves_the_lane_usable(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(&d, provider, &spec().lanes(1).slots(4));
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    for ms in [30, 30, 30] {
+        pipe.submit(sleep, u32_input(&alloc, ms), 1, alloc.buffer(1).unwrap())
+            .unwrap();
+    }
+    drop(pipe);
+    let echo = alloc.function("echo").unwrap();
+    let input = u32_input(&alloc, 7);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    // Busy while the abandoned answers are owed, then usable.
+    let result = poll_for(Duration::from_secs(10), || {
+        match alloc.submit(echo, &input, 1, &mut output) {
+            Ok(call) => Some(call.get()),
+            Err(Error::AllLanesBusy) => None,
+            Err(e) => Some(Err(e)),
+        }
+    });
+    assert_eq!(result.expect("the lane came back").unwrap(), 4);
+    assert_eq!(output.to_vec(), [7]);
+    // And a new pipeline starts clean.
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    pipe.submit(echo, u32_input(&alloc, 8), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let done = pipe.wait_any().unwrap();
+    assert_eq!((done.result.unwrap(), done.output.to_vec()), (4, vec![8]));
+    drop(pipe);
+    alloc.deallocate().unwrap();
+}
+
+/// A crash under one call of a pipeline ends every call in flight with
+/// the crash, none hangs.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn a_crash_in_a_pipeline_ends_every_call_in_flight(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(&d, provider, &spec().lanes(1).slots(4));
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let crash = alloc.function("fault_segfault").unwrap();
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    let first = pipe
+        .submit(sleep, u32_input(&alloc, 20), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let crashed = pipe
+        .submit(crash, u32_input(&alloc, 0), 0, alloc.buffer(1).unwrap())
+        .unwrap();
+    let after = pipe
+        .submit(sleep, u32_input(&alloc, 20), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let mut ended = std::collections::BTreeMap::new();
+    while pipe.in_flight() > 0 {
+        let done = pipe.wait_any().unwrap();
+        ended.insert(done.id, done.result);
+    }
+    assert_eq!(ended.len(), 3);
+    assert_eq!(
+        ended.remove(&first).unwrap().unwrap(),
+        4,
+        "served before the crash"
+    );
+    let e = ended.remove(&crashed).unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = ended.remove(&after).unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    drop(pipe);
+    alloc.deallocate().unwrap();
+}
+
+/// A pipelined call past the client's invocation timeout ends with
+/// `Timeout` while the others go on; its slot comes back once its late
+/// answer has come.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+fn a_pipelined_call_past_its_timeout_ends_alone(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let client = Client::new(ClientOptions {
+        invocation_timeout: Some(Duration::from_millis(100)),
+        ..ClientOptions::with_provider(provider)
+    });
+    let alloc = client
+        .allocate(&d.executor(), &token(&d), &spec().lanes(1).slots(2))
+        .unwrap();
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    let slow = pipe
+        .submit(sleep, u32_input(&alloc, 400), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let started = Instant::now();
+    let done = pipe.wait_any().unwrap();
+    assert_eq!(done.id, slow);
+    assert!(
+        matches!(done.result, Err(Error::Timeout { .. })),
+        "{:?}",
+        done.result
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(400),
+        "gave up at the timeout"
+    );
+    // One slot is still the late call's: the other takes a call (served
+    // after the late one, on the lane's one thread), a third is refused.
+    let queued = pipe
+        .submit(sleep, u32_input(&alloc, 1), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let refused = pipe
+        .submit(sleep, u32_input(&alloc, 1), 1, alloc.buffer(1).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(refused.error, Error::SlotsFull { .. }),
+        "{:?}",
+        refused.error
+    );
+    let done = pipe.wait_any().unwrap();
+    assert_eq!(done.id, queued);
+    assert!(
+        matches!(done.result, Ok(4) | Err(Error::Timeout { .. })),
+        "{:?}",
+        done.result
+    );
+    let back = poll_for(Duration::from_secs(5), || {
+        pipe.submit(sleep, u32_input(&alloc, 2), 1, alloc.buffer(1).unwrap())
+            .ok()
+    });
+    assert!(back.is_some(), "the late call's slot came back");
+    let done = pipe.wait_any().unwrap();
+    assert_eq!(done.output.to_vec(), [2]);
+    drop(pipe);
+    alloc.deallocate().unwrap();
+}
+
+/// Slots are a power of two up to 64, checked before anything is sent.
+#[test]
+fn slots_out_of_range_are_refused_before_allocating() {
+    let d = daemon();
+    let client = Client::new(ClientOptions::with_provider("tcp"));
+    for bad in [3, 12, 128] {
+        let e = client
+            .allocate(&d.executor(), &token(&d), &spec().slots(bad))
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("slots")),
+            "{bad}: {e:?}"
+        );
+    }
+}
+
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]

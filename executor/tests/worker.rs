@@ -114,6 +114,7 @@ fn assignment(provider: &str, dir: &TempDir) -> Assignment {
         cpus: vec![],
         lanes: 2,
         threads: 0,
+        slots: 0,
         memory_limit_bytes: 0,
         memory_mib: 0,
         pull_limit_bytes: 0,

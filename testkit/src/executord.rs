@@ -661,6 +661,7 @@ pub fn request(token: String, cores: u16, functions: &[&str]) -> AllocateRequest
         provider: "tcp".into(),
         read_only_input: false,
         lanes: 0,
+        slots: 0,
     }
 }
 

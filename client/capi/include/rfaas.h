@@ -140,6 +140,11 @@ enum rfaas_status
    */
   RFAAS_ERR_TOO_SMALL = 20,
   /**
+   * Every slot of the pipeline has a call in flight. Retryable once one
+   * has been collected.
+   */
+  RFAAS_ERR_SLOTS_FULL = 21,
+  /**
    * The function returned more output than the output capacity.
    */
   RFAAS_ERR_OUTPUT_TOO_LARGE = 102,

@@ -90,6 +90,9 @@ pub enum rfaas_status {
     /// call's `needed` says how many bytes it takes, NUL included. Call
     /// again with that many.
     RFAAS_ERR_TOO_SMALL = 20,
+    /// Every slot of the pipeline has a call in flight. Retryable once one
+    /// has been collected.
+    RFAAS_ERR_SLOTS_FULL = 21,
     /// The function returned more output than the output capacity.
     RFAAS_ERR_OUTPUT_TOO_LARGE = 102,
     /// The worker does not know the function index.
@@ -180,7 +183,7 @@ pub enum rfaas_status {
 use rfaas_status::*;
 
 /// Every status, in code order. (Not `pub`: cbindgen would export it.)
-const ALL: [rfaas_status; 54] = [
+const ALL: [rfaas_status; 55] = [
     RFAAS_OK,
     RFAAS_PENDING,
     RFAAS_ERR_INVALID_ARGUMENT,
@@ -202,6 +205,7 @@ const ALL: [rfaas_status; 54] = [
     RFAAS_ERR_OUT_OF_MEMORY,
     RFAAS_ERR_EXECUTOR_STOPPED,
     RFAAS_ERR_TOO_SMALL,
+    RFAAS_ERR_SLOTS_FULL,
     RFAAS_ERR_OUTPUT_TOO_LARGE,
     RFAAS_ERR_FUNCTION_INDEX,
     RFAAS_ERR_EXECUTOR_DRAINING,
@@ -300,6 +304,7 @@ impl rfaas_status {
             Error::WorkerLost => RFAAS_ERR_WORKER_LOST,
             Error::Transport { .. } => RFAAS_ERR_TRANSPORT,
             Error::AllLanesBusy => RFAAS_ERR_ALL_LANES_BUSY,
+            Error::SlotsFull { .. } => RFAAS_ERR_SLOTS_FULL,
             Error::BufferBusy => RFAAS_ERR_BUFFER_BUSY,
             Error::UnknownFunction(_) => RFAAS_ERR_UNKNOWN_FUNCTION,
             Error::InvalidArgument(_) => RFAAS_ERR_INVALID_ARGUMENT,
@@ -342,6 +347,7 @@ impl rfaas_status {
                 | RFAAS_ERR_MANAGER_UNREACHABLE
                 | RFAAS_ERR_CONTROL_IO
                 | RFAAS_ERR_ALL_LANES_BUSY
+                | RFAAS_ERR_SLOTS_FULL
                 | RFAAS_ERR_BUFFER_BUSY
                 | RFAAS_ERR_WORKER_CRASHED
                 | RFAAS_ERR_OUT_OF_MEMORY
@@ -384,6 +390,7 @@ impl rfaas_status {
             RFAAS_ERR_OUT_OF_MEMORY => c"RFAAS_ERR_OUT_OF_MEMORY",
             RFAAS_ERR_EXECUTOR_STOPPED => c"RFAAS_ERR_EXECUTOR_STOPPED",
             RFAAS_ERR_TOO_SMALL => c"RFAAS_ERR_TOO_SMALL",
+            RFAAS_ERR_SLOTS_FULL => c"RFAAS_ERR_SLOTS_FULL",
             RFAAS_ERR_OUTPUT_TOO_LARGE => c"RFAAS_ERR_OUTPUT_TOO_LARGE",
             RFAAS_ERR_FUNCTION_INDEX => c"RFAAS_ERR_FUNCTION_INDEX",
             RFAAS_ERR_EXECUTOR_DRAINING => c"RFAAS_ERR_EXECUTOR_DRAINING",

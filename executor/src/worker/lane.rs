@@ -8,10 +8,10 @@ use rfaas_proto::meter::LaneState;
 
 use super::meter::LaneMeter;
 
-/// Receives kept posted per lane. One invocation is in flight per lane; the
+/// Receives kept posted per lane besides one per slot but the first: the
 /// spares let the next request land at once while the thread is still
 /// sending the previous response, before it posts the consumed receive
-/// again.
+/// again. A lane of `slots` slots keeps `slots - 1 + RECV_DEPTH`.
 pub const RECV_DEPTH: usize = 4;
 
 /// Bits of a wr_id below the connection tag ([`conn_tag`]).
@@ -38,11 +38,27 @@ pub fn tag_index(tag: u64) -> usize {
     ((tag >> TAG_SHIFT) as usize).saturating_sub(1)
 }
 
-/// wr_id (below the tag) of a response write; receives are `0..RECV_DEPTH`.
+/// wr_id (below the tag) of a response write; receives are numbered from 0
+/// (fewer than [`MAX_SLOTS`](rfaas_proto::control::client::MAX_SLOTS) +
+/// [`RECV_DEPTH`]).
 pub const RESPONSE_WR: u64 = 1 << 32;
 
 /// wr_id (below the tag) of a pull's first read; chunk `i` is `PULL_WR + i`.
 pub const PULL_WR: u64 = 2 << 32;
+
+/// A lane's buffers, registered before its client connects.
+#[derive(Debug)]
+pub struct LaneBuffers {
+    /// The input buffer: `outputs.len()` parts, `stride` bytes apart.
+    pub input: MemoryRegion,
+    /// Bytes from one slot's part to the next's (the part's length with
+    /// one slot).
+    pub stride: usize,
+    /// The bytes one slot's request may take.
+    pub slot_capacity: usize,
+    /// One output buffer per slot, each followed by a guard page.
+    pub outputs: Vec<Arc<MemoryRegion>>,
+}
 
 /// A lane's own resources, held by the thread that serves it.
 #[derive(Debug)]
@@ -51,12 +67,19 @@ pub struct Lane {
     pub index: usize,
     /// Its connection's tag ([`conn_tag`]).
     pub tag: u64,
-    /// The input buffer the client writes requests into.
+    /// The input buffer the client writes requests into: one part per
+    /// slot, `stride` bytes apart.
     pub input: MemoryRegion,
-    /// The output buffer (a guard page follows it).
-    pub output: Arc<MemoryRegion>,
-    /// Offset of the function's output pointer in `output`: the output ends
-    /// at the region's end, where the guard page starts.
+    /// Bytes from one slot's part of `input` to the next's.
+    pub stride: usize,
+    /// The bytes one slot's request may take (the input capacity).
+    pub slot_capacity: usize,
+    /// Slots minus one: an invocation's slot is its id masked with it.
+    pub slot_mask: u32,
+    /// Each slot's output buffer (a guard page follows each).
+    pub outputs: Box<[Arc<MemoryRegion>]>,
+    /// Offset of the function's output pointer in an output buffer: the
+    /// output ends at the region's end, where the guard page starts.
     pub out_offset: usize,
     /// The lane's record in the meter area.
     pub meter: LaneMeter,
@@ -70,21 +93,39 @@ impl Lane {
     pub fn new(
         index: usize,
         tag: u64,
-        input: MemoryRegion,
-        output: Arc<MemoryRegion>,
+        buffers: LaneBuffers,
         output_capacity: usize,
         meter: LaneMeter,
     ) -> Lane {
-        let out_offset = output.len() - output_capacity.div_ceil(64) * 64;
+        let LaneBuffers {
+            input,
+            stride,
+            slot_capacity,
+            outputs,
+        } = buffers;
+        assert!(
+            outputs.len().is_power_of_two() && stride * outputs.len() <= input.len(),
+            "a lane's slots are a power of two, each with its part of the input"
+        );
+        let out_offset = outputs[0].len() - output_capacity.div_ceil(64) * 64;
         Lane {
             index,
             tag,
             input,
-            output,
+            stride,
+            slot_capacity,
+            slot_mask: outputs.len() as u32 - 1,
+            outputs: outputs.into(),
             out_offset,
             meter,
             live: true,
         }
+    }
+
+    /// The slot of invocation `id`.
+    #[inline]
+    pub fn slot_of(&self, id: u32) -> usize {
+        (id & self.slot_mask) as usize
     }
 
     /// The client went away: the lane's record goes off.

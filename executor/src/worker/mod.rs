@@ -117,7 +117,7 @@ use rfaas_proto::{InvocationHeader, MAX_FUNCTIONS};
 
 use crate::ipc;
 use crate::meter::MeterArea;
-use lane::{Lane, RECV_DEPTH};
+use lane::{Lane, LaneBuffers, RECV_DEPTH};
 use library::Library;
 use meter::LaneMeter;
 use thread::{ThreadConfig, WorkerThread};
@@ -246,9 +246,14 @@ pub fn run(control: UnixStream) -> Result<(), WorkerError> {
             .map(|l| Descriptor {
                 addr: l.input.as_ptr() as u64,
                 rkey: l.input.rkey(),
-                len: l.input.len() as u32,
+                len: l.slot_capacity as u32,
             })
             .collect(),
+        slot_stride: if assignment.slot_count() > 1 {
+            prepared.lanes.first().map_or(0, |l| l.stride as u32)
+        } else {
+            0
+        },
         load_ns: prepared.load_ns,
         listen_ns: prepared.listen_ns,
     };
@@ -334,12 +339,6 @@ fn follow_expiry(control: &UnixStream) {
     }
 }
 
-/// One lane's resources before its client connected.
-struct PreparedLane {
-    input: rfaas_fabric::MemoryRegion,
-    output: Arc<rfaas_fabric::MemoryRegion>,
-}
-
 /// Everything set up before `WorkerReady`.
 struct Prepared {
     library: Library,
@@ -349,7 +348,7 @@ struct Prepared {
     _fabric: Fabric,
     domain: Arc<rfaas_fabric::Domain>,
     listener: rfaas_fabric::Listener,
-    lanes: Vec<PreparedLane>,
+    lanes: Vec<LaneBuffers>,
     /// One completion queue per worker thread.
     cqs: Vec<rfaas_fabric::CompletionQueue>,
     load_ns: u64,
@@ -358,10 +357,13 @@ struct Prepared {
     key: LaneKey,
 }
 
-fn endpoint_options() -> EndpointOptions {
+/// A lane's endpoint: a receive per slot and the spares, and room for
+/// every slot's response besides a pull's reads.
+fn endpoint_options(a: &Assignment) -> EndpointOptions {
+    let slots = usize::from(a.slot_count());
     EndpointOptions {
-        send_depth: 64,
-        recv_depth: RECV_DEPTH,
+        send_depth: 64.max(2 * slots + 8),
+        recv_depth: slots - 1 + RECV_DEPTH,
         // The client connects right after AllocateOk: a peer slower than
         // this in the fabric's own handshake is not it, and is given up.
         connect_timeout: HELLO_TIMEOUT,
@@ -426,7 +428,7 @@ fn prepare(
             .domain()
             .map_err(|e| fabric_failed("create a domain", e))?,
     );
-    let opts = endpoint_options();
+    let opts = endpoint_options(a);
     let threads = usize::from(a.thread_count());
     let lanes_per_thread = usize::from(a.lanes).div_ceil(threads);
     let cqs = (0..threads)
@@ -438,27 +440,42 @@ fn prepare(
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| fabric_failed("create a completion queue", e))?;
+    let slots = usize::from(a.slot_count());
+    let capacity = a.input_capacity as usize;
+    // Each slot's part starts on a cache line; one slot's is the buffer.
+    let stride = if slots > 1 {
+        capacity.div_ceil(64) * 64
+    } else {
+        capacity
+    };
     let mut lanes = Vec::with_capacity(a.lanes.into());
     for lane in 0..a.lanes {
         let input = domain
-            .register(a.input_capacity as usize, Access::REMOTE_WRITE)
+            .register(stride * slots, Access::REMOTE_WRITE)
             .map_err(|e| {
                 let what = format!(
                     "register lane {lane}'s {}-byte input buffer",
-                    a.input_capacity
+                    stride * slots
                 );
                 fabric_failed(&what, e)
             })?;
         let out_len = (a.output_capacity as usize).div_ceil(64) * 64;
-        let output = domain
-            .register_guarded(out_len, Access::LOCAL)
+        let outputs = (0..slots)
+            .map(|_| {
+                domain
+                    .register_guarded(out_len, Access::LOCAL)
+                    .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| {
-                let what = format!("register lane {lane}'s {out_len}-byte output buffer");
+                let what = format!("register lane {lane}'s {out_len}-byte output buffers");
                 fabric_failed(&what, e)
             })?;
-        lanes.push(PreparedLane {
+        lanes.push(LaneBuffers {
             input,
-            output: Arc::new(output),
+            stride,
+            slot_capacity: capacity,
+            outputs,
         });
     }
     let listener = fabric
@@ -549,6 +566,9 @@ fn check(a: &Assignment) -> Result<(), WorkerError> {
             InvocationHeader::LEN
         ));
     }
+    if let Some(why) = rfaas_proto::control::client::slots_refusal(a.slots) {
+        return bad(why);
+    }
     if a.functions.is_empty() || a.functions.len() > usize::from(MAX_FUNCTIONS) {
         return bad(format!(
             "the assignment names {} functions; between 1 and {MAX_FUNCTIONS} are allowed",
@@ -574,7 +594,7 @@ struct ThreadParts {
 /// to end.
 fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
     let functions: Arc<[library::Function]> = p.library.functions().into();
-    let opts = endpoint_options();
+    let opts = endpoint_options(a);
     let pull_limit = if a.pull_limit_bytes > 0 {
         usize::try_from(a.pull_limit_bytes).unwrap_or(usize::MAX)
     } else if a.memory_limit_bytes > 0 {
@@ -617,15 +637,9 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             None => LaneMeter::unread(),
         };
         part.endpoints.push(endpoint);
-        part.regions.push(l.output.clone());
-        part.lanes.push(Lane::new(
-            index,
-            tag,
-            l.input,
-            l.output,
-            a.output_capacity as usize,
-            meter,
-        ));
+        part.regions.push(l.outputs[0].clone());
+        part.lanes
+            .push(Lane::new(index, tag, l, a.output_capacity as usize, meter));
     }
     tracing::info!(lanes = a.lanes, threads, "every lane is connected");
     let runnings: Box<[Arc<Running>]> = (0..threads).map(|_| Arc::default()).collect();
@@ -702,14 +716,14 @@ struct Candidate {
 /// up nobody behind it. Connections go onto the lane's thread's queue
 /// (`part`), tagged by `attempts`, counted over the whole worker so that
 /// tags never repeat on a queue. Leaves the endpoint with all
-/// [`RECV_DEPTH`] receives posted, and returns it with its connection tag
+/// its receives posted (`opts.recv_depth`), and returns it with its connection tag
 /// ([`lane::conn_tag`]).
 #[allow(clippy::too_many_arguments)]
 fn accept_lane(
     listener: &rfaas_fabric::Listener,
     domain: &rfaas_fabric::Domain,
     part: &mut ThreadParts,
-    l: &PreparedLane,
+    l: &LaneBuffers,
     opts: &EndpointOptions,
     index: usize,
     key: &LaneKey,
@@ -739,7 +753,7 @@ fn accept_lane(
                 // apart.
                 let tag = lane::conn_tag(*attempts);
                 *attempts += 1;
-                for wr in 0..RECV_DEPTH as u64 {
+                for wr in 0..opts.recv_depth as u64 {
                     endpoint.post_recv(tag | wr).map_err(|e| {
                         internal(format!("posting lane {index}'s receives failed: {e}"))
                     })?;
@@ -785,7 +799,7 @@ fn accept_lane(
                 k.endpoint
                     .post_recv(wr_id)
                     .map_err(|e| format!("could not be given its receive back: {e}"))?;
-                acknowledge_hello(&k.endpoint, &l.output, k.tag)
+                acknowledge_hello(&k.endpoint, &l.outputs[0], k.tag)
             });
             let k = candidates.swap_remove(at);
             match verdict {
@@ -812,7 +826,7 @@ fn accept_lane(
 /// hello for lane `index`. Returns the consumed receive's id, or why the
 /// connection is refused.
 fn check_hello(
-    l: &PreparedLane,
+    l: &LaneBuffers,
     index: usize,
     key: &LaneKey,
     c: &rfaas_fabric::Completion,

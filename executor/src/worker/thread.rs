@@ -149,7 +149,8 @@ impl WorkerThread {
             Mode::Warm => LaneState::Handling,
             _ => LaneState::Hot,
         };
-        let mut deferred = VecDeque::with_capacity(lanes.len() * RECV_DEPTH + POLL_BATCH);
+        let receives: usize = lanes.iter().map(|l| l.outputs.len() - 1 + RECV_DEPTH).sum();
+        let mut deferred = VecDeque::with_capacity(receives + POLL_BATCH);
         deferred.extend(early);
         WorkerThread {
             cfg,
@@ -331,26 +332,32 @@ impl WorkerThread {
     /// response; `arrived` is the clock read when its completion was taken.
     fn answer(&mut self, j: usize, c: Completion, arrived: u64) -> LaneFlow {
         let req = RequestImm::decode(c.imm);
-        // SAFETY: the input region is at least InvocationHeader::LEN bytes
-        // (checked at assignment), page-aligned, and the client wrote it
-        // before the completion we hold.
-        let head = unsafe {
-            &*self.lanes[j]
+        let slot = self.lanes[j].slot_of(req.invocation_id);
+        // SAFETY: each slot's part of the input region is at least
+        // InvocationHeader::LEN bytes (checked at assignment) and starts on
+        // a cache line, and the client wrote it before the completion we
+        // hold.
+        let base = unsafe {
+            self.lanes[j]
                 .input
                 .as_ptr()
-                .cast::<[u8; InvocationHeader::LEN]>()
+                .add(slot * self.lanes[j].stride)
         };
+        // SAFETY: as above.
+        let head = unsafe { &*base.cast::<[u8; InvocationHeader::LEN]>() };
         // Even a header that does not decode names where to answer.
         let reply = InvocationHeader::peek_reply_to(head);
         let reply_to = RemoteAddr {
             addr: reply.addr,
             rkey: reply.rkey,
         };
+        let fits = c.byte_len as usize <= self.lanes[j].slot_capacity;
         let header = match InvocationHeader::decode(head) {
-            Ok(h) if c.byte_len as usize >= InvocationHeader::LEN => h,
+            Ok(h) if c.byte_len as usize >= InvocationHeader::LEN && fits => h,
             _ => {
                 return self.respond(
                     j,
+                    slot,
                     req.invocation_id,
                     reply_to,
                     InvocationStatus::MalformedRequest,
@@ -358,10 +365,10 @@ impl WorkerThread {
                 )
             }
         };
-        let (in_ptr, in_len) = match self.input_of(j, &req, &header, c.byte_len) {
+        let (in_ptr, in_len) = match self.input_of(j, base, &req, &header, c.byte_len) {
             Input::Ready(p, l) => (p, l),
             Input::Refused(status) => {
-                return self.respond(j, req.invocation_id, reply_to, status, 0)
+                return self.respond(j, slot, req.invocation_id, reply_to, status, 0)
             }
             Input::End => return LaneFlow::End,
         };
@@ -369,7 +376,7 @@ impl WorkerThread {
         let lane = &self.lanes[j];
         // SAFETY: out_offset + the rounded output capacity is the region's
         // end, so the pointer is in the region (or at its end, for capacity 0).
-        let out_ptr = unsafe { lane.output.as_ptr().add(lane.out_offset) };
+        let out_ptr = unsafe { lane.outputs[slot].as_ptr().add(lane.out_offset) };
         let limit = self
             .cfg
             .output_capacity
@@ -405,7 +412,7 @@ impl WorkerThread {
         // Before the answer: a worker stopped right after it (the client
         // deallocates at once) still counts these bytes.
         self.lanes[j].meter.count_output(len);
-        let flow = self.respond(j, req.invocation_id, reply_to, status, len);
+        let flow = self.respond(j, slot, req.invocation_id, reply_to, status, len);
         // After the answer is on its way: the clock read is off the
         // client's path.
         if j == 0 {
@@ -423,6 +430,7 @@ impl WorkerThread {
     fn input_of(
         &mut self,
         j: usize,
+        base: *mut u8,
         req: &RequestImm,
         header: &InvocationHeader,
         byte_len: u32,
@@ -443,8 +451,8 @@ impl WorkerThread {
         }
         if header.is_inline() {
             // SAFETY: validate_inline proved input_len bytes arrived after
-            // the header, inside the input region.
-            let p = unsafe { self.lanes[j].input.as_ptr().add(InvocationHeader::LEN) };
+            // the header, inside the slot's part of the input region.
+            let p = unsafe { base.add(InvocationHeader::LEN) };
             return Input::Ready(p, header.input_len);
         }
         let len = header.input_len as usize;
@@ -573,10 +581,16 @@ impl WorkerThread {
         }
     }
 
-    /// Writes lane `j`'s `out[..len]` with the response immediate. Hot path.
+    /// Writes `out[..len]` of lane `j`'s `slot` with the response
+    /// immediate. Hot path.
+    ///
+    /// A slot's output buffer is written again only by the slot's next
+    /// invocation, which the client sends after this response arrived, so
+    /// after the fabric has read the buffer: no send completion is awaited.
     fn respond(
         &mut self,
         j: usize,
+        slot: usize,
         id: u32,
         to: RemoteAddr,
         status: InvocationStatus,
@@ -592,7 +606,7 @@ impl WorkerThread {
         let write = |fabric: &ThreadFabric| {
             fabric.get(j).write_with_imm(
                 lane.tag | RESPONSE_WR,
-                &lane.output,
+                &lane.outputs[slot],
                 lane.out_offset,
                 len,
                 to,

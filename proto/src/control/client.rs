@@ -67,12 +67,37 @@ pub struct AllocateRequest {
     /// through a read-only mapping (a function that writes to it faults).
     #[serde(default)]
     pub read_only_input: bool,
-    /// Lanes: connections to the worker, each with its own input buffer,
-    /// one invocation in flight on each; the worker's `cores` threads
-    /// serve them all (lane `i` on thread `i mod cores`). 0, or absent
-    /// (older clients), means one lane per core.
+    /// Lanes: connections to the worker, each with its own input buffer;
+    /// the worker's `cores` threads serve them all (lane `i` on thread
+    /// `i mod cores`). 0, or absent (older clients), means one lane per
+    /// core.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lanes: u16,
+    /// Slots per lane: invocations one lane holds in flight at once, each
+    /// with its own part of the lane's input buffer and its own output
+    /// buffer in the worker. A power of two, at most [`MAX_SLOTS`]. 0, or
+    /// absent (older clients), means one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slots: u16,
+}
+
+/// The most slots a lane may have ([`AllocateRequest::slots`]).
+pub const MAX_SLOTS: u16 = 64;
+
+/// Why a slot count is refused: not a power of two, or above
+/// [`MAX_SLOTS`]. `None` for a valid count (0 means 1).
+pub fn slots_refusal(slots: u16) -> Option<String> {
+    if slots > MAX_SLOTS {
+        return Some(format!(
+            "slots {slots} is more than a lane holds (at most {MAX_SLOTS})"
+        ));
+    }
+    if slots > 1 && !slots.is_power_of_two() {
+        return Some(format!(
+            "slots {slots} is not a power of two (an invocation's slot is its id modulo the slots)"
+        ));
+    }
+    None
 }
 
 fn is_zero(n: &u16) -> bool {
@@ -93,6 +118,11 @@ impl AllocateRequest {
     /// Worker threads: one per core, and never more than there are lanes.
     pub fn thread_count(&self) -> u16 {
         self.cores.min(self.lane_count())
+    }
+
+    /// Slots per lane: [`slots`](Self::slots), or one when it says 0.
+    pub fn slot_count(&self) -> u16 {
+        self.slots.max(1)
     }
 }
 
@@ -149,6 +179,20 @@ pub struct AllocateOk {
     /// across restarts.
     #[serde(default)]
     pub attach_secret: String,
+    /// Slots per lane granted: invocation `id` of a lane goes to slot
+    /// `id % slots`, at byte `slot × slot_stride` of the lane's input
+    /// buffer, whose [`Descriptor::len`] is then one slot's capacity. 0,
+    /// or absent (older executors), means one slot.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slots: u16,
+    /// Bytes from one slot's start to the next's (see
+    /// [`slots`](Self::slots)); 0 with one slot.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub slot_stride: u32,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Client → executor, on a new connection after the one an allocation
@@ -300,6 +344,7 @@ mod tests {
             provider: "tcp".into(),
             read_only_input: true,
             lanes: 0,
+            slots: 0,
         };
         let frame = Frame::new(&req, vec![0x7f, b'E', b'L', b'F']);
         let bytes = frame.to_bytes();
@@ -343,6 +388,44 @@ mod tests {
         // Fewer lanes than cores: a thread per lane, no idle spinners.
         req.lanes = 1;
         assert_eq!(req.thread_count(), 1);
+    }
+
+    #[test]
+    fn slots_are_absent_when_one_and_checked() {
+        let mut req: AllocateRequest = serde_json::from_str(
+            r#"{"request_id":3,"token":"t","cores":1,"memory_mib":256,"mode":"hot","hot_timeout_us":0,"input_capacity":4096,"output_capacity":4096,"deadline_ms":0,"functions":["noop"],"library_name":"l","provider":"tcp","lanes":2}"#,
+        )
+        .unwrap();
+        // An older client's request: one invocation per lane.
+        assert_eq!((req.slots, req.slot_count()), (0, 1));
+        assert!(!serde_json::to_string(&req).unwrap().contains("slots"));
+        req.slots = 16;
+        let json = serde_json::to_string(&req).unwrap();
+        assert!(json.ends_with(r#","lanes":2,"slots":16}"#), "{json}");
+        for ok in [0, 1, 2, 16, MAX_SLOTS] {
+            assert_eq!(slots_refusal(ok), None, "{ok}");
+        }
+        let refused = slots_refusal(12).unwrap();
+        assert!(refused.contains("not a power of two"), "{refused}");
+        let refused = slots_refusal(MAX_SLOTS * 2).unwrap();
+        assert!(refused.contains("at most 64"), "{refused}");
+
+        // An older executor's answer says nothing: one slot.
+        let ok: AllocateOk = serde_json::from_str(
+            r#"{"request_id":1,"allocation_id":2,"lease_id":3,"fabric_addr":"127.0.0.1:1","lanes":[{"addr":4096,"rkey":7,"len":4096}],"lane_key":"00","functions":["noop"],"output_capacity":64,"deadline_ms":0,"expires_at":0,"pooled":false,"phases":{"validate_ns":0,"worker_ns":0,"load_ns":0,"listen_ns":0}}"#,
+        )
+        .unwrap();
+        assert_eq!((ok.slots, ok.slot_stride), (0, 0));
+        let json = serde_json::to_string(&AllocateOk {
+            slots: 4,
+            slot_stride: 4096,
+            ..ok
+        })
+        .unwrap();
+        assert!(
+            json.ends_with(r#","slots":4,"slot_stride":4096}"#),
+            "{json}"
+        );
     }
 
     #[test]

@@ -40,6 +40,10 @@ pub struct Assignment {
     /// threads`; 0 (from a daemon that does not say) means one per lane.
     #[serde(default)]
     pub threads: u16,
+    /// Slots per lane ([`AllocateRequest::slots`](super::client::AllocateRequest::slots));
+    /// 0 (from a daemon that does not say) means one.
+    #[serde(default)]
+    pub slots: u16,
     /// Address-space limit for the process in bytes (0: none), used when
     /// the daemon cannot apply a cgroup limit.
     pub memory_limit_bytes: u64,
@@ -90,6 +94,11 @@ impl Assignment {
             t => t.min(self.lanes),
         }
     }
+
+    /// Slots per lane: [`slots`](Self::slots), one for 0.
+    pub fn slot_count(&self) -> u16 {
+        self.slots.max(1)
+    }
 }
 
 /// Worker → daemon: the assignment is loaded and listening.
@@ -97,8 +106,13 @@ impl Assignment {
 pub struct WorkerReady {
     /// The address clients connect to.
     pub fabric_addr: String,
-    /// Each lane's input buffer.
+    /// Each lane's input buffer; with several slots, `len` is one slot's
+    /// capacity.
     pub lanes: Vec<Descriptor>,
+    /// Bytes from one slot's start to the next's; 0 (from a worker that
+    /// does not say) with one slot.
+    #[serde(default)]
+    pub slot_stride: u32,
     /// Nanoseconds spent loading the library and resolving the functions.
     pub load_ns: u64,
     /// Nanoseconds spent creating the fabric resources and listening.

@@ -68,6 +68,9 @@ fn copies(provider: &str, read_only_input: bool) -> Copies {
 pub(crate) struct Need {
     threads: u64,
     lanes: u64,
+    /// Slots per lane: each has its part of the input buffer and an output
+    /// buffer of its own.
+    slots: u64,
     input: u64,
     output: u64,
     library: u64,
@@ -80,7 +83,12 @@ impl Need {
         Need {
             threads: req.thread_count().into(),
             lanes: req.lane_count().into(),
-            input: round_up(req.input_capacity.into()),
+            slots: req.slot_count().into(),
+            // One buffer of every slot's part, each part a whole number of
+            // cache lines (the worker's slot stride).
+            input: round_up(
+                u64::from(req.input_capacity).div_ceil(64) * 64 * u64::from(req.slot_count()),
+            ),
             // The output buffer is whole pages with a guard page after it.
             output: round_up(u64::from(req.output_capacity).div_ceil(64) * 64) + PAGE,
             library: loaded_size(library),
@@ -89,7 +97,7 @@ impl Need {
     }
 
     fn per_lane(&self) -> u64 {
-        LANE_BYTES + self.input + self.output * self.copies.output
+        LANE_BYTES + self.input + self.slots * self.output * self.copies.output
     }
 
     /// The whole, bytes.
@@ -124,7 +132,7 @@ impl Need {
         format!(
             "{} for the worker process itself, {} for the library's loaded segments, {} thread{} \
              × {}, and {} lane{} × {} ({} for the lane's fabric resources, {} for its input \
-             buffer, {} for its output buffer and guard page{shm})",
+             buffer, {} for its output buffer and guard page{shm}{})",
             size(WORKER_BYTES),
             size(self.library),
             self.threads,
@@ -136,6 +144,11 @@ impl Need {
             size(LANE_BYTES),
             size(self.input),
             size(self.output * self.copies.output),
+            if self.slots > 1 {
+                format!(", times its {} slots", self.slots)
+            } else {
+                String::new()
+            },
         )
     }
 }
@@ -233,6 +246,7 @@ mod tests {
             provider: provider.into(),
             read_only_input: false,
             lanes: 0,
+            slots: 0,
         }
     }
 
@@ -291,6 +305,18 @@ mod tests {
         );
         assert!(many.describe().contains("64 lanes"));
         assert!(text.contains("64 KiB for its input buffer"), "{text}");
+
+        // Slots: the input buffer holds every slot's part, and each slot
+        // has an output buffer and guard page.
+        let mut slotted = request(2, 0, "tcp");
+        slotted.slots = 4;
+        let slotted = Need::of(&slotted, &lib);
+        let lane4 = LANE_BYTES + 4 * (64 << 10) + 4 * ((1 << 20) + PAGE);
+        assert_eq!(
+            slotted.bytes(),
+            WORKER_BYTES + 0x4000 + 2 * THREAD_BYTES + 2 * lane4
+        );
+        assert!(slotted.describe().contains("times its 4 slots"));
 
         // On shm the output counts three times.
         let shm = Need::of(&request(2, 0, "shm"), &lib);

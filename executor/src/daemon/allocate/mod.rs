@@ -119,6 +119,12 @@ pub(crate) fn start(
         lease_id: claims.lease_id,
         fabric_addr: ready.fabric_addr,
         lanes: ready.lanes,
+        slots: if req.slot_count() > 1 {
+            req.slot_count()
+        } else {
+            0
+        },
+        slot_stride: ready.slot_stride,
         lane_key,
         functions: req.functions.clone(),
         output_capacity: req.output_capacity,

@@ -100,6 +100,7 @@ pub(super) fn start_worker(
         cpus: if s.pin { cpus.to_vec() } else { Vec::new() },
         lanes: req.lane_count(),
         threads: req.thread_count(),
+        slots: req.slot_count(),
         memory_limit_bytes: shared.limiter.rlimit_bytes(req.memory_mib),
         memory_mib: req.memory_mib,
         // 0 would mean the worker's own rule.
@@ -196,6 +197,16 @@ pub(super) fn start_worker(
         }
         Err(e) => return Err(internal("hear from the worker", &e)),
     };
+    if req.slot_count() > 1 && ready.slot_stride == 0 {
+        // A worker binary older than the daemon, left from an upgrade.
+        return Err((
+            ErrorCode::Internal,
+            format!(
+                "worker {pid} does not serve several slots per lane; ask for one slot, or restart \
+                 the executor so its workers are the installed version"
+            ),
+        ));
+    }
     let _ = sock.set_read_timeout(None);
     let mut st = shared.lock();
     let a = st

@@ -24,6 +24,9 @@ pub(super) fn request(req: &AllocateRequest, s: &Settings) -> Result<(), Refused
             rfaas_proto::InvocationHeader::LEN
         ));
     }
+    if let Some(why) = rfaas_proto::control::client::slots_refusal(req.slots) {
+        return malformed(why);
+    }
     if !s.providers.contains(&req.provider) {
         return Err((
             ErrorCode::ProviderUnsupported,
