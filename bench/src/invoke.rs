@@ -36,7 +36,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rfaas_client::lease::{Lease, LeaseRequest, Managers};
-use rfaas_client::{Allocation, AllocationSpec, Buffer, Client, ClientOptions, FunctionId, Mode};
+use rfaas_client::{
+    Allocation, AllocationSpec, Buffer, Client, ClientOptions, FunctionId, Mode, Pipeline,
+};
 use rfaas_proto::InvocationHeader;
 use rfaas_testkit::executord::{Executord, ExecutordOptions};
 
@@ -69,11 +71,12 @@ pub const PULLED_INPUT_CAPACITY: u32 = (64 << 10) + InvocationHeader::LEN as u32
 const LEASE_USER: &str = "nobody";
 const LEASE_MEMORY_MIB: u32 = 1024;
 const ALLOCATION_MEMORY_MIB: u32 = 256;
-/// The rate rows' allocations: up to 64 lanes, each with its buffers.
+/// The rate rows' allocations: up to 64 slots, each with its buffers.
 const RATE_MEMORY_MIB: u32 = 2048;
 
 /// The rate rows' worker threads: one core, the peers' side of this
-/// machine's two, serving every lane (the client holds the other).
+/// machine's two, serving the one lane and its slots (the client holds
+/// the other).
 const RATE_CORES: u16 = 1;
 
 pub const SUITE: Suite = Suite {
@@ -568,43 +571,88 @@ fn noop_rate(
     let daemon = Daemon::start_with(ctx, provider, most)?;
     let client = Client::new(ClientOptions::with_provider(&provider.spec));
     for in_flight in RATE_IN_FLIGHT {
-        let lanes = u16::try_from(in_flight).unwrap_or(u16::MAX);
+        let slots = u16::try_from(in_flight).unwrap_or(u16::MAX);
         let spec = AllocationSpec::new(library()?, &["noop"])
             .cores(RATE_CORES)
-            .lanes(lanes)
+            .lanes(1)
+            .slots(slots)
             .mode(mode)
             .memory_mib(RATE_MEMORY_MIB);
         let alloc = client
-            .allocate(&daemon.addr(), &daemon.token_for(lanes), &spec)
-            .ctx(|| format!("{name}: allocating {lanes} lanes on {}", daemon.addr()))?;
+            .allocate(&daemon.addr(), &daemon.token_for(1), &spec)
+            .ctx(|| format!("{name}: allocating {slots} slots on {}", daemon.addr()))?;
         let f = alloc.function("noop").ctx(|| "finding noop".into())?;
-        let input = alloc.buffer::<u8>(RATE_SIZE).ctx(|| "registering".into())?;
-        let mut outputs = (0..in_flight)
-            .map(|_| alloc.buffer::<u8>(64))
+        let mut buffers = (0..in_flight)
+            .map(|_| Ok((alloc.buffer::<u8>(RATE_SIZE)?, alloc.buffer::<u8>(64)?)))
             .collect::<rfaas_client::Result<Vec<_>>>()
             .ctx(|| "registering".into())?;
-        // One input for every call: noop only reads it.
-        let inputs = vec![&input; outputs.len()];
+        let mut pipe = alloc
+            .pipeline::<u8, u8>()
+            .ctx(|| format!("{name}: taking the lane"))?;
         daemon.settle()?;
-        let run = |outputs: &mut [Buffer<u8>], calls| {
-            calls_in_flight(name, &alloc, f, &inputs, outputs, RATE_SIZE, 0, calls)
-        };
-        run(&mut outputs, ctx.warmup as u64)?;
+        buffers = pipelined(name, &mut pipe, f, buffers, RATE_SIZE, 0, ctx.warmup as u64)?;
         let calls = ctx.rate_calls();
         let start = Instant::now();
-        run(&mut outputs, calls)?;
+        pipelined(name, &mut pipe, f, buffers, RATE_SIZE, 0, calls)?;
+        let elapsed = start.elapsed();
         out.push(&Row::rate(
             name,
             &provider.spec,
             RATE_SIZE,
             in_flight,
             calls,
-            start.elapsed(),
+            elapsed,
         ))?;
+        drop(pipe);
         alloc.deallocate().ctx(|| format!("{name}: deallocating"))?;
     }
     drop(daemon);
     Ok(())
+}
+
+/// `calls` calls of `f` with `size` input bytes through one pipeline, as
+/// many in flight as there are (input, output) pairs, a pair's next call
+/// submitted as soon as its result is in, collected by polling; each must
+/// return `expect` bytes. Returns the pairs. Hot loop of the rate rows.
+#[allow(clippy::too_many_arguments)]
+fn pipelined(
+    name: &str,
+    pipe: &mut Pipeline<'_, u8, u8>,
+    f: FunctionId,
+    mut free: Vec<(Buffer<u8>, Buffer<u8>)>,
+    size: usize,
+    expect: usize,
+    calls: u64,
+) -> Result<Vec<(Buffer<u8>, Buffer<u8>)>> {
+    let (mut posted, mut done) = (0u64, 0u64);
+    while done < calls {
+        while posted < calls {
+            let Some((input, output)) = free.pop() else {
+                break;
+            };
+            pipe.submit(f, input, size, output)
+                .map_err(rfaas_client::Error::from)
+                .ctx(|| format!("{name}: submitting {size} bytes"))?;
+            posted += 1;
+        }
+        let Some(call) = pipe.test_any() else {
+            std::hint::spin_loop();
+            continue;
+        };
+        match call
+            .result
+            .ctx(|| format!("{name}: a {size}-byte call failed"))?
+        {
+            n if n == expect => done += 1,
+            n => {
+                return Err(Error::new(format!(
+                    "{name}: {size} bytes in, {n} bytes out (expected {expect})"
+                )))
+            }
+        }
+        free.push((call.input, call.output));
+    }
+    Ok(free)
 }
 
 /// `calls` calls of `f` with `size` input bytes, one in flight per
