@@ -24,6 +24,9 @@
 mod receive;
 mod transmit;
 
+#[cfg(test)]
+pub(super) use receive::IDLE_POLLS_BEFORE_ACK;
+
 use std::collections::VecDeque;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -87,6 +90,9 @@ pub(crate) struct EpShared {
     /// A post left bytes in the transmit queue: the progress thread should
     /// watch the socket for room (see `progress::kick`).
     pub(super) kicked: AtomicBool,
+    /// Frames wait in the staging buffer for a posted receive or room in
+    /// the completion queue; the socket will not signal them again.
+    pub(super) stalled: AtomicBool,
     state: Claimable<EpState>,
     /// Requests handed over so far, so tests can tell the path was taken.
     #[cfg(test)]
@@ -216,6 +222,7 @@ impl TcpEndpoint {
             tx_pending: AtomicBool::new(false),
             ack_owed: AtomicBool::new(false),
             kicked: AtomicBool::new(false),
+            stalled: AtomicBool::new(false),
             #[cfg(test)]
             handed_over: AtomicU64::new(0),
             state: Claimable::new(EpState {
@@ -551,5 +558,20 @@ impl EpShared {
 
     pub(super) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Relaxed)
+    }
+
+    /// Whether the endpoint has work its socket's readability does not
+    /// announce: queued output, an acknowledgement owed, requests handed
+    /// over, stalled frames, or a closed or failed connection to flush.
+    /// A poller that watches readiness drives these on every poll as well.
+    /// Hot path: a few loads.
+    #[inline]
+    pub(super) fn needs_drive(&self) -> bool {
+        self.tx_pending.load(Ordering::Relaxed)
+            || self.ack_owed.load(Ordering::Relaxed)
+            || self.stalled.load(Ordering::Relaxed)
+            || self.dead.load(Ordering::Relaxed)
+            || self.closed.load(Ordering::Relaxed)
+            || !self.handover.is_empty()
     }
 }

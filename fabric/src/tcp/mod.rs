@@ -8,8 +8,12 @@
 //!
 //! Progress is driven by whoever polls: [`TcpCq::poll`] reads and writes the
 //! sockets of its endpoints itself, so a hot poller has no helper thread
-//! between it and its socket. [`TcpCq::wait`] sleeps in `epoll_wait` on
-//! those sockets. An endpoint whose completion queue nobody polls or waits
+//! between it and its socket. A queue with more than two endpoints first
+//! asks `epoll_wait` (without sleeping) which sockets are readable and
+//! reads only those, besides driving, without a read, the endpoints whose
+//! work no readability announces (queued output, an acknowledgement owed,
+//! frames stalled for want of a receive). [`TcpCq::wait`] sleeps in
+//! `epoll_wait` on those sockets. An endpoint whose completion queue nobody polls or waits
 //! on (a passive target) is served by one progress thread per process
 //! (`progress`), so one-sided operations complete as they would on a NIC.
 //!

@@ -199,7 +199,7 @@ impl Thread {
         let Some(entry) = entries.get_mut(&id) else {
             return;
         };
-        let Some(progress) = entry.ep.try_progress(true) else {
+        let Some(progress) = entry.ep.try_progress(true, true) else {
             // Another thread drives it: look again at the next tick.
             return;
         };

@@ -15,7 +15,7 @@ use crate::memory::{Access, Buffer};
 /// Payloads at least this long are read straight into the target memory.
 const DIRECT_READ: usize = 16 * 1024;
 /// Empty polls after which a pending acknowledgement is sent on its own.
-const IDLE_POLLS_BEFORE_ACK: u32 = 64;
+pub(in crate::tcp) const IDLE_POLLS_BEFORE_ACK: u32 = 64;
 
 /// What one round of progress did.
 #[derive(Clone, Copy, Default)]
@@ -45,16 +45,19 @@ impl EpShared {
     /// progress thread): sends the requests handed over, then reads and
     /// carries out what arrived. `None` when another thread holds the
     /// state; never waits. `eager` acknowledges at once instead of waiting
-    /// for a frame to ride on. Hot path.
-    pub(in crate::tcp) fn try_progress(&self, eager: bool) -> Option<Progress> {
+    /// for a frame to ride on. Without `read` only frames already in the
+    /// staging buffer are processed: the caller knows the socket has
+    /// nothing (a readiness poll did not report it). Hot path.
+    pub(in crate::tcp) fn try_progress(&self, eager: bool, read: bool) -> Option<Progress> {
         let mut st = self.state.try_claim()?;
         let queued = self.take_handed_over(&mut st);
-        let progress = self.progress(&mut st, eager);
+        let progress = self.progress(&mut st, eager, read);
+        self.stalled.store(progress.stalled, Ordering::Relaxed);
         self.release(st, queued);
         Some(progress)
     }
 
-    fn progress(&self, st: &mut EpState, eager: bool) -> Progress {
+    fn progress(&self, st: &mut EpState, eager: bool, read: bool) -> Progress {
         let mut progress = Progress::default();
         if st.dead_reason.is_some() {
             progress.completed = self.flush_dead(st);
@@ -63,7 +66,11 @@ impl EpShared {
         if !st.txq.is_empty() {
             self.flush_tx(st);
         }
-        self.receive(st, &mut progress);
+        if read {
+            self.receive(st, &mut progress);
+        } else if let Step::Stalled = self.process_buffered(st, &mut progress) {
+            progress.stalled = true;
+        }
         if st.dead_reason.is_some() {
             progress.completed |= self.flush_dead(st);
             return progress;
@@ -115,6 +122,12 @@ impl EpShared {
                 }
                 return;
             }
+        }
+        // Enough for one round: process what the last read brought, so
+        // no whole frame waits in the staging buffer for a readiness poll
+        // that the (perhaps emptied) socket would not give.
+        if let Step::Stalled = self.process_buffered(st, progress) {
+            progress.stalled = true;
         }
     }
 
