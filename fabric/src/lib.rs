@@ -78,7 +78,7 @@ pub use options::EndpointOptions;
 
 use provider::{
     CompletionQueue as _, Domain as _, Endpoint as _, Listener as _, Local, LocalWord,
-    Provider as _,
+    Provider as _, Writes,
 };
 
 /// Which provider, parsed from its name.
@@ -401,6 +401,27 @@ impl Endpoint {
         dispatch!(&self.imp, e => e.write(wr_id, local, remote, Some(imm)))
     }
 
+    /// Posts `writes` in one call, each as [`Endpoint::write`] (no `imm`)
+    /// or [`Endpoint::write_with_imm`] would, in order: each completes, and
+    /// each immediate reaches the peer, exactly as if posted alone. What
+    /// is ready leaves together: on tcp one `writev` for the frames, on shm
+    /// one doorbell for the immediates, on verbs one `ibv_post_send` for
+    /// the chained work requests. Hot path.
+    ///
+    /// All or nothing: every local range is checked, and room for the whole
+    /// batch is claimed, before anything is posted. `Err` means no write of
+    /// the batch was posted: [`Error::QueueFull`] when the send queue (or
+    /// the completion queue, or on shm the peer's immediate ring) has no
+    /// room for all of them now, [`Error::InvalidArgument`] when the batch
+    /// is longer than the send queue is deep. An empty batch does nothing.
+    pub fn write_batch(&self, writes: &[WriteRequest<'_>]) -> Result<()> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let writes = Writes::check(writes, self.domain_id)?;
+        dispatch!(&self.imp, e => e.write_batch(writes))
+    }
+
     /// In-place, read-only access to `len` bytes of the peer's memory at
     /// `remote`, checked as a [`read`](Self::read) of them would be (an rkey
     /// of this connection's peer, bounds, [`Access::REMOTE_READ`]). Only a
@@ -473,6 +494,25 @@ impl Endpoint {
     pub fn peer_addr(&self) -> String {
         dispatch!(&self.imp, e => e.peer_addr())
     }
+}
+
+/// One write of a batch ([`Endpoint::write_batch`]): `local[offset..offset+len]`
+/// to `remote`, completing with `wr_id`; with `imm`, a write-with-immediate.
+#[derive(Clone, Copy, Debug)]
+pub struct WriteRequest<'a> {
+    /// Names the write's completion.
+    pub wr_id: u64,
+    /// The region the bytes come from.
+    pub local: &'a MemoryRegion,
+    /// Where the bytes start in `local`.
+    pub offset: usize,
+    /// How many bytes.
+    pub len: usize,
+    /// Where they go.
+    pub remote: RemoteAddr,
+    /// The immediate, consuming one receive posted at the peer; `None` for
+    /// a plain write.
+    pub imm: Option<u32>,
 }
 
 /// A completion queue shared by one or more endpoints.

@@ -11,7 +11,8 @@
 //! # Hot path
 //!
 //! [`CompletionQueue::poll`], [`Endpoint::write`] (with and without an
-//! immediate) and [`Endpoint::post_recv`] are the invocation path: they
+//! immediate), [`Endpoint::write_batch`] and [`Endpoint::post_recv`] are
+//! the invocation path: they
 //! never block, allocate, wait for a lock or log, except on an error path.
 //! [`Endpoint::read`], the atomics and [`Endpoint::peer_view`] follow the
 //! same rule once set up (shm maps a region on its first use). Everything
@@ -46,7 +47,7 @@ use std::time::Duration;
 use crate::completion::{Completion, Status};
 use crate::error::{Error, Result};
 use crate::memory::{Access, Buffer, MemoryRegion, PeerView, RemoteAddr};
-use crate::EndpointOptions;
+use crate::{EndpointOptions, WriteRequest};
 
 /// An opened provider: the factory of its domains, completion queues and
 /// listeners.
@@ -137,6 +138,22 @@ pub(crate) trait Endpoint: fmt::Debug + Send {
         remote: RemoteAddr,
         imm: Option<u32>,
     ) -> Result<()>;
+
+    /// Posts the writes of a non-empty batch in order, each completing as
+    /// if posted alone with `write`. Hot path.
+    ///
+    /// All or nothing: a provider claims room for the whole batch before
+    /// it posts any, so `Err` means none was posted (`QueueFull` when
+    /// there is no room now, `InvalidArgument` when the batch is longer
+    /// than the send queue is deep). The default posts one by one: correct,
+    /// but a full queue midway leaves the writes before it posted, so every
+    /// provider here overrides it.
+    fn write_batch(&self, writes: Writes<'_>) -> Result<()> {
+        for w in writes.iter() {
+            self.write(w.wr_id, w.local, w.remote, w.imm)?;
+        }
+        Ok(())
+    }
 
     /// Reads `local.len()` bytes at `remote` into `local`.
     fn read(&self, wr_id: u64, local: Local<'_>, remote: RemoteAddr) -> Result<()>;
@@ -234,6 +251,64 @@ impl<'a> Local<'a> {
         // SAFETY: offset + len <= region.len() (checked in `check`), so the
         // pointer stays inside the buffer's mapping or one past its end.
         unsafe { self.region.as_ptr().add(self.offset) }
+    }
+}
+
+/// The writes of a batch, every local range checked as [`Local::check`]
+/// checks one. Only [`Writes::check`] makes one.
+#[derive(Clone, Copy)]
+pub(crate) struct Writes<'a> {
+    writes: &'a [WriteRequest<'a>],
+}
+
+/// One write of a [`Writes`], its local range checked.
+#[derive(Clone, Copy)]
+pub(crate) struct Write<'a> {
+    pub(crate) wr_id: u64,
+    pub(crate) local: Local<'a>,
+    pub(crate) remote: RemoteAddr,
+    pub(crate) imm: Option<u32>,
+}
+
+impl<'a> Writes<'a> {
+    /// Checks every write's local range as [`Local::check`] does; the
+    /// first refusal refuses the batch.
+    pub(crate) fn check(writes: &'a [WriteRequest<'a>], domain_id: u64) -> Result<Writes<'a>> {
+        for w in writes {
+            Local::check(w.local, w.offset, w.len, domain_id)?;
+        }
+        Ok(Writes { writes })
+    }
+
+    /// How many writes.
+    pub(crate) fn len(&self) -> usize {
+        self.writes.len()
+    }
+
+    /// The writes, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = Write<'a>> + 'a {
+        self.writes.iter().map(|w| Write {
+            wr_id: w.wr_id,
+            // Checked in `check`.
+            local: Local {
+                region: w.local,
+                offset: w.offset,
+                len: w.len,
+            },
+            remote: w.remote,
+            imm: w.imm,
+        })
+    }
+
+    /// Refuses a batch longer than a send queue of `depth` could ever take.
+    pub(crate) fn check_depth(&self, depth: usize) -> Result<()> {
+        if self.len() > depth {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} writes is more than the send queue holds ({depth}): post it in parts",
+                self.len()
+            )));
+        }
+        Ok(())
     }
 }
 

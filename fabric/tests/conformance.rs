@@ -13,10 +13,11 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rfaas_fabric::testing::{
-    at, connect_pair, listen_addr, pattern, poll_n, poll_one, verbs, KillOnDrop, Pair, TIMEOUT,
+    assert_no_completion, at, connect_pair, listen_addr, pattern, poll_n, poll_one, verbs,
+    KillOnDrop, Pair, TIMEOUT,
 };
 use rfaas_fabric::{
-    Access, Completion, EndpointOptions, Error, Fabric, Opcode, RemoteAddr, Status,
+    Access, Completion, EndpointOptions, Error, Fabric, Opcode, RemoteAddr, Status, WriteRequest,
 };
 use rfaas_testkit::wait::{thread_id, wait_until_asleep};
 use rstest::rstest;
@@ -246,6 +247,226 @@ fn immediates_arrive_in_order(#[case] provider: &str) {
             "receives consumed out of order"
         );
     }
+}
+
+/// A batch of writes lands every payload, and its immediates consume the
+/// posted receives in order, each with its write's length; every write
+/// completes, in order, as if posted alone. Plain writes in a batch
+/// consume no receive. (70 writes, one of them long: more than one
+/// `writev` on tcp and more than one doorbell on shm.)
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn a_batch_of_writes_lands_in_order_with_its_immediates(#[case] provider: &str) {
+    const N: usize = 70;
+    const SLOT: usize = 512;
+    const LONG: usize = 33;
+    let mut p = Pair::new(provider);
+    let bytes = N * SLOT + 200_000;
+    let target = p
+        .target_domain
+        .register(bytes, Access::REMOTE_WRITE)
+        .unwrap();
+    let mut src = p.domain.register(bytes, Access::LOCAL).unwrap();
+    // Lengths from 0 up, one of 200 kB; the long one goes after the slots.
+    let len_of = |i: usize| if i == LONG { 200_000 } else { (i * 37) % SLOT };
+    let off_of = |i: usize| if i == LONG { N * SLOT } else { i * SLOT };
+    for i in 0..N {
+        src.write_from(off_of(i), &pattern(len_of(i), i as u8));
+        p.target.post_recv(1000 + i as u64).unwrap();
+    }
+    let writes: Vec<WriteRequest<'_>> = (0..N)
+        .map(|i| WriteRequest {
+            wr_id: i as u64,
+            local: &src,
+            offset: off_of(i),
+            len: len_of(i),
+            remote: at(&target, off_of(i) as u64),
+            imm: Some(500 + i as u32),
+        })
+        .collect();
+    p.ep.write_batch(&writes).unwrap();
+    let received = poll_n(&mut p.target_cq, N);
+    for (i, c) in received.iter().enumerate() {
+        assert_eq!(
+            (c.wr_id, c.opcode, c.status, c.imm, c.byte_len),
+            (
+                1000 + i as u64,
+                Opcode::RecvWithImm,
+                Status::Success,
+                500 + i as u32,
+                len_of(i) as u32
+            ),
+            "receive {i}"
+        );
+    }
+    let done = poll_n(&mut p.cq, N);
+    for (i, c) in done.iter().enumerate() {
+        assert_eq!(
+            (c.wr_id, c.opcode, c.status, c.byte_len),
+            (
+                i as u64,
+                Opcode::WriteWithImm,
+                Status::Success,
+                len_of(i) as u32
+            ),
+            "write {i}"
+        );
+    }
+    for i in 0..N {
+        assert!(
+            target.read_to_vec(off_of(i)..off_of(i) + len_of(i)) == pattern(len_of(i), i as u8),
+            "the payload of write {i} differs"
+        );
+    }
+
+    // Plain writes and writes-with-immediate mixed: only the latter
+    // consume receives.
+    for i in 0..3 {
+        p.target.post_recv(2000 + i).unwrap();
+    }
+    let mixed: Vec<WriteRequest<'_>> = (0..6)
+        .map(|i| WriteRequest {
+            wr_id: 100 + i as u64,
+            local: &src,
+            offset: 0,
+            len: 16,
+            remote: at(&target, 64 * i as u64),
+            imm: (i % 2 == 1).then_some(600 + i as u32),
+        })
+        .collect();
+    p.ep.write_batch(&mixed).unwrap();
+    let received: Vec<_> = poll_n(&mut p.target_cq, 3)
+        .iter()
+        .map(|c| (c.wr_id, c.status, c.imm, c.byte_len))
+        .collect();
+    assert_eq!(
+        received,
+        [
+            (2000, Status::Success, 601, 16),
+            (2001, Status::Success, 603, 16),
+            (2002, Status::Success, 605, 16)
+        ]
+    );
+    let done: Vec<_> = poll_n(&mut p.cq, 6)
+        .iter()
+        .map(|c| (c.wr_id, c.opcode, c.status))
+        .collect();
+    let want: Vec<_> = (0..6u64)
+        .map(|i| {
+            let opcode = if i % 2 == 1 {
+                Opcode::WriteWithImm
+            } else {
+                Opcode::Write
+            };
+            (100 + i, opcode, Status::Success)
+        })
+        .collect();
+    assert_eq!(done, want);
+}
+
+/// A batch is posted whole or not at all: one longer than the send queue,
+/// one with a bad local range, and one the send queue has no room for now
+/// are refused, and nothing of them reaches the peer; the same batch goes
+/// once there is room.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn a_batch_without_room_is_refused_whole(#[case] provider: &str) {
+    let opts = EndpointOptions {
+        send_depth: 8,
+        recv_depth: 16,
+        ..EndpointOptions::default()
+    };
+    let mut p = Pair::with(provider, &opts, 256);
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let mut src = p.domain.register(4096, Access::LOCAL).unwrap();
+    src.fill(.., 0xAB);
+    // Writes-with-immediate `base..base + n`, to bytes `8 * base..` of the target.
+    let batch = |base: u64, n: u64| -> Vec<WriteRequest<'_>> {
+        (base..base + n)
+            .map(|i| WriteRequest {
+                wr_id: i,
+                local: &src,
+                offset: 0,
+                len: 8,
+                remote: at(&target, 8 * i),
+                imm: Some(i as u32),
+            })
+            .collect()
+    };
+    let err = p.ep.write_batch(&batch(100, 9)).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let mut bad = batch(200, 3);
+    bad[2].offset = 4090;
+    assert!(p.ep.write_batch(&bad).is_err(), "8 bytes at 4090 of 4096");
+    // Five writes-with-immediate wait for receives the target has not
+    // posted, so they stay in the send queue: four more do not fit.
+    for i in 0..5u64 {
+        p.ep.write_with_imm(i, &src, 0, 8, at(&target, 8 * i), i as u32)
+            .unwrap();
+    }
+    let err = p.ep.write_batch(&batch(300, 4)).unwrap_err();
+    assert!(matches!(err, Error::QueueFull { .. }), "{err}");
+
+    for i in 0..16 {
+        p.target.post_recv(1000 + i).unwrap();
+    }
+    let imms: Vec<_> = poll_n(&mut p.target_cq, 5).iter().map(|c| c.imm).collect();
+    assert_eq!(imms, [0, 1, 2, 3, 4], "only the single writes went");
+    assert_eq!(poll_n(&mut p.cq, 5).len(), 5);
+    p.ep.write_batch(&batch(400, 4)).unwrap();
+    let got: Vec<_> = poll_n(&mut p.target_cq, 4)
+        .iter()
+        .map(|c| (c.status, c.imm))
+        .collect();
+    assert_eq!(
+        got,
+        (400..404).map(|i| (Status::Success, i)).collect::<Vec<_>>()
+    );
+    let done: Vec<_> = poll_n(&mut p.cq, 4).iter().map(|c| c.wr_id).collect();
+    assert_eq!(done, [400, 401, 402, 403]);
+    assert!(
+        target.read_to_vec(800..2432).iter().all(|&b| b == 0),
+        "refused batches wrote nothing"
+    );
+    assert_eq!(target.read_to_vec(3200..3232), [0xAB; 32]);
+    assert_no_completion(&mut p.target_cq);
+}
+
+/// An empty batch posts nothing and completes nothing.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn an_empty_batch_does_nothing(#[case] provider: &str) {
+    let mut p = Pair::new(provider);
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let src = p.domain.register(64, Access::LOCAL).unwrap();
+    p.ep.write_batch(&[]).unwrap();
+    assert_no_completion(&mut p.cq);
+    p.target.post_recv(7).unwrap();
+    p.ep.write_with_imm(1, &src, 0, 8, at(&target, 0), 77)
+        .unwrap();
+    let c = poll_one(&mut p.target_cq);
+    assert_eq!(
+        (c.wr_id, c.imm),
+        (7, 77),
+        "the next write is the first to arrive"
+    );
+    assert_eq!(poll_one(&mut p.cq).wr_id, 1);
+    assert_no_completion(&mut p.cq);
 }
 
 /// Fetch-and-add from several threads, each with its own endpoint and
@@ -861,7 +1082,7 @@ fn writes_complete_after_the_target_stops_polling(#[case] provider: &str) {
 }
 
 /// A peer that closes: posted receives, outstanding and later operations
-/// complete with an error.
+/// (a later batch's writes too, each) complete with an error.
 #[rstest]
 #[case::tcp("tcp")]
 #[case::shm("shm")]
@@ -893,6 +1114,25 @@ fn closed_peer_fails_operations(#[case] provider: &str) {
         "peer loss took {:?}",
         start.elapsed()
     );
+    let later: Vec<WriteRequest<'_>> = (7..10)
+        .map(|i| WriteRequest {
+            wr_id: i,
+            local: &src,
+            offset: 0,
+            len: 8,
+            remote: region.descriptor().at(0),
+            imm: Some(i as u32),
+        })
+        .collect();
+    p.ep.write_batch(&later).unwrap();
+    let got: Vec<_> = poll_n(&mut p.cq, 3)
+        .iter()
+        .map(|c| (c.wr_id, c.opcode, c.status))
+        .collect();
+    let want: Vec<_> = (7..10)
+        .map(|i| (i, Opcode::WriteWithImm, Status::PeerLost))
+        .collect();
+    assert_eq!(got, want, "a later batch");
 }
 
 /// A peer process killed with SIGKILL: outstanding and later operations

@@ -37,29 +37,37 @@ impl CqShared {
         self.depth
     }
 
-    /// Claims room for one completion. Hot path.
+    /// Claims room for `n` completions, all or none. Hot path.
     #[inline]
-    pub(super) fn reserve(&self) -> bool {
-        if self.reserved.fetch_add(1, Ordering::AcqRel) >= self.depth {
-            self.reserved.fetch_sub(1, Ordering::AcqRel);
+    pub(super) fn reserve_n(&self, n: usize) -> bool {
+        if self.reserved.fetch_add(n, Ordering::AcqRel) + n > self.depth {
+            self.reserved.fetch_sub(n, Ordering::AcqRel);
             return false;
         }
         true
     }
 
-    /// Gives back a claim that will not be used. Hot path.
+    /// Gives back `n` claims that will not be used. Hot path.
     #[inline]
-    pub(super) fn unreserve(&self) {
-        self.reserved.fetch_sub(1, Ordering::AcqRel);
+    pub(super) fn unreserve(&self, n: usize) {
+        self.reserved.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// Pushes a completion into reserved room and wakes a sleeping owner.
     /// Hot path: no syscall unless the owner sleeps.
     #[inline]
     pub(super) fn push(&self, completion: Completion, slot: u32) {
+        self.push_quietly(completion, slot);
+        self.wake_if_sleeping();
+    }
+
+    /// Pushes a completion into reserved room without waking the owner:
+    /// the caller calls [`CqShared::wake_if_sleeping`] after its last.
+    /// Hot path.
+    #[inline]
+    pub(super) fn push_quietly(&self, completion: Completion, slot: u32) {
         let pushed = self.queue.push((completion, slot));
         debug_assert!(pushed.is_ok(), "a reserved completion slot was taken");
-        self.wake_if_sleeping();
     }
 
     /// Wakes the owner if it announced it sleeps. Hot path: one fence and

@@ -203,8 +203,14 @@ impl Outbound {
     /// Whether one more notification fits. Hot path.
     #[inline]
     pub(super) fn has_room(&self) -> bool {
+        self.has_room_for(1)
+    }
+
+    /// Whether `n` more notifications fit. Hot path.
+    #[inline]
+    pub(super) fn has_room_for(&self, n: u64) -> bool {
         let tail = self.tail.get();
-        if tail.wrapping_sub(self.head_seen.get()) < self.cap {
+        if tail.wrapping_sub(self.head_seen.get()) + n <= self.cap {
             return true;
         }
         let head = self.header().head.0.load(Ordering::Acquire);
@@ -213,7 +219,7 @@ impl Outbound {
             return false;
         }
         self.head_seen.set(head);
-        tail.wrapping_sub(head) < self.cap
+        tail.wrapping_sub(head) + n <= self.cap
     }
 
     /// Publishes a notification (call [`Outbound::has_room`] first).
@@ -221,6 +227,15 @@ impl Outbound {
     /// no syscall.
     #[inline]
     pub(super) fn push(&self, imm: u32, byte_len: u32) -> Wake {
+        self.stage(imm, byte_len);
+        self.publish()
+    }
+
+    /// Writes a notification after those staged before it, unseen by the
+    /// consumer until [`Outbound::publish`] (call
+    /// [`Outbound::has_room_for`] first, for all to be staged). Hot path.
+    #[inline]
+    pub(super) fn stage(&self, imm: u32, byte_len: u32) {
         let tail = self.tail.get();
         let index = (tail & (self.cap - 1)) as usize;
         // SAFETY: index < cap, inside the mapping (checked in new); 8-byte
@@ -237,8 +252,15 @@ impl Outbound {
             Ordering::Relaxed,
         );
         self.tail.set(tail.wrapping_add(1));
+    }
+
+    /// Publishes the notifications staged so far, all at once: one
+    /// doorbell. Returns how to wake the consumer if it announced it
+    /// sleeps. Hot path: no syscall.
+    #[inline]
+    pub(super) fn publish(&self) -> Wake {
         let h = self.header();
-        h.tail.0.store(tail.wrapping_add(1), Ordering::Release);
+        h.tail.0.store(self.tail.get(), Ordering::Release);
         // Pairs with the consumer's fence between announcing sleep and its
         // last look at `tail`: either it sees our entry or we see its flag.
         fence(Ordering::SeqCst);
@@ -302,6 +324,34 @@ mod tests {
         inbound.set_sleeping(7);
         assert_eq!(out.push(5, 5), Wake::Socket);
         assert_eq!(inbound.ready(0), Some(5));
+    }
+
+    #[test]
+    fn staged_notifications_appear_together_when_published() {
+        let inbound = Inbound::new(16).unwrap();
+        let map = Mapping::new(inbound.fd(), ring_bytes(16), true).unwrap();
+        let out = Outbound::new(map, 16);
+        assert!(out.has_room_for(16));
+        assert!(!out.has_room_for(17));
+        out.stage(1, 10);
+        out.stage(2, 20);
+        out.stage(3, 30);
+        assert_eq!(
+            inbound.ready(0),
+            Some(0),
+            "nothing is seen before publishing"
+        );
+        inbound.set_sleeping(SLEEP_FUTEX);
+        assert_eq!(out.publish(), Wake::Futex, "one wake-up for the three");
+        assert_eq!(inbound.ready(0), Some(3));
+        assert_eq!(
+            [inbound.entry(0), inbound.entry(1), inbound.entry(2)],
+            [(1, 10), (2, 20), (3, 30)]
+        );
+        assert!(out.has_room_for(13));
+        assert!(!out.has_room_for(14), "unconsumed entries take room");
+        inbound.release(3);
+        assert!(out.has_room_for(16));
     }
 
     #[test]

@@ -42,10 +42,12 @@ use super::wake;
 use crate::completion::{Completion, Opcode, Status};
 use crate::error::{Error, Result};
 use crate::memory::{Buffer, PeerView, RemoteAddr};
-use crate::provider::{self, Local, LocalWord};
+use crate::provider::{self, Local, LocalWord, Write, Writes};
 use crate::registry::Registry;
 use crate::EndpointOptions;
 
+/// Frames of a batch numbered and sent together (one `writev`).
+const BATCH_FRAMES: usize = 32;
 /// Bytes read from the socket at once into the staging buffer.
 const STAGING: usize = 64 * 1024;
 /// Requests after which an acknowledgement goes out on its own, so a
@@ -273,21 +275,20 @@ impl provider::Endpoint for TcpEndpoint {
         remote: RemoteAddr,
         imm: Option<u32>,
     ) -> Result<()> {
-        let len = local.len();
-        let (kind, opcode, arg1) = match imm {
-            Some(imm) => (FrameKind::WriteImm, Opcode::WriteWithImm, u64::from(imm)),
-            None => (FrameKind::Write, Opcode::Write, 0),
-        };
-        let header = FrameHeader {
-            rkey: remote.rkey,
-            addr: remote.addr,
-            arg0: len as u64,
-            arg1,
-            ..FrameHeader::new(kind)
-        };
-        let payload = (len > 0).then_some((local.buf(), local.offset(), len));
+        let (op, payload) = write_op(Write {
+            wr_id,
+            local,
+            remote,
+            imm,
+        });
         self.shared
-            .post(header, payload, wr_id, opcode, len as u32, None)
+            .post(op.header, payload, wr_id, op.opcode, op.len, None)
+    }
+
+    /// Hot path: the frames leave in one `writev` when this thread claims
+    /// the connection state (see [`EpShared::post_batch`]).
+    fn write_batch(&self, writes: Writes<'_>) -> Result<()> {
+        self.shared.post_batch(writes)
     }
 
     fn read(&self, wr_id: u64, local: Local<'_>, remote: RemoteAddr) -> Result<()> {
@@ -372,6 +373,35 @@ impl provider::Endpoint for TcpEndpoint {
     }
 }
 
+/// The bytes a frame sends after its header: `(buffer, offset, len)`.
+type Payload<'a> = Option<(&'a Arc<Buffer>, usize, usize)>;
+
+/// The request frame of a write, and the bytes it sends. Hot path.
+#[inline]
+fn write_op(w: Write<'_>) -> (Op, Payload<'_>) {
+    let len = w.local.len();
+    let (kind, opcode, arg1) = match w.imm {
+        Some(imm) => (FrameKind::WriteImm, Opcode::WriteWithImm, u64::from(imm)),
+        None => (FrameKind::Write, Opcode::Write, 0),
+    };
+    let header = FrameHeader {
+        rkey: w.remote.rkey,
+        addr: w.remote.addr,
+        arg0: len as u64,
+        arg1,
+        ..FrameHeader::new(kind)
+    };
+    let op = Op {
+        header,
+        wr_id: w.wr_id,
+        opcode,
+        len: len as u32,
+        dst: None,
+    };
+    let payload = (len > 0).then_some((w.local.buf(), w.local.offset(), len));
+    (op, payload)
+}
+
 impl Drop for TcpEndpoint {
     fn drop(&mut self) {
         let shared = &self.shared;
@@ -452,15 +482,88 @@ impl EpShared {
         Ok(())
     }
 
-    /// Numbers a request, makes it outstanding and sends it (what the
-    /// socket does not take waits in the transmit queue). Returns whether
-    /// bytes wait there.
-    fn start(
-        &self,
-        st: &mut EpState,
-        op: Op,
-        payload: Option<(&Arc<Buffer>, usize, usize)>,
-    ) -> bool {
+    /// Posts a batch of writes: room for all of them in the send queue is
+    /// claimed first, so the batch is posted whole or not at all. Then as
+    /// [`EpShared::post`]: the frames leave from this thread, together,
+    /// when it can claim the connection state, and otherwise are handed
+    /// over in order to the thread holding it. A batch on a failed
+    /// connection is posted too, and completes with `PeerLost`. Hot path.
+    fn post_batch(&self, writes: Writes<'_>) -> Result<()> {
+        let n = writes.len();
+        writes.check_depth(self.send_depth)?;
+        if self.in_flight.fetch_add(n, Ordering::AcqRel) + n > self.send_depth {
+            self.in_flight.fetch_sub(n, Ordering::AcqRel);
+            return Err(Error::QueueFull {
+                what: "the send queue",
+                depth: self.send_depth,
+            });
+        }
+        if let Some(mut st) = self.state.try_claim() {
+            // Requests handed over earlier go first.
+            let queued = self.take_handed_over(&mut st) | self.start_batch(&mut st, writes);
+            self.release(st, queued);
+            return Ok(());
+        }
+        for w in writes.iter() {
+            let (op, payload) = write_op(w);
+            let request = Request {
+                op,
+                payload: payload.map(|(buf, off, len)| (buf.clone(), off, len)),
+            };
+            // Cannot fail: in_flight, which counted the whole batch, bounds
+            // the hand-over to its capacity.
+            let pushed = self.handover.push(request).is_ok();
+            debug_assert!(pushed, "the hand-over overflowed");
+            #[cfg(test)]
+            self.handed_over.fetch_add(1, Ordering::Relaxed);
+        }
+        // As in `post`.
+        fence(Ordering::SeqCst);
+        match self.state.try_claim() {
+            Some(mut st) => {
+                let queued = self.take_handed_over(&mut st);
+                self.release(st, queued);
+            }
+            None => std::thread::yield_now(),
+        }
+        Ok(())
+    }
+
+    /// Numbers the writes of a batch, makes them outstanding and sends
+    /// them, [`BATCH_FRAMES`] frames to a `writev`. Returns whether bytes
+    /// wait in the transmit queue.
+    fn start_batch(&self, st: &mut EpState, writes: Writes<'_>) -> bool {
+        let mut headers = [FrameHeader::new(FrameKind::Write); BATCH_FRAMES];
+        let mut payloads: [Payload<'_>; BATCH_FRAMES] = [None; BATCH_FRAMES];
+        let mut k = 0;
+        for w in writes.iter() {
+            let (op, payload) = write_op(w);
+            headers[k] = self.make_outstanding(st, op);
+            payloads[k] = payload;
+            k += 1;
+            if k == BATCH_FRAMES {
+                if st.dead_reason.is_none() {
+                    self.send_frames(st, &mut headers, &payloads);
+                }
+                k = 0;
+            }
+        }
+        if k > 0 && st.dead_reason.is_none() {
+            self.send_frames(st, &mut headers[..k], &payloads[..k]);
+        }
+        if st.dead_reason.is_some() {
+            // The batch fails with PeerLost; a waiter on another thread is told.
+            if self.flush_dead(st) {
+                self.cq.notify();
+            }
+            return false;
+        }
+        !st.txq.is_empty()
+    }
+
+    /// Numbers a request and makes it outstanding; returns its frame.
+    #[inline]
+    fn make_outstanding(&self, st: &mut EpState, op: Op) -> FrameHeader {
         let seq = st.next_seq;
         st.next_seq = next_seq(seq);
         let mut header = op.header;
@@ -472,6 +575,19 @@ impl EpShared {
             len: op.len,
             dst: op.dst,
         });
+        header
+    }
+
+    /// Numbers a request, makes it outstanding and sends it (what the
+    /// socket does not take waits in the transmit queue). Returns whether
+    /// bytes wait there.
+    fn start(
+        &self,
+        st: &mut EpState,
+        op: Op,
+        payload: Option<(&Arc<Buffer>, usize, usize)>,
+    ) -> bool {
+        let header = self.make_outstanding(st, op);
         if st.dead_reason.is_none() {
             self.send(st, header, payload);
         }

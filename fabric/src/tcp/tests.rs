@@ -167,6 +167,62 @@ fn a_post_finding_the_state_held_is_sent_by_its_holder() {
     );
 }
 
+/// A batch that finds the connection state held is handed over whole, in
+/// order, behind an earlier hand-over, and sent by the next holder.
+#[test]
+fn a_batch_finding_the_state_held_is_sent_in_order_by_its_holder() {
+    let Pair {
+        ep,
+        target,
+        mut cq,
+        mut target_cq,
+        domain,
+        target_domain,
+        ..
+    } = Pair::new("tcp");
+    let tcp = tcp_ep(&ep);
+    let region = target_domain.register(4096, Access::REMOTE_WRITE).unwrap();
+    let src = domain.register(64, Access::LOCAL).unwrap();
+    for i in 0..5 {
+        target.post_recv(i).unwrap();
+    }
+    let writes: Vec<crate::WriteRequest<'_>> = (1..4u32)
+        .map(|i| crate::WriteRequest {
+            wr_id: u64::from(i),
+            local: &src,
+            offset: 0,
+            len: 8,
+            remote: region.descriptor().at(8 * u64::from(i)),
+            imm: Some(i),
+        })
+        .collect();
+    let held = tcp.hold_state();
+    ep.write_with_imm(0, &src, 0, 8, region.descriptor().at(0), 0)
+        .unwrap();
+    ep.write_batch(&writes).unwrap();
+    assert_eq!(
+        tcp.handed_over(),
+        4,
+        "the post and the batch were handed over"
+    );
+    drop(held);
+    ep.write_with_imm(4, &src, 0, 8, region.descriptor().at(32), 4)
+        .unwrap();
+    let got: Vec<_> = crate::testing::poll_n(&mut target_cq, 5)
+        .iter()
+        .map(|c| (c.wr_id, c.status, c.imm))
+        .collect();
+    assert_eq!(
+        got,
+        [0, 1, 2, 3, 4].map(|i| (u64::from(i), Status::Success, i))
+    );
+    let done: Vec<_> = crate::testing::poll_n(&mut cq, 5)
+        .iter()
+        .map(|c| (c.wr_id, c.status))
+        .collect();
+    assert_eq!(done, [0, 1, 2, 3, 4].map(|i| (i, Status::Success)));
+}
+
 /// Endpoints enough that their completion queues poll by readiness: `n`
 /// connections between two domains, the dialled ends on one queue and the
 /// accepted ends on another.

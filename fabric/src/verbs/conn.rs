@@ -5,7 +5,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicU8, AtomicUsize};
 use std::sync::Arc;
 
 use rdma_sys::{rdma_cm_event_type, rdma_disconnect};
@@ -48,6 +48,7 @@ impl Conn {
                 fate: AtomicU8::new(Fate::Alive as u8),
                 peer,
                 device: device.to_owned(),
+                sends: AtomicUsize::new(0),
             }),
             qp,
             id,

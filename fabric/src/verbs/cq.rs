@@ -262,6 +262,11 @@ impl provider::CompletionQueue for VerbsCq {
                     // Its endpoint was dropped and reclaimed the slot.
                     continue;
                 };
+                if data.opcode != Opcode::RecvWithImm {
+                    if let Some(conn) = &data.conn {
+                        conn.send_polled();
+                    }
+                }
                 let view = WcView::of(wc);
                 out[filled] = complete(&view, &data);
                 filled += 1;

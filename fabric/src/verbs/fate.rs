@@ -2,7 +2,7 @@
 //! that completions and the monitor look at ([`ConnShared`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use crate::error::Error;
 
@@ -66,9 +66,18 @@ pub(crate) struct ConnShared {
     pub(super) fate: AtomicU8,
     pub(super) peer: String,
     pub(super) device: String,
+    /// Send work requests handed to the NIC whose completions are not
+    /// polled yet: what they take of the send queue, never less than the
+    /// truth (a batch checks its room against it).
+    pub(super) sends: AtomicUsize,
 }
 
 impl ConnShared {
+    /// A send work request of this connection completed (polled).
+    pub(crate) fn send_polled(&self) {
+        self.sends.fetch_sub(1, Ordering::Release);
+    }
+
     pub(crate) fn fate(&self) -> Fate {
         Fate::from_u8(self.fate.load(Ordering::Acquire))
     }
@@ -120,6 +129,7 @@ mod tests {
             fate: AtomicU8::new(Fate::Alive as u8),
             peer: "192.0.2.1:7000".into(),
             device: "rxe0".into(),
+            sends: AtomicUsize::new(0),
         };
         shared.set_fate(Fate::PeerClosed);
         shared.set_fate(Fate::LocalClose);

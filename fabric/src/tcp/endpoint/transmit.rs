@@ -106,6 +106,79 @@ impl EpShared {
         self.flush_tx(st);
     }
 
+    /// Sends frames with one `writev` if the transmit queue is empty, and
+    /// queues what the socket does not take (all of them behind queued
+    /// output). Stamps each with the cumulative ack. At most
+    /// `super::BATCH_FRAMES` frames.
+    pub(super) fn send_frames(
+        &self,
+        st: &mut EpState,
+        headers: &mut [FrameHeader],
+        payloads: &[super::Payload<'_>],
+    ) {
+        const MAX: usize = super::BATCH_FRAMES;
+        debug_assert!(headers.len() <= MAX && headers.len() == payloads.len());
+        if st.unacked > 0 {
+            st.unacked = 0;
+            self.ack_owed.store(false, Ordering::Relaxed);
+        }
+        st.idle_polls = 0;
+        let mut bytes = [[0u8; HEADER_LEN]; MAX];
+        for (h, b) in headers.iter_mut().zip(&mut bytes) {
+            h.ack = st.done_seq;
+            *b = h.encode();
+        }
+        let mut sent = 0;
+        if st.txq.is_empty() {
+            let mut iov = [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 2 * MAX];
+            let mut count = 0;
+            for (b, payload) in bytes.iter().zip(payloads) {
+                iov[count] = libc::iovec {
+                    iov_base: b.as_ptr() as *mut libc::c_void,
+                    iov_len: HEADER_LEN,
+                };
+                count += 1;
+                if let Some((buf, off, len)) = payload {
+                    // SAFETY: off + len lies inside buf (checked when
+                    // posting); only the address is formed here.
+                    let base = unsafe { buf.as_ptr().add(*off) };
+                    iov[count] = libc::iovec {
+                        iov_base: base.cast(),
+                        iov_len: *len,
+                    };
+                    count += 1;
+                }
+            }
+            match self.writev(&iov[..count]) {
+                Ok(n) => sent = n,
+                Err(e) => {
+                    self.fail(st, format!("sending to the peer failed: {e}"));
+                    return;
+                }
+            }
+        }
+        for (b, payload) in bytes.iter().zip(payloads) {
+            let total = HEADER_LEN + payload.map_or(0, |p| p.2);
+            if sent >= total {
+                sent -= total;
+                continue;
+            }
+            st.txq.push_back(TxItem {
+                header: *b,
+                payload: payload.map(|(buf, off, len)| (buf.clone(), off, len)),
+                sent,
+            });
+            sent = 0;
+        }
+        if !st.txq.is_empty() {
+            self.tx_pending.store(true, Ordering::Release);
+            self.flush_tx(st);
+        }
+    }
+
     /// Non-blocking `writev`; `Ok(0)` when the socket is full.
     fn writev(&self, iov: &[libc::iovec]) -> std::io::Result<usize> {
         loop {
