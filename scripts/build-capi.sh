@@ -3,7 +3,7 @@
 #
 #   scripts/build-capi.sh [--debug] [PREFIX]    default PREFIX: target/capi-prefix
 #
-#   PREFIX/lib/librfaas.so.0 (its SONAME) and the link librfaas.so to it,
+#   PREFIX/lib/librfaas.so.1 (its SONAME) and the link librfaas.so to it,
 #   PREFIX/lib/librfaas.a, PREFIX/include/rfaas.h, PREFIX/lib/pkgconfig/rfaas.pc
 #
 # By default: a release build with the tcp and shm providers. --debug
@@ -54,8 +54,8 @@ fi
 
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 install -d "$prefix/lib/pkgconfig" "$prefix/include"
-install -m 0755 "$target/$profile/librfaas.so" "$prefix/lib/librfaas.so.0"
-ln -sfn librfaas.so.0 "$prefix/lib/librfaas.so"
+install -m 0755 "$target/$profile/librfaas.so" "$prefix/lib/librfaas.so.1"
+ln -sfn librfaas.so.1 "$prefix/lib/librfaas.so"
 install -m 0644 "$target/$profile/librfaas.a" "$prefix/lib/librfaas.a"
 install -m 0644 "$header" "$prefix/include/rfaas.h"
 sed -e "s|@PREFIX@|$prefix|" -e "s|@VERSION@|$version|" \

@@ -14,7 +14,7 @@
 # - every ELF file in the RPMs asks for no glibc symbol version newer than
 #   2.28 (objdump -T), the glibc of EL8; the newest libibverbs and librdmacm
 #   versions they ask for are printed (EL8's rdma-core must have them);
-# - librfaas has the SONAME librfaas.so.0 in both formats.
+# - librfaas has the SONAME librfaas.so.1 in both formats.
 #
 # Each failure names the package, what was expected and what was found.
 set -euo pipefail
@@ -135,15 +135,15 @@ echo "newest librdmacm symbol version asked for: $(newest RDMACM_ "$work/root")"
 
 echo "== librfaas SONAME"
 soname_of() { readelf -d "$1" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p'; }
-lib=$work/root/rfaas-client/usr/lib64/librfaas.so.0
-[ "$(soname_of "$lib" 2>/dev/null)" = librfaas.so.0 ] ||
-    fail "rfaas-client RPM: /usr/lib64/librfaas.so.0 has SONAME '$(soname_of "$lib" 2>/dev/null)', not librfaas.so.0"
+lib=$work/root/rfaas-client/usr/lib64/librfaas.so.1
+[ "$(soname_of "$lib" 2>/dev/null)" = librfaas.so.1 ] ||
+    fail "rfaas-client RPM: /usr/lib64/librfaas.so.1 has SONAME '$(soname_of "$lib" 2>/dev/null)', not librfaas.so.1"
 for deb in "$dir"/rfaas-client_*.deb; do
     dpkg-deb -x "$deb" "$work/deb"
-    lib=$work/deb/usr/lib/x86_64-linux-gnu/librfaas.so.0
+    lib=$work/deb/usr/lib/x86_64-linux-gnu/librfaas.so.1
     got=$(soname_of "$lib" 2>/dev/null || true)
-    [ "$got" = librfaas.so.0 ] || fail "$deb: librfaas.so.0 has SONAME '$got', not librfaas.so.0"
-    echo "$(basename "$deb"): librfaas.so.0 has SONAME $got"
+    [ "$got" = librfaas.so.1 ] || fail "$deb: librfaas.so.1 has SONAME '$got', not librfaas.so.1"
+    echo "$(basename "$deb"): librfaas.so.1 has SONAME $got"
 done
 
 echo "stage: package checks: $((SECONDS - start)) s"

@@ -220,8 +220,8 @@ build_deb() {
         --maintainer "$MAINTAINER" -o "$OUT" "${args[@]}")
     case "$name" in
     rfaas-client)
-        # librfaas.so.0's users depend on this package (lintian: no-shlibs).
-        deb_rewrite "$deb" '' DEBIAN/shlibs "librfaas 0 rfaas-client (>= $version)"
+        # librfaas.so.1's users depend on this package (lintian: no-shlibs).
+        deb_rewrite "$deb" '' DEBIAN/shlibs "librfaas 1 rfaas-client (>= $version)"
         ;;
     rfaas-slurm)
         local lib pkg v next

@@ -111,8 +111,8 @@ for f in executord manager accounting billing; do
 done
 [ "$(stat -c %a /var/lib/rfaas)" = 700 ] || fail "/var/lib/rfaas has mode $(stat -c %a /var/lib/rfaas), not 700"
 getent passwd rfaas >/dev/null || fail "no system user rfaas"
-[ -L /usr/lib/x86_64-linux-gnu/librfaas.so ] && ldconfig -p | grep -q "librfaas.so.0 " ||
-    fail "librfaas.so.0 is not in the linker cache"
+[ -L /usr/lib/x86_64-linux-gnu/librfaas.so ] && ldconfig -p | grep -q "librfaas.so.1 " ||
+    fail "librfaas.so.1 is not in the linker cache"
 s=/etc/slurm/plugstack.conf.d/rfaas.conf
 grep -q "rfaas_spank.so" $s || fail "$s does not name the plugin"
 ! grep -v "^#" $s | grep -q . || fail "$s has a line that is not commented out"

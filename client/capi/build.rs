@@ -4,9 +4,10 @@
 //! its timestamp) alone, and `scripts/build-capi.sh` can fail on a stale
 //! checked-in copy.
 //!
-//! It also gives `librfaas.so` the SONAME `librfaas.so.0`: programs linked
-//! against it record that name, so a package can ship `librfaas.so.0` for
-//! them and an incompatible `librfaas.so.1` later beside it.
+//! It also gives `librfaas.so` the SONAME `librfaas.so.1`: programs linked
+//! against it record that name, so a package can ship `librfaas.so.1` for
+//! them and an incompatible `librfaas.so.2` later beside it. (1 since
+//! `rfaas_alloc_options` grew `lanes` and `slots`.)
 
 use std::path::PathBuf;
 
@@ -17,7 +18,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cbindgen.toml");
     // The major version of the C ABI; raise it with any incompatible change
     // to rfaas.h (docs/c-api.md, docs/packages.md).
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,librfaas.so.0");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,librfaas.so.1");
 
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml"))
         .unwrap_or_else(|e| panic!("cannot read client/capi/cbindgen.toml: {e}"));

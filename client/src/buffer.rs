@@ -199,6 +199,25 @@ impl<T: Pod> Buffer<T> {
         })
     }
 
+    /// Another handle on the same registered memory, for bindings whose
+    /// callers hand a buffer to a [`Pipeline`](crate::Pipeline) by
+    /// reference (the C library). Not for Rust programs: move the buffer
+    /// itself.
+    ///
+    /// # Safety
+    ///
+    /// While the alias is in a pipeline call, the caller neither reads nor
+    /// writes the buffer through another handle, nor uses it in another
+    /// call.
+    #[doc(hidden)]
+    pub unsafe fn alias(&self) -> Buffer<T> {
+        Buffer {
+            shared: Arc::clone(&self.shared),
+            len: self.len,
+            _t: PhantomData,
+        }
+    }
+
     /// Elements.
     pub fn len(&self) -> usize {
         self.len

@@ -141,6 +141,11 @@ impl<'a, I: Pod, O: Pod> Pipeline<'a, I, O> {
         self.in_flight
     }
 
+    /// The allocation it runs on.
+    pub fn allocation(&self) -> &'a Allocation {
+        self.alloc
+    }
+
     /// The lane it runs on.
     pub fn lane(&self) -> usize {
         self.lane.index

@@ -14,6 +14,11 @@
 #include <stdint.h>
 
 /**
+ * The call id `rfaas_pipeline_*_any` reports when it reports no call.
+ */
+#define RFAAS_NO_CALL UINT64_MAX
+
+/**
  * What a call returned. `RFAAS_OK` (0) is success; `RFAAS_PENDING` is
  * `rfaas_test`'s "not yet"; every other value is a failure whose message
  * `rfaas_last_error()` gives.
@@ -447,6 +452,22 @@ typedef struct rfaas_lease rfaas_lease;
 typedef struct rfaas_managers rfaas_managers;
 
 /**
+ * One lane of an allocation taken for many calls at once, from
+ * `rfaas_pipeline_new`: as many in flight as the allocation has slots per
+ * lane (`rfaas_alloc_options.slots`). Submit with `rfaas_pipeline_submit`
+ * (`RFAAS_ERR_SLOTS_FULL` when every slot is taken: it never blocks),
+ * collect with `rfaas_pipeline_test_any`, `rfaas_pipeline_wait_any` or
+ * `rfaas_pipeline_spin_any`, which report each call once, by the id its
+ * submission returned, in the order the worker finished them. Use it from
+ * one thread at a time; free it with `rfaas_pipeline_free`.
+ *
+ * A call's buffers are the worker's from its submission until it is
+ * reported: do not read, write, free or reuse them before (see
+ * `rfaas_buffer`).
+ */
+typedef struct rfaas_pipeline rfaas_pipeline;
+
+/**
  * What a thread's last failure was, besides its message: what to do next,
  * whether the allocation still takes calls, and the signal that ended its
  * worker. From `rfaas_last_error_info()`.
@@ -483,8 +504,8 @@ typedef struct rfaas_error_info {
  */
 typedef struct rfaas_alloc_options {
   /**
-   * Worker threads (lanes), one core each: invocations in flight at
-   * once. 1 to 65535. Default 1.
+   * Worker threads, one core each: how many functions run at once. 1 to
+   * 65535. Default 1.
    */
   uint32_t cores;
   /**
@@ -522,6 +543,18 @@ typedef struct rfaas_alloc_options {
    * the worker) instead of copied. 0 or 1. Default 0.
    */
   uint32_t read_only_input;
+  /**
+   * Lanes: connections to the worker, each taken by one `rfaas_submit`
+   * or one `rfaas_pipeline`; the `cores` threads serve them all. 0 to
+   * 65535; 0 means one per core. Default 0.
+   */
+  uint32_t lanes;
+  /**
+   * Slots per lane: the calls one `rfaas_pipeline` keeps in flight. A
+   * power of two up to 64; 0 means one. Each slot holds an input and an
+   * output buffer in the worker's memory. Default 0.
+   */
+  uint32_t slots;
 } rfaas_alloc_options;
 
 #ifdef __cplusplus
@@ -571,8 +604,9 @@ struct rfaas_error_info rfaas_last_error_info(void);
 uint32_t rfaas_last_retries(void);
 
 /**
- * The defaults: 1 core, 256 MiB, hot-then-warm with 5 ms of polling,
- * 64 KiB input capacity, 1 MiB output capacity, the executor's deadline.
+ * The defaults: 1 core, a lane per core, one slot per lane, 256 MiB,
+ * hot-then-warm with 5 ms of polling, 64 KiB input capacity, 1 MiB output
+ * capacity, the executor's deadline.
  */
 struct rfaas_alloc_options rfaas_alloc_options_default(void);
 
@@ -1103,6 +1137,112 @@ rfaas_status rfaas_invoke_retrying(struct rfaas_allocation *alloc,
                                    struct rfaas_buffer *out,
                                    size_t *out_len,
                                    uint32_t retries);
+
+/**
+ * Takes an idle lane of `alloc` for a pipeline (`RFAAS_ERR_ALL_LANES_BUSY`
+ * when none is idle). On success `*out` is the pipeline.
+ *
+ * # Safety
+ *
+ * `alloc` is NULL or a live allocation; `out` is NULL or writable.
+ */
+rfaas_status rfaas_pipeline_new(const struct rfaas_allocation *alloc, struct rfaas_pipeline **out);
+
+/**
+ * The calls the pipeline holds in flight at most (its lane's slots); 0
+ * for NULL.
+ *
+ * # Safety
+ *
+ * `pipe` is NULL or a live pipeline.
+ */
+uint32_t rfaas_pipeline_slots(const struct rfaas_pipeline *pipe);
+
+/**
+ * The calls in flight (submitted and not yet reported); 0 for NULL.
+ *
+ * # Safety
+ *
+ * `pipe` is NULL or a live pipeline.
+ */
+uint32_t rfaas_pipeline_in_flight(const struct rfaas_pipeline *pipe);
+
+/**
+ * Starts the function with table index `function` on the first
+ * `in_bytes` bytes of `in`, its output to `out`, and returns at once;
+ * `*call_id` (when not NULL) is the call's id, numbered from 0 in
+ * submission order. `RFAAS_ERR_SLOTS_FULL` when every slot has a call in
+ * flight: collect one first.
+ *
+ * Hot path: no lock, no allocation.
+ *
+ * # Safety
+ *
+ * `pipe` is NULL or a live pipeline no other thread uses; `in` and `out`
+ * are NULL or two distinct live buffers of its allocation, alive and
+ * untouched until the call is reported (or the pipeline freed); `call_id`
+ * is NULL or writable.
+ */
+rfaas_status rfaas_pipeline_submit(struct rfaas_pipeline *pipe,
+                                   uint32_t function,
+                                   const struct rfaas_buffer *in,
+                                   size_t in_bytes,
+                                   struct rfaas_buffer *out,
+                                   uint64_t *call_id);
+
+/**
+ * A call that has ended, if one has; never waits. `RFAAS_PENDING` (not a
+ * failure) when none has, with `*call_id` set to `RFAAS_NO_CALL`.
+ * Otherwise as `rfaas_pipeline_wait_any`.
+ *
+ * # Safety
+ *
+ * As for `rfaas_pipeline_wait_any`.
+ */
+rfaas_status rfaas_pipeline_test_any(struct rfaas_pipeline *pipe,
+                                     uint64_t *call_id,
+                                     size_t *out_len);
+
+/**
+ * Waits for a call to end, sleeping in the kernel, and reports it: sets
+ * `*call_id` (when not NULL) to its id and returns its status, with
+ * `*out_len` (when not NULL) its output length in bytes on `RFAAS_OK`.
+ * The call's buffers are the caller's again. `*call_id` is
+ * `RFAAS_NO_CALL` when no call is reported (none is in flight:
+ * `RFAAS_ERR_INVALID_ARGUMENT`).
+ *
+ * # Safety
+ *
+ * `pipe` is NULL or a live pipeline no other thread uses; `call_id` and
+ * `out_len` are NULL or writable.
+ */
+rfaas_status rfaas_pipeline_wait_any(struct rfaas_pipeline *pipe,
+                                     uint64_t *call_id,
+                                     size_t *out_len);
+
+/**
+ * `rfaas_pipeline_wait_any` by busy-polling (see `rfaas_spin`).
+ *
+ * # Safety
+ *
+ * As for `rfaas_pipeline_wait_any`.
+ */
+rfaas_status rfaas_pipeline_spin_any(struct rfaas_pipeline *pipe,
+                                     uint64_t *call_id,
+                                     size_t *out_len);
+
+/**
+ * Frees a pipeline and gives its lane back. NULL is ignored. Calls still
+ * in flight are abandoned: their answers still land in their buffers
+ * (whose memory the library keeps registered until then, even if they
+ * are freed); the lane takes no other call until they have.
+ *
+ * # Safety
+ *
+ * `pipe` is NULL or a pipeline from `rfaas_pipeline_new`, not freed
+ * before.
+ */
+void rfaas_pipeline_free(struct rfaas_pipeline *pipe);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -86,7 +86,7 @@ unsafe fn args<'a>(
 ///
 /// `input` is NULL or a live buffer; `output` is NULL or a live buffer
 /// that nothing else uses during the call.
-unsafe fn buffers<'a>(
+pub(crate) unsafe fn buffers<'a>(
     call: &str,
     alloc: &Allocation,
     function: u32,

@@ -7,8 +7,8 @@
 //! the library never crosses into C: it becomes `RFAAS_ERR_INTERNAL`.
 //!
 //! `build.rs` generates `include/rfaas.h` from these items with cbindgen
-//! and gives `librfaas.so` the SONAME `librfaas.so.0`;
-//! `scripts/build-capi.sh` builds and installs `librfaas.so.0`,
+//! and gives `librfaas.so` the SONAME `librfaas.so.1`;
+//! `scripts/build-capi.sh` builds and installs `librfaas.so.1`,
 //! `librfaas.a`, the header and `rfaas.pc`, and the `rfaas-client` package
 //! ships them (`docs/packages.md`). The guide is `docs/c-api.md`.
 //!
@@ -32,6 +32,8 @@
 //! - [`buffer`]: `rfaas_buffer`, registered page-aligned bytes.
 //! - [`invocation`]: `rfaas_invocation`: submit, wait, spin, test; the
 //!   synchronous `rfaas_invoke`.
+//! - [`pipeline`]: `rfaas_pipeline`: many calls in flight on one lane,
+//!   collected as they end.
 #![allow(non_camel_case_types)]
 
 // In the order rfaas.h presents them (cbindgen follows the modules).
@@ -49,10 +51,13 @@ pub mod buffer;
 
 pub mod invocation;
 
+pub mod pipeline;
+
 pub use buffer::*;
 pub use client::*;
 pub use ffi::{rfaas_error_info, rfaas_last_error, rfaas_last_error_info, rfaas_last_retries};
 pub use invocation::*;
 pub use lease::*;
 pub use options::*;
+pub use pipeline::*;
 pub use status::*;

@@ -26,8 +26,8 @@ pub enum rfaas_mode {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct rfaas_alloc_options {
-    /// Worker threads (lanes), one core each: invocations in flight at
-    /// once. 1 to 65535. Default 1.
+    /// Worker threads, one core each: how many functions run at once. 1 to
+    /// 65535. Default 1.
     pub cores: u32,
     /// The worker's memory limit, MiB. Default 256.
     pub memory_mib: u32,
@@ -50,6 +50,14 @@ pub struct rfaas_alloc_options {
     /// the caller's buffer (read-only: a function that writes to it crashes
     /// the worker) instead of copied. 0 or 1. Default 0.
     pub read_only_input: u32,
+    /// Lanes: connections to the worker, each taken by one `rfaas_submit`
+    /// or one `rfaas_pipeline`; the `cores` threads serve them all. 0 to
+    /// 65535; 0 means one per core. Default 0.
+    pub lanes: u32,
+    /// Slots per lane: the calls one `rfaas_pipeline` keeps in flight. A
+    /// power of two up to 64; 0 means one. Each slot holds an input and an
+    /// output buffer in the worker's memory. Default 0.
+    pub slots: u32,
 }
 
 /// The same layout with `mode` as a plain integer: C may store any value
@@ -66,6 +74,8 @@ struct RawOptions {
     output_capacity: u32,
     deadline_ms: u64,
     read_only_input: u32,
+    lanes: u32,
+    slots: u32,
 }
 
 const _: () = {
@@ -73,8 +83,9 @@ const _: () = {
     assert!(std::mem::align_of::<RawOptions>() == std::mem::align_of::<rfaas_alloc_options>());
 };
 
-/// The defaults: 1 core, 256 MiB, hot-then-warm with 5 ms of polling,
-/// 64 KiB input capacity, 1 MiB output capacity, the executor's deadline.
+/// The defaults: 1 core, a lane per core, one slot per lane, 256 MiB,
+/// hot-then-warm with 5 ms of polling, 64 KiB input capacity, 1 MiB output
+/// capacity, the executor's deadline.
 #[no_mangle]
 pub extern "C" fn rfaas_alloc_options_default() -> rfaas_alloc_options {
     rfaas_alloc_options {
@@ -86,6 +97,8 @@ pub extern "C" fn rfaas_alloc_options_default() -> rfaas_alloc_options {
         output_capacity: 1 << 20,
         deadline_ms: 0,
         read_only_input: 0,
+        lanes: 0,
+        slots: 0,
     }
 }
 
@@ -110,6 +123,8 @@ pub(crate) unsafe fn apply(
             output_capacity: d.output_capacity,
             deadline_ms: d.deadline_ms,
             read_only_input: d.read_only_input,
+            lanes: d.lanes,
+            slots: d.slots,
         }
     } else {
         // SAFETY: the caller promises a readable rfaas_alloc_options, which
@@ -163,7 +178,31 @@ pub(crate) unsafe fn apply(
             ))
         }
     };
+    let lanes = u16::try_from(raw.lanes).map_err(|_| {
+        Failure::invalid(
+            call,
+            format!(
+                "options.lanes is {}; ask for 0 (one per core) to 65535",
+                raw.lanes
+            ),
+        )
+    })?;
+    let slots = u16::try_from(raw.slots)
+        .ok()
+        .filter(|&s| rfaas_proto::control::client::slots_refusal(s).is_none())
+        .ok_or_else(|| {
+            Failure::invalid(
+                call,
+                format!(
+                    "options.slots is {}; use 0 or a power of two up to {}",
+                    raw.slots,
+                    rfaas_proto::control::client::MAX_SLOTS
+                ),
+            )
+        })?;
     Ok(spec
+        .lanes(lanes)
+        .slots(slots)
         .read_only_input(read_only_input)
         .cores(cores)
         .memory_mib(raw.memory_mib)

@@ -252,6 +252,101 @@ fn echo_through_every_way_of_waiting() {
     assert_eq!(&output.bytes()[..10], &expected[..10]);
 }
 
+/// A pipeline from C: four calls in flight on one lane of four slots, a
+/// fifth refused at once, each reported once by its id with its own
+/// output; bad option values refused before connecting.
+#[test]
+fn a_pipeline_keeps_calls_in_flight_and_reports_each_once() {
+    let mut opts = warm();
+    opts.lanes = 1;
+    opts.slots = 4;
+    let f = Fixture::with(ExecutordOptions::default(), opts);
+    let (st, sleep) = f.index("sleep_ms");
+    ok(st);
+    let mut pipe = null_mut();
+    // SAFETY: a live allocation, a valid out-pointer.
+    ok(unsafe { rfaas_pipeline_new(f.alloc, &mut pipe) });
+    // SAFETY: a live pipeline.
+    assert_eq!(unsafe { rfaas_pipeline_slots(pipe) }, 4);
+    // The allocation's one lane is the pipeline's.
+    let (plain_in, plain_out) = (f.buffer(4), f.buffer(4));
+    let mut inv = null_mut();
+    // SAFETY: live handles, a valid out-pointer.
+    let st = unsafe { rfaas_submit(f.alloc, sleep, plain_in.0, 4, plain_out.0, &mut inv) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_ALL_LANES_BUSY, "busy");
+    let bufs: Vec<(Buf, Buf)> = (0..5).map(|_| (f.buffer(4), f.buffer(4))).collect();
+    let mut sent = std::collections::BTreeMap::new();
+    for (i, (input, output)) in bufs.iter().enumerate() {
+        input
+            .bytes()
+            .copy_from_slice(&(10 + i as u32).to_ne_bytes());
+        let mut id = u64::MAX;
+        // SAFETY: live handles; the buffers outlive the calls.
+        let st = unsafe { rfaas_pipeline_submit(pipe, sleep, input.0, 4, output.0, &mut id) };
+        if i < 4 {
+            ok(st);
+            assert_eq!(id, i as u64, "ids count submissions");
+            sent.insert(id, i);
+        } else {
+            assert_failed(st, rfaas_status::RFAAS_ERR_SLOTS_FULL, "slots");
+            assert!(rfaas_status_is_retryable(st as u32));
+        }
+    }
+    // SAFETY: a live pipeline.
+    assert_eq!(unsafe { rfaas_pipeline_in_flight(pipe) }, 4);
+    let (mut id, mut len) = (0u64, 0usize);
+    while !sent.is_empty() {
+        // SAFETY: a live pipeline, valid out-pointers.
+        match unsafe { rfaas_pipeline_test_any(pipe, &mut id, &mut len) } {
+            rfaas_status::RFAAS_PENDING => {
+                assert_eq!(id, RFAAS_NO_CALL);
+                std::thread::yield_now();
+            }
+            st => {
+                ok(st);
+                let i = sent.remove(&id).expect("each call reported once");
+                assert_eq!(len, 4);
+                assert_eq!(bufs[i].1.bytes(), (10 + i as u32).to_ne_bytes(), "call {i}");
+            }
+        }
+    }
+    // Nothing in flight: waiting is a bad argument, and says no call.
+    // SAFETY: as above.
+    let st = unsafe { rfaas_pipeline_wait_any(pipe, &mut id, &mut len) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, "in flight");
+    assert_eq!(id, RFAAS_NO_CALL);
+    // SAFETY: freed once; the lane goes back to the allocation.
+    unsafe { rfaas_pipeline_free(pipe) };
+    ok(f.invoke_u32("echo", 2));
+    // A failing call is reported with its id and its own status.
+    // SAFETY: a live allocation, a valid out-pointer.
+    ok(unsafe { rfaas_pipeline_new(f.alloc, &mut pipe) });
+    let (st, crash) = f.index("fault_segfault");
+    ok(st);
+    let (input, output) = &bufs[0];
+    // SAFETY: live handles.
+    ok(unsafe { rfaas_pipeline_submit(pipe, crash, input.0, 0, output.0, &mut id) });
+    let submitted = id;
+    // SAFETY: as above.
+    let st = unsafe { rfaas_pipeline_spin_any(pipe, &mut id, &mut len) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_WORKER_CRASHED, "");
+    assert_eq!(id, submitted);
+    // SAFETY: freed once.
+    unsafe { rfaas_pipeline_free(pipe) };
+
+    let mut bad = warm();
+    bad.slots = 3;
+    let mut g = Fixture::new(1);
+    // SAFETY: the fixture's allocation, replaced by the attempt below.
+    ok(unsafe { rfaas_deallocate(g.alloc) });
+    g.alloc = null_mut();
+    assert_failed(
+        g.allocate(&bad, FUNCTIONS),
+        rfaas_status::RFAAS_ERR_INVALID_ARGUMENT,
+        "options.slots is 3",
+    );
+}
+
 #[test]
 fn unknown_functions_by_name_and_index() {
     let f = Fixture::new(1);
