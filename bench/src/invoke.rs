@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
 //! | `hot_noop_billed` | `hot_noop` with billing on: the daemon is registered with a real `rfaas-manager`, the lease comes from it with a slot of a real `rfaas-accounting` (on the row's provider, one SQLite file for both), and the daemon posts the lease's usage there every second while the row runs |
-//! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with each `RATE_IN_FLIGHT` count in flight, one per lane of an allocation with that many lanes on one hot core (a lane holds one invocation at a time; the worker's one thread serves them all), each resubmitted as soon as its result is in; next to `pingpong_rate` |
+//! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with each `RATE_IN_FLIGHT` count in flight on one lane with that many slots (one `Pipeline`) of an allocation of one hot core, each resubmitted as soon as its result is in; next to `pingpong_rate` |
 //! | `warm_noop_rate` | the same on a worker in `Mode::Warm` (the client polls) |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `warm_noop_spin` | a worker in `Mode::Warm` and a client that busy-polls (`spin`): only the worker sleeps |
@@ -99,7 +99,7 @@ pub const SUITE: Suite = Suite {
         },
         RowSpec {
             name: HOT_NOOP_RATE,
-            help: "noop calls per second from one client thread at 64 B, 1, 4, 16 and 64 in flight, one per lane, all on one hot worker thread (next to pingpong_rate)",
+            help: "noop calls per second from one client thread at 64 B, 1, 4, 16 and 64 in flight on one lane with as many slots, one hot worker thread (next to pingpong_rate)",
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop_rate(ctx, p, HOT_NOOP_RATE, Mode::Hot, out),
