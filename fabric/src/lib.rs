@@ -73,7 +73,9 @@ use std::time::Duration;
 
 pub use completion::{Completion, Opcode, Status};
 pub use error::{Error, Result};
-pub use memory::{page_size, Access, Buffer, MemoryRegion, PeerView, RemoteAddr, RemoteDescriptor};
+pub use memory::{
+    page_size, Access, Buffer, MemoryRegion, PeerView, RemoteAddr, RemoteDescriptor, WriteRequest,
+};
 pub use options::EndpointOptions;
 
 use provider::{
@@ -494,25 +496,6 @@ impl Endpoint {
     pub fn peer_addr(&self) -> String {
         dispatch!(&self.imp, e => e.peer_addr())
     }
-}
-
-/// One write of a batch ([`Endpoint::write_batch`]): `local[offset..offset+len]`
-/// to `remote`, completing with `wr_id`; with `imm`, a write-with-immediate.
-#[derive(Clone, Copy, Debug)]
-pub struct WriteRequest<'a> {
-    /// Names the write's completion.
-    pub wr_id: u64,
-    /// The region the bytes come from.
-    pub local: &'a MemoryRegion,
-    /// Where the bytes start in `local`.
-    pub offset: usize,
-    /// How many bytes.
-    pub len: usize,
-    /// Where they go.
-    pub remote: RemoteAddr,
-    /// The immediate, consuming one receive posted at the peer; `None` for
-    /// a plain write.
-    pub imm: Option<u32>,
 }
 
 /// A completion queue shared by one or more endpoints.

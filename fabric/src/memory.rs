@@ -639,6 +639,25 @@ unsafe fn copy_in(src: &[u8], dst: *mut u8) {
     }
 }
 
+/// One write of a batch ([`Endpoint::write_batch`](crate::Endpoint::write_batch)): `local[offset..offset+len]`
+/// to `remote`, completing with `wr_id`; with `imm`, a write-with-immediate.
+#[derive(Clone, Copy, Debug)]
+pub struct WriteRequest<'a> {
+    /// Names the write's completion.
+    pub wr_id: u64,
+    /// The region the bytes come from.
+    pub local: &'a MemoryRegion,
+    /// Where the bytes start in `local`.
+    pub offset: usize,
+    /// How many bytes.
+    pub len: usize,
+    /// Where they go.
+    pub remote: RemoteAddr,
+    /// The immediate, consuming one receive posted at the peer; `None` for
+    /// a plain write.
+    pub imm: Option<u32>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

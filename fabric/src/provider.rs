@@ -46,8 +46,9 @@ use std::time::Duration;
 
 use crate::completion::{Completion, Status};
 use crate::error::{Error, Result};
+use crate::memory::WriteRequest;
 use crate::memory::{Access, Buffer, MemoryRegion, PeerView, RemoteAddr};
-use crate::{EndpointOptions, WriteRequest};
+use crate::EndpointOptions;
 
 /// An opened provider: the factory of its domains, completion queues and
 /// listeners.

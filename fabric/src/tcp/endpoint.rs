@@ -24,9 +24,6 @@
 mod receive;
 mod transmit;
 
-#[cfg(test)]
-pub(super) use receive::IDLE_POLLS_BEFORE_ACK;
-
 use std::collections::VecDeque;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -48,6 +45,9 @@ use crate::EndpointOptions;
 
 /// Frames of a batch numbered and sent together (one `writev`).
 const BATCH_FRAMES: usize = 32;
+/// Empty polls after which a pending acknowledgement is sent on its own.
+pub(in crate::tcp) const IDLE_POLLS_BEFORE_ACK: u32 = 64;
+
 /// Bytes read from the socket at once into the staging buffer.
 const STAGING: usize = 64 * 1024;
 /// Requests after which an acknowledgement goes out on its own, so a

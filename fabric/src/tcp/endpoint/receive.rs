@@ -8,14 +8,12 @@ use std::sync::Arc;
 
 use rfaas_proto::tcp_frame::{FrameHeader, FrameKind, FrameStatus, HEADER_LEN};
 
-use super::{next_seq, AfterPayload, EpShared, EpState, Rx};
+use super::{next_seq, AfterPayload, EpShared, EpState, Rx, IDLE_POLLS_BEFORE_ACK};
 use crate::completion::{Completion, Opcode, Status};
 use crate::memory::{Access, Buffer};
 
 /// Payloads at least this long are read straight into the target memory.
 const DIRECT_READ: usize = 16 * 1024;
-/// Empty polls after which a pending acknowledgement is sent on its own.
-pub(in crate::tcp) const IDLE_POLLS_BEFORE_ACK: u32 = 64;
 
 /// What one round of progress did.
 #[derive(Clone, Copy, Default)]
