@@ -465,6 +465,13 @@ impl EpShared {
         }
         #[cfg(test)]
         self.handed_over.fetch_add(1, Ordering::Relaxed);
+        self.after_handover();
+        Ok(())
+    }
+
+    /// After handing requests over: sends them from here if the holder let
+    /// go meanwhile.
+    fn after_handover(&self) {
         // Pairs with the fence in `release`: either the holder, letting go,
         // sees the request, or this claim sees the state free.
         fence(Ordering::SeqCst);
@@ -479,7 +486,6 @@ impl EpShared {
             // slice. Only when posts meet; a yield, not a wait.
             None => std::thread::yield_now(),
         }
-        Ok(())
     }
 
     /// Posts a batch of writes: room for all of them in the send queue is
@@ -517,15 +523,7 @@ impl EpShared {
             #[cfg(test)]
             self.handed_over.fetch_add(1, Ordering::Relaxed);
         }
-        // As in `post`.
-        fence(Ordering::SeqCst);
-        match self.state.try_claim() {
-            Some(mut st) => {
-                let queued = self.take_handed_over(&mut st);
-                self.release(st, queued);
-            }
-            None => std::thread::yield_now(),
-        }
+        self.after_handover();
         Ok(())
     }
 
