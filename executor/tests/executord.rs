@@ -503,6 +503,24 @@ fn refusals_have_specific_codes_and_the_daemon_keeps_serving() {
             ErrorCode::TooLarge,
         ),
         (
+            "slots that are not a power of two",
+            AllocateRequest {
+                slots: 12,
+                ..request(token(&d), 1, &["echo"])
+            },
+            lib.clone(),
+            ErrorCode::MalformedRequest,
+        ),
+        (
+            "more slots than a lane holds",
+            AllocateRequest {
+                slots: 128,
+                ..request(token(&d), 1, &["echo"])
+            },
+            lib.clone(),
+            ErrorCode::MalformedRequest,
+        ),
+        (
             "an output buffer over the limit",
             AllocateRequest {
                 output_capacity: 1 << 30,
