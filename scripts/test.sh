@@ -35,6 +35,10 @@ checkout_before=$(checkout_changes)
 ensure_packages "${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${SLURM_PACKAGES[@]}" "${SLURMDBD_PACKAGES[@]}"
 ensure_rust
 
+# One build, used once: cargo's incremental caches would only add gigabytes
+# to target/ (set CARGO_INCREMENTAL=1 to keep them between local runs).
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
+
 # Every later stage reuses this build (CI_BUILD in lib.sh says why).
 echo "== build (with the verbs provider)"
 cargo build "${CI_BUILD[@]}"
