@@ -110,6 +110,20 @@ fn kill(pid: i32, signal: i32) {
     assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill {pid}");
 }
 
+/// `e` says the worker died of SIGSEGV.
+fn assert_segfault(e: &Error) {
+    assert!(
+        matches!(
+            e,
+            Error::WorkerCrashed {
+                signal: Some(11),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
+
 fn u32_input(alloc: &Allocation, value: u32) -> rfaas_client::Buffer<u32> {
     let mut b = alloc.buffer::<u32>(1).unwrap();
     b.write_from(0, &[value]);
@@ -498,27 +512,82 @@ fn a_crash_in_a_pipeline_ends_every_call_in_flight(#[case] provider: &str) {
         "served before the crash"
     );
     let e = ended.remove(&crashed).unwrap().unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::WorkerCrashed {
-                signal: Some(11),
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert_segfault(&e);
     let e = ended.remove(&after).unwrap().unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::WorkerCrashed {
-                signal: Some(11),
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_segfault(&e);
+    drop(pipe);
+    alloc.deallocate().unwrap();
+}
+
+/// The answers a worker thread holds to send as one batch still reach the
+/// client when a later call of the batch crashes: the watchdog sends them
+/// before its own `function_crashed`. A sleep keeps the thread busy while
+/// the batch arrives; `fault_overrun` ran short before, so the thread keeps
+/// holding the echoes' answers across it (thread.rs, "Batches").
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn answers_held_for_a_batch_survive_a_crash_later_in_it(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(
+        &d,
+        provider,
+        &spec().cores(1).lanes(1).slots(8).mode(Mode::Hot),
     );
+    let sleep = alloc.function("sleep_ms").unwrap();
+    let echo = alloc.function("echo").unwrap();
+    let overrun = alloc.function("fault_overrun").unwrap();
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    // Each function once, short: the thread learns they are.
+    for (f, value) in [(echo, 7), (overrun, 4)] {
+        pipe.submit(f, u32_input(&alloc, value), 1, alloc.buffer(1).unwrap())
+            .unwrap();
+        let done = pipe.wait_any().unwrap();
+        assert_eq!(done.result.unwrap(), 4);
+    }
+    let busy = pipe
+        .submit(sleep, u32_input(&alloc, 50), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let mut echoes = std::collections::BTreeMap::new();
+    for value in 100..106u32 {
+        let id = pipe
+            .submit(echo, u32_input(&alloc, value), 1, alloc.buffer(1).unwrap())
+            .unwrap();
+        echoes.insert(id, value);
+    }
+    // Past the output buffer's guard page.
+    let crash = pipe
+        .submit(
+            overrun,
+            u32_input(&alloc, 1 << 24),
+            1,
+            alloc.buffer(1).unwrap(),
+        )
+        .unwrap();
+    let mut crashed = None;
+    while pipe.in_flight() > 0 {
+        let done = pipe.wait_any().unwrap();
+        if done.id == busy {
+            assert_eq!(done.result.unwrap(), 4, "served before the batch");
+        } else if done.id == crash {
+            crashed = Some(done.result.unwrap_err());
+        } else {
+            let value = echoes.remove(&done.id).expect("each call ends once");
+            let result = done.result.unwrap_or_else(|e| {
+                panic!(
+                    "echo {value}, computed before the crash, was lost: {e:?}\n{}",
+                    d.log()
+                )
+            });
+            assert_eq!(result, 4);
+            assert_eq!(done.output.to_vec(), [value], "its own answer");
+        }
+    }
+    assert!(echoes.is_empty());
+    let e = crashed.expect("the crashing call ends");
+    assert_segfault(&e);
     drop(pipe);
     alloc.deallocate().unwrap();
 }

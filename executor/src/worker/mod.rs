@@ -120,7 +120,7 @@ use crate::meter::MeterArea;
 use lane::{Lane, LaneBuffers, RECV_DEPTH};
 use library::Library;
 use meter::LaneMeter;
-use thread::{ThreadConfig, WorkerThread};
+use thread::{ThreadConfig, WorkerThread, BATCH_WINDOW};
 use watchdog::{Running, ThreadFabric, ThreadWatch};
 
 /// Exit code of an internal or control-socket failure.
@@ -583,7 +583,7 @@ struct ThreadParts {
     cq: rfaas_fabric::CompletionQueue,
     endpoints: Vec<rfaas_fabric::Endpoint>,
     lanes: Vec<Lane>,
-    regions: Vec<Arc<rfaas_fabric::MemoryRegion>>,
+    regions: Vec<Box<[Arc<rfaas_fabric::MemoryRegion>]>>,
     /// Completions of its connected lanes taken while later lanes were
     /// being connected.
     early: Vec<rfaas_fabric::Completion>,
@@ -637,11 +637,17 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             None => LaneMeter::unread(),
         };
         part.endpoints.push(endpoint);
-        part.regions.push(l.outputs[0].clone());
+        part.regions.push(l.outputs.clone().into());
         part.lanes
             .push(Lane::new(index, tag, l, a.output_capacity as usize, meter));
     }
     tracing::info!(lanes = a.lanes, threads, "every lane is connected");
+    // The lanes' meter clock; without an area they read CLOCK_MONOTONIC.
+    let ticks_per_sec = p
+        .meter
+        .map_or(1_000_000_000, |area| area.header().ticks_per_sec);
+    let batch_window_ticks =
+        (u128::from(ticks_per_sec) * BATCH_WINDOW.as_nanos() / 1_000_000_000) as u64;
     let runnings: Box<[Arc<Running>]> = (0..threads).map(|_| Arc::default()).collect();
     // Before any thread can run a function.
     crash::install(runnings.clone())
@@ -663,6 +669,7 @@ fn serve(a: &Assignment, p: Prepared) -> Result<(), WorkerError> {
             output_capacity: a.output_capacity as usize,
             pull_limit,
             read_only_input: a.read_only_input,
+            batch_window_ticks,
         };
         let worker = WorkerThread::new(
             cfg,

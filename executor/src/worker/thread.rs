@@ -10,6 +10,19 @@
 //! waits for room in a send queue) wait in a queue of their own and are
 //! served first, in arrival order.
 //!
+//! # Batches
+//!
+//! The requests one poll returns are a batch: the thread holds their
+//! answers ([`Running::hold`]) and sends them together after the batch's
+//! last function, one [`write_batch`](rfaas_fabric::Endpoint::write_batch)
+//! per lane (one `writev` on tcp, one doorbell on shm, one chain of work
+//! requests on verbs). A lone request is answered at once, as before. An
+//! answer never waits behind a function that may be long: the thread sends
+//! what it holds before a function whose last run took longer than
+//! [`BATCH_WINDOW`], before a bulk pull, and once the oldest held answer
+//! is that old. If a function crashes or overruns meanwhile, the watchdog
+//! sends the held answers before its own.
+//!
 //! # Meter
 //!
 //! Every lane publishes into its own record: its invocations, bytes and
@@ -27,14 +40,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rfaas_fabric::{Access, Completion, Domain, MemoryRegion, Opcode, RemoteAddr, Status};
+use rfaas_fabric::{
+    Access, Completion, Domain, MemoryRegion, Opcode, RemoteAddr, Status, WriteRequest,
+};
 use rfaas_proto::control::client::Mode;
 use rfaas_proto::meter::LaneState;
 use rfaas_proto::{InvocationHeader, InvocationStatus, RequestImm, ResponseImm};
 
 use super::lane::{self, Lane, PULL_WR, RECV_DEPTH, RESPONSE_WR};
 use super::library::Function;
-use super::watchdog::{Running, ThreadFabric};
+use super::watchdog::{Answer, Running, ThreadFabric, MAX_HELD};
 use super::{DRAINING, EXPIRES_AT};
 
 /// How long a warm thread sleeps in `wait` before it looks again.
@@ -51,6 +66,11 @@ const POLLS_PER_CLOCK_CHECK: u32 = 1024;
 
 /// Completions taken from the queue per poll.
 const POLL_BATCH: usize = 32;
+
+/// The longest a held answer waits for the rest of its batch, and the
+/// longest a function may have run last time for answers to be held
+/// across it.
+pub const BATCH_WINDOW: Duration = Duration::from_micros(10);
 
 /// No lane: an entry of the tag table.
 const NO_LANE: u16 = u16::MAX;
@@ -73,6 +93,8 @@ pub struct ThreadConfig {
     /// The client promised read-only input: read bulk payloads in place
     /// where the provider maps the client's memory (shm).
     pub read_only_input: bool,
+    /// [`BATCH_WINDOW`] in ticks of the lanes' meter clock.
+    pub batch_window_ticks: u64,
 }
 
 /// A worker thread's lanes, fabric and state.
@@ -95,6 +117,18 @@ pub struct WorkerThread {
     /// what it was woken for (warm).
     after_function: LaneState,
     deferred: VecDeque<Completion>,
+    /// Whether another request of the batch follows the one served now.
+    more: bool,
+    /// When the request served now arrived, in meter ticks.
+    arrived: u64,
+    /// When the request of the oldest held answer arrived, in meter ticks.
+    held_since: u64,
+    /// How long each function ran last time, in meter ticks (`u64::MAX`
+    /// before its first run).
+    last_run: Vec<u64>,
+    /// Lanes whose answers could not be sent, to end at the next
+    /// opportunity.
+    broken: Vec<usize>,
 }
 
 /// Whether the thread goes on.
@@ -154,6 +188,7 @@ impl WorkerThread {
         deferred.extend(early);
         WorkerThread {
             cfg,
+            last_run: vec![u64::MAX; functions.len()],
             functions,
             domain,
             fabric,
@@ -164,6 +199,10 @@ impl WorkerThread {
             running,
             after_function,
             deferred,
+            more: false,
+            arrived: 0,
+            held_since: 0,
+            broken: Vec::new(),
         }
     }
 
@@ -241,10 +280,19 @@ impl WorkerThread {
                 }
             };
             let mut served = false;
-            for c in &done[..n] {
-                match self.on_completion(*c, &mut served) {
-                    Flow::Continue => {}
-                    Flow::End => return,
+            for (i, c) in done[..n].iter().enumerate() {
+                self.more = i + 1 < n || !self.deferred.is_empty();
+                if let Flow::End = self.on_completion(*c, &mut served) {
+                    return;
+                }
+                if let Flow::End = self.end_broken() {
+                    return;
+                }
+            }
+            if self.running.held_len() > 0 {
+                self.send_held();
+                if let Flow::End = self.end_broken() {
+                    return;
                 }
             }
             if served && self.cfg.mode == Mode::HotThenWarm {
@@ -295,6 +343,18 @@ impl WorkerThread {
         }
     }
 
+    /// Ends the lanes whose answers could not be sent.
+    fn end_broken(&mut self) -> Flow {
+        while let Some(j) = self.broken.pop() {
+            if self.lanes[j].live {
+                if let Flow::End = self.end_lane(j) {
+                    return Flow::End;
+                }
+            }
+        }
+        Flow::Continue
+    }
+
     /// Ends lane `j`; the thread ends with its last lane.
     fn end_lane(&mut self, j: usize) -> Flow {
         if j != 0 {
@@ -316,8 +376,16 @@ impl WorkerThread {
     fn serve(&mut self, j: usize, c: Completion) -> Flow {
         // Read now, used once the request proved inline: see meter.rs.
         let arrived = self.lanes[0].meter.now();
+        self.arrived = arrived;
         if let LaneFlow::End = self.answer(j, c, arrived) {
             return self.end_lane(j);
+        }
+        // The batch's last answer leaves at once, with those held before it.
+        if !self.more || self.running.held_len() == MAX_HELD {
+            self.send_held();
+            if !self.lanes[j].live || self.broken.contains(&j) {
+                return Flow::Continue;
+            }
         }
         // After the response, off the invocation's path: a spare receive
         // (RECV_DEPTH) takes the next request if it comes first.
@@ -372,7 +440,23 @@ impl WorkerThread {
             }
             Input::End => return LaneFlow::End,
         };
-        let f = self.functions[usize::from(req.function_index)];
+        let fi = usize::from(req.function_index);
+        let mut started = if header.is_inline() {
+            arrived
+        } else {
+            self.lanes[0].meter.now()
+        };
+        // Held answers do not wait behind a function that may be long, nor
+        // longer than the window; they leave before the function starts,
+        // while the thread still owns its endpoints.
+        if self.running.held_len() > 0
+            && (self.last_run[fi] > self.cfg.batch_window_ticks
+                || started.wrapping_sub(self.held_since) > self.cfg.batch_window_ticks)
+        {
+            self.send_held();
+            started = self.lanes[0].meter.now();
+        }
+        let f = self.functions[fi];
         let lane = &self.lanes[j];
         // SAFETY: out_offset + the rounded output capacity is the region's
         // end, so the pointer is in the region (or at its end, for capacity 0).
@@ -384,11 +468,6 @@ impl WorkerThread {
         let stamp = self
             .running
             .start(j as u32, req.invocation_id, reply_to, limit as u32);
-        let started = if header.is_inline() {
-            arrived
-        } else {
-            self.lanes[0].meter.now()
-        };
         if j != 0 {
             self.lanes[0].meter.enter_at(LaneState::Handling, started);
         }
@@ -415,13 +494,15 @@ impl WorkerThread {
         let flow = self.respond(j, slot, req.invocation_id, reply_to, status, len);
         // After the answer is on its way: the clock read is off the
         // client's path.
-        if j == 0 {
-            self.lanes[0].meter.leave_function(self.after_function);
+        let now = if j == 0 {
+            self.lanes[0].meter.leave_function(self.after_function)
         } else {
             let now = self.lanes[j].meter.leave_function(LaneState::Handling);
             let after = self.after_function;
             self.lanes[0].meter.enter_at(after, now);
-        }
+            now
+        };
+        self.last_run[fi] = now.wrapping_sub(started);
         flow
     }
 
@@ -481,6 +562,8 @@ impl WorkerThread {
         if !self.grow_pull(len) {
             return Input::Refused(InvocationStatus::PayloadTooLarge);
         }
+        // A pull takes a while: what is held leaves first.
+        self.send_held();
         match self.pull(j, header) {
             Pull::Done => {
                 let region = self.pull.as_ref().expect("grow_pull made the pull region");
@@ -562,7 +645,7 @@ impl WorkerThread {
                         }
                     }
                 } else {
-                    self.defer(*c);
+                    keep(&mut self.deferred, *c);
                 }
             }
             if n == 0 {
@@ -573,16 +656,8 @@ impl WorkerThread {
         failure.unwrap_or(Pull::Done)
     }
 
-    /// Keeps a completion the thread cannot take now for later: requests,
-    /// and failures (a lost client); successful sends are done with.
-    fn defer(&mut self, c: Completion) {
-        if c.opcode == Opcode::RecvWithImm || !c.status.is_ok() {
-            self.deferred.push_back(c);
-        }
-    }
-
-    /// Writes `out[..len]` of lane `j`'s `slot` with the response
-    /// immediate. Hot path.
+    /// Holds the answer `out[..len]` of lane `j`'s `slot`, with the
+    /// response immediate, for [`send_held`](Self::send_held). Hot path.
     ///
     /// A slot's output buffer is written again only by the slot's next
     /// invocation, which the client sends after this response arrived, so
@@ -602,37 +677,99 @@ impl WorkerThread {
         }
         .encode()
         .unwrap_or(u32::from(status.code()));
-        let lane = &self.lanes[j];
-        let write = |fabric: &ThreadFabric| {
-            fabric.get(j).write_with_imm(
-                lane.tag | RESPONSE_WR,
-                &lane.outputs[slot],
-                lane.out_offset,
-                len,
-                to,
-                imm,
-            )
-        };
-        let first = write(&self.fabric);
-        let second = match first {
-            Err(rfaas_fabric::Error::QueueFull { .. }) => {
-                // Reap send completions and try once more.
-                let mut done = [Completion::EMPTY; POLL_BATCH];
-                let n = self.fabric.poll(&mut done);
-                let again = write(&self.fabric);
-                for c in &done[..n] {
-                    self.defer(*c);
-                }
-                again
-            }
-            other => other,
-        };
-        match second {
-            Ok(()) => LaneFlow::Continue,
-            Err(e) => {
-                tracing::error!(lane = self.lanes[j].index, error = %e, "cannot send a response; ending the lane");
-                LaneFlow::End
-            }
+        let held = self.running.hold(Answer {
+            lane: j as u32,
+            slot: slot as u32,
+            offset: self.lanes[j].out_offset as u32,
+            len: len as u32,
+            imm,
+            to,
+        });
+        if held == 1 {
+            self.held_since = self.arrived;
         }
+        LaneFlow::Continue
+    }
+
+    /// Sends the held answers: one write, or one batch per run of answers
+    /// of the same lane. A lane whose answers cannot be sent goes to
+    /// `broken`. Hot path.
+    fn send_held(&mut self) {
+        let (fabric, lanes, deferred, broken) = (
+            &self.fabric,
+            &self.lanes,
+            &mut self.deferred,
+            &mut self.broken,
+        );
+        self.running.drain_held(|held| {
+            let mut rest = held;
+            while let Some(first) = rest.first() {
+                let j = first.lane as usize;
+                let run = rest.iter().take_while(|a| a.lane == first.lane).count();
+                let (mine, others) = rest.split_at(run);
+                rest = others;
+                let lane = &lanes[j];
+                if !lane.live {
+                    continue;
+                }
+                let write = |a: &Answer| WriteRequest {
+                    wr_id: lane.tag | RESPONSE_WR,
+                    local: &lane.outputs[a.slot as usize],
+                    offset: a.offset as usize,
+                    len: a.len as usize,
+                    remote: a.to,
+                    imm: Some(a.imm),
+                };
+                let one = write(first);
+                let result = if run == 1 {
+                    post_reaping(fabric, deferred, |f| {
+                        f.get(j).write_with_imm(
+                            one.wr_id, one.local, one.offset, one.len, one.remote, first.imm,
+                        )
+                    })
+                } else {
+                    let mut batch = [one; MAX_HELD];
+                    for (w, a) in batch.iter_mut().zip(mine).skip(1) {
+                        *w = write(a);
+                    }
+                    post_reaping(fabric, deferred, |f| f.get(j).write_batch(&batch[..run]))
+                };
+                if let Err(e) = result {
+                    tracing::error!(lane = lane.index, error = %e, answers = run, "cannot send responses; ending the lane");
+                    broken.push(j);
+                }
+            }
+        });
+    }
+}
+
+/// Posts with `post`; when the send queue is full, reaps its completions
+/// (keeping in `deferred` what the thread must still take) and tries once
+/// more. Hot path.
+#[inline]
+fn post_reaping(
+    fabric: &ThreadFabric,
+    deferred: &mut VecDeque<Completion>,
+    post: impl Fn(&ThreadFabric) -> rfaas_fabric::Result<()>,
+) -> rfaas_fabric::Result<()> {
+    match post(fabric) {
+        Err(rfaas_fabric::Error::QueueFull { .. }) => {
+            let mut done = [Completion::EMPTY; POLL_BATCH];
+            let n = fabric.poll(&mut done);
+            let again = post(fabric);
+            for c in &done[..n] {
+                keep(deferred, *c);
+            }
+            again
+        }
+        other => other,
+    }
+}
+
+/// Keeps in `deferred` a completion the thread cannot take now: requests,
+/// and failures (a lost client); successful sends are done with.
+fn keep(deferred: &mut VecDeque<Completion>, c: Completion) {
+    if c.opcode == Opcode::RecvWithImm || !c.status.is_ok() {
+        deferred.push_back(c);
     }
 }

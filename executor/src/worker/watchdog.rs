@@ -20,6 +20,13 @@
 //! queue alone, and the watchdog takes them over by swapping the start time
 //! for `TAKEN` with a compare-and-swap. A thread whose function returns
 //! after that finds its start time gone and parks until the process ends.
+//!
+//! A thread serving several requests at once holds their answers for one
+//! batch ([`Held`]) and sends them together. The held answers live in its
+//! `Running`, under the same protocol: the thread changes them only between
+//! functions, and the watchdog, once it took the endpoints over, sends them
+//! before its own answer. So a crash or an overrun loses no answer that was
+//! already computed.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
@@ -41,6 +48,44 @@ pub const RESPONSE_GRACE: Duration = Duration::from_millis(200);
 
 /// The wr_id of the watchdog's response.
 const WATCHDOG_WR_ID: u64 = u64::MAX;
+
+/// The wr_id of a held answer the watchdog sends for its thread.
+const HELD_WR_ID: u64 = u64::MAX - 1;
+
+/// Answers a thread holds at most before it sends them.
+pub const MAX_HELD: usize = 32;
+
+/// An answer computed and not yet sent: `len` bytes at `offset` of the
+/// lane's `slot` output buffer, to `to`, with the response immediate `imm`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Answer {
+    /// The thread's number for the lane.
+    pub lane: u32,
+    /// The slot whose output buffer holds it.
+    pub slot: u32,
+    /// Where the output starts in that buffer.
+    pub offset: u32,
+    /// Its bytes.
+    pub len: u32,
+    /// The encoded [`ResponseImm`].
+    pub imm: u32,
+    /// The client's output buffer.
+    pub to: RemoteAddr,
+}
+
+/// A thread's held answers, in the order it computed them.
+#[derive(Debug, Default)]
+struct Held {
+    len: usize,
+    answers: [Answer; MAX_HELD],
+}
+
+impl Held {
+    #[inline]
+    fn as_slice(&self) -> &[Answer] {
+        &self.answers[..self.len]
+    }
+}
 
 /// The start time of a lane whose endpoint the watchdog took over.
 const TAKEN: u64 = u64::MAX;
@@ -109,7 +154,18 @@ pub struct Running {
     output_capacity: AtomicU32,
     /// The lane thread's id (0 until it starts).
     tid: AtomicI32,
+    /// The thread's held answers: changed by the thread only while no
+    /// function runs, read by the watchdog only after a take-over.
+    held: UnsafeCell<Held>,
 }
+
+// SAFETY: every field but `held` is atomic. `held` is written only by the
+// worker thread, and only while its start time is 0 (between `finish` and
+// the next `start`), and read by the watchdog only after its
+// compare-and-swap took a nonzero start time over, which the thread can
+// never undo: `start`'s release store orders the thread's writes before the
+// take-over's acquire, and after it the thread never touches `held` again.
+unsafe impl Sync for Running {}
 
 impl Running {
     /// Marks a function as started; returns the stamp to hand to
@@ -144,6 +200,47 @@ impl Running {
         self.started_ns
             .compare_exchange(stamp, 0, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
+    }
+
+    /// Holds `answer` to send with the rest of its batch; returns how many
+    /// are held now. The worker thread only, outside a function. Hot path.
+    #[inline]
+    pub fn hold(&self, answer: Answer) -> usize {
+        // SAFETY: only the worker thread calls this, while no function runs
+        // (see the Sync impl); the reference ends with the call.
+        let held = unsafe { &mut *self.held.get() };
+        assert!(
+            held.len < MAX_HELD,
+            "the thread sends its answers before it holds {MAX_HELD}"
+        );
+        held.answers[held.len] = answer;
+        held.len += 1;
+        held.len
+    }
+
+    /// Hands the held answers to `send`, then forgets them: the worker
+    /// thread only, outside a function, and `send` holds none. Hot path.
+    #[inline]
+    pub fn drain_held<R>(&self, send: impl FnOnce(&[Answer]) -> R) -> R {
+        // SAFETY: as in `hold`; nothing changes `held` while `send` runs.
+        let r = send(unsafe { (*self.held.get()).as_slice() });
+        // SAFETY: as in `hold`; the slice above is gone.
+        unsafe { (*self.held.get()).len = 0 };
+        r
+    }
+
+    /// How many answers the thread holds. The worker thread only. Hot path.
+    #[inline]
+    pub fn held_len(&self) -> usize {
+        // SAFETY: as in `hold`.
+        unsafe { (*self.held.get()).len }
+    }
+
+    /// The held answers of a thread whose endpoints the watchdog took over.
+    fn held_after_take_over(&self) -> &[Answer] {
+        // SAFETY: called by the watchdog after a successful take-over, when
+        // the thread can no longer change them (see the Sync impl).
+        unsafe { (*self.held.get()).as_slice() }
     }
 
     /// Records the calling thread as the lane's, for the crash handler.
@@ -264,10 +361,11 @@ pub struct ThreadWatch {
     pub running: Arc<Running>,
     /// The thread's endpoints and queue.
     pub fabric: Arc<ThreadFabric>,
-    /// Per lane of the thread, a region of the endpoints' domain, at least
-    /// 4 bytes, that only the thread writes: a crash response's signal is
-    /// sent from its start.
-    pub regions: Vec<Arc<MemoryRegion>>,
+    /// Per lane of the thread, its slots' output buffers, in slot order
+    /// (a power of two of them): held answers are sent from them, and a
+    /// crash response's signal from the start of the crashed invocation's
+    /// own slot, which no other answer uses.
+    pub regions: Vec<Box<[Arc<MemoryRegion>]>>,
 }
 
 /// Starts the watchdog over `threads`, with `deadline` for every function
@@ -326,7 +424,7 @@ fn crashed(threads: &[ThreadWatch], c: Crash, meter: Option<&MeterArea>) -> ! {
         w.running.take_over(started).map(|t| (w, t))
     }) {
         let len = if t.capacity >= 4 { 4 } else { 0 };
-        if let Some(region) = thread.regions.get(t.lane) {
+        if let Some(region) = thread.region_of(t.lane, t.id) {
             // SAFETY: the region is at least a page, ours, and nobody else
             // writes it: its thread is stopped in the signal handler.
             unsafe {
@@ -359,10 +457,53 @@ fn overran(index: usize, thread: &ThreadWatch, t: TakenOver, deadline: Duration)
     unsafe { libc::_exit(EXIT_DEADLINE) }
 }
 
-/// Writes the first `len` bytes of the lane's region to its client with
-/// `status`, and waits until the write has completed, [`RESPONSE_GRACE`]
+impl ThreadWatch {
+    /// The output buffer of invocation `id`'s slot on lane `lane`.
+    fn region_of(&self, lane: usize, id: u32) -> Option<&Arc<MemoryRegion>> {
+        let slots = self.regions.get(lane)?;
+        slots.get(id as usize & slots.len().wrapping_sub(1))
+    }
+}
+
+/// Sends the answers the thread held, then the first `len` bytes of the
+/// taken-over invocation's slot buffer to its client with `status`, and
+/// waits until every one of these writes has completed, [`RESPONSE_GRACE`]
 /// at most.
 fn answer(index: usize, thread: &ThreadWatch, t: TakenOver, status: InvocationStatus, len: usize) {
+    let mut posted = 0usize;
+    let held = thread.running.held_after_take_over();
+    if !held.is_empty() {
+        tracing::info!(
+            thread = index,
+            answers = held.len(),
+            "sending the answers the thread held"
+        );
+    }
+    for a in held {
+        let lane = a.lane as usize;
+        let (Some(endpoint), Some(region)) = (
+            thread.fabric.endpoints.get(lane),
+            thread
+                .regions
+                .get(lane)
+                .and_then(|r| r.get(a.slot as usize)),
+        ) else {
+            continue;
+        };
+        match endpoint.write_with_imm(
+            HELD_WR_ID,
+            region,
+            a.offset as usize,
+            a.len as usize,
+            a.to,
+            a.imm,
+        ) {
+            Ok(()) => posted += 1,
+            Err(e) => {
+                tracing::warn!(thread = index, lane, error = %e, "cannot send an answer the thread held")
+            }
+        }
+    }
     let imm = ResponseImm {
         invocation_id: t.id,
         status,
@@ -371,35 +512,40 @@ fn answer(index: usize, thread: &ThreadWatch, t: TakenOver, status: InvocationSt
     .unwrap_or(status.code() as u32);
     let (Some(endpoint), Some(region)) = (
         thread.fabric.endpoints.get(t.lane),
-        thread.regions.get(t.lane),
+        thread.region_of(t.lane, t.id),
     ) else {
         return;
     };
-    if let Err(e) = endpoint.write_with_imm(WATCHDOG_WR_ID, region, 0, len, t.remote, imm) {
-        tracing::warn!(thread = index, error = %e, %status, "cannot send the watchdog's response");
-        return;
+    match endpoint.write_with_imm(WATCHDOG_WR_ID, region, 0, len, t.remote, imm) {
+        Ok(()) => posted += 1,
+        Err(e) => {
+            tracing::warn!(thread = index, error = %e, %status, "cannot send the watchdog's response")
+        }
     }
     let until = Instant::now() + RESPONSE_GRACE;
     let mut done = [Completion::EMPTY; 16];
-    loop {
+    while posted > 0 {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            tracing::warn!(thread = index, %status, "the watchdog's response did not complete in time; ending anyway");
+            tracing::warn!(thread = index, %status, "the watchdog's responses did not complete in time; ending anyway");
             return;
         }
         // Other completions (requests the lane will never serve) are
         // dropped: the process is ending.
         match thread.fabric.wait(&mut done, left) {
             Ok(n) => {
-                if let Some(c) = done[..n].iter().find(|c| c.wr_id == WATCHDOG_WR_ID) {
-                    if !c.status.is_ok() {
-                        tracing::warn!(thread = index, %status, completion = %c.status, "the watchdog's response failed");
+                for c in &done[..n] {
+                    if c.wr_id != WATCHDOG_WR_ID && c.wr_id != HELD_WR_ID {
+                        continue;
                     }
-                    return;
+                    posted -= 1;
+                    if !c.status.is_ok() {
+                        tracing::warn!(thread = index, %status, completion = %c.status, "a response the watchdog sent failed");
+                    }
                 }
             }
             Err(e) => {
-                tracing::warn!(thread = index, error = %e, %status, "cannot wait for the watchdog's response");
+                tracing::warn!(thread = index, error = %e, %status, "cannot wait for the watchdog's responses");
                 return;
             }
         }
