@@ -18,6 +18,13 @@
 #
 #   scripts/bench-verbs.sh
 #   BENCH_ITERS=2000 BENCH_BW_BYTES=16777216 BENCH_ROUNDS=3 scripts/bench-verbs.sh   # the defaults
+#   scripts/bench-verbs.sh --rates
+#
+# --rates measures calls in flight instead, in one boot: rfaas-bench's
+# hot_noop_rate, warm_noop_rate and pingpong_rate (1, 4, 16 and 64 in
+# flight, 64 B, 10 x BENCH_ITERS calls per point), and transfer with 4
+# calls in flight next to bandwidth at 1 MiB, BENCH_ROUNDS rounds; the
+# JSON lines go to bench/results/DATE-HHMM-COMMIT-verbs-rates.jsonl.
 #
 # The guest boots with tsc=reliable: under TCG every vCPU reads the host's
 # TSC, but the guest kernel calls it unstable and falls back to the HPET,
@@ -37,6 +44,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 iters=${BENCH_ITERS:-2000}
 bw_bytes=${BENCH_BW_BYTES:-16777216}
 rounds=${BENCH_ROUNDS:-3}
+
+# In the guest, --rates: rfaas-bench's rate rows into $5.
+if [ "${1:-}" = --in-guest-rates ]; then
+    invoke_bench=$2 iters=$3 rounds=$4 out=$5
+    "$invoke_bench" --provider "verbs:$RDMA_DEVICE" \
+        --rows hot_noop_rate,warm_noop_rate,pingpong_rate,transfer,bandwidth \
+        --sizes 64 --bw-sizes 1048576 --bw-bytes 67108864 \
+        --rounds "$rounds" --iters "$iters" --json >"$out"
+    exit 0
+fi
 
 # In the guest.
 if [ "${1:-}" = --in-guest ]; then
@@ -139,6 +156,18 @@ target_dir=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directo
 # rows ship here, into the target directory the guest shares.
 "$target_dir/release/rfaas-bench" --build-functions >/dev/null
 start=$SECONDS
+if [ "${1:-}" = --rates ]; then
+    out=$target_dir/verbs-rates.jsonl
+    rm -f "$out"
+    RDMA_VM_KERNEL_ARGS="tsc=reliable${RDMA_VM_KERNEL_ARGS:+ $RDMA_VM_KERNEL_ARGS}" \
+        RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
+        bash scripts/rdma-vm.sh run -- "$PWD/scripts/bench-verbs.sh" --in-guest-rates \
+        "$target_dir/release/rfaas-bench" "$iters" "$rounds" "$out"
+    result=bench/results/$(date -u +%F-%H%M)-$(git rev-parse --short=7 HEAD)-verbs-rates.jsonl
+    cp "$out" "$result"
+    echo "bench-verbs --rates: one boot, $((SECONDS - start)) s; $result"
+    exit 0
+fi
 RDMA_VM_KERNEL_ARGS="tsc=reliable${RDMA_VM_KERNEL_ARGS:+ $RDMA_VM_KERNEL_ARGS}" \
     RDMA_VM_SHARE=$target_dir${RDMA_VM_SHARE:+:$RDMA_VM_SHARE} \
     bash scripts/rdma-vm.sh run -- "$PWD/scripts/bench-verbs.sh" --in-guest \
