@@ -630,27 +630,32 @@ fn pipelined(
             let Some((input, output)) = free.pop() else {
                 break;
             };
-            pipe.submit(f, input, size, output)
+            // Staged: what this pass frees leaves together, at test_any.
+            pipe.stage(f, input, size, output)
                 .map_err(rfaas_client::Error::from)
                 .ctx(|| format!("{name}: submitting {size} bytes"))?;
             posted += 1;
         }
-        let Some(call) = pipe.test_any() else {
-            std::hint::spin_loop();
-            continue;
-        };
-        match call
-            .result
-            .ctx(|| format!("{name}: a {size}-byte call failed"))?
-        {
-            n if n == expect => done += 1,
-            n => {
-                return Err(Error::new(format!(
-                    "{name}: {size} bytes in, {n} bytes out (expected {expect})"
-                )))
+        // Every call that has ended, before the next staging pass.
+        let mut any = false;
+        while let Some(call) = pipe.test_any() {
+            any = true;
+            match call
+                .result
+                .ctx(|| format!("{name}: a {size}-byte call failed"))?
+            {
+                n if n == expect => done += 1,
+                n => {
+                    return Err(Error::new(format!(
+                        "{name}: {size} bytes in, {n} bytes out (expected {expect})"
+                    )))
+                }
             }
+            free.push((call.input, call.output));
         }
-        free.push((call.input, call.output));
+        if !any {
+            std::hint::spin_loop();
+        }
     }
     Ok(free)
 }

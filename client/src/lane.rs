@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use rfaas_fabric::{
     Completion, CompletionQueue, Domain, Endpoint, MemoryRegion, Opcode, RemoteAddr, Status,
+    WriteRequest,
 };
 use rfaas_proto::control::client::Descriptor;
 use rfaas_proto::{
@@ -197,8 +198,22 @@ struct LaneInner {
     /// Slots whose call has ended, in the order they ended (an entry whose
     /// call has gone since is skipped).
     ended: VecDeque<usize>,
+    /// Pipelined requests prepared and not yet posted
+    /// ([`Lane::pipe_flush`]): slot, bytes and immediate, in order.
+    staged: Vec<Staged>,
     done: [Completion; BATCH],
 }
+
+/// A pipelined request waiting for [`Lane::pipe_flush`].
+#[derive(Debug, Clone, Copy)]
+struct Staged {
+    slot: usize,
+    len: usize,
+    imm: u32,
+}
+
+/// Staged requests posted per `write_batch` by [`Lane::pipe_flush`].
+const FLUSH_CHUNK: usize = 16;
 
 /// A pipelined call in its slot: see [`Pipeline`](crate::Pipeline).
 struct Piped {
@@ -483,6 +498,7 @@ impl Lane {
                 trouble_since: None,
                 pipe: (0..slots).map(|_| None).collect(),
                 ended: VecDeque::with_capacity(2 * usize::from(slots)),
+                staged: Vec::with_capacity(usize::from(slots)),
                 done: [Completion::EMPTY; BATCH],
             }),
             fate,
@@ -782,6 +798,7 @@ impl Lane {
         in_bytes: u32,
         output: &Arc<RegionShared>,
         out_bytes: u32,
+        defer: bool,
     ) -> Result<()> {
         debug_assert_eq!(id & self.slot_mask, slot as u32);
         // SAFETY: the caller holds the lane.
@@ -833,7 +850,9 @@ impl Lane {
             }
             inner.posted_recvs += 1;
         }
-        if let Err(e) = self.endpoint.write_with_imm(
+        if defer {
+            inner.staged.push(Staged { slot, len, imm });
+        } else if let Err(e) = self.endpoint.write_with_imm(
             PIPE_SEND_WR + slot as u64,
             &input.region,
             header_offset(),
@@ -856,6 +875,65 @@ impl Lane {
             abandoned: false,
         });
         Ok(())
+    }
+
+    /// Pipeline: posts the requests [`pipe_start`](Self::pipe_start)
+    /// staged, in order, [`FLUSH_CHUNK`] per `write_batch`. On an error
+    /// the requests not posted stay staged, for the next flush. Hot path.
+    /// The caller holds the lane.
+    pub(crate) fn pipe_flush(&self) -> Result<()> {
+        // SAFETY: the caller holds the lane.
+        let inner = unsafe { self.inner() };
+        if inner.staged.is_empty() {
+            return Ok(());
+        }
+        let mut posted = 0;
+        let mut failed = None;
+        while posted < inner.staged.len() {
+            let chunk = &inner.staged[posted..inner.staged.len().min(posted + FLUSH_CHUNK)];
+            let write = |st: &Staged| {
+                let p = inner.pipe[st.slot]
+                    .as_ref()
+                    .expect("a staged call holds its slot");
+                WriteRequest {
+                    wr_id: PIPE_SEND_WR + st.slot as u64,
+                    local: &p.input.region,
+                    offset: header_offset(),
+                    len: st.len,
+                    remote: self.slot_addr(p.id),
+                    imm: Some(st.imm),
+                }
+            };
+            let first = write(&chunk[0]);
+            let result = if chunk.len() == 1 {
+                self.endpoint.write_with_imm(
+                    first.wr_id,
+                    first.local,
+                    first.offset,
+                    first.len,
+                    first.remote,
+                    chunk[0].imm,
+                )
+            } else {
+                let mut batch = [first; FLUSH_CHUNK];
+                for (w, st) in batch.iter_mut().zip(chunk).skip(1) {
+                    *w = write(st);
+                }
+                self.endpoint.write_batch(&batch[..chunk.len()])
+            };
+            match result {
+                Ok(()) => posted += chunk.len(),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        inner.staged.drain(..posted);
+        match failed {
+            None => Ok(()),
+            Some(e) => Err(e.into()),
+        }
     }
 
     /// Pipeline: the next call that has ended, as its slot and result;
@@ -1011,6 +1089,7 @@ fn piped_outcome(
 
 /// Takes the answered call out of `slot`, freeing its buffers.
 fn take_piped(fate: &Fate, inner: &mut LaneInner, slot: usize) -> Result<usize> {
+    unstage(inner, slot);
     let call = inner.pipe[slot].take().expect("an answered call");
     call.release();
     let r = call.answer.expect("answered");
@@ -1018,15 +1097,32 @@ fn take_piped(fate: &Fate, inner: &mut LaneInner, slot: usize) -> Result<usize> 
     r
 }
 
-/// Marks the call in `slot` abandoned; it goes now if it has ended.
+/// Marks the call in `slot` abandoned; it goes now if it has ended. A
+/// call still staged goes at once: it was never sent.
 fn abandon(inner: &mut LaneInner, slot: usize) {
+    let staged = unstage(inner, slot);
     if let Some(p) = inner.pipe.get_mut(slot).and_then(Option::as_mut) {
         p.abandoned = true;
-        if p.ended() || inner.broken.is_some() {
+        if staged {
+            p.release();
+            inner.pipe[slot] = None;
+            inner.unreaped_sends = inner.unreaped_sends.saturating_sub(1);
+            inner.owed = inner.owed.saturating_sub(1);
+        } else if p.ended() || inner.broken.is_some() {
             p.release();
             inner.pipe[slot] = None;
         }
     }
+}
+
+/// Forgets the staged request of `slot`, if there is one; whether there was.
+fn unstage(inner: &mut LaneInner, slot: usize) -> bool {
+    if inner.staged.is_empty() {
+        return false;
+    }
+    let before = inner.staged.len();
+    inner.staged.retain(|st| st.slot != slot);
+    inner.staged.len() != before
 }
 
 /// What a wait found.
@@ -1089,6 +1185,7 @@ mod tests {
             trouble_since: None,
             pipe: (0..4).map(|_| None).collect(),
             ended: VecDeque::new(),
+            staged: Vec::new(),
             done: [Completion::EMPTY; BATCH],
         }
     }

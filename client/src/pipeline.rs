@@ -79,6 +79,9 @@ struct Pending<I: Pod, O: Pod> {
 ///
 /// [`submit`](Self::submit) sends a call and returns at once; a full
 /// pipeline refuses with [`Error::SlotsFull`] and never blocks.
+/// [`stage`](Self::stage) takes a call the same way but sends it with the
+/// next [`flush`](Self::flush) (or collection), in one batch with the
+/// other staged calls.
 /// [`test_any`](Self::test_any) returns a call that has ended, if one has,
 /// [`wait_any`](Self::wait_any) waits for one (sleeping in the kernel), and
 /// [`spin_any`](Self::spin_any) busy-polls for one; calls end in the order
@@ -164,6 +167,40 @@ impl<'a, I: Pod, O: Pod> Pipeline<'a, I, O> {
         in_len: usize,
         output: Buffer<O>,
     ) -> std::result::Result<CallId, Rejected<I, O>> {
+        self.start(function, input, in_len, output, false)
+    }
+
+    /// [`submit`](Self::submit), but the request leaves with the next
+    /// [`flush`](Self::flush), together with every other staged one: on
+    /// tcp in one system call, on shm behind one doorbell, on verbs as one
+    /// chain of work requests. `test_any`, `wait_any` and `spin_any` flush
+    /// first, so a staged call is never forgotten; nothing leaves by
+    /// itself in between. Hot path: no lock, no allocation.
+    pub fn stage(
+        &mut self,
+        function: FunctionId,
+        input: Buffer<I>,
+        in_len: usize,
+        output: Buffer<O>,
+    ) -> std::result::Result<CallId, Rejected<I, O>> {
+        self.start(function, input, in_len, output, true)
+    }
+
+    /// Sends the staged calls, in the order they were staged. On an error
+    /// (the lane broke, or its send queue is full) the calls not sent stay
+    /// staged for the next flush; a broken lane ends them with its error.
+    pub fn flush(&mut self) -> Result<()> {
+        self.lane.pipe_flush()
+    }
+
+    fn start(
+        &mut self,
+        function: FunctionId,
+        input: Buffer<I>,
+        in_len: usize,
+        output: Buffer<O>,
+        defer: bool,
+    ) -> std::result::Result<CallId, Rejected<I, O>> {
         let reject = |error, input, output| {
             Err(Rejected {
                 error,
@@ -190,6 +227,7 @@ impl<'a, I: Pod, O: Pod> Pipeline<'a, I, O> {
             in_bytes,
             &output.shared,
             out_bytes,
+            defer,
         ) {
             return reject(e, input, output);
         }
@@ -248,6 +286,8 @@ impl<'a, I: Pod, O: Pod> Pipeline<'a, I, O> {
         if self.in_flight == 0 {
             return None;
         }
+        // What cannot leave now stays staged; a broken lane ends it below.
+        let _ = self.lane.pipe_flush();
         if how != How::Poll && self.unstamped {
             // A wait must know when to give up before it starts.
             self.stamp(Instant::now());

@@ -480,6 +480,71 @@ fn a_pipeline_dropped_with_calls_in_flight_leaves_the_lane_usable(#[case] provid
     alloc.deallocate().unwrap();
 }
 
+/// Staged calls leave only at a flush (or a wait), together; each ends
+/// once with its own answer. Staged calls dropped unsent never reach the
+/// worker, and the lane is free at once.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE"]
+#[case::verbs(verbs())]
+fn staged_calls_leave_together_at_a_flush(#[case] provider: &str) {
+    let d = daemon_for(provider);
+    let alloc = allocate(
+        &d,
+        provider,
+        &spec().cores(1).lanes(1).slots(8).mode(Mode::Hot),
+    );
+    let echo = alloc.function("echo").unwrap();
+    let served = || lease_usage(&d, alloc.lease_id()).usage.invocations;
+    let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
+    let mut sent = std::collections::BTreeMap::new();
+    for value in 10..16u32 {
+        let id = pipe
+            .stage(echo, u32_input(&alloc, value), 1, alloc.buffer(1).unwrap())
+            .unwrap();
+        sent.insert(id, value);
+    }
+    assert_eq!(pipe.in_flight(), 6);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(served(), 0, "nothing leaves before the flush");
+    pipe.flush().unwrap();
+    while pipe.in_flight() > 0 {
+        let done = pipe.wait_any().unwrap();
+        let value = sent.remove(&done.id).expect("each call ends once");
+        assert_eq!(done.result.unwrap(), 4);
+        assert_eq!(done.output.to_vec(), [value]);
+    }
+    assert!(sent.is_empty());
+    assert_eq!(
+        poll_for(Duration::from_secs(5), || (served() == 6).then_some(6)),
+        Some(6)
+    );
+    // A wait flushes first.
+    let id = pipe
+        .stage(echo, u32_input(&alloc, 20), 1, alloc.buffer(1).unwrap())
+        .unwrap();
+    let done = pipe.wait_any().unwrap();
+    assert_eq!((done.id, done.output.to_vec()), (id, vec![20]));
+    // Staged and dropped: never sent, and the lane is free at once.
+    for value in [30, 31] {
+        pipe.stage(echo, u32_input(&alloc, value), 1, alloc.buffer(1).unwrap())
+            .unwrap();
+    }
+    drop(pipe);
+    let input = u32_input(&alloc, 40);
+    let mut output = alloc.buffer::<u32>(1).unwrap();
+    assert_eq!(alloc.invoke(echo, &input, 1, &mut output).unwrap(), 4);
+    assert_eq!(output.to_vec(), [40]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        served(),
+        8,
+        "the dropped staged calls never reached the worker"
+    );
+    alloc.deallocate().unwrap();
+}
+
 /// A crash under one call of a pipeline ends every call in flight with
 /// the crash, none hangs.
 #[rstest]

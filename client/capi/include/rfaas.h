@@ -1191,6 +1191,38 @@ rfaas_status rfaas_pipeline_submit(struct rfaas_pipeline *pipe,
                                    uint64_t *call_id);
 
 /**
+ * As `rfaas_pipeline_submit`, but the request leaves with the next
+ * `rfaas_pipeline_flush`, together with every other staged one: on tcp in
+ * one system call, on shm behind one doorbell, on verbs as one chain of
+ * work requests. `rfaas_pipeline_test_any`, `_wait_any` and `_spin_any`
+ * flush first; nothing leaves by itself in between. A staged call is in
+ * flight, and its buffers are the worker's, from this call on.
+ *
+ * Hot path: no lock, no allocation.
+ *
+ * # Safety
+ *
+ * As for `rfaas_pipeline_submit`.
+ */
+rfaas_status rfaas_pipeline_stage(struct rfaas_pipeline *pipe,
+                                  uint32_t function,
+                                  const struct rfaas_buffer *in,
+                                  size_t in_bytes,
+                                  struct rfaas_buffer *out,
+                                  uint64_t *call_id);
+
+/**
+ * Sends the staged calls, in the order they were staged. On an error the
+ * calls not sent stay staged for the next flush (a broken lane ends them
+ * with its error when they are collected).
+ *
+ * # Safety
+ *
+ * `pipe` is NULL or a live pipeline no other thread uses.
+ */
+rfaas_status rfaas_pipeline_flush(struct rfaas_pipeline *pipe);
+
+/**
  * A call that has ended, if one has; never waits. `RFAAS_PENDING` (not a
  * failure) when none has, with `*call_id` set to `RFAAS_NO_CALL`.
  * Otherwise as `rfaas_pipeline_wait_any`.

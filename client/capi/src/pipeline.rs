@@ -126,15 +126,99 @@ pub unsafe extern "C" fn rfaas_pipeline_submit(
     out: *mut rfaas_buffer,
     call_id: *mut u64,
 ) -> rfaas_status {
-    const CALL: &str = "rfaas_pipeline_submit";
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        start(
+            "rfaas_pipeline_submit",
+            pipe,
+            function,
+            r#in,
+            in_bytes,
+            out,
+            call_id,
+            false,
+        )
+    }
+}
+
+/// As `rfaas_pipeline_submit`, but the request leaves with the next
+/// `rfaas_pipeline_flush`, together with every other staged one: on tcp in
+/// one system call, on shm behind one doorbell, on verbs as one chain of
+/// work requests. `rfaas_pipeline_test_any`, `_wait_any` and `_spin_any`
+/// flush first; nothing leaves by itself in between. A staged call is in
+/// flight, and its buffers are the worker's, from this call on.
+///
+/// Hot path: no lock, no allocation.
+///
+/// # Safety
+///
+/// As for `rfaas_pipeline_submit`.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_pipeline_stage(
+    pipe: *mut rfaas_pipeline,
+    function: u32,
+    r#in: *const rfaas_buffer,
+    in_bytes: usize,
+    out: *mut rfaas_buffer,
+    call_id: *mut u64,
+) -> rfaas_status {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        start(
+            "rfaas_pipeline_stage",
+            pipe,
+            function,
+            r#in,
+            in_bytes,
+            out,
+            call_id,
+            true,
+        )
+    }
+}
+
+/// Sends the staged calls, in the order they were staged. On an error the
+/// calls not sent stay staged for the next flush (a broken lane ends them
+/// with its error when they are collected).
+///
+/// # Safety
+///
+/// `pipe` is NULL or a live pipeline no other thread uses.
+#[no_mangle]
+pub unsafe extern "C" fn rfaas_pipeline_flush(pipe: *mut rfaas_pipeline) -> rfaas_status {
+    const CALL: &str = "rfaas_pipeline_flush";
     call(CALL, || {
         // SAFETY: the caller's promise.
         let handle = unsafe { mut_arg(CALL, "pipe", pipe) }?;
+        handle.pipe.flush().map_err(|e| Failure::client(CALL, &e))?;
+        Ok(RFAAS_OK)
+    })
+}
+
+/// Submits (`stage` false) or stages a call: the body of both.
+///
+/// # Safety
+///
+/// As for `rfaas_pipeline_submit`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn start(
+    call_name: &'static str,
+    pipe: *mut rfaas_pipeline,
+    function: u32,
+    r#in: *const rfaas_buffer,
+    in_bytes: usize,
+    out: *mut rfaas_buffer,
+    call_id: *mut u64,
+    stage: bool,
+) -> rfaas_status {
+    call(call_name, || {
+        // SAFETY: the caller's promise.
+        let handle = unsafe { mut_arg(call_name, "pipe", pipe) }?;
         // SAFETY: the caller's promises, passed on. The allocation is the
         // one the pipeline borrows.
         let (function, input, output) = unsafe {
             buffers(
-                CALL,
+                call_name,
                 handle.pipe.allocation(),
                 function,
                 r#in,
@@ -146,10 +230,12 @@ pub unsafe extern "C" fn rfaas_pipeline_submit(
         // reported (this function's contract); the aliases share the
         // buffers' registered memory, which they keep alive.
         let (input, output) = unsafe { (input.alias(), output.alias()) };
-        let id = handle
-            .pipe
-            .submit(function, input, in_bytes, output)
-            .map_err(|r| Failure::client(CALL, &r.error))?;
+        let started = if stage {
+            handle.pipe.stage(function, input, in_bytes, output)
+        } else {
+            handle.pipe.submit(function, input, in_bytes, output)
+        };
+        let id = started.map_err(|r| Failure::client(call_name, &r.error))?;
         if !call_id.is_null() {
             // SAFETY: non-null and writable (caller's promise).
             unsafe { call_id.write(id.0) };

@@ -321,6 +321,35 @@ fn a_pipeline_keeps_calls_in_flight_and_reports_each_once() {
     // A failing call is reported with its id and its own status.
     // SAFETY: a live allocation, a valid out-pointer.
     ok(unsafe { rfaas_pipeline_new(f.alloc, &mut pipe) });
+    // Staged calls leave together at the flush, each reported once.
+    let (st, echo) = f.index("echo");
+    ok(st);
+    let mut staged = std::collections::BTreeMap::new();
+    for (i, (input, output)) in bufs.iter().enumerate().take(3).skip(1) {
+        input
+            .bytes()
+            .copy_from_slice(&(20 + i as u32).to_ne_bytes());
+        // SAFETY: live handles; the buffers outlive the calls.
+        ok(unsafe { rfaas_pipeline_stage(pipe, echo, input.0, 4, output.0, &mut id) });
+        staged.insert(id, i);
+    }
+    // SAFETY: a live pipeline.
+    assert_eq!(unsafe { rfaas_pipeline_in_flight(pipe) }, 2);
+    // SAFETY: a live pipeline.
+    ok(unsafe { rfaas_pipeline_flush(pipe) });
+    // SAFETY: NULL is refused.
+    let st = unsafe { rfaas_pipeline_flush(null_mut()) };
+    assert_failed(st, rfaas_status::RFAAS_ERR_INVALID_ARGUMENT, "pipe");
+    while !staged.is_empty() {
+        // SAFETY: a live pipeline, valid out-pointers.
+        ok(unsafe { rfaas_pipeline_wait_any(pipe, &mut id, &mut len) });
+        let i = staged.remove(&id).expect("each staged call reported once");
+        assert_eq!(
+            bufs[i].1.bytes(),
+            (20 + i as u32).to_ne_bytes(),
+            "staged call {i}"
+        );
+    }
     let (st, crash) = f.index("fault_segfault");
     ok(st);
     let (input, output) = &bufs[0];
