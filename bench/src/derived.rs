@@ -43,6 +43,7 @@ pub const ROWS: &[(&str, &str)] = &[
     ("transfer_vs_pingpong_bandwidth", "the share of the fabric's own round trip the invocation path keeps"),
     ("echo_copy_estimate", "what an echo that copies its input can reach, from the bandwidth and memcpy_bandwidth rows"),
     ("hot_noop_rate_vs_pingpong_rate", "hot_noop_rate over the fabric's pingpong_rate with as many in flight (target: at least 0.5 at 16 in flight on shm and tcp)"),
+    ("hot_noop_rate_staged_vs_pingpong_rate", "hot_noop_rate_staged over the fabric's pingpong_rate with as many in flight"),
     ("warm_noop_rate_vs_pingpong_rate", "warm_noop_rate over the fabric's pingpong_rate with as many in flight"),
     ("hot_noop_billed_over_hot_noop", "hot_noop_billed over hot_noop by interquartile means: what billing adds to an invocation (target: at most 1.02 on tcp and shm)"),
     ("grpc_echo_over_hot_noop", "grpc_echo over hot_noop on tcp (target: at least 5 at 64 B)"),
@@ -134,7 +135,7 @@ pub fn derive(rows: &[Row]) -> Vec<Row> {
             }
         }
     }
-    let rate_rows = ["hot_noop_rate", "warm_noop_rate"];
+    let rate_rows = ["hot_noop_rate", "hot_noop_rate_staged", "warm_noop_rate"];
     for row in rows.iter().filter(|r| rate_rows.contains(&r.name.as_str())) {
         let fabric = rows
             .iter()

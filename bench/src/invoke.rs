@@ -9,7 +9,8 @@
 //! | `hot_noop` | `submit` + `spin` of `noop` with an input of `--sizes` bytes (inline), on a worker in `Mode::Hot`: both ends busy-poll |
 //! | `hot_noop_billed` | `hot_noop` with billing on: the daemon is registered with a real `rfaas-manager`, the lease comes from it with a slot of a real `rfaas-accounting` (on the row's provider, one SQLite file for both), and the daemon posts the lease's usage there every second while the row runs |
 //! | `hot_noop_rate` | `noop` calls per second at 64 B from one client thread with each `RATE_IN_FLIGHT` count in flight on one lane with that many slots (one `Pipeline`) of an allocation of one hot core, each resubmitted as soon as its result is in; next to `pingpong_rate` |
-//! | `warm_noop_rate` | the same on a worker in `Mode::Warm` (the client polls) |
+//! | `hot_noop_rate_staged` | `hot_noop_rate`, but the client collects every call that has ended, then stages their refills (`Pipeline::stage`), which the next collection sends in one batch |
+//! | `warm_noop_rate` | `hot_noop_rate` on a worker in `Mode::Warm` (the client polls) |
 //! | `warm_noop` | the same on a worker in `Mode::Warm`, the client blocking in `get`: both ends sleep in the kernel |
 //! | `warm_noop_spin` | a worker in `Mode::Warm` and a client that busy-polls (`spin`): only the worker sleeps |
 //! | `transfer` | `submit` + `spin` of `empty` (rFaaS's bandwidth function: returns `size` bytes of its output buffer untouched) with `--bw-sizes` bytes each way, on a hot worker whose input buffer holds the payload; reported as bandwidth (below); then again with 4 calls in flight, one per lane, on one worker thread |
@@ -56,6 +57,7 @@ const HOT_NOOP_BILLED: &str = "hot_noop_billed";
 const WARM_NOOP: &str = "warm_noop";
 const WARM_NOOP_SPIN: &str = "warm_noop_spin";
 const HOT_NOOP_RATE: &str = "hot_noop_rate";
+const HOT_NOOP_RATE_STAGED: &str = "hot_noop_rate_staged";
 const WARM_NOOP_RATE: &str = "warm_noop_rate";
 const ECHO: &str = "echo";
 const ECHO_PULLED: &str = "echo_pulled";
@@ -103,6 +105,14 @@ pub const SUITE: Suite = Suite {
             runner: Runner::PerProvider {
                 kind: None,
                 run: |ctx, p, out| noop_rate(ctx, p, HOT_NOOP_RATE, Mode::Hot, out),
+            },
+        },
+        RowSpec {
+            name: HOT_NOOP_RATE_STAGED,
+            help: "hot_noop_rate with the refills staged: the client collects every call that has ended, then sends their refills in one batch (Pipeline::stage, flush)",
+            runner: Runner::PerProvider {
+                kind: None,
+                run: |ctx, p, out| noop_rate(ctx, p, HOT_NOOP_RATE_STAGED, Mode::Hot, out),
             },
         },
         RowSpec {
@@ -590,10 +600,19 @@ fn noop_rate(
             .pipeline::<u8, u8>()
             .ctx(|| format!("{name}: taking the lane"))?;
         daemon.settle()?;
-        buffers = pipelined(name, &mut pipe, f, buffers, RATE_SIZE, 0, ctx.warmup as u64)?;
+        let stage = name == HOT_NOOP_RATE_STAGED;
+        buffers = pipelined(
+            name,
+            &mut pipe,
+            f,
+            buffers,
+            RATE_SIZE,
+            stage,
+            ctx.warmup as u64,
+        )?;
         let calls = ctx.rate_calls();
         let start = Instant::now();
-        pipelined(name, &mut pipe, f, buffers, RATE_SIZE, 0, calls)?;
+        pipelined(name, &mut pipe, f, buffers, RATE_SIZE, stage, calls)?;
         let elapsed = start.elapsed();
         out.push(&Row::rate(
             name,
@@ -610,50 +629,57 @@ fn noop_rate(
     Ok(())
 }
 
-/// `calls` calls of `f` with `size` input bytes through one pipeline, as
-/// many in flight as there are (input, output) pairs, a pair's next call
-/// submitted as soon as its result is in, collected by polling; each must
-/// return `expect` bytes. Returns the pairs. Hot loop of the rate rows.
-#[allow(clippy::too_many_arguments)]
+/// `calls` calls of `f` (which returns nothing) with `size` input bytes
+/// through one pipeline, as many in flight as there are (input, output)
+/// pairs, collected by polling. Without `stage` a pair's next call is
+/// submitted as soon as its result is in; with it, the client collects
+/// every call that has ended, then stages their refills, which the next
+/// collection sends as one batch. Returns the pairs. Hot loop of the rate
+/// rows.
 fn pipelined(
     name: &str,
     pipe: &mut Pipeline<'_, u8, u8>,
     f: FunctionId,
     mut free: Vec<(Buffer<u8>, Buffer<u8>)>,
     size: usize,
-    expect: usize,
+    stage: bool,
     calls: u64,
 ) -> Result<Vec<(Buffer<u8>, Buffer<u8>)>> {
     let (mut posted, mut done) = (0u64, 0u64);
+    // Calls collected per pass before the refills go.
+    let per_pass = if stage { usize::MAX } else { 1 };
     while done < calls {
         while posted < calls {
             let Some((input, output)) = free.pop() else {
                 break;
             };
-            // Staged: what this pass frees leaves together, at test_any.
-            pipe.stage(f, input, size, output)
-                .map_err(rfaas_client::Error::from)
+            let sent = if stage {
+                pipe.stage(f, input, size, output)
+            } else {
+                pipe.submit(f, input, size, output)
+            };
+            sent.map_err(rfaas_client::Error::from)
                 .ctx(|| format!("{name}: submitting {size} bytes"))?;
             posted += 1;
         }
-        // Every call that has ended, before the next staging pass.
-        let mut any = false;
-        while let Some(call) = pipe.test_any() {
-            any = true;
+        let mut collected = 0;
+        while collected < per_pass {
+            let Some(call) = pipe.test_any() else { break };
+            collected += 1;
             match call
                 .result
                 .ctx(|| format!("{name}: a {size}-byte call failed"))?
             {
-                n if n == expect => done += 1,
+                0 => done += 1,
                 n => {
                     return Err(Error::new(format!(
-                        "{name}: {size} bytes in, {n} bytes out (expected {expect})"
+                        "{name}: {size} bytes in, {n} bytes out (noop returns none)"
                     )))
                 }
             }
             free.push((call.input, call.output));
         }
-        if !any {
+        if collected == 0 {
             std::hint::spin_loop();
         }
     }
