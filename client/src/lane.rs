@@ -905,22 +905,11 @@ impl Lane {
                 }
             };
             let first = write(&chunk[0]);
-            let result = if chunk.len() == 1 {
-                self.endpoint.write_with_imm(
-                    first.wr_id,
-                    first.local,
-                    first.offset,
-                    first.len,
-                    first.remote,
-                    chunk[0].imm,
-                )
-            } else {
-                let mut batch = [first; FLUSH_CHUNK];
-                for (w, st) in batch.iter_mut().zip(chunk).skip(1) {
-                    *w = write(st);
-                }
-                self.endpoint.write_batch(&batch[..chunk.len()])
-            };
+            let mut batch = [first; FLUSH_CHUNK];
+            for (w, st) in batch.iter_mut().zip(chunk).skip(1) {
+                *w = write(st);
+            }
+            let result = self.endpoint.write_batch(&batch[..chunk.len()]);
             match result {
                 Ok(()) => posted += chunk.len(),
                 Err(e) => {

@@ -110,6 +110,11 @@ fn kill(pid: i32, signal: i32) {
     assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill {pid}");
 }
 
+/// One hot core, one lane of 8 slots: every call on one worker thread.
+fn one_hot_lane_of_8_slots() -> AllocationSpec {
+    spec().cores(1).lanes(1).slots(8).mode(Mode::Hot)
+}
+
 /// `e` says the worker died of SIGSEGV.
 fn assert_segfault(e: &Error) {
     assert!(
@@ -358,11 +363,7 @@ fn eight_lanes_on_one_core_keep_eight_calls_in_flight(#[case] provider: &str) {
 #[case::verbs(verbs())]
 fn a_pipeline_keeps_eight_calls_in_flight_on_one_lane(#[case] provider: &str) {
     let d = daemon_for(provider);
-    let alloc = allocate(
-        &d,
-        provider,
-        &spec().cores(1).lanes(1).slots(8).mode(Mode::Hot),
-    );
+    let alloc = allocate(&d, provider, &one_hot_lane_of_8_slots());
     assert_eq!((alloc.lanes(), alloc.slots()), (1, 8));
     let sleep = alloc.function("sleep_ms").unwrap();
     let echo = alloc.function("echo").unwrap();
@@ -490,11 +491,7 @@ fn a_pipeline_dropped_with_calls_in_flight_leaves_the_lane_usable(#[case] provid
 #[case::verbs(verbs())]
 fn staged_calls_leave_together_at_a_flush(#[case] provider: &str) {
     let d = daemon_for(provider);
-    let alloc = allocate(
-        &d,
-        provider,
-        &spec().cores(1).lanes(1).slots(8).mode(Mode::Hot),
-    );
+    let alloc = allocate(&d, provider, &one_hot_lane_of_8_slots());
     let echo = alloc.function("echo").unwrap();
     let served = || lease_usage(&d, alloc.lease_id()).usage.invocations;
     let mut pipe = alloc.pipeline::<u32, u32>().unwrap();
@@ -596,11 +593,7 @@ fn a_crash_in_a_pipeline_ends_every_call_in_flight(#[case] provider: &str) {
 #[case::verbs(verbs())]
 fn answers_held_for_a_batch_survive_a_crash_later_in_it(#[case] provider: &str) {
     let d = daemon_for(provider);
-    let alloc = allocate(
-        &d,
-        provider,
-        &spec().cores(1).lanes(1).slots(8).mode(Mode::Hot),
-    );
+    let alloc = allocate(&d, provider, &one_hot_lane_of_8_slots());
     let sleep = alloc.function("sleep_ms").unwrap();
     let echo = alloc.function("echo").unwrap();
     let overrun = alloc.function("fault_overrun").unwrap();

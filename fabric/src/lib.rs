@@ -415,13 +415,21 @@ impl Endpoint {
     /// the batch was posted: [`Error::QueueFull`] when the send queue (or
     /// the completion queue, or on shm the peer's immediate ring) has no
     /// room for all of them now, [`Error::InvalidArgument`] when the batch
-    /// is longer than the send queue is deep. An empty batch does nothing.
+    /// is longer than the send queue is deep. An empty batch does nothing;
+    /// a batch of one is a plain post.
     pub fn write_batch(&self, writes: &[WriteRequest<'_>]) -> Result<()> {
-        if writes.is_empty() {
-            return Ok(());
+        let w = match writes {
+            [] => return Ok(()),
+            [w] => w,
+            _ => {
+                let writes = Writes::check(writes, self.domain_id)?;
+                return dispatch!(&self.imp, e => e.write_batch(writes));
+            }
+        };
+        match w.imm {
+            Some(imm) => self.write_with_imm(w.wr_id, w.local, w.offset, w.len, w.remote, imm),
+            None => self.write(w.wr_id, w.local, w.offset, w.len, w.remote),
         }
-        let writes = Writes::check(writes, self.domain_id)?;
-        dispatch!(&self.imp, e => e.write_batch(writes))
     }
 
     /// In-place, read-only access to `len` bytes of the peer's memory at

@@ -117,9 +117,8 @@ pub struct WorkerThread {
     /// what it was woken for (warm).
     after_function: LaneState,
     deferred: VecDeque<Completion>,
-    /// Whether another request of the batch follows the one served now.
-    more: bool,
-    /// When the request served now arrived, in meter ticks.
+    /// When the request served now arrived, in meter ticks (the clock
+    /// read when its completion was taken).
     arrived: u64,
     /// When the request of the oldest held answer arrived, in meter ticks.
     held_since: u64,
@@ -199,7 +198,6 @@ impl WorkerThread {
             running,
             after_function,
             deferred,
-            more: false,
             arrived: 0,
             held_since: 0,
             broken: Vec::new(),
@@ -281,8 +279,8 @@ impl WorkerThread {
             };
             let mut served = false;
             for (i, c) in done[..n].iter().enumerate() {
-                self.more = i + 1 < n || !self.deferred.is_empty();
-                if let Flow::End = self.on_completion(*c, &mut served) {
+                let more = i + 1 < n || !self.deferred.is_empty();
+                if let Flow::End = self.on_completion(*c, more, &mut served) {
                     return;
                 }
                 if let Flow::End = self.end_broken() {
@@ -312,7 +310,9 @@ impl WorkerThread {
         (j != NO_LANE && self.lanes[usize::from(j)].tag == tag).then_some(usize::from(j))
     }
 
-    fn on_completion(&mut self, c: Completion, served: &mut bool) -> Flow {
+    /// Takes completion `c`; `more` says whether another of the same poll
+    /// follows it.
+    fn on_completion(&mut self, c: Completion, more: bool, served: &mut bool) -> Flow {
         let Some(j) = self.lane_of(c.wr_id) else {
             tracing::debug!(thread = self.cfg.index, wr_id = c.wr_id, status = %c.status, "a completion of a connection dropped while the lanes were connected; ignored");
             return Flow::Continue;
@@ -328,7 +328,7 @@ impl WorkerThread {
         match c.opcode {
             Opcode::RecvWithImm if c.status.is_ok() => {
                 *served = true;
-                self.serve(j, c)
+                self.serve(j, c, more)
             }
             Opcode::RecvWithImm => {
                 tracing::error!(lane, status = %c.status, "a receive failed; ending the lane");
@@ -373,15 +373,14 @@ impl WorkerThread {
 
     /// Serves one request of lane `j`, then posts its receive again. Hot
     /// path (but for bulk pulls and failures).
-    fn serve(&mut self, j: usize, c: Completion) -> Flow {
+    fn serve(&mut self, j: usize, c: Completion, more: bool) -> Flow {
         // Read now, used once the request proved inline: see meter.rs.
-        let arrived = self.lanes[0].meter.now();
-        self.arrived = arrived;
-        if let LaneFlow::End = self.answer(j, c, arrived) {
+        self.arrived = self.lanes[0].meter.now();
+        if let LaneFlow::End = self.answer(j, c) {
             return self.end_lane(j);
         }
         // The batch's last answer leaves at once, with those held before it.
-        if !self.more || self.running.held_len() == MAX_HELD {
+        if !more || self.running.held_len() == MAX_HELD {
             self.send_held();
             if !self.lanes[j].live || self.broken.contains(&j) {
                 return Flow::Continue;
@@ -396,9 +395,11 @@ impl WorkerThread {
         Flow::Continue
     }
 
-    /// Runs the function a request of lane `j` names and sends its
-    /// response; `arrived` is the clock read when its completion was taken.
-    fn answer(&mut self, j: usize, c: Completion, arrived: u64) -> LaneFlow {
+    /// Runs the function a request of lane `j` names and holds its
+    /// response; `self.arrived` is the clock read when its completion was
+    /// taken.
+    fn answer(&mut self, j: usize, c: Completion) -> LaneFlow {
+        let arrived = self.arrived;
         let req = RequestImm::decode(c.imm);
         let slot = self.lanes[j].slot_of(req.invocation_id);
         // SAFETY: each slot's part of the input region is at least
@@ -423,20 +424,22 @@ impl WorkerThread {
         let header = match InvocationHeader::decode(head) {
             Ok(h) if c.byte_len as usize >= InvocationHeader::LEN && fits => h,
             _ => {
-                return self.respond(
+                self.respond(
                     j,
                     slot,
                     req.invocation_id,
                     reply_to,
                     InvocationStatus::MalformedRequest,
                     0,
-                )
+                );
+                return LaneFlow::Continue;
             }
         };
         let (in_ptr, in_len) = match self.input_of(j, base, &req, &header, c.byte_len) {
             Input::Ready(p, l) => (p, l),
             Input::Refused(status) => {
-                return self.respond(j, slot, req.invocation_id, reply_to, status, 0)
+                self.respond(j, slot, req.invocation_id, reply_to, status, 0);
+                return LaneFlow::Continue;
             }
             Input::End => return LaneFlow::End,
         };
@@ -491,9 +494,9 @@ impl WorkerThread {
         // Before the answer: a worker stopped right after it (the client
         // deallocates at once) still counts these bytes.
         self.lanes[j].meter.count_output(len);
-        let flow = self.respond(j, slot, req.invocation_id, reply_to, status, len);
-        // After the answer is on its way: the clock read is off the
-        // client's path.
+        self.respond(j, slot, req.invocation_id, reply_to, status, len);
+        // After the answer is held (or on its way): the clock read is off
+        // the client's path.
         let now = if j == 0 {
             self.lanes[0].meter.leave_function(self.after_function)
         } else {
@@ -503,7 +506,7 @@ impl WorkerThread {
             now
         };
         self.last_run[fi] = now.wrapping_sub(started);
-        flow
+        LaneFlow::Continue
     }
 
     /// Checks a request of lane `j` in order and finds its input. Hot path
@@ -670,7 +673,7 @@ impl WorkerThread {
         to: RemoteAddr,
         status: InvocationStatus,
         len: usize,
-    ) -> LaneFlow {
+    ) {
         let imm = ResponseImm {
             invocation_id: id,
             status,
@@ -688,7 +691,6 @@ impl WorkerThread {
         if held == 1 {
             self.held_since = self.arrived;
         }
-        LaneFlow::Continue
     }
 
     /// Sends the held answers: one write, or one batch per run of answers
@@ -722,11 +724,9 @@ impl WorkerThread {
                 };
                 let one = write(first);
                 let result = if run == 1 {
-                    post_reaping(fabric, deferred, |f| {
-                        f.get(j).write_with_imm(
-                            one.wr_id, one.local, one.offset, one.len, one.remote, first.imm,
-                        )
-                    })
+                    // No array to fill for the lone answer of one in flight.
+                    let one = std::slice::from_ref(&one);
+                    post_reaping(fabric, deferred, |f| f.get(j).write_batch(one))
                 } else {
                     let mut batch = [one; MAX_HELD];
                     for (w, a) in batch.iter_mut().zip(mine).skip(1) {
