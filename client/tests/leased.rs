@@ -283,9 +283,23 @@ fn a_moving_client_lets_go_of_its_allocation_first() {
         wait_until("node-a to drain", Duration::from_secs(10), || {
             matches!(a.status(), LocalReply::Status { draining: true, .. })
         });
-        // No node has room: the client's search fails, but its allocation
-        // on node-a ends before the drain's grace does.
-        assert!(echo(&mut la, 2).is_err());
+        // The drain reaches the worker as a signal, so a call sent at once
+        // may still be served. Once the worker refuses, no node has room:
+        // the client's search fails, but its allocation on node-a ends
+        // before the drain's grace does.
+        let mut value = 2;
+        wait_until(
+            "a call to be refused",
+            Duration::from_secs(10),
+            || match echo(&mut la, value) {
+                Ok(v) => {
+                    assert_eq!(v, value, "a call served while the drain began");
+                    value += 1;
+                    false
+                }
+                Err(_) => true,
+            },
+        );
         match drain.join().unwrap() {
             LocalReply::Done { message } => message,
             other => panic!("the drain answered {other:?}"),
