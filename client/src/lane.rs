@@ -902,6 +902,7 @@ impl Lane {
                     len: st.len,
                     remote: self.slot_addr(p.id),
                     imm: Some(st.imm),
+                    unsignaled: false,
                 }
             };
             let first = write(&chunk[0]);

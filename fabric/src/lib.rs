@@ -80,7 +80,7 @@ pub use options::EndpointOptions;
 
 use provider::{
     CompletionQueue as _, Domain as _, Endpoint as _, Listener as _, Local, LocalWord,
-    Provider as _, Writes,
+    Provider as _, Write, Writes,
 };
 
 /// Which provider, parsed from its name.
@@ -385,7 +385,14 @@ impl Endpoint {
         remote: RemoteAddr,
     ) -> Result<()> {
         let local = Local::check(local, offset, len, self.domain_id)?;
-        dispatch!(&self.imp, e => e.write(wr_id, local, remote, None))
+        let w = Write {
+            wr_id,
+            local,
+            remote,
+            imm: None,
+            unsignaled: false,
+        };
+        dispatch!(&self.imp, e => e.write(w))
     }
 
     /// Writes like [`Endpoint::write`], then consumes one receive posted at
@@ -400,7 +407,14 @@ impl Endpoint {
         imm: u32,
     ) -> Result<()> {
         let local = Local::check(local, offset, len, self.domain_id)?;
-        dispatch!(&self.imp, e => e.write(wr_id, local, remote, Some(imm)))
+        let w = Write {
+            wr_id,
+            local,
+            remote,
+            imm: Some(imm),
+            unsignaled: false,
+        };
+        dispatch!(&self.imp, e => e.write(w))
     }
 
     /// Posts `writes` in one call, each as [`Endpoint::write`] (no `imm`)
@@ -417,18 +431,26 @@ impl Endpoint {
     /// room for all of them now, [`Error::InvalidArgument`] when the batch
     /// is longer than the send queue is deep. An empty batch does nothing;
     /// a batch of one is a plain post.
+    ///
+    /// A write marked [`unsignaled`](WriteRequest::unsignaled) completes
+    /// only if it fails; the others complete as above.
     pub fn write_batch(&self, writes: &[WriteRequest<'_>]) -> Result<()> {
-        let w = match writes {
-            [] => return Ok(()),
-            [w] => w,
+        match writes {
+            [] => Ok(()),
+            [w] => {
+                let w = Write {
+                    wr_id: w.wr_id,
+                    local: Local::check(w.local, w.offset, w.len, self.domain_id)?,
+                    remote: w.remote,
+                    imm: w.imm,
+                    unsignaled: w.unsignaled,
+                };
+                dispatch!(&self.imp, e => e.write(w))
+            }
             _ => {
                 let writes = Writes::check(writes, self.domain_id)?;
-                return dispatch!(&self.imp, e => e.write_batch(writes));
+                dispatch!(&self.imp, e => e.write_batch(writes))
             }
-        };
-        match w.imm {
-            Some(imm) => self.write_with_imm(w.wr_id, w.local, w.offset, w.len, w.remote, imm),
-            None => self.write(w.wr_id, w.local, w.offset, w.len, w.remote),
         }
     }
 

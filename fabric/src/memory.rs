@@ -641,6 +641,14 @@ unsafe fn copy_in(src: &[u8], dst: *mut u8) {
 
 /// One write of a batch ([`Endpoint::write_batch`](crate::Endpoint::write_batch)): `local[offset..offset+len]`
 /// to `remote`, completing with `wr_id`; with `imm`, a write-with-immediate.
+///
+/// An `unsignaled` write completes only when it fails: success leaves
+/// nothing in the completion queue, as a verbs work request posted
+/// without `IBV_SEND_SIGNALED`. For a poster that learns of delivery
+/// otherwise, such as a request whose answer comes back. Its send-queue
+/// entry is free once the provider knows the write is done: at once on
+/// shm, at the peer's acknowledgement on tcp, on verbs when the batch's
+/// last work request, which the provider always signals, completes.
 #[derive(Clone, Copy, Debug)]
 pub struct WriteRequest<'a> {
     /// Names the write's completion.
@@ -656,6 +664,8 @@ pub struct WriteRequest<'a> {
     /// The immediate, consuming one receive posted at the peer; `None` for
     /// a plain write.
     pub imm: Option<u32>,
+    /// No completion when it succeeds (a failure still completes).
+    pub unsignaled: bool,
 }
 
 #[cfg(test)]

@@ -127,18 +127,13 @@ pub(crate) trait CompletionQueue: fmt::Debug + Send {
 ///
 /// Every post that returns `Ok` ends in exactly one completion on the
 /// endpoint's completion queue (see the module doc for what `Err` means),
-/// and the peer sees this endpoint's immediates in posting order.
+/// but an unsignaled write that succeeds, which ends in none; the peer
+/// sees this endpoint's immediates in posting order.
 pub(crate) trait Endpoint: fmt::Debug + Send {
-    /// Writes `local` to `remote`; with `imm`, then consumes one receive
-    /// posted at the peer, which completes with `imm` and the length. Hot
-    /// path: this is an invocation's request and response.
-    fn write(
-        &self,
-        wr_id: u64,
-        local: Local<'_>,
-        remote: RemoteAddr,
-        imm: Option<u32>,
-    ) -> Result<()>;
+    /// Writes `w.local` to `w.remote`; with `w.imm`, then consumes one
+    /// receive posted at the peer, which completes with the immediate and
+    /// the length. Hot path: this is an invocation's request and response.
+    fn write(&self, w: Write<'_>) -> Result<()>;
 
     /// Posts the writes of a non-empty batch in order, each completing as
     /// if posted alone with `write`. Hot path.
@@ -151,7 +146,7 @@ pub(crate) trait Endpoint: fmt::Debug + Send {
     /// provider here overrides it.
     fn write_batch(&self, writes: Writes<'_>) -> Result<()> {
         for w in writes.iter() {
-            self.write(w.wr_id, w.local, w.remote, w.imm)?;
+            self.write(w)?;
         }
         Ok(())
     }
@@ -269,6 +264,8 @@ pub(crate) struct Write<'a> {
     pub(crate) local: Local<'a>,
     pub(crate) remote: RemoteAddr,
     pub(crate) imm: Option<u32>,
+    /// No completion on success: see [`WriteRequest`].
+    pub(crate) unsignaled: bool,
 }
 
 impl<'a> Writes<'a> {
@@ -298,6 +295,7 @@ impl<'a> Writes<'a> {
             },
             remote: w.remote,
             imm: w.imm,
+            unsignaled: w.unsignaled,
         })
     }
 

@@ -285,6 +285,7 @@ fn a_batch_of_writes_lands_in_order_with_its_immediates(#[case] provider: &str) 
             len: len_of(i),
             remote: at(&target, off_of(i) as u64),
             imm: Some(500 + i as u32),
+            unsignaled: false,
         })
         .collect();
     p.ep.write_batch(&writes).unwrap();
@@ -335,6 +336,7 @@ fn a_batch_of_writes_lands_in_order_with_its_immediates(#[case] provider: &str) 
             len: 16,
             remote: at(&target, 64 * i as u64),
             imm: (i % 2 == 1).then_some(600 + i as u32),
+            unsignaled: false,
         })
         .collect();
     p.ep.write_batch(&mixed).unwrap();
@@ -399,6 +401,7 @@ fn a_batch_without_room_is_refused_whole(#[case] provider: &str) {
                 len: 8,
                 remote: at(&target, 8 * i),
                 imm: Some(i as u32),
+                unsignaled: false,
             })
             .collect()
     };
@@ -439,6 +442,111 @@ fn a_batch_without_room_is_refused_whole(#[case] provider: &str) {
     );
     assert_eq!(target.read_to_vec(3200..3232), [0xAB; 32]);
     assert_no_completion(&mut p.target_cq);
+}
+
+/// Unsignaled writes complete only when they fail. Many more of them than
+/// the send queue holds go through it (their entries come back without a
+/// completion to reap), each lands with its immediate in order, and the
+/// initiator's queue stays empty but for the signaled write among them
+/// and, at the end, a refused unsignaled write.
+#[rstest]
+#[case::tcp("tcp")]
+#[case::shm("shm")]
+#[ignore = "needs an RDMA device: scripts/test-verbs.sh runs it under Soft-RoCE (--features verbs)"]
+#[case::verbs(verbs())]
+fn unsignaled_writes_complete_only_when_they_fail(#[case] provider: &str) {
+    const BATCHES: u64 = 12;
+    const PER: u64 = 6;
+    let opts = EndpointOptions {
+        send_depth: 8,
+        recv_depth: 16,
+        ..EndpointOptions::default()
+    };
+    let mut p = Pair::with(provider, &opts, 64);
+    let target = p
+        .target_domain
+        .register(4096, Access::REMOTE_WRITE)
+        .unwrap();
+    let mut src = p.domain.register(4096, Access::LOCAL).unwrap();
+    for i in 0..BATCHES * PER {
+        src.write_from(8 * i as usize, &i.to_le_bytes());
+    }
+    let write = |i: u64| WriteRequest {
+        wr_id: i,
+        local: &src,
+        offset: 8 * i as usize,
+        len: 8,
+        remote: at(&target, 8 * i),
+        imm: Some(i as u32),
+        // One write of them all asks for its completion.
+        unsignaled: i != 15,
+    };
+    for i in 0..PER {
+        p.target.post_recv(1000 + i).unwrap();
+    }
+    let mut arrived = Vec::new();
+    let mut done = Vec::new();
+    for b in 0..BATCHES {
+        let batch: Vec<_> = (b * PER..(b + 1) * PER).map(write).collect();
+        let deadline = Instant::now() + TIMEOUT;
+        // The send queue (8) holds one batch of 6 at a time: the next
+        // fits once the provider knows the last one done.
+        loop {
+            match p.ep.write_batch(&batch) {
+                Ok(()) => break,
+                Err(Error::QueueFull { .. }) => {
+                    let mut out = [Completion::EMPTY; 8];
+                    let n = p.cq.poll(&mut out);
+                    done.extend_from_slice(&out[..n]);
+                    assert!(Instant::now() < deadline, "batch {b}: no room came back");
+                    std::thread::yield_now();
+                }
+                Err(e) => panic!("batch {b}: {e}"),
+            }
+        }
+        for c in poll_n(&mut p.target_cq, PER as usize) {
+            assert_eq!(c.status, Status::Success, "{c:?}");
+            arrived.push(c.imm);
+            p.target.post_recv(c.wr_id).unwrap();
+        }
+    }
+    let want: Vec<u32> = (0..(BATCHES * PER) as u32).collect();
+    assert_eq!(arrived, want, "every immediate, in order");
+    for i in 0..BATCHES * PER {
+        let at = 8 * i as usize;
+        assert_eq!(target.read_to_vec(at..at + 8), i.to_le_bytes(), "write {i}");
+    }
+    // A plain write after them all: once it completes, everything before
+    // it is done, so a completion of theirs would be in the queue by now.
+    p.ep.write(99, &src, 0, 8, at(&target, 4000)).unwrap();
+    loop {
+        let c = poll_one(&mut p.cq);
+        if c.wr_id == 99 {
+            break;
+        }
+        done.push(c);
+    }
+    let done: Vec<_> = done.iter().map(|c| (c.wr_id, c.status)).collect();
+    assert_eq!(
+        done,
+        [(15, Status::Success)],
+        "only the signaled write completes"
+    );
+    assert_no_completion(&mut p.cq);
+
+    // A refused unsignaled write completes, with its own wr_id.
+    let bad = RemoteAddr {
+        addr: 0,
+        rkey: target.descriptor().rkey ^ 0x5A5A_0000,
+    };
+    p.ep.write_batch(&[WriteRequest {
+        remote: bad,
+        imm: None,
+        ..write(7)
+    }])
+    .unwrap();
+    let c = poll_one(&mut p.cq);
+    assert_eq!((c.wr_id, c.status), (7, Status::RemoteAccess), "{c:?}");
 }
 
 /// An empty batch posts nothing and completes nothing.
@@ -1122,6 +1230,7 @@ fn closed_peer_fails_operations(#[case] provider: &str) {
             len: 8,
             remote: region.descriptor().at(0),
             imm: Some(i as u32),
+            unsignaled: false,
         })
         .collect();
     p.ep.write_batch(&later).unwrap();

@@ -275,13 +275,8 @@ impl provider::Endpoint for ShmEndpoint {
     /// publishes a notification in the peer's ring. Hot path.
     ///
     /// A full ring returns [`Error::QueueFull`] before anything is copied.
-    fn write(
-        &self,
-        wr_id: u64,
-        local: Local<'_>,
-        remote: RemoteAddr,
-        imm: Option<u32>,
-    ) -> Result<()> {
+    fn write(&self, w: Write<'_>) -> Result<()> {
+        let (wr_id, local, remote, imm) = (w.wr_id, w.local, w.remote, w.imm);
         let len = local.len();
         let opcode = if imm.is_some() {
             Opcode::WriteWithImm
@@ -318,6 +313,11 @@ impl provider::Endpoint for ShmEndpoint {
         }
         if let Some(imm) = imm {
             self.wake_peer(self.out.push(imm, len as u32));
+        }
+        if w.unsignaled {
+            // Done, and nothing to tell: the entries go back at once.
+            self.unreserve(1);
+            return Ok(());
         }
         self.finish(Completion::ok(wr_id, opcode, len as u32))
     }
@@ -356,16 +356,24 @@ impl provider::Endpoint for ShmEndpoint {
                 depth: self.out.cap(),
             });
         }
-        // A write completes only once its immediate is published.
+        // A write completes only once its immediate is published. An
+        // unsignaled write that succeeded completes not at all: its
+        // entries go back at the end.
         let mut done = [Completion::EMPTY; PUBLISH_EVERY];
-        let (mut k, mut staged) = (0, false);
+        let (mut k, mut placed, mut staged, mut silent) = (0, 0, false, 0);
         let mut writes = writes.iter().peekable();
         while let Some(w) = writes.next() {
             let c = self.place(&w);
-            staged |= c.opcode == Opcode::WriteWithImm && c.status == Status::Success;
-            done[k] = c;
-            k += 1;
-            if k == PUBLISH_EVERY || writes.peek().is_none() {
+            let ok = c.status == Status::Success;
+            staged |= c.opcode == Opcode::WriteWithImm && ok;
+            if ok && w.unsignaled {
+                silent += 1;
+            } else {
+                done[k] = c;
+                k += 1;
+            }
+            placed += 1;
+            if placed == PUBLISH_EVERY || writes.peek().is_none() {
                 if staged {
                     self.wake_peer(self.out.publish());
                 }
@@ -373,10 +381,15 @@ impl provider::Endpoint for ShmEndpoint {
                 for c in &done[..k] {
                     cq.push_quietly(*c, self.slot);
                 }
-                k = 0;
+                (k, placed) = (0, 0);
             }
         }
-        cq.wake_if_sleeping();
+        if silent > 0 {
+            self.unreserve(silent);
+        }
+        if silent < n {
+            cq.wake_if_sleeping();
+        }
         Ok(())
     }
 

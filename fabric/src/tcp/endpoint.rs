@@ -143,6 +143,8 @@ struct Op {
     len: u32,
     /// Where read data or an atomic's old value goes.
     dst: Option<(Arc<Buffer>, usize)>,
+    /// An unsignaled write: no completion when acknowledged.
+    quiet: bool,
 }
 
 /// A request posted while another thread held the connection state.
@@ -160,6 +162,8 @@ struct Outstanding {
     len: u32,
     /// Where read data or an atomic's old value goes.
     dst: Option<(Arc<Buffer>, usize)>,
+    /// An unsignaled write: its acknowledgement retires it silently.
+    pub(super) quiet: bool,
 }
 
 /// A frame (or its remainder) waiting for the socket.
@@ -268,21 +272,9 @@ impl TcpEndpoint {
 
 impl provider::Endpoint for TcpEndpoint {
     /// Hot path (write-with-immediate is the invocation request and response).
-    fn write(
-        &self,
-        wr_id: u64,
-        local: Local<'_>,
-        remote: RemoteAddr,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let (op, payload) = write_op(Write {
-            wr_id,
-            local,
-            remote,
-            imm,
-        });
-        self.shared
-            .post(op.header, payload, wr_id, op.opcode, op.len, None)
+    fn write(&self, w: Write<'_>) -> Result<()> {
+        let (op, payload) = write_op(w);
+        self.shared.post_op(op, payload)
     }
 
     /// Hot path: the frames leave in one `writev` when this thread claims
@@ -397,6 +389,7 @@ fn write_op(w: Write<'_>) -> (Op, Payload<'_>) {
         opcode,
         len: len as u32,
         dst: None,
+        quiet: w.unsignaled,
     };
     let payload = (len > 0).then_some((w.local.buf(), w.local.offset(), len));
     (op, payload)
@@ -428,8 +421,21 @@ impl EpShared {
         len: u32,
         dst: Option<(Arc<Buffer>, usize)>,
     ) -> Result<()> {
+        let op = Op {
+            header,
+            wr_id,
+            opcode,
+            len,
+            dst,
+            quiet: false,
+        };
+        self.post_op(op, payload)
+    }
+
+    /// Posts `op`, as [`EpShared::post`] does. Hot path.
+    fn post_op(&self, op: Op, payload: Option<(&Arc<Buffer>, usize, usize)>) -> Result<()> {
         if self.dead.load(Ordering::Acquire) {
-            return self.fail_now(wr_id, opcode);
+            return self.fail_now(op.wr_id, op.opcode);
         }
         if self.in_flight.fetch_add(1, Ordering::AcqRel) >= self.send_depth {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -438,13 +444,6 @@ impl EpShared {
                 depth: self.send_depth,
             });
         }
-        let op = Op {
-            header,
-            wr_id,
-            opcode,
-            len,
-            dst,
-        };
         if let Some(mut st) = self.state.try_claim() {
             // Requests handed over earlier go first.
             let queued = self.take_handed_over(&mut st) | self.start(&mut st, op, payload);
@@ -572,6 +571,7 @@ impl EpShared {
             opcode: op.opcode,
             len: op.len,
             dst: op.dst,
+            quiet: op.quiet,
         });
         header
     }

@@ -194,6 +194,7 @@ fn a_batch_finding_the_state_held_is_sent_in_order_by_its_holder() {
             len: 8,
             remote: region.descriptor().at(8 * u64::from(i)),
             imm: Some(i),
+            unsignaled: false,
         })
         .collect();
     let held = tcp.hold_state();

@@ -266,9 +266,14 @@ impl provider::CompletionQueue for VerbsCq {
                     if let Some(conn) = &data.conn {
                         conn.send_polled();
                     }
+                    self.shared.slots.release_covered(data.covers);
                 }
                 let view = WcView::of(wc);
-                out[filled] = complete(&view, &data);
+                let c = complete(&view, &data);
+                if data.quiet && c.status == Status::Success {
+                    continue;
+                }
+                out[filled] = c;
                 filled += 1;
             }
             if (n as usize) < want {
@@ -520,6 +525,8 @@ mod tests {
             len,
             buf: None,
             conn: None,
+            quiet: false,
+            covers: None,
         }
     }
 

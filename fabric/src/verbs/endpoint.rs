@@ -20,7 +20,7 @@ use super::sys::{errno_of, verb_error};
 use crate::completion::{Opcode, Status};
 use crate::error::{Error, Result};
 use crate::memory::{PeerView, RemoteAddr};
-use crate::provider::{self, Local, LocalWord, Writes};
+use crate::provider::{self, Local, LocalWord, Write, Writes};
 
 /// A connected RC endpoint of the verbs provider.
 pub(crate) struct VerbsEndpoint {
@@ -132,11 +132,15 @@ impl VerbsEndpoint {
                 Some(local.buf().clone())
             },
             conn: Some(self.conn.shared.clone()),
+            quiet: false,
+            covers: None,
         }
     }
 
-    /// Posts one signaled send work request. Hot path: no allocation or
-    /// lock (error paths allocate their message).
+    /// Posts one signaled send work request; a `quiet` one (an unsignaled
+    /// write alone) is signaled all the same, so that its completion frees
+    /// its place in the send queue, and its success is not reported. Hot
+    /// path: no allocation or lock (error paths allocate their message).
     #[inline]
     fn post_send(
         &self,
@@ -144,6 +148,7 @@ impl VerbsEndpoint {
         op: SendOp,
         local: Local<'_>,
         remote: RemoteAddr,
+        quiet: bool,
     ) -> Result<()> {
         let len = local.len();
         let conn = &*self.conn;
@@ -163,12 +168,14 @@ impl VerbsEndpoint {
         );
         let inline = self.inline(op, len);
         let slots = &qp.cq.slots;
-        let raw_id = slots
-            .acquire(qp.owner, self.send_slot(wr_id, op, local, inline))
-            .ok_or(Error::QueueFull {
-                what: "completion queue",
-                depth: slots.capacity(),
-            })?;
+        let slot = SlotData {
+            quiet,
+            ..self.send_slot(wr_id, op, local, inline)
+        };
+        let raw_id = slots.acquire(qp.owner, slot).ok_or(Error::QueueFull {
+            what: "completion queue",
+            depth: slots.capacity(),
+        })?;
 
         if matches!(op, SendOp::FetchAdd(_) | SendOp::CompareSwap { .. }) && remote.addr % 8 != 0 {
             // Providers differ (rxe refuses the post, NICs fail it at the
@@ -185,7 +192,7 @@ impl VerbsEndpoint {
         // SAFETY: ibv_send_wr is plain old data (pointers, integers, unions
         // of those); all-zero is a valid value that `fill_send` refines.
         let mut send: ibv_send_wr = unsafe { std::mem::zeroed() };
-        fill_send(&mut send, &mut sge, raw_id, op, local, remote, inline);
+        fill_send(&mut send, &mut sge, raw_id, op, local, remote, inline, true);
         conn.shared.sends.fetch_add(1, Ordering::Relaxed);
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is valid while conn lives; `send` and `sge` are
@@ -208,8 +215,11 @@ impl VerbsEndpoint {
         Ok(())
     }
 
-    /// Posts the writes of a batch as signaled work requests chained into
-    /// one `ibv_post_send`. Room is checked first: the send queue against
+    /// Posts the writes of a batch as work requests chained into one
+    /// `ibv_post_send`. Unsignaled writes go without `IBV_SEND_SIGNALED`
+    /// but the batch's last, which is always signaled (quiet if it was
+    /// asked unsignaled): a completion of every batch frees the send
+    /// queue entries of the unsignaled requests it follows. Room is checked first: the send queue against
     /// the connection's count of sends not yet polled, and a slot for
     /// every write is taken before any is posted, so the batch is posted
     /// whole or not at all. Hot path after the first batch (which makes
@@ -236,6 +246,7 @@ impl VerbsEndpoint {
         }
         let qp = &conn.qp;
         let slots = &qp.cq.slots;
+        let mut covers = None;
         for (i, w) in writes.iter().enumerate() {
             debug_assert!(
                 w.local
@@ -248,7 +259,12 @@ impl VerbsEndpoint {
             );
             let op = w.imm.map_or(SendOp::Write, SendOp::WriteImm);
             let inline = self.inline(op, w.local.len());
-            let slot = self.send_slot(w.wr_id, op, w.local, inline);
+            let signaled = !w.unsignaled || i + 1 == n;
+            let slot = SlotData {
+                quiet: w.unsignaled,
+                covers,
+                ..self.send_slot(w.wr_id, op, w.local, inline)
+            };
             let Some(raw_id) = slots.acquire(qp.owner, slot) else {
                 for wr in &chain.wrs[..i] {
                     let _ = slots.release(wr.wr_id);
@@ -266,7 +282,9 @@ impl VerbsEndpoint {
                 w.local,
                 w.remote,
                 inline,
+                signaled,
             );
+            covers = (!signaled).then_some(raw_id);
         }
         let first = chain.wrs.as_mut_ptr();
         for i in 1..n {
@@ -332,6 +350,9 @@ impl VerbsEndpoint {
         } else {
             Status::Flushed
         };
+        // An unsignaled request among those posted, with no signaled one
+        // posted after it, completes only if it fails; its slot otherwise
+        // comes back when the endpoint is dropped.
         tracing::warn!(peer = %conn.shared.peer, device = %conn.shared.device, error = %err, posted, of = n, %status, "ibv_post_send took part of a batch; the rest complete in software");
         for wr in &chain.wrs[posted..n] {
             cq.complete_in_software(wr.wr_id, status);
@@ -358,6 +379,8 @@ impl VerbsEndpoint {
                 len: 0,
                 buf: None,
                 conn: Some(conn.shared.clone()),
+                quiet: false,
+                covers: None,
             };
             let Some(raw_id) = slots.acquire(qp.owner, data) else {
                 for wr in &chain.wrs[..i] {
@@ -424,6 +447,8 @@ impl VerbsEndpoint {
                     len: 0,
                     buf: None,
                     conn: Some(conn.shared.clone()),
+                    quiet: false,
+                    covers: None,
                 },
             )
             .ok_or(Error::QueueFull {
@@ -457,15 +482,9 @@ impl VerbsEndpoint {
 }
 
 impl provider::Endpoint for VerbsEndpoint {
-    fn write(
-        &self,
-        wr_id: u64,
-        local: Local<'_>,
-        remote: RemoteAddr,
-        imm: Option<u32>,
-    ) -> Result<()> {
-        let op = imm.map_or(SendOp::Write, SendOp::WriteImm);
-        self.post_send(wr_id, op, local, remote)
+    fn write(&self, w: Write<'_>) -> Result<()> {
+        let op = w.imm.map_or(SendOp::Write, SendOp::WriteImm);
+        self.post_send(w.wr_id, op, w.local, w.remote, w.unsignaled)
     }
 
     /// Hot path after the endpoint's first batch: one `ibv_post_send`.
@@ -474,7 +493,7 @@ impl provider::Endpoint for VerbsEndpoint {
     }
 
     fn read(&self, wr_id: u64, local: Local<'_>, remote: RemoteAddr) -> Result<()> {
-        self.post_send(wr_id, SendOp::Read, local, remote)
+        self.post_send(wr_id, SendOp::Read, local, remote, false)
     }
 
     fn fetch_add(
@@ -484,7 +503,7 @@ impl provider::Endpoint for VerbsEndpoint {
         remote: RemoteAddr,
         add: u64,
     ) -> Result<()> {
-        self.post_send(wr_id, SendOp::FetchAdd(add), local.bytes(), remote)
+        self.post_send(wr_id, SendOp::FetchAdd(add), local.bytes(), remote, false)
     }
 
     fn compare_swap(
@@ -496,7 +515,7 @@ impl provider::Endpoint for VerbsEndpoint {
         swap: u64,
     ) -> Result<()> {
         let op = SendOp::CompareSwap { compare, swap };
-        self.post_send(wr_id, op, local.bytes(), remote)
+        self.post_send(wr_id, op, local.bytes(), remote, false)
     }
 
     /// Posts a receive without buffers: a write-with-immediate consumes it
@@ -518,6 +537,8 @@ impl provider::Endpoint for VerbsEndpoint {
                     len: 0,
                     buf: None,
                     conn: Some(conn.shared.clone()),
+                    quiet: false,
+                    covers: None,
                 },
             )
             .ok_or(Error::QueueFull {
@@ -563,10 +584,12 @@ impl provider::Endpoint for VerbsEndpoint {
     }
 }
 
-/// Fills `send` (all of it) and `sge` for one signaled send work request
-/// of `op` in slot `raw_id`, `inline` as [`VerbsEndpoint::inline`] says.
-/// `send` names `sge`, and no next request. Hot path.
+/// Fills `send` (all of it) and `sge` for one send work request of `op`
+/// in slot `raw_id`, `inline` as [`VerbsEndpoint::inline`] says, with
+/// `IBV_SEND_SIGNALED` if `signaled`. `send` names `sge`, and no next
+/// request. Hot path.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn fill_send(
     send: &mut ibv_send_wr,
     sge: &mut ibv_sge,
@@ -575,13 +598,17 @@ fn fill_send(
     local: Local<'_>,
     remote: RemoteAddr,
     inline: bool,
+    signaled: bool,
 ) {
     *sge = ibv_sge {
         addr: local.ptr() as u64,
         length: local.len() as u32, // regions hold at most u32::MAX bytes
         lkey: local.region().lkey,
     };
-    let mut flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+    let mut flags = 0;
+    if signaled {
+        flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+    }
     if inline {
         flags |= ibv_send_flags::IBV_SEND_INLINE.0;
     }

@@ -45,15 +45,25 @@ pub(crate) struct SlotData {
     pub(crate) buf: Option<Arc<Buffer>>,
     /// The connection, for its fate (peer lost or closed locally).
     pub(crate) conn: Option<Arc<ConnShared>>,
+    /// An unsignaled write: its success is not reported.
+    pub(crate) quiet: bool,
+    /// The NIC `wr_id` of the work request posted just before this one on
+    /// the same queue pair without `IBV_SEND_SIGNALED`, if any. Send
+    /// queues complete in order, so this one's completion proves that one
+    /// done, and it (and the one it covers, and so on) is released with
+    /// it: see [`SlotTable::release_covered`].
+    pub(crate) covers: Option<u64>,
 }
 
 impl SlotData {
-    const EMPTY: SlotData = SlotData {
+    pub(crate) const EMPTY: SlotData = SlotData {
         wr_id: 0,
         opcode: Opcode::Write,
         len: 0,
         buf: None,
         conn: None,
+        quiet: false,
+        covers: None,
     };
 }
 
@@ -158,6 +168,25 @@ impl SlotTable {
         Some(data)
     }
 
+    /// Releases the unsignaled work requests a completion's slot covers,
+    /// newest first, and counts them polled on their connection. They
+    /// succeeded: a failure would have completed on its own, before the
+    /// covering one. The walk ends at a slot already released, whose own
+    /// release walked on from there. Returns how many. Hot path.
+    #[inline]
+    pub(crate) fn release_covered(&self, mut covers: Option<u64>) -> usize {
+        let mut released = 0;
+        while let Some(raw) = covers {
+            let Some(data) = self.release(raw) else { break };
+            if let Some(conn) = &data.conn {
+                conn.send_polled();
+            }
+            covers = data.covers;
+            released += 1;
+        }
+        released
+    }
+
     /// Frees every slot `owner` still holds (its queue pair is destroyed, so
     /// no completion will release them; any still queued become stale).
     /// Returns how many were reclaimed.
@@ -204,7 +233,61 @@ mod tests {
             len: 8,
             buf: None,
             conn: None,
+            quiet: false,
+            covers: None,
         }
+    }
+
+    #[test]
+    fn a_completion_releases_the_unsignaled_requests_it_covers_and_no_more() {
+        let table = SlotTable::new(8);
+        let earlier = table.acquire(1, data(1, Opcode::Write)).unwrap();
+        let a = table.acquire(1, data(2, Opcode::Write)).unwrap();
+        let b = table
+            .acquire(
+                1,
+                SlotData {
+                    covers: Some(a),
+                    ..data(3, Opcode::Write)
+                },
+            )
+            .unwrap();
+        let tail = table
+            .acquire(
+                1,
+                SlotData {
+                    covers: Some(b),
+                    ..data(4, Opcode::Write)
+                },
+            )
+            .unwrap();
+        let covers = table.release(tail).unwrap().covers;
+        assert_eq!(table.release_covered(covers), 2);
+        assert!(table.release(a).is_none() && table.release(b).is_none());
+        assert_eq!(table.in_use(), 1, "the request before the chain stays");
+        assert_eq!(table.release(earlier).unwrap().wr_id, 1);
+    }
+
+    #[test]
+    fn a_walk_stops_at_a_slot_released_on_its_own() {
+        let table = SlotTable::new(8);
+        let a = table.acquire(1, data(1, Opcode::Write)).unwrap();
+        let b = table
+            .acquire(
+                1,
+                SlotData {
+                    covers: Some(a),
+                    ..data(2, Opcode::Write)
+                },
+            )
+            .unwrap();
+        // b failed and completed on its own: its release walked to a.
+        let covers = table.release(b).unwrap().covers;
+        assert_eq!(table.release_covered(covers), 1);
+        // The slot a held is taken again; a stale link must not free it.
+        let again = table.acquire(1, data(9, Opcode::Write)).unwrap();
+        assert_eq!(table.release_covered(Some(a)), 0);
+        assert_eq!(table.release(again).unwrap().wr_id, 9);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use std::io::Write as _;
 use std::time::{Duration, Instant};
 
-use crate::provider::{Endpoint as _, Local, LocalWord};
+use crate::provider::{Endpoint as _, Local, LocalWord, Write};
 use rfaas_testkit::wait::{thread_id, wait_until, wait_until_asleep};
 
 use crate::testing::{
@@ -25,6 +25,17 @@ use crate::{
 
 fn fabric() -> Fabric {
     Fabric::open(verbs()).expect("open the verbs fabric")
+}
+
+/// A signaled write-with-immediate of `local` to `remote`.
+fn signaled<'a>(wr_id: u64, local: Local<'a>, remote: crate::RemoteAddr, imm: u32) -> Write<'a> {
+    Write {
+        wr_id,
+        local,
+        remote,
+        imm: Some(imm),
+        unsignaled: false,
+    }
 }
 
 fn verbs_ep(ep: &Endpoint) -> &VerbsEndpoint {
@@ -336,7 +347,7 @@ fn wait_times_out_then_wakes_for_a_completion() {
         s.spawn(|| {
             wait_until_asleep(std::process::id(), waiter);
             let bytes = Local::check(&local, 0, 8, p.domain.id()).unwrap();
-            client.write(2, bytes, remote, Some(3)).unwrap();
+            client.write(signaled(2, bytes, remote, 3)).unwrap();
         });
         let n = p.target_cq.wait(&mut out, TIMEOUT).unwrap();
         assert_eq!(n, 1);
@@ -785,7 +796,7 @@ fn a_completion_between_poll_and_arm_still_wakes_the_waiter() {
         s.spawn(move || {
             go_rx.recv().unwrap();
             let bytes = Local::check(&local, 0, 8, domain).unwrap();
-            client.write(1, bytes, remote, Some(9)).unwrap();
+            client.write(signaled(1, bytes, remote, 9)).unwrap();
             // The responder completes the receive before it acknowledges
             // the write: once the write completes here, the receive's
             // completion is in the waiter's queue.

@@ -466,7 +466,9 @@ impl EpShared {
                 break;
             }
             let head = self.retire(st).unwrap_or_else(|| unreachable!());
-            self.push(Completion::ok(head.wr_id, head.opcode, head.len), progress);
+            if !head.quiet {
+                self.push(Completion::ok(head.wr_id, head.opcode, head.len), progress);
+            }
         }
     }
 
