@@ -216,23 +216,24 @@ struct Staged {
 const FLUSH_CHUNK: usize = 16;
 
 /// A pipelined call in its slot: see [`Pipeline`](crate::Pipeline).
+///
+/// Its request goes unsignaled: the answer proves it delivered (so its
+/// input free), and only a failed send completes.
 struct Piped {
     id: u32,
-    /// Its request's send completion was reaped: the input is free.
-    sent: bool,
     /// Its answer, once it came.
     answer: Option<Result<usize>>,
     /// Kept registered (and flagged busy) until the call has ended.
     input: Arc<RegionShared>,
     output: Arc<RegionShared>,
     /// Nobody waits for it any more (its pipeline was dropped, or its
-    /// timeout passed): it goes once answered and sent.
+    /// timeout passed): it goes once answered.
     abandoned: bool,
 }
 
 impl Piped {
     fn ended(&self) -> bool {
-        self.sent && self.answer.is_some()
+        self.answer.is_some()
     }
 
     /// Frees its buffers' flags.
@@ -285,8 +286,8 @@ impl LaneInner {
         true
     }
 
-    /// A pipelined call in `slot` got its answer or its send completion:
-    /// once both are in, it is ready for its waiter, or goes if abandoned.
+    /// A pipelined call in `slot` got its answer: it is ready for its
+    /// waiter, or goes if abandoned.
     fn on_piped_progress(&mut self, slot: usize) {
         let Some(p) = &self.pipe[slot] else { return };
         if !p.ended() {
@@ -300,13 +301,9 @@ impl LaneInner {
         }
     }
 
-    /// Accounts for a pipelined request's send completion in `slot`.
-    fn absorb_piped_send(&mut self, slot: usize, status: Status) {
-        self.unreaped_sends = self.unreaped_sends.saturating_sub(1);
-        if let Some(p) = self.pipe.get_mut(slot).and_then(Option::as_mut) {
-            p.sent = true;
-            self.on_piped_progress(slot);
-        }
+    /// Accounts for a pipelined request's send completion: sent
+    /// unsignaled, it completes only when it failed, which breaks the lane.
+    fn absorb_piped_send(&mut self, status: Status) {
         if !status.is_ok() {
             self.fail(status);
         }
@@ -380,7 +377,7 @@ impl LaneInner {
                 }
             }
             _ if c.wr_id & PIPE_SEND_WR != 0 => {
-                self.absorb_piped_send((c.wr_id - PIPE_SEND_WR) as usize, c.status);
+                self.absorb_piped_send(c.status);
             }
             _ => {
                 self.unreaped_sends = self.unreaped_sends.saturating_sub(1);
@@ -852,23 +849,22 @@ impl Lane {
         }
         if defer {
             inner.staged.push(Staged { slot, len, imm });
-        } else if let Err(e) = self.endpoint.write_with_imm(
-            PIPE_SEND_WR + slot as u64,
-            &input.region,
-            header_offset(),
+        } else if let Err(e) = self.endpoint.write_batch(&[WriteRequest {
+            wr_id: PIPE_SEND_WR + slot as u64,
+            local: &input.region,
+            offset: header_offset(),
             len,
-            self.slot_addr(id),
-            imm,
-        ) {
+            remote: self.slot_addr(id),
+            imm: Some(imm),
+            unsignaled: true,
+        }]) {
             unclaim();
             return Err(e.into());
         }
-        inner.unreaped_sends += 1;
         inner.owed += 1;
         inner.trouble_since = None;
         inner.pipe[slot] = Some(Piped {
             id,
-            sent: false,
             answer: None,
             input: Arc::clone(input),
             output: Arc::clone(output),
@@ -902,7 +898,7 @@ impl Lane {
                     len: st.len,
                     remote: self.slot_addr(p.id),
                     imm: Some(st.imm),
-                    unsignaled: false,
+                    unsignaled: true,
                 }
             };
             let first = write(&chunk[0]);
@@ -1039,8 +1035,8 @@ fn broken_outcome(index: usize, fate: &Fate, inner: &LaneInner, how: How) -> Opt
     Some(fate.error(left))
 }
 
-/// The next pipelined call that has ended (answered and its request sent,
-/// or its lane broken), taken out of its slot; its buffers are free.
+/// The next pipelined call that has ended (answered, or its lane
+/// broken), taken out of its slot; its buffers are free.
 fn piped_outcome(
     index: usize,
     fate: &Fate,
@@ -1096,7 +1092,6 @@ fn abandon(inner: &mut LaneInner, slot: usize) {
         if staged {
             p.release();
             inner.pipe[slot] = None;
-            inner.unreaped_sends = inner.unreaped_sends.saturating_sub(1);
             inner.owed = inner.owed.saturating_sub(1);
         } else if p.ended() || inner.broken.is_some() {
             p.release();
@@ -1221,6 +1216,44 @@ mod tests {
         assert!(l.is_clean());
         // The receive posted ahead is left for the next call.
         assert_eq!((l.posted_recvs, l.expected), (RECVS_POSTED - 1, None));
+    }
+
+    /// A pipelined request goes unsignaled: its answer alone ends the
+    /// call and frees its buffers; only a failed send completes, and it
+    /// breaks the lane.
+    #[test]
+    fn a_pipelined_call_ends_with_its_answer_alone() {
+        let domain = Fabric::open("tcp").unwrap().domain().unwrap();
+        let input = crate::buffer::Buffer::<u8>::new(&domain, 8).unwrap();
+        let output = crate::buffer::Buffer::<u8>::new(&domain, 8).unwrap();
+        let mut l = in_flight();
+        (l.expected, l.unreaped_sends) = (None, 0);
+        for (id, abandoned) in [(5, false), (6, true)] {
+            input.shared.header_busy.store(true, Ordering::Relaxed);
+            output.shared.output_busy.store(true, Ordering::Relaxed);
+            l.owed = 1;
+            // Slot 5 & 3 = 1, then 6 & 3 = 2.
+            l.pipe[id as usize & 3] = Some(Piped {
+                id,
+                answer: None,
+                input: input.shared.clone(),
+                output: output.shared.clone(),
+                abandoned,
+            });
+            l.absorb(answer(id, InvocationStatus::Ok, 8));
+            assert!(l.is_clean(), "call {id}");
+        }
+        assert_eq!(l.ended, [1], "the call waited for is ready");
+        assert!(l.pipe[2].is_none(), "the abandoned call went");
+        assert!(!input.shared.header_busy.load(Ordering::Relaxed));
+        assert!(!output.shared.output_busy.load(Ordering::Relaxed));
+        assert_eq!(l.broken, None);
+        l.absorb(Completion {
+            wr_id: PIPE_SEND_WR + 1,
+            status: Status::RemoteAccess,
+            ..sent(Status::RemoteAccess)
+        });
+        assert_eq!(l.broken, Some(Status::RemoteAccess));
     }
 
     #[test]

@@ -721,7 +721,7 @@ impl WorkerThread {
                     len: a.len as usize,
                     remote: a.to,
                     imm: Some(a.imm),
-                    unsignaled: false,
+                    unsignaled: true,
                 };
                 let one = write(first);
                 let result = if run == 1 {
