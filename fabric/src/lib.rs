@@ -384,15 +384,15 @@ impl Endpoint {
         len: usize,
         remote: RemoteAddr,
     ) -> Result<()> {
-        let local = Local::check(local, offset, len, self.domain_id)?;
-        let w = Write {
+        self.post_one(&WriteRequest {
             wr_id,
             local,
+            offset,
+            len,
             remote,
             imm: None,
             unsignaled: false,
-        };
-        dispatch!(&self.imp, e => e.write(w))
+        })
     }
 
     /// Writes like [`Endpoint::write`], then consumes one receive posted at
@@ -406,14 +406,21 @@ impl Endpoint {
         remote: RemoteAddr,
         imm: u32,
     ) -> Result<()> {
-        let local = Local::check(local, offset, len, self.domain_id)?;
-        let w = Write {
+        self.post_one(&WriteRequest {
             wr_id,
             local,
+            offset,
+            len,
             remote,
             imm: Some(imm),
             unsignaled: false,
-        };
+        })
+    }
+
+    /// Checks and posts one write. Hot path.
+    #[inline]
+    fn post_one(&self, w: &WriteRequest<'_>) -> Result<()> {
+        let w = Write::check(w, self.domain_id)?;
         dispatch!(&self.imp, e => e.write(w))
     }
 
@@ -437,16 +444,7 @@ impl Endpoint {
     pub fn write_batch(&self, writes: &[WriteRequest<'_>]) -> Result<()> {
         match writes {
             [] => Ok(()),
-            [w] => {
-                let w = Write {
-                    wr_id: w.wr_id,
-                    local: Local::check(w.local, w.offset, w.len, self.domain_id)?,
-                    remote: w.remote,
-                    imm: w.imm,
-                    unsignaled: w.unsignaled,
-                };
-                dispatch!(&self.imp, e => e.write(w))
-            }
+            [w] => self.post_one(w),
             _ => {
                 let writes = Writes::check(writes, self.domain_id)?;
                 dispatch!(&self.imp, e => e.write_batch(writes))

@@ -257,7 +257,8 @@ pub(crate) struct Writes<'a> {
     writes: &'a [WriteRequest<'a>],
 }
 
-/// One write of a [`Writes`], its local range checked.
+/// One write, its local range checked: a [`WriteRequest`] as
+/// [`Write::check`] or a [`Writes`] made it.
 #[derive(Clone, Copy)]
 pub(crate) struct Write<'a> {
     pub(crate) wr_id: u64,
@@ -268,12 +269,25 @@ pub(crate) struct Write<'a> {
     pub(crate) unsignaled: bool,
 }
 
+impl<'a> Write<'a> {
+    /// Checks `w`'s local range as [`Local::check`] does.
+    pub(crate) fn check(w: &WriteRequest<'a>, domain_id: u64) -> Result<Write<'a>> {
+        Ok(Write {
+            wr_id: w.wr_id,
+            local: Local::check(w.local, w.offset, w.len, domain_id)?,
+            remote: w.remote,
+            imm: w.imm,
+            unsignaled: w.unsignaled,
+        })
+    }
+}
+
 impl<'a> Writes<'a> {
     /// Checks every write's local range as [`Local::check`] does; the
     /// first refusal refuses the batch.
     pub(crate) fn check(writes: &'a [WriteRequest<'a>], domain_id: u64) -> Result<Writes<'a>> {
         for w in writes {
-            Local::check(w.local, w.offset, w.len, domain_id)?;
+            Write::check(w, domain_id)?;
         }
         Ok(Writes { writes })
     }

@@ -117,9 +117,18 @@ impl VerbsEndpoint {
             && len as u32 <= self.conn.qp.max_inline
     }
 
-    /// What the slot of a send remembers.
+    /// What the slot of a send remembers; `quiet` and `covers` as
+    /// [`SlotData`] says.
     #[inline]
-    fn send_slot(&self, wr_id: u64, op: SendOp, local: Local<'_>, inline: bool) -> SlotData {
+    fn send_slot(
+        &self,
+        wr_id: u64,
+        op: SendOp,
+        local: Local<'_>,
+        inline: bool,
+        quiet: bool,
+        covers: Option<u64>,
+    ) -> SlotData {
         SlotData {
             wr_id,
             opcode: op.opcode(),
@@ -132,8 +141,8 @@ impl VerbsEndpoint {
                 Some(local.buf().clone())
             },
             conn: Some(self.conn.shared.clone()),
-            quiet: false,
-            covers: None,
+            quiet,
+            covers,
         }
     }
 
@@ -168,10 +177,7 @@ impl VerbsEndpoint {
         );
         let inline = self.inline(op, len);
         let slots = &qp.cq.slots;
-        let slot = SlotData {
-            quiet,
-            ..self.send_slot(wr_id, op, local, inline)
-        };
+        let slot = self.send_slot(wr_id, op, local, inline, quiet, None);
         let raw_id = slots.acquire(qp.owner, slot).ok_or(Error::QueueFull {
             what: "completion queue",
             depth: slots.capacity(),
@@ -260,11 +266,7 @@ impl VerbsEndpoint {
             let op = w.imm.map_or(SendOp::Write, SendOp::WriteImm);
             let inline = self.inline(op, w.local.len());
             let signaled = !w.unsignaled || i + 1 == n;
-            let slot = SlotData {
-                quiet: w.unsignaled,
-                covers,
-                ..self.send_slot(w.wr_id, op, w.local, inline)
-            };
+            let slot = self.send_slot(w.wr_id, op, w.local, inline, w.unsignaled, covers);
             let Some(raw_id) = slots.acquire(qp.owner, slot) else {
                 for wr in &chain.wrs[..i] {
                     let _ = slots.release(wr.wr_id);

@@ -238,29 +238,21 @@ mod tests {
         }
     }
 
+    /// A write posted after the unsignaled one `covers` names.
+    fn after(wr_id: u64, covers: u64) -> SlotData {
+        SlotData {
+            covers: Some(covers),
+            ..data(wr_id, Opcode::Write)
+        }
+    }
+
     #[test]
     fn a_completion_releases_the_unsignaled_requests_it_covers_and_no_more() {
         let table = SlotTable::new(8);
         let earlier = table.acquire(1, data(1, Opcode::Write)).unwrap();
         let a = table.acquire(1, data(2, Opcode::Write)).unwrap();
-        let b = table
-            .acquire(
-                1,
-                SlotData {
-                    covers: Some(a),
-                    ..data(3, Opcode::Write)
-                },
-            )
-            .unwrap();
-        let tail = table
-            .acquire(
-                1,
-                SlotData {
-                    covers: Some(b),
-                    ..data(4, Opcode::Write)
-                },
-            )
-            .unwrap();
+        let b = table.acquire(1, after(3, a)).unwrap();
+        let tail = table.acquire(1, after(4, b)).unwrap();
         let covers = table.release(tail).unwrap().covers;
         assert_eq!(table.release_covered(covers), 2);
         assert!(table.release(a).is_none() && table.release(b).is_none());
@@ -272,15 +264,7 @@ mod tests {
     fn a_walk_stops_at_a_slot_released_on_its_own() {
         let table = SlotTable::new(8);
         let a = table.acquire(1, data(1, Opcode::Write)).unwrap();
-        let b = table
-            .acquire(
-                1,
-                SlotData {
-                    covers: Some(a),
-                    ..data(2, Opcode::Write)
-                },
-            )
-            .unwrap();
+        let b = table.acquire(1, after(2, a)).unwrap();
         // b failed and completed on its own: its release walked to a.
         let covers = table.release(b).unwrap().covers;
         assert_eq!(table.release_covered(covers), 1);
