@@ -45,10 +45,11 @@ use crate::spin::{slept_once, spin_sleeps, Probe};
 
 /// wr_id of the request write.
 const SEND_WR: u64 = 1;
-/// wr_id of a pipelined request's write in slot `s`: `PIPE_SEND_WR + s`.
-const PIPE_SEND_WR: u64 = 1 << 16;
 /// wr_id of the response receive.
 const RECV_WR: u64 = 2;
+/// wr_id of a pipelined request's write (unsignaled: it completes only
+/// when it failed, which ends every call of the lane alike).
+const PIPE_SEND_WR: u64 = 3;
 /// Completions per poll.
 const BATCH: usize = 8;
 /// Send and receive depth of a lane's endpoint with one slot: one
@@ -376,7 +377,7 @@ impl LaneInner {
                     }
                 }
             }
-            _ if c.wr_id & PIPE_SEND_WR != 0 => {
+            _ if c.wr_id == PIPE_SEND_WR => {
                 self.absorb_piped_send(c.status);
             }
             _ => {
@@ -849,15 +850,10 @@ impl Lane {
         }
         if defer {
             inner.staged.push(Staged { slot, len, imm });
-        } else if let Err(e) = self.endpoint.write_batch(&[WriteRequest {
-            wr_id: PIPE_SEND_WR + slot as u64,
-            local: &input.region,
-            offset: header_offset(),
-            len,
-            remote: self.slot_addr(id),
-            imm: Some(imm),
-            unsignaled: true,
-        }]) {
+        } else if let Err(e) = self
+            .endpoint
+            .write_batch(&[self.pipe_request(input, id, len, imm)])
+        {
             unclaim();
             return Err(e.into());
         }
@@ -871,6 +867,27 @@ impl Lane {
             abandoned: false,
         });
         Ok(())
+    }
+
+    /// The write of pipelined call `id`'s request: `len` bytes of `input`
+    /// from its header on, to the call's slot, unsignaled. Hot path.
+    #[inline]
+    fn pipe_request<'a>(
+        &self,
+        input: &'a RegionShared,
+        id: u32,
+        len: usize,
+        imm: u32,
+    ) -> WriteRequest<'a> {
+        WriteRequest {
+            wr_id: PIPE_SEND_WR,
+            local: &input.region,
+            offset: header_offset(),
+            len,
+            remote: self.slot_addr(id),
+            imm: Some(imm),
+            unsignaled: true,
+        }
     }
 
     /// Pipeline: posts the requests [`pipe_start`](Self::pipe_start)
@@ -891,15 +908,7 @@ impl Lane {
                 let p = inner.pipe[st.slot]
                     .as_ref()
                     .expect("a staged call holds its slot");
-                WriteRequest {
-                    wr_id: PIPE_SEND_WR + st.slot as u64,
-                    local: &p.input.region,
-                    offset: header_offset(),
-                    len: st.len,
-                    remote: self.slot_addr(p.id),
-                    imm: Some(st.imm),
-                    unsignaled: true,
-                }
+                self.pipe_request(&p.input, p.id, st.len, st.imm)
             };
             let first = write(&chunk[0]);
             let mut batch = [first; FLUSH_CHUNK];
@@ -1052,51 +1061,48 @@ fn piped_outcome(
         }
     }
     inner.broken?;
-    // A broken lane: answered calls whose send never completed end with
-    // their answer, the others with the lane's error.
-    let mut live = None;
-    for (slot, p) in inner.pipe.iter().enumerate() {
-        match p {
-            Some(p) if !p.abandoned && p.answer.is_some() => {
-                return Some((slot, take_piped(fate, inner, slot)));
-            }
-            Some(p) if !p.abandoned => {
-                live.get_or_insert(slot);
-            }
-            _ => {}
-        }
-    }
-    let slot = live?;
+    // A broken lane: every answered call was in `ended`; the others end
+    // with the lane's error, staged ones too.
+    let slot = inner
+        .pipe
+        .iter()
+        .position(|p| p.as_ref().is_some_and(|p| !p.abandoned))?;
     let e = broken_outcome(index, fate, inner, how)?;
-    let call = inner.pipe[slot].take().expect("live");
-    call.release();
+    remove_piped(inner, slot);
     Some((slot, Err(e)))
 }
 
 /// Takes the answered call out of `slot`, freeing its buffers.
 fn take_piped(fate: &Fate, inner: &mut LaneInner, slot: usize) -> Result<usize> {
-    unstage(inner, slot);
-    let call = inner.pipe[slot].take().expect("an answered call");
-    call.release();
+    let call = remove_piped(inner, slot);
     let r = call.answer.expect("answered");
     note_fate(fate, &r);
     r
+}
+
+/// Takes the call out of `slot` and frees its buffers' flags; a request
+/// of it still staged is forgotten, never sent.
+fn remove_piped(inner: &mut LaneInner, slot: usize) -> Piped {
+    unstage(inner, slot);
+    let call = inner.pipe[slot].take().expect("a call in the slot");
+    call.release();
+    call
 }
 
 /// Marks the call in `slot` abandoned; it goes now if it has ended. A
 /// call still staged goes at once: it was never sent.
 fn abandon(inner: &mut LaneInner, slot: usize) {
     let staged = unstage(inner, slot);
-    if let Some(p) = inner.pipe.get_mut(slot).and_then(Option::as_mut) {
-        p.abandoned = true;
-        if staged {
-            p.release();
-            inner.pipe[slot] = None;
-            inner.owed = inner.owed.saturating_sub(1);
-        } else if p.ended() || inner.broken.is_some() {
-            p.release();
-            inner.pipe[slot] = None;
-        }
+    let Some(p) = inner.pipe.get_mut(slot).and_then(Option::as_mut) else {
+        return;
+    };
+    p.abandoned = true;
+    if staged {
+        // Owed no answer: its request never left.
+        inner.owed = inner.owed.saturating_sub(1);
+    }
+    if staged || p.ended() || inner.broken.is_some() {
+        remove_piped(inner, slot);
     }
 }
 
@@ -1249,11 +1255,57 @@ mod tests {
         assert!(!output.shared.output_busy.load(Ordering::Relaxed));
         assert_eq!(l.broken, None);
         l.absorb(Completion {
-            wr_id: PIPE_SEND_WR + 1,
+            wr_id: PIPE_SEND_WR,
             status: Status::RemoteAccess,
             ..sent(Status::RemoteAccess)
         });
         assert_eq!(l.broken, Some(Status::RemoteAccess));
+    }
+
+    /// A call still staged when its lane breaks ends with the lane's
+    /// error, and its request is forgotten: no later flush looks for it.
+    #[test]
+    fn a_broken_lane_ends_a_staged_call_and_forgets_its_request() {
+        let domain = Fabric::open("tcp").unwrap().domain().unwrap();
+        let input = crate::buffer::Buffer::<u8>::new(&domain, 8).unwrap();
+        let output = crate::buffer::Buffer::<u8>::new(&domain, 8).unwrap();
+        input.shared.header_busy.store(true, Ordering::Relaxed);
+        output.shared.output_busy.store(true, Ordering::Relaxed);
+        let f = fate();
+        let mut l = in_flight();
+        (l.expected, l.unreaped_sends) = (None, 0);
+        l.pipe[1] = Some(Piped {
+            id: 5,
+            answer: None,
+            input: input.shared.clone(),
+            output: output.shared.clone(),
+            abandoned: false,
+        });
+        l.staged.push(Staged {
+            slot: 1,
+            len: 32,
+            imm: 0,
+        });
+        l.fail(Status::RemoteAccess);
+        let (slot, r) = piped_outcome(3, &f, &mut l, How::Poll).expect("the lane's error");
+        assert_eq!(slot, 1);
+        assert!(
+            matches!(
+                r,
+                Err(Error::Transport {
+                    lane: 3,
+                    status: Status::RemoteAccess
+                })
+            ),
+            "{r:?}"
+        );
+        assert!(l.pipe[1].is_none());
+        assert!(
+            l.staged.is_empty(),
+            "a flush would look for a call that is gone"
+        );
+        assert!(!input.shared.header_busy.load(Ordering::Relaxed));
+        assert!(!output.shared.output_busy.load(Ordering::Relaxed));
     }
 
     #[test]
